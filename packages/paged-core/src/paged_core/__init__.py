@@ -1,0 +1,19 @@
+"""paged-core: protocols, block allocator and block manager. No tensors, no kernels."""
+
+from paged_core.block_allocator import BlockAllocator
+from paged_core.errors import OutOfBlocksError
+from paged_core.protocols import (
+    AttentionViewProtocol,
+    CachePoolProtocol,
+    KVCacheProtocol,
+    ServingPoolProtocol,
+)
+
+__all__ = [
+    "AttentionViewProtocol",
+    "BlockAllocator",
+    "CachePoolProtocol",
+    "KVCacheProtocol",
+    "OutOfBlocksError",
+    "ServingPoolProtocol",
+]

@@ -1,0 +1,1 @@
+"""paged-ref: reference KV cache pools, views and gather+SDPA attention ops."""

@@ -1,0 +1,1 @@
+"""paged-server: models, engine and the OpenAI-compatible HTTP server."""

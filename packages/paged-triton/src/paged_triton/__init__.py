@@ -1,0 +1,1 @@
+"""paged-triton: fused Triton kernels with the reference ops' signatures."""
