@@ -69,8 +69,11 @@ def sdpa_oracle(
     if sliding_window is not None:
         mask &= keys > pos - sliding_window
     out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(0), k_rep.float().unsqueeze(0), v_rep.float().unsqueeze(0),
-        attn_mask=mask, scale=scale,
+        q.float().unsqueeze(0),
+        k_rep.float().unsqueeze(0),
+        v_rep.float().unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
     )[0]
     return torch.where(mask.any(-1).view(1, q_len, 1), out, torch.zeros_like(out))
 

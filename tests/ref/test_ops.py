@@ -32,8 +32,12 @@ def test_write_kv_places_tokens_and_skips_padding(gen):
     untouched = torch.ones(6, BLOCK, dtype=torch.bool)
     for blk, off in written:
         untouched[blk, off] = False
-    assert torch.equal(k_cache.permute(0, 2, 1, 3)[untouched], k_before.permute(0, 2, 1, 3)[untouched])
-    assert torch.equal(v_cache.permute(0, 2, 1, 3)[untouched], v_before.permute(0, 2, 1, 3)[untouched])
+    assert torch.equal(
+        k_cache.permute(0, 2, 1, 3)[untouched], k_before.permute(0, 2, 1, 3)[untouched]
+    )
+    assert torch.equal(
+        v_cache.permute(0, 2, 1, 3)[untouched], v_before.permute(0, 2, 1, 3)[untouched]
+    )
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), GQA_SHAPES)
@@ -75,7 +79,9 @@ def test_prefill_with_cached_context_matches_sdpa(heads, kv_heads, window, gen, 
     assert out.shape == q_packed.shape
     for b, (n, m) in enumerate(shapes):
         ref = helpers.sdpa_oracle(qs[b], ks[b], vs[b], n - m, scale, window)
-        torch.testing.assert_close(out[cu[b] : cu[b + 1]].transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[cu[b] : cu[b + 1]].transpose(0, 1), ref, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_softcap_matches_formula(gen, helpers):

@@ -48,7 +48,9 @@ def gather_context(cache: Tensor, block_tables: Tensor) -> Tensor:
     tables = block_tables.to(device=cache.device, dtype=torch.long).clamp(0, num_blocks - 1)
     batch, max_blocks = tables.shape
     gathered = cache[tables]  # [B, max_blocks, KVH, block_size, D]
-    return gathered.permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, max_blocks * block_size, head_dim)
+    return gathered.permute(0, 2, 1, 3, 4).reshape(
+        batch, kv_heads, max_blocks * block_size, head_dim
+    )
 
 
 def paged_decode_attention(
