@@ -1,12 +1,16 @@
 """Reference-counted allocator of physical KV block ids.
 
 Ids are integers in ``[0, total_blocks)``. Allocation and free are O(1): the
-free ids live in a dict used as an ordered set (insertion order = reuse
-order), so an id can also be taken out of the middle in O(1).
+free ids live in an ``OrderedDict`` used as an ordered set (insertion order =
+reuse order, so the least recently freed id is handed out first), and an id
+can also be taken out of the middle in O(1). A plain dict is not enough:
+popping its first key over and over scans the deleted entries left at the
+front, which made allocating a large pool block by block quadratic.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
 from paged_core.errors import OutOfBlocksError
@@ -26,7 +30,7 @@ class BlockAllocator:
         if total_blocks < 0:
             raise ValueError(f"total_blocks must be >= 0, got {total_blocks}")
         self.total_blocks = total_blocks
-        self._free: dict[int, None] = dict.fromkeys(range(total_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(total_blocks))
         self._ref_counts: list[int] = [0] * total_blocks
         self._owners: list[set[Owner]] = [set() for _ in range(total_blocks)]
 
@@ -49,6 +53,7 @@ class BlockAllocator:
         return self._ref_counts[block_id]
 
     def is_free(self, block_id: int) -> bool:
+        """Whether ``block_id`` has no references (it may still hold cached content)."""
         self._check_id(block_id)
         return block_id in self._free
 
@@ -71,11 +76,7 @@ class BlockAllocator:
                 f"cannot allocate {n} blocks: only {len(self._free)} of "
                 f"{self.total_blocks} are free"
             )
-        ids = []
-        for _ in range(n):
-            block_id = next(iter(self._free))
-            del self._free[block_id]
-            ids.append(block_id)
+        ids = [self._free.popitem(last=False)[0] for _ in range(n)]
         for block_id in ids:
             assert self._ref_counts[block_id] == 0, "a free block must have no references"
             self._ref_counts[block_id] = 1
@@ -113,8 +114,13 @@ class BlockAllocator:
         for block_id in ids:
             self._check_id(block_id)
             pending[block_id] = pending.get(block_id, 0) + 1
-            if pending[block_id] > self._ref_counts[block_id]:
+            if self._ref_counts[block_id] == 0:
                 raise ValueError(f"double free of block {block_id}: it is already free")
+            if pending[block_id] > self._ref_counts[block_id]:
+                raise ValueError(
+                    f"double free of block {block_id}: freed {pending[block_id]} times in one "
+                    f"call but it has only {self._ref_counts[block_id]} reference(s)"
+                )
         released = []
         for block_id in ids:
             self._ref_counts[block_id] -= 1
