@@ -1,0 +1,60 @@
+"""Device functions shared by the decode and prefill kernels.
+
+Both kernels walk a sequence's context in tiles of ``BLOCK_N`` token
+positions, find each token's physical block through the page table, and fold
+the tile into an online (streaming) softmax. Keeping those steps here means
+the two kernels cannot disagree on masking, soft-capping or the float32
+softmax.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def paged_token_offsets(bt_row, tok, tok_mask, stride_block, stride_tok, BLOCK_SIZE: tl.constexpr):
+    """Element offset (int64) of each token position's row in a cache of
+    shape ``[num_blocks, kv_heads, block_size, head_dim]``: block id from the
+    page table row, then the slot inside the block. Masked positions read
+    block 0, whose data the caller masks out."""
+    page = tok // BLOCK_SIZE
+    block = tl.load(bt_row + page, mask=tok_mask, other=0).to(tl.int64)
+    return block * stride_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_tok
+
+
+@triton.jit
+def soft_cap(s, softcap):
+    """``softcap * tanh(s / softcap)``; tanh from exp so it runs the same on
+    CUDA and in the interpreter (no libdevice)."""
+    x = s / softcap
+    t = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - t) / (1.0 + t)
+    return softcap * tl.where(x >= 0, th, -th)
+
+
+@triton.jit
+def attend_tile(
+    q, k, v, visible, m_i, l_i, acc, scale, softcap,
+    USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Fold one K/V tile into the running softmax state of every query row.
+
+    ``q``: [M, D]; ``k``/``v``: [N, D] (cache dtype); ``visible``: [M, N];
+    ``m_i`` (running max, log2 units), ``l_i`` (running sum), ``acc``
+    ([M, D]) in float32. Scores are scaled, soft-capped, then masked, as the
+    contract says. A row that has seen no visible key keeps ``m = -inf``;
+    its exponent base is taken as 0 so nothing becomes NaN.
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if USE_SOFTCAP:
+        s = soft_cap(s, softcap)
+    # log2 units from here on (1.44... = log2(e)): exp2 is the fast exponential.
+    s = tl.where(visible, s * 1.4426950408889634, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(s - m_base[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_new, acc

@@ -1,0 +1,79 @@
+"""Host-side checks shared by the kernel wrappers.
+
+Triton fails late and cryptically on a CPU tensor without the interpreter, on
+an unsupported dtype or on a cache whose layout the kernels do not expect;
+these checks turn each case into an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` was built for Triton's CPU interpreter, which
+    Triton decides once, when the kernel's module is imported."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def check_runnable(kernel: object, *tensors: Tensor) -> None:
+    """Raise if ``kernel`` cannot run on these tensors' device."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"paged_triton ops need all tensors on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and interpreted(kernel):
+        return
+    raise RuntimeError(
+        f"paged_triton kernels run on CUDA tensors; got {device} tensors. For CPU tensors set "
+        "TRITON_INTERPRET=1 before paged_triton.ops is first imported (Triton's interpreter), "
+        "or use paged_ref.ops."
+    )
+
+
+def check_cache(k_cache: Tensor, v_cache: Tensor, ndim: int = 4) -> None:
+    """K and V caches must agree in shape, dtype and strides (the kernels
+    compute one address per token for both) and have unit stride on head_dim."""
+    if k_cache.dim() != ndim:
+        raise ValueError(f"expected a {ndim}-D cache, got shape {tuple(k_cache.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
+            f"{tuple(v_cache.shape)} {v_cache.dtype} must match"
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(
+            f"k_cache and v_cache need equal strides with head_dim contiguous, got "
+            f"{k_cache.stride()} and {v_cache.stride()}; allocate them with torch.empty/zeros"
+        )
+    if k_cache.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"cache dtype {k_cache.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+
+
+def check_gqa(heads: int, kv_heads: int) -> int:
+    """Query heads per kv head (1 for MHA, ``heads`` for MQA)."""
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}) for GQA/MQA")
+    return heads // kv_heads
+
+
+def last_dim_contiguous(t: Tensor) -> Tensor:
+    """``t`` itself when its last dim has unit stride (views of a fused QKV
+    projection qualify), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def as_int32(t: Tensor, device: torch.device) -> Tensor:
+    """Index metadata as contiguous int32 on ``device`` (a no-op when it already is)."""
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 caches get exact fp32 products (``ieee``) rather than TF32,
+    so float32 results match the float32 reference; 16-bit inputs ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
