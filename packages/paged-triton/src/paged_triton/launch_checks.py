@@ -77,3 +77,8 @@ def dot_precision(dtype: torch.dtype) -> str:
     """float32 caches get exact fp32 products (``ieee``) rather than TF32,
     so float32 results match the float32 reference; 16-bit inputs ignore it."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def as_int64(t: Tensor, device: torch.device) -> Tensor:
+    """Slot indices as contiguous int64 on ``device`` (slots can exceed 2**31 in huge pools)."""
+    return t.to(device=device, dtype=torch.long).contiguous()

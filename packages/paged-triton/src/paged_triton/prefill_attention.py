@@ -1,0 +1,180 @@
+"""Paged prefill attention: packed (varlen) queries over cached + new context.
+
+Covers chunked prefill and prompts with prefix-cache hits: the new tokens'
+K/V are already in the cache (``write_kv`` first), and query ``i`` of a
+sequence sits at position ``seq_len - q_len + i`` (causal with an offset).
+
+A program takes ``BLOCK_Q`` consecutive queries of one sequence and the
+query heads of one kv head's group, stacked as ``BLOCK_Q * G_PAD`` rows, so
+each K/V tile read through the page table serves the whole group. The grid
+has ``total_q // BLOCK_Q + batch`` programs along the query axis, an upper
+bound on the per-sequence tiles that needs no device sync; each program
+finds its sequence by binary search over ``cu_seqlens_q`` and idle ones
+return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from paged_triton.attention_tile import attend_tile, paged_token_offsets
+from paged_triton.launch_checks import (
+    as_int32,
+    check_cache,
+    check_gqa,
+    check_runnable,
+    dot_precision,
+    last_dim_contiguous,
+)
+
+BLOCK_M = 64  # query rows per program (queries x group heads)
+BLOCK_N = 64  # key positions per tile
+MIN_DOT = 16
+MAX_HEADS_PER_PROGRAM = 16
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, BT, CU_Q, LENS, OUT,
+    stride_qt, stride_qh,
+    stride_cb, stride_ch, stride_ct,
+    stride_btb,
+    stride_ot, stride_oh,
+    scale, softcap, window, batch,
+    GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_h = tl.program_id(1)
+
+    # Sequence b owns query tiles from cu_q[b] // BLOCK_Q + b on: find the last b at or before pid.
+    lo_b = pid * 0
+    hi_b = lo_b + batch - 1
+    while lo_b < hi_b:
+        mid = (lo_b + hi_b + 1) // 2
+        if tl.load(CU_Q + mid) // BLOCK_Q + mid <= pid:
+            lo_b = mid
+        else:
+            hi_b = mid - 1
+    b = lo_b
+    q_start = tl.load(CU_Q + b)
+    q_len = tl.load(CU_Q + b + 1) - q_start
+    q_tile = pid - (q_start // BLOCK_Q + b)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+
+    head_blocks: tl.constexpr = (GROUP + HEADS_PER_PROG - 1) // HEADS_PER_PROG
+    kv_head = pid_h // head_blocks
+    first = (pid_h % head_blocks) * HEADS_PER_PROG
+
+    BLOCK_ROWS: tl.constexpr = BLOCK_Q * G_PAD
+    r = tl.arange(0, BLOCK_ROWS)
+    qi = q_tile * BLOCK_Q + r // G_PAD
+    g = r % G_PAD
+    row_mask = (qi < q_len) & (g < HEADS_PER_PROG) & (first + g < GROUP)
+    heads = kv_head * GROUP + first + g
+    tokens = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    qd_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+    q = q.to(K.dtype.element_ty)
+
+    # Absolute positions of this tile's queries, and the keys any of them can see.
+    seq_len = tl.load(LENS + b)
+    context_start = seq_len - q_len
+    pos = context_start + qi
+    first_pos = context_start + q_tile * BLOCK_Q
+    hi = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    lo = seq_len * 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+
+    m_i = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    kv_off = kv_head.to(tl.int64) * stride_ch
+    for t0 in range(lo, hi, BLOCK_N):
+        tok = t0 + tl.arange(0, BLOCK_N)
+        tok_mask = tok < hi
+        rows = paged_token_offsets(bt_row, tok, tok_mask, stride_cb, stride_ct, BLOCK_SIZE) + kv_off
+        kv_mask = tok_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        visible = row_mask[:, None] & tok_mask[None, :] & (tok[None, :] <= pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (tok[None, :] > pos[:, None] - window)
+        m_i, l_i, acc = attend_tile(
+            q, k, v, visible, m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION
+        )
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key -> zeros
+    o_ptrs = OUT + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=qd_mask)
+
+
+def paged_prefill_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Packed queries (``q``: ``[total_q, heads, head_dim]``; sequence ``b``
+    owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) attending causally to
+    their paged context, whose K/V (new tokens included) are already in the
+    cache. Same contract as ``paged_ref.ops.paged_prefill_attention``; rows
+    that see no key are zeros.
+    """
+    check_runnable(_prefill_kernel, q, k_cache, v_cache)
+    check_cache(k_cache, v_cache)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_q, heads, head_dim], got shape {tuple(q.shape)}")
+    total_q, heads, head_dim = q.shape
+    _, kv_heads, block_size, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_dim}")
+    group = check_gqa(heads, kv_heads)
+    batch = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (batch + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"with {batch} sequences, cu_seqlens_q must be [{batch + 1}] and block_tables "
+            f"[{batch}, max_blocks]; got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
+        )
+    out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1], if any, stay zero
+    if total_q == 0 or batch == 0 or heads == 0:
+        return out
+    q = last_dim_contiguous(q)
+    tables = as_int32(block_tables, q.device)
+    cu_q = as_int32(cu_seqlens_q, q.device)
+    lens = as_int32(seq_lens, q.device)
+
+    heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
+    g_pad = triton.next_power_of_2(heads_per_prog)
+    block_q = max(1, BLOCK_M // g_pad)
+    grid = (total_q // block_q + batch, kv_heads * triton.cdiv(group, heads_per_prog))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, tables, cu_q, lens, out,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        tables.stride(0),
+        out.stride(0), out.stride(1),
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), batch,
+        GROUP=group, HEADS_PER_PROG=heads_per_prog, G_PAD=g_pad, BLOCK_Q=block_q,
+        HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
+        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+        PRECISION=dot_precision(k_cache.dtype),
+        num_warps=4,
+    )
+    return out
