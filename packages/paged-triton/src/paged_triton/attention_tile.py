@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def paged_token_offsets(bt_row, tok, tok_mask, stride_block, stride_tok, BLOCK_SIZE: tl.constexpr):
     """Element offset (int64) of each token position's row in a cache of
