@@ -1,0 +1,221 @@
+"""SlottedKVCache and its views: the design document's testing plan (004),
+generalized to slots whose new tokens start at their current length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_core import AttentionViewProtocol, OutOfBlocksError, ServingPoolProtocol
+from paged_ref import SlottedKVCache
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def make_pool(max_batch_size=6, max_seq_len=256, layers=2) -> SlottedKVCache:
+    return SlottedKVCache.from_model_config(
+        layers, KV_HEADS, DIM, max_seq_len, max_batch_size, dtype=torch.float32
+    )
+
+
+def kv(gen, batch, length):
+    shape = (batch, KV_HEADS, length, DIM)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def test_slot_allocation_and_exhaustion():
+    pool = make_pool(max_batch_size=3)
+    slots = [pool.allocate_slot() for _ in range(3)]
+    assert sorted(slots) == [0, 1, 2]
+    assert pool.free_slot_count() == 0
+    with pytest.raises(RuntimeError, match="slots are in use"):
+        pool.allocate_slot()
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate_sequence([1, 2, 3])
+    pool.free_slot(slots[1])
+    assert pool.free_slot_count() == 1
+    assert pool.allocate_slot() == slots[1]
+    with pytest.raises(KeyError):
+        pool.free_slot(7)
+
+
+def test_prefill_view_writes_slot_rows(gen):
+    pool = make_pool()
+    for _ in range(4):
+        pool.allocate_slot()
+    k, v = kv(gen, 1, 12)
+    view = pool.prefill_view(3)
+    assert view.seq_len == 0
+    k_out, v_out = view.update(1, k, v)
+    assert k_out is k and v_out is v
+    assert torch.equal(pool.k[1, 3, :, :12], k[0])
+    assert torch.equal(pool.v[1, 3, :, :12], v[0])
+    assert pool.k[0].abs().sum() == 0  # other layers untouched
+    view.advance(12)
+    assert view.seq_len == 12
+    assert pool.seq_lens[3] == 12 == pool.get_seq_len(3)
+
+
+def _prefill(pool, slot, length, gen):
+    """Fill ``slot`` with ``length`` random tokens on every layer."""
+    view = pool.prefill_view(slot)
+    for layer in range(pool.num_layers):
+        view.update(layer, *kv(gen, 1, length))
+    view.advance(length)
+
+
+def test_decode_view_writes_at_each_slot_length(gen):
+    pool = make_pool()
+    for _ in range(6):
+        pool.allocate_slot()
+    for slot, n in [(0, 100), (2, 50), (5, 200)]:
+        _prefill(pool, slot, n, gen)
+    view = pool.decode_view([0, 2, 5])
+    assert view.seq_len == 200
+    k, v = kv(gen, 3, 1)
+    k_all, v_all = view.update(0, k, v)
+    for i, (slot, pos) in enumerate([(0, 100), (2, 50), (5, 200)]):
+        assert torch.equal(pool.k[0, slot, :, pos], k[i, :, 0])
+        assert torch.equal(pool.v[0, slot, :, pos], v[i, :, 0])
+        assert torch.equal(k_all[i, :, : pos + 1], pool.k[0, slot, :, : pos + 1])
+    assert k_all.shape == v_all.shape == (3, KV_HEADS, 201, DIM)
+    view.advance(1)
+    assert [pool.seq_lens[s] for s in (0, 2, 5)] == [101, 51, 201]
+
+
+def test_decode_view_single_slot(gen):
+    pool = make_pool()
+    for _ in range(3):
+        pool.allocate_slot()
+    _prefill(pool, 2, 75, gen)
+    view = pool.decode_view([2])
+    assert view.seq_len == 75
+    k_all, _ = view.update(0, *kv(gen, 1, 1))
+    assert k_all.shape == (1, KV_HEADS, 76, DIM)
+
+
+def test_batched_prefill_writes_only_real_tokens(gen):
+    pool = make_pool()
+    for _ in range(3):
+        pool.allocate_slot()
+    view = pool.batched_prefill_view([0, 2], [10, 20])
+    assert isinstance(view, AttentionViewProtocol)
+    assert not view.is_paged()
+    k, v = kv(gen, 2, 20)
+    k_out, v_out = view.update(0, k, v)
+    assert k_out is k and v_out is v
+    assert torch.equal(pool.k[0, 0, :, :10], k[0, :, :10])
+    assert pool.k[0, 0, :, 10:].abs().sum() == 0  # padding never written
+    assert torch.equal(pool.k[0, 2, :, :20], k[1])
+    assert torch.equal(pool.v[0, 2, :, :20], v[1])
+    view.advance(20)
+    assert pool.seq_lens[0] == 10 and pool.seq_lens[2] == 20
+
+
+def test_batched_prefill_overflow_is_rejected(gen):
+    pool = make_pool(max_seq_len=16)
+    slot = pool.allocate_slot()
+    _prefill(pool, slot, 10, gen)
+    view = pool.batched_prefill_view([slot], [8])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        view.update(0, *kv(gen, 1, 8))
+    assert pool.seq_lens[slot] == 10
+
+
+def test_decode_after_batched_prefill(gen):
+    pool = make_pool()
+    for _ in range(2):
+        pool.allocate_slot()
+    view = pool.batched_prefill_view([0, 1], [5, 10])
+    view.update(0, *kv(gen, 2, 10))
+    view.advance(10)
+    dec = pool.decode_view([0, 1])
+    assert dec.seq_len == 10
+    k, v = kv(gen, 2, 1)
+    dec.update(0, k, v)
+    assert torch.equal(pool.k[0, 0, :, 5], k[0, :, 0])
+    assert torch.equal(pool.k[0, 1, :, 10], k[1, :, 0])
+    dec.advance(1)
+    assert pool.seq_lens[:2] == [6, 11]
+
+
+def test_slot_reuse_starts_from_zero(gen):
+    pool = make_pool()
+    slot = pool.allocate_slot()
+    _prefill(pool, slot, 50, gen)
+    pool.free_slot(slot)
+    assert pool.allocate_slot() == slot
+    k, v = kv(gen, 1, 30)
+    view = pool.prefill_view(slot)
+    view.update(0, k, v)
+    view.advance(30)
+    assert pool.seq_lens[slot] == 30
+    assert torch.equal(pool.k[0, slot, :, :30], k[0])
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_batched_attend_matches_sdpa_and_zeroes_padding(window, gen, helpers):
+    pool = make_pool()
+    slots = [pool.allocate_slot() for _ in range(3)]
+    lens = [7, 3, 9]
+    q = torch.randn(3, HEADS, 9, DIM, generator=gen)
+    k, v = kv(gen, 3, 9)
+    out = pool.batched_prefill_view(slots, lens).attend(
+        0, q, k, v, scale=0.4, sliding_window=window
+    )
+    for b, n in enumerate(lens):
+        ref = helpers.sdpa_oracle(q[b, :, :n], k[b, :, :n], v[b, :, :n], 0, 0.4, window)
+        torch.testing.assert_close(out[b, :, :n], ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out[b, :, n:], torch.zeros_like(out[b, :, n:]))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_chunked_prefill_and_decode_equal_one_full_prefill(window, gen):
+    pool = make_pool(max_batch_size=2, max_seq_len=64)
+    full, chunked = pool.allocate_slot(), pool.allocate_slot()
+    n = 14
+    q = torch.randn(1, HEADS, n, DIM, generator=gen)
+    k, v = kv(gen, 1, n)
+    whole = pool.prefill_view(full).attend(0, q, k, v, scale=0.3, sliding_window=window)
+    pieces = []
+    for lo, hi in [(0, 5), (5, 6), (6, 13)]:
+        view = pool.prefill_view(chunked)
+        pieces.append(
+            view.attend(
+                0, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], scale=0.3, sliding_window=window
+            )
+        )
+        view.advance(hi - lo)
+    dec = pool.decode_view([chunked])
+    pieces.append(
+        dec.attend(0, q[:, :, 13:], k[:, :, 13:], v[:, :, 13:], scale=0.3, sliding_window=window)
+    )
+    torch.testing.assert_close(torch.cat(pieces, dim=2), whole, atol=1e-6, rtol=1e-6)
+
+
+def test_serving_pool_protocol(gen):
+    pool = make_pool(max_batch_size=2, max_seq_len=8)
+    assert isinstance(pool, ServingPoolProtocol)
+    assert pool.free_token_capacity() is None
+    assert not pool.can_allocate_sequence(list(range(9)))
+    slot, cached = pool.allocate_sequence(list(range(6)))
+    assert cached == 0 and pool.get_seq_len(slot) == 0
+    assert pool.stats()["kv_usage"] == pytest.approx(6 / 16)
+    _prefill(pool, slot, 6, gen)
+    pool.append_token(slot, 11)
+    assert pool.can_append([slot])
+    pool.append_token(slot, 12)
+    assert not pool.can_append([slot])
+    with pytest.raises(OutOfBlocksError, match="max_seq_len"):
+        pool.append_token(slot, 13)
+    child = pool.fork_slot(slot)
+    assert child != slot and pool.get_seq_len(child) == 6
+    assert torch.equal(pool.k[:, child, :, :6], pool.k[:, slot, :, :6])
+    assert pool.audit() == []
+    pool.free_slot(child)
+    pool.seq_lens[child] = 4
+    assert any("free slot" in p for p in pool.audit())
+
+
+def test_kv_bytes_counts_both_tensors():
+    pool = SlottedKVCache.from_model_config(3, 2, 8, 16, 4, dtype=torch.float16, device="meta")
+    assert pool.kv_bytes() == 2 * 3 * 4 * 2 * 16 * 8 * 2
