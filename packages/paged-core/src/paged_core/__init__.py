@@ -1,6 +1,8 @@
 """paged-core: protocols, block allocator and block manager. No tensors, no kernels."""
 
 from paged_core.block_allocator import BlockAllocator
+from paged_core.block_manager import BlockManager, UnknownSequenceError
+from paged_core.block_manager_stats import BlockManagerStats
 from paged_core.errors import OutOfBlocksError
 from paged_core.protocols import (
     AttentionViewProtocol,
@@ -12,8 +14,11 @@ from paged_core.protocols import (
 __all__ = [
     "AttentionViewProtocol",
     "BlockAllocator",
+    "BlockManager",
+    "BlockManagerStats",
     "CachePoolProtocol",
     "KVCacheProtocol",
     "OutOfBlocksError",
     "ServingPoolProtocol",
+    "UnknownSequenceError",
 ]

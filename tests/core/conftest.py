@@ -1,0 +1,93 @@
+"""Shared helpers for the block-manager tests.
+
+``FakePool`` plays the KV pool around a ``BlockManager``: it "writes" each
+token id into the slot its page table gives, copies blocks when ``append``
+asks for copy-on-write, and checks that every sequence reads back exactly its
+own tokens. That turns block-table bugs (a hit on wrong or unwritten KV, a
+write into a shared block) into visible wrong "KV".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from paged_core import BlockManager
+
+
+class FakePool:
+    """A block manager plus per-block token "KV" and each sequence's true tokens."""
+
+    def __init__(self, manager: BlockManager) -> None:
+        self.m = manager
+        bs = manager.block_size
+        self.kv: list[list[int | None]] = [[None] * bs for _ in range(manager.num_blocks)]
+        self.tokens: dict[int, list[int]] = {}
+
+    def allocate(self, seq_id: int, tokens: Sequence[int], give_ids: bool = True) -> int:
+        """Admit a prompt; checks that every hit block already holds its tokens."""
+        cached = self.m.allocate(seq_id, len(tokens), list(tokens) if give_ids else None)
+        self.tokens[seq_id] = list(tokens)
+        assert cached % self.m.block_size == 0 and 0 <= cached < len(tokens)
+        self.check_reads(seq_id, upto=cached)
+        return cached
+
+    def compute(self, seq_id: int, upto: int | None = None) -> None:
+        """Write the KV of positions [computed, upto) and tell the manager."""
+        end = self.m.seq_len(seq_id) if upto is None else upto
+        table = self.m.block_table(seq_id)
+        bs = self.m.block_size
+        for pos in range(self.m.num_computed_tokens(seq_id), end):
+            block, off = table[pos // bs], pos % bs
+            token = self.tokens[seq_id][pos]
+            # a block shared with another sequence may only be written with the
+            # same token (both compute one shared prefix); anything else is a missed CoW
+            if self.m.allocator.ref_count(block) > 1:
+                assert self.kv[block][off] in (None, token), f"write into shared block {block}"
+            self.kv[block][off] = token
+        self.m.mark_computed(seq_id, end)
+
+    def append(self, seq_id: int, token: int, give_id: bool = True) -> list[tuple[int, int]]:
+        copies = self.m.append(seq_id, token if give_id else None)
+        for src, dst in copies:
+            self.kv[dst] = list(self.kv[src])
+        self.tokens[seq_id].append(token)
+        return copies
+
+    def fork(self, parent: int, child: int) -> None:
+        self.m.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    def free(self, seq_id: int) -> None:
+        self.m.free(seq_id)
+        del self.tokens[seq_id]
+
+    def preempt(self, seq_id: int) -> int:
+        n = self.m.preempt(seq_id)
+        assert n == len(self.tokens.pop(seq_id))
+        return n
+
+    def check_reads(self, seq_id: int, upto: int | None = None) -> None:
+        """Every computed position of ``seq_id`` reads back its own token."""
+        end = self.m.num_computed_tokens(seq_id) if upto is None else upto
+        table = self.m.block_table(seq_id)
+        bs = self.m.block_size
+        got = [self.kv[table[p // bs]][p % bs] for p in range(end)]
+        assert got == self.tokens[seq_id][:end], f"sequence {seq_id} reads wrong KV"
+
+    def check_all(self) -> None:
+        assert self.m.audit() == []
+        assert sorted(self.m.seq_ids()) == sorted(self.tokens)
+        for seq_id in self.tokens:
+            assert self.m.seq_len(seq_id) == len(self.tokens[seq_id])
+            self.check_reads(seq_id)
+
+
+@pytest.fixture(scope="session")
+def fake_pool():
+    """Factory: ``fake_pool(num_blocks, block_size, enable_prefix_caching=True)``."""
+
+    def make(num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> FakePool:
+        return FakePool(BlockManager(num_blocks, block_size, enable_prefix_caching))
+
+    return make
