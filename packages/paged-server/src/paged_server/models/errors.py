@@ -1,0 +1,27 @@
+"""Errors the loader raises, each naming what was wrong and what to do.
+
+They subclass the built-in exception a caller would expect
+(``FileNotFoundError``, ``ValueError``) so generic handlers still work.
+"""
+
+from __future__ import annotations
+
+
+class ModelLoadError(Exception):
+    """Base class for every problem found while loading a model directory."""
+
+
+class ModelFileNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model directory, or a file it must contain, is missing."""
+
+
+class UnsupportedArchitectureError(ModelLoadError, ValueError):
+    """config.json names an architecture this server has no model code for."""
+
+
+class CheckpointMismatchError(ModelLoadError, ValueError):
+    """A weight is missing, or its shape does not match config.json."""
+
+
+class InvalidConfigError(ModelLoadError, ValueError):
+    """config.json is unreadable or lacks a field the model needs."""

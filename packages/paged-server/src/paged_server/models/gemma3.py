@@ -1,0 +1,110 @@
+"""Gemma 3 (text) in plain PyTorch.
+
+What differs from Llama: embeddings scaled by sqrt(hidden_size); RMSNorm
+weights stored as offsets from one; four norms per block (before and after
+both attention and MLP); per-head q/k norms; GeGLU; attention scaled by
+``query_pre_attn_scalar``; sliding-window layers interleaved with global
+ones, each kind with its own RoPE base; optional tanh soft-capping of
+attention scores and final logits.
+
+Soft-capping of attention scores is applied whenever config.json sets
+``attn_logit_softcapping`` (released Gemma 3 checkpoints leave it null;
+transformers 5 ignores the field for Gemma 3).
+"""
+
+from __future__ import annotations
+
+import torch
+from paged_core.protocols import AttentionViewProtocol
+from torch import nn
+
+from paged_server.models.base import CausalLM
+from paged_server.models.config import SLIDING_ATTENTION, ModelConfig
+from paged_server.models.layers import Attention, GatedMLP, RMSNorm
+from paged_server.models.rope import RotaryEmbedding
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Sandwich-norm block: norm -> attention -> norm -> residual, same for the MLP."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        self.is_sliding = c.layer_types[layer_idx] == SLIDING_ATTENTION
+        scalar = c.query_pre_attn_scalar or c.head_dim
+        self.self_attn = Attention(
+            layer_idx=layer_idx,
+            hidden_size=c.hidden_size,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            scale=scalar**-0.5,
+            bias=c.attention_bias,
+            qk_norm=lambda: RMSNorm(c.head_dim, c.rms_norm_eps, unit_offset=True),
+            sliding_window=c.layer_sliding_window(layer_idx),
+            softcap=c.attn_logit_softcapping,
+        )
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+        self.input_layernorm = self._norm(c)
+        self.post_attention_layernorm = self._norm(c)
+        self.pre_feedforward_layernorm = self._norm(c)
+        self.post_feedforward_layernorm = self._norm(c)
+
+    @staticmethod
+    def _norm(c: ModelConfig) -> RMSNorm:
+        return RMSNorm(c.hidden_size, c.rms_norm_eps, unit_offset=True)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: AttentionViewProtocol | None,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embeddings, layers with local or global RoPE, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+        max_pos = config.max_position_embeddings
+        self.global_rotary = RotaryEmbedding(config.rope, config.head_dim, max_pos)
+        self.local_rotary = RotaryEmbedding(
+            config.local_rope or config.rope, config.head_dim, max_pos
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: AttentionViewProtocol | None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # The scale is rounded to the weights' dtype first, as the checkpoints expect.
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        global_cos, global_sin = self.global_rotary(position_ids, x.dtype)
+        local_cos, local_sin = self.local_rotary(position_ids, x.dtype)
+        for layer in self.layers:
+            if layer.is_sliding:
+                x = layer(x, local_cos, local_sin, kv_cache)
+            else:
+                x = layer(x, global_cos, global_sin, kv_cache)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """Gemma 3 text model; the LM head is tied to the embeddings by default."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.model = Gemma3Model(config)
+        self._init_lm_head()

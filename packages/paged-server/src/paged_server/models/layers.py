@@ -1,0 +1,167 @@
+"""Building blocks shared by the model families: RMSNorm, attention, gated MLP.
+
+Attention is the one place where a cache view enters model code: with a view
+the layer hands its new q/k/v to ``kv_cache.attend`` and never learns whether
+the pool behind it is slotted or paged; without one it runs plain causal
+attention over the input (tests, one-shot scoring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from paged_core.protocols import AttentionViewProtocol
+from torch import nn
+
+from paged_server.models.errors import InvalidConfigError
+from paged_server.models.rope import apply_rope
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32.
+
+    ``unit_offset=True`` is Gemma's variant: the stored weight is a delta
+    from one, ``x * (1 + w)``, multiplied before casting back; Llama and Qwen
+    cast back first, then multiply by ``w``. Both orders match their
+    reference implementations bit for bit in low precision.
+    """
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU (Llama, Qwen) or GeGLU (Gemma)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise InvalidConfigError(
+                f"activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+            )
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm
+    (Qwen 3, Gemma 3), an optional sliding window and logit soft-capping."""
+
+    def __init__(
+        self,
+        *,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        bias: bool = False,
+        qk_norm: Callable[[], RMSNorm] | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise InvalidConfigError(
+                f"num_attention_heads ({num_heads}) is not a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = qk_norm() if qk_norm else None
+        self.k_norm = qk_norm() if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: AttentionViewProtocol | None,
+    ) -> torch.Tensor:
+        """``x [B, L, hidden]`` -> ``[B, L, hidden]``."""
+        b, length, _ = x.shape
+        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, k, cos, sin)
+        if kv_cache is None:
+            out = causal_attention(
+                q, k, v, scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap
+            )
+        else:
+            out = kv_cache.attend(
+                self.layer_idx,
+                q,
+                k,
+                v,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+                softcap=self.softcap,
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention over one unpadded input, no cache.
+
+    ``q [B, H, L, D]``, ``k``/``v`` ``[B, KV, L, D]``. Query ``i`` sees keys
+    ``j <= i`` and, with a window ``w``, ``j > i - w`` (the rule the cache
+    views follow). Scores, soft-cap and softmax run in float32.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    length = q.shape[2]
+    pos = torch.arange(length, device=q.device)
+    visible = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        visible &= pos[None, :] > pos[:, None] - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)

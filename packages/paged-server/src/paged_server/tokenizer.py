@@ -1,0 +1,170 @@
+"""The checkpoint's tokenizer: encode, decode, chat template, EOS ids.
+
+Built on the ``tokenizers`` library (tokenizer.json) and jinja2 rather than
+transformers' tokenizer classes: loading is fast, and what runs is exactly
+the checkpoint's files. The chat template renders in a sandbox with the
+helpers Hugging Face templates rely on (``raise_exception``, ``tojson``,
+``strftime_now``), so templates written for transformers work unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint, plus its chat template."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
+        self.hf = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and the chat template
+        (chat_template.jinja, chat_template.json or tokenizer_config.json)."""
+        from paged_server.models.errors import ModelFileNotFoundError  # models imports us
+
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ModelFileNotFoundError(
+                f"{file} not found: the model directory needs a fast-tokenizer tokenizer.json "
+                "(save one with transformers: AutoTokenizer.from_pretrained(src).save_pretrained(dir))"
+            )
+        config = _read_json(path / "tokenizer_config.json")
+        special = {}
+        for key in _SPECIAL_TOKEN_KEYS:
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                special[key] = value
+        return cls(
+            HFTokenizer.from_file(str(file)),
+            chat_template=_find_chat_template(path, config),
+            special_tokens=special,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included."""
+        return int(self.hf.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text``; ``add_special_tokens`` runs the checkpoint's
+        post-processor (e.g. a BOS token in front)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text for ``token_ids`` (invalid UTF-8 becomes U+FFFD)."""
+        return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token string (e.g. ``"<|im_end|>"``), or None."""
+        return self.hf.token_to_id(token)
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of added tokens marked special (skipped by ``decode`` by default)."""
+        return frozenset(i for i, tok in self.hf.get_added_tokens_decoder().items() if tok.special)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of tokenizer_config.json's ``eos_token``, if it names one."""
+        eos = self.special_tokens.get("eos_token")
+        return self.token_to_id(eos) if eos else None
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_vars: Any,
+    ) -> Any:
+        """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the
+        checkpoint's chat template; the prompt text, or its ids with
+        ``tokenize=True`` (special tokens come from the template, none added)."""
+        if self.chat_template is None:
+            raise ValueError(
+                "this model has no chat template (chat_template in tokenizer_config.json or "
+                "chat_template.jinja); send a plain prompt to /v1/completions instead"
+            )
+        if self._template is None:
+            self._template = _jinja_env().from_string(self.chat_template)
+        text = self._template.render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+            **template_vars,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    with file.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _find_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(path / "chat_template.json").get("chat_template")
+    if template is None:
+        template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: use "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """A sandbox like transformers': chat templates from the Hub are untrusted code."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
