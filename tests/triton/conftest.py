@@ -1,0 +1,124 @@
+"""Shared helpers for the Triton-vs-reference differential tests.
+
+Without a GPU the kernels run in Triton's CPU interpreter, which Triton
+switches on when the kernels are first imported, so the variable is set here
+before any test module imports ``paged_triton.ops``.
+
+Helpers reach tests through the session fixture ``paged`` (importlib mode
+cannot import a conftest).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+from torch import Tensor
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# Tolerances (max abs and relative difference, Triton vs paged_ref.ops):
+# - float32: both sides compute in float32 and differ only in summation order
+#   (tiles of 64 keys, online rescaling), ~1e-6 on outputs of size ~1;
+#   2e-5 leaves room for a few hundred keys without hiding a wrong mask
+#   (one wrongly included key moves the output by ~1e-3 or more).
+# - float16: the reference upcasts K/V and keeps probabilities in float32;
+#   the kernel multiplies probabilities rounded to float16 (rel. 2**-11) with
+#   V, and both round the result to float16 (half an ulp, 2**-12 rel.).
+#   Outputs are weighted means of N(0, 1) values, |out| < ~3, so 3e-3 covers
+#   a couple of ulps plus the probability rounding.
+# - bfloat16 (CUDA only): 8-bit mantissa, ulp 2**-7 near 1: 3e-2.
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bfloat16 needs CUDA: the interpreter gives NaN"
+)
+
+
+def random_block_tables(
+    lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator, share: bool = True
+) -> Tensor:
+    """Page tables over a random permutation of the physical blocks.
+
+    With ``share``, every other sequence reuses the leading full blocks of
+    sequence 0 (a prefix-cache hit or a fork), so one physical block appears
+    in several tables. Unused entries hold random block ids: the kernels
+    must never read them. Returns ``[batch, max_blocks]`` int32.
+    """
+    need = [-(-n // block_size) for n in lens]
+    max_blocks = max([*need, 1])
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    if sum(need) > num_blocks:
+        raise ValueError(f"{sum(need)} blocks needed but the pool has {num_blocks}")
+    tables = torch.randint(0, num_blocks, (len(lens), max_blocks), generator=gen, dtype=torch.int32)
+    for b, n in enumerate(need):
+        for j in range(n):
+            tables[b, j] = perm.pop()
+    if share and len(lens) > 1:
+        full0 = lens[0] // block_size
+        for b in range(1, len(lens), 2):
+            shared = min(full0, lens[b] // block_size)
+            tables[b, :shared] = tables[0, :shared]
+    return tables
+
+
+def random_caches(
+    num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """K and V caches of N(0, 1) values (noise in unused blocks too)."""
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    return k, v
+
+
+def blocks_needed(lens: list[int], block_size: int) -> int:
+    """Physical blocks for these lengths plus spare noise blocks."""
+    return sum(-(-n // block_size) for n in lens) + 4
+
+
+def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype) -> None:
+    """Finite, same shape and dtype, and within the dtype's tolerance."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert torch.isfinite(actual).all(), "Triton output has NaN/inf"
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[dtype])
+
+
+@pytest.fixture(scope="session")
+def paged() -> types.SimpleNamespace:
+    """The helpers above, for tests and hypothesis strategies."""
+    return types.SimpleNamespace(
+        device=DEVICE,
+        random_block_tables=random_block_tables,
+        random_caches=random_caches,
+        blocks_needed=blocks_needed,
+        assert_close=assert_close,
+    )
+
+
+@pytest.fixture(
+    params=[
+        torch.float32,
+        torch.float16,
+        pytest.param(torch.bfloat16, marks=[pytest.mark.cuda, needs_cuda]),
+    ],
+    ids=["fp32", "fp16", "bf16"],
+)
+def dtype(request: pytest.FixtureRequest) -> torch.dtype:
+    """Every differential test runs per cache dtype (bfloat16 only on CUDA)."""
+    return request.param
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """Seeded, so each test draws the same data every run."""
+    return torch.Generator().manual_seed(0)

@@ -1,0 +1,107 @@
+"""Triton paged decode attention against paged_ref.ops on randomized page tables.
+
+A covering set of layouts rather than the full cartesian product (the
+interpreter is slow): every head layout, head_dim, block size, window and
+softcap setting appears, each case runs per dtype, once with the automatic
+split choice and once forced through the flash-decoding split + merge path.
+Every batch mixes the lengths the kernel's masks care about.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_ref import ops as ref_ops
+
+from paged_triton.decode_attention import choose_num_splits, decode_attention
+
+# heads, kv_heads, head_dim, block_size, sliding_window, softcap
+CASES = [
+    pytest.param(4, 4, 64, 16, None, None, id="mha-d64-bs16"),
+    pytest.param(8, 2, 64, 8, None, None, id="gqa4-d64-bs8"),
+    pytest.param(4, 1, 64, 32, None, None, id="mqa-d64-bs32"),
+    pytest.param(8, 2, 128, 16, None, 2.0, id="gqa4-d128-bs16-cap"),
+    pytest.param(4, 4, 80, 8, 40, None, id="mha-d80-bs8-win"),
+    pytest.param(8, 2, 80, 32, 40, 2.0, id="gqa4-d80-bs32-win-cap"),
+    pytest.param(6, 2, 128, 16, 100, None, id="gqa3-d128-bs16-win"),
+    pytest.param(4, 1, 128, 8, 17, 5.0, id="mqa-d128-bs8-win-cap"),
+    pytest.param(96, 1, 32, 16, None, None, id="mqa96-groups-span-programs"),
+]
+ARGS = ("heads", "kv_heads", "head_dim", "block_size", "window", "softcap")
+
+
+def lengths(block_size: int) -> list[int]:
+    """Longest first so sequences 1 and 3 share its leading blocks: a few
+    hundred, exact multiples, one short of a block, a single token."""
+    return [300, 3 * block_size, 1, block_size, block_size - 1]
+
+
+def make_inputs(lens, heads, kv_heads, head_dim, block_size, dtype, gen, paged):
+    num_blocks = paged.blocks_needed(lens, block_size)
+    k_cache, v_cache = paged.random_caches(num_blocks, kv_heads, block_size, head_dim, dtype, gen)
+    tables = paged.random_block_tables(lens, block_size, num_blocks, gen).to(paged.device)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(paged.device, dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=paged.device)
+    return q, k_cache, v_cache, tables, seq_lens
+
+
+@pytest.mark.parametrize("num_splits", [None, 4], ids=["auto-split", "split4"])
+@pytest.mark.parametrize(ARGS, CASES)
+def test_decode_matches_reference(
+    heads, kv_heads, head_dim, block_size, window, softcap, num_splits, dtype, gen, paged
+):
+    q, k_cache, v_cache, tables, seq_lens = make_inputs(
+        lengths(block_size), heads, kv_heads, head_dim, block_size, dtype, gen, paged
+    )
+    scale = head_dim**-0.5
+    out = decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, num_splits=num_splits
+    )
+    expected = ref_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap)
+    paged.assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_empty_and_fully_masked_rows_are_zeros(num_splits, gen, paged):
+    lens = [0, 20, 0, 33]
+    q, k_cache, v_cache, tables, seq_lens = make_inputs(lens, 4, 2, 64, 16, torch.float32, gen, paged)
+    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits=num_splits)
+    assert torch.isfinite(out).all()
+    assert (out[[0, 2]] == 0).all() and (out[[1, 3]] != 0).any()
+    # A window of 0 hides every key, even the query's own position.
+    hidden = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 0, num_splits=num_splits)
+    assert (hidden == 0).all()
+    expected = ref_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 0)
+    paged.assert_close(hidden, expected, torch.float32)
+
+
+def test_stale_data_past_the_length_never_leaks(gen, paged):
+    """Slots past a sequence's length and blocks it does not own hold NaN
+    (stale or never written): the kernel must not even multiply by them."""
+    lens, block_size = [37, 5, 64], 16
+    q, k_cache, v_cache, tables, seq_lens = make_inputs(lens, 4, 2, 64, block_size, torch.float32, gen, paged)
+    clean_k, clean_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    poisoned_k, poisoned_v = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    for b, n in enumerate(lens):
+        for p in range(n):
+            block, off = int(tables[b, p // block_size]), p % block_size
+            for src, dsts in ((k_cache, (clean_k, poisoned_k)), (v_cache, (clean_v, poisoned_v))):
+                for dst in dsts:
+                    dst[block, :, off] = src[block, :, off]
+    out = decode_attention(q, poisoned_k, poisoned_v, tables, seq_lens, 0.125, num_splits=2)
+    expected = ref_ops.paged_decode_attention(q, clean_k, clean_v, tables, seq_lens, 0.125)
+    paged.assert_close(out, expected, torch.float32)
+
+
+def test_split_heuristic_splits_only_small_batches_with_long_context():
+    sms = 132
+    # 1 sequence x 8 kv heads, 4096 tokens: split to fill the GPU, pieces >= 256 tokens.
+    assert choose_num_splits(programs=8, max_context=4096, num_sms=sms) == 16
+    assert choose_num_splits(programs=8, max_context=512, num_sms=sms) == 2
+    # A short context is never cut below the minimum piece.
+    assert choose_num_splits(programs=8, max_context=200, num_sms=sms) == 1
+    # Batch 16: a few pieces; batch 64 has enough programs: no split, no merge kernel.
+    assert choose_num_splits(programs=16 * 8, max_context=4096, num_sms=sms) == 3
+    assert choose_num_splits(programs=64 * 8, max_context=4096, num_sms=sms) == 1
+    # The interpreter (1 "SM") never splits.
+    assert choose_num_splits(programs=8, max_context=4096, num_sms=1) == 1

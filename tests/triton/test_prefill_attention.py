@@ -1,0 +1,67 @@
+"""Triton paged prefill attention against paged_ref.ops on randomized page tables.
+
+Each batch packs the situations a serving step produces: a chunk after a
+prefix-cache hit spanning several query tiles, whole prompts of odd and
+block-aligned length, a one-token chunk, and a sequence with no new tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_ref import ops as ref_ops
+
+from paged_triton.ops import paged_prefill_attention
+
+# heads, kv_heads, head_dim, block_size, sliding_window, softcap
+CASES = [
+    pytest.param(4, 4, 64, 16, None, None, id="mha-d64-bs16"),
+    pytest.param(8, 2, 64, 8, 24, None, id="gqa4-d64-bs8-win"),
+    pytest.param(4, 1, 80, 32, None, 2.0, id="mqa-d80-bs32-cap"),
+    pytest.param(6, 2, 128, 16, 40, 5.0, id="gqa3-d128-bs16-win-cap"),
+    pytest.param(32, 1, 32, 16, None, None, id="mqa32-groups-span-programs"),
+]
+ARGS = ("heads", "kv_heads", "head_dim", "block_size", "window", "softcap")
+
+
+def contexts(block_size: int) -> list[tuple[int, int]]:
+    """(total context, new queries) per sequence, longest first so others share its blocks."""
+    return [(150, 90), (2 * block_size, 2 * block_size), (1, 1), (block_size + 3, 1), (40, 0), (block_size - 1, block_size - 1)]
+
+
+def make_inputs(seqs, heads, kv_heads, head_dim, block_size, dtype, gen, paged):
+    lens = [n for n, _ in seqs]
+    num_blocks = paged.blocks_needed(lens, block_size)
+    k_cache, v_cache = paged.random_caches(num_blocks, kv_heads, block_size, head_dim, dtype, gen)
+    tables = paged.random_block_tables(lens, block_size, num_blocks, gen).to(paged.device)
+    q_lens = torch.tensor([q for _, q in seqs])
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = q_lens.cumsum(0)
+    q = torch.randn(int(cu[-1]), heads, head_dim, generator=gen).to(paged.device, dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=paged.device)
+    return q, k_cache, v_cache, tables, cu.to(paged.device), seq_lens
+
+
+@pytest.mark.parametrize(ARGS, CASES)
+def test_prefill_matches_reference(heads, kv_heads, head_dim, block_size, window, softcap, dtype, gen, paged):
+    args = make_inputs(contexts(block_size), heads, kv_heads, head_dim, block_size, dtype, gen, paged)
+    scale = head_dim**-0.5
+    out = paged_prefill_attention(*args, scale, window, softcap)
+    expected = ref_ops.paged_prefill_attention(*args, scale, window, softcap)
+    paged.assert_close(out, expected, dtype)
+
+
+def test_fully_masked_rows_are_zeros(gen, paged):
+    seqs = [(30, 12), (5, 5)]
+    args = make_inputs(seqs, 4, 2, 64, 16, torch.float32, gen, paged)
+    out = paged_prefill_attention(*args, 0.125, 0)  # window 0: no query sees any key
+    assert torch.isfinite(out).all() and (out == 0).all()
+    visible = paged_prefill_attention(*args, 0.125, 1)  # window 1: each query sees only itself
+    assert torch.isfinite(visible).all() and (visible != 0).any()
+    paged.assert_close(visible, ref_ops.paged_prefill_attention(*args, 0.125, 1), torch.float32)
+
+
+def test_batch_without_new_tokens_returns_empty(gen, paged):
+    q, k_cache, v_cache, tables, cu, seq_lens = make_inputs([(7, 0), (3, 0)], 2, 1, 32, 8, torch.float32, gen, paged)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.2)
+    assert out.shape == (0, 2, 32)
