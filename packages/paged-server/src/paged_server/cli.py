@@ -1,13 +1,145 @@
-"""`paged-server` command line."""
+"""`paged-server` command line: ``serve``, ``bench-serve``, ``bench``.
+
+``serve`` and ``bench-serve`` take one flag per ``EngineConfig`` field
+(generated from the dataclass, see ``api/engine_args.py``). ``bench`` hands
+its arguments to ``paged_server.bench.main`` (the offline engine benchmark).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+import os
 import sys
+
+API_KEY_ENV = "PAGED_API_KEY"
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from paged_server.api.engine_args import add_engine_flags
+    from paged_server.api.middleware import DEFAULT_MAX_BODY_BYTES
+
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (env {API_KEY_ENV})",
+    )
+    p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get HTTP 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_flags(p)
+
+
+def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from paged_server.api.engine_args import add_engine_flags
+    from paged_server.bench_serve import add_bench_serve_flags
+
+    p = sub.add_parser(
+        "bench-serve",
+        help="serving benchmark over HTTP (Poisson arrivals, TTFT/ITL percentiles, one JSON line)",
+        description="Starts a server in-process on a free loopback port (engine flags below) "
+        "unless --url names a running one.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_bench_serve_flags(p)
+    add_engine_flags(p)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from paged_server.api.app import ServerSettings
+    from paged_server.api.engine_args import engine_config_from_args
+    from paged_server.api.server import build_engine, serve, served_model_name
+
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        print(f"paged-server serve: {exc}", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logging.getLogger("paged_server").warning(
+            "binding %s without --api-key: anyone who can reach this address can use the model",
+            args.host,
+        )
+    engine = build_engine(config)
+    settings = ServerSettings(
+        model_name=served_model_name(config, args.served_model_name),
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    serve(engine, settings, args.host, args.port, args.log_level)
+    return 0
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    from paged_server.api.engine_args import engine_config_from_args
+    from paged_server.bench_serve import bench_serve, workload_names
+
+    if args.workload not in workload_names():
+        print(f"paged-server bench-serve: unknown workload {args.workload!r}; "
+              f"choose one of {workload_names()}", file=sys.stderr)
+        return 2
+    try:
+        config = None if args.url else engine_config_from_args(args)
+    except ValueError as exc:
+        print(f"paged-server bench-serve: {exc}", file=sys.stderr)
+        return 2
+    report = bench_serve(args, config)
+    line = json.dumps(report, default=str)
+    print(line, flush=True)
+    if args.output:
+        with open(args.output, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    return 0 if report["failed"] == 0 else 1
+
+
+def _run_bench(argv: list[str]) -> int:
+    try:
+        from paged_server.bench import main as bench_main
+    except ImportError:
+        print("paged-server bench: the offline benchmark (paged_server.bench) is not built "
+              "in this install; use 'paged-server bench-serve' for the HTTP benchmark", file=sys.stderr)
+        return 2
+    return int(bench_main(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paged-server", description="PagedAttention LLM server with an OpenAI-compatible API."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_bench_serve(sub)
+    sub.add_parser("bench", help="offline engine benchmark (paged_server.bench); "
+                   "'paged-server bench --help' for its flags", add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("paged-server: the HTTP server is not built yet (see issue: HTTP API)", file=sys.stderr)
-    return 2
+    """Entry point of the ``paged-server`` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the bench CLI parses its own flags
+        return _run_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "serve":
+        return _run_serve(args)
+    return _run_bench_serve(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,169 @@
+"""The FastAPI app: routes, guards, and the engine thread's lifetime.
+
+``create_app(engine, settings)`` takes an engine that is already built (the
+model loaded), so a bad model path fails before the server binds a port.
+The engine thread starts with the app and stops on shutdown, aborting what
+is still in flight and closing its streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from paged_server.api.async_engine import AsyncEngine, EngineLike
+from paged_server.api.errors import APIError, install_error_handlers
+from paged_server.api.metrics import ServerMetrics
+from paged_server.api.middleware import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+)
+from paged_server.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
+from paged_server.api.serving import OpenAIServing
+
+logger = logging.getLogger("paged_server.api")
+
+HEALTH_TIMEOUT_S = 10.0
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in {
+        400: "Invalid request (the error names the field)",
+        401: "Missing or wrong API key",
+        404: "Unknown model",
+        413: "Request body too large",
+        503: "Queue full (see Retry-After) or server shutting down",
+    }.items()
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """HTTP-side settings (the engine's are in ``EngineConfig``)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout_s: float = 30.0
+
+
+def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
+    """The OpenAI-compatible app around ``engine`` (an ``LLMEngine``)."""
+    metrics = ServerMetrics(settings.model_name)
+    async_engine = AsyncEngine(engine, metrics)
+    config: Any = getattr(engine, "config", None)
+    max_seq_len = int(config.max_seq_len)
+    tokenizer: Any = getattr(engine, "tokenizer", None)
+    model_config: Any = getattr(engine, "model_config", None)
+    vocab_size = int(getattr(model_config, "vocab_size", 0) or tokenizer.vocab_size)
+    serving = OpenAIServing(
+        async_engine,
+        tokenizer,
+        model_name=settings.model_name,
+        max_seq_len=max_seq_len,
+        vocab_size=vocab_size,
+    )
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.stop, settings.shutdown_timeout_s)
+
+    app = FastAPI(
+        title="paged-server",
+        summary="OpenAI-compatible completions on a PagedAttention engine",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.async_engine = async_engine
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.settings = settings
+    install_error_handlers(app)
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: {"content": _SSE}, **_ERRORS},
+        summary="Complete a prompt (stream: true for server-sent events)",
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: {"content": _SSE}, **_ERRORS},
+        summary="Chat with the model's chat template (stream: true for server-sent events)",
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "paged",
+                    "max_model_len": max_seq_len,
+                }
+            ],
+        }
+
+    @app.get("/health", responses={503: {"description": "Engine dead or block audit failed"}})
+    async def health() -> JSONResponse:
+        """200 when the engine thread answers and the KV block audit is clean."""
+        if not async_engine.alive:
+            return _unhealthy(async_engine.last_error or "engine thread is not running")
+        try:
+            problems = await async_engine.call(engine.audit, timeout=HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return _unhealthy(f"engine thread did not answer within {HEALTH_TIMEOUT_S:.0f} s")
+        except Exception as exc:
+            return _unhealthy(f"audit failed: {type(exc).__name__}: {exc}")
+        if problems:
+            return _unhealthy("KV block audit found problems", audit=list(problems))
+        return JSONResponse({"status": "ok", "audit": []})
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses={401: _ERRORS[401]})
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(
+            metrics.render(async_engine.metrics()),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
+
+    # Outermost first: the key is checked before the body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+def _unhealthy(reason: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"status": "unhealthy", "reason": reason, **extra}, status_code=503)
+
+
+__all__ = ["APIError", "ServerSettings", "create_app"]

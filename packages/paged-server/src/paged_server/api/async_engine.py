@@ -1,0 +1,290 @@
+"""The async front of the engine: one background thread owns the `LLMEngine`.
+
+The event loop never runs a forward pass. Everything that touches the engine
+(add, abort, audit, step) runs on the engine thread, in order, so the engine
+needs no locks. Handlers talk to it through commands (a thread-safe queue,
+answered with `concurrent.futures.Future`s) and receive outputs on their own
+`asyncio.Queue`, fed with ``loop.call_soon_threadsafe`` after every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from paged_server.api.metrics import ServerMetrics
+
+logger = logging.getLogger("paged_server.api")
+
+
+class EngineLike(Protocol):
+    """The part of `paged_server.engine.LLMEngine` the server uses (docs/contracts.md)."""
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> int: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def step(self) -> list[Any]: ...
+    def has_unfinished(self) -> bool: ...
+    def metrics(self) -> dict[str, float]: ...
+    def audit(self) -> list[str]: ...
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    """Put on a request's queue when it ends without a normal finish: the
+    server shuts down (``abort``) or the engine step failed (``error``)."""
+
+    reason: str
+    message: str
+
+
+@dataclass(slots=True)
+class _Tracked:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+    arrival: float
+    remaining: int  # choices not finished yet
+    first_token_at: float | None = None
+    last_token_at: dict[int, float] = field(default_factory=dict)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running; the server cannot take requests."""
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a loop on one thread and routes its outputs."""
+
+    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.server_metrics = metrics
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any] | None]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._snapshot: dict[str, float] = {}
+        self._thread: threading.Thread | None = None
+        self._submit_lock = threading.Lock()
+        self._closed = False
+        self.step_errors = 0
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the engine thread and take a first metrics snapshot."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() called twice")
+        self._snapshot = dict(self.engine.metrics())
+        self._thread = threading.Thread(target=self._run, name="paged-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort every in-flight request, close its stream, and join the thread."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread did not stop within %.0f s (a step is still running)", timeout)
+
+    # ------------------------------------------------------- event-loop API
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        out: asyncio.Queue[Any],
+        *,
+        arrival: float,
+        num_choices: int,
+        prepare: Callable[[Any], Any] | None = None,
+    ) -> int:
+        """Queue a request; returns its prompt token count.
+
+        Outputs (lists of ``RequestOutput``) and `StreamEnd` arrive on ``out``.
+        ``prepare`` turns ``prompt`` into what the engine takes, on the engine
+        thread (tokenising there keeps the tokenizer single-threaded). Raises
+        whatever ``engine.add_request`` raises (``ValueError``, ``QueueFullError``).
+        """
+        loop = asyncio.get_running_loop()
+
+        def add() -> int:
+            engine_prompt = prepare(prompt) if prepare is not None else prompt
+            n_prompt = self.engine.add_request(request_id, engine_prompt, params)
+            self._tracked[request_id] = _Tracked(loop, out, arrival, num_choices)
+            return n_prompt
+
+        return int(await self.call(add))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (client gone); never blocks. Its blocks are freed
+        before the next step runs."""
+
+        def do_abort() -> None:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is None:
+                return  # finished already, or never added
+            if self.server_metrics is not None:
+                self.server_metrics.requests.inc(tracked.remaining, finished_reason="abort")
+            self.engine.abort_request(request_id)
+
+        self._submit(do_abort, None)
+
+    async def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn()`` on the engine thread between steps and return its result."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._submit(fn, fut)
+        wrapped = asyncio.wrap_future(fut)
+        return await (asyncio.wait_for(wrapped, timeout) if timeout else wrapped)
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's metrics as of the end of the last step (no waiting)."""
+        return dict(self._snapshot)
+
+    def _submit(self, fn: Callable[[], Any], fut: concurrent.futures.Future[Any] | None) -> None:
+        with self._submit_lock:  # so no command slips in after _shutdown drained the queue
+            if self._closed or not self.alive:
+                raise EngineDeadError(
+                    self.last_error or "the engine is not running (server shutting down)"
+                )
+            self._commands.put((fn, fut))
+        self._wake.set()
+
+    # --------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                ran = self._run_commands()
+                if self.engine.has_unfinished():
+                    self._step()
+                elif not ran:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+        except BaseException as exc:  # a bug in this loop: fail loudly, not silently
+            self.last_error = f"engine thread crashed: {type(exc).__name__}: {exc}"
+            logger.exception("engine thread crashed")
+            self._stopping.set()
+        finally:
+            self._shutdown()
+
+    def _run_commands(self) -> bool:
+        ran = False
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                if ran:
+                    self._snapshot = dict(self.engine.metrics())
+                return ran
+            ran = True
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except Exception as exc:
+                if fut is not None:
+                    fut.set_exception(exc)
+                else:
+                    logger.exception("engine command failed")
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self.step_errors += 1
+            self.last_error = f"engine step failed: {type(exc).__name__}: {exc}"
+            logger.error("%s\n%s", self.last_error, traceback.format_exc())
+            self._end_all("error", self.last_error)
+            return
+        self._route(outputs)
+        self._snapshot = dict(self.engine.metrics())
+
+    def _route(self, outputs: list[Any]) -> None:
+        now = time.monotonic()
+        by_request: dict[str, list[Any]] = {}
+        for out in outputs:
+            by_request.setdefault(out.request_id, []).append(out)
+        for request_id, outs in by_request.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                continue  # aborted while the step ran
+            for out in outs:
+                self._observe(tracked, out, now)
+                if out.finished:
+                    tracked.remaining -= 1
+                    if self.server_metrics is not None:
+                        self.server_metrics.requests.inc(finished_reason=out.finish_reason or "stop")
+            if tracked.remaining <= 0:
+                del self._tracked[request_id]
+            self._deliver(tracked, outs)
+
+    def _observe(self, tracked: _Tracked, out: Any, now: float) -> None:
+        n_new = len(out.new_token_ids)
+        if self.server_metrics is None or n_new == 0:
+            return
+        if tracked.first_token_at is None:
+            tracked.first_token_at = now
+            self.server_metrics.ttft.observe(now - tracked.arrival)
+        last = tracked.last_token_at.get(out.index)
+        if last is not None:
+            gap = (now - last) / n_new
+            for _ in range(n_new):
+                self.server_metrics.itl.observe(gap)
+        tracked.last_token_at[out.index] = now
+
+    @staticmethod
+    def _deliver(tracked: _Tracked, item: Any) -> None:
+        # RuntimeError: the event loop is closed, nobody is listening any more
+        with contextlib.suppress(RuntimeError):
+            tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, item)
+
+    def _end_all(self, reason: str, message: str) -> None:
+        """Abort every tracked request in the engine and close its stream."""
+        for request_id, tracked in list(self._tracked.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+            if self.server_metrics is not None:
+                self.server_metrics.requests.inc(tracked.remaining, finished_reason=reason)
+            self._deliver(tracked, StreamEnd(reason, message))
+        self._tracked.clear()
+
+    def _shutdown(self) -> None:
+        with self._submit_lock:
+            self._closed = True
+        self._end_all("abort", "the server is shutting down")
+        # Fail commands that arrived too late, so no caller waits forever.
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError("the server is shutting down"))
+        # Let the engine release what aborted requests still hold.
+        try:
+            for _ in range(4):
+                if not self.engine.has_unfinished():
+                    break
+                self.engine.step()
+        except Exception:
+            logger.exception("engine step during shutdown failed")

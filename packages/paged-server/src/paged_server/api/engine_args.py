@@ -1,0 +1,107 @@
+"""Command-line flags generated from ``EngineConfig``'s fields, so they never drift.
+
+Every field ``foo_bar: T = default`` becomes ``--foo-bar``: booleans get
+``--foo-bar/--no-foo-bar``, ``int | None`` fields take an integer (or
+``none``), the rest take a value of the field's type. The help text is the
+field's ``metadata["help"]`` when it has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from paged_server import config as config_module
+from paged_server.config import EngineConfig
+
+_NONE_WORDS = {"none", "null", "auto-none"}
+
+
+def _parse_optional(inner: type) -> Any:
+    def parse(text: str) -> Any:
+        if text.lower() in _NONE_WORDS:
+            return None
+        return inner(text)
+
+    parse.__name__ = inner.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def _field_kind(hint: Any) -> tuple[type, bool]:
+    """(base type, optional) for ``int``, ``int | None``, ``str | None``..."""
+    args = typing.get_args(hint)
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    if is_union and type(None) in args:
+        others = [a for a in args if a is not type(None)]
+        return others[0], True
+    return hint, False
+
+
+# What each field means to an operator. A field missing here still gets its
+# flag (help: its name); the flag set itself always follows the dataclass.
+_HELP = {
+    "model": "Hugging Face model directory (config.json, *.safetensors, tokenizer.json); "
+    "omitted: the embedded tiny default model",
+    "kv_cache_backend": "KV cache layout: paged blocks or one contiguous max_seq_len row per sequence",
+    "block_size": "tokens per KV block",
+    "num_gpu_blocks": "KV blocks in the pool (none: from --kv-cache-memory-bytes, else "
+    "max_batch_size * max_seq_len / block_size)",
+    "kv_cache_memory_bytes": "KV cache memory budget in bytes (sizes the pool)",
+    "max_batch_size": "most sequences running at once",
+    "max_num_batched_tokens": "token budget of one engine step (decode + prefill chunks)",
+    "max_seq_len": "most tokens per sequence, prompt + generated",
+    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
+    "enable_chunked_prefill": "split long prompts into chunks interleaved with decode",
+    "attention_backend": "attention kernels: auto = triton on CUDA, ref on CPU",
+    "dtype": "weights and KV dtype: auto = bfloat16 on CUDA, float32 on CPU",
+    "device": "auto, cpu, cuda or cuda:N",
+    "max_queue_len": "waiting requests beyond which new ones get HTTP 503",
+    "seed": "engine seed for sampling without a per-request seed",
+}
+
+
+def _choices(name: str) -> tuple[str, ...] | None:
+    """Allowed values the config module declares for a string field."""
+    if name == "kv_cache_backend":
+        return tuple(getattr(config_module, "KV_CACHE_BACKENDS", ())) or None
+    if name == "attention_backend":
+        return tuple(getattr(config_module, "ATTENTION_BACKENDS", ())) or None
+    if name == "dtype" and hasattr(config_module, "DTYPES"):
+        return ("auto", *config_module.DTYPES)
+    return None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per ``EngineConfig`` field to ``parser`` (dest = field name)."""
+    group = parser.add_argument_group("engine (one flag per EngineConfig field)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        base, optional = _field_kind(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help") or _HELP.get(f.name, f"EngineConfig.{f.name}")
+        if base is bool:
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+            continue
+        parse = _parse_optional(base) if optional else base
+        choices = _choices(f.name)
+        metavar = "{" + ",".join(choices) + "}" if choices else base.__name__.upper()
+        if optional and not choices:
+            metavar += "|none"
+        group.add_argument(
+            flag, dest=f.name, type=parse, default=default, metavar=metavar, help=help_text,
+            choices=choices,
+        )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` the parsed flags describe (validated)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    config = EngineConfig(**values)
+    config.validate()
+    return config

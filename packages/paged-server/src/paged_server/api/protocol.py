@@ -1,0 +1,310 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic).
+
+Static limits live here so the OpenAPI schema states them; limits that depend
+on the loaded model (``max_tokens`` against ``max_seq_len``, token ids against
+the vocabulary) are checked by the handlers. Chosen limits, all documented in
+the schema:
+
+- ``n``: 1..16 choices; ``prompt``: at most 16 prompts per completion request.
+- ``stop``: at most 4 strings (OpenAI's limit), each 1..256 characters.
+- ``logprobs``: only the sampled token's log-probability is computed, so
+  completions accept ``logprobs: 0`` and chat accepts ``logprobs: true`` with
+  ``top_logprobs: 0``; asking for top-k alternatives is a 400, not a silent no-op.
+- Fields OpenAI has that this server cannot honour (``echo``, ``suffix``,
+  ``logit_bias``, ``tools``, non-text content) are rejected with a 400 naming
+  the field, never ignored. Unknown fields are ignored, like vLLM.
+
+Types are strict: ``"max_tokens": "5"`` is a 400, not coerced.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16
+MAX_PROMPTS = 16
+MAX_STOP = 4
+MAX_STOP_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    """``stream_options`` (only with ``stream: true``)."""
+
+    include_usage: bool = Field(
+        False, description="Send one extra chunk before [DONE] with the request's token usage."
+    )
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(
+        None, description="Must name the served model (GET /v1/models); omitted = the served model."
+    )
+    n: int = Field(1, ge=1, le=MAX_N, description="Choices to generate per prompt.")
+    temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 = off (vLLM extension).")
+    min_p: FiniteFloat = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
+    repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=10.0, description="vLLM extension.")
+    presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = Field(
+        None, description=f"Up to {MAX_STOP} strings of 1..{MAX_STOP_LEN} characters."
+    )
+    stop_token_ids: list[int] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension."
+    )
+    ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension).")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}")
+        for s in stops:
+            if not 1 <= len(s) <= MAX_STOP_LEN:
+                raise ValueError(
+                    f"each stop string must have 1..{MAX_STOP_LEN} characters, got {len(s)}"
+                )
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and min(v) < 0:
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptType = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: PromptType = Field(
+        description=f"Text, token ids, or a list of up to {MAX_PROMPTS} of either."
+    )
+    max_tokens: int | None = Field(16, ge=1, description="Tokens to generate (default 16).")
+    logprobs: int | None = Field(
+        None,
+        description="0 = return each sampled token's log-probability (top-k not supported).",
+        json_schema_extra={"minimum": 0, "maximum": 0},
+    )
+    echo: bool = Field(False, description="Not supported: must be false.")
+    suffix: str | None = Field(None, description="Not supported: must be null.")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only null or equal to n.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: PromptType) -> PromptType:
+        prompts = normalize_prompt(v)
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        for p in prompts:
+            if len(p) == 0:
+                raise ValueError("must not be empty")
+            if isinstance(p, list) and min(p) < 0:
+                raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: int | None) -> int | None:
+        return _only_zero(v, "the sampled token's log-probability is returned; send logprobs=0")
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo: not supported; send echo=false")
+        if self.suffix:
+            raise ValueError("suffix: not supported; send no suffix")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported; send no logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: must equal n ({self.n}) or be omitted")
+        return self
+
+
+def _only_zero(v: int | None, hint: str) -> int | None:
+    if v is not None and v != 0:
+        raise ValueError(f"only 0 is supported, got {v}: {hint}")
+    return v
+
+
+def normalize_prompt(v: PromptType) -> list[str | list[int]]:
+    """The list of prompts in a completion request (each text or token ids)."""
+    if isinstance(v, str):
+        return [v]
+    if not v:
+        return [[]]  # an empty list is an empty prompt, reported by the validator
+    if all(isinstance(x, int) for x in v):
+        return [list(v)]  # type: ignore[arg-type]
+    return list(v)  # type: ignore[arg-type]
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"] = Field(description="Only text content parts are supported.")
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(
+        None, ge=1, description="Default: the rest of the context (max_seq_len - prompt)."
+    )
+    max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(
+        None, description="Only 0 is supported.", json_schema_extra={"minimum": 0, "maximum": 0}
+    )
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: int | None) -> int | None:
+        return _only_zero(v, "top alternatives are not computed; send top_logprobs=0 or omit it")
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported; send no tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatLogprobToken(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[dict[str, Any]] = []
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "paged"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

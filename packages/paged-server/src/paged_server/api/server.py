@@ -1,0 +1,155 @@
+"""Running the app under uvicorn: in the foreground (``paged-server serve``) or
+on a background thread bound to a free loopback port (tests, ``bench-serve``).
+
+uvicorn handles SIGINT/SIGTERM in the foreground: it stops accepting, lets
+in-flight requests finish for up to ``shutdown_timeout_s``, cancels the rest
+(which aborts them in the engine), then the app's lifespan stops the engine
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from paged_server.api.app import ServerSettings, create_app
+from paged_server.config import EngineConfig, resolve_attention_backend, resolve_device
+
+logger = logging.getLogger("paged_server.api")
+
+
+def build_engine(config: EngineConfig) -> Any:
+    """Validate ``config`` and build the engine (loads the model)."""
+    from paged_server.engine import LLMEngine
+
+    config.validate()
+    return LLMEngine(config)
+
+
+def served_model_name(config: EngineConfig, override: str | None = None) -> str:
+    """The id clients send as ``model``: the override, the model directory's
+    name, or the embedded default model's name."""
+    if override:
+        return override
+    if config.model:
+        return Path(config.model).expanduser().resolve().name
+    from paged_server.default_model import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME
+
+
+def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
+    """One line an operator reads to know what is being served, how, and where."""
+    config = engine.config
+    m = engine.metrics()
+    try:
+        attention = resolve_attention_backend(config, resolve_device(config))
+    except ValueError:
+        attention = config.attention_backend
+    source = config.model or "embedded default model"
+    return (
+        f"paged-server: serving '{settings.model_name}' ({source}) on {url} | "
+        f"kv_cache_backend={config.kv_cache_backend} attention={attention} | "
+        f"KV capacity {int(m.get('kv_capacity_tokens', 0))} tokens in "
+        f"{int(m.get('kv_capacity_blocks', 0))} blocks of {config.block_size} | "
+        f"max_seq_len={config.max_seq_len} max_batch_size={config.max_batch_size} "
+        f"api_key={'on' if settings.api_key else 'off'}"
+    )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 = a free port chosen by the OS)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _uvicorn_config(app: Any, settings: ServerSettings, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s)),
+        access_log=log_level == "debug",
+    )
+
+
+def serve(engine: Any, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM (foreground; blocks)."""
+    sock = bind_socket(host, port)
+    app = create_app(engine, settings)
+    line = startup_line(engine, settings, _url(sock))
+    logger.info(line)
+    print(line, file=sys.stderr, flush=True)
+    uvicorn.Server(_uvicorn_config(app, settings, log_level)).run(sockets=[sock])
+
+
+class ServerThread:
+    """The app served by uvicorn on a background thread (loopback, free port).
+
+    ``with ServerThread(engine, settings) as server: server.url`` -- the
+    engine is the same object tests can audit directly.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        settings: ServerSettings,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.app = create_app(engine, settings)
+        self._sock = bind_socket(host, port)
+        self.url = _url(self._sock)
+        self._server = uvicorn.Server(_uvicorn_config(self.app, settings, log_level))
+        self._thread = threading.Thread(target=self._run, name="paged-uvicorn", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._sock])
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {self._error!r}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()
+
+    @property
+    def async_engine(self) -> Any:
+        return self.app.state.async_engine
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,284 @@
+"""``paged-server bench-serve``: the design documents' workloads over HTTP.
+
+Requests go to ``POST /v1/completions`` (streaming, token-id prompts, EOS
+ignored so every run generates the same tokens) at a Poisson arrival rate
+drawn from a seeded generator; the client times every streamed chunk. One
+JSON line reports throughput and TTFT / inter-token latency percentiles.
+
+Workloads are those of ``paged_server.bench.workloads`` (``seed`` =
+the documents' ``paged_attention`` burst, ``shared_prefix``, ``nano_vllm``)
+plus the documents' ``continuous_batching`` (32 requests, prompts 64-512
+tokens, 4 requests/s). The server is either started in-process on a free
+loopback port (engine flags as for ``serve``) or an existing one (``--url``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+CONTINUOUS_BATCHING = "continuous_batching"
+# Arrival rate (requests/s) each workload is defined with; inf = one burst.
+DEFAULT_RATES = {CONTINUOUS_BATCHING: 4.0}
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """What the client saw for one request."""
+
+    ok: bool = False
+    error: str | None = None
+    sent: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    done: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def token_pool(tokenizer: Any) -> list[int]:
+    """Ids the tokenizer can decode, special tokens excluded (prompt material)."""
+    special = set(getattr(tokenizer, "special_token_ids", ()) or ())
+    return [i for i in range(int(tokenizer.vocab_size)) if i not in special]
+
+
+def build_workload(name: str, pool: list[int], args: argparse.Namespace) -> Any:
+    """The named workload, scaled by ``--prompt-scale`` / ``--new-tokens-scale``."""
+    from paged_server.bench import workloads as wl
+
+    if name == CONTINUOUS_BATCHING:
+        return wl.burst_workload(
+            CONTINUOUS_BATCHING,
+            "continuous_batching: 32 requests, prompts 64-512, 32-128 new tokens, 4 req/s",
+            pool,
+            num_requests=args.num_requests or 32,
+            prompt_range=(64, 512),
+            new_tokens_range=(32, 128),
+            seed=args.seed,
+            prompt_scale=args.prompt_scale,
+            new_tokens_scale=args.new_tokens_scale,
+        )
+    return wl.make_workload(
+        name,
+        pool,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        prompt_scale=args.prompt_scale,
+        new_tokens_scale=args.new_tokens_scale,
+    )
+
+
+def workload_names() -> list[str]:
+    from paged_server.bench.workloads import WORKLOADS
+
+    return sorted([*WORKLOADS, CONTINUOUS_BATCHING])
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: Poisson
+    arrivals (exponential gaps) at ``rate`` per second; all 0 for inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(f"{seed}:arrivals")
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def _one_request(
+    client: httpx.AsyncClient, body: dict[str, Any], delay: float, start: float, timing: RequestTiming
+) -> None:
+    await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
+    timing.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                timing.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    timing.ok = timing.error is None
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    timing.error = str(event["error"].get("message"))
+                    continue
+                if event.get("usage"):
+                    timing.prompt_tokens = event["usage"]["prompt_tokens"]
+                    timing.completion_tokens = event["usage"]["completion_tokens"]
+                if any(c.get("text") for c in event.get("choices", [])):
+                    timing.chunk_times.append(time.perf_counter())
+    except httpx.HTTPError as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        timing.done = time.perf_counter()
+
+
+async def run_workload(
+    url: str, model: str | None, workload: Any, rate: float, seed: int, api_key: str | None
+) -> tuple[list[RequestTiming], float]:
+    """Send every request of ``workload`` at its arrival time; returns timings and wall time."""
+    offsets = arrival_offsets(len(workload.requests), rate, seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timings = [RequestTiming() for _ in workload.requests]
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits, headers=headers) as client:
+        start = time.perf_counter()
+        tasks = []
+        for spec, delay, timing in zip(workload.requests, offsets, timings, strict=True):
+            body = {
+                "prompt": list(spec.prompt_token_ids),
+                "max_tokens": spec.max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            if model:
+                body["model"] = model
+            tasks.append(_one_request(client, body, delay, start, timing))
+        await asyncio.gather(*tasks)
+        return timings, time.perf_counter() - start
+
+
+def summarize(timings: list[RequestTiming], wall_s: float) -> dict[str, Any]:
+    """Throughput and latency percentiles (ms) over the successful requests."""
+    from paged_server.bench.results import percentiles
+
+    ok = [t for t in timings if t.ok]
+    out_tokens = sum(t.completion_tokens for t in ok)
+    prompt_tokens = sum(t.prompt_tokens for t in ok)
+    ttft = [(t.chunk_times[0] - t.sent) * 1e3 for t in ok if t.chunk_times]
+    itl = [
+        (b - a) * 1e3 for t in ok for a, b in zip(t.chunk_times, t.chunk_times[1:], strict=False)
+    ]
+    e2e = [(t.done - t.sent) * 1e3 for t in ok]
+    errors = [t.error for t in timings if not t.ok]
+    return {
+        "completed": len(ok),
+        "failed": len(timings) - len(ok),
+        "first_error": next((e for e in errors if e), None),
+        "duration_s": round(wall_s, 3),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "request_throughput": round(len(ok) / wall_s, 3) if wall_s > 0 else None,
+        "output_tokens_per_s": round(out_tokens / wall_s, 2) if wall_s > 0 else None,
+        "total_tokens_per_s": round((out_tokens + prompt_tokens) / wall_s, 2) if wall_s > 0 else None,
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "e2e_latency_ms": percentiles(e2e),
+    }
+
+
+_METRIC_LINE = re.compile(r"^(paged:[a-z_]+)(?:\{[^}]*\})? (\S+)$")
+
+
+def scrape_metrics(url: str, api_key: str | None) -> dict[str, float]:
+    """The server's unlabelled-by-bucket ``paged:`` samples from /metrics."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC_LINE.match(line)
+        if m and "_bucket" not in m.group(1):
+            key = m.group(1).removeprefix("paged:")
+            out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", help="benchmark this running server instead of starting one")
+    parser.add_argument("--api-key", help="Bearer token for --url")
+    parser.add_argument("--served-model-name", help="model id to send (default: the server's)")
+    parser.add_argument(
+        "--tokenizer",
+        help="model directory whose tokenizer gives the prompt token pool with --url "
+        "(default: --model, else the embedded default model)",
+    )
+    parser.add_argument("--workload", default=CONTINUOUS_BATCHING, help="workload name")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="requests per second, Poisson arrivals; inf = one burst "
+        f"(default: the workload's own, {DEFAULT_RATES} else inf)",
+    )
+    parser.add_argument("--num-requests", type=int, default=None, help="override the workload's count")
+    parser.add_argument("--bench-seed", dest="bench_seed", type=int, default=0,
+                        help="seed of the workload and the arrival times")
+    parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiply prompt lengths")
+    parser.add_argument("--new-tokens-scale", type=float, default=1.0, help="multiply max_tokens")
+    parser.add_argument("--output", help="also append the JSON line to this file")
+
+
+def _tokenizer_for(args: argparse.Namespace) -> Any:
+    from paged_server.tokenizer import Tokenizer
+
+    path = args.tokenizer or getattr(args, "model", None)
+    if path is None:
+        from paged_server.default_model import ensure_default_model
+
+        path = ensure_default_model()
+    return Tokenizer.from_dir(path)
+
+
+def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
+    """Run one benchmark; ``config`` (an ``EngineConfig``) starts an in-process server."""
+    args.seed = args.bench_seed
+    rate = args.request_rate if args.request_rate is not None else DEFAULT_RATES.get(args.workload, math.inf)
+    server = None
+    settings_info: dict[str, Any] = {}
+    try:
+        if args.url:
+            url, model, tokenizer = args.url.rstrip("/"), args.served_model_name, _tokenizer_for(args)
+        else:
+            from paged_server.api.app import ServerSettings
+            from paged_server.api.server import ServerThread, build_engine, served_model_name
+
+            assert config is not None
+            engine = build_engine(config)
+            name = served_model_name(config, args.served_model_name)
+            server = ServerThread(engine, ServerSettings(model_name=name)).start()
+            url, model, tokenizer = server.url, name, engine.tokenizer
+            settings_info = asdict(config)
+        workload = build_workload(args.workload, token_pool(tokenizer), args)
+        timings, wall = asyncio.run(
+            run_workload(url, model, workload, rate, args.seed, args.api_key)
+        )
+        server_metrics = scrape_metrics(url, args.api_key)
+    finally:
+        if server is not None:
+            server.stop()
+    report: dict[str, Any] = {
+        "benchmark": "serve",
+        "workload": workload.summary(),
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "seed": args.seed,
+        "url": args.url or "in-process",
+        "num_requests": len(workload.requests),
+        **summarize(timings, wall),
+        "server": {
+            k: server_metrics.get(k)
+            for k in (
+                "num_preemptions_total",
+                "prefix_cache_queries_total",
+                "prefix_cache_hits_total",
+                "kv_capacity_tokens",
+            )
+        },
+        "engine_config": settings_info or None,
+    }
+    return report
