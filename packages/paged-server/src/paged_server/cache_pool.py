@@ -1,0 +1,103 @@
+"""Build the KV cache pool an engine config asks for, sized for the model.
+
+The one place that names the concrete pool classes; everything after it
+talks to the pool through ``ServingPoolProtocol`` only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from paged_core.protocols import ServingPoolProtocol
+
+from paged_server.config import EngineConfig
+from paged_server.models import ModelConfig
+
+
+@dataclass(slots=True)
+class PoolCapacity:
+    """Total KV capacity: ``num_blocks`` of ``block_size`` tokens (paged), or
+    ``num_slots`` rows of ``max_seq_len`` tokens (contiguous; ``num_blocks``
+    is then its size in block-equivalents, for comparisons)."""
+
+    num_blocks: int
+    block_size: int
+    num_slots: int | None
+    tokens: int
+
+
+def attention_ops(backend: str) -> ModuleType:
+    """The attention ops module for ``"ref"`` or ``"triton"``."""
+    if backend == "triton":
+        from paged_triton import ops as triton_ops
+
+        return triton_ops
+    from paged_ref import ops as ref_ops
+
+    return ref_ops
+
+
+def build_cache_pool(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: str,
+) -> tuple[ServingPoolProtocol, PoolCapacity]:
+    """A zeroed pool for ``model_config`` and its capacity.
+
+    Paged: ``num_gpu_blocks``, else as many blocks as ``kv_cache_memory_bytes``
+    holds, else ``max_batch_size * max_seq_len / block_size``. Contiguous:
+    ``max_batch_size`` rows, fewer if ``kv_cache_memory_bytes`` holds fewer.
+    The contiguous pool attends with the reference path whatever ``backend``.
+    """
+    from paged_ref import PagedKVCachePool, SlottedKVCache
+
+    layers, kv_heads, head_dim = (
+        model_config.num_layers,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+    )
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    token_bytes = 2 * layers * kv_heads * head_dim * itemsize
+    if config.kv_cache_backend == "paged":
+        num_blocks = config.num_gpu_blocks
+        if num_blocks is None and config.kv_cache_memory_bytes is not None:
+            num_blocks = config.kv_cache_memory_bytes // (token_bytes * config.block_size)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no KV block "
+                    f"of {token_bytes * config.block_size} bytes; raise it or lower block_size"
+                )
+        if num_blocks is None:
+            num_blocks = math.ceil(config.max_batch_size * config.max_seq_len / config.block_size)
+        pool: ServingPoolProtocol = PagedKVCachePool.from_model_config(
+            layers,
+            kv_heads,
+            head_dim,
+            num_blocks,
+            config.block_size,
+            dtype,
+            device,
+            enable_prefix_caching=config.enable_prefix_caching,
+            ops=attention_ops(backend),
+        )
+        capacity = PoolCapacity(num_blocks, config.block_size, None, num_blocks * config.block_size)
+        return pool, capacity
+    slots = config.max_batch_size
+    if config.kv_cache_memory_bytes is not None:
+        slots = min(slots, config.kv_cache_memory_bytes // (token_bytes * config.max_seq_len))
+        if slots < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no contiguous "
+                f"slot of {token_bytes * config.max_seq_len} bytes (max_seq_len "
+                f"{config.max_seq_len}); raise it or lower max_seq_len"
+            )
+    pool = SlottedKVCache.from_model_config(
+        layers, kv_heads, head_dim, config.max_seq_len, slots, dtype=dtype, device=device
+    )
+    tokens = slots * config.max_seq_len
+    return pool, PoolCapacity(tokens // config.block_size, config.block_size, slots, tokens)

@@ -1,0 +1,118 @@
+"""Engine configuration: what the operator chooses, validated before anything is built.
+
+``EngineConfig`` stays plain data (the CLI and ``LLM(**kwargs)`` fill it);
+the ``resolve_*`` helpers turn its ``"auto"`` settings into concrete
+choices for this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_CACHE_BACKENDS = ("paged", "contiguous")
+ATTENTION_BACKENDS = ("auto", "ref", "triton")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything that shapes one engine: cache layout, budgets, backends.
+
+    ``num_gpu_blocks=None`` sizes the paged pool from ``kv_cache_memory_bytes``
+    when given, else to ``max_batch_size * max_seq_len / block_size`` blocks:
+    the same token capacity as the contiguous pool, for like-for-like
+    comparisons. The contiguous pool always has fixed ``max_seq_len`` rows;
+    with ``kv_cache_memory_bytes`` it gets as many rows as fit (at most
+    ``max_batch_size``).
+    """
+
+    model: str | None = None
+    kv_cache_backend: str = "paged"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_batch_size: int = 64
+    max_num_batched_tokens: int = 2048
+    max_seq_len: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_queue_len: int = 1024
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field and what to do."""
+        _choice("kv_cache_backend", self.kv_cache_backend, KV_CACHE_BACKENDS)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("dtype", self.dtype, ("auto", *DTYPES))
+        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+            raise ValueError(
+                f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "max_queue_len"):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("max_seq_len", self.max_seq_len, 2)  # one prompt token + one generated
+        for name in ("num_gpu_blocks", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
+        if not _is_int(self.seed):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model: must be a path string or None, got {self.model!r}")
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_batch_size ({self.max_batch_size}) so every running sequence can "
+                "decode in one step; raise it or lower max_batch_size"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_seq_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_seq_len ({self.max_seq_len}) when enable_chunked_prefill is False, "
+                "or long prompts could never be scheduled; enable chunked prefill or raise it"
+            )
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    """``auto`` is CUDA when there is a GPU, else CPU; asking for CUDA without one fails here."""
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device: 'cuda' requested but no CUDA GPU is available; use 'cpu' or 'auto'"
+        )
+    return device
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA and float32 on CPU (CPU half math is slow, and
+    the Triton interpreter cannot do bfloat16)."""
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[config.dtype]
+
+
+def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str:
+    """``auto`` is the fused Triton kernels on CUDA, else the PyTorch reference."""
+    if config.attention_backend == "auto":
+        return "triton" if device.type == "cuda" else "ref"
+    return config.attention_backend
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _at_least(name: str, value: object, low: int) -> None:
+    if not _is_int(value) or value < low:  # type: ignore[operator]
+        raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")

@@ -1,0 +1,151 @@
+"""Offline batch generation, shaped like vLLM's ``LLM`` class.
+
+    llm = LLM(max_batch_size=8)            # embedded default model
+    results = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=20))
+    results[0].outputs[0].text
+
+``generate`` feeds the engine as fast as its queue takes requests and
+steps it until every prompt is done; ``llm.engine`` gives metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from paged_server.config import EngineConfig
+from paged_server.engine import LLMEngine
+from paged_server.errors import QueueFullError
+from paged_server.models import LoadedModel
+from paged_server.outputs import CompletionChoice, CompletionResult
+from paged_server.sampling_params import SamplingParams
+
+
+class LLM:
+    """A model and an engine for offline use; ``engine_config`` fields are
+    ``EngineConfig``'s (``kv_cache_backend``, ``max_batch_size``, ...)."""
+
+    def __init__(
+        self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_config: Any
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_config), loaded)
+        self._counter = 0
+
+    def get_tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[CompletionResult]:
+        """Complete every prompt (text, or token ids); results come back in
+        prompt order. One ``SamplingParams`` applies to all, or pass one per
+        prompt. A prompt whose parameters are invalid gets choices with
+        ``finish_reason="error"`` instead of stopping the whole batch.
+        ``use_tqdm`` (default: when there is more than one prompt) shows progress."""
+        inputs: list[str | list[int]]
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("pass prompts or prompt_token_ids, not both")
+            inputs = [list(ids) for ids in prompt_token_ids]
+        elif prompts is None:
+            raise ValueError("pass prompts (text) or prompt_token_ids")
+        else:
+            inputs = [prompts] if isinstance(prompts, str) else list(prompts)
+        params_list = _params_per_prompt(sampling_params, len(inputs))
+        if use_tqdm is None:
+            use_tqdm = len(inputs) > 1
+
+        results: dict[str, CompletionResult] = {}
+        order: list[str] = []
+        for prompt, params in zip(inputs, params_list, strict=True):
+            request_id = f"llm-{self._counter}"
+            self._counter += 1
+            order.append(request_id)
+            results[request_id] = CompletionResult(
+                request_id=request_id,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+                outputs=[
+                    CompletionChoice(
+                        index=i,
+                        text="",
+                        token_ids=[],
+                        finish_reason=None,
+                        logprobs=[] if params.logprobs else None,
+                    )
+                    for i in range(_num_choices(params))
+                ],
+            )
+
+        pending = list(zip(order, inputs, params_list, strict=True))
+        unfinished: dict[str, int] = {}
+        engine = self.engine
+        with tqdm(total=len(order), disable=not use_tqdm, desc="generate", unit="req") as bar:
+            while pending or engine.has_unfinished():
+                pending = self._submit(pending, results, unfinished, bar)
+                for out in engine.step():
+                    choice = results[out.request_id].outputs[out.index]
+                    choice.text += out.new_text
+                    choice.token_ids += out.new_token_ids
+                    if out.new_logprobs is not None and choice.logprobs is not None:
+                        choice.logprobs += out.new_logprobs
+                    if out.finished:
+                        choice.finish_reason, choice.error = out.finish_reason, out.error
+                        unfinished[out.request_id] -= 1
+                        if unfinished[out.request_id] == 0:
+                            bar.update(1)
+        return [results[r] for r in order]
+
+    def _submit(
+        self,
+        pending: list[tuple[str, str | list[int], SamplingParams]],
+        results: dict[str, CompletionResult],
+        unfinished: dict[str, int],
+        bar: tqdm,
+    ) -> list[tuple[str, str | list[int], SamplingParams]]:
+        """Add requests until the engine's queue is full; returns the rest."""
+        for i, (request_id, prompt, params) in enumerate(pending):
+            result = results[request_id]
+            try:
+                if isinstance(prompt, str) and not result.prompt_token_ids:
+                    try:
+                        result.prompt_token_ids = self.engine.tokenizer.encode(prompt)
+                    except Exception as exc:
+                        raise ValueError(f"prompt: could not be tokenized: {exc}") from exc
+                self.engine.add_request(request_id, result.prompt_token_ids, params)
+            except QueueFullError:
+                return pending[i:]
+            except ValueError as exc:  # this prompt fails, the others go on
+                for choice in result.outputs:
+                    choice.finish_reason, choice.error = "error", str(exc)
+                bar.update(1)
+                continue
+            unfinished[request_id] = params.n
+        return []
+
+
+def _num_choices(params: SamplingParams) -> int:
+    """Choices to report (one, carrying the error, when ``n`` itself is invalid)."""
+    n = params.n
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(
+            f"got {len(params)} SamplingParams for {n} prompts; pass one or one per prompt"
+        )
+    return params

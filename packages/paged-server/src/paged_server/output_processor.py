@@ -1,0 +1,106 @@
+"""After sampling: append the token, grow the text, check stop conditions,
+and package what is new as a ``RequestOutput``.
+
+Stop strings may span tokens, so text that could still turn out to be the
+start of a stop string is held back (``longest stop - 1`` characters) and
+released once it cannot be; the final output flushes the rest. Text is cut
+just before the stop string. A stop token (``stop_token_ids``, or EOS unless
+``ignore_eos``) stays in ``token_ids`` but adds no text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from paged_server.outputs import RequestOutput
+from paged_server.sequence import Sequence
+
+
+def append_token(
+    seq: Sequence,
+    token_id: int,
+    logprob: float | None,
+    eos_token_ids: Collection[int],
+    max_seq_len: int,
+) -> None:
+    """Record one sampled token and finish the sequence if a stop condition holds.
+
+    Raises whatever the detokenizer raises; the engine fails that one request.
+    """
+    params = seq.request.params
+    seq.token_ids.append(token_id)
+    seq.new_token_ids.append(token_id)
+    if logprob is not None:
+        seq.logprobs.append(logprob)
+        seq.new_logprobs.append(logprob)
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        seq.finish("stop")
+        _add_text(seq, seq.text_stream.flush())
+    else:
+        _add_text(seq, seq.text_stream.add(token_id))
+        if not seq.is_finished and (
+            seq.num_generated >= params.max_tokens or len(seq.token_ids) >= max_seq_len
+        ):
+            seq.finish("length")
+            _add_text(seq, seq.text_stream.flush())
+    release_text(seq)
+
+
+def _add_text(seq: Sequence, piece: str) -> None:
+    """Append detokenized text, cutting (and finishing) at a stop string."""
+    if not piece:
+        return
+    old_len = len(seq.output_text)
+    seq.output_text += piece
+    cut = find_stop(seq.output_text, seq.request.params.stop, old_len)
+    if cut is not None:
+        seq.output_text = seq.output_text[:cut]
+        seq.finish("stop")
+
+
+def find_stop(text: str, stops: list[str], old_len: int) -> int | None:
+    """Index of the earliest stop string that ends after ``old_len`` (the
+    text length before this token), or ``None``."""
+    if not stops:
+        return None
+    start = max(0, old_len - max(map(len, stops)) + 1)
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def release_text(seq: Sequence) -> None:
+    """Move text that can no longer be part of a stop string to ``new_text``."""
+    stops = seq.request.params.stop
+    hold = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
+    upto = max(seq.emitted_text_len, len(seq.output_text) - hold)
+    seq.new_text += seq.output_text[seq.emitted_text_len : upto]
+    seq.emitted_text_len = upto
+
+
+def take_output(seq: Sequence) -> RequestOutput | None:
+    """The delta since the last output of ``seq`` (``None`` if nothing is new);
+    a finished sequence reports exactly one final output."""
+    if seq.is_finished:
+        if seq.finish_reported:
+            return None
+        release_text(seq)
+    elif not seq.new_token_ids and not seq.new_text:
+        return None
+    request = seq.request
+    out = RequestOutput(
+        request_id=request.request_id,
+        index=seq.index,
+        new_token_ids=seq.new_token_ids,
+        new_text=seq.new_text,
+        new_logprobs=seq.new_logprobs if request.params.logprobs else None,
+        finished=seq.is_finished,
+        finish_reason=seq.finish_reason,
+        error=seq.error,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_generated_tokens=seq.num_generated,
+        arrival_time=request.arrival_time,
+        first_token_time=request.first_token_time,
+    )
+    seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
+    seq.finish_reported = seq.is_finished
+    return out

@@ -1,0 +1,54 @@
+"""What the engine hands back: streaming deltas (``RequestOutput``) and,
+for the offline ``LLM`` API, whole completions (``CompletionResult``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One per (request, choice index) per step that produced something.
+
+    Deltas only: ``new_token_ids``/``new_text``/``new_logprobs`` hold what
+    is new since the previous output of this choice. ``new_text`` may lag
+    the tokens by a few characters while a stop string could still be
+    forming. ``arrival_time`` and ``first_token_time`` (``time.monotonic()``
+    seconds) let the server build TTFT histograms; the time an output
+    arrives gives inter-token latency.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    error: str | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class CompletionChoice:
+    """One finished choice of an offline completion."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionResult:
+    """Everything ``LLM.generate`` returns for one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionChoice] = field(default_factory=list)

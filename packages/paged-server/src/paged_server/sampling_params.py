@@ -1,0 +1,96 @@
+"""Per-request sampling settings, named and bounded as in vLLM / the OpenAI API."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each token of one request and when to stop.
+
+    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` and ``min_p=0``
+    switch those filters off. Penalties follow vLLM: the repetition penalty
+    applies to tokens seen in the prompt or output, presence/frequency
+    penalties to output tokens. ``seed`` makes a request reproducible on its
+    own, whatever else is in the batch. ``logprobs=True`` returns the
+    model's log-probability (before penalties and temperature) of each
+    chosen token. ``stop`` strings are cut from the text; ``stop_token_ids``
+    (and EOS unless ``ignore_eos``) end the request with their token kept in
+    ``token_ids`` but not in the text.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # OpenAI allows a single string
+            self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_seq_len: int) -> None:
+        """Raise ``ValueError("<field>: what is wrong")`` for the first bad field."""
+        _int_in("n", self.n, 1, None)
+        _int_in("max_tokens", self.max_tokens, 1, max_seq_len)
+        _int_in("top_k", self.top_k, 0, None, hint=" (0 = off)")
+        _float_in("temperature", self.temperature, 0.0, None)
+        _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _float_in("min_p", self.min_p, 0.0, 1.0)
+        _float_in("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed: must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop: must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids: must be a list of non-negative integers, got {self.stop_token_ids!r}"
+            )
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_in(name: str, value: object, low: int, high: int | None, hint: str = "") -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name}: must be an integer{hint}, got {value!r}")
+    assert isinstance(value, int)
+    if value < low:
+        raise ValueError(f"{name}: must be >= {low}{hint}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high} (max_seq_len), got {value}")
+
+
+def _float_in(
+    name: str, value: object, low: float, high: float | None, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if too_low:
+        raise ValueError(f"{name}: must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")

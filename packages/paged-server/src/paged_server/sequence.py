@@ -1,0 +1,118 @@
+"""Per-request state: a ``Request`` (one prompt, ``n`` choices) owns one
+``Sequence`` per choice; the scheduler moves sequences, not requests.
+
+Token bookkeeping of a sequence:
+- ``token_ids``: prompt + generated tokens.
+- ``num_computed``: tokens whose K/V sit in the cache (the pool slot's length).
+- ``prefill_len``: tokens to prefill in the current admission: the prompt on
+  first admission, prompt + generated after a preemption (recompute).
+While ``num_computed < prefill_len`` the sequence is prefilling; afterwards
+each step writes its last sampled token (decode) and samples the next one.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from paged_server.sampling_params import SamplingParams
+
+
+class TextStream(Protocol):
+    """Incremental detokenizer of one choice (``IncrementalDetokenizer``)."""
+
+    def add(self, token_ids: int) -> str:
+        """Text completed by a new token (may be empty)."""
+        ...
+
+    def flush(self) -> str:
+        """Text held back at the end of the stream."""
+        ...
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # in the scheduler's queue (new or preempted)
+    RUNNING = "running"  # holds a cache slot
+    PENDING_FORK = "pending_fork"  # choice > 0 of n: created when choice 0's prompt is done
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One submitted prompt; its choices share the prompt (and its blocks)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+    first_token_time: float | None = None
+    forked: bool = False  # choices 1..n-1 started (from choice 0's prompt)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One choice of a request, as scheduled, computed and streamed."""
+
+    seq_id: int
+    request: Request
+    index: int
+    token_ids: list[int]
+    generator: torch.Generator
+    text_stream: TextStream
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None
+    num_computed: int = 0
+    prefill_len: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    output_text: str = ""
+    emitted_text_len: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    # Not yet streamed (cleared by the engine after each RequestOutput).
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+    new_text: str = ""
+    finish_reported: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.prefill_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def batch_slots_needed(self) -> int:
+        """Running-set places this sequence takes when admitted: all ``n``
+        choices for a first admission of choice 0 (its forks follow it)."""
+        if self.index == 0 and not self.request.forked:
+            return self.request.params.n
+        return 1
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
