@@ -28,9 +28,10 @@ def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     """The checkpoint as transformers loads it (eval mode, CPU unless CUDA)."""
     from transformers import AutoModelForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.to(device).eval()
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model.eval()
 
 
 class _StepClock:

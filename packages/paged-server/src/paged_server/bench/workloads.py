@@ -78,13 +78,21 @@ class Workload:
         }
 
 
-def token_pool_from_tokenizer(tokenizer: Any) -> list[int]:
-    """Every id the tokenizer knows except its special tokens (BOS/EOS/pad...).
+def token_pool_from_tokenizer(tokenizer: Any, model_vocab_size: int | None = None) -> list[int]:
+    """Every id the tokenizer knows except its special tokens (BOS/EOS/pad...),
+    below ``model_vocab_size`` when given.
 
     Prompts drawn from this pool never contain an EOS or a chat-template
-    marker, and decode to text on every backend."""
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    pool = [i for i in range(len(tokenizer)) if i not in special]
+    marker, and decode to text on every backend. Takes our ``Tokenizer``
+    (``vocab_size``, ``special_token_ids``) or a transformers tokenizer
+    (``len``, ``all_special_ids``)."""
+    if hasattr(tokenizer, "special_token_ids"):
+        size, special = int(tokenizer.vocab_size), set(tokenizer.special_token_ids)
+    else:
+        size, special = len(tokenizer), set(getattr(tokenizer, "all_special_ids", []) or [])
+    if model_vocab_size is not None:
+        size = min(size, model_vocab_size)
+    pool = [i for i in range(size) if i not in special]
     if not pool:
         raise ValueError("the tokenizer has no non-special tokens to build prompts from")
     return pool

@@ -1,0 +1,178 @@
+"""Capacity table: how many sequences fit at once, contiguous vs paged, at
+equal KV bytes, *measured* by admitting sequences into the real pools.
+
+The contiguous pool reserves ``max_seq_len`` positions per slot, so it holds
+``num_slots`` sequences whatever their length. The paged pool gets the same
+bytes as blocks (``num_slots * max_seq_len / block_size`` of them) and hands
+them out per ``block_size`` tokens, so short sequences leave room for more.
+For each average length we draw sequence lengths (uniform in
+``[avg * (1 - spread), avg * (1 + spread)]``, capped at ``max_seq_len``),
+admit them one by one with ``allocate_sequence`` until a pool says no, and
+count. Tiny per-token KV (one layer, one head) keeps it fast; the count does
+not depend on the per-token size because both pools get the same bytes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DEFAULT_AVG_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(slots=True)
+class KVShape:
+    """Per-token KV layout shared by both pools (bytes per token are equal)."""
+
+    num_layers: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = 4
+    dtype: torch.dtype = torch.float32
+
+
+def make_contiguous_pool(shape: KVShape, num_slots: int, max_seq_len: int) -> Any:
+    """A real ``SlottedKVCache`` with ``num_slots`` rows of ``max_seq_len``."""
+    from paged_ref import SlottedKVCache
+
+    return SlottedKVCache.from_model_config(
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.head_dim,
+        max_seq_len,
+        num_slots,
+        dtype=shape.dtype,
+    )
+
+
+def make_paged_pool(shape: KVShape, num_blocks: int, block_size: int) -> Any:
+    """A real ``PagedKVCachePool`` (prefix caching off: every prompt is distinct anyway)."""
+    from paged_ref import PagedKVCachePool
+
+    return PagedKVCachePool.from_model_config(
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.head_dim,
+        num_blocks,
+        block_size,
+        shape.dtype,
+        enable_prefix_caching=False,
+    )
+
+
+def pool_kv_bytes(pool: Any) -> int:
+    """Bytes of the pool's K and V tensors."""
+    return int(sum(t.numel() * t.element_size() for t in (pool.k_cache, pool.v_cache)))
+
+
+def draw_lengths(
+    avg: int, spread: float, max_seq_len: int, rng: random.Random, n: int
+) -> list[int]:
+    """``n`` sequence lengths uniform around ``avg`` (exactly ``avg`` when
+    ``spread`` is 0). The spread narrows near ``max_seq_len`` so the mean
+    stays ``avg``."""
+    if not 1 <= avg <= max_seq_len:
+        raise ValueError(f"average length {avg} must be within 1..max_seq_len ({max_seq_len})")
+    spread = min(spread, (max_seq_len - avg) / avg, (avg - 1) / avg)
+    lo, hi = round(avg * (1 - spread)), round(avg * (1 + spread))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def admit_until_full(
+    pool: Any, lengths: list[int], rng: random.Random, vocab: int = 30000
+) -> list[int]:
+    """Admit sequences of the given lengths in order (fresh random tokens,
+    so no prefix sharing) until the pool refuses one; returns the admitted
+    lengths. Uses the pool's own ``can_allocate_sequence``/``allocate_sequence``."""
+    admitted: list[int] = []
+    for n in lengths:
+        tokens = [rng.randrange(vocab) for _ in range(n)]
+        if not pool.can_allocate_sequence(tokens):
+            break
+        pool.allocate_sequence(tokens)
+        admitted.append(n)
+    problems = pool.audit()
+    if problems:
+        raise AssertionError(
+            f"pool audit failed after admitting {len(admitted)} sequences: {problems}"
+        )
+    return admitted
+
+
+def capacity_row(
+    avg_len: int,
+    *,
+    num_slots: int = 8,
+    max_seq_len: int = 4096,
+    block_size: int = 16,
+    spread: float = 0.5,
+    seed: int = 0,
+    shape: KVShape | None = None,
+) -> dict[str, Any]:
+    """Max concurrent sequences of average length ``avg_len`` in each pool."""
+    shape = shape or KVShape()
+    if (num_slots * max_seq_len) % block_size:
+        raise ValueError(
+            "num_slots * max_seq_len must be a multiple of block_size for equal KV bytes"
+        )
+    num_blocks = num_slots * max_seq_len // block_size
+    contiguous = make_contiguous_pool(shape, num_slots, max_seq_len)
+    paged = make_paged_pool(shape, num_blocks, block_size)
+    c_bytes, p_bytes = pool_kv_bytes(contiguous), pool_kv_bytes(paged)
+    if c_bytes != p_bytes:
+        raise AssertionError(f"pools differ in KV bytes: contiguous {c_bytes}, paged {p_bytes}")
+    # Enough draws for the paged pool to fill even with the shortest lengths.
+    rng = random.Random(f"capacity:{seed}:{avg_len}")
+    upper = num_blocks * block_size // max(1, round(avg_len * (1 - spread))) + 2
+    lengths = draw_lengths(avg_len, spread, max_seq_len, rng, upper)
+    c_admitted = admit_until_full(contiguous, lengths, random.Random(1))
+    p_admitted = admit_until_full(paged, lengths, random.Random(2))
+    return {
+        "avg_len_target": avg_len,
+        "contiguous": len(c_admitted),
+        "paged": len(p_admitted),
+        "ratio": round(len(p_admitted) / max(1, len(c_admitted)), 2),
+        "paged_mean_len": round(sum(p_admitted) / max(1, len(p_admitted)), 1),
+        "paged_tokens_held": sum(p_admitted),
+        "kv_bytes": c_bytes,
+    }
+
+
+def capacity_table(
+    avg_lengths: tuple[int, ...] = DEFAULT_AVG_LENGTHS,
+    *,
+    num_slots: int = 8,
+    max_seq_len: int = 4096,
+    block_size: int = 16,
+    spread: float = 0.5,
+    seed: int = 0,
+    shape: KVShape | None = None,
+) -> dict[str, Any]:
+    """The whole table plus the settings it was measured with."""
+    rows = [
+        capacity_row(
+            n,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+            spread=spread,
+            seed=seed,
+            shape=shape,
+        )
+        for n in avg_lengths
+    ]
+    return {
+        "kind": "capacity",
+        "settings": {
+            "num_slots": num_slots,
+            "max_seq_len": max_seq_len,
+            "block_size": block_size,
+            "num_blocks": num_slots * max_seq_len // block_size,
+            "token_slots": num_slots * max_seq_len,
+            "length_spread": spread,
+            "seed": seed,
+        },
+        "rows": rows,
+    }

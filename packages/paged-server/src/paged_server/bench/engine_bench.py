@@ -1,0 +1,192 @@
+"""Our engine on a workload: one burst, step until done, measure.
+
+Every request arrives at t=0 (``add_request`` for all, then ``step()`` in a
+loop), decodes greedily with EOS ignored, so the token count is fixed by the
+workload. After every step we note the time, the running/waiting counts and
+the pool's occupancy, which gives TTFT, inter-token latency, peak running
+sequences, KV usage over time and preemptions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from paged_server.bench.results import RunResult, TokenTimes, percentiles
+from paged_server.bench.workloads import Workload
+
+
+@dataclass(slots=True)
+class KVBudget:
+    """The KV memory both backends get: ``slots`` x ``slot_len`` token slots
+    (the contiguous baseline's shape; the paged pool gets the same tokens as
+    ``slots * slot_len / block_size`` blocks)."""
+
+    slots: int = 8
+    slot_len: int = 4096
+    block_size: int = 16
+
+    @property
+    def tokens(self) -> int:
+        return self.slots * self.slot_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tokens // self.block_size
+
+
+def engine_config(
+    backend: str,
+    budget: KVBudget,
+    *,
+    model: str | None,
+    max_batch_size: int | None = None,
+    max_num_batched_tokens: int = 2048,
+    enable_prefix_caching: bool = True,
+    attention_backend: str = "auto",
+    dtype: str = "auto",
+    seed: int = 0,
+) -> Any:
+    """The ``EngineConfig`` for one backend at the given KV budget.
+
+    contiguous: ``budget.slots`` rows of ``budget.slot_len`` (its batch size
+    *is* its memory). paged: the same tokens as blocks, and a batch limit of
+    ``max_batch_size`` (default 256) that memory, not slots, bounds."""
+    from paged_server.config import EngineConfig
+
+    if backend == "contiguous":
+        batch = budget.slots if max_batch_size is None else max_batch_size
+        blocks = None
+    elif backend == "paged":
+        batch = 256 if max_batch_size is None else max_batch_size
+        blocks = budget.num_blocks
+    else:
+        raise ValueError(f"backend must be 'paged' or 'contiguous', got {backend!r}")
+    cfg = EngineConfig(
+        model=model,
+        kv_cache_backend=backend,
+        block_size=budget.block_size,
+        num_gpu_blocks=blocks,
+        max_batch_size=batch,
+        max_num_batched_tokens=max(max_num_batched_tokens, batch),
+        max_seq_len=budget.slot_len,
+        enable_prefix_caching=enable_prefix_caching,
+        attention_backend=attention_backend,
+        dtype=dtype,
+        max_queue_len=1 << 20,
+        seed=seed,
+    )
+    cfg.validate()
+    return cfg
+
+
+def kv_occupancy(stats: dict[str, float]) -> tuple[float, float, float]:
+    """``(tokens held, token slots allocated to sequences, pool token slots)``
+    from a pool's ``stats()``: block counters for the paged pool, slot
+    counters for the contiguous one (a used slot allocates ``max_seq_len``)."""
+    held = stats.get("tokens_used", stats.get("tokens_held", 0.0))
+    if "blocks_used" in stats:
+        bs = stats["block_size"]
+        return held, stats["blocks_used"] * bs, stats["num_blocks"] * bs
+    per_slot = stats["token_capacity"] / max(1.0, stats["slots_total"])
+    return held, stats["slots_used"] * per_slot, stats["token_capacity"]
+
+
+def engine_pool(engine: Any) -> Any:
+    """The engine's KV pool (for occupancy and its byte size)."""
+    for path in (("pool",), ("cache_pool",), ("runner", "pool"), ("runner", "cache_pool")):
+        obj = engine
+        for name in path:
+            obj = getattr(obj, name, None)
+        if obj is not None and hasattr(obj, "stats"):
+            return obj
+    raise AttributeError(
+        "cannot find the engine's KV pool (expected engine.pool or engine.runner.pool)"
+    )
+
+
+def run_engine(
+    engine: Any, workload: Workload, *, config_name: str, model_name: str = ""
+) -> RunResult:
+    """Run ``workload`` to completion on ``engine`` (fresh, idle) and measure it."""
+    from paged_server.sampling_params import SamplingParams
+
+    pool = engine_pool(engine)
+    before = engine.metrics()
+    timeline: list[dict[str, float]] = []
+    produced = 0
+    start = time.perf_counter()
+    clock = TokenTimes(start)
+    for r in workload.requests:
+        params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+        engine.add_request(r.request_id, list(r.prompt_token_ids), params)
+    peak_held = (0.0, 1.0)
+    peak_pool = 0.0
+    peak_running = 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.finish_reason == "error":
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            if out.new_token_ids:
+                clock.record(out.request_id, len(out.new_token_ids), now)
+                produced += len(out.new_token_ids)
+        m = engine.metrics()
+        held, allocated, capacity = kv_occupancy(pool.stats())
+        running = int(m["num_requests_running"])
+        peak_running = max(peak_running, running)
+        peak_pool = max(peak_pool, allocated / capacity if capacity else 0.0)
+        if held > peak_held[0]:
+            peak_held = (held, allocated)
+        timeline.append(
+            {
+                "t": round(now - start, 4),
+                "running": running,
+                "waiting": int(m["num_requests_waiting"]),
+                "tokens_held": held,
+                "slots_allocated": allocated,
+                "pool_usage": round(allocated / capacity, 4) if capacity else 0.0,
+            }
+        )
+    seconds = time.perf_counter() - start
+    after = engine.metrics()
+    if produced != workload.output_tokens:
+        raise RuntimeError(
+            f"engine produced {produced} tokens, the workload asks {workload.output_tokens}"
+        )
+    queries = after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"]
+    hits = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
+    cfg = engine.config
+    return RunResult(
+        config=config_name,
+        workload=workload.name,
+        model=model_name,
+        num_requests=len(workload.requests),
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=produced,
+        seconds=seconds,
+        ttft_ms=percentiles(clock.ttft_ms()),
+        itl_ms=percentiles(clock.itl_ms()),
+        peak_running=peak_running,
+        peak_kv_usage=peak_held[0] / peak_held[1] if peak_held[1] else None,
+        peak_kv_pool_usage=peak_pool,
+        preemptions=int(after["num_preemptions_total"] - before["num_preemptions_total"]),
+        prefix_cache_hit_rate=hits / queries if queries else None,
+        settings={
+            "kv_cache_backend": cfg.kv_cache_backend,
+            "max_batch_size": cfg.max_batch_size,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_seq_len": cfg.max_seq_len,
+            "block_size": cfg.block_size,
+            "kv_capacity_tokens": int(after["kv_capacity_tokens"]),
+            "kv_bytes": int(
+                sum(t.numel() * t.element_size() for t in (pool.k_cache, pool.v_cache))
+            ),
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "enable_chunked_prefill": cfg.enable_chunked_prefill,
+            "steps": len(timeline),
+        },
+        timeline=timeline,
+    )

@@ -1,0 +1,85 @@
+"""One tiny run of every configuration: the JSON lines' schema and the
+numbers that must agree between the workload and what was measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from paged_server.bench.engine_bench import KVBudget, kv_occupancy
+from paged_server.bench.results import RESULT_KEYS, percentiles
+from paged_server.bench.suite import ALL_CONFIGS
+
+
+def test_percentiles_nearest_rank() -> None:
+    p = percentiles(float(v) for v in range(1, 101))
+    assert (p["p50"], p["p90"], p["p99"], p["mean"]) == (50.0, 90.0, 99.0, 50.5)
+    assert percentiles([])["p50"] is None
+
+
+def test_kv_occupancy_reads_both_pool_kinds() -> None:
+    paged = {"tokens_used": 40.0, "blocks_used": 3.0, "block_size": 16.0, "num_blocks": 10.0}
+    assert kv_occupancy(paged) == (40.0, 48.0, 160.0)
+    slotted = {"tokens_used": 40.0, "slots_used": 2.0, "slots_total": 4.0, "token_capacity": 256.0}
+    assert kv_occupancy(slotted) == (40.0, 128.0, 256.0)
+
+
+def test_kv_budget_equal_tokens() -> None:
+    b = KVBudget(8, 4096, 16)
+    assert b.tokens == 32768 and b.num_blocks * b.block_size == b.tokens
+
+
+def test_cli_prints_one_json_line_per_configuration(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from paged_server.bench import main
+
+    rc = main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--workload",
+            "seed",
+            "--num-requests",
+            "4",
+            "--prompt-scale",
+            "0.1",
+            "--max-new-tokens-scale",
+            "0.05",
+            "--kv-slots",
+            "2",
+            "--kv-slot-len",
+            "128",
+            "--max-batch-size",
+            "8",
+            "--max-num-batched-tokens",
+            "64",
+            "--attention-backend",
+            "ref",
+            "--dtype",
+            "float32",
+        ]
+    )
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    kinds = [x["kind"] for x in lines]
+    assert kinds == ["environment", "workload", "run", "run", "run", "run", "ratios"]
+    workload = lines[1]
+    runs = {x["config"]: x for x in lines if x["kind"] == "run"}
+    assert set(runs) == set(ALL_CONFIGS)
+    for run in runs.values():
+        assert set(RESULT_KEYS) <= set(run), set(RESULT_KEYS) - set(run)
+        assert run["output_tokens"] == workload["max_tokens"]["total"]
+        assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["seconds"], rel=0.02)
+        assert run["ttft_ms"]["p50"] is not None and run["ttft_ms"]["p50"] > 0
+    paged, contiguous = runs["paged"], runs["contiguous"]
+    # Same KV bytes; the contiguous pool runs at most its 2 slots at once.
+    assert paged["settings"]["kv_bytes"] == contiguous["settings"]["kv_bytes"]
+    assert contiguous["peak_running"] <= 2 < paged["peak_running"] <= 4
+    assert 0 < contiguous["peak_kv_usage"] < paged["peak_kv_usage"] <= 1
+    assert paged["preemptions"] == 0
+    ratios = lines[-1]
+    assert ratios["paged_vs_contiguous"] == pytest.approx(
+        paged["tokens_per_s"] / contiguous["tokens_per_s"], rel=0.02
+    )
