@@ -72,7 +72,12 @@ def random_block_tables(
 
 
 def random_caches(
-    num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+    num_blocks: int,
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
 ) -> tuple[Tensor, Tensor]:
     """K and V caches of N(0, 1) values (noise in unused blocks too)."""
     shape = (num_blocks, kv_heads, block_size, head_dim)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_ref import ops as ref_ops
-
 from paged_triton.decode_attention import choose_num_splits, decode_attention
 
 # heads, kv_heads, head_dim, block_size, sliding_window, softcap
@@ -57,19 +56,25 @@ def test_decode_matches_reference(
     out = decode_attention(
         q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, num_splits=num_splits
     )
-    expected = ref_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap)
+    expected = ref_ops.paged_decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, scale, window, softcap
+    )
     paged.assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("num_splits", [None, 3])
 def test_empty_and_fully_masked_rows_are_zeros(num_splits, gen, paged):
     lens = [0, 20, 0, 33]
-    q, k_cache, v_cache, tables, seq_lens = make_inputs(lens, 4, 2, 64, 16, torch.float32, gen, paged)
+    q, k_cache, v_cache, tables, seq_lens = make_inputs(
+        lens, 4, 2, 64, 16, torch.float32, gen, paged
+    )
     out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits=num_splits)
     assert torch.isfinite(out).all()
     assert (out[[0, 2]] == 0).all() and (out[[1, 3]] != 0).any()
     # A window of 0 hides every key, even the query's own position.
-    hidden = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 0, num_splits=num_splits)
+    hidden = decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, 0.125, 0, num_splits=num_splits
+    )
     assert (hidden == 0).all()
     expected = ref_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 0)
     paged.assert_close(hidden, expected, torch.float32)
@@ -79,9 +84,14 @@ def test_stale_data_past_the_length_never_leaks(gen, paged):
     """Slots past a sequence's length and blocks it does not own hold NaN
     (stale or never written): the kernel must not even multiply by them."""
     lens, block_size = [37, 5, 64], 16
-    q, k_cache, v_cache, tables, seq_lens = make_inputs(lens, 4, 2, 64, block_size, torch.float32, gen, paged)
+    q, k_cache, v_cache, tables, seq_lens = make_inputs(
+        lens, 4, 2, 64, block_size, torch.float32, gen, paged
+    )
     clean_k, clean_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    poisoned_k, poisoned_v = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    poisoned_k, poisoned_v = (
+        torch.full_like(k_cache, float("nan")),
+        torch.full_like(v_cache, float("nan")),
+    )
     for b, n in enumerate(lens):
         for p in range(n):
             block, off = int(tables[b, p // block_size]), p % block_size

@@ -10,7 +10,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from paged_ref import ops as ref_ops
-
 from paged_triton.decode_attention import decode_attention
 from paged_triton.ops import paged_prefill_attention
 
@@ -49,8 +48,12 @@ def test_kernels_match_reference(case, paged):
     dtype, block_size, head_dim = case["dtype"], case["block_size"], case["head_dim"]
     lens = [n for n, _ in case["seqs"]]
     num_blocks = paged.blocks_needed(lens, block_size)
-    k_cache, v_cache = paged.random_caches(num_blocks, case["kv_heads"], block_size, head_dim, dtype, gen)
-    tables = paged.random_block_tables(lens, block_size, num_blocks, gen, case["share"]).to(paged.device)
+    k_cache, v_cache = paged.random_caches(
+        num_blocks, case["kv_heads"], block_size, head_dim, dtype, gen
+    )
+    tables = paged.random_block_tables(lens, block_size, num_blocks, gen, case["share"]).to(
+        paged.device
+    )
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=paged.device)
     scale, window, softcap = head_dim**-0.5, case["window"], case["softcap"]
 
@@ -58,7 +61,9 @@ def test_kernels_match_reference(case, paged):
     out = decode_attention(
         q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, num_splits=case["num_splits"]
     )
-    expected = ref_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap)
+    expected = ref_ops.paged_decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, scale, window, softcap
+    )
     paged.assert_close(out, expected, dtype)
 
     q_lens = torch.tensor([q_len for _, q_len in case["seqs"]])
@@ -67,4 +72,6 @@ def test_kernels_match_reference(case, paged):
     cu = cu.to(paged.device)
     q = torch.randn(int(cu[-1]), case["heads"], head_dim, generator=gen).to(paged.device, dtype)
     args = (q, k_cache, v_cache, tables, cu, seq_lens, scale, window, softcap)
-    paged.assert_close(paged_prefill_attention(*args), ref_ops.paged_prefill_attention(*args), dtype)
+    paged.assert_close(
+        paged_prefill_attention(*args), ref_ops.paged_prefill_attention(*args), dtype
+    )

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import inspect
 
+import paged_triton
 import pytest
 import torch
 from paged_ref import ops as ref_ops
-
-import paged_triton
 from paged_triton import ops
 
 OP_NAMES = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "write_kv"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_ref import ops as ref_ops
-
 from paged_triton.ops import paged_prefill_attention
 
 # heads, kv_heads, head_dim, block_size, sliding_window, softcap
@@ -26,7 +25,14 @@ ARGS = ("heads", "kv_heads", "head_dim", "block_size", "window", "softcap")
 
 def contexts(block_size: int) -> list[tuple[int, int]]:
     """(total context, new queries) per sequence, longest first so others share its blocks."""
-    return [(150, 90), (2 * block_size, 2 * block_size), (1, 1), (block_size + 3, 1), (40, 0), (block_size - 1, block_size - 1)]
+    return [
+        (150, 90),
+        (2 * block_size, 2 * block_size),
+        (1, 1),
+        (block_size + 3, 1),
+        (40, 0),
+        (block_size - 1, block_size - 1),
+    ]
 
 
 def make_inputs(seqs, heads, kv_heads, head_dim, block_size, dtype, gen, paged):
@@ -43,8 +49,12 @@ def make_inputs(seqs, heads, kv_heads, head_dim, block_size, dtype, gen, paged):
 
 
 @pytest.mark.parametrize(ARGS, CASES)
-def test_prefill_matches_reference(heads, kv_heads, head_dim, block_size, window, softcap, dtype, gen, paged):
-    args = make_inputs(contexts(block_size), heads, kv_heads, head_dim, block_size, dtype, gen, paged)
+def test_prefill_matches_reference(
+    heads, kv_heads, head_dim, block_size, window, softcap, dtype, gen, paged
+):
+    args = make_inputs(
+        contexts(block_size), heads, kv_heads, head_dim, block_size, dtype, gen, paged
+    )
     scale = head_dim**-0.5
     out = paged_prefill_attention(*args, scale, window, softcap)
     expected = ref_ops.paged_prefill_attention(*args, scale, window, softcap)
@@ -62,6 +72,8 @@ def test_fully_masked_rows_are_zeros(gen, paged):
 
 
 def test_batch_without_new_tokens_returns_empty(gen, paged):
-    q, k_cache, v_cache, tables, cu, seq_lens = make_inputs([(7, 0), (3, 0)], 2, 1, 32, 8, torch.float32, gen, paged)
+    q, k_cache, v_cache, tables, cu, seq_lens = make_inputs(
+        [(7, 0), (3, 0)], 2, 1, 32, 8, torch.float32, gen, paged
+    )
     out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.2)
     assert out.shape == (0, 2, 32)

@@ -36,8 +36,17 @@ def soft_cap(s, softcap):
 
 @triton.jit
 def attend_tile(
-    q, k, v, visible, m_i, l_i, acc, scale, softcap,
-    USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    q,
+    k,
+    v,
+    visible,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    softcap,
+    USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Fold one K/V tile into the running softmax state of every query row.
 

@@ -21,8 +21,16 @@ CHUNK = 1024  # elements per program
 
 @triton.jit
 def _copy_blocks_kernel(
-    SRC_K, SRC_V, DST_K, DST_V, PAIRS,
-    src_stride_l, src_stride_b, dst_stride_l, dst_stride_b, block_elems,
+    SRC_K,
+    SRC_V,
+    DST_K,
+    DST_V,
+    PAIRS,
+    src_stride_l,
+    src_stride_b,
+    dst_stride_l,
+    dst_stride_b,
+    block_elems,
     CHUNK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
@@ -55,7 +63,9 @@ def copy_blocks(k_caches: Tensor, v_caches: Tensor, src_to_dst: Tensor) -> None:
         return
     pairs_host = src_to_dst.reshape(-1, 2).to(device="cpu", dtype=torch.int64)
     if int(pairs_host.min()) < 0 or int(pairs_host.max()) >= num_blocks:
-        raise ValueError(f"src_to_dst holds block ids outside [0, {num_blocks}): {pairs_host.tolist()}")
+        raise ValueError(
+            f"src_to_dst holds block ids outside [0, {num_blocks}): {pairs_host.tolist()}"
+        )
     src_k, src_v = k_caches, v_caches
     if set(pairs_host[:, 0].tolist()) & set(pairs_host[:, 1].tolist()):
         # A destination is also a source: copy from a snapshot of the sources.
@@ -64,8 +74,16 @@ def copy_blocks(k_caches: Tensor, v_caches: Tensor, src_to_dst: Tensor) -> None:
     pairs = pairs_host.to(k_caches.device).contiguous()
     grid = (pairs.shape[0], layers, triton.cdiv(block_elems, CHUNK))
     _copy_blocks_kernel[grid](
-        src_k, src_v, k_caches, v_caches, pairs,
-        src_k.stride(0), src_k.stride(1), k_caches.stride(0), k_caches.stride(1), block_elems,
+        src_k,
+        src_v,
+        k_caches,
+        v_caches,
+        pairs,
+        src_k.stride(0),
+        src_k.stride(1),
+        k_caches.stride(0),
+        k_caches.stride(1),
+        block_elems,
         CHUNK=CHUNK,
         num_warps=4,
     )

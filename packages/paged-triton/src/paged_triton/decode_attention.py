@@ -39,16 +39,37 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, BT, LENS, OUT, PART_ACC, PART_LSE,
-    stride_qb, stride_qh,
-    stride_cb, stride_ch, stride_ct,
+    Q,
+    K,
+    V,
+    BT,
+    LENS,
+    OUT,
+    PART_ACC,
+    PART_LSE,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_ch,
+    stride_ct,
     stride_btb,
-    stride_ob, stride_oh,
-    scale, softcap, window, num_splits, num_heads,
-    GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    scale,
+    softcap,
+    window,
+    num_splits,
+    num_heads,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -64,7 +85,9 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     qd_mask = head_mask[:, None] & d_mask[None, :]
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0
+    )
     q = q.to(K.dtype.element_ty)
 
     # Visible keys of the query at position seq_len - 1: [lo, seq_len).
@@ -109,8 +132,16 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    PART_ACC, PART_LSE, OUT, stride_ob, stride_oh, num_splits, heads,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    PART_ACC,
+    PART_LSE,
+    OUT,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """out = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse);
     splits that saw no key carry lse = -inf and weigh nothing."""
@@ -122,10 +153,14 @@ def _merge_splits_kernel(
     lse = tl.load(PART_LSE + row, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part = tl.load(PART_ACC + row[:, None] * BLOCK_D + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
+    part = tl.load(
+        PART_ACC + row[:, None] * BLOCK_D + d[None, :], mask=(s < num_splits)[:, None], other=0.0
+    )
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(
+        OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM
+    )
 
 
 def choose_num_splits(programs: int, max_context: int, num_sms: int) -> int:
@@ -193,29 +228,60 @@ def decode_attention(
     num_splits = max(1, int(num_splits))
     split = num_splits > 1
     if split:
-        part_acc = torch.empty(batch, heads, num_splits, block_d, device=q.device, dtype=torch.float32)
+        part_acc = torch.empty(
+            batch, heads, num_splits, block_d, device=q.device, dtype=torch.float32
+        )
         part_lse = torch.empty(batch, heads, num_splits, device=q.device, dtype=torch.float32)
     else:
         part_acc = part_lse = out  # unused: the kernel stores straight to `out`
 
     _decode_kernel[(batch, head_programs, num_splits)](
-        q, k_cache, v_cache, tables, lens, out, part_acc, part_lse,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        out,
+        part_acc,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         tables.stride(0),
-        out.stride(0), out.stride(1),
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), num_splits, heads,
-        GROUP=group, HEADS_PER_PROG=heads_per_prog,
+        out.stride(0),
+        out.stride(1),
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        num_splits,
+        heads,
+        GROUP=group,
+        HEADS_PER_PROG=heads_per_prog,
         BLOCK_H=max(MIN_DOT, triton.next_power_of_2(heads_per_prog)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None, SPLIT=split,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=BLOCK_N,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
+        SPLIT=split,
         PRECISION=dot_precision(k_cache.dtype),
         num_warps=4,
     )
     if split:
         _merge_splits_kernel[(batch, heads)](
-            part_acc, part_lse, out, out.stride(0), out.stride(1), num_splits, heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            part_acc,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

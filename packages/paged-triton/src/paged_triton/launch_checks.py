@@ -23,7 +23,9 @@ def check_runnable(kernel: object, *tensors: Tensor) -> None:
     """Raise if ``kernel`` cannot run on these tensors' device."""
     devices = {t.device for t in tensors}
     if len(devices) != 1:
-        raise ValueError(f"paged_triton ops need all tensors on one device, got {sorted(map(str, devices))}")
+        raise ValueError(
+            f"paged_triton ops need all tensors on one device, got {sorted(map(str, devices))}"
+        )
     device = devices.pop()
     if device.type == "cuda":
         return
@@ -52,13 +54,17 @@ def check_cache(k_cache: Tensor, v_cache: Tensor, ndim: int = 4) -> None:
             f"{k_cache.stride()} and {v_cache.stride()}; allocate them with torch.empty/zeros"
         )
     if k_cache.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"cache dtype {k_cache.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+        raise ValueError(
+            f"cache dtype {k_cache.dtype} is not supported; use one of {SUPPORTED_DTYPES}"
+        )
 
 
 def check_gqa(heads: int, kv_heads: int) -> int:
     """Query heads per kv head (1 for MHA, ``heads`` for MQA)."""
     if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}) for GQA/MQA")
+        raise ValueError(
+            f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}) for GQA/MQA"
+        )
     return heads // kv_heads
 
 

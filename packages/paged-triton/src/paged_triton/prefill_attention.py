@@ -38,16 +38,36 @@ MAX_HEADS_PER_PROGRAM = 16
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, BT, CU_Q, LENS, OUT,
-    stride_qt, stride_qh,
-    stride_cb, stride_ch, stride_ct,
+    Q,
+    K,
+    V,
+    BT,
+    CU_Q,
+    LENS,
+    OUT,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_ch,
+    stride_ct,
     stride_btb,
-    stride_ot, stride_oh,
-    scale, softcap, window, batch,
-    GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    stride_ot,
+    stride_oh,
+    scale,
+    softcap,
+    window,
+    batch,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -82,7 +102,11 @@ def _prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     qd_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(Q + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+    q = tl.load(
+        Q + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=qd_mask,
+        other=0.0,
+    )
     q = q.to(K.dtype.element_ty)
 
     # Absolute positions of this tile's queries, and the keys any of them can see.
@@ -146,7 +170,11 @@ def paged_prefill_attention(
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_dim}")
     group = check_gqa(heads, kv_heads)
     batch = seq_lens.shape[0]
-    if cu_seqlens_q.shape != (batch + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+    if (
+        cu_seqlens_q.shape != (batch + 1,)
+        or block_tables.dim() != 2
+        or block_tables.shape[0] != batch
+    ):
         raise ValueError(
             f"with {batch} sequences, cu_seqlens_q must be [{batch + 1}] and block_tables "
             f"[{batch}, max_blocks]; got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
@@ -164,16 +192,35 @@ def paged_prefill_attention(
     block_q = max(1, BLOCK_M // g_pad)
     grid = (total_q // block_q + batch, kv_heads * triton.cdiv(group, heads_per_prog))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, tables, cu_q, lens, out,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        cu_q,
+        lens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         tables.stride(0),
-        out.stride(0), out.stride(1),
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), batch,
-        GROUP=group, HEADS_PER_PROG=heads_per_prog, G_PAD=g_pad, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+        out.stride(0),
+        out.stride(1),
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        batch,
+        GROUP=group,
+        HEADS_PER_PROG=heads_per_prog,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=BLOCK_N,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
         PRECISION=dot_precision(k_cache.dtype),
         num_warps=4,
     )

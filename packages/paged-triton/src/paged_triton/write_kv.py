@@ -16,11 +16,23 @@ from paged_triton.launch_checks import as_int64, check_cache, check_runnable, la
 
 @triton.jit
 def _write_kv_kernel(
-    K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ch, stride_ct,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_NEW,
+    V_NEW,
+    K_CACHE,
+    V_CACHE,
+    SLOTS,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t)
@@ -58,11 +70,22 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     slots = as_int64(slot_mapping, k_cache.device)
     _write_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slots,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        BLOCK_KVH=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_KVH=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         num_warps=4,
     )
