@@ -104,3 +104,20 @@ def helpers() -> types.SimpleNamespace:
         sdpa_oracle=sdpa_oracle,
         naive_softcap_oracle=naive_softcap_oracle,
     )
+
+
+@pytest.fixture
+def paged_ops(attention_backend: str) -> types.ModuleType:
+    """The ops module of the backend under test, for the paged pool."""
+    if attention_backend == "triton":
+        return pytest.importorskip("paged_triton.ops")
+    from paged_ref import ops
+
+    return ops
+
+
+@pytest.fixture
+def paged_atol(attention_backend: str) -> float:
+    """Reference ops share the slotted path's dense attention: agree to 1e-6.
+    Triton kernels sum in another order (online softmax): 1e-5."""
+    return 1e-5 if attention_backend == "triton" else 1e-6

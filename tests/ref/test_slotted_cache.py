@@ -199,7 +199,7 @@ def test_serving_pool_protocol(gen):
     assert not pool.can_allocate_sequence(list(range(9)))
     slot, cached = pool.allocate_sequence(list(range(6)))
     assert cached == 0 and pool.get_seq_len(slot) == 0
-    assert pool.stats()["kv_usage"] == pytest.approx(6 / 16)
+    assert pool.stats()["usage"] == pytest.approx(6 / 16)
     _prefill(pool, slot, 6, gen)
     pool.append_token(slot, 11)
     assert pool.can_append([slot])

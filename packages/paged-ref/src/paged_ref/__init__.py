@@ -5,6 +5,13 @@ Never imports triton: the Triton backend passes its own ``ops`` module to
 """
 
 from paged_ref import ops
+from paged_ref.paged_pool import PagedKVCachePool
+from paged_ref.paged_views import (
+    PagedBatchedPrefillCacheView,
+    PagedCacheView,
+    PagedDecodeCacheView,
+    PagedPrefillCacheView,
+)
 from paged_ref.slotted import SlottedKVCache
 from paged_ref.slotted_views import (
     BatchedPrefillCacheView,
@@ -16,6 +23,11 @@ from paged_ref.slotted_views import (
 __all__ = [
     "BatchedPrefillCacheView",
     "DecodeCacheView",
+    "PagedBatchedPrefillCacheView",
+    "PagedCacheView",
+    "PagedDecodeCacheView",
+    "PagedKVCachePool",
+    "PagedPrefillCacheView",
     "PrefillCacheView",
     "SlottedCacheView",
     "SlottedKVCache",

@@ -166,17 +166,18 @@ class SlottedKVCache:
         return problems
 
     def stats(self) -> dict[str, float]:
-        """Usage counters; ``kv_usage`` = tokens held / (slots x max_seq_len)."""
+        """Usage counters under the block manager's names where they mean the
+        same: ``usage`` = tokens held / (slots x max_seq_len); no prefix cache."""
         used = self.max_batch_size - len(self._free)
         held = sum(max(n, r) for n, r in zip(self.seq_lens, self.reserved, strict=True))
         capacity = self.max_batch_size * self.max_seq_len
         return {
-            "kv_usage": held / capacity if capacity else 0.0,
-            "tokens_held": float(held),
+            "usage": held / capacity if capacity else 0.0,
+            "tokens_used": float(held),
             "token_capacity": float(capacity),
             "slots_used": float(used),
             "slots_total": float(self.max_batch_size),
-            "prefix_cache_hit_rate": 0.0,
+            "hit_rate": 0.0,
         }
 
     # -- used by the views -----------------------------------------------------

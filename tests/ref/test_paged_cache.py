@@ -1,0 +1,372 @@
+"""PagedKVCachePool and its views: the design document's testing plan (000)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_core import AttentionViewProtocol, OutOfBlocksError, ServingPoolProtocol
+from paged_ref import PagedKVCachePool
+
+HEADS, KV_HEADS, DIM, BS = 4, 2, 8, 16
+
+
+def make_pool(num_blocks=12, block_size=BS, layers=2, prefix_caching=True) -> PagedKVCachePool:
+    return PagedKVCachePool.from_model_config(
+        layers, KV_HEADS, DIM, num_blocks, block_size, torch.float32,
+        enable_prefix_caching=prefix_caching,
+    )  # fmt: skip
+
+
+def kv(gen, batch, length):
+    shape = (batch, KV_HEADS, length, DIM)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def token_at(pool, layer, slot, pos):
+    """K of one token, read by hand through the page table (the oracle)."""
+    block = pool.block_table(slot)[pos // pool.block_size]
+    return pool.k_cache[layer, block, :, pos % pool.block_size]
+
+
+def prefill(pool, slot, length, gen, layers=None):
+    view = pool.prefill_view(slot)
+    written = []
+    for layer in range(layers or pool.num_layers):
+        k, v = kv(gen, 1, length)
+        view.update(layer, k, v)
+        written.append(k)
+    view.advance(length)
+    return written
+
+
+# -- pool ---------------------------------------------------------------------
+def test_sequence_allocation_takes_blocks_eagerly():
+    pool = make_pool()
+    slot = pool.allocate_slot(initial_tokens=50)
+    assert len(pool.block_table(slot)) == 4  # ceil(50 / 16)
+    assert pool.get_seq_len(slot) == 0
+    assert pool.free_slot_count() == 8
+    empty = pool.allocate_slot(initial_tokens=0)
+    assert pool.block_table(empty) == [] and pool.free_slot_count() == 8
+    assert isinstance(pool, ServingPoolProtocol) and pool.is_paged()
+
+
+def test_free_returns_only_that_sequences_blocks():
+    pool = make_pool(num_blocks=100)
+    slots = [pool.allocate_slot(n) for n in (20, 100, 33)]
+    assert [len(pool.block_table(s)) for s in slots] == [2, 7, 3]
+    assert pool.free_token_capacity() == (100 - 12) * BS
+    middle = pool.block_table(slots[1])
+    pool.free_slot(slots[1])
+    assert pool.free_slot_count() == 100 - 5
+    assert set(middle).isdisjoint(pool.block_table(slots[0]) + pool.block_table(slots[2]))
+    with pytest.raises(KeyError):
+        pool.get_seq_len(slots[1])
+    with pytest.raises(KeyError):
+        pool.free_slot(999)
+    assert pool.audit() == []
+
+
+def test_free_token_capacity_counts_free_blocks():
+    pool = make_pool(num_blocks=100)
+    for _ in range(3):
+        pool.allocate_slot(10 * BS)
+    assert pool.free_token_capacity() == 70 * 16 == 1120
+
+
+def test_exhaustion_leaves_no_partial_state():
+    pool = make_pool(num_blocks=5)
+    first = pool.allocate_slot(3 * BS)
+    before = (pool.free_slot_count(), pool.block_manager.seq_ids(), pool.stats())
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate_slot(3 * BS)
+    with pytest.raises(RuntimeError):
+        pool.allocate_sequence(list(range(3 * BS)))
+    assert not pool.can_allocate_sequence(list(range(3 * BS)))
+    assert (pool.free_slot_count(), pool.block_manager.seq_ids(), pool.stats()) == before
+    assert pool.audit() == []
+    later = pool.allocate_slot(2 * BS)
+    assert later > first + 1  # failed attempts used up ids; none is handed out twice
+    assert pool.free_slot_count() == 0
+
+
+def test_audit_finds_and_reclaims_leaked_blocks():
+    pool = make_pool(num_blocks=20)
+    for n in (5, 17, 40):
+        pool.allocate_slot(n)
+    assert pool.audit() == []
+    leaked = pool.block_manager.allocator.allocate(5, owner=999)
+    assert pool.audit() != []
+    free_before = pool.free_slot_count()
+    assert sorted(pool.reclaim_leaked()) == sorted(leaked)
+    assert pool.free_slot_count() == free_before + 5
+    assert pool.audit() == []
+
+
+def test_block_size_one(gen):
+    pool = make_pool(num_blocks=10, block_size=1)
+    slot = pool.allocate_slot(5)
+    assert len(pool.block_table(slot)) == 5
+    ks = prefill(pool, slot, 5, gen)
+    k, v = kv(gen, 1, 1)
+    pool.decode_view([slot]).update(0, k, v)
+    assert len(pool.block_table(slot)) == 6
+    for p in range(5):
+        assert torch.equal(token_at(pool, 0, slot, p), ks[0][0, :, p])
+    assert torch.equal(token_at(pool, 0, slot, 5), k[0, :, 0])
+
+
+# -- prefill views ------------------------------------------------------------
+def test_single_sequence_prefill(gen):
+    pool = make_pool()
+    slot = pool.allocate_slot(32)
+    view = pool.prefill_view(slot)
+    assert isinstance(view, AttentionViewProtocol) and view.is_paged()
+    k, v = kv(gen, 1, 32)
+    k_out, v_out = view.update(0, k, v)
+    assert k_out is k and v_out is v
+    b0, b1 = pool.block_table(slot)
+    assert torch.equal(pool.k_cache[0, b0], k[0, :, :16])
+    assert torch.equal(pool.k_cache[0, b1], k[0, :, 16:])
+    assert torch.equal(pool.v_cache[0, b1], v[0, :, 16:])
+    view.advance(32)
+    assert pool.get_seq_len(slot) == 32 == view.seq_len
+
+
+def test_cross_block_write_leaves_rest_of_block_untouched(gen):
+    pool = make_pool()
+    pool.k_cache.fill_(7.0)
+    slot = pool.allocate_slot(40)
+    k, v = kv(gen, 1, 40)
+    pool.prefill_view(slot).update(1, k, v)
+    b0, b1, b2 = pool.block_table(slot)
+    assert torch.equal(pool.k_cache[1, b0], k[0, :, :16])
+    assert torch.equal(pool.k_cache[1, b1], k[0, :, 16:32])
+    assert torch.equal(pool.k_cache[1, b2, :, :8], k[0, :, 32:])
+    assert (pool.k_cache[1, b2, :, 8:] == 7.0).all()
+    assert (pool.k_cache[0] == 7.0).all()  # other layer untouched
+
+
+def test_batched_prefill_writes_only_real_tokens(gen):
+    pool = make_pool()
+    pool.k_cache.fill_(7.0)
+    s0, s1 = pool.allocate_slot(10), pool.allocate_slot(20)
+    assert pool.free_slot_count() == 12 - 3
+    view = pool.batched_prefill_view([s0, s1], [10, 20])
+    k, v = kv(gen, 2, 20)
+    k_out, v_out = view.update(0, k, v)
+    assert k_out is k and v_out is v
+    (b0,) = pool.block_table(s0)
+    assert torch.equal(pool.k_cache[0, b0, :, :10], k[0, :, :10])
+    assert (pool.k_cache[0, b0, :, 10:] == 7.0).all()
+    for p in range(20):
+        assert torch.equal(token_at(pool, 0, s1, p), k[1, :, p])
+    assert pool.free_slot_count() == 12 - 3  # padding took no block
+    view.advance(20)
+    assert (pool.get_seq_len(s0), pool.get_seq_len(s1)) == (10, 20)
+
+
+# -- decode views -------------------------------------------------------------
+def test_single_decode_step(gen):
+    pool = make_pool()
+    slot = pool.allocate_slot(20)
+    prefill(pool, slot, 20, gen)
+    k, v = kv(gen, 1, 1)
+    k_all, v_all = pool.decode_view([slot]).update(0, k, v)
+    table = pool.block_table(slot)
+    assert torch.equal(pool.k_cache[0, table[1], :, 4], k[0, :, 0])
+    assert k_all.shape == (1, KV_HEADS, 21, DIM)
+    for p in range(21):
+        assert torch.equal(k_all[0, :, p], token_at(pool, 0, slot, p))
+
+
+def test_multi_sequence_decode_at_exact_positions(gen):
+    pool = make_pool()
+    s0, s1 = pool.allocate_slot(10), pool.allocate_slot(30)
+    prefill(pool, s0, 10, gen)
+    prefill(pool, s1, 30, gen)
+    view = pool.decode_view([s0, s1])
+    assert view.seq_len == 30
+    k, v = kv(gen, 2, 1)
+    k_all, _ = view.update(0, k, v)
+    assert torch.equal(pool.k_cache[0, pool.block_table(s0)[0], :, 10], k[0, :, 0])
+    assert torch.equal(pool.k_cache[0, pool.block_table(s1)[1], :, 14], k[1, :, 0])
+    assert k_all.shape == (2, KV_HEADS, 31, DIM)
+    for p in range(11):
+        assert torch.equal(k_all[0, :, p], token_at(pool, 0, s0, p))
+    for p in range(31):
+        assert torch.equal(k_all[1, :, p], token_at(pool, 0, s1, p))
+    view.advance(1)
+    assert (pool.get_seq_len(s0), pool.get_seq_len(s1)) == (11, 31)
+
+
+def test_vectorized_gather_equals_naive_loop(gen):
+    pool = make_pool(num_blocks=30, block_size=4)
+    lens = [3, 9, 4, 16]
+    slots = [pool.allocate_slot(n) for n in lens]
+    for s, n in zip(slots, lens, strict=True):
+        prefill(pool, s, n, gen)
+    view = pool.decode_view(slots)
+    for layer in range(pool.num_layers):
+        k, v = kv(gen, len(slots), 1)
+        k_all, v_all = view.update(layer, k, v)
+        for i, (s, n) in enumerate(zip(slots, lens, strict=True)):
+            table = pool.block_table(s)
+            naive_k = torch.stack(
+                [pool.k_cache[layer, table[p // 4], :, p % 4] for p in range(n + 1)], 1
+            )
+            naive_v = torch.stack(
+                [pool.v_cache[layer, table[p // 4], :, p % 4] for p in range(n + 1)], 1
+            )
+            assert torch.equal(k_all[i, :, : n + 1], naive_k)
+            assert torch.equal(v_all[i, :, : n + 1], naive_v)
+
+
+def test_step_metadata_is_built_once_and_reused_by_every_layer(gen):
+    pool = make_pool()
+    slots = [pool.allocate_slot(5), pool.allocate_slot(18)]
+    for s, n in zip(slots, [5, 18], strict=True):
+        prefill(pool, s, n, gen)
+    view = pool.decode_view(slots)
+    q = torch.randn(2, HEADS, 1, DIM, generator=gen)
+    view.attend(0, q, *kv(gen, 2, 1), scale=0.5)
+    meta = view.meta
+    block_tables = meta.block_tables
+    view.attend(1, q, *kv(gen, 2, 1), scale=0.5)
+    assert view.meta is meta and view.meta.block_tables is block_tables
+    view.update(0, *kv(gen, 2, 1))
+    gather = view._gather_blocks
+    view.update(1, *kv(gen, 2, 1))
+    assert view._gather_blocks is gather
+
+
+def test_decode_grows_a_block_lazily_and_fails_cleanly_when_full(gen):
+    pool = make_pool(num_blocks=2)
+    slot = pool.allocate_slot(16)
+    prefill(pool, slot, 16, gen)
+    free_before = pool.free_slot_count()
+    k, v = kv(gen, 1, 1)
+    pool.decode_view([slot]).update(0, k, v)
+    assert pool.free_slot_count() == free_before - 1
+    assert torch.equal(pool.k_cache[0, pool.block_table(slot)[1], :, 0], k[0, :, 0])
+
+    full = make_pool(num_blocks=1)
+    only = full.allocate_slot(16)
+    prefill(full, only, 16, gen)
+    assert not full.can_append([only])
+    with pytest.raises(RuntimeError):
+        full.decode_view([only]).update(0, *kv(gen, 1, 1))
+    assert full.audit() == []
+
+
+@pytest.mark.parametrize(
+    ("prompt", "block", "offset"), [(BS - 1, 0, BS - 1), (BS, 1, 0), (2 * BS, 2, 0)]
+)
+def test_decode_at_block_boundaries(prompt, block, offset, gen):
+    pool = make_pool()
+    slot, cached = pool.allocate_sequence(list(range(prompt)))
+    assert cached == 0
+    prefill(pool, slot, prompt, gen)
+    pool.append_token(slot, 1)
+    assert len(pool.block_table(slot)) == block + 1
+    k, v = kv(gen, 1, 1)
+    view = pool.decode_view([slot])
+    view.update(0, k, v)
+    assert torch.equal(pool.k_cache[0, pool.block_table(slot)[block], :, offset], k[0, :, 0])
+    view.advance(1)
+    assert pool.get_seq_len(slot) == prompt + 1
+
+
+def test_decode_after_batched_prefill(gen):
+    pool = make_pool()
+    s0, s1 = pool.allocate_slot(5), pool.allocate_slot(10)
+    view = pool.batched_prefill_view([s0, s1], [5, 10])
+    view.update(0, *kv(gen, 2, 10))
+    view.advance(10)
+    dec = pool.decode_view([s0, s1])
+    assert dec.seq_len == 10
+    k, v = kv(gen, 2, 1)
+    dec.update(0, k, v)
+    assert torch.equal(token_at(pool, 0, s0, 5), k[0, :, 0])
+    assert torch.equal(token_at(pool, 0, s1, 10), k[1, :, 0])
+
+
+# -- serving pool -------------------------------------------------------------
+def test_fork_shares_blocks_and_copies_on_write(gen):
+    pool = make_pool()
+    parent, _ = pool.allocate_sequence(list(range(20)))
+    ks = prefill(pool, parent, 20, gen)
+    child = pool.fork_slot(parent)
+    assert pool.block_table(child) == pool.block_table(parent)
+    assert pool.get_seq_len(child) == 20
+    pool.append_token(child, 3)  # last block is shared: child gets a copy
+    assert pool.block_table(child)[1] != pool.block_table(parent)[1]
+    assert pool.stats()["cow_copies"] == 1
+    for layer in range(pool.num_layers):
+        for p in range(20):
+            assert torch.equal(token_at(pool, layer, child, p), ks[layer][0, :, p])
+    k, v = kv(gen, 1, 1)
+    pool.decode_view([child]).update(0, k, v)
+    assert torch.equal(token_at(pool, 0, child, 20), k[0, :, 0])
+    parent_block = pool.block_table(parent)[1]
+    assert torch.equal(pool.k_cache[0, parent_block, :, :4], ks[0][0, :, 16:])
+    assert pool.audit() == []
+    pool.free_slot(parent)
+    pool.free_slot(child)
+    assert pool.audit() == [] and pool.stats()["blocks_used"] == 0
+
+
+class RecordingOps:
+    """An ``ops`` module stand-in that counts calls and delegates to paged_ref.ops."""
+
+    def __init__(self):
+        from paged_ref import ops
+
+        self.calls: list[str] = []
+        for name in (
+            "write_kv",
+            "paged_decode_attention",
+            "paged_prefill_attention",
+            "copy_blocks",
+        ):
+            setattr(self, name, self._wrap(name, getattr(ops, name)))
+
+    def _wrap(self, name, fn):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+
+def test_views_and_cow_go_through_the_pools_ops(gen):
+    rec = RecordingOps()
+    pool = PagedKVCachePool.from_model_config(1, KV_HEADS, DIM, 8, 4, torch.float32, ops=rec)
+    slot, _ = pool.allocate_sequence([1, 2, 3])
+    pool.prefill_view(slot).attend(0, torch.randn(1, HEADS, 3, DIM), *kv(gen, 1, 3), scale=1.0)
+    child = pool.fork_slot(slot)
+    pool.append_token(child, 4)
+    pool.decode_view([child]).attend(0, torch.randn(1, HEADS, 1, DIM), *kv(gen, 1, 1), scale=1.0)
+    assert rec.calls == [
+        "write_kv", "paged_prefill_attention", "copy_blocks", "write_kv", "paged_decode_attention",
+    ]  # fmt: skip
+
+
+def test_paged_ref_never_imports_triton():
+    import subprocess
+    import sys
+
+    code = "import sys, paged_ref; assert 'triton' not in sys.modules, 'triton was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sizing_helpers_and_kv_bytes():
+    pool = PagedKVCachePool.from_model_config(3, 2, 8, 10, 4, torch.float16, device="meta")
+    per_block = 2 * 3 * 2 * 4 * 8 * 2
+    assert pool.kv_bytes() == 10 * per_block
+    assert (
+        PagedKVCachePool.num_blocks_for_memory(
+            10 * per_block + per_block - 1, 3, 2, 8, 4, torch.float16
+        )
+        == 10
+    )

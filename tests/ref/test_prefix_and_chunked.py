@@ -1,0 +1,166 @@
+"""Queries attending to cached context: prefix-cache hits and chunked prefill
+in the paged pool (with the backend's ops) give the same attention outputs as
+one full prefill of the same prompt in the contiguous pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_ref import PagedKVCachePool, SlottedKVCache
+
+pytestmark = pytest.mark.backend
+
+LAYERS, HEADS, KV_HEADS, DIM, BLOCK, VOCAB = 2, 8, 2, 16, 4, 50
+
+
+class FakeModel:
+    """Q/K/V that depend only on (layer, token id, position), like a real
+    model's first layer, so one prompt's prefix has the same K/V wherever it
+    is computed."""
+
+    def __init__(self, gen, max_len=64):
+        def table(heads):
+            tok = torch.randn(LAYERS, VOCAB, heads, DIM, generator=gen)
+            pos = torch.randn(LAYERS, max_len, heads, DIM, generator=gen)
+            return tok, pos
+
+        self.tables = [table(HEADS), table(KV_HEADS), table(KV_HEADS)]
+
+    def qkv(self, layer, tokens, start):
+        """``[1, heads, len, D]`` q/k/v for ``tokens`` at positions ``start..``."""
+        ids = torch.tensor(tokens)
+        pos = torch.arange(start, start + len(tokens))
+        return [
+            (tok[layer, ids] + p[layer, pos]).transpose(0, 1).unsqueeze(0) for tok, p in self.tables
+        ]
+
+
+def run(view, model, tokens_per_row, starts, window=None):
+    """attend on every layer for a (right-padded) batch; returns per-layer outputs."""
+    width = max(len(t) for t in tokens_per_row)
+    outs = []
+    for layer in range(LAYERS):
+        parts = []
+        for toks, start in zip(tokens_per_row, starts, strict=True):
+            padded = toks + [0] * (width - len(toks))
+            parts.append(model.qkv(layer, padded, start))
+        q, k, v = (torch.cat(x) for x in zip(*parts, strict=True))
+        outs.append(view.attend(layer, q, k, v, scale=DIM**-0.5, sliding_window=window))
+    view.advance(width)
+    return outs
+
+
+@pytest.fixture
+def new_pool(paged_ops):
+    def make(prefix_caching=True):
+        return PagedKVCachePool.from_model_config(
+            LAYERS, KV_HEADS, DIM, 32, BLOCK, torch.float32,
+            enable_prefix_caching=prefix_caching, ops=paged_ops,
+        )  # fmt: skip
+
+    return make
+
+
+def full_prefill(model, tokens, window=None):
+    """The oracle: one prefill of the whole prompt in the contiguous pool."""
+    pool = SlottedKVCache.from_model_config(LAYERS, KV_HEADS, DIM, 64, 1, dtype=torch.float32)
+    slot, _ = pool.allocate_sequence(tokens)
+    return run(pool.prefill_view(slot), model, [tokens], [0], window)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_prefix_hit_equals_full_prefill(window, gen, new_pool, paged_atol):
+    model = FakeModel(gen)
+    shared = torch.randint(1, VOCAB, (2 * BLOCK,), generator=gen).tolist()
+    first = shared + [5, 6, 7]
+    second = shared + [9, 8, 7, 6, 5]
+
+    pool = new_pool()
+    slot_a, cached_a = pool.allocate_sequence(first)
+    assert cached_a == 0
+    run(pool.prefill_view(slot_a), model, [first], [0], window)
+    slot_b, cached_b = pool.allocate_sequence(second)
+    assert cached_b == 2 * BLOCK
+    assert pool.get_seq_len(slot_b) == cached_b
+    assert pool.block_table(slot_b)[:2] == pool.block_table(slot_a)[:2]
+    view = pool.prefill_view(slot_b)
+    assert view.seq_len == cached_b
+    got = run(view, model, [second[cached_b:]], [cached_b], window)
+    want = full_prefill(model, second, window)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w[:, :, cached_b:], atol=paged_atol, rtol=0)
+    assert pool.get_seq_len(slot_b) == len(second)
+    assert pool.stats()["prefix_hits_tokens"] == cached_b
+    assert pool.audit() == []
+
+
+def test_update_returns_cached_context_after_a_prefix_hit(gen, new_pool, paged_atol):
+    model = FakeModel(gen)
+    prompt = torch.randint(1, VOCAB, (3 * BLOCK,), generator=gen).tolist()
+    pool = new_pool()
+    slot_a, _ = pool.allocate_sequence(prompt)
+    run(pool.prefill_view(slot_a), model, [prompt], [0])
+    slot_b, cached = pool.allocate_sequence(prompt)
+    assert cached == 2 * BLOCK  # the block holding the last token is always computed
+    _, k, v = model.qkv(0, prompt[cached:], cached)
+    k_all, v_all = pool.prefill_view(slot_b).update(0, k, v)
+    _, k_full, v_full = model.qkv(0, prompt, 0)
+    assert torch.equal(k_all, k_full) and torch.equal(v_all, v_full)
+
+
+def test_batch_mixing_a_fresh_prompt_and_a_prefix_hit(gen, new_pool, paged_atol):
+    model = FakeModel(gen)
+    shared = torch.randint(1, VOCAB, (BLOCK,), generator=gen).tolist()
+    seed_prompt, hit_prompt = shared + [1, 2], shared + [3, 4, 5, 6, 7, 8]
+    fresh_prompt = torch.randint(1, VOCAB, (5,), generator=gen).tolist()
+    pool = new_pool()
+    s0, _ = pool.allocate_sequence(seed_prompt)
+    run(pool.prefill_view(s0), model, [seed_prompt], [0])
+    s_hit, cached = pool.allocate_sequence(hit_prompt)
+    s_fresh, none = pool.allocate_sequence(fresh_prompt)
+    assert (cached, none) == (BLOCK, 0)
+    rows = [hit_prompt[cached:], fresh_prompt]
+    view = pool.batched_prefill_view([s_hit, s_fresh], [len(r) for r in rows])
+    got = run(view, model, rows, [cached, 0])
+    for layer, out in enumerate(got):
+        want_hit = full_prefill(model, hit_prompt)[layer][0, :, cached:]
+        want_fresh = full_prefill(model, fresh_prompt)[layer][0]
+        torch.testing.assert_close(out[0, :, : len(rows[0])], want_hit, atol=paged_atol, rtol=0)
+        torch.testing.assert_close(out[1, :, : len(rows[1])], want_fresh, atol=paged_atol, rtol=0)
+        assert torch.equal(out[1, :, len(rows[1]) :], torch.zeros_like(out[1, :, len(rows[1]) :]))
+    assert (pool.get_seq_len(s_hit), pool.get_seq_len(s_fresh)) == (len(hit_prompt), 5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_chunked_prefill_then_decode_equals_full_prefill(window, gen, new_pool, paged_atol):
+    model = FakeModel(gen)
+    prompt = torch.randint(1, VOCAB, (14,), generator=gen).tolist()
+    want = full_prefill(model, prompt, window)
+    pool = new_pool(prefix_caching=False)
+    slot, _ = pool.allocate_sequence(prompt[:13])
+    pieces = []
+    for lo, hi in [(0, 5), (5, 6), (6, 13)]:
+        pieces.append(run(pool.prefill_view(slot), model, [prompt[lo:hi]], [lo], window))
+    pool.append_token(slot, prompt[13])
+    pieces.append(run(pool.decode_view([slot]), model, [prompt[13:]], [13], window))
+    for layer in range(LAYERS):
+        got = torch.cat([p[layer] for p in pieces], dim=2)
+        torch.testing.assert_close(got, want[layer], atol=paged_atol, rtol=0)
+    assert pool.get_seq_len(slot) == 14 and pool.audit() == []
+
+
+def test_generic_view_runs_chunks_of_several_sequences(gen, new_pool, paged_atol):
+    model = FakeModel(gen)
+    a = torch.randint(1, VOCAB, (9,), generator=gen).tolist()
+    b = torch.randint(1, VOCAB, (6,), generator=gen).tolist()
+    pool = new_pool(prefix_caching=False)
+    sa, _ = pool.allocate_sequence(a)
+    sb, _ = pool.allocate_sequence(b)
+    first = run(pool.view([sa, sb], [4, 2]), model, [a[:4], b[:2]], [0, 0])
+    second = run(pool.view([sa, sb], [5, 4]), model, [a[4:], b[2:]], [4, 2])
+    for layer in range(LAYERS):
+        full_a, full_b = full_prefill(model, a)[layer][0], full_prefill(model, b)[layer][0]
+        got_a = torch.cat([first[layer][0, :, :4], second[layer][0, :, :5]], dim=1)
+        got_b = torch.cat([first[layer][1, :, :2], second[layer][1, :, :4]], dim=1)
+        torch.testing.assert_close(got_a, full_a, atol=paged_atol, rtol=0)
+        torch.testing.assert_close(got_b, full_b, atol=paged_atol, rtol=0)
