@@ -11,10 +11,12 @@ from paged_ref import PagedKVCachePool, SlottedKVCache
 LAYERS, DIM, BLOCK = 2, 16, 4
 
 
-def shuffled_paged_pool(kv_heads, ops, gen, num_blocks=40):
+def shuffled_paged_pool(
+    kv_heads, ops, gen, num_blocks=40, dtype=torch.float32, device="cpu", layers=LAYERS
+):
     """A paged pool whose free list was scrambled by freeing blocks in random order."""
     pool = PagedKVCachePool.from_model_config(
-        LAYERS, kv_heads, DIM, num_blocks, BLOCK, torch.float32,
+        layers, kv_heads, DIM, num_blocks, BLOCK, dtype, device,
         enable_prefix_caching=False, ops=ops,
     )  # fmt: skip
     dummies = [pool.allocate_slot(BLOCK) for _ in range(num_blocks)]
@@ -89,3 +91,33 @@ def test_paged_equals_contiguous_with_softcap(paged_ops, paged_atol, gen):
         strict=True,
     ):
         torch.testing.assert_close(g, e, atol=paged_atol, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.backend
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_equals_contiguous_on_cuda(dtype, paged_ops, gen):
+    heads, kv_heads, lens = 8, 2, [5, 11, 8]
+    steps = [
+        [
+            tuple(
+                torch.randn(3, h, n, DIM, generator=gen).to("cuda", dtype)
+                for h in (heads, kv_heads, kv_heads)
+            )
+            for _ in range(LAYERS)
+        ]
+        for n in (11, 1, 1, 1)
+    ]
+    slotted = SlottedKVCache.from_model_config(
+        LAYERS, kv_heads, DIM, 32, 3, dtype=dtype, device="cuda"
+    )
+    paged = shuffled_paged_pool(kv_heads, paged_ops, gen, dtype=dtype, device="cuda")
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for e, g in zip(
+        run_stream(slotted, steps, lens, 3, None),
+        run_stream(paged, steps, lens, 3, None),
+        strict=True,
+    ):
+        assert g.device.type == "cuda" and g.dtype == dtype
+        torch.testing.assert_close(g.float(), e.float(), atol=atol, rtol=0)
