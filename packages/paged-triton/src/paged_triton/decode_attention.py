@@ -9,7 +9,7 @@ position, so any block size works and a tile may span several blocks.
 For small batches with long contexts (too few programs to fill the GPU) the
 context is split across programs (flash-decoding): each split writes a
 partial, normalised output and its log-sum-exp, and a second kernel merges
-them. :func:`choose_num_splits` decides; the decision uses only shapes the
+them (decode_splits.py). ``choose_num_splits`` decides from shapes the
 host already knows, so no device sync happens per step.
 """
 
@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from paged_triton.attention_tile import attend_tile, paged_token_offsets
+from paged_triton.decode_splits import choose_num_splits, merge_splits, num_sms
 from paged_triton.launch_checks import (
     as_int32,
     check_cache,
@@ -33,8 +34,6 @@ from paged_triton.launch_checks import (
 BLOCK_N = 64  # token positions per tile
 MIN_DOT = 16  # tl.dot wants every dimension >= 16
 MAX_HEADS_PER_PROGRAM = 64  # larger groups (big MQA) are split over programs
-MIN_TOKENS_PER_SPLIT = 256  # below this the merge costs more than the split saves
-MAX_SPLITS = 64
 
 
 @triton.jit
@@ -130,59 +129,6 @@ def _decode_kernel(
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=qd_mask)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    PART_ACC,
-    PART_LSE,
-    OUT,
-    stride_ob,
-    stride_oh,
-    num_splits,
-    heads,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """out = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse);
-    splits that saw no key carry lse = -inf and weigh nothing."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    row = (b * heads + h) * num_splits + s
-    lse = tl.load(PART_LSE + row, mask=s < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part = tl.load(
-        PART_ACC + row[:, None] * BLOCK_D + d[None, :], mask=(s < num_splits)[:, None], other=0.0
-    )
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM
-    )
-
-
-def choose_num_splits(programs: int, max_context: int, num_sms: int) -> int:
-    """How many pieces to cut each sequence's context into.
-
-    Enough programs to cover the GPU about twice over (``2 * num_sms``) keeps
-    every SM busy; each piece must still hold ``MIN_TOKENS_PER_SPLIT`` tokens
-    so the merge stays cheap. Large batches get 1 (no split, no merge).
-    """
-    if programs <= 0 or programs >= num_sms:
-        return 1
-    wanted = triton.cdiv(2 * num_sms, programs)
-    fits = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, fits, MAX_SPLITS))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # the interpreter runs programs one after another: splitting never helps
-
-
 def decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -224,7 +170,7 @@ def decode_attention(
         max_context = tables.shape[1] * block_size
         if sliding_window is not None:
             max_context = min(max_context, max(sliding_window, 1))
-        num_splits = choose_num_splits(batch * head_programs, max_context, _num_sms(q.device))
+        num_splits = choose_num_splits(batch * head_programs, max_context, num_sms(q.device))
     num_splits = max(1, int(num_splits))
     split = num_splits > 1
     if split:
@@ -271,19 +217,7 @@ def decode_attention(
         num_warps=4,
     )
     if split:
-        _merge_splits_kernel[(batch, heads)](
-            part_acc,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
+        merge_splits(part_acc, part_lse, out)
     return out
 
 
