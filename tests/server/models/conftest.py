@@ -1,0 +1,230 @@
+"""Tiny random checkpoints of each family, built once per session with
+transformers (the parity oracle) and saved as real safetensors directories.
+
+Weights are transformers' random init with larger spread, and every norm
+weight perturbed, so that each norm, scale and RoPE detail shows in the
+logits. Helpers that several test files share are fixtures returning
+functions (tests are imported with importlib, not as a package).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from paged_server.default_model.tokenizer_builder import build_tokenizer
+from paged_server.models import LoadedModel, load_model
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 512
+FAMILIES = ("llama", "qwen3", "gemma3")
+GEMMA_WINDOW = 8
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    eos_token_id=None,  # greedy runs the full 32 tokens in both implementations
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def _hf_config(family: str) -> Any:
+    if family == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500_000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            # small, so all three frequency bands (kept, scaled, smoothed) occur
+            "original_max_position_embeddings": 32,
+        }
+        return LlamaConfig(num_hidden_layers=2, rope_parameters=rope, **_COMMON)
+    if family == "qwen3":
+        return Qwen3Config(num_hidden_layers=2, head_dim=32, **_COMMON)
+    return Gemma3TextConfig(
+        num_hidden_layers=3,
+        head_dim=16,
+        sliding_window=GEMMA_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=2.0,
+        query_pre_attn_scalar=24,
+        **_COMMON,
+    )
+
+
+_HF_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "gemma3": Gemma3ForCausalLM}
+
+
+@dataclass
+class Checkpoint:
+    family: str
+    path: Path
+    hf_model: Any  # the transformers model the directory was saved from
+    loaded: LoadedModel  # our loader's result (float32, CPU)
+
+
+def build_hf_model(family: str, seed: int = 0) -> Any:
+    """A random transformers model of ``family`` (eager attention: the oracle)."""
+    torch.manual_seed(seed)
+    config = _hf_config(family)
+    model = _HF_CLASSES[family]._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norms: HF inits them to the identity
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 512-token byte-level BPE, copied next to every tiny checkpoint."""
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    build_tokenizer(VOCAB).save(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_json: Path
+) -> dict[str, Checkpoint]:
+    """One saved checkpoint per family, loaded with our loader."""
+    out = {}
+    for family in FAMILIES:
+        hf_model = build_hf_model(family)
+        path = tmp_path_factory.mktemp(f"ckpt-{family}")
+        hf_model.save_pretrained(path)
+        (path / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
+        out[family] = Checkpoint(family, path, hf_model, load_model(path))
+    return out
+
+
+@pytest.fixture(params=FAMILIES)
+def checkpoint(request: pytest.FixtureRequest, checkpoints: dict[str, Checkpoint]) -> Checkpoint:
+    return checkpoints[request.param]
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
+
+
+@pytest.fixture
+def prompt_of() -> Callable[[int, int], list[int]]:
+    """``prompt_of(length, seed)``: random token ids (no specials)."""
+    return random_prompt
+
+
+def make_pool(kind: str, loaded: LoadedModel, ops: ModuleType | None = None, **kw: Any) -> Any:
+    """A float32 CPU pool sized for the tiny models: ``slotted`` or ``paged``
+    (block size 4, so sequences span many blocks and windows cross blocks)."""
+    from paged_ref import PagedKVCachePool, SlottedKVCache
+
+    c = loaded.config
+    if kind == "slotted":
+        return SlottedKVCache.from_model_config(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            max_seq_len=128,
+            max_batch_size=4,
+            dtype=torch.float32,
+        )
+    return PagedKVCachePool.from_model_config(
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        num_blocks=kw.get("num_blocks", 96),
+        block_size=kw.get("block_size", 4),
+        dtype=torch.float32,
+        ops=ops,
+        enable_prefix_caching=kw.get("enable_prefix_caching", True),
+    )
+
+
+@pytest.fixture
+def pool_of() -> Callable[..., Any]:
+    """``pool_of(kind, loaded, ops=None)``: see ``make_pool``."""
+    return make_pool
+
+
+def attention_ops(backend: str) -> ModuleType:
+    """The paged pool's ops module for the backend under test."""
+    if backend == "triton":
+        import paged_triton
+
+        if not paged_triton.is_available():
+            pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+        from paged_triton import ops
+
+        return ops
+    from paged_ref import ops as ref_ops
+
+    return ref_ops
+
+
+@pytest.fixture
+def ops_for() -> Callable[[str], ModuleType]:
+    return attention_ops
+
+
+@torch.no_grad()
+def greedy_with_pool(
+    model: torch.nn.Module, pool: Any, prompt: list[int], steps: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill ``prompt`` through ``pool`` then decode ``steps`` greedy tokens
+    one at a time; returns the tokens and each step's last-position logits."""
+    slot, cached = pool.allocate_sequence(prompt)
+    new = prompt[cached:]
+    ids = torch.tensor([new])
+    pos = torch.arange(cached, len(prompt)).unsqueeze(0)
+    logits = model(ids, pos, pool.prefill_view(slot))[:, -1]
+    tokens, step_logits = [], [logits[0]]
+    for _ in range(steps):
+        token = int(logits[0].argmax())
+        tokens.append(token)
+        if len(tokens) == steps:
+            break
+        pool.append_token(slot, token)
+        position = len(prompt) + len(tokens) - 1
+        logits = model(
+            torch.tensor([[token]]), torch.tensor([[position]]), pool.decode_view([slot])
+        )[:, -1]
+        step_logits.append(logits[0])
+    pool.free_slot(slot)
+    return tokens, step_logits
+
+
+@pytest.fixture
+def greedy_pool() -> Callable[..., tuple[list[int], list[torch.Tensor]]]:
+    return greedy_with_pool
+
+
+@torch.no_grad()
+def hf_greedy(hf_model: Any, prompt: list[int], steps: int) -> list[int]:
+    """transformers' own greedy generation (its cache), new tokens only."""
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture
+def hf_greedy_of() -> Callable[[Any, list[int], int], list[int]]:
+    return hf_greedy
