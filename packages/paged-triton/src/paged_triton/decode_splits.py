@@ -8,6 +8,8 @@ is exactly the softmax over the union of the pieces.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -65,9 +67,16 @@ def choose_num_splits(programs: int, max_context: int, num_sms: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (looked up once per GPU)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_sms(index)
     return 1  # the interpreter runs programs one after another: splitting never helps
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def merge_splits(part_acc: Tensor, part_lse: Tensor, out: Tensor) -> None:
