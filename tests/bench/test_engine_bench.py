@@ -83,3 +83,41 @@ def test_cli_prints_one_json_line_per_configuration(
     assert ratios["paged_vs_contiguous"] == pytest.approx(
         paged["tokens_per_s"] / contiguous["tokens_per_s"], rel=0.02
     )
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_prefix_cache_run_reports_hits_only_with_caching(
+    tiny_model_dir: Path, caching: bool
+) -> None:
+    from paged_server.bench.suite import ModelCache, SuiteOptions, run_config
+    from paged_server.bench.workloads import shared_prefix_workload
+
+    options = SuiteOptions(
+        budget=KVBudget(2, 256, 16),
+        paged_max_batch_size=8,
+        max_num_batched_tokens=128,
+        attention_backend="ref",
+        dtype="float32",
+    )
+    workload = shared_prefix_workload(
+        list(range(3, 4000)),
+        num_requests=4,
+        system_prompt_tokens=64,
+        suffix_range=(4, 8),
+        new_tokens_range=(2, 3),
+    )
+    result = run_config(
+        "paged",
+        workload,
+        ModelCache(str(tiny_model_dir), options),
+        options,
+        model_name="tiny",
+        enable_prefix_caching=caching,
+    )
+    assert result.output_tokens == workload.output_tokens
+    if caching:
+        # every burst request finds the warm-up's 64 system-prompt tokens (4 full blocks)
+        assert result.prefix_cache_hit_rate is not None
+        assert result.prefix_cache_hit_rate >= 0.8 * 64 / 72
+    else:
+        assert not result.prefix_cache_hit_rate

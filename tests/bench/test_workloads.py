@@ -61,3 +61,11 @@ def test_summary_totals_and_make_workload_errors() -> None:
         make_workload("nope", POOL)
     with pytest.raises(ValueError, match="num_requests"):
         make_workload("seed", POOL, num_requests=0)
+
+
+def test_shared_prefix_warmup_shares_the_system_prompt_but_is_not_timed() -> None:
+    w = shared_prefix_workload(POOL, num_requests=4, system_prompt_tokens=32)
+    assert len(w.warmup) == 1
+    assert w.warmup[0].prompt_token_ids[:32] == w.requests[0].prompt_token_ids[:32]
+    assert w.warmup[0] not in w.requests
+    assert w.summary()["warmup_requests"] == 1

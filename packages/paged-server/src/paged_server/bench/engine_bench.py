@@ -106,21 +106,28 @@ def engine_pool(engine: Any) -> Any:
     )
 
 
+def _greedy(max_tokens: int) -> Any:
+    from paged_server.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
 def run_engine(
     engine: Any, workload: Workload, *, config_name: str, model_name: str = ""
 ) -> RunResult:
     """Run ``workload`` to completion on ``engine`` (fresh, idle) and measure it."""
-    from paged_server.sampling_params import SamplingParams
-
     pool = engine_pool(engine)
+    for r in workload.warmup:  # untimed; only the burst below is measured
+        engine.add_request(r.request_id, list(r.prompt_token_ids), _greedy(r.max_tokens))
+    while engine.has_unfinished():
+        engine.step()
     before = engine.metrics()
     timeline: list[dict[str, float]] = []
     produced = 0
     start = time.perf_counter()
     clock = TokenTimes(start)
     for r in workload.requests:
-        params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
-        engine.add_request(r.request_id, list(r.prompt_token_ids), params)
+        engine.add_request(r.request_id, list(r.prompt_token_ids), _greedy(r.max_tokens))
     peak_held = (0.0, 1.0)
     peak_pool = 0.0
     peak_running = 0

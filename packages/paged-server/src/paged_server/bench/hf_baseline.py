@@ -28,7 +28,7 @@ def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     """The checkpoint as transformers loads it (eval mode, CPU unless CUDA)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if torch.cuda.is_available():
         model = model.cuda()
     return model.eval()

@@ -65,7 +65,7 @@ def _write_llama_100m(directory: Path, tokenizer_dir: Path) -> None:
         **LLAMA_100M,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).float()
+    model: Any = LlamaForCausalLM(config).float()
     model.generation_config = GenerationConfig(
         eos_token_id=tok_cfg.get("eos_token_id"), pad_token_id=tok_cfg.get("pad_token_id")
     )

@@ -38,6 +38,9 @@ class Workload:
     seed: int
     requests: list[RequestSpec]
     params: dict[str, Any] = field(default_factory=dict)
+    # Run to completion before the timed burst (e.g. to put a shared system
+    # prompt in the prefix cache, as in a service that is already running).
+    warmup: list[RequestSpec] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -75,6 +78,7 @@ class Workload:
                 "total": sum(outs),
             },
             "params": dict(self.params),
+            "warmup_requests": len(self.warmup),
         }
 
 
@@ -209,7 +213,10 @@ def shared_prefix_workload(
     new_tokens_scale: float = 1.0,
 ) -> Workload:
     """One system prompt shared by every request, then a short distinct user
-    part: what prefix caching is for (chat with a fixed system prompt)."""
+    part: what prefix caching is for (chat with a fixed system prompt). One
+    warm-up request with the same system prompt runs before the timed burst,
+    as in a service that has already seen it; without it a burst has no
+    computed blocks to hit."""
     _check(
         num_requests,
         pool,
@@ -219,11 +226,14 @@ def shared_prefix_workload(
     )
     rng, token_rng = random.Random(seed), random.Random(f"{seed}:tokens")
     system = _draw_prompt(token_rng, pool, _scaled(system_prompt_tokens, prompt_scale))
-    requests = []
-    for i in range(num_requests):
+
+    def request(request_id: str) -> RequestSpec:
         suffix = _draw_prompt(token_rng, pool, _scaled(rng.randint(*suffix_range), prompt_scale))
         max_tokens = _scaled(rng.randint(*new_tokens_range), new_tokens_scale)
-        requests.append(RequestSpec(f"shared_prefix-{i}", system + suffix, max_tokens))
+        return RequestSpec(request_id, system + suffix, max_tokens)
+
+    requests = [request(f"shared_prefix-{i}") for i in range(num_requests)]
+    warmup = [request("shared_prefix-warmup")]
     params = {
         "system_prompt_tokens": len(system),
         "suffix_range": list(suffix_range),
@@ -234,10 +244,11 @@ def shared_prefix_workload(
     return Workload(
         "shared_prefix",
         f"shared system prompt ({len(system)} tokens) + distinct {suffix_range[0]}-{suffix_range[1]} "
-        f"token suffix, {new_tokens_range[0]}-{new_tokens_range[1]} new tokens",
+        f"token suffix, {new_tokens_range[0]}-{new_tokens_range[1]} new tokens, after one warm-up request",
         seed,
         requests,
         params,
+        warmup,
     )
 
 

@@ -1,0 +1,461 @@
+"""Render docs/benchmarks.md (and its PNG plots) from benchmarks/results/*.json.
+
+Reads only what run_all.py and pytest-benchmark wrote, so every number on
+the page is one the run printed. Missing result files leave their section
+out with a note rather than failing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from plots import plot_batch_sweep, plot_capacity, plot_kv_timeline, plot_prefix_cache
+
+CONFIG_LABELS = {
+    "paged": "ours, paged KV",
+    "contiguous": "ours, contiguous KV",
+    "hf_generate_batch": "transformers generate_batch (continuous)",
+    "hf_static_generate": "transformers generate (static, batches of 8)",
+}
+
+
+def _load(results: Path, name: str) -> dict[str, Any] | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _f(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _lat(d: dict[str, Any]) -> str:
+    return " / ".join(_f(d.get(k), 1) for k in ("p50", "p90", "p99"))
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
+    ]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _model_line(m: dict[str, Any]) -> str:
+    return (
+        f"{m['name']}: {m['parameters'] / 1e6:.1f}M parameters, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
+        f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}"
+    )
+
+
+def _workload_line(w: dict[str, Any]) -> str:
+    p = w["params"]
+    scale = ""
+    if p.get("prompt_scale", 1.0) != 1.0 or p.get("new_tokens_scale", 1.0) != 1.0:
+        scale = f" **Scaled**: prompt lengths x{p['prompt_scale']}, max_tokens x{p['new_tokens_scale']}."
+    return (
+        f"`{w['name']}` (seed {w['seed']}): {w['description']}. {w['num_requests']} requests, prompts "
+        f"{w['prompt_tokens']['min']}-{w['prompt_tokens']['max']} tokens (total {w['prompt_tokens']['total']:,}), "
+        f"max_tokens {w['max_tokens']['min']}-{w['max_tokens']['max']} (total {w['max_tokens']['total']:,} output tokens), "
+        f"EOS ignored, greedy.{scale}"
+    )
+
+
+def _run_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
+    by = {r["config"]: r for r in runs}
+
+    def ratio(r: dict[str, Any], other: str) -> str:
+        o = by.get(other)
+        if o is None or not o["tokens_per_s"] or r["config"] == other:
+            return "-"
+        return f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}x"
+
+    rows = []
+    for r in runs:
+        rows.append(
+            [
+                CONFIG_LABELS.get(r["config"], r["config"]),
+                _f(r["tokens_per_s"]),
+                _f(r["seconds"], 2),
+                _lat(r["ttft_ms"]),
+                _lat(r["itl_ms"]),
+                _f(r["peak_running"]),
+                _pct(r["peak_kv_usage"]),
+                _pct(r["peak_kv_pool_usage"]),
+                _f(r["preemptions"]),
+                ratio(r, "contiguous"),
+                ratio(r, "hf_generate_batch"),
+                ratio(r, "hf_static_generate"),
+            ]
+        )
+    return rows
+
+
+RUN_HEADER = [
+    "configuration",
+    "tokens/s",
+    "seconds",
+    "TTFT ms p50/p90/p99",
+    "ITL ms p50/p90/p99",
+    "peak running",
+    "peak KV usage",
+    "peak pool allocated",
+    "preemptions",
+    "vs contiguous",
+    "vs HF generate_batch",
+    "vs HF static",
+]
+
+
+def _comparison_section(title: str, data: dict[str, Any] | None, intro: str) -> list[str]:
+    out = [f"## {title}", ""]
+    if data is None:
+        return out + ["_Not run yet: `python benchmarks/run_all.py` writes it._", ""]
+    b = data["kv_budget"]
+    out += [
+        intro,
+        "",
+        f"- Model: {_model_line(data['model'])}.",
+        f"- Workload: {_workload_line(data['workload'])}",
+        f"- KV budget: {b['slots']} x {b['slot_len']} = {b['tokens']:,} token slots for every configuration "
+        f"(paged: {b['tokens'] // b['block_size']:,} blocks of {b['block_size']}; contiguous: {b['slots']} slots of "
+        f"{b['slot_len']}; transformers' continuous batching: {b['tokens'] // b['block_size']:,} pages of {b['block_size']}).",
+        f"- Measured {data['environment']['date']} on {data['environment']['hardware']}.",
+        "",
+    ]
+    out += _table(RUN_HEADER, _run_rows(data["runs"]))
+    out.append("")
+    return out
+
+
+def _capacity_section(cap: dict[str, Any] | None, images: Path, docs: Path) -> list[str]:
+    out = ["## Capacity: concurrent sequences at equal KV memory", ""]
+    if cap is None:
+        return out + ["_Not run yet._", ""]
+    s = cap["settings"]
+    img = plot_capacity(cap, images / "capacity.png")
+    out += [
+        f"Measured by admitting sequences into the real pools (`paged_ref.SlottedKVCache` with {s['num_slots']} slots x "
+        f"{s['max_seq_len']} tokens, `paged_ref.PagedKVCachePool` with {s['num_blocks']:,} blocks x {s['block_size']} "
+        f"tokens: the same {s['token_slots']:,} token slots and the same bytes) until one refuses. Lengths are drawn "
+        f"uniformly within +/-{int(100 * s['length_spread'])}% of the average (narrower near max_seq_len so the mean holds), "
+        f"seed {s['seed']}.",
+        "",
+        f"![capacity]({img.relative_to(docs).as_posix()})",
+        "",
+    ]
+    rows = [
+        [
+            _f(r["avg_len_target"]),
+            _f(r["paged_mean_len"]),
+            _f(r["contiguous"]),
+            _f(r["paged"]),
+            f"{r['ratio']:.2f}x",
+            _pct(r["paged_tokens_held"] / s["token_slots"]),
+        ]
+        for r in cap["rows"]
+    ]
+    out += _table(
+        [
+            "avg length (target)",
+            "avg length (admitted)",
+            "contiguous",
+            "paged",
+            "paged / contiguous",
+            "token slots filled (paged)",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
+def _sweep_section(sweep: dict[str, Any] | None, images: Path, docs: Path) -> list[str]:
+    out = ["## Throughput vs batch size", ""]
+    if sweep is None:
+        return out + ["_Not run yet._", ""]
+    img = plot_batch_sweep(sweep, images / "throughput_vs_batch.png")
+    out += [
+        f"- Model: {_model_line(sweep['model'])}.",
+        f"- Workload: {_workload_line(sweep['workload'])}",
+        "- Paged: always the 8 x 4,096 token budget, `max_batch_size` varied. Contiguous: `max_batch_size` slots of "
+        "4,096 tokens each, so above 8 it gets *more* KV memory than the budget (its batch size is its memory).",
+        "",
+        f"![throughput vs batch size]({img.relative_to(docs).as_posix()})",
+        "",
+    ]
+    rows = []
+    for r in sweep["runs"]:
+        s = r["settings"]
+        rows.append(
+            [
+                s["kv_cache_backend"],
+                _f(s["max_batch_size"]),
+                _f(s["kv_capacity_tokens"]),
+                _f(r["tokens_per_s"]),
+                _lat(r["ttft_ms"]),
+                _lat(r["itl_ms"]),
+                _f(r["peak_running"]),
+                _pct(r["peak_kv_usage"]),
+                _f(r["preemptions"]),
+            ]
+        )
+    out += _table(
+        [
+            "backend",
+            "max_batch_size",
+            "KV token slots",
+            "tokens/s",
+            "TTFT ms p50/p90/p99",
+            "ITL ms p50/p90/p99",
+            "peak running",
+            "peak KV usage",
+            "preemptions",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
+def _timeline_section(seed: dict[str, Any] | None, images: Path, docs: Path) -> list[str]:
+    out = ["## KV usage over time (seed workload)", ""]
+    runs = [r for r in (seed or {}).get("runs", []) if r.get("timeline")]
+    if not runs:
+        return out + ["_Not run yet._", ""]
+    img = plot_kv_timeline(runs, images / "kv_usage_timeline.png")
+    out += [
+        "Fraction of the pool's token slots allocated to sequences (solid) and holding real tokens (dashed), "
+        "sampled after every engine step of the seed-workload runs above; below, running sequences. "
+        "The contiguous pool allocates a whole 4,096-token slot per sequence, so it is full while holding a few percent "
+        "of real tokens; the paged pool allocates 16-token blocks as sequences grow.",
+        "",
+        f"![KV usage over time]({img.relative_to(docs).as_posix()})",
+        "",
+    ]
+    return out
+
+
+def _prefix_section(prefix: dict[str, Any] | None, images: Path, docs: Path) -> list[str]:
+    out = ["## Prefix caching on a shared system prompt", ""]
+    if prefix is None:
+        return out + ["_Not run yet._", ""]
+    img = plot_prefix_cache(prefix, images / "prefix_cache.png")
+    out += [
+        f"- Model: {_model_line(prefix['model'])}.",
+        f"- Workload: {_workload_line(prefix['workload'])}",
+        "- Paged engine, same settings, `enable_prefix_caching` off then on. Hit rate = prompt tokens served from "
+        "the cache / prompt tokens looked up (the engine's `prefix_cache_hits_total / prefix_cache_queries_total`).",
+        "",
+        f"![prefix caching]({img.relative_to(docs).as_posix()})",
+        "",
+    ]
+    rows = [
+        [
+            r["config"],
+            _pct(r["prefix_cache_hit_rate"]),
+            _f(r["tokens_per_s"]),
+            _f(r["seconds"], 2),
+            _lat(r["ttft_ms"]),
+            _lat(r["itl_ms"]),
+            _f(r["peak_running"]),
+        ]
+        for r in prefix["runs"]
+    ]
+    out += _table(
+        [
+            "configuration",
+            "hit rate",
+            "tokens/s",
+            "seconds",
+            "TTFT ms p50/p90/p99",
+            "ITL ms p50/p90/p99",
+            "peak running",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
+def _micro_section(micro: dict[str, Any] | None) -> list[str]:
+    out = ["## Kernel microbenchmarks", ""]
+    if micro is None or not micro.get("benchmarks"):
+        return out + ["_No pytest-benchmark results (benchmarks/results/microbench.json) yet._", ""]
+    mi = micro.get("machine_info", {})
+    out += [
+        f"pytest-benchmark, {micro.get('datetime', '?')[:16]}, {mi.get('cpu', {}).get('brand_raw', mi.get('processor', '?'))}. "
+        "Times per call; compare rows of one group (same shapes), not across groups.",
+        "",
+    ]
+    rows = []
+    for b in sorted(micro["benchmarks"], key=lambda b: (b.get("group") or "", b["name"])):
+        st = b["stats"]
+        rows.append(
+            [
+                b.get("group") or "-",
+                f"`{b['name']}`",
+                f"{st['median'] * 1e3:.3f}",
+                f"{st['mean'] * 1e3:.3f}",
+                f"{st['stddev'] * 1e3:.3f}",
+                str(st["rounds"]),
+            ]
+        )
+    out += _table(["group", "benchmark", "median ms", "mean ms", "stddev ms", "rounds"], rows)
+    return out + [""]
+
+
+def _history_section(results: Path) -> list[str]:
+    out = ["## History (SERVING_LOG)", ""]
+    path = results / "history.jsonl"
+    if not path.is_file():
+        return out + ["_No full runs recorded yet._", ""]
+    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    out += [
+        "One row per configuration and full `run_all.py` run, newest first (benchmarks/results/history.jsonl).",
+        "",
+    ]
+    rows = [
+        [
+            h["date"],
+            h["hardware"],
+            h["benchmark"],
+            h["model"],
+            f"{h['workload']} x{h['num_requests']}",
+            h["config"],
+            _f(h["tokens_per_s"]),
+            _f(h["ttft_p50_ms"]),
+            _f(h["itl_p50_ms"]),
+            _f(h["peak_running"]),
+            _pct(h["peak_kv_usage"]),
+            _f(h["preemptions"]),
+        ]
+        for h in reversed(lines)
+    ]
+    out += _table(
+        [
+            "date",
+            "hardware",
+            "benchmark",
+            "model",
+            "workload",
+            "configuration",
+            "tokens/s",
+            "TTFT p50 ms",
+            "ITL p50 ms",
+            "peak running",
+            "peak KV usage",
+            "preemptions",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
+def _summary(seed: dict[str, Any] | None, s100: dict[str, Any] | None) -> list[str]:
+    out = ["## Summary", ""]
+    if seed is not None:
+        by = {r["config"]: r for r in seed["runs"]}
+        p, c = by.get("paged"), by.get("contiguous")
+        if p and c:
+            out.append(
+                f"- Seed workload ({seed['workload']['num_requests']} requests, one burst), equal KV bytes "
+                f"({seed['kv_budget']['slots']} x {seed['kv_budget']['slot_len']} token slots): the paged engine ran "
+                f"**{p['peak_running']}** sequences at once (contiguous: **{c['peak_running']}**), with peak KV usage "
+                f"**{_pct(p['peak_kv_usage'])}** of allocated token slots holding real tokens (contiguous: {_pct(c['peak_kv_usage'])}), "
+                f"{p['preemptions']} preemptions; throughput {_f(p['tokens_per_s'])} vs {_f(c['tokens_per_s'])} tokens/s "
+                f"({p['tokens_per_s'] / c['tokens_per_s']:.2f}x)."
+            )
+        for key, label in (
+            ("hf_generate_batch", "transformers generate_batch"),
+            ("hf_static_generate", "transformers static generate"),
+        ):
+            if p and key in by:
+                out.append(
+                    f"- {seed['model']['name']}, seed workload: paged / {label} = **{p['tokens_per_s'] / by[key]['tokens_per_s']:.2f}x**."
+                )
+    if s100 is not None:
+        by = {r["config"]: r for r in s100["runs"]}
+        p = by.get("paged")
+        for key, label in (
+            ("contiguous", "contiguous"),
+            ("hf_generate_batch", "transformers generate_batch"),
+            ("hf_static_generate", "transformers static generate"),
+        ):
+            if p and key in by:
+                out.append(
+                    f"- ~100M Llama on CPU, scaled seed workload: paged / {label} = **{p['tokens_per_s'] / by[key]['tokens_per_s']:.2f}x** "
+                    f"({_f(p['tokens_per_s'])} vs {_f(by[key]['tokens_per_s'])} tokens/s)."
+                )
+    return out + [""] if len(out) > 2 else out + ["_No engine results yet._", ""]
+
+
+def write_page(results: Path, docs: Path) -> Path:
+    """Write ``docs/benchmarks.md`` and ``docs/images/*.png`` from ``results``."""
+    images = docs / "images"
+    seed = _load(results, "seed_embedded")
+    s100 = _load(results, "seed_100m")
+    env = (seed or s100 or _load(results, "capacity") or {}).get("environment", {})
+    lines = [
+        "# Benchmarks",
+        "",
+        "_Generated by `nox -s bench` (`python benchmarks/run_all.py`) from `benchmarks/results/*.json`; do not edit by "
+        "hand. Every number here is one the run printed as a JSON line._",
+        "",
+        f"Latest run: {env.get('date', '?')} on {env.get('hardware', '?')}; Python {env.get('python', '?')}, "
+        f"torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, {env.get('torch_threads', '?')} torch threads.",
+        "",
+        "Definitions: **tokens/s** = output tokens / wall seconds from the burst to the last token (model loading and "
+        "engine construction excluded). **TTFT** = first token time since the burst (all requests arrive at t=0, so it "
+        "includes queueing). **ITL** = gap between consecutive tokens of one request. **Peak KV usage** = tokens held / "
+        "token slots allocated to sequences, at the step holding the most tokens. **Peak pool allocated** = highest share "
+        "of all token slots allocated. Ratios divide the row's tokens/s by the column's, measured in the same run. "
+        "On CPU every configuration runs the same float32 weights; ours uses the PyTorch reference attention path.",
+        "",
+    ]
+    lines += _summary(seed, s100)
+    lines += _comparison_section(
+        "Seed workload, embedded model",
+        seed,
+        "The design documents' `paged_attention` workload at full size.",
+    )
+    lines += _timeline_section(seed, images, docs)
+    lines += _comparison_section(
+        "Seed workload, ~100M-parameter Llama (scaled down for CPU)",
+        s100,
+        "A random ~100M-parameter Llama (`paged-server bench --model-config 100m`), so the "
+        "model's compute dominates as it would with a real checkpoint; scaled down because CPU is slow.",
+    )
+    lines += _comparison_section(
+        "nano-vllm workload (scaled down for CPU)",
+        _load(results, "nano_vllm_embedded"),
+        "nano-vllm's benchmark shape (256 requests, 100-1,024 tokens in and out) is hours of "
+        "CPU time; this is the scaled version named below.",
+    )
+    lines += _capacity_section(_load(results, "capacity"), images, docs)
+    lines += _sweep_section(_load(results, "batch_sweep"), images, docs)
+    lines += _prefix_section(_load(results, "prefix_cache"), images, docs)
+    lines += _micro_section(_load(results, "microbench"))
+    lines += _history_section(results)
+    lines += [
+        "## Reproduce",
+        "",
+        "```bash",
+        "nox -s bench                                   # microbenchmarks + everything above (CPU: under 20 minutes)",
+        "python benchmarks/run_all.py --quick           # smoke test into a temporary folder",
+        "paged-server bench --workload seed             # one workload, all four configurations, JSON lines",
+        "paged-server bench --model-config 100m --workload seed --num-requests 16 --prompt-scale 0.5 --max-new-tokens-scale 0.25",
+        "```",
+        "",
+    ]
+    docs.mkdir(parents=True, exist_ok=True)
+    page = docs / "benchmarks.md"
+    page.write_text("\n".join(lines), encoding="utf-8")
+    return page

@@ -1,0 +1,393 @@
+"""Run every engine benchmark, write JSON results, plots and docs/benchmarks.md.
+
+``nox -s bench`` runs this after the kernel microbenchmarks. Sized for a
+2-core CPU machine (the whole session in well under 20 minutes): the seed
+workload at full size on the embedded tiny model, a scaled-down seed run on
+the ~100M random Llama, a scaled-down nano-vllm run, a batch-size sweep, the
+shared-system-prompt run with and without prefix caching, and the measured
+capacity table. Every JSON line it measures is printed as it is measured, and
+the page is rendered from the JSON files only, so the page shows exactly the
+numbers printed.
+
+    python benchmarks/run_all.py            # everything (CPU: ~10-15 min)
+    python benchmarks/run_all.py --quick    # tiny sizes, a smoke test (~1-2 min)
+    python benchmarks/run_all.py --page-only  # re-render the page and plots from results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import write_page  # noqa: E402
+
+# What runs, and at what size. Scales multiply the workload's own draws
+# (see paged_server.bench.workloads); every scale used is recorded in the JSON.
+FULL_PLAN: dict[str, Any] = {
+    "seed_embedded": {
+        "model": "embedded",
+        "workload": "seed",
+        "num_requests": None,
+        "prompt_scale": 1.0,
+        "new_tokens_scale": 1.0,
+    },
+    "seed_100m": {
+        "model": "100m",
+        "workload": "seed",
+        "num_requests": 16,
+        "prompt_scale": 0.5,
+        "new_tokens_scale": 0.25,
+    },
+    "nano_vllm_embedded": {
+        "model": "embedded",
+        "workload": "nano_vllm",
+        "num_requests": 64,
+        "prompt_scale": 0.5,
+        "new_tokens_scale": 0.25,
+    },
+    "batch_sweep": {
+        "model": "embedded",
+        "workload": "seed",
+        "num_requests": None,
+        "prompt_scale": 1.0,
+        "new_tokens_scale": 0.25,
+        "batch_sizes": [2, 4, 8, 16, 32, 48],
+    },
+    "prefix_cache": {
+        "model": "embedded",
+        "workload": "shared_prefix",
+        "num_requests": 32,
+        "prompt_scale": 1.0,
+        "new_tokens_scale": 1.0,
+    },
+}
+QUICK_PLAN: dict[str, Any] = {
+    "seed_embedded": {
+        "model": "embedded",
+        "workload": "seed",
+        "num_requests": 12,
+        "prompt_scale": 0.25,
+        "new_tokens_scale": 0.1,
+    },
+    "seed_100m": {
+        "model": "100m",
+        "workload": "seed",
+        "num_requests": 4,
+        "prompt_scale": 0.1,
+        "new_tokens_scale": 0.05,
+    },
+    "nano_vllm_embedded": {
+        "model": "embedded",
+        "workload": "nano_vllm",
+        "num_requests": 8,
+        "prompt_scale": 0.1,
+        "new_tokens_scale": 0.05,
+    },
+    "batch_sweep": {
+        "model": "embedded",
+        "workload": "seed",
+        "num_requests": 12,
+        "prompt_scale": 0.25,
+        "new_tokens_scale": 0.05,
+        "batch_sizes": [2, 4, 8, 12],
+    },
+    "prefix_cache": {
+        "model": "embedded",
+        "workload": "shared_prefix",
+        "num_requests": 8,
+        "prompt_scale": 0.5,
+        "new_tokens_scale": 0.5,
+    },
+}
+
+
+def emit(record: dict[str, Any]) -> None:
+    """Print one JSON line (the numbers the page will show)."""
+    print(json.dumps(record, sort_keys=True), flush=True)
+
+
+def save(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def run_line(result: Any, *, timeline: bool = False) -> dict[str, Any]:
+    record = {"kind": "run", **result.to_dict()}
+    emit(record)
+    if timeline:
+        record["timeline"] = result.timeline
+    return record
+
+
+class Bench:
+    """Shared state of one run_all invocation: environment, models, token pools."""
+
+    def __init__(self, plan: dict[str, Any]) -> None:
+        from paged_server.bench.environment import describe_environment
+        from paged_server.bench.suite import SuiteOptions
+
+        self.plan = plan
+        self.env = describe_environment()
+        self.options = SuiteOptions()
+        self._models: dict[str, Any] = {}
+        emit(self.env)
+
+    def model(self, key: str) -> tuple[Any, str, list[int]]:
+        """(ModelCache, display name, token pool) for ``embedded`` or ``100m``."""
+        if key not in self._models:
+            from paged_server.bench.model_configs import count_parameters, resolve_model
+            from paged_server.bench.suite import ModelCache
+            from paged_server.bench.workloads import token_pool_from_tokenizer
+            from paged_server.tokenizer import Tokenizer
+
+            model_dir, name = resolve_model(None, key)
+            vocab = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))[
+                "vocab_size"
+            ]
+            pool = token_pool_from_tokenizer(Tokenizer.from_dir(model_dir), vocab)
+            info = {
+                "name": name,
+                "parameters": count_parameters(model_dir),
+                "config": json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8")),
+            }
+            self._models[key] = (ModelCache(model_dir, self.options), name, pool, info)
+        models, name, pool, _ = self._models[key]
+        return models, name, pool
+
+    def model_info(self, key: str) -> dict[str, Any]:
+        self.model(key)
+        info = self._models[key][3]
+        c = info["config"]
+        keys = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+        )
+        return {
+            "name": info["name"],
+            "parameters": info["parameters"],
+            **{k: c.get(k) for k in keys},
+        }
+
+    def workload(self, spec: dict[str, Any]) -> Any:
+        from paged_server.bench.workloads import make_workload
+
+        _, _, pool = self.model(spec["model"])
+        return make_workload(
+            spec["workload"],
+            pool,
+            num_requests=spec["num_requests"],
+            prompt_scale=spec["prompt_scale"],
+            new_tokens_scale=spec["new_tokens_scale"],
+        )
+
+    def header(self, spec: dict[str, Any], workload: Any) -> dict[str, Any]:
+        summary = workload.summary()
+        emit({"kind": "workload", **summary})
+        return {
+            "environment": self.env,
+            "model": self.model_info(spec["model"]),
+            "workload": summary,
+            "plan": spec,
+            "kv_budget": {
+                "slots": self.options.budget.slots,
+                "slot_len": self.options.budget.slot_len,
+                "block_size": self.options.budget.block_size,
+                "tokens": self.options.budget.tokens,
+            },
+        }
+
+
+def run_comparison(bench: Bench, key: str, *, timelines: bool = False) -> dict[str, Any]:
+    """All four configurations on one workload, side by side."""
+    from paged_server.bench.suite import ALL_CONFIGS, ratios, run_config
+
+    spec = bench.plan[key]
+    models, name, _ = bench.model(spec["model"])
+    workload = bench.workload(spec)
+    data = bench.header(spec, workload)
+    results = []
+    for config in ALL_CONFIGS:
+        results.append(run_config(config, workload, models, bench.options, model_name=name))
+    data["runs"] = [
+        run_line(r, timeline=timelines and r.config in ("paged", "contiguous")) for r in results
+    ]
+    data["ratios"] = ratios(results)
+    emit({"kind": "ratios", "workload": workload.name, "model": name, **data["ratios"]})
+    save(key, data)
+    return data
+
+
+def run_batch_sweep(bench: Bench) -> dict[str, Any]:
+    """Both engine backends at several max_batch_size values, same workload."""
+    from paged_server.bench.suite import run_config
+
+    spec = bench.plan["batch_sweep"]
+    models, name, _ = bench.model(spec["model"])
+    workload = bench.workload(spec)
+    data = bench.header(spec, workload)
+    runs = []
+    for batch in spec["batch_sizes"]:
+        for backend in ("paged", "contiguous"):
+            r = run_config(
+                backend,
+                workload,
+                models,
+                bench.options,
+                model_name=name,
+                max_batch_size=batch,
+                label=f"{backend}@{batch}",
+            )
+            runs.append(run_line(r))
+    data["runs"] = runs
+    save("batch_sweep", data)
+    return data
+
+
+def run_prefix_cache(bench: Bench) -> dict[str, Any]:
+    """Paged engine on the shared-system-prompt workload, caching off then on."""
+    from paged_server.bench.suite import run_config
+
+    spec = bench.plan["prefix_cache"]
+    models, name, _ = bench.model(spec["model"])
+    workload = bench.workload(spec)
+    data = bench.header(spec, workload)
+    runs = []
+    for enabled in (False, True):
+        r = run_config(
+            "paged",
+            workload,
+            models,
+            bench.options,
+            model_name=name,
+            enable_prefix_caching=enabled,
+            label=f"paged, prefix caching {'on' if enabled else 'off'}",
+        )
+        runs.append(run_line(r))
+    data["runs"] = runs
+    save("prefix_cache", data)
+    return data
+
+
+def run_capacity(bench: Bench) -> dict[str, Any]:
+    from paged_server.bench.capacity import capacity_table
+
+    b = bench.options.budget
+    table = capacity_table(num_slots=b.slots, max_seq_len=b.slot_len, block_size=b.block_size)
+    emit(table)
+    save("capacity", {"environment": bench.env, **table})
+    return table
+
+
+def append_history(results: dict[str, dict[str, Any]], env: dict[str, Any]) -> None:
+    """One line per configuration and date in results/history.jsonl (the
+    SERVING_LOG the page's history table is built from)."""
+    lines = []
+    for key, data in results.items():
+        for run in data.get("runs", []):
+            lines.append(
+                {
+                    "date": env["date"],
+                    "hardware": env["hardware"],
+                    "benchmark": key,
+                    "model": data["model"]["name"],
+                    "workload": data["workload"]["name"],
+                    "num_requests": data["workload"]["num_requests"],
+                    "config": run["config"],
+                    "tokens_per_s": run["tokens_per_s"],
+                    "ttft_p50_ms": run["ttft_ms"]["p50"],
+                    "itl_p50_ms": run["itl_ms"]["p50"],
+                    "peak_running": run["peak_running"],
+                    "peak_kv_usage": run["peak_kv_usage"],
+                    "preemptions": run["preemptions"],
+                }
+            )
+    with open(RESULTS / "history.jsonl", "a", encoding="utf-8") as f:
+        for line in lines:
+            f.write(json.dumps(line, sort_keys=True) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes (smoke test); results are not kept in history",
+    )
+    parser.add_argument(
+        "--page-only",
+        action="store_true",
+        help="only re-render docs/benchmarks.md and plots from results/",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="write results/ and the page under this folder instead of the repo "
+        "(default for --quick: a temporary folder, so smoke runs never overwrite real results)",
+    )
+    parser.add_argument(
+        "--only",
+        help="comma-separated subset: capacity,seed_embedded,seed_100m,nano_vllm_embedded,batch_sweep,prefix_cache",
+    )
+    args = parser.parse_args(argv)
+    global RESULTS, DOCS
+    out = args.out
+    if out is None and args.quick:
+        import tempfile
+
+        out = Path(tempfile.mkdtemp(prefix="paged-bench-quick-"))
+    if out is not None:
+        RESULTS, DOCS = out / "results", out / "docs"
+        if args.page_only and (ROOT / "benchmarks" / "results").is_dir() and not RESULTS.exists():
+            RESULTS = ROOT / "benchmarks" / "results"
+    if not args.page_only:
+        started = time.perf_counter()
+        bench = Bench(QUICK_PLAN if args.quick else FULL_PLAN)
+        steps = {
+            "capacity": lambda: run_capacity(bench),
+            "seed_embedded": lambda: run_comparison(bench, "seed_embedded", timelines=True),
+            "seed_100m": lambda: run_comparison(bench, "seed_100m"),
+            "nano_vllm_embedded": lambda: run_comparison(bench, "nano_vllm_embedded"),
+            "batch_sweep": lambda: run_batch_sweep(bench),
+            "prefix_cache": lambda: run_prefix_cache(bench),
+        }
+        only = [s.strip() for s in args.only.split(",")] if args.only else list(steps)
+        unknown = set(only) - set(steps)
+        if unknown:
+            parser.error(f"unknown --only steps {sorted(unknown)}; choose from {', '.join(steps)}")
+        done: dict[str, dict[str, Any]] = {}
+        for name in only:
+            t0 = time.perf_counter()
+            done[name] = steps[name]()
+            print(
+                f"[run_all] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
+            )
+        if not args.quick and not args.only:
+            append_history({k: v for k, v in done.items() if k != "capacity"}, bench.env)
+        print(f"[run_all] total {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    page = write_page(RESULTS, DOCS)
+    print(f"[run_all] wrote {page}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
