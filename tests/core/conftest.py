@@ -40,10 +40,14 @@ class FakePool:
         for pos in range(self.m.num_computed_tokens(seq_id), end):
             block, off = table[pos // bs], pos % bs
             token = self.tokens[seq_id][pos]
-            # a block shared with another sequence may only be written with the
-            # same token (both compute one shared prefix); anything else is a missed CoW
+            # a block shared with another sequence may only be written with a token
+            # every sharer agrees on (one shared prefix); anything else is a missed CoW
             if self.m.allocator.ref_count(block) > 1:
-                assert self.kv[block][off] in (None, token), f"write into shared block {block}"
+                for other, toks in self.tokens.items():
+                    if other != seq_id and pos < len(toks) and block in self.m.block_table(other):
+                        assert toks[pos] == token, (
+                            f"sequence {seq_id} writes into block {block} shared with {other}"
+                        )
             self.kv[block][off] = token
         self.m.mark_computed(seq_id, end)
 

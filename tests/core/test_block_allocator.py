@@ -93,7 +93,14 @@ def test_unknown_block_id_is_a_value_error(bad):
     alloc.allocate(5)
     with pytest.raises(ValueError, match=rf"unknown block id {bad}: valid ids are 0\.\.4"):
         alloc.free(bad)
-    for call in (alloc.ref_count, alloc.is_free, alloc.owners, alloc.share, alloc.take, alloc.force_free):
+    for call in (
+        alloc.ref_count,
+        alloc.is_free,
+        alloc.owners,
+        alloc.share,
+        alloc.take,
+        alloc.force_free,
+    ):
         with pytest.raises(ValueError, match="unknown block id"):
             call(bad)
     assert alloc.num_free() == 0

@@ -54,7 +54,10 @@ def test_exhausted_allocate_leaves_no_partial_state():
     m.allocate(1, 9)  # 3 blocks
     before = m.stats()
     assert not m.can_allocate(8)
-    with pytest.raises(OutOfBlocksError, match=r"sequence 2 needs 2 free blocks for 8 tokens .* only 1 of 4 are free"):
+    with pytest.raises(
+        OutOfBlocksError,
+        match=r"sequence 2 needs 2 free blocks for 8 tokens .* only 1 of 4 are free",
+    ):
         m.allocate(2, 8)
     assert not m.has_seq(2)
     assert m.num_free_blocks() == 1
@@ -136,12 +139,25 @@ def test_unknown_sequence_errors_name_the_id():
     m = BlockManager(num_blocks=4, block_size=4)
     m.allocate(1, 3)
     m.free(1)
-    for call in (m.free, m.preempt, m.block_table, m.seq_len, lambda s: m.append(s, 1),
-                 lambda s: m.mark_computed(s, 0), lambda s: m.fork(s, 9), lambda s: m.can_append([s])):
-        with pytest.raises(UnknownSequenceError, match="unknown sequence 1: it was never allocated or is already freed"):
+    for call in (
+        m.free,
+        m.preempt,
+        m.block_table,
+        m.seq_len,
+        lambda s: m.append(s, 1),
+        lambda s: m.mark_computed(s, 0),
+        lambda s: m.fork(s, 9),
+        lambda s: m.can_append([s]),
+    ):
+        with pytest.raises(
+            UnknownSequenceError,
+            match="unknown sequence 1: it was never allocated or is already freed",
+        ):
             call(1)
     # usable as either kind of lookup failure
-    assert issubclass(UnknownSequenceError, ValueError) and issubclass(UnknownSequenceError, KeyError)
+    assert issubclass(UnknownSequenceError, ValueError) and issubclass(
+        UnknownSequenceError, KeyError
+    )
 
 
 def test_mark_computed_beyond_length_is_a_value_error():

@@ -57,8 +57,12 @@ def test_key_of_a_block_depends_on_every_earlier_token(fake_pool):
     other = [10] + PREFIX[1:] + [1]
     assert pool.allocate(2, other) == 0
     assert shared_blocks(pool.m, 1, 2) == 0
-    same_block_other_parent = hash_block_tokens(hash_block_tokens(None, [10, 12, 13, 14]), PREFIX[4:8])
-    assert same_block_other_parent != hash_block_tokens(hash_block_tokens(None, PREFIX[:4]), PREFIX[4:8])
+    same_block_other_parent = hash_block_tokens(
+        hash_block_tokens(None, [10, 12, 13, 14]), PREFIX[4:8]
+    )
+    assert same_block_other_parent != hash_block_tokens(
+        hash_block_tokens(None, PREFIX[:4]), PREFIX[4:8]
+    )
 
 
 def test_block_keys_are_stable_across_processes():
@@ -68,12 +72,19 @@ def test_block_keys_are_stable_across_processes():
     )
     keys = {
         subprocess.run(
-            [sys.executable, "-c", code], env={"PYTHONHASHSEED": seed}, capture_output=True, text=True, check=True
+            [sys.executable, "-c", code],
+            env={"PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         for seed in ("1", "2")
     }
     assert len(keys) == 1
-    assert keys.pop().strip() == hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()
+    assert (
+        keys.pop().strip()
+        == hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()
+    )
 
 
 def test_the_last_prompt_token_is_never_a_hit(fake_pool):

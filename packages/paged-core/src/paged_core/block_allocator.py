@@ -89,7 +89,9 @@ class BlockAllocator:
         hits on blocks that were freed but still hold content."""
         self._check_id(block_id)
         if block_id not in self._free:
-            raise ValueError(f"block {block_id} is not free (ref count {self._ref_counts[block_id]})")
+            raise ValueError(
+                f"block {block_id} is not free (ref count {self._ref_counts[block_id]})"
+            )
         del self._free[block_id]
         self._ref_counts[block_id] = 1
         if owner is not None:

@@ -54,7 +54,9 @@ def _cdiv(a: int, b: int) -> int:
 class BlockManager:
     """Page tables, prefix caching, copy-on-write forks, audits and counters."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 0:
@@ -98,7 +100,9 @@ class BlockManager:
 
         All or nothing: ``OutOfBlocksError`` leaves no state behind."""
         if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id} already has blocks; free it before allocating again")
+            raise ValueError(
+                f"sequence {seq_id} already has blocks; free it before allocating again"
+            )
         self._check_prompt(num_tokens, token_ids)
         hits = self._match_prefix(num_tokens, token_ids)
         num_fresh = _cdiv(num_tokens, self.block_size) - len(hits)
@@ -171,7 +175,9 @@ class BlockManager:
         else:
             last = seq.table[-1]
             if self.allocator.ref_count(last) > 1:
-                self._require_free(1, f"sequence {seq_id} needs a private copy of shared block {last}")
+                self._require_free(
+                    1, f"sequence {seq_id} needs a private copy of shared block {last}"
+                )
                 (copy,) = self._allocate_fresh(1, seq_id)
                 self.allocator.free(last, owner=seq_id)
                 seq.table[-1] = copy
@@ -329,9 +335,13 @@ class BlockManager:
         if num_tokens <= 0:
             raise ValueError(f"a sequence needs at least 1 token, got num_tokens={num_tokens}")
         if token_ids is not None and len(token_ids) != num_tokens:
-            raise ValueError(f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given")
+            raise ValueError(
+                f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given"
+            )
 
-    def _match_prefix(self, num_tokens: int, token_ids: Sequence[int] | None) -> list[tuple[int, BlockHash]]:
+    def _match_prefix(
+        self, num_tokens: int, token_ids: Sequence[int] | None
+    ) -> list[tuple[int, BlockHash]]:
         """Leading full blocks of the prompt found in the prefix index, as
         ``(block_id, key)``; stops at the first miss. The block holding the
         last prompt token is never matched: its logits must be computed."""

@@ -34,9 +34,17 @@ def audit_block_manager(manager: BlockManager) -> list[str]:
         if len(set(seq.table)) != len(seq.table):
             problems.append(f"{where} holds a block twice: {seq.table}")
         if len(seq.hashes) > seq.num_tokens // bs:
-            problems.append(f"{where} has {len(seq.hashes)} block keys for {seq.num_tokens // bs} full blocks")
-        if manager.enable_prefix_caching and seq.tokens_complete and len(seq.tokens) != seq.num_tokens:
-            problems.append(f"{where} recorded {len(seq.tokens)} token ids for {seq.num_tokens} tokens")
+            problems.append(
+                f"{where} has {len(seq.hashes)} block keys for {seq.num_tokens // bs} full blocks"
+            )
+        if (
+            manager.enable_prefix_caching
+            and seq.tokens_complete
+            and len(seq.tokens) != seq.num_tokens
+        ):
+            problems.append(
+                f"{where} recorded {len(seq.tokens)} token ids for {seq.num_tokens} tokens"
+            )
         for i, block_id in enumerate(seq.table):
             if not 0 <= block_id < manager.num_blocks:
                 problems.append(f"{where} points at unknown block id {block_id}")
@@ -46,17 +54,23 @@ def audit_block_manager(manager: BlockManager) -> list[str]:
             if key is None:
                 continue
             if i < len(seq.hashes) and seq.hashes[i] != key:
-                problems.append(f"{where}: cached block {block_id} at index {i} has another prefix key")
+                problems.append(
+                    f"{where}: cached block {block_id} at index {i} has another prefix key"
+                )
             own = seq.tokens[i * bs : (i + 1) * bs]
             if len(own) == bs and cache.lookup(key, own) != block_id:
-                problems.append(f"{where}: cached block {block_id} at index {i} stores other tokens")
+                problems.append(
+                    f"{where}: cached block {block_id} at index {i} stores other tokens"
+                )
 
     for block_id in range(manager.num_blocks):
         seqs = holders.get(block_id, set())
         refs = alloc.ref_count(block_id)
         if refs != len(seqs):
             kind = "leaked" if not seqs else "miscounted"
-            problems.append(f"block {block_id} ({kind}) has ref count {refs} but {len(seqs)} page tables hold it")
+            problems.append(
+                f"block {block_id} ({kind}) has ref count {refs} but {len(seqs)} page tables hold it"
+            )
         if alloc.owners(block_id) != seqs:
             problems.append(
                 f"block {block_id} is owned by {set(alloc.owners(block_id))} "
@@ -71,7 +85,9 @@ def audit_block_manager(manager: BlockManager) -> list[str]:
             problems.append(f"block {block_id} is in use but listed as plain free")
 
     if tokens_used != manager._tokens_used:
-        problems.append(f"tokens_used counter is {manager._tokens_used}, page tables hold {tokens_used}")
+        problems.append(
+            f"tokens_used counter is {manager._tokens_used}, page tables hold {tokens_used}"
+        )
     if not manager.enable_prefix_caching and len(cache):
         problems.append(f"prefix caching is off but {len(cache)} blocks are cached")
     problems.extend(cache.audit(manager.num_blocks, bs))

@@ -91,13 +91,17 @@ class PrefixCache:
         problems = []
         for block_hash, block_id in self._block_by_hash.items():
             if self._hash_by_block.get(block_id) != block_hash:
-                problems.append(f"prefix index maps a key to block {block_id}, which is not registered under it")
+                problems.append(
+                    f"prefix index maps a key to block {block_id}, which is not registered under it"
+                )
         for block_id in self._hash_by_block:
             if not 0 <= block_id < num_blocks:
                 problems.append(f"prefix index holds unknown block id {block_id}")
             tokens = self._tokens_by_block.get(block_id)
             if tokens is None or len(tokens) != block_size:
-                problems.append(f"cached block {block_id} does not store exactly {block_size} tokens")
+                problems.append(
+                    f"cached block {block_id} does not store exactly {block_size} tokens"
+                )
         if len(self._hash_by_block) != len(self._block_by_hash):
             problems.append(
                 f"prefix index has {len(self._block_by_hash)} keys but {len(self._hash_by_block)} cached blocks"
