@@ -175,3 +175,49 @@ def test_gemma3_multimodal_names_map_onto_the_text_model(checkpoints):
     text = arch.text_config(hf)
     config = ModelConfig.from_hf(text, "Gemma3ForConditionalGeneration")
     assert config.eos_token_ids == [1, 106] and config.head_dim == 256  # Gemma 3 defaults
+
+
+@torch.no_grad()
+def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path, tokenizer_json, prompt_of):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Gemma3Config(
+        text_config=dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+            max_position_embeddings=256,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+        image_token_index=500,
+        boi_token_index=498,
+        eoi_token_index=499,
+    )
+    hf = Gemma3ForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    for p in hf.parameters():
+        if p.ndim == 1:
+            p.add_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
+    loaded = load_model(tmp_path)  # vision tower weights are skipped, not errors
+    assert loaded.config.architecture == "Gemma3ForConditionalGeneration"
+    ids = torch.tensor([prompt_of(12, 9)])
+    ours = loaded.model(ids, torch.arange(12)[None])
+    torch.testing.assert_close(ours, hf(input_ids=ids).logits, atol=1e-4, rtol=0)

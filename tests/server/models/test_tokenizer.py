@@ -28,6 +28,7 @@ RICH_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>\\n' }}
 {%- endfor %}
 {%- if meta is defined %}{{ meta | tojson }}{% endif %}
+{%- if tools is not none %}{{ raise_exception('tools must default to None') }}{% endif %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
 
 CONVERSATIONS = [

@@ -112,12 +112,13 @@ class Tokenizer:
             )
         if self._template is None:
             self._template = _jinja_env().from_string(self.chat_template)
-        text = self._template.render(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            **self.special_tokens,
-            **template_vars,
-        )
+        # As transformers does: tools/documents are None (templates test
+        # `is not none`), special token strings and caller variables visible.
+        variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens}
+        variables.update(template_vars)
+        variables["messages"] = [dict(m) for m in messages]
+        variables["add_generation_prompt"] = add_generation_prompt
+        text = self._template.render(**variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
