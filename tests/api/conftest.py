@@ -128,6 +128,12 @@ def tokenizer() -> Tokenizer:
 
 
 @pytest.fixture
+def make_fake_engine(tokenizer: Tokenizer) -> Any:
+    """``make_fake_engine(**kwargs)`` -> a `FakeEngine` with those settings."""
+    return lambda **kwargs: FakeEngine(tokenizer, **kwargs)
+
+
+@pytest.fixture
 def fake_engine(tokenizer: Tokenizer) -> FakeEngine:
     return FakeEngine(tokenizer)
 

@@ -78,6 +78,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        announce=True,
     )
     serve(engine, settings, args.host, args.port, args.log_level)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -50,7 +51,23 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         503: "Queue full (see Retry-After) or server shutting down",
     }.items()
 }
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# One server-sent event (OpenAPI < 3.2: the schema describes each event).
+_SSE = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "type": "string",
+                    "description": "a JSON chunk (text_completion or chat.completion.chunk; "
+                    "with include_usage a last chunk with empty choices and the usage), an "
+                    '{"error": ...} object, or the final [DONE]',
+                }
+            },
+        }
+    }
+}
 
 
 @dataclass(slots=True)
@@ -61,6 +78,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0
+    announce: bool = False  # print start/stop lines (the CLI server does; test servers don't)
 
 
 def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
@@ -88,6 +106,13 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(async_engine.stop, settings.shutdown_timeout_s)
+            if settings.announce:
+                print(
+                    f"paged-server: engine stopped; {async_engine.aborted_at_shutdown} in-flight "
+                    "request(s) aborted at shutdown",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     app = FastAPI(
         title="paged-server",
@@ -156,10 +181,28 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
             media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
+    _document_400_not_422(app)
     # Outermost first: the key is checked before the body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents 422 for body errors; this server answers 400 (as
+    OpenAI does), so the schema says 400 and drops the 422 entries."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = original()
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _unhealthy(reason: str, **extra: Any) -> JSONResponse:

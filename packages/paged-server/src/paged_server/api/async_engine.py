@@ -77,6 +77,7 @@ class AsyncEngine:
         self._submit_lock = threading.Lock()
         self._closed = False
         self.step_errors = 0
+        self.aborted_at_shutdown = 0
         self.last_error: str | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -271,6 +272,7 @@ class AsyncEngine:
     def _shutdown(self) -> None:
         with self._submit_lock:
             self._closed = True
+        self.aborted_at_shutdown = len(self._tracked)
         self._end_all("abort", "the server is shutting down")
         # Fail commands that arrived too late, so no caller waits forever.
         while True:

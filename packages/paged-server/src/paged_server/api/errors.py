@@ -111,9 +111,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if body_level and first.get("type") in ("model_attributes_type", "missing", "model_type"):
         return _body_error(first.get("input"))
     param = _loc_to_param(first.get("loc", ()))
-    msg = str(first.get("msg", "invalid value"))
-    # pydantic prefixes custom ValueError messages with "Value error, "
-    msg = msg.removeprefix("Value error, ")
+    msg = _friendly(first)
     named = re.match(r"^([a-z_]+): ", msg)
     if named and param is None:  # model-level validators say "field: problem"
         param, msg = named.group(1), msg[named.end() :]
@@ -158,6 +156,31 @@ def _body_error(raw: Any) -> APIError:
             code="invalid_content_type",
         )
     return APIError(400, "request body must be a JSON object", code="invalid_json")
+
+
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+           "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+_EXPECTED = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
+             "bool_type": "true or false", "string_type": "a string", "list_type": "a list",
+             "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+             "finite_number": "a finite number"}
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, str | int | float | bool | None) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _friendly(e: Any) -> str:
+    """pydantic's message, said the way this API says things: 'must be >= 1, got -1'."""
+    kind, ctx = e.get("type"), e.get("ctx") or {}
+    if kind in _BOUNDS:
+        op, key = _BOUNDS[kind]
+        return f"must be {op} {ctx.get(key)}, got {_shown(e.get('input'))}"
+    if kind in _EXPECTED:
+        return f"must be {_EXPECTED[kind]}, got {_shown(e.get('input'))}"
+    # pydantic prefixes custom ValueError messages with "Value error, "
+    return str(e.get("msg", "invalid value")).removeprefix("Value error, ")
 
 
 def _most_specific(errors: list[Any]) -> Any:

@@ -94,9 +94,7 @@ def serve(engine: Any, settings: ServerSettings, host: str, port: int, log_level
     """Serve until SIGINT/SIGTERM (foreground; blocks)."""
     sock = bind_socket(host, port)
     app = create_app(engine, settings)
-    line = startup_line(engine, settings, _url(sock))
-    logger.info(line)
-    print(line, file=sys.stderr, flush=True)
+    print(startup_line(engine, settings, _url(sock)), file=sys.stderr, flush=True)
     uvicorn.Server(_uvicorn_config(app, settings, log_level)).run(sockets=[sock])
 
 

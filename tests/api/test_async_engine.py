@@ -1,0 +1,161 @@
+"""The engine thread: one thread touches the engine, outputs reach the right
+queue, aborts and failures close streams, and the event loop never waits for
+a step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+from paged_server.api.async_engine import AsyncEngine, EngineDeadError, StreamEnd
+from paged_server.api.metrics import ServerMetrics
+from paged_server.sampling_params import SamplingParams
+
+
+async def drain(q: asyncio.Queue[Any], choices: int = 1, timeout: float = 10.0) -> tuple[list[Any], StreamEnd | None]:
+    outs: list[Any] = []
+    finished = 0
+    while finished < choices:
+        item = await asyncio.wait_for(q.get(), timeout)
+        if isinstance(item, StreamEnd):
+            return outs, item
+        outs += item
+        finished += sum(o.finished for o in item)
+    return outs, None
+
+
+async def add(ae: AsyncEngine, rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> asyncio.Queue[Any]:
+    q: asyncio.Queue[Any] = asyncio.Queue()
+    await ae.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n), q,
+                         arrival=time.monotonic(), num_choices=n)
+    return q
+
+
+def test_outputs_are_routed_per_request_from_one_engine_thread(fake_engine: Any) -> None:
+    metrics = ServerMetrics("m")
+    ae = AsyncEngine(fake_engine, metrics)
+    ae.start()
+
+    async def main() -> None:
+        qs = [await add(ae, f"r{i}", [5] * (i + 1), max_tokens=3 + i, n=1 + i % 2) for i in range(6)]
+        for i, q in enumerate(qs):
+            outs, end = await drain(q, choices=1 + i % 2)
+            assert end is None
+            assert {o.request_id for o in outs} == {f"r{i}"}
+            for choice in range(1 + i % 2):
+                text = "".join(o.new_text for o in outs if o.index == choice)
+                assert text == fake_engine.expected_text(i + 1, 3 + i, choice)
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.stop()
+    assert len(fake_engine.thread_ids) == 1
+    assert threading.get_ident() not in fake_engine.thread_ids
+    assert metrics.ttft.count == 6
+    assert metrics.requests.value(finished_reason="length") == 9  # choices
+
+
+def test_abort_stops_generation_and_is_counted(fake_engine: Any) -> None:
+    fake_engine.step_delay = 0.01
+    metrics = ServerMetrics("m")
+    ae = AsyncEngine(fake_engine, metrics)
+    ae.start()
+
+    async def main() -> None:
+        q = await add(ae, "long", [1, 2], max_tokens=250)
+        await asyncio.wait_for(q.get(), 5)  # it is running
+        ae.abort("long")
+        deadline = time.monotonic() + 5
+        while "long" not in fake_engine.aborted and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.stop()
+    assert fake_engine.aborted == ["long"]
+    assert not fake_engine.requests
+    assert metrics.requests.value(finished_reason="abort") == 1
+
+
+def test_failed_step_ends_in_flight_streams_and_engine_keeps_serving(fake_engine: Any) -> None:
+    ae = AsyncEngine(fake_engine)
+    ae.start()
+
+    async def main() -> None:
+        fake_engine.fail_steps = 1
+        q = await add(ae, "doomed", [1], max_tokens=5)
+        _, end = await drain(q)
+        assert end is not None and end.reason == "error"
+        assert "scripted step failure" in end.message
+        q2 = await add(ae, "fine", [1], max_tokens=2)  # the next request works
+        outs, end2 = await drain(q2)
+        assert end2 is None and outs[-1].finished
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.stop()
+    assert ae.step_errors == 1
+    assert "doomed" in fake_engine.aborted
+
+
+def test_stop_closes_streams_and_refuses_new_work(fake_engine: Any) -> None:
+    fake_engine.step_delay = 0.01
+    ae = AsyncEngine(fake_engine)
+    ae.start()
+
+    async def main() -> None:
+        q = await add(ae, "inflight", [1], max_tokens=250)
+        await asyncio.wait_for(q.get(), 5)
+        await asyncio.to_thread(ae.stop)
+        _, end = await drain(q)
+        assert end is not None and end.reason == "abort"
+        with pytest.raises(EngineDeadError):
+            await add(ae, "late", [1], max_tokens=1)
+
+    asyncio.run(main())
+    assert "inflight" in fake_engine.aborted
+    assert not fake_engine.requests
+
+
+def test_event_loop_keeps_running_during_a_slow_step(fake_engine: Any) -> None:
+    fake_engine.step_delay = 0.3
+    ae = AsyncEngine(fake_engine)
+    ae.start()
+
+    async def main() -> float:
+        q = await add(ae, "slow", [1], max_tokens=3)
+        worst, last = 0.0, time.monotonic()
+        consumer = asyncio.create_task(drain(q))
+        while not consumer.done():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            worst, last = max(worst, now - last), now
+        await consumer
+        return worst
+
+    try:
+        worst_gap = asyncio.run(main())
+    finally:
+        ae.stop()
+    assert fake_engine.steps >= 3
+    assert worst_gap < 0.15, f"event loop stalled for {worst_gap:.3f} s while a 0.3 s step ran"
+
+
+def test_add_errors_propagate_to_the_caller(fake_engine: Any) -> None:
+    ae = AsyncEngine(fake_engine)
+    ae.start()
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="max_tokens"):
+            await add(ae, "bad", [1], max_tokens=10**9)
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.stop()

@@ -1,0 +1,137 @@
+"""The HTTP layer on a real uvicorn server around the scripted engine: SSE
+framing, choice numbering, guards, queue-full, disconnects."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from paged_server.api.app import ServerSettings
+from paged_server.api.server import ServerThread
+
+pytestmark = pytest.mark.e2e
+
+
+def sse_events(resp: httpx.Response) -> list[str]:
+    """The data payloads of an SSE response, asserting the framing."""
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    blocks = resp.text.split("\n\n")
+    assert blocks[-1] == "", "stream must end with a blank line"
+    payloads = []
+    for block in blocks[:-1]:
+        assert block.startswith("data: "), block
+        payloads.append(block[len("data: "):])
+    return payloads
+
+
+def test_completion_stream_framing_and_usage(fake_server: Any, fake_engine: Any) -> None:
+    body = {"prompt": [7, 8, 9], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    resp = httpx.post(fake_server.url + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200
+    payloads = sse_events(resp)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    text_chunks = chunks[:-1]
+    assert all(c["usage"] is None for c in text_chunks)
+    assert all(c["object"] == "text_completion" and c["id"] == usage_chunk["id"] for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == fake_engine.expected_text(3, 4)
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks] == [None, None, None, "length"]
+
+
+def test_several_prompts_times_n_number_choices_like_openai(fake_server: Any, fake_engine: Any) -> None:
+    body = {"prompt": [[1], [1, 2, 3]], "n": 2, "max_tokens": 3}
+    resp = httpx.post(fake_server.url + "/v1/completions", json=body, timeout=30).json()
+    texts = {c["index"]: c["text"] for c in resp["choices"]}
+    assert texts == {
+        0: fake_engine.expected_text(1, 3, 0), 1: fake_engine.expected_text(1, 3, 1),
+        2: fake_engine.expected_text(3, 3, 0), 3: fake_engine.expected_text(3, 3, 1),
+    }
+    assert resp["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+
+
+def test_chat_stream_opens_with_role_and_closes_with_finish(fake_server: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    resp = httpx.post(fake_server.url + "/v1/chat/completions", json=body, timeout=30)
+    chunks = [json.loads(p) for p in sse_events(resp)[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["delta"] == {}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_chunked_body_over_the_limit_is_413(fake_engine: Any) -> None:
+    settings = ServerSettings(model_name="fake-model", max_body_bytes=1000)
+
+    def body() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 200
+        yield b'"}'
+
+    with ServerThread(fake_engine, settings) as srv:
+        resp = httpx.post(srv.url + "/v1/completions", content=body(),
+                          headers={"content-type": "application/json"}, timeout=30)
+        assert resp.status_code == 413
+        assert "limit of 1000 bytes" in resp.json()["error"]["message"]
+        ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+        assert ok.status_code == 200
+
+
+def test_queue_full_is_503_with_retry_after(make_fake_engine: Any) -> None:
+    engine = make_fake_engine(max_running=1, max_queue_len=1, step_delay=0.01)
+    with ServerThread(engine, ServerSettings(model_name="fake-model", shutdown_timeout_s=1)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as client:
+        long = {"prompt": "x", "max_tokens": 200, "stream": True}
+        with client.stream("POST", "/v1/completions", json=long) as running:
+            lines = running.iter_lines()  # keep the iterator: dropping it closes the stream
+            next(lines)  # the first request is running
+            with client.stream("POST", "/v1/completions", json=long) as waiting:
+                assert waiting.status_code == 200  # accepted, queued
+                resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                assert resp.status_code == 503
+                assert resp.headers["retry-after"] == "1"
+                err = resp.json()["error"]
+                assert "busy" in err["message"] and err["code"] == "queue_full"
+        deadline = time.monotonic() + 10
+        while engine.requests and time.monotonic() < deadline:  # both aborted on disconnect
+            time.sleep(0.02)
+        assert not engine.requests
+        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_client_disconnect_aborts_the_request(make_fake_engine: Any) -> None:
+    engine = make_fake_engine(step_delay=0.01)
+    with ServerThread(engine, ServerSettings(model_name="fake-model")) as srv:
+        with httpx.Client(base_url=srv.url, timeout=30) as client, client.stream(
+            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 250, "stream": True}
+        ) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            next(lines)
+        deadline = time.monotonic() + 10
+        while not engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(engine.aborted) == 1
+        assert not engine.requests
+
+
+def test_api_key_guards_everything_but_health(fake_engine: Any) -> None:
+    settings = ServerSettings(model_name="fake-model", api_key="s3cret")
+    with ServerThread(fake_engine, settings) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        for path in ("/v1/models", "/metrics", "/openapi.json"):
+            resp = httpx.get(srv.url + path)
+            assert resp.status_code == 401
+            assert "missing API key" in resp.json()["error"]["message"]
+        wrong = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "wrong API key" in wrong.json()["error"]["message"]
+        ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "fake-model"

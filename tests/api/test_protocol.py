@@ -1,0 +1,84 @@
+"""Request validation: each bad field becomes a 400 that names it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from paged_server.api.errors import validation_error
+from paged_server.api.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompt
+from pydantic import ValidationError
+
+
+def error_for(model: Any, body: Any) -> tuple[str | None, str]:
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate(body)
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.value.errors()]
+    err = validation_error(RequestValidationError(errors))
+    assert err.status == 400
+    return err.param, err.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "must be an integer"),
+        ({"prompt": "x", "max_tokens": -3}, "max_tokens", "must be >= 1, got -3"),
+        ({"prompt": "x", "temperature": -0.1}, "temperature", "must be >= 0"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature", "finite number"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "must be > 0"),
+        ({"prompt": "x", "n": 17}, "n", "must be <= 16"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        ({"prompt": "x", "stop": [""]}, "stop", "1..256"),
+        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"prompt": []}, "prompt", "must not be empty"),
+        ({"prompt": [1, -2]}, "prompt", ">= 0"),
+        ({"prompt": [1, "a"]}, "prompt", "list of token ids"),
+        ({"prompt": ["a"] * 17}, "prompt", "at most 16"),
+        ({}, "prompt", "field required"),
+        ({"prompt": "x", "logprobs": 3}, "logprobs", "only 0 is supported"),
+        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"prompt": "x", "best_of": 2}, "best_of", "must equal n"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
+        ({"prompt": "x", "stream": "yes"}, "stream", "must be true or false"),
+    ],
+)
+def test_completion_request_errors_name_the_field(body: dict[str, Any], param: str, fragment: str) -> None:
+    got_param, message = error_for(CompletionRequest, body)
+    assert got_param == param
+    assert fragment in message
+    assert message.startswith(param)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"messages": []}, "messages", "at least 1"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'user'"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0].type", "'text'"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "only 0"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ],
+)
+def test_chat_request_errors_name_the_field(body: dict[str, Any], param: str, fragment: str) -> None:
+    got_param, message = error_for(ChatCompletionRequest, body)
+    assert got_param == param
+    assert fragment in message
+
+
+def test_prompt_shapes_normalize() -> None:
+    assert normalize_prompt("hi") == ["hi"]
+    assert normalize_prompt([1, 2]) == [[1, 2]]
+    assert normalize_prompt(["a", "b"]) == ["a", "b"]
+    assert normalize_prompt([[1], [2, 3]]) == [[1], [2, 3]]
+
+
+def test_valid_chat_request_keeps_text_parts() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+         "max_completion_tokens": 5}
+    )
+    assert req.messages[0].text() == "ab"
+    assert req.requested_max_tokens() == 5
