@@ -3,6 +3,7 @@
 from paged_core.block_allocator import BlockAllocator
 from paged_core.block_manager import BlockManager, UnknownSequenceError
 from paged_core.block_manager_stats import BlockManagerStats
+from paged_core.block_pool import BlockPool
 from paged_core.errors import OutOfBlocksError
 from paged_core.protocols import (
     AttentionViewProtocol,
@@ -16,6 +17,7 @@ __all__ = [
     "BlockAllocator",
     "BlockManager",
     "BlockManagerStats",
+    "BlockPool",
     "CachePoolProtocol",
     "KVCacheProtocol",
     "OutOfBlocksError",

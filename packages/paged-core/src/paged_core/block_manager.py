@@ -7,44 +7,22 @@ KV is already computed, copy-on-write when a sequence writes into a block it
 shares, and audits that cross-check every structure. Pure Python, no tensors:
 the pool that owns the KV tensors copies blocks when ``append`` says so.
 
-Free blocks come in two kinds. *Plain* free blocks hold nothing worth keeping
-and are handed out first. *Cached* free blocks keep the KV of a registered
-prefix; they stay in the allocator's free list, in the order they were freed,
-and are evicted least recently freed first (a sequence's tail before its head)
-only when no plain block is left. A prefix hit takes a cached free block back
-out of the free list in O(1) (``BlockAllocator.take``).
+Which free block is reused next (plain ones first, then cached ones least
+recently freed first) is ``BlockPool``'s job; the block manager knows sequences.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from paged_core.block_allocator import BlockAllocator
 from paged_core.block_manager_audit import audit_block_manager
 from paged_core.block_manager_stats import BlockManagerStats
+from paged_core.block_pool import BlockPool
 from paged_core.errors import OutOfBlocksError
-from paged_core.prefix_cache import BlockHash, PrefixCache, hash_block_tokens
+from paged_core.prefix_cache import BlockHash, hash_block_tokens
+from paged_core.sequence_blocks import SequenceBlocks, UnknownSequenceError
 
-
-class UnknownSequenceError(ValueError, KeyError):
-    """A sequence id the block manager does not hold (never allocated, or
-    already freed). Both a ``ValueError`` and a ``KeyError``."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-@dataclass(slots=True)
-class _SeqBlocks:
-    """One sequence's page table and what prefix caching needs to know of it."""
-
-    table: list[int]
-    num_tokens: int  # reserved: prompt + appended
-    num_computed: int = 0  # tokens whose KV the pool reported written
-    tokens: list[int] = field(default_factory=list)  # leading known token ids
-    tokens_complete: bool = True  # False once a token id was not given
-    hashes: list[BlockHash] = field(default_factory=list)  # chained keys of leading full blocks
+__all__ = ["BlockManager", "UnknownSequenceError"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -64,16 +42,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.allocator = BlockAllocator(num_blocks)
-        self._cache = PrefixCache()
-        # Free blocks without cached content, handed out before any cached one.
-        # Reversed so that a fresh manager hands out 0, 1, 2, ... (popitem is LIFO).
-        self._free_plain: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
-        self._seqs: dict[int, _SeqBlocks] = {}
+        self.block_pool = BlockPool(num_blocks)
+        self.allocator = self.block_pool.allocator
+        self._seqs: dict[int, SequenceBlocks] = {}
         self._tokens_used = 0
         self._prefix_queries_tokens = 0
         self._prefix_hits_tokens = 0
-        self._evictions = 0
         self._forks = 0
         self._cow_copies = 0
         self._preemptions = 0
@@ -115,15 +89,12 @@ class BlockManager:
             )
         table = []
         for block_id, _ in hits:
-            if self.allocator.is_free(block_id):
-                self.allocator.take(block_id, owner=seq_id)
-            else:
-                self.allocator.share(block_id, owner=seq_id)
+            self.block_pool.acquire_hit(block_id, owner=seq_id)
             table.append(block_id)
-        table.extend(self._allocate_fresh(num_fresh, seq_id))
+        table.extend(self.block_pool.allocate_fresh(num_fresh, seq_id))
 
         num_cached = len(hits) * self.block_size
-        seq = _SeqBlocks(table=table, num_tokens=num_tokens, num_computed=num_cached)
+        seq = SequenceBlocks(table=table, num_tokens=num_tokens, num_computed=num_cached)
         if self.enable_prefix_caching:
             seq.hashes = [block_hash for _, block_hash in hits]
             if token_ids is None:
@@ -171,15 +142,15 @@ class BlockManager:
         copies: list[tuple[int, int]] = []
         if seq.num_tokens % self.block_size == 0:
             self._require_free(1, f"sequence {seq_id} needs a new block for token {seq.num_tokens}")
-            seq.table.extend(self._allocate_fresh(1, seq_id))
+            seq.table.extend(self.block_pool.allocate_fresh(1, seq_id))
         else:
             last = seq.table[-1]
             if self.allocator.ref_count(last) > 1:
                 self._require_free(
                     1, f"sequence {seq_id} needs a private copy of shared block {last}"
                 )
-                (copy,) = self._allocate_fresh(1, seq_id)
-                self.allocator.free(last, owner=seq_id)
+                (copy,) = self.block_pool.allocate_fresh(1, seq_id)
+                self.block_pool.release([last], owner=seq_id)  # stays in use by the others
                 seq.table[-1] = copy
                 copies.append((last, copy))
                 self._cow_copies += 1
@@ -212,17 +183,14 @@ class BlockManager:
             tokens = seq.tokens[i * bs : (i + 1) * bs]
             block_hash = hash_block_tokens(seq.hashes[-1] if seq.hashes else None, tokens)
             seq.hashes.append(block_hash)
-            self._cache.register(seq.table[i], block_hash, tokens)
+            self.block_pool.cache.register(seq.table[i], block_hash, tokens)
 
     # -- release ---------------------------------------------------------
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks, tail first, so that its tail is evicted
         before its head. Blocks with cached content stay evictable."""
         seq = self._seq(seq_id)
-        released = self.allocator.free(reversed(seq.table), owner=seq_id)
-        for block_id in released:
-            if not self._cache.is_cached(block_id):
-                self._free_plain[block_id] = None
+        self.block_pool.release(reversed(seq.table), owner=seq_id)
         del self._seqs[seq_id]
         self._tokens_used -= seq.num_tokens
 
@@ -234,14 +202,7 @@ class BlockManager:
         src = self._seq(parent)
         for block_id in src.table:
             self.allocator.share(block_id, owner=child)
-        self._seqs[child] = _SeqBlocks(
-            table=list(src.table),
-            num_tokens=src.num_tokens,
-            num_computed=src.num_computed,
-            tokens=list(src.tokens),
-            tokens_complete=src.tokens_complete,
-            hashes=list(src.hashes),
-        )
+        self._seqs[child] = src.copy()
         self._tokens_used += src.num_tokens
         self._forks += 1
 
@@ -291,14 +252,14 @@ class BlockManager:
             block_size=self.block_size,
             blocks_used=used,
             blocks_free=free,
-            blocks_cached_free=free - len(self._free_plain),
+            blocks_cached_free=self.block_pool.num_cached_free(),
             tokens_used=self._tokens_used,
             tokens_capacity_free=free * self.block_size,
             usage=used / self.num_blocks if self.num_blocks else 0.0,
             prefix_queries_tokens=queries,
             prefix_hits_tokens=self._prefix_hits_tokens,
             hit_rate=self._prefix_hits_tokens / queries if queries else 0.0,
-            evictions=self._evictions,
+            evictions=self.block_pool.evictions,
             forks=self._forks,
             cow_copies=self._cow_copies,
             preemptions=self._preemptions,
@@ -317,13 +278,11 @@ class BlockManager:
         referenced = [b for seq in self._seqs.values() for b in seq.table]
         leaked = self.allocator.find_unreferenced_blocks(referenced)
         for block_id in leaked:
-            self._cache.evict(block_id)
-            self.allocator.force_free(block_id)
-            self._free_plain[block_id] = None
+            self.block_pool.reclaim(block_id)
         return leaked
 
     # -- internals -------------------------------------------------------
-    def _seq(self, seq_id: int) -> _SeqBlocks:
+    def _seq(self, seq_id: int) -> SequenceBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise UnknownSequenceError(
@@ -345,7 +304,7 @@ class BlockManager:
         """Leading full blocks of the prompt found in the prefix index, as
         ``(block_id, key)``; stops at the first miss. The block holding the
         last prompt token is never matched: its logits must be computed."""
-        if not self.enable_prefix_caching or token_ids is None or not len(self._cache):
+        if not self.enable_prefix_caching or token_ids is None or not len(self.block_pool.cache):
             return []
         bs = self.block_size
         hits: list[tuple[int, BlockHash]] = []
@@ -353,7 +312,7 @@ class BlockManager:
         for i in range((num_tokens - 1) // bs):
             tokens = token_ids[i * bs : (i + 1) * bs]
             parent = hash_block_tokens(parent, tokens)
-            block_id = self._cache.lookup(parent, tokens)
+            block_id = self.block_pool.cache.lookup(parent, tokens)
             if block_id is None:
                 break
             hits.append((block_id, parent))
@@ -365,20 +324,3 @@ class BlockManager:
                 f"{why} but only {self.allocator.num_free()} of {self.num_blocks} blocks are "
                 "free; preempt a sequence first"
             )
-
-    def _allocate_fresh(self, n: int, owner: int) -> list[int]:
-        """Hand out ``n`` free blocks to write new KV into: plain ones first,
-        then cached ones least recently freed first (evicting their content).
-        The caller has checked that ``n`` blocks are free."""
-        out = []
-        for _ in range(n):
-            if self._free_plain:
-                block_id, _ = self._free_plain.popitem()
-                self.allocator.take(block_id, owner=owner)
-            else:
-                (block_id,) = self.allocator.allocate(1, owner=owner)
-                evicted = self._cache.evict(block_id)
-                assert evicted, f"free block {block_id} was neither plain nor cached"
-                self._evictions += 1
-            out.append(block_id)
-        return out

@@ -17,7 +17,7 @@ def audit_block_manager(manager: BlockManager) -> list[str]:
     page tables, the free lists and the prefix index (empty when healthy)."""
     problems: list[str] = []
     alloc = manager.allocator
-    cache = manager._cache
+    cache = manager.block_pool.cache
     bs = manager.block_size
     holders: dict[int, set[int]] = {}
     tokens_used = 0
@@ -76,7 +76,7 @@ def audit_block_manager(manager: BlockManager) -> list[str]:
                 f"block {block_id} is owned by {set(alloc.owners(block_id))} "
                 f"but held by {sorted(seqs)}"
             )
-        plain = block_id in manager._free_plain
+        plain = manager.block_pool.is_plain_free(block_id)
         if alloc.is_free(block_id):
             if plain == cache.is_cached(block_id):
                 state = "both plain and cached" if plain else "neither plain nor cached"
