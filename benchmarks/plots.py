@@ -62,6 +62,10 @@ def plot_capacity(capacity: dict[str, Any], path: Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks(x, [str(v) for v in x])
+    top = max(r["paged"] for r in rows)
+    yticks = [2**k for k in range(0, 16) if 2 ** (k - 1) <= top and 2**k >= min(r["contiguous"] for r in rows) / 2]
+    ax.set_yticks(yticks, [str(v) for v in yticks])
+    ax.minorticks_off()
     ax.set_xlabel("average sequence length (tokens)")
     ax.set_ylabel("max concurrent sequences (measured)")
     ax.set_title(f"Capacity at equal KV memory ({s['token_slots']} token slots)")
