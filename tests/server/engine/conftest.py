@@ -1,0 +1,161 @@
+"""A tiny real checkpoint (Llama, saved by transformers as safetensors with a
+real byte-level BPE tokenizer) and helpers to drive an engine to completion.
+
+The weights use a wide random init so greedy outputs depend on the whole
+context (a near-uniform model repeats one token whatever the cache holds,
+which would let cache bugs pass). Helpers are fixtures returning functions
+because tests are imported with importlib, not as a package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from paged_server.config import EngineConfig
+from paged_server.default_model.tokenizer_builder import build_tokenizer
+from paged_server.engine import LLMEngine
+from paged_server.models import LoadedModel, load_model
+from paged_server.sampling_params import SamplingParams
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 512
+EOS = 0  # <|endoftext|> in the default model's tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("engine-ckpt")
+    build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir: Path) -> LoadedModel:
+    """Loaded once (float32, CPU) and shared: models hold no per-request state."""
+    return load_model(tiny_model_dir, torch.float32, "cpu")
+
+
+@pytest.fixture
+def make_engine(tiny_loaded: LoadedModel) -> Callable[..., LLMEngine]:
+    """``make_engine(**config)``: an engine on the tiny model, small defaults."""
+
+    def make(**overrides: Any) -> LLMEngine:
+        cfg: dict[str, Any] = dict(
+            max_batch_size=8,
+            max_seq_len=128,
+            max_num_batched_tokens=256,
+            block_size=4,
+            device="cpu",
+            attention_backend="ref",
+        )
+        cfg.update(overrides)
+        return LLMEngine(EngineConfig(**cfg), tiny_loaded)
+
+    return make
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    """Token ids without the special tokens (0-2)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
+
+
+@pytest.fixture
+def prompt_of() -> Callable[[int, int], list[int]]:
+    return random_prompt
+
+
+@dataclass
+class Choice:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_outputs: int = 0
+
+
+@dataclass
+class Run:
+    """Everything streamed by one drive of the engine."""
+
+    choices: dict[tuple[str, int], Choice]
+    steps: int
+    # step number at which each (request, choice) first produced a token
+    first_token_step: dict[tuple[str, int], int]
+
+    def tokens(self, request_id: str, index: int = 0) -> list[int]:
+        return self.choices[(request_id, index)].token_ids
+
+
+def drive(
+    engine: LLMEngine,
+    requests: list[tuple[str, list[int] | str, SamplingParams]] = (),  # type: ignore[assignment]
+    max_steps: int = 5000,
+    on_step: Callable[[int, LLMEngine], None] | None = None,
+    resumed: bool = False,
+) -> Run:
+    """Submit ``requests`` and step until the engine is idle; fails on a stall
+    (more than ``max_steps`` steps) and checks invariants of the stream.
+    ``resumed``: the caller already stepped, so token counts start mid-stream."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    choices: dict[tuple[str, int], Choice] = {}
+    first: dict[tuple[str, int], int] = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        assert steps <= max_steps, f"engine did not finish within {max_steps} steps"
+        for out in engine.step():
+            key = (out.request_id, out.index)
+            choice = choices.setdefault(key, Choice())
+            assert choice.finish_reason is None, f"{key} produced output after finishing"
+            choice.token_ids += out.new_token_ids
+            choice.text += out.new_text
+            choice.logprobs += out.new_logprobs or []
+            choice.num_outputs += 1
+            if not resumed:
+                assert out.num_generated_tokens == len(choice.token_ids)
+            if out.new_token_ids and key not in first:
+                first[key] = steps
+            if out.finished:
+                choice.finish_reason, choice.error = out.finish_reason, out.error
+        if on_step is not None:
+            on_step(steps, engine)
+    return Run(choices, steps, first)
+
+
+@pytest.fixture
+def run_engine() -> Callable[..., Run]:
+    """``run_engine(engine, requests, max_steps=...)`` -> ``Run``."""
+    return drive
+
+
+@pytest.fixture
+def greedy() -> Callable[..., SamplingParams]:
+    def make(max_tokens: int = 12, **kw: Any) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+    return make

@@ -1,0 +1,100 @@
+"""EngineConfig and SamplingParams validation: each bad field is named in the error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_server.config import (
+    EngineConfig,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
+from paged_server.sampling_params import SamplingParams
+
+
+def test_defaults_are_valid() -> None:
+    EngineConfig().validate()
+    SamplingParams().validate(max_seq_len=2048)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"kv_cache_backend": "blocks"}, "kv_cache_backend"),
+        ({"attention_backend": "cuda"}, "attention_backend"),
+        ({"dtype": "fp8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"block_size": 0}, "block_size"),
+        ({"num_gpu_blocks": 0}, "num_gpu_blocks"),
+        ({"kv_cache_memory_bytes": -1}, "kv_cache_memory_bytes"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"max_seq_len": 1}, "max_seq_len"),
+        ({"max_queue_len": 0}, "max_queue_len"),
+        ({"block_size": 2.5}, "block_size"),
+        ({"max_batch_size": True}, "max_batch_size"),
+        ({"seed": "x"}, "seed"),
+    ],
+)
+def test_engine_config_rejects_bad_field(overrides: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}"):
+        EngineConfig(**overrides).validate()
+
+
+def test_batched_tokens_must_cover_the_batch_and_unchunked_prompts() -> None:
+    with pytest.raises(ValueError, match="max_batch_size"):
+        EngineConfig(max_batch_size=64, max_num_batched_tokens=32).validate()
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        EngineConfig(
+            max_seq_len=2048, max_num_batched_tokens=512, enable_chunked_prefill=False
+        ).validate()
+    EngineConfig(max_seq_len=2048, max_num_batched_tokens=512).validate()  # chunked: fine
+
+
+def test_auto_resolution_on_cpu() -> None:
+    config = EngineConfig(device="cpu")
+    device = resolve_device(config)
+    assert device.type == "cpu"
+    assert resolve_dtype(config, device) is torch.float32
+    assert resolve_attention_backend(config, device) == "ref"
+    assert resolve_dtype(EngineConfig(dtype="float16"), device) is torch.float16
+    assert resolve_attention_backend(EngineConfig(attention_backend="triton"), device) == "triton"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_without_gpu_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        resolve_device(EngineConfig(device="cuda"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": [3]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"logprobs": 1}, "logprobs"),
+    ],
+)
+def test_sampling_params_reject_bad_field(overrides: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        SamplingParams(**overrides).validate(max_seq_len=4096)
+
+
+def test_single_stop_string_becomes_a_list() -> None:
+    assert SamplingParams(stop="\n").stop == ["\n"]

@@ -1,0 +1,127 @@
+"""Sampler filters against distributions computed by hand on small logits,
+plus batch behaviour: per-row seeds, greedy, logprobs and NaN isolation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from paged_server.sampler import (
+    SamplingRow,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    sample,
+)
+from paged_server.sampling_params import SamplingParams
+
+# probabilities 0.5, 0.25, 0.15, 0.07, 0.03 (in shuffled order)
+PROBS = torch.tensor([0.07, 0.5, 0.03, 0.25, 0.15])
+LOGITS = PROBS.log().unsqueeze(0)
+
+
+def kept(logits: torch.Tensor) -> list[int]:
+    return torch.isfinite(logits[0]).nonzero().flatten().tolist()
+
+
+def row(generator: torch.Generator | None = None, prompt=(), output=(), **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), generator, list(prompt), list(output))
+
+
+def test_top_k_keeps_the_k_most_likely() -> None:
+    assert kept(apply_top_k(LOGITS, torch.tensor([2]))) == [1, 3]
+    assert kept(apply_top_k(LOGITS, torch.tensor([0]))) == [0, 1, 2, 3, 4]  # off
+    assert kept(apply_top_k(LOGITS, torch.tensor([99]))) == [0, 1, 2, 3, 4]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    # sorted: 0.5, 0.25 (0.75), 0.15 (0.90), 0.07 (0.97), 0.03
+    assert kept(apply_top_p(LOGITS, torch.tensor([0.7]))) == [1, 3]
+    assert kept(apply_top_p(LOGITS, torch.tensor([0.8]))) == [1, 3, 4]
+    assert kept(apply_top_p(LOGITS, torch.tensor([0.1]))) == [1]  # the top token always stays
+
+
+def test_min_p_is_relative_to_the_top_probability() -> None:
+    # threshold 0.2 * 0.5 = 0.1: keeps 0.5, 0.25, 0.15
+    assert kept(apply_min_p(LOGITS, torch.tensor([0.2]))) == [1, 3, 4]
+
+
+def test_filters_take_one_parameter_per_row() -> None:
+    two = LOGITS.repeat(2, 1)
+    out = apply_top_k(two, torch.tensor([1, 3]))
+    assert kept(out[:1]) == [1] and kept(out[1:]) == [1, 3, 4]
+
+
+def test_penalties_match_hand_computation() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    # repetition 2 on tokens seen in prompt (0) or output (1, 1): 2 -> 1, -1 -> -2
+    out = apply_penalties(logits, [row(prompt=[0], output=[1, 1], repetition_penalty=2.0)])
+    assert out.tolist() == [[1.0, -2.0, 0.5, 1.0]]
+    # frequency 0.5 per occurrence, presence 0.25 once, output tokens only
+    out = apply_penalties(
+        logits, [row(prompt=[3], output=[1, 1, 2], frequency_penalty=0.5, presence_penalty=0.25)]
+    )
+    assert out.tolist() == [[2.0, -1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 1.0]]
+    assert apply_penalties(logits, [row(output=[0])]) is logits  # nothing to do
+
+
+def test_sampling_follows_the_filtered_distribution() -> None:
+    """top_k=3 at temperature 1: 0.5/0.9, 0.25/0.9, 0.15/0.9 (hand-computed)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [row(gen, top_k=3)] * 4000
+    counts = torch.bincount(
+        torch.tensor(sample(LOGITS.repeat(4000, 1), rows).token_ids), minlength=5
+    )
+    freq = counts.float() / 4000
+    assert counts[0] == 0 and counts[2] == 0
+    for token, p in ((1, 0.5 / 0.9), (3, 0.25 / 0.9), (4, 0.15 / 0.9)):
+        assert abs(freq[token].item() - p) < 0.03
+
+
+def test_temperature_sharpens_as_hand_computed() -> None:
+    """T=0.5 squares probabilities: 0.25/(0.25+0.0625) = 0.8 for the top of two."""
+    logits = torch.tensor([[math.log(0.5), math.log(0.25)]])
+    gen = torch.Generator().manual_seed(1)
+    toks = sample(logits.repeat(4000, 1), [row(gen, temperature=0.5)] * 4000).token_ids
+    assert abs(toks.count(0) / 4000 - 0.8) < 0.03
+
+
+def test_greedy_is_argmax_after_penalties() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert sample(logits, [row(temperature=0.0)]).token_ids == [0]
+    out = sample(logits, [row(temperature=0.0, output=[0], frequency_penalty=1.0)])
+    assert out.token_ids == [1]
+
+
+def test_seeded_rows_do_not_depend_on_batch_neighbours() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+
+    def draws(batch_with: int) -> list[int]:
+        mine = torch.Generator().manual_seed(42)
+        other = torch.Generator().manual_seed(7)
+        out = []
+        for _ in range(20):
+            rows = [row(other, temperature=1.3)] * batch_with + [row(mine, top_p=0.9)]
+            out.append(sample(logits.repeat(batch_with + 1, 1), rows).token_ids[-1])
+        return out
+
+    assert draws(0) == draws(3)
+    assert len(set(draws(0))) > 3  # really random, not constant
+
+
+def test_logprobs_are_the_models_log_softmax() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    out = sample(logits, [row(temperature=0.0, logprobs=True, repetition_penalty=1.5, output=[2])])
+    expected = torch.log_softmax(logits, -1)[0, out.token_ids[0]].item()
+    assert out.logprobs == [pytest.approx(expected)]
+    assert sample(logits, [row(temperature=0.0)]).logprobs == [None]
+
+
+def test_nan_row_fails_alone() -> None:
+    logits = torch.tensor([[0.0, 1.0], [float("nan"), 1.0], [2.0, 0.0]])
+    out = sample(logits, [row(temperature=0.0)] * 3)
+    assert out.token_ids[0] == 1 and out.token_ids[2] == 0
+    assert out.errors[0] is None and out.errors[2] is None
+    assert out.token_ids[1] == -1 and "non-finite" in (out.errors[1] or "")
