@@ -123,6 +123,18 @@ def test_client_disconnect_aborts_the_request(make_fake_engine: Any) -> None:
         assert not engine.requests
 
 
+def test_non_streaming_client_that_gives_up_is_aborted(make_fake_engine: Any) -> None:
+    engine = make_fake_engine(step_delay=0.01)
+    with ServerThread(engine, ServerSettings(model_name="fake-model")) as srv:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 250}, timeout=0.3)
+        deadline = time.monotonic() + 10  # noticed at the next disconnect poll (1 s)
+        while not engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(engine.aborted) == 1
+        assert not engine.requests
+
+
 def test_api_key_guards_everything_but_health(fake_engine: Any) -> None:
     settings = ServerSettings(model_name="fake-model", api_key="s3cret")
     with ServerThread(fake_engine, settings) as srv:

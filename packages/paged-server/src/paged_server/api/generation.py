@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,18 +45,21 @@ class Generation:
         self.prompt_tokens: list[int] = []
         self._prompt_index: dict[str, int] = {}
         self._unfinished: set[str] = set()
+        self._checked_at = time.monotonic()  # last client-disconnect poll
 
     async def submit(self, prompts: list[list[int]], params: Any, *, prompt_param: str) -> None:
         """Add every prompt to the engine; on any failure abort the ones added."""
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{self.request_id}-{i}"
+                # Marked before the await: if the client goes away while the add
+                # is queued, abort() still reaches it (commands run in order).
+                self._unfinished.add(engine_id)
                 n_prompt = await self.engine.add_request(
                     engine_id, prompt, params, self.queue, arrival=self.arrival, num_choices=self.n
                 )
                 self.engine_ids.append(engine_id)
                 self._prompt_index[engine_id] = i
-                self._unfinished.add(engine_id)
                 self.prompt_tokens.append(n_prompt)
         except QueueFullError as exc:
             self.abort()
@@ -98,12 +102,17 @@ class Generation:
         if request is None:
             return await self.queue.get()
         while True:
+            if time.monotonic() - self._checked_at >= DISCONNECT_POLL_S:
+                self._checked_at = time.monotonic()
+                if await request.is_disconnected():
+                    self.abort()
+                    # 499 (nginx's "client closed request"): nobody reads it, but
+                    # the handler ends normally instead of as a crash in the logs.
+                    raise APIError(499, "client disconnected before the response was ready")
             try:
                 return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
-                if await request.is_disconnected():
-                    self.abort()
-                    raise asyncio.CancelledError("client disconnected") from None
+                continue
 
     def abort(self) -> None:
         """Abort every engine request of this generation that may still run."""

@@ -9,11 +9,13 @@ state both numbers before anything is queued.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 from starlette.requests import Request
@@ -30,6 +32,19 @@ from paged_server.api.protocol import (
 )
 from paged_server.api.streaming import DONE, EventStreamResponse, sse
 from paged_server.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+# Texts longer than this are tokenised on a worker thread, so a 1 MiB prompt
+# does not stall every other stream; short ones are cheaper inline.
+OFF_LOOP_CHARS = 8192
+
+
+async def _off_loop(fn: Callable[..., T], arg: Any, *, size: int) -> T:
+    if size > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, arg)
+    return fn(arg)
 
 
 @dataclass(slots=True)
@@ -66,7 +81,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_model(body.model)
-        prompts = [self._encode_prompt(p) for p in normalize_prompt(body.prompt)]
+        prompts = [await self._encode_prompt(p) for p in normalize_prompt(body.prompt)]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         for ids in prompts:
             self._check_length(len(ids), max_tokens, "prompt")
@@ -80,7 +95,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_model(body.model)
-        ids = self._render_chat(body)
+        ids = await _off_loop(self._render_chat, body, size=sum(len(m.text()) for m in body.messages))
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else max(1, self.max_seq_len - len(ids))
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -103,9 +118,9 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            return list(await _off_loop(self.tokenizer.encode, prompt, size=len(prompt)))
         bad = [t for t in prompt if t >= self.vocab_size]
         if bad:
             raise APIError(
@@ -371,7 +386,7 @@ class OpenAIServing:
             pos += len(tok)
         return {
             "tokens": tokens,
-            "token_logprobs": list(logprobs),
+            "token_logprobs": [_finite(lp) for lp in logprobs],
             "top_logprobs": None,
             "text_offset": offsets,
         }
@@ -381,6 +396,11 @@ class OpenAIServing:
         for tid, lp in zip(token_ids, logprobs, strict=False):
             tok = self._token_text(tid)
             content.append(
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                {"token": tok, "logprob": _finite(lp), "bytes": list(tok.encode()), "top_logprobs": []}
             )
         return {"content": content}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0."""
+    return logprob if math.isfinite(logprob) else -9999.0
