@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
         format="%(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     if args.command == "serve":
         return _run_serve(args)
     return _run_bench_serve(args)
