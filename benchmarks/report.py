@@ -34,6 +34,11 @@ def _f(value: Any, digits: int = 1) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
+def _g(value: Any) -> str:
+    """Short form of a microbenchmark's extra_info value."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
@@ -306,9 +311,11 @@ def _micro_section(micro: dict[str, Any] | None) -> list[str]:
                 f"{st['mean'] * 1e3:.3f}",
                 f"{st['stddev'] * 1e3:.3f}",
                 str(st["rounds"]),
+                ", ".join(f"{k}={_g(v)}" for k, v in (b.get("extra_info") or {}).items()) or "-",
             ]
         )
-    out += _table(["group", "benchmark", "median ms", "mean ms", "stddev ms", "rounds"], rows)
+    header = ["group", "benchmark", "median ms", "mean ms", "stddev ms", "rounds", "extra_info"]
+    out += _table(header, rows)
     return out + [""]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,29 @@ class ModelCache:
         return self._hf
 
 
+def in_worker_thread(fn: Callable[[], RunResult]) -> RunResult:
+    """Run ``fn`` on a fresh thread and return its result (or raise its error).
+
+    transformers' continuous batching always generates on its own thread, and
+    a server runs our engine on one too; running every configuration from a
+    fresh thread gives them all the same torch/OpenMP threading state (which
+    differs between the main thread and others), so their timings compare."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="paged-bench")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]  # type: ignore[no-any-return]
+
+
 def run_config(
     name: str,
     workload: Workload,
@@ -89,7 +113,8 @@ def run_config(
     enable_prefix_caching: bool = True,
     label: str | None = None,
 ) -> RunResult:
-    """Run one named configuration on ``workload``."""
+    """Run one named configuration on ``workload`` (on a worker thread, see
+    ``in_worker_thread``; model loading stays on the caller's thread)."""
     label = label or name
     log(
         f"{workload.name}: {label} ({len(workload.requests)} requests, {workload.output_tokens} output tokens)"
@@ -113,26 +138,33 @@ def run_config(
         )
         engine = LLMEngine(cfg, loaded=models.ours())
         try:
-            result = run_engine(engine, workload, config_name=label, model_name=model_name)
+            result = in_worker_thread(
+                lambda: run_engine(engine, workload, config_name=label, model_name=model_name)
+            )
         finally:
             del engine
             gc.collect()
         return result
     from paged_server.bench.hf_baseline import run_hf_continuous, run_hf_static
 
+    hf = models.hf()
     if name == "hf_generate_batch":
-        return run_hf_continuous(
-            models.hf(),
-            workload,
-            kv_tokens=options.budget.tokens,
-            max_batch_size=max_batch_size or options.paged_max_batch_size,
-            max_batched_tokens=options.max_num_batched_tokens,
-            page_size=options.budget.block_size,
-            model_name=model_name,
+        return in_worker_thread(
+            lambda: run_hf_continuous(
+                hf,
+                workload,
+                kv_tokens=options.budget.tokens,
+                max_batch_size=max_batch_size or options.paged_max_batch_size,
+                max_batched_tokens=options.max_num_batched_tokens,
+                page_size=options.budget.block_size,
+                model_name=model_name,
+            )
         )
     if name == "hf_static_generate":
-        return run_hf_static(
-            models.hf(), workload, batch_size=options.static_batch_size, model_name=model_name
+        return in_worker_thread(
+            lambda: run_hf_static(
+                hf, workload, batch_size=options.static_batch_size, model_name=model_name
+            )
         )
     raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(ALL_CONFIGS)}")
 
