@@ -202,13 +202,14 @@ def scrape_metrics(url: str, api_key: str | None) -> dict[str, float]:
 def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="benchmark this running server instead of starting one")
     parser.add_argument("--api-key", help="Bearer token for --url")
-    parser.add_argument("--served-model-name", help="model id to send (default: the server's)")
+    parser.add_argument("--served-model-name", help="model id to send (default: none, the server picks its own)")
     parser.add_argument(
         "--tokenizer",
         help="model directory whose tokenizer gives the prompt token pool with --url "
         "(default: --model, else the embedded default model)",
     )
-    parser.add_argument("--workload", default=CONTINUOUS_BATCHING, help="workload name")
+    parser.add_argument("--workload", default=CONTINUOUS_BATCHING, choices=workload_names(),
+                        help="which of the design documents' workloads to send")
     parser.add_argument(
         "--request-rate",
         type=float,

@@ -16,6 +16,15 @@ import sys
 API_KEY_ENV = "PAGED_API_KEY"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except ``None`` ones (their help says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from paged_server.api.engine_args import add_engine_flags
     from paged_server.api.middleware import DEFAULT_MAX_BODY_BYTES
@@ -24,14 +33,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (env {API_KEY_ENV})",
+        default=None,  # read from the environment at run time, never shown by --help
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+        f"(default: ${API_KEY_ENV} if set, else no key)",
     )
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -51,7 +61,7 @@ def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="serving benchmark over HTTP (Poisson arrivals, TTFT/ITL percentiles, one JSON line)",
         description="Starts a server in-process on a free loopback port (engine flags below) "
         "unless --url names a running one.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add_bench_serve_flags(p)
     add_engine_flags(p)
@@ -67,6 +77,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"paged-server serve: {exc}", file=sys.stderr)
         return 2
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("paged_server").warning(
             "binding %s without --api-key: anyone who can reach this address can use the model",
@@ -86,12 +97,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def _run_bench_serve(args: argparse.Namespace) -> int:
     from paged_server.api.engine_args import engine_config_from_args
-    from paged_server.bench_serve import bench_serve, workload_names
+    from paged_server.bench_serve import bench_serve
 
-    if args.workload not in workload_names():
-        print(f"paged-server bench-serve: unknown workload {args.workload!r}; "
-              f"choose one of {workload_names()}", file=sys.stderr)
-        return 2
     try:
         config = None if args.url else engine_config_from_args(args)
     except ValueError as exc:

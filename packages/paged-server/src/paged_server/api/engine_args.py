@@ -91,7 +91,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         parse = _parse_optional(base) if optional else base
         choices = _choices(f.name)
         metavar = "{" + ",".join(choices) + "}" if choices else base.__name__.upper()
-        if optional and not choices:
+        if f.name == "model":
+            metavar = "DIR"
+        elif optional and not choices:
             metavar += "|none"
         group.add_argument(
             flag, dest=f.name, type=parse, default=default, metavar=metavar, help=help_text,

@@ -54,11 +54,15 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
     except ValueError:
         attention = config.attention_backend
     source = config.model or "embedded default model"
+    tokens = int(m.get("kv_capacity_tokens", 0))
+    if config.kv_cache_backend == "contiguous":
+        layout = f"{tokens // config.max_seq_len} slots of {config.max_seq_len}"
+    else:
+        layout = f"{int(m.get('kv_capacity_blocks', 0))} blocks of {config.block_size}"
     return (
         f"paged-server: serving '{settings.model_name}' ({source}) on {url} | "
         f"kv_cache_backend={config.kv_cache_backend} attention={attention} | "
-        f"KV capacity {int(m.get('kv_capacity_tokens', 0))} tokens in "
-        f"{int(m.get('kv_capacity_blocks', 0))} blocks of {config.block_size} | "
+        f"KV capacity {tokens} tokens in {layout} | "
         f"max_seq_len={config.max_seq_len} max_batch_size={config.max_batch_size} "
         f"api_key={'on' if settings.api_key else 'off'}"
     )
