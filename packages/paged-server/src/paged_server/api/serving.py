@@ -10,11 +10,9 @@ state both numbers before anything is queued.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jinja2
@@ -22,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from paged_server.api.async_engine import AsyncEngine
-from paged_server.api.errors import APIError, error_body
+from paged_server.api.errors import APIError
 from paged_server.api.generation import Generation, GenerationEnded, bad_value
 from paged_server.api.protocol import (
     ChatCompletionRequest,
@@ -30,7 +28,8 @@ from paged_server.api.protocol import (
     _SamplingFields,
     normalize_prompt,
 )
-from paged_server.api.streaming import DONE, EventStreamResponse, sse
+from paged_server.api.responses import CollectedChoice, ResponseFormat
+from paged_server.api.streaming import EventStreamResponse, stream_chat, stream_completion
 from paged_server.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -45,18 +44,6 @@ async def _off_loop(fn: Callable[..., T], arg: Any, *, size: int) -> T:
     if size > OFF_LOOP_CHARS:
         return await asyncio.to_thread(fn, arg)
     return fn(arg)
-
-
-@dataclass(slots=True)
-class _Choice:
-    """Everything one choice produced, for the non-streaming body."""
-
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    num_generated: int = 0
 
 
 class OpenAIServing:
@@ -88,9 +75,11 @@ class OpenAIServing:
         params = self._params(body, max_tokens, logprobs=body.logprobs is not None)
         gen = Generation(self.engine, f"cmpl-{uuid.uuid4().hex}", body.n, arrival)
         await gen.submit(prompts, params, prompt_param="prompt")
+        fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
+                             include_usage=body.include_usage())
         if body.stream:
-            return EventStreamResponse(self._stream_completion(gen, body))
-        return await self._complete(gen, request, chat=False)
+            return EventStreamResponse(stream_completion(gen, fmt))
+        return await self._complete(gen, fmt, request, chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -103,9 +92,11 @@ class OpenAIServing:
         params = self._params(body, max_tokens, logprobs=body.logprobs)
         gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", body.n, arrival)
         await gen.submit([ids], params, prompt_param="messages")
+        fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
+                             include_usage=body.include_usage())
         if body.stream:
-            return EventStreamResponse(self._stream_chat(gen, body))
-        return await self._complete(gen, request, chat=True)
+            return EventStreamResponse(stream_chat(gen, fmt))
+        return await self._complete(gen, fmt, request, chat=True)
 
     # -------------------------------------------------------------- checks
     def _check_model(self, model: str | None) -> None:
@@ -198,19 +189,14 @@ class OpenAIServing:
         return params
 
     # -------------------------------------------------------- non-streaming
-    async def _complete(self, gen: Generation, request: Request, *, chat: bool) -> Response:
-        choices = [_Choice() for _ in range(len(gen.engine_ids) * gen.n)]
+    async def _complete(
+        self, gen: Generation, fmt: ResponseFormat, request: Request, *, chat: bool
+    ) -> Response:
+        """Wait for every choice, then answer with one JSON body."""
+        choices = [CollectedChoice() for _ in range(len(gen.engine_ids) * gen.n)]
         try:
             async for i, out in gen.outputs(request):
-                c = choices[i]
-                c.text.append(out.new_text)
-                c.token_ids.extend(out.new_token_ids)
-                if out.new_logprobs:
-                    c.logprobs.extend(out.new_logprobs)
-                if out.finished:
-                    c.finish_reason = out.finish_reason
-                    c.error = out.error
-                    c.num_generated = out.num_generated_tokens
+                choices[i].add(out)
         except GenerationEnded as exc:
             status = 503 if exc.end.reason == "abort" else 500
             raise APIError(status, exc.end.message) from None
@@ -219,188 +205,6 @@ class OpenAIServing:
         failed = [c.error for c in choices if c.error or c.finish_reason == "error"]
         if failed:
             raise APIError(500, f"generation failed: {failed[0] or 'engine error'}")
-        usage = self._usage(gen, sum(c.num_generated or len(c.token_ids) for c in choices))
-        created = int(time.time())
-        if chat:
-            body: dict[str, Any] = {
-                "id": gen.request_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": self._chat_logprobs(c.token_ids, c.logprobs)
-                        if c.logprobs
-                        else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for i, c in enumerate(choices)
-                ],
-                "usage": usage,
-            }
-        else:
-            body = {
-                "id": gen.request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": i,
-                        "text": "".join(c.text),
-                        "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0)
-                        if c.logprobs
-                        else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for i, c in enumerate(choices)
-                ],
-                "usage": usage,
-            }
+        prompt_tokens = sum(gen.prompt_tokens)
+        body = fmt.chat_body(choices, prompt_tokens) if chat else fmt.completion_body(choices, prompt_tokens)
         return JSONResponse(body)
-
-    # ------------------------------------------------------------ streaming
-    async def _stream_completion(
-        self, gen: Generation, body: CompletionRequest
-    ) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        include_usage = body.include_usage()
-        offsets = [0] * (len(gen.engine_ids) * gen.n)
-        generated = 0
-
-        def chunk(choice: dict[str, Any]) -> bytes:
-            payload: dict[str, Any] = {
-                "id": gen.request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [choice],
-            }
-            if include_usage:
-                payload["usage"] = None
-            return sse(payload)
-
-        try:
-            async for i, out in gen.outputs():
-                if out.error:
-                    yield sse(error_body(f"generation failed: {out.error}", "server_error"))
-                if not out.new_text and not out.finished and not out.new_logprobs:
-                    continue
-                logprobs = None
-                if out.new_logprobs:
-                    logprobs = self._completion_logprobs(out.new_token_ids, out.new_logprobs, offsets[i])
-                offsets[i] += len(out.new_text)
-                if out.finished:
-                    generated += out.num_generated_tokens
-                yield chunk(
-                    {
-                        "index": i,
-                        "text": out.new_text,
-                        "logprobs": logprobs,
-                        "finish_reason": out.finish_reason if out.finished else None,
-                    }
-                )
-            if include_usage:
-                yield sse(self._usage_chunk(gen, "text_completion", created, generated))
-        except GenerationEnded as exc:
-            yield sse(error_body(exc.end.message, "server_error", code=exc.end.reason))
-        finally:
-            gen.abort()
-        yield DONE
-
-    async def _stream_chat(
-        self, gen: Generation, body: ChatCompletionRequest
-    ) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        include_usage = body.include_usage()
-        generated = 0
-
-        def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> bytes:
-            payload: dict[str, Any] = {
-                "id": gen.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                ],
-            }
-            if include_usage:
-                payload["usage"] = None
-            return sse(payload)
-
-        try:
-            for i in range(gen.n):  # OpenAI opens every choice with the role
-                yield chunk(i, {"role": "assistant", "content": ""}, None)
-            async for i, out in gen.outputs():
-                if out.error:
-                    yield sse(error_body(f"generation failed: {out.error}", "server_error"))
-                if out.new_text or out.new_logprobs:
-                    logprobs = None
-                    if out.new_logprobs:
-                        logprobs = self._chat_logprobs(out.new_token_ids, out.new_logprobs)
-                    yield chunk(i, {"content": out.new_text}, None, logprobs)
-                if out.finished:
-                    generated += out.num_generated_tokens
-                    yield chunk(i, {}, out.finish_reason)
-            if include_usage:
-                yield sse(self._usage_chunk(gen, "chat.completion.chunk", created, generated))
-        except GenerationEnded as exc:
-            yield sse(error_body(exc.end.message, "server_error", code=exc.end.reason))
-        finally:
-            gen.abort()
-        yield DONE
-
-    # ------------------------------------------------------------- helpers
-    @staticmethod
-    def _usage(gen: Generation, completion_tokens: int) -> dict[str, int]:
-        prompt = sum(gen.prompt_tokens)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens,
-        }
-
-    def _usage_chunk(self, gen: Generation, obj: str, created: int, generated: int) -> dict[str, Any]:
-        return {
-            "id": gen.request_id,
-            "object": obj,
-            "created": created,
-            "model": self.model_name,
-            "choices": [],
-            "usage": self._usage(gen, generated),
-        }
-
-    def _token_text(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
-
-    def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[float], start_offset: int
-    ) -> dict[str, Any]:
-        tokens = [self._token_text(t) for t in token_ids[: len(logprobs)]]
-        offsets, pos = [], start_offset
-        for tok in tokens:
-            offsets.append(pos)
-            pos += len(tok)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [_finite(lp) for lp in logprobs],
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
-
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
-        content = []
-        for tid, lp in zip(token_ids, logprobs, strict=False):
-            tok = self._token_text(tid)
-            content.append(
-                {"token": tok, "logprob": _finite(lp), "bytes": list(tok.encode()), "top_logprobs": []}
-            )
-        return {"content": content}
-
-
-def _finite(logprob: float) -> float:
-    """JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0."""
-    return logprob if math.isfinite(logprob) else -9999.0

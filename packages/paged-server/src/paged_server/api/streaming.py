@@ -1,18 +1,25 @@
 """Server-sent events in OpenAI's streaming format.
 
 Each event is ``data: <json>\\n\\n``; a stream ends with ``data: [DONE]``.
-`EventStreamResponse` guarantees the body generator is closed when the
-response ends for any reason, so a client that hangs up mid-stream has its
-request aborted right away, not whenever the garbage collector gets to it.
+A failure mid-stream is sent as ``data: {"error": {...}}`` before [DONE],
+which OpenAI's clients raise as an error. `EventStreamResponse` closes the
+body generator when the response ends for any reason, so a client that
+hangs up mid-stream has its request aborted at once, not whenever the
+garbage collector gets to it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+from paged_server.api.errors import error_body
+from paged_server.api.generation import Generation, GenerationEnded
+from paged_server.api.responses import ResponseFormat
 
 DONE = b"data: [DONE]\n\n"
 
@@ -20,6 +27,61 @@ DONE = b"data: [DONE]\n\n"
 def sse(payload: dict[str, Any]) -> bytes:
     """One SSE event carrying ``payload`` as compact JSON."""
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def stream_completion(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[bytes]:
+    """``text_completion`` chunks: one per output with text; the finish reason
+    rides on the choice's last chunk."""
+    offsets = [0] * (len(gen.engine_ids) * gen.n)
+    generated = 0
+    try:
+        async for i, out in gen.outputs():
+            if out.error:
+                yield sse(error_body(f"generation failed: {out.error}", "server_error"))
+            if not out.new_text and not out.finished and not out.new_logprobs:
+                continue
+            logprobs = None
+            if out.new_logprobs:
+                logprobs = fmt.completion_logprobs(out.new_token_ids, out.new_logprobs, offsets[i])
+            offsets[i] += len(out.new_text)
+            if out.finished:
+                generated += out.num_generated_tokens
+            finish = out.finish_reason if out.finished else None
+            yield sse(fmt.completion_chunk(i, out.new_text, finish, logprobs))
+        if fmt.include_usage:
+            yield sse(fmt.usage_chunk("text_completion", sum(gen.prompt_tokens), generated))
+    except GenerationEnded as exc:
+        yield sse(error_body(exc.end.message, "server_error", code=exc.end.reason))
+    finally:
+        gen.abort()
+    yield DONE
+
+
+async def stream_chat(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[bytes]:
+    """``chat.completion.chunk``s: a role delta opens each choice, content
+    deltas follow, an empty delta with the finish reason closes it."""
+    generated = 0
+    try:
+        for i in range(gen.n):
+            yield sse(fmt.chat_chunk(i, {"role": "assistant", "content": ""}, None))
+        async for i, out in gen.outputs():
+            if out.error:
+                yield sse(error_body(f"generation failed: {out.error}", "server_error"))
+            if out.new_text or out.new_logprobs:
+                logprobs = None
+                if out.new_logprobs:
+                    logprobs = fmt.chat_logprobs(out.new_token_ids, out.new_logprobs)
+                yield sse(fmt.chat_chunk(i, {"content": out.new_text}, None, logprobs))
+            if out.finished:
+                generated += out.num_generated_tokens
+                yield sse(fmt.chat_chunk(i, {}, out.finish_reason))
+        if fmt.include_usage:
+            yield sse(fmt.usage_chunk("chat.completion.chunk", sum(gen.prompt_tokens), generated))
+    except GenerationEnded as exc:
+        yield sse(error_body(exc.end.message, "server_error", code=exc.end.reason))
+    finally:
+        gen.abort()
+    yield DONE
 
 
 class EventStreamResponse(StreamingResponse):
