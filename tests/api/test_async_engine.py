@@ -144,7 +144,7 @@ def test_event_loop_keeps_running_during_a_slow_step(fake_engine: Any) -> None:
     finally:
         ae.stop()
     assert fake_engine.steps >= 3
-    assert worst_gap < 0.15, f"event loop stalled for {worst_gap:.3f} s while a 0.3 s step ran"
+    assert worst_gap < 0.25, f"event loop stalled for {worst_gap:.3f} s while a 0.3 s step ran"
 
 
 def test_add_errors_propagate_to_the_caller(fake_engine: Any) -> None:
