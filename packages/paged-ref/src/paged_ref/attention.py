@@ -74,5 +74,9 @@ def masked_attention(
     scores = scores.masked_fill(~visible, float("-inf"))
     # Fully masked rows softmax to NaN; zeroing masked entries turns them into 0.
     probs = torch.softmax(scores, dim=-1).masked_fill(~visible, 0.0)
-    out = torch.matmul(probs.view(batch, kv_heads, group * q_len, num_keys), v.float())
+    # Keys no query sees may be stale rows of a reused block or slot (even NaN);
+    # 0 * NaN is NaN, so they are zeroed rather than only given zero weight.
+    seen = mask.any(dim=1).view(batch, 1, num_keys, 1)
+    vf = v.float().masked_fill(~seen, 0.0)
+    out = torch.matmul(probs.view(batch, kv_heads, group * q_len, num_keys), vf)
     return out.view(batch, heads, q_len, head_dim).to(q.dtype)
