@@ -27,7 +27,7 @@ def kept(logits: torch.Tensor) -> list[int]:
 
 
 def row(generator: torch.Generator | None = None, prompt=(), output=(), **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), generator, list(prompt), list(output))
+    return SamplingRow(SamplingParams(**params), generator, [*prompt, *output], len(prompt))
 
 
 def test_top_k_keeps_the_k_most_likely() -> None:

@@ -189,6 +189,7 @@ class LLMEngine:
         if not self.pool.can_allocate_sequence(seq.token_ids):
             return False
         seq.slot, cached = self.pool.allocate_sequence(seq.token_ids)
+        assert cached < len(seq.token_ids), "a prefix hit must leave the last token to compute"
         seq.num_computed = cached
         self._prefix_queries += len(seq.token_ids)
         self._prefix_hits += cached
@@ -255,9 +256,7 @@ class LLMEngine:
         result = sample(
             logits,
             [
-                SamplingRow(
-                    s.request.params, s.generator, s.request.prompt_token_ids, s.output_token_ids
-                )
+                SamplingRow(s.request.params, s.generator, s.token_ids, s.num_prompt_tokens)
                 for s, _ in rows
             ],
         )

@@ -29,8 +29,8 @@ class SamplingRow:
 
     params: SamplingParams
     generator: torch.Generator | None  # None: torch's global RNG (tests only)
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    token_ids: Sequence[int]  # prompt + output so far (read only for penalties)
+    num_prompt_tokens: int
 
 
 @dataclass(slots=True)
@@ -142,7 +142,7 @@ def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     if rep_rows:
         seen = (
             _token_counts(
-                [(i, [*rows[i].prompt_token_ids, *rows[i].output_token_ids]) for i in rep_rows],
+                [(i, list(rows[i].token_ids)) for i in rep_rows],
                 batch,
                 vocab,
                 device,
@@ -155,7 +155,10 @@ def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         logits = torch.where(seen, penalized, logits)
     if count_rows:
         counts = _token_counts(
-            [(i, list(rows[i].output_token_ids)) for i in count_rows], batch, vocab, device
+            [(i, list(rows[i].token_ids[rows[i].num_prompt_tokens :])) for i in count_rows],
+            batch,
+            vocab,
+            device,
         )
         presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)
         frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
