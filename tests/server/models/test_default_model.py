@@ -81,3 +81,17 @@ def test_loads_serves_chat_and_matches_transformers(default_dir, pool_of, greedy
     )
     assert tokens == expected[0, len(prompt) :].tolist()
     assert isinstance(tok.decode(tokens), str)
+
+
+def test_training_script_writes_a_loadable_trained_model(tmp_path, monkeypatch, default_dir):
+    from paged_server.default_model.train import train
+
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(default_dir.parent))
+    out = tmp_path / "trained"
+    losses = train(out, steps=3, batch_size=2, seq_len=16)
+    assert len(losses) == 3 and all(loss == loss for loss in losses)  # finite, not NaN
+    trained, random = load_model(out), load_model(default_dir)
+    assert trained.config == random.config
+    assert not torch.equal(
+        trained.model.model.embed_tokens.weight, random.model.model.embed_tokens.weight
+    )
