@@ -7,14 +7,7 @@ import math
 
 import pytest
 import torch
-from paged_server.sampler import (
-    SamplingRow,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k,
-    apply_top_p,
-    sample,
-)
+from paged_server.sampler import SamplingRow, apply_penalties, sample, sampling_distribution
 from paged_server.sampling_params import SamplingParams
 
 # probabilities 0.5, 0.25, 0.15, 0.07, 0.03 (in shuffled order)
@@ -22,36 +15,47 @@ PROBS = torch.tensor([0.07, 0.5, 0.03, 0.25, 0.15])
 LOGITS = PROBS.log().unsqueeze(0)
 
 
-def kept(logits: torch.Tensor) -> list[int]:
-    return torch.isfinite(logits[0]).nonzero().flatten().tolist()
-
-
 def row(generator: torch.Generator | None = None, prompt=(), output=(), **params) -> SamplingRow:
     return SamplingRow(SamplingParams(**params), generator, [*prompt, *output], len(prompt))
 
 
+def dist(**params) -> list[float]:
+    return sampling_distribution(LOGITS, [row(**params)])[0].tolist()
+
+
+def renorm(weights: list[float]) -> list[float]:
+    return [w / sum(weights) for w in weights]
+
+
 def test_top_k_keeps_the_k_most_likely() -> None:
-    assert kept(apply_top_k(LOGITS, torch.tensor([2]))) == [1, 3]
-    assert kept(apply_top_k(LOGITS, torch.tensor([0]))) == [0, 1, 2, 3, 4]  # off
-    assert kept(apply_top_k(LOGITS, torch.tensor([99]))) == [0, 1, 2, 3, 4]
+    assert dist(top_k=2) == pytest.approx(renorm([0, 0.5, 0, 0.25, 0]))
+    assert dist(top_k=0) == pytest.approx(PROBS.tolist())  # off
+    assert dist(top_k=99) == pytest.approx(PROBS.tolist())
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     # sorted: 0.5, 0.25 (0.75), 0.15 (0.90), 0.07 (0.97), 0.03
-    assert kept(apply_top_p(LOGITS, torch.tensor([0.7]))) == [1, 3]
-    assert kept(apply_top_p(LOGITS, torch.tensor([0.8]))) == [1, 3, 4]
-    assert kept(apply_top_p(LOGITS, torch.tensor([0.1]))) == [1]  # the top token always stays
+    assert dist(top_p=0.7) == pytest.approx(renorm([0, 0.5, 0, 0.25, 0]))
+    assert dist(top_p=0.8) == pytest.approx(renorm([0, 0.5, 0, 0.25, 0.15]))
+    assert dist(top_p=0.1) == pytest.approx([0, 1, 0, 0, 0])  # the top token always stays
 
 
 def test_min_p_is_relative_to_the_top_probability() -> None:
     # threshold 0.2 * 0.5 = 0.1: keeps 0.5, 0.25, 0.15
-    assert kept(apply_min_p(LOGITS, torch.tensor([0.2]))) == [1, 3, 4]
+    assert dist(min_p=0.2) == pytest.approx(renorm([0, 0.5, 0, 0.25, 0.15]))
+
+
+def test_filters_combine_after_temperature() -> None:
+    # T=0.5 squares probabilities: 0.25, 0.0625, 0.0225, ...; top_k=3 then top_p=0.9
+    # of the renormalized (0.25, 0.0625, 0.0225)/0.335 = 0.746, 0.187, 0.067: keep 2.
+    got = dist(temperature=0.5, top_k=3, top_p=0.9)
+    assert got == pytest.approx(renorm([0, 0.25, 0, 0.0625, 0]))
 
 
 def test_filters_take_one_parameter_per_row() -> None:
-    two = LOGITS.repeat(2, 1)
-    out = apply_top_k(two, torch.tensor([1, 3]))
-    assert kept(out[:1]) == [1] and kept(out[1:]) == [1, 3, 4]
+    out = sampling_distribution(LOGITS.repeat(2, 1), [row(top_k=1), row(top_k=3)])
+    assert out[0].tolist() == pytest.approx([0, 1, 0, 0, 0])
+    assert out[1].tolist() == pytest.approx(renorm([0, 0.5, 0, 0.25, 0.15]))
 
 
 def test_penalties_match_hand_computation() -> None:

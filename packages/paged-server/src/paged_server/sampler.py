@@ -7,7 +7,8 @@ draws exactly one uniform number per token, so a seeded request gives the
 same tokens whatever else shares its batch.
 
 Order of processing (as in Hugging Face ``generate``): penalties ->
-temperature -> top-k -> top-p -> min-p -> sample. Greedy rows
+temperature -> top-k -> top-p -> min-p -> sample, the three filters on
+logits sorted once per step (top-k keeps exactly k; ties go by sort order). Greedy rows
 (temperature 0) take the argmax after penalties. A row whose logits hold
 NaN or +inf gets an error instead of a token; the other rows are unharmed.
 """
@@ -67,16 +68,11 @@ def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
 
 def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     logits = logits.float()
-    batch, vocab = logits.shape
-    device = logits.device
+    batch = logits.shape[0]
     errors: list[str | None] = [None] * batch
-
-    bad = (
-        torch.isnan(logits).any(-1)
-        | torch.isposinf(logits).any(-1)
-        | torch.isneginf(logits).all(-1)
-    )
-    if bool(bad.any()):
+    if not bool(torch.isfinite(logits).all()):
+        bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
+        bad |= torch.isneginf(logits).all(-1)
         for i in bad.nonzero().flatten().tolist():
             errors[i] = "model produced non-finite logits (NaN or inf) for this request"
         logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
@@ -85,26 +81,19 @@ def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
     logits = apply_penalties(logits, rows)
-    params = [r.params for r in rows]
-    greedy = torch.tensor([p.greedy for p in params], device=device)
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-    logits = logits / temps.unsqueeze(-1)
-    logits = apply_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
-    logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-    logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
-
-    tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        probs = torch.softmax(logits, dim=-1)
-        uniforms = torch.tensor(
-            [0.0 if p.greedy else _uniform(r.generator) for p, r in zip(params, rows, strict=True)],
-            device=device,
-        )
+    tokens = logits.argmax(dim=-1)  # greedy rows keep this
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        sub_rows = [rows[i] for i in sampled]
+        probs, order = _filtered_probs(logits[sampled], sub_rows)
+        uniforms = torch.tensor([_uniform(r.generator) for r in sub_rows], device=logits.device)
         cdf = probs.cumsum(dim=-1)
         # right=True skips tokens with zero mass (equal cdf values).
         drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True)
-        drawn = drawn.squeeze(-1).clamp(max=vocab - 1)
-        tokens = torch.where(greedy, tokens, drawn)
+        drawn = drawn.clamp(max=probs.shape[-1] - 1)
+        if order is not None:
+            drawn = order.gather(1, drawn)
+        tokens[sampled] = drawn.squeeze(-1)
 
     token_list = tokens.tolist()
     logprob_list: list[float | None] = [None] * batch
@@ -117,6 +106,47 @@ def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if err is not None:
             token_list[i], logprob_list[i] = -1, None
     return SamplerOutput(token_list, logprob_list, errors)
+
+
+def sampling_distribution(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """The distribution each (non-greedy) row samples from, ``[batch, vocab]``
+    in token order: penalties, temperature and filters applied."""
+    probs, order = _filtered_probs(apply_penalties(logits.float(), rows), rows)
+    return probs if order is None else torch.zeros_like(probs).scatter(1, order, probs)
+
+
+def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor | None]:
+    """Temperature, then top-k / top-p / min-p on logits sorted once.
+
+    Returns probabilities and, when sorted, ``order`` (sorted position ->
+    token id); ``None`` means the probabilities are in token order."""
+    device = logits.device
+    params = [r.params for r in rows]
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    logits = logits / temps.unsqueeze(-1)
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        return torch.softmax(logits, dim=-1), None
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    return filter_sorted(sorted_logits, top_k, top_p, min_p), order
+
+
+def filter_sorted(sorted_logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """Probabilities over logits sorted in descending order, keeping per row:
+    the first ``top_k`` (0 = all); the smallest prefix whose mass reaches
+    ``top_p``; tokens at least ``min_p`` times as likely as the first. The
+    most likely token always stays."""
+    vocab = sorted_logits.shape[-1]
+    position = torch.arange(vocab, device=sorted_logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(-1)
+    masked = sorted_logits.masked_fill(position >= k, float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before >= top_p.unsqueeze(-1)) | (probs < min_p.unsqueeze(-1) * probs[:, :1])
+    drop[:, 0] = False
+    return torch.softmax(masked.masked_fill(drop, float("-inf")), dim=-1)
 
 
 def _uniform(generator: torch.Generator | None) -> float:
@@ -179,37 +209,3 @@ def _token_counts(
         t = torch.tensor(tok_idx, device=device)
         counts.index_put_((r, t), torch.ones(len(tok_idx), device=device), accumulate=True)
     return counts
-
-
-def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
-    """Keep each row's ``k`` largest logits (ties at the k-th value are kept); ``k=0`` is off."""
-    if not bool((top_k > 0).any()):
-        return logits
-    vocab = logits.shape[-1]
-    k = top_k.clamp(min=1, max=vocab).to(torch.long)
-    sorted_desc = logits.sort(dim=-1, descending=True).values
-    kth = sorted_desc.gather(1, (k - 1).unsqueeze(-1))
-    drop = (logits < kth) & (top_k > 0).unsqueeze(-1)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``."""
-    if not bool((top_p < 1.0).any()):
-        return logits
-    probs = torch.softmax(logits, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p.unsqueeze(-1)
-    drop_sorted[:, 0] = False  # the most likely token always stays
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """Drop tokens less likely than ``min_p`` times the most likely token."""
-    if not bool((min_p > 0).any()):
-        return logits
-    probs = torch.softmax(logits, dim=-1)
-    threshold = min_p.unsqueeze(-1) * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, float("-inf"))
