@@ -266,3 +266,15 @@ def test_add_and_abort_from_another_thread(make_engine, prompt_of, greedy) -> No
     assert len(done) == 12
     assert set(done.values()) <= {"length", "abort"}
     assert engine.audit() == []
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_audit_catches_a_leaked_slot(make_engine, run_engine, prompt_of, greedy, backend) -> None:
+    """The audit can fail: capacity held while the engine is idle is a leak."""
+    engine = make_engine(kv_cache_backend=backend)
+    run_engine(engine, [("a", prompt_of(6, 0), greedy(3))])
+    assert engine.audit() == []
+    slot, _ = engine.pool.allocate_sequence(prompt_of(6, 1))  # nobody will free it
+    assert any("leak" in p for p in engine.audit())
+    engine.pool.free_slot(slot)
+    assert engine.audit() == []

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import random
 import threading
 import time
@@ -38,6 +37,8 @@ from paged_server.config import (
     resolve_dtype,
 )
 from paged_server.detokenize import IncrementalDetokenizer
+from paged_server.engine_checks import audit_engine, check_prompt
+from paged_server.engine_metrics import EngineCounters
 from paged_server.errors import QueueFullError
 from paged_server.models import LoadedModel, load_model
 from paged_server.output_processor import append_token, take_output
@@ -84,11 +85,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._touched: list[Sequence] = []
-        self._num_preemptions = 0
-        self._prefix_queries = 0
-        self._prefix_hits = 0
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
+        self.counters = EngineCounters()
 
     # -- submission (any thread) -----------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> int:
@@ -107,7 +104,7 @@ class LLMEngine:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
-        self._check_prompt(token_ids, params)
+        check_prompt(token_ids, params, self.config.max_seq_len, self.model_config, self.capacity)
         request = self._new_request(request_id, text, token_ids, params)
         with self._lock:
             if request_id in self._requests:
@@ -191,10 +188,10 @@ class LLMEngine:
         seq.slot, cached = self.pool.allocate_sequence(seq.token_ids)
         assert cached < len(seq.token_ids), "a prefix hit must leave the last token to compute"
         seq.num_computed = cached
-        self._prefix_queries += len(seq.token_ids)
-        self._prefix_hits += cached
+        self.counters.prefix_queries += len(seq.token_ids)
+        self.counters.prefix_hits += cached
         if seq.index == 0 and not seq.request.forked and seq.num_generated == 0:
-            self._prompt_tokens += seq.num_prompt_tokens
+            self.counters.prompt_tokens += seq.num_prompt_tokens
         return True
 
     def _make_room_for_decode(self, decode: list[Sequence]) -> list[Sequence]:
@@ -205,7 +202,7 @@ class LLMEngine:
             if victim is None:
                 break
             self._release(victim)
-            self._num_preemptions += 1
+            self.counters.preemptions += 1
             if victim in decode:
                 decode.remove(victim)
         for seq in decode:
@@ -270,7 +267,7 @@ class LLMEngine:
             request = seq.request
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._generation_tokens += 1
+            self.counters.generation_tokens += 1
             self._touched.append(seq)
             try:
                 append_token(seq, token, logprob, self.eos_token_ids, self.config.max_seq_len)
@@ -311,29 +308,6 @@ class LLMEngine:
         return outputs
 
     # -- submission helpers -----------------------------------------------------
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        n, max_len = len(token_ids), self.config.max_seq_len
-        if n == 0:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
-        if n >= max_len:
-            raise ValueError(
-                f"prompt has {n} tokens but max_seq_len is {max_len} "
-                "(the prompt and at least one generated token must fit); shorten the prompt"
-            )
-        if self.capacity.num_slots is None:  # paged: the whole sequence must fit the pool alone
-            kv_tokens = min(n + params.max_tokens, max_len) - 1
-            blocks = math.ceil(kv_tokens / self.capacity.block_size)
-            if blocks > self.capacity.num_blocks:
-                raise ValueError(
-                    f"prompt has {n} tokens and max_tokens is {params.max_tokens}: the sequence "
-                    f"needs {blocks} KV blocks but the cache has {self.capacity.num_blocks} in "
-                    "total; lower max_tokens or raise num_gpu_blocks / kv_cache_memory_bytes"
-                )
-
     def _new_request(
         self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams
     ) -> Request:
@@ -360,69 +334,19 @@ class LLMEngine:
         return self.pool.free_token_capacity()
 
     def metrics(self) -> dict[str, float]:
-        """Gauges and counters for operators (Prometheus-style names).
-
-        ``kv_cache_usage_perc`` is a fraction in [0, 1] (as in vLLM): blocks in
-        use, or slots in use for the contiguous pool. Prefix-cache counters
-        count prompt tokens looked up and served from the cache."""
+        """Gauges and counters for operators (names in docs/contracts.md)."""
         running = {id(s.request) for s in self.scheduler.running if not s.is_finished}
         with self._lock:
             waiting = {id(s.request) for s in self.scheduler.waiting} - running
             num_waiting = len(waiting) + len(self._inbox)
-        cap = self.capacity
-        if cap.num_slots is None:
-            free = self.pool.free_token_capacity() or 0
-            usage = 1.0 - free / cap.tokens if cap.tokens else 0.0
-        else:
-            usage = 1.0 - self.pool.free_slot_count() / cap.num_slots
-        return {
-            "num_requests_running": float(len(running)),
-            "num_requests_waiting": float(num_waiting),
-            "kv_cache_usage_perc": usage,
-            "num_preemptions_total": float(self._num_preemptions),
-            "prefix_cache_queries_total": float(self._prefix_queries),
-            "prefix_cache_hits_total": float(self._prefix_hits),
-            "prompt_tokens_total": float(self._prompt_tokens),
-            "generation_tokens_total": float(self._generation_tokens),
-            "kv_capacity_tokens": float(cap.tokens),
-            "kv_capacity_blocks": float(cap.num_blocks),
-        }
+        return self.counters.snapshot(self.pool, self.capacity, len(running), num_waiting)
 
     def audit(self) -> list[str]:
         """Inconsistencies between the engine and its pool (empty when healthy);
         when idle, any KV capacity still held is reported as a leak."""
-        problems = list(self.pool.audit())
-        slots: dict[int, int] = {}
-        for seq in self.scheduler.running:
-            if seq.slot is None:
-                if not seq.is_finished:
-                    problems.append(f"running sequence {seq.seq_id} has no cache slot")
-                continue
-            if seq.slot in slots:
-                problems.append(
-                    f"slot {seq.slot} is held by sequences {slots[seq.slot]} and {seq.seq_id}"
-                )
-            slots[seq.slot] = seq.seq_id
-            if not seq.is_finished and self.pool.get_seq_len(seq.slot) != seq.num_computed:
-                problems.append(
-                    f"sequence {seq.seq_id}: pool holds {self.pool.get_seq_len(seq.slot)} tokens, "
-                    f"engine expects {seq.num_computed}"
-                )
-        for seq in self.scheduler.waiting:
-            if seq.slot is not None:
-                problems.append(f"waiting sequence {seq.seq_id} still holds slot {seq.slot}")
-        if not self.has_unfinished():
-            cap = self.capacity
-            if cap.num_slots is None:
-                held = cap.tokens - (self.pool.free_token_capacity() or 0)
-                if held:
-                    problems.append(f"engine is idle but {held} KV tokens are still held (leak)")
-            elif self.pool.free_slot_count() != cap.num_slots:
-                problems.append(
-                    f"engine is idle but {cap.num_slots - self.pool.free_slot_count()} "
-                    "cache slots are still held (leak)"
-                )
-        return problems
+        return audit_engine(
+            self.pool, self.scheduler, self.capacity, idle=not self.has_unfinished()
+        )
 
 
 def _model_path(config: EngineConfig) -> str:

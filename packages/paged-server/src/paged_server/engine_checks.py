@@ -1,0 +1,86 @@
+"""Checks the engine runs at its edges: on a prompt before it is queued,
+and on engine + pool bookkeeping when asked for an audit."""
+
+from __future__ import annotations
+
+import math
+
+from paged_core.protocols import ServingPoolProtocol
+
+from paged_server.cache_pool import PoolCapacity
+from paged_server.models import ModelConfig
+from paged_server.sampling_params import SamplingParams
+from paged_server.scheduler import Scheduler
+
+
+def check_prompt(
+    token_ids: list[int],
+    params: SamplingParams,
+    max_seq_len: int,
+    model_config: ModelConfig,
+    capacity: PoolCapacity,
+) -> None:
+    """Reject at submission what could never run, rather than after it waited:
+    empty prompts, ids outside the vocabulary, prompts leaving no room for a
+    generated token, and (paged) sequences that alone need more blocks than
+    the whole pool has."""
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("prompt: must not be empty")
+    vocab = model_config.vocab_size
+    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+    if n >= max_seq_len:
+        raise ValueError(
+            f"prompt has {n} tokens but max_seq_len is {max_seq_len} "
+            "(the prompt and at least one generated token must fit); shorten the prompt"
+        )
+    if capacity.num_slots is None:  # paged: must fit the pool on its own
+        kv_tokens = min(n + params.max_tokens, max_seq_len) - 1  # the last token is never written
+        blocks = math.ceil(kv_tokens / capacity.block_size)
+        if blocks > capacity.num_blocks:
+            raise ValueError(
+                f"prompt has {n} tokens and max_tokens is {params.max_tokens}: the sequence "
+                f"needs {blocks} KV blocks but the cache has {capacity.num_blocks} in total; "
+                "lower max_tokens or raise num_gpu_blocks / kv_cache_memory_bytes"
+            )
+
+
+def audit_engine(
+    pool: ServingPoolProtocol, scheduler: Scheduler, capacity: PoolCapacity, idle: bool
+) -> list[str]:
+    """The pool's own audit, plus: every running sequence holds its own slot
+    with the length the engine expects, no waiting sequence holds one, and
+    an idle engine holds no KV capacity at all (else something leaked)."""
+    problems = list(pool.audit())
+    owners: dict[int, int] = {}
+    for seq in scheduler.running:
+        if seq.slot is None:
+            if not seq.is_finished:
+                problems.append(f"running sequence {seq.seq_id} has no cache slot")
+            continue
+        if seq.slot in owners:
+            problems.append(
+                f"slot {seq.slot} is held by sequences {owners[seq.slot]} and {seq.seq_id}"
+            )
+        owners[seq.slot] = seq.seq_id
+        if not seq.is_finished and pool.get_seq_len(seq.slot) != seq.num_computed:
+            problems.append(
+                f"sequence {seq.seq_id}: pool holds {pool.get_seq_len(seq.slot)} tokens, "
+                f"engine expects {seq.num_computed}"
+            )
+    for seq in scheduler.waiting:
+        if seq.slot is not None:
+            problems.append(f"waiting sequence {seq.seq_id} still holds slot {seq.slot}")
+    if idle:
+        if capacity.num_slots is None:
+            held = capacity.tokens - (pool.free_token_capacity() or 0)
+            if held:
+                problems.append(f"engine is idle but {held} KV tokens are still held (leak)")
+        elif pool.free_slot_count() != capacity.num_slots:
+            problems.append(
+                f"engine is idle but {capacity.num_slots - pool.free_slot_count()} "
+                "cache slots are still held (leak)"
+            )
+    return problems
