@@ -109,13 +109,28 @@ def test_contiguous_preempts_when_slots_are_memory_limited(
 def test_greedy_matches_transformers_generate(
     tiny_model_dir, make_engine, run_engine, prompt_of, greedy
 ) -> None:
+    """Tokens and logprobs of both prompts, batched together, equal
+    transformers' greedy generate run on each prompt alone."""
     hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
     prompts = [prompt_of(7, 1), prompt_of(22, 2)]
     engine = make_engine(max_batch_size=2)
-    run = run_engine(engine, [(f"p{i}", p, greedy(10)) for i, p in enumerate(prompts)])
+    run = run_engine(
+        engine, [(f"p{i}", p, greedy(10, logprobs=True)) for i, p in enumerate(prompts)]
+    )
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None
+                torch.tensor([prompt]),
+                max_new_tokens=10,
+                do_sample=False,
+                eos_token_id=None,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        assert run.tokens(f"p{i}") == out[0, len(prompt) :].tolist()
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        assert run.tokens(f"p{i}") == tokens
+        logprobs = [
+            torch.log_softmax(step[0].float(), -1)[tok].item()
+            for step, tok in zip(out.logits, tokens, strict=True)
+        ]
+        assert run.choices[(f"p{i}", 0)].logprobs == pytest.approx(logprobs, abs=1e-4)
