@@ -63,7 +63,11 @@ def plot_capacity(capacity: dict[str, Any], path: Path) -> Path:
     ax.set_yscale("log", base=2)
     ax.set_xticks(x, [str(v) for v in x])
     top = max(r["paged"] for r in rows)
-    yticks = [2**k for k in range(0, 16) if 2 ** (k - 1) <= top and 2**k >= min(r["contiguous"] for r in rows) / 2]
+    yticks = [
+        2**k
+        for k in range(0, 16)
+        if 2 ** (k - 1) <= top and 2**k >= min(r["contiguous"] for r in rows) / 2
+    ]
     ax.set_yticks(yticks, [str(v) for v in yticks])
     ax.minorticks_off()
     ax.set_xlabel("average sequence length (tokens)")
@@ -154,7 +158,7 @@ def plot_prefix_cache(prefix: dict[str, Any], path: Path) -> Path:
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("Time to first token, shared system prompt")
-    ax.legend()
+    ax.legend(loc="lower right")
     ax.grid(True, axis="y", alpha=0.3)
     rates = [
         (name, (runs[flag]["prefix_cache_hit_rate"] or 0.0) * 100)
@@ -166,7 +170,16 @@ def plot_prefix_cache(prefix: dict[str, Any], path: Path) -> Path:
         [r[1] for r in rates],
         color=["#7f7f7f", COLORS["paged"]][: len(rates)],
     )
-    ax2.set_ylim(0, 100)
+    for i, (_, rate) in enumerate(rates):
+        ax2.annotate(
+            f"{rate:.1f}%",
+            (i, rate),
+            textcoords="offset points",
+            xytext=(0, 3),
+            ha="center",
+            fontsize=9,
+        )
+    ax2.set_ylim(0, 105)
     ax2.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
     ax2.set_xlabel("prefix caching")
     ax2.grid(True, axis="y", alpha=0.3)
