@@ -89,3 +89,21 @@ def test_prefix_hit_starts_positions_at_the_cached_length(tiny_loaded, prompt_of
     assert second.num_computed == 8  # two full blocks from the cache
     logits = runner.prefill([(second, 3)])
     torch.testing.assert_close(logits[0], no_cache_logits(tiny_loaded, second.token_ids)[-1])
+
+
+def test_pool_sizing_from_config(tiny_loaded) -> None:
+    c = tiny_loaded.config
+    block_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 4  # fp32, block_size 4
+    _, _, cap = make_runner(tiny_loaded, "paged")
+    assert cap.num_blocks == 4 * 64 // 4  # max_batch_size * max_seq_len / block_size
+    _, _, cap = make_runner(tiny_loaded, "paged", kv_cache_memory_bytes=10 * block_bytes + 7)
+    assert cap.num_blocks == 10 and cap.tokens == 40
+    _, _, cap = make_runner(tiny_loaded, "paged", num_gpu_blocks=3, kv_cache_memory_bytes=1 << 30)
+    assert cap.num_blocks == 3  # an explicit block count wins
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        make_runner(tiny_loaded, "paged", kv_cache_memory_bytes=block_bytes - 1)
+    # contiguous: rows of max_seq_len (64) tokens, at most max_batch_size of them
+    _, _, cap = make_runner(tiny_loaded, "contiguous", kv_cache_memory_bytes=16 * 3 * block_bytes)
+    assert cap.num_slots == 3
+    _, _, cap = make_runner(tiny_loaded, "contiguous", kv_cache_memory_bytes=1 << 30)
+    assert cap.num_slots == 4
