@@ -52,6 +52,7 @@ def test_running_out_of_blocks_during_decode_preempts_instead_of_failing(
     m = engine.metrics()
     assert m["num_preemptions_total"] > 0
     assert m["generation_tokens_total"] >= 64
+    assert m["prompt_tokens_total"] == 12  # each prompt once, recomputes not counted
     assert engine.audit() == []
     assert engine.free_token_capacity() == 32
 

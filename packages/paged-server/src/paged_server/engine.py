@@ -25,6 +25,8 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -190,7 +192,8 @@ class LLMEngine:
         seq.num_computed = cached
         self.counters.prefix_queries += len(seq.token_ids)
         self.counters.prefix_hits += cached
-        if seq.index == 0 and not seq.request.forked and seq.num_generated == 0:
+        if not seq.request.admitted:
+            seq.request.admitted = True
             self.counters.prompt_tokens += seq.num_prompt_tokens
         return True
 
@@ -210,10 +213,12 @@ class LLMEngine:
             self.pool.append_token(seq.slot, seq.token_ids[-1])
         return decode
 
-    def _forward(self, fn, arg, seqs: list[Sequence]) -> Tensor | None:  # type: ignore[no-untyped-def]
+    def _forward(
+        self, fn: Callable[[Any], Tensor], arg: Any, seqs: list[Sequence]
+    ) -> Tensor | None:
         """Run one forward pass; if it raises, fail only the sequences in it."""
         try:
-            return fn(arg)  # type: ignore[no-any-return]
+            return fn(arg)
         except Exception as exc:
             log.exception("forward pass failed for %d sequences", len(seqs))
             for seq in seqs:

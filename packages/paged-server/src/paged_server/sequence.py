@@ -53,6 +53,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     forked: bool = False  # choices 1..n-1 started (from choice 0's prompt)
+    admitted: bool = False  # got a cache slot at least once (prompt tokens counted)
 
     @property
     def finished(self) -> bool:
