@@ -43,7 +43,7 @@ FULL_PLAN: dict[str, Any] = {
     "seed_100m": {
         "model": "100m",
         "workload": "seed",
-        "num_requests": 16,
+        "num_requests": None,
         "prompt_scale": 0.5,
         "new_tokens_scale": 0.25,
     },

@@ -19,6 +19,20 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _worker_thread_count() -> int:
+    """Intra-op threads torch uses on a fresh thread, where every benchmark
+    configuration runs (OpenMP's default there, whatever the main thread set)."""
+    import threading
+
+    import torch
+
+    box: list[int] = []
+    t = threading.Thread(target=lambda: box.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return box[0]
+
+
 def describe_environment() -> dict[str, Any]:
     """A JSON-able description of this machine and run."""
     import torch
@@ -35,6 +49,6 @@ def describe_environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": _worker_thread_count(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
     }
