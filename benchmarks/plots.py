@@ -92,10 +92,14 @@ def plot_batch_sweep(sweep: dict[str, Any], path: Path) -> Path:
                 [p[0] for p in pts], [p[1] for p in pts], "o-", color=COLORS[backend], label=backend
             )
     ax.set_xscale("log", base=2)
+    sizes = sorted({r["settings"]["max_batch_size"] for r in sweep["runs"]})
+    ax.set_xticks(sizes, [str(v) for v in sizes])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("max_batch_size (running sequences)")
     ax.set_ylabel("output tokens/s")
     ax.set_title(
-        f"Throughput vs batch size ({sweep['workload']['name']} workload, {sweep['model']})"
+        f"Throughput vs batch size ({sweep['workload']['name']} workload, {sweep['model']['name']})"
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

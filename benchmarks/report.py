@@ -240,8 +240,8 @@ def _timeline_section(seed: dict[str, Any] | None, images: Path, docs: Path) -> 
     out += [
         "Fraction of the pool's token slots allocated to sequences (solid) and holding real tokens (dashed), "
         "sampled after every engine step of the seed-workload runs above; below, running sequences. "
-        "The contiguous pool allocates a whole 4,096-token slot per sequence, so it is full while holding far fewer real tokens "
-        "; the paged pool allocates 16-token blocks as sequences grow.",
+        "The contiguous pool allocates a whole 4,096-token slot per sequence, so it is full while holding far fewer real tokens; "
+        "the paged pool allocates 16-token blocks as sequences grow.",
         "",
         f"![KV usage over time]({img.relative_to(docs).as_posix()})",
         "",

@@ -1,15 +1,16 @@
 """Run every engine benchmark, write JSON results, plots and docs/benchmarks.md.
 
 ``nox -s bench`` runs this after the kernel microbenchmarks. Sized for a
-2-core CPU machine (the whole session in well under 20 minutes): the seed
-workload at full size on the embedded tiny model, a scaled-down seed run on
-the ~100M random Llama, a scaled-down nano-vllm run, a batch-size sweep, the
+2-core CPU machine (about 10 minutes with the microbenchmarks, well under
+20): the seed workload at full size on the embedded tiny model, the seed
+workload with scaled-down lengths on the ~100M random Llama, a scaled-down
+nano-vllm run, a batch-size sweep on the ~100M model, the
 shared-system-prompt run with and without prefix caching, and the measured
 capacity table. Every JSON line it measures is printed as it is measured, and
 the page is rendered from the JSON files only, so the page shows exactly the
 numbers printed.
 
-    python benchmarks/run_all.py            # everything (CPU: ~10-15 min)
+    python benchmarks/run_all.py            # everything (2-core CPU: ~8 min)
     python benchmarks/run_all.py --quick    # tiny sizes, a smoke test (~1-2 min)
     python benchmarks/run_all.py --page-only  # re-render the page and plots from results/
 """
@@ -55,12 +56,12 @@ FULL_PLAN: dict[str, Any] = {
         "new_tokens_scale": 0.25,
     },
     "batch_sweep": {
-        "model": "embedded",
+        "model": "100m",
         "workload": "seed",
         "num_requests": None,
-        "prompt_scale": 1.0,
+        "prompt_scale": 0.25,
         "new_tokens_scale": 0.25,
-        "batch_sizes": [2, 4, 8, 16, 32, 48],
+        "batch_sizes": [4, 8, 16, 32, 48],
     },
     "prefix_cache": {
         "model": "embedded",
