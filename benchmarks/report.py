@@ -483,14 +483,20 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)
     lines += _micro_section(_load(results, "microbench"))
     lines += _history_section(results)
+    info = _load(results, "run_info")
+    timing = ""
+    if info is not None:
+        steps = ", ".join(f"{k} {v:.0f} s" for k, v in info["seconds"].items())
+        timing = f"The last full `run_all.py` ({info['date']}) took {info['total_seconds']:.0f} s: {steps}."
     lines += [
         "## Reproduce",
         "",
+        *([timing, ""] if timing else []),
         "```bash",
         "nox -s bench                                   # microbenchmarks + everything above (CPU: under 20 minutes)",
         "python benchmarks/run_all.py --quick           # smoke test into a temporary folder",
         "paged-server bench --workload seed             # one workload, all four configurations, JSON lines",
-        "paged-server bench --model-config 100m --workload seed --num-requests 16 --prompt-scale 0.5 --max-new-tokens-scale 0.25",
+        "paged-server bench --model-config 100m --workload seed --prompt-scale 0.5 --max-new-tokens-scale 0.25  # as above",
         "```",
         "",
     ]

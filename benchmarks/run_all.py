@@ -376,15 +376,20 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown --only steps {sorted(unknown)}; choose from {', '.join(steps)}")
         done: dict[str, dict[str, Any]] = {}
+        durations: dict[str, float] = {}
         for name in only:
             t0 = time.perf_counter()
             done[name] = steps[name]()
-            print(
-                f"[run_all] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
-            )
+            durations[name] = round(time.perf_counter() - t0, 1)
+            print(f"[run_all] {name}: {durations[name]} s", file=sys.stderr, flush=True)
+        total = round(time.perf_counter() - started, 1)
         if not args.quick and not args.only:
             append_history({k: v for k, v in done.items() if k != "capacity"}, bench.env)
-        print(f"[run_all] total {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            save(
+                "run_info",
+                {"date": bench.env["date"], "seconds": durations, "total_seconds": total},
+            )
+        print(f"[run_all] total {total} s", file=sys.stderr, flush=True)
     page = write_page(RESULTS, DOCS)
     print(f"[run_all] wrote {page}", file=sys.stderr)
     return 0

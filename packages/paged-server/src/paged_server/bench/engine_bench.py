@@ -84,13 +84,39 @@ def engine_config(
 def kv_occupancy(stats: dict[str, float]) -> tuple[float, float, float]:
     """``(tokens held, token slots allocated to sequences, pool token slots)``
     from a pool's ``stats()``: block counters for the paged pool, slot
-    counters for the contiguous one (a used slot allocates ``max_seq_len``)."""
+    counters for the contiguous one (a used slot allocates ``max_seq_len``).
+    Tokens in shared blocks count once per sequence here; see
+    ``physical_tokens_held`` for the paged pool."""
     held = stats.get("tokens_used", stats.get("tokens_held", 0.0))
     if "blocks_used" in stats:
         bs = stats["block_size"]
         return held, stats["blocks_used"] * bs, stats["num_blocks"] * bs
     per_slot = stats["token_capacity"] / max(1.0, stats["slots_total"])
     return held, stats["slots_used"] * per_slot, stats["token_capacity"]
+
+
+def physical_tokens_held(block_manager: Any) -> int:
+    """Token positions actually filled in allocated blocks, each block counted
+    once however many sequences share it (prefix hits, forks)."""
+    bs = block_manager.block_size
+    filled: dict[int, int] = {}
+    for seq_id in block_manager.seq_ids():
+        n = block_manager.seq_len(seq_id)
+        for i, block in enumerate(block_manager.block_table(seq_id)):
+            filled[block] = max(filled.get(block, 0), min(bs, max(0, n - i * bs)))
+    return sum(filled.values())
+
+
+def pool_occupancy(pool: Any) -> tuple[float, float, float]:
+    """``kv_occupancy`` of the pool, with physical tokens for a block pool
+    once blocks may be shared (the walk over page tables is skipped while no
+    prefix hit or fork has happened, to keep the measured loop lean)."""
+    stats = pool.stats()
+    held, allocated, capacity = kv_occupancy(stats)
+    manager = getattr(pool, "block_manager", None)
+    if manager is not None and (stats.get("prefix_hits_tokens", 0) or stats.get("forks", 0)):
+        held = float(physical_tokens_held(manager))
+    return held, allocated, capacity
 
 
 def engine_pool(engine: Any) -> Any:
@@ -141,7 +167,7 @@ def run_engine(
                 clock.record(out.request_id, len(out.new_token_ids), now)
                 produced += len(out.new_token_ids)
         m = engine.metrics()
-        held, allocated, capacity = kv_occupancy(pool.stats())
+        held, allocated, capacity = pool_occupancy(pool)
         running = int(m["num_requests_running"])
         peak_running = max(peak_running, running)
         peak_pool = max(peak_pool, allocated / capacity if capacity else 0.0)
