@@ -162,7 +162,7 @@ def plot_prefix_cache(prefix: dict[str, Any], path: Path) -> Path:
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("Time to first token, shared system prompt")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
     rates = [
         (name, (runs[flag]["prefix_cache_hit_rate"] or 0.0) * 100)
