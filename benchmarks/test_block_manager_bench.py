@@ -23,6 +23,7 @@ Run: ``pytest benchmarks/test_block_manager_bench.py --benchmark-only -p no:rand
 from __future__ import annotations
 
 import pytest
+
 from paged_core import BlockManager
 
 NUM_SEQS, PROMPT, DECODE, BLOCK_SIZE = 256, 512, 512, 16

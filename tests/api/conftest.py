@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from paged_server.config import EngineConfig
 from paged_server.errors import QueueFullError
 from paged_server.outputs import RequestOutput

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import pytest
+
 from paged_server.api.async_engine import AsyncEngine, EngineDeadError, StreamEnd
 from paged_server.api.metrics import ServerMetrics
 from paged_server.sampling_params import SamplingParams

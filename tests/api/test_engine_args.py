@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 import pytest
+
 from paged_server.api.engine_args import add_engine_flags, engine_config_from_args
 from paged_server.cli import build_parser
 from paged_server.config import EngineConfig

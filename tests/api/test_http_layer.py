@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from paged_server.api.app import ServerSettings
 from paged_server.api.server import ServerThread
 

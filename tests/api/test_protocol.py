@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
 from paged_server.api.errors import validation_error
 from paged_server.api.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompt
-from pydantic import ValidationError
 
 
 def error_for(model: Any, body: Any) -> tuple[str | None, str]:

@@ -12,8 +12,9 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
-    from paged_server.default_model import ensure_default_model
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged_server.default_model import ensure_default_model
 
     tok_dir = ensure_default_model()  # shared cache: built once per machine
     out = tmp_path_factory.mktemp("tiny-llama")

@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+
 from paged_server.bench.capacity import (
     KVShape,
     admit_until_full,

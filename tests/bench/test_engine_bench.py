@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from paged_server.bench.engine_bench import KVBudget, kv_occupancy
 from paged_server.bench.results import RESULT_KEYS, percentiles
 from paged_server.bench.suite import ALL_CONFIGS

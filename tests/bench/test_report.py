@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from paged_server.bench.capacity import capacity_table
 from paged_server.bench.environment import describe_environment
 from paged_server.bench.results import RunResult, percentiles

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from paged_server.bench.workloads import (
     make_workload,
     nano_vllm_workload,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+
 from paged_core import BlockManager
 
 

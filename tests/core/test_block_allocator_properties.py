@@ -11,6 +11,7 @@ from collections import OrderedDict
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from paged_core import BlockAllocator, OutOfBlocksError
 
 TOTAL = 12

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from paged_core import BlockManager
 
 BS = 4

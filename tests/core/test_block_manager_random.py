@@ -14,6 +14,7 @@ import copy
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from paged_core import OutOfBlocksError
 
 MIN_OPS = 25

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from paged_server.api.app import ServerSettings
 from paged_server.api.server import ServerThread, build_engine
 from paged_server.config import EngineConfig

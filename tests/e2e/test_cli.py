@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from paged_server.cli import main
 
 pytestmark = pytest.mark.e2e

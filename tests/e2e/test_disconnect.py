@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from paged_server.api.async_engine import AsyncEngine
 from paged_server.api.server import build_engine
 from paged_server.sampling_params import SamplingParams

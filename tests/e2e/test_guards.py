@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from paged_server.api.app import ServerSettings
 from paged_server.api.server import ServerThread
 

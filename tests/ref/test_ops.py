@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_ref import ops
 
 HEAD_DIM = 16

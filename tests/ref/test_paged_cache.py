@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_core import AttentionViewProtocol, OutOfBlocksError, ServingPoolProtocol
 from paged_ref import PagedKVCachePool
 

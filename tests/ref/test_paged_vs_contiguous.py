@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_ref import PagedKVCachePool, SlottedKVCache
 
 LAYERS, DIM, BLOCK = 2, 16, 4

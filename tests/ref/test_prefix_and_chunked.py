@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_ref import PagedKVCachePool, SlottedKVCache
 
 pytestmark = pytest.mark.backend

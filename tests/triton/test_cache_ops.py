@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_ref import ops as ref_ops
 from paged_triton import ops
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_ref import ops as ref_ops
 from paged_triton.decode_attention import decode_attention
 from paged_triton.decode_splits import choose_num_splits

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from paged_ref import ops as ref_ops
 from paged_triton.decode_attention import decode_attention
 from paged_triton.ops import paged_prefill_attention

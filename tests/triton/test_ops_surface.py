@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import inspect
 
-import paged_triton
 import pytest
 import torch
+
+import paged_triton
 from paged_ref import ops as ref_ops
 from paged_triton import ops
 

@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from paged_server.config import EngineConfig
 from paged_server.default_model.tokenizer_builder import build_tokenizer
 from paged_server.engine import LLMEngine
 from paged_server.models import LoadedModel, load_model
 from paged_server.sampling_params import SamplingParams
-from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 512
 EOS = 0  # <|endoftext|> in the default model's tokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_server.config import (
     EngineConfig,
     resolve_attention_backend,

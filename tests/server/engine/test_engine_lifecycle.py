@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+
 from paged_server.errors import QueueFullError
 from paged_server.models import LoadedModel
 from paged_server.sampling_params import SamplingParams

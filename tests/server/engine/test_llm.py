@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from paged_server.llm import LLM
 from paged_server.sampling_params import SamplingParams
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+
 from paged_server.output_processor import append_token, take_output
 from paged_server.sampling_params import SamplingParams
 from paged_server.sequence import Request, Sequence

@@ -5,6 +5,7 @@ sampling reproducible whatever else is in the batch."""
 from __future__ import annotations
 
 import pytest
+
 from paged_server.sampling_params import SamplingParams
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_server.cache_pool import build_cache_pool
 from paged_server.config import EngineConfig
 from paged_server.runner import ModelRunner

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from paged_server.sampler import SamplingRow, apply_penalties, sample, sampling_distribution
 from paged_server.sampling_params import SamplingParams
 

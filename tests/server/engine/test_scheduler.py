@@ -4,6 +4,7 @@ decode / prefill, FCFS, block budget with reserve, chunking, preemption order.""
 from __future__ import annotations
 
 import torch
+
 from paged_server.sampling_params import SamplingParams
 from paged_server.scheduler import Scheduler
 from paged_server.sequence import Request, Sequence, SequenceStatus

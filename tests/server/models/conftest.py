@@ -17,8 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from paged_server.default_model.tokenizer_builder import build_tokenizer
-from paged_server.models import LoadedModel, load_model
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -27,6 +25,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+from paged_server.default_model.tokenizer_builder import build_tokenizer
+from paged_server.models import LoadedModel, load_model
 
 VOCAB = 512
 FAMILIES = ("llama", "qwen3", "gemma3")

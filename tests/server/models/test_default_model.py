@@ -10,9 +10,10 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from paged_server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from paged_server.models import load_model
-from transformers import AutoModelForCausalLM
 
 FILES = (
     "config.json",

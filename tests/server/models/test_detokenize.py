@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import SentencePieceBPETokenizer
+
 from paged_server.default_model.tokenizer_builder import build_tokenizer, training_texts
 from paged_server.detokenize import IncrementalDetokenizer
 from paged_server.tokenizer import Tokenizer
-from tokenizers import SentencePieceBPETokenizer
 
 
 def _byte_level() -> Tokenizer:

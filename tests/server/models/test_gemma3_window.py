@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_server.models import load_model
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from paged_server.models import load_model
 
 WINDOW = 4
 

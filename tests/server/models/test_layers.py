@@ -9,12 +9,13 @@ import shutil
 
 import pytest
 import torch
-from paged_server.models import ModelConfig, load_model
-from paged_server.models.layers import causal_attention
-from paged_server.models.rope import rope_inv_freq
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
+
+from paged_server.models import ModelConfig, load_model
+from paged_server.models.layers import causal_attention
+from paged_server.models.rope import rope_inv_freq
 
 LLAMA31_ROPE = {  # Llama 3.1/3.2's published values
     "rope_type": "llama3",

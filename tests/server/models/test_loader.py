@@ -9,6 +9,8 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from paged_server.models import (
     SUPPORTED_ARCHITECTURES,
     CheckpointMismatchError,
@@ -18,7 +20,6 @@ from paged_server.models import (
     load_model,
 )
 from paged_server.models.registry import ARCHITECTURES
-from safetensors.torch import load_file, save_file
 
 
 @pytest.fixture

@@ -7,9 +7,10 @@ import json
 import shutil
 
 import pytest
+from transformers import AutoTokenizer
+
 from paged_server.default_model import ensure_default_model
 from paged_server.tokenizer import Tokenizer
-from transformers import AutoTokenizer
 
 # A template in the style of released checkpoints: system prompt, loops,
 # raise_exception, tojson, namespace, trim/lstrip-sensitive whitespace.

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from types import ModuleType
 
 import torch
-from paged_core.block_manager import BlockManager
 from torch import Tensor
 
+from paged_core.block_manager import BlockManager
 from paged_ref import ops as ref_ops
 from paged_ref.paged_views import (
     PagedBatchedPrefillCacheView,

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from paged_core import OutOfBlocksError
 from torch import Tensor
 
+from paged_core import OutOfBlocksError
 from paged_ref.slotted_views import BatchedPrefillCacheView, DecodeCacheView, PrefillCacheView
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-from paged_core.protocols import ServingPoolProtocol
 
+from paged_core.protocols import ServingPoolProtocol
 from paged_server.config import EngineConfig
 from paged_server.models import ModelConfig
 

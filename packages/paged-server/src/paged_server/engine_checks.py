@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 from paged_core.protocols import ServingPoolProtocol
-
 from paged_server.cache_pool import PoolCapacity
 from paged_server.models import ModelConfig
 from paged_server.sampling_params import SamplingParams

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paged_core.protocols import ServingPoolProtocol
-
 from paged_server.cache_pool import PoolCapacity
 
 

@@ -10,9 +10,9 @@ are sampled. Knows nothing of sampling, stops or scheduling.
 from __future__ import annotations
 
 import torch
-from paged_core.protocols import ServingPoolProtocol
 from torch import Tensor, nn
 
+from paged_core.protocols import ServingPoolProtocol
 from paged_server.sequence import Sequence
 
 

@@ -8,9 +8,9 @@ samples from, so that a long prefill never builds ``[L, vocab]`` logits.
 from __future__ import annotations
 
 import torch
-from paged_core.protocols import AttentionViewProtocol
 from torch import nn
 
+from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.config import ModelConfig
 
 

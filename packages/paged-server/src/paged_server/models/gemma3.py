@@ -15,9 +15,9 @@ transformers 5 ignores the field for Gemma 3).
 from __future__ import annotations
 
 import torch
-from paged_core.protocols import AttentionViewProtocol
 from torch import nn
 
+from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.base import CausalLM
 from paged_server.models.config import SLIDING_ATTENTION, ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from paged_core.protocols import AttentionViewProtocol
 from torch import nn
 
+from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.errors import InvalidConfigError
 from paged_server.models.rope import apply_rope
 

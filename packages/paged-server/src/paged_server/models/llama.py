@@ -8,9 +8,9 @@ scaling). Qwen 3 is this model plus per-head q/k norms (see qwen3.py).
 from __future__ import annotations
 
 import torch
-from paged_core.protocols import AttentionViewProtocol
 from torch import nn
 
+from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.base import CausalLM
 from paged_server.models.config import ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
