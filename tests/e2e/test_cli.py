@@ -106,3 +106,13 @@ def test_bench_hook_runs_the_offline_benchmark_cli(capsys: pytest.CaptureFixture
         main(["bench", "--help"])
     assert exc.value.code == 0
     assert "usage: paged-server bench" in capsys.readouterr().out
+
+
+def test_serve_reports_a_missing_model_directory_without_a_traceback(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-such-model"
+    assert main(["serve", "--model", str(missing), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"model directory {missing} does not exist" in err
+    assert "Traceback" not in err

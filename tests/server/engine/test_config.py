@@ -60,7 +60,15 @@ def test_auto_resolution_on_cpu() -> None:
     assert resolve_dtype(config, device) is torch.float32
     assert resolve_attention_backend(config, device) == "ref"
     assert resolve_dtype(EngineConfig(dtype="float16"), device) is torch.float16
-    assert resolve_attention_backend(EngineConfig(attention_backend="triton"), device) == "triton"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_attention_backend(EngineConfig(attention_backend="triton"), cpu) == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs a CUDA device; on CPU set TRITON_INTERPRET=1"):
+        resolve_attention_backend(EngineConfig(attention_backend="triton"), cpu)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

@@ -83,7 +83,11 @@ def _run_serve(args: argparse.Namespace) -> int:
             "binding %s without --api-key: anyone who can reach this address can use the model",
             args.host,
         )
-    engine = build_engine(config)
+    try:
+        engine = build_engine(config)
+    except (ValueError, FileNotFoundError) as exc:  # bad model dir, unsupported setting
+        print(f"paged-server serve: {exc}", file=sys.stderr)
+        return 2
     settings = ServerSettings(
         model_name=served_model_name(config, args.served_model_name),
         api_key=args.api_key,

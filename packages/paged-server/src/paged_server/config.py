@@ -7,6 +7,7 @@ choices for this machine.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,16 @@ def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str
     """``auto`` is the fused Triton kernels on CUDA, else the PyTorch reference."""
     if config.attention_backend == "auto":
         return "triton" if device.type == "cuda" else "ref"
+    if (
+        config.attention_backend == "triton"
+        and device.type != "cuda"
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    ):
+        # Fail at start-up, not on the first request.
+        raise ValueError(
+            "attention_backend: 'triton' needs a CUDA device; on CPU set TRITON_INTERPRET=1 "
+            "(Triton's slow interpreter, for testing) or use 'ref'"
+        )
     return config.attention_backend
 
 
