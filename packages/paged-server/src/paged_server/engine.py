@@ -73,6 +73,14 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        if config.max_seq_len > loaded.config.max_position_embeddings:
+            # RoPE is computed on the fly, so this runs, but past the trained length
+            # a real checkpoint's quality degrades.
+            log.warning(
+                "max_seq_len %d exceeds the model's max_position_embeddings %d",
+                config.max_seq_len,
+                loaded.config.max_position_embeddings,
+            )
         self.pool, self.capacity = build_cache_pool(
             config, loaded.config, loaded.dtype, device, self.attention_backend
         )
