@@ -24,7 +24,7 @@ from paged_server.engine import LLMEngine
 from paged_server.models import LoadedModel, load_model
 from paged_server.sampling_params import SamplingParams
 
-VOCAB = 512
+VOCAB = 512  # prompt_of (tests/server/conftest.py) draws ids below this
 EOS = 0  # <|endoftext|> in the default model's tokenizer
 
 
@@ -75,17 +75,6 @@ def make_engine(tiny_loaded: LoadedModel) -> Callable[..., LLMEngine]:
         return LLMEngine(EngineConfig(**cfg), tiny_loaded)
 
     return make
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    """Token ids without the special tokens (0-2)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
-
-
-@pytest.fixture
-def prompt_of() -> Callable[[int, int], list[int]]:
-    return random_prompt
 
 
 @dataclass

@@ -29,7 +29,7 @@ from transformers import (
 from paged_server.default_model.tokenizer_builder import build_tokenizer
 from paged_server.models import LoadedModel, load_model
 
-VOCAB = 512
+VOCAB = 512  # prompt_of (tests/server/conftest.py) draws ids below this
 FAMILIES = ("llama", "qwen3", "gemma3")
 GEMMA_WINDOW = 8
 
@@ -121,17 +121,6 @@ def checkpoints(
 @pytest.fixture(params=FAMILIES)
 def checkpoint(request: pytest.FixtureRequest, checkpoints: dict[str, Checkpoint]) -> Checkpoint:
     return checkpoints[request.param]
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
-
-
-@pytest.fixture
-def prompt_of() -> Callable[[int, int], list[int]]:
-    """``prompt_of(length, seed)``: random token ids (no specials)."""
-    return random_prompt
 
 
 def make_pool(kind: str, loaded: LoadedModel, ops: ModuleType | None = None, **kw: Any) -> Any:
