@@ -14,14 +14,33 @@ import triton.language as tl
 
 
 @triton.jit
-def paged_token_offsets(bt_row, tok, tok_mask, stride_block, stride_tok, BLOCK_SIZE: tl.constexpr):
-    """Element offset (int64) of each token position's row in a cache of
-    shape ``[num_blocks, kv_heads, block_size, head_dim]``: block id from the
-    page table row, then the slot inside the block. Masked positions read
-    block 0, whose data the caller masks out."""
-    page = tok // BLOCK_SIZE
-    block = tl.load(bt_row + page, mask=tok_mask, other=0).to(tl.int64)
-    return block * stride_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_tok
+def load_kv_tile(
+    K,
+    V,
+    bt_row,
+    kv_off,
+    t0,
+    end,
+    d,
+    d_mask,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Token positions ``t0 .. t0 + BLOCK_N`` of one KV head (element offset
+    ``kv_off``) in caches of shape ``[num_blocks, kv_heads, block_size,
+    head_dim]``: block id from the page table row, then the slot inside the
+    block. Returns the positions, their mask (``< end``) and the K and V
+    tiles ``[BLOCK_N, BLOCK_D]``, zeros where masked."""
+    tok = t0 + tl.arange(0, BLOCK_N)
+    tok_mask = tok < end
+    block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    rows = block * stride_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_tok + kv_off
+    kv_mask = tok_mask[:, None] & d_mask[None, :]
+    k = tl.load(K + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return tok, tok_mask, k, v
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_triton.attention_tile import attend_tile, paged_token_offsets
+from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.decode_splits import choose_num_splits, merge_splits, num_sms
 from paged_triton.launch_checks import (
     as_int32,
@@ -107,12 +107,9 @@ def _decode_kernel(
     bt_row = BT + b.to(tl.int64) * stride_btb
     kv_off = kv_head.to(tl.int64) * stride_ch
     for t0 in range(start, end, BLOCK_N):
-        tok = t0 + tl.arange(0, BLOCK_N)
-        tok_mask = tok < end
-        rows = paged_token_offsets(bt_row, tok, tok_mask, stride_cb, stride_ct, BLOCK_SIZE) + kv_off
-        kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        tok, tok_mask, k, v = load_kv_tile(
+            K, V, bt_row, kv_off, t0, end, d, d_mask, stride_cb, stride_ct, BLOCK_SIZE, BLOCK_N
+        )
         m_i, l_i, acc = attend_tile(
             q, k, v, tok_mask[None, :], m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION
         )
