@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from paged_server.bench import workloads as wl
+
 CONTINUOUS_BATCHING = "continuous_batching"
 # Arrival rate (requests/s) each workload is defined with; inf = one burst.
 DEFAULT_RATES = {CONTINUOUS_BATCHING: 4.0}
@@ -44,16 +46,8 @@ class RequestTiming:
     completion_tokens: int = 0
 
 
-def token_pool(tokenizer: Any) -> list[int]:
-    """Ids the tokenizer can decode, special tokens excluded (prompt material)."""
-    special = set(getattr(tokenizer, "special_token_ids", ()) or ())
-    return [i for i in range(int(tokenizer.vocab_size)) if i not in special]
-
-
 def build_workload(name: str, pool: list[int], args: argparse.Namespace) -> Any:
     """The named workload, scaled by ``--prompt-scale`` / ``--new-tokens-scale``."""
-    from paged_server.bench import workloads as wl
-
     if name == CONTINUOUS_BATCHING:
         return wl.burst_workload(
             CONTINUOUS_BATCHING,
@@ -255,7 +249,7 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
             server = ServerThread(engine, ServerSettings(model_name=name)).start()
             url, model, tokenizer = server.url, name, engine.tokenizer
             settings_info = asdict(config)
-        workload = build_workload(args.workload, token_pool(tokenizer), args)
+        workload = build_workload(args.workload, wl.token_pool_from_tokenizer(tokenizer), args)
         timings, wall = asyncio.run(
             run_workload(url, model, workload, rate, args.seed, args.api_key)
         )
