@@ -71,9 +71,11 @@ def masked_attention(
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.view(batch, kv_heads, group, q_len, num_keys)
     visible = mask.view(batch, 1, 1, q_len, num_keys)
-    scores = scores.masked_fill(~visible, float("-inf"))
+    hidden = ~visible
+    # scores and probs are fresh tensors, so they are masked in place.
+    scores.masked_fill_(hidden, float("-inf"))
     # Fully masked rows softmax to NaN; zeroing masked entries turns them into 0.
-    probs = torch.softmax(scores, dim=-1).masked_fill(~visible, 0.0)
+    probs = torch.softmax(scores, dim=-1).masked_fill_(hidden, 0.0)
     # Keys no query sees may be stale rows of a reused block or slot (even NaN);
     # 0 * NaN is NaN, so they are zeroed rather than only given zero weight.
     seen = mask.any(dim=1).view(batch, 1, num_keys, 1)
