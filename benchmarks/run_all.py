@@ -155,14 +155,12 @@ class Bench:
             from paged_server.tokenizer import Tokenizer
 
             model_dir, name = resolve_model(None, key)
-            vocab = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))[
-                "vocab_size"
-            ]
-            pool = token_pool_from_tokenizer(Tokenizer.from_dir(model_dir), vocab)
+            config = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))
+            pool = token_pool_from_tokenizer(Tokenizer.from_dir(model_dir), config["vocab_size"])
             info = {
                 "name": name,
                 "parameters": count_parameters(model_dir),
-                "config": json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8")),
+                "config": config,
             }
             self._models[key] = (ModelCache(model_dir, self.options), name, pool, info)
         models, name, pool, _ = self._models[key]
