@@ -21,9 +21,10 @@ def scatter_to_pages(
 ) -> tuple[Tensor, Tensor]:
     """Place each sequence's ``[kv_heads, len, head_dim]`` tensor into randomly
     chosen, shuffled blocks of a fresh noisy cache, by plain Python loops (an
-    oracle independent of ``write_kv``). Returns (cache, block_tables int32)."""
+    oracle independent of ``write_kv``). Returns (cache ``[num_blocks,
+    block_size, kv_heads, head_dim]``, block_tables int32)."""
     kv_heads, head_dim = keys[0].shape[0], keys[0].shape[2]
-    cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen)
+    cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(-(-k.shape[1] // block_size) for k in keys)
     tables = torch.zeros(len(keys), max(max_blocks, 1), dtype=torch.int32)
@@ -34,17 +35,17 @@ def scatter_to_pages(
             for off in range(block_size):
                 p = j * block_size + off
                 if p < k.shape[1]:
-                    cache[block, :, off] = k[:, p]
+                    cache[block, off] = k[:, p]
     return cache, tables
 
 
 def place_like(values: list[Tensor], tables: Tensor, like: Tensor) -> Tensor:
     """Put ``values`` in the same blocks as a cache built by scatter_to_pages."""
     cache = torch.randn_like(like)
-    block_size = cache.shape[2]
+    block_size = cache.shape[1]
     for b, val in enumerate(values):
         for p in range(val.shape[1]):
-            cache[int(tables[b, p // block_size]), :, p % block_size] = val[:, p]
+            cache[int(tables[b, p // block_size]), p % block_size] = val[:, p]
     return cache
 
 

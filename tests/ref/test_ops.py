@@ -19,8 +19,8 @@ def _random_seqs(lens, kv_heads, gen):
 
 
 def test_write_kv_places_tokens_and_skips_padding(gen):
-    k_cache = torch.randn(6, 2, BLOCK, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(6, 2, BLOCK, HEAD_DIM, generator=gen)
+    k_cache = torch.randn(6, BLOCK, 2, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(6, BLOCK, 2, HEAD_DIM, generator=gen)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     k = torch.randn(4, 2, HEAD_DIM, generator=gen)
     v = torch.randn(4, 2, HEAD_DIM, generator=gen)
@@ -28,17 +28,13 @@ def test_write_kv_places_tokens_and_skips_padding(gen):
     ops.write_kv(k_cache, v_cache, k, v, slots)
     written = {(5, 3): 0, (0, 0): 2, (2, 1): 3}
     for (blk, off), i in written.items():
-        assert torch.equal(k_cache[blk, :, off], k[i])
-        assert torch.equal(v_cache[blk, :, off], v[i])
+        assert torch.equal(k_cache[blk, off], k[i])
+        assert torch.equal(v_cache[blk, off], v[i])
     untouched = torch.ones(6, BLOCK, dtype=torch.bool)
     for blk, off in written:
         untouched[blk, off] = False
-    assert torch.equal(
-        k_cache.permute(0, 2, 1, 3)[untouched], k_before.permute(0, 2, 1, 3)[untouched]
-    )
-    assert torch.equal(
-        v_cache.permute(0, 2, 1, 3)[untouched], v_before.permute(0, 2, 1, 3)[untouched]
-    )
+    assert torch.equal(k_cache[untouched], k_before[untouched])
+    assert torch.equal(v_cache[untouched], v_before[untouched])
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), GQA_SHAPES)
@@ -103,10 +99,10 @@ def test_softcap_matches_formula(gen, helpers):
 
 
 def test_empty_context_gives_zeros_not_nan(gen):
-    k_cache = torch.full((4, 1, BLOCK, HEAD_DIM), float("nan"))
-    v_cache = torch.full((4, 1, BLOCK, HEAD_DIM), float("nan"))
-    k_cache[0] = torch.randn(1, BLOCK, HEAD_DIM, generator=gen)
-    v_cache[0] = torch.randn(1, BLOCK, HEAD_DIM, generator=gen)
+    k_cache = torch.full((4, BLOCK, 1, HEAD_DIM), float("nan"))
+    v_cache = torch.full((4, BLOCK, 1, HEAD_DIM), float("nan"))
+    k_cache[0] = torch.randn(BLOCK, 1, HEAD_DIM, generator=gen)
+    v_cache[0] = torch.randn(BLOCK, 1, HEAD_DIM, generator=gen)
     q = torch.randn(2, 2, HEAD_DIM, generator=gen)
     tables = torch.zeros(2, 1, dtype=torch.int32)
     out = ops.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([0, 3]), 1.0)
@@ -115,8 +111,8 @@ def test_empty_context_gives_zeros_not_nan(gen):
 
 
 def test_output_keeps_query_dtype(gen):
-    k_cache = torch.randn(4, 2, BLOCK, HEAD_DIM, generator=gen).half()
-    v_cache = torch.randn(4, 2, BLOCK, HEAD_DIM, generator=gen).half()
+    k_cache = torch.randn(4, BLOCK, 2, HEAD_DIM, generator=gen).half()
+    v_cache = torch.randn(4, BLOCK, 2, HEAD_DIM, generator=gen).half()
     q = torch.randn(3, 4, HEAD_DIM, generator=gen).half()
     tables = torch.tensor([[1, 2]], dtype=torch.int32)
     cu = torch.tensor([0, 3], dtype=torch.int32)
@@ -142,8 +138,8 @@ def test_decode_equals_prefill_of_last_token(gen, helpers):
 
 
 def test_copy_blocks_copies_every_layer(gen):
-    k = torch.randn(3, 6, 2, BLOCK, HEAD_DIM, generator=gen)
-    v = torch.randn(3, 6, 2, BLOCK, HEAD_DIM, generator=gen)
+    k = torch.randn(3, 6, BLOCK, 2, HEAD_DIM, generator=gen)
+    v = torch.randn(3, 6, BLOCK, 2, HEAD_DIM, generator=gen)
     k0, v0 = k.clone(), v.clone()
     ops.copy_blocks(k, v, torch.tensor([[1, 4], [2, 5]], dtype=torch.int64))
     for src, dst in [(1, 4), (2, 5)]:

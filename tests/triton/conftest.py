@@ -79,8 +79,9 @@ def random_caches(
     dtype: torch.dtype,
     gen: torch.Generator,
 ) -> tuple[Tensor, Tensor]:
-    """K and V caches of N(0, 1) values (noise in unused blocks too)."""
-    shape = (num_blocks, kv_heads, block_size, head_dim)
+    """K and V caches ``[num_blocks, block_size, kv_heads, head_dim]`` of
+    N(0, 1) values (noise in unused blocks too)."""
+    shape = (num_blocks, block_size, kv_heads, head_dim)
     k = torch.randn(shape, generator=gen).to(DEVICE, dtype)
     v = torch.randn(shape, generator=gen).to(DEVICE, dtype)
     return k, v

@@ -44,7 +44,7 @@ def test_write_kv_with_only_padding_changes_nothing(gen, paged):
     ],
 )
 def test_copy_blocks_matches_reference(pairs, dtype, gen, paged):
-    shape = (3, 8, 2, 16, 48)  # layers, blocks, kv_heads, block_size, head_dim
+    shape = (3, 8, 16, 2, 48)  # layers, blocks, block_size, kv_heads, head_dim
     k_caches = torch.randn(shape, generator=gen).to(paged.device, dtype)
     v_caches = torch.randn(shape, generator=gen).to(paged.device, dtype)
     src_to_dst = torch.tensor(pairs, dtype=torch.int64, device=paged.device).view(-1, 2)

@@ -99,7 +99,7 @@ def test_stale_data_past_the_length_never_leaks(gen, paged):
             block, off = int(tables[b, p // block_size]), p % block_size
             for src, dsts in ((k_cache, (clean_k, poisoned_k)), (v_cache, (clean_v, poisoned_v))):
                 for dst in dsts:
-                    dst[block, :, off] = src[block, :, off]
+                    dst[block, off] = src[block, off]
     out = decode_attention(q, poisoned_k, poisoned_v, tables, seq_lens, 0.125, num_splits=2)
     expected = ref_ops.paged_decode_attention(q, clean_k, clean_v, tables, seq_lens, 0.125)
     paged.assert_close(out, expected, torch.float32)

@@ -10,15 +10,17 @@ from paged_server.sampling_params import SamplingParams
 
 
 def count_prefill_tokens(engine) -> list[int]:
-    """Wrap the runner so the test sees every prefill chunk it computes."""
+    """Wrap the runner so the test sees every prompt token it computes."""
     seen: list[int] = []
-    real = engine.runner.prefill
+    real = engine.runner.execute
 
-    def counting(chunks):
-        seen.extend(n for _, n in chunks)
-        return real(chunks)
+    def counting(scheduled):
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            seen.append(max(0, min(start + n, seq.num_prompt_tokens) - start))
+        return real(scheduled)
 
-    engine.runner.prefill = counting
+    engine.runner.execute = counting
     return seen
 
 

@@ -184,21 +184,21 @@ def greedy_with_pool(
     one at a time; returns the tokens and each step's last-position logits."""
     slot, cached = pool.allocate_sequence(prompt)
     new = prompt[cached:]
-    ids = torch.tensor([new])
-    pos = torch.arange(cached, len(prompt)).unsqueeze(0)
-    logits = model(ids, pos, pool.prefill_view(slot))[:, -1]
-    tokens, step_logits = [], [logits[0]]
+    view = pool.prefill_view(slot)
+    logits = model(torch.tensor(new), torch.arange(cached, len(prompt)), view)[-1]
+    view.advance(len(new))
+    tokens, step_logits = [], [logits]
     for _ in range(steps):
-        token = int(logits[0].argmax())
+        token = int(logits.argmax())
         tokens.append(token)
         if len(tokens) == steps:
             break
         pool.append_token(slot, token)
         position = len(prompt) + len(tokens) - 1
-        logits = model(
-            torch.tensor([[token]]), torch.tensor([[position]]), pool.decode_view([slot])
-        )[:, -1]
-        step_logits.append(logits[0])
+        view = pool.decode_view([slot])
+        logits = model(torch.tensor([token]), torch.tensor([position]), view)[-1]
+        view.advance(1)
+        step_logits.append(logits)
     pool.free_slot(slot)
     return tokens, step_logits
 

@@ -1,5 +1,5 @@
-"""Batches behave like their sequences alone: right-padded batched prefill and
-batched decode with per-sequence position_ids, through both pool kinds."""
+"""Batches behave like their sequences alone: packed batched prefill and
+batched decode with per-sequence positions, through both pool kinds."""
 
 from __future__ import annotations
 
@@ -10,27 +10,31 @@ PROMPT_LENS = (5, 11, 8)  # different lengths: different positions in every deco
 DECODE_STEPS = 6
 
 
+def run_view(model, view, ids: list[int], positions: list[int]) -> torch.Tensor:
+    """One flat pass through ``view``, committed; logits ``[len(ids), vocab]``."""
+    logits = model(torch.tensor(ids), torch.tensor(positions), view)
+    view.advance(len(ids))
+    return logits
+
+
 @torch.no_grad()
 def _run_batched(model, pool, prompts):
-    """Batched prefill (right padded) then batched greedy decode; returns the
+    """Packed batched prefill then batched greedy decode; returns the
     per-sequence prefill logits and the decode logits of each step."""
     slots = [pool.allocate_sequence(p)[0] for p in prompts]
     lens = [len(p) for p in prompts]
-    width = max(lens)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-    positions = torch.arange(width).expand(len(prompts), -1)
-    logits = model(ids, positions, pool.batched_prefill_view(slots, lens))
-    prefill = [logits[i, : lens[i]] for i in range(len(prompts))]
-    last = torch.stack([logits[i, lens[i] - 1] for i in range(len(prompts))])
+    ids = [t for p in prompts for t in p]
+    positions = [i for n in lens for i in range(n)]
+    logits = run_view(model, pool.batched_prefill_view(slots, lens), ids, positions)
+    ends = torch.tensor(lens).cumsum(0).tolist()
+    prefill = [logits[end - n : end] for end, n in zip(ends, lens, strict=True)]
+    last = torch.stack([logits[end - 1] for end in ends])
     steps = []
     for step in range(DECODE_STEPS):
-        tokens = last.argmax(-1)
-        for slot, token in zip(slots, tokens.tolist(), strict=True):
+        tokens = last.argmax(-1).tolist()
+        for slot, token in zip(slots, tokens, strict=True):
             pool.append_token(slot, token)
-        pos = torch.tensor([[n + step] for n in lens])
-        last = model(tokens[:, None], pos, pool.decode_view(slots))[:, -1]
+        last = run_view(model, pool.decode_view(slots), tokens, [n + step for n in lens])
         steps.append(last)
     return prefill, steps
 
@@ -38,14 +42,13 @@ def _run_batched(model, pool, prompts):
 @torch.no_grad()
 def _run_alone(model, pool, prompt):
     slot, _ = pool.allocate_sequence(prompt)
-    logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], pool.prefill_view(slot))
-    prefill, last, steps = logits[0], logits[:, -1], []
+    prefill = run_view(model, pool.prefill_view(slot), prompt, list(range(len(prompt))))
+    last, steps = prefill[-1], []
     for step in range(DECODE_STEPS):
-        token = last.argmax(-1)
-        pool.append_token(slot, int(token))
-        pos = torch.tensor([[len(prompt) + step]])
-        last = model(token[:, None], pos, pool.decode_view([slot]))[:, -1]
-        steps.append(last[0])
+        token = int(last.argmax(-1))
+        pool.append_token(slot, token)
+        last = run_view(model, pool.decode_view([slot]), [token], [len(prompt) + step])[0]
+        steps.append(last)
     pool.free_slot(slot)
     return prefill, steps
 

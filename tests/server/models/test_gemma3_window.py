@@ -46,12 +46,12 @@ def test_tokens_past_the_window_do_not_matter(sliding_only, kind, pool_of, promp
     prompt = prompt_of(12, 7)
 
     def last_logits(tokens):
-        ids, pos = torch.tensor([tokens]), torch.arange(len(tokens))[None]
-        view = None
-        if kind is not None:
-            pool = pool_of(kind, loaded, enable_prefix_caching=False)
-            view = pool.prefill_view(pool.allocate_sequence(tokens)[0])
-        return loaded.model(ids, pos, view)[0, -1]
+        ids, pos = torch.tensor(tokens), torch.arange(len(tokens))
+        if kind is None:
+            return loaded.model(ids[None], pos[None])[0, -1]
+        pool = pool_of(kind, loaded, enable_prefix_caching=False)
+        view = pool.prefill_view(pool.allocate_sequence(tokens)[0])
+        return loaded.model(ids, pos, view)[-1]
 
     base = last_logits(prompt)
     far = list(prompt)

@@ -70,8 +70,10 @@ def test_softcapped_attention_matches_transformers_eager(window):
     visible = (j <= i) & ((j > i - window) if window else True)
     mask = torch.zeros(7, 7).masked_fill(~visible, float("-inf"))
     expected, _ = eager_attention_forward(_Module(), q, k, v, mask, scaling=0.25, softcap=5.0)
+    # ours takes [batch, length, heads, head_dim], as the model's projections give it
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     ours = causal_attention(q, k, v, scale=0.25, sliding_window=window, softcap=5.0)
-    torch.testing.assert_close(ours.transpose(1, 2), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
     uncapped = causal_attention(q, k, v, scale=0.25, sliding_window=window)
     assert not torch.allclose(ours, uncapped, atol=1e-3)
 
@@ -91,11 +93,12 @@ def test_attention_softcap_reaches_the_cache_views(checkpoints, tmp_path, kind, 
     assert not torch.allclose(reference, checkpoints["gemma3"].loaded.model(ids, pos), atol=1e-3)
     pool = pool_of(kind, capped)
     slot, _ = pool.allocate_sequence(prompt[:6])
-    head = capped.model(ids[:, :6], pos[:, :6], pool.prefill_view(slot))
-    logits = [head[0]]
+    view = pool.prefill_view(slot)
+    logits = [capped.model(ids[0, :6], pos[0, :6], view)]
+    view.advance(6)
     for t in range(6, 10):
         pool.append_token(slot, prompt[t])
-        logits.append(
-            capped.model(ids[:, t : t + 1], pos[:, t : t + 1], pool.decode_view([slot]))[0]
-        )
+        view = pool.decode_view([slot])
+        logits.append(capped.model(ids[0, t : t + 1], pos[0, t : t + 1], view))
+        view.advance(1)
     torch.testing.assert_close(torch.cat(logits), reference[0], atol=1e-5, rtol=0)

@@ -219,6 +219,11 @@ class BlockManager:
         """The sequence's block ids in token order (a copy)."""
         return list(self._seq(seq_id).table)
 
+    def blocks_from(self, seq_id: int, start: int) -> list[int]:
+        """The sequence's block ids from index ``start`` on: what changed since
+        a caller that mirrors the table last looked (O(new blocks))."""
+        return self._seq(seq_id).table[start:]
+
     def seq_len(self, seq_id: int) -> int:
         """Tokens reserved for the sequence (prompt + appended)."""
         return self._seq(seq_id).num_tokens

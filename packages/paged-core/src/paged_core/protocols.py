@@ -21,24 +21,28 @@ Tensor = Any  # torch.Tensor in the backends; core stays torch-free.
 class KVCacheProtocol(Protocol):
     """A cache view for one forward pass, as model code uses it.
 
-    Models call ``update()`` (or ``attend()``) once per layer, then
-    ``advance()`` once per forward pass with the number of new positions.
+    A view covers some sequences; the pass is one flat batch of tokens in
+    which each sequence brings a run of consecutive new tokens, starting at
+    its cached length. Models call ``update()`` (or ``attend()``) once per
+    layer; whoever runs the model calls ``advance()`` once the pass has
+    succeeded, which commits the new tokens (nothing is committed before).
     """
 
     @property
     def seq_len(self) -> int:
         """Tokens already in the cache before this forward pass (the max over
-        the view's sequences for batched views)."""
+        the view's sequences)."""
         ...
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new ``k``/``v`` (``[batch, kv_heads, new_len, head_dim]``)
-        for ``layer_idx`` and return the keys/values attention should read."""
+        """Store the new ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``) for
+        ``layer_idx`` and return each sequence's keys/values, cached and new
+        (``[num_seqs, kv_heads, max_len, head_dim]``)."""
         ...
 
     def advance(self, n: int) -> None:
-        """Move the view's sequences forward after a forward pass of ``n``
-        (padded) positions; batched views set each sequence's real length."""
+        """Commit the pass: each sequence now holds its new tokens (``n`` is
+        used only by views built without per-sequence counts)."""
         ...
 
     def is_paged(self) -> bool:
@@ -53,7 +57,7 @@ class AttentionViewProtocol(KVCacheProtocol, Protocol):
     This is the one seam between model code and attention backends: the
     view writes ``k``/``v`` into its pool and runs the backend's attention
     op (reference gather+SDPA or fused Triton) over cached + new context,
-    causal with each sequence's cached-length offset, right padding ignored.
+    causal with each sequence's cached-length offset.
     """
 
     def attend(
@@ -67,9 +71,9 @@ class AttentionViewProtocol(KVCacheProtocol, Protocol):
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        """``q``: ``[batch, heads, new_len, head_dim]``; ``k``/``v``:
-        ``[batch, kv_heads, new_len, head_dim]``. Returns
-        ``[batch, heads, new_len, head_dim]`` (finite zeros at padding)."""
+        """``q``: ``[num_tokens, heads, head_dim]``; ``k``/``v``:
+        ``[num_tokens, kv_heads, head_dim]``, the flat batch. Returns
+        ``[num_tokens, heads, head_dim]``."""
         ...
 
 
@@ -114,8 +118,8 @@ class CachePoolProtocol(Protocol):
         ...
 
     def batched_prefill_view(self, slots: list[int], prompt_lens: list[int]) -> KVCacheProtocol:
-        """A multi-slot view for a right-padded prefill batch; ``prompt_lens``
-        counts each slot's real new tokens in this pass."""
+        """A multi-slot view for a packed prefill batch: ``prompt_lens[i]`` new
+        tokens of slot ``i``, one slot's tokens after another."""
         ...
 
     def is_paged(self) -> bool:
@@ -126,9 +130,10 @@ class CachePoolProtocol(Protocol):
 @runtime_checkable
 class ServingPoolProtocol(CachePoolProtocol, Protocol):
     """What the engine needs beyond the design documents' pool: prompts with
-    prefix-cache hits, growth checked before a decode step, copy-on-write
-    forks and audits. Both backends satisfy it; the contiguous one reports
-    no prefix hits and copies a slot's rows to fork."""
+    prefix-cache hits, room reserved before a step, one flat view per step
+    whose metadata is built before the forward pass, commits after it,
+    copy-on-write forks and audits. Both backends satisfy it; the contiguous
+    one reports no prefix hits and copies a slot's rows to fork."""
 
     def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
         """Whether ``allocate_sequence(token_ids)`` would succeed now."""
@@ -145,8 +150,26 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
         ...
 
     def append_token(self, slot: int, token_id: int) -> None:
-        """Reserve room for ``token_id``, which the next decode step writes
-        (and record it for prefix hashing). Raises ``RuntimeError`` if full."""
+        """Reserve room for ``token_id``, which a later step writes (and record
+        it for prefix hashing). Raises ``RuntimeError`` if full."""
+        ...
+
+    def get_num_reserved(self, slot: int) -> int:
+        """Tokens ``slot`` has room for: committed plus reserved ahead."""
+        ...
+
+    def step_view(
+        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
+    ) -> AttentionViewProtocol:
+        """The view for one flat step: slot ``i`` computes ``new_lens[i]``
+        tokens from position ``starts[i]``, all already reserved. Its metadata
+        is complete when this returns, so the forward pass needs no host
+        work to learn the layout."""
+        ...
+
+    def mark_computed(self, slot: int, num_tokens: int) -> None:
+        """Commit: the slot's first ``num_tokens`` tokens are written (their
+        full blocks may now serve prefix-cache hits)."""
         ...
 
     def fork_slot(self, slot: int) -> int:

@@ -1,9 +1,12 @@
 """Block-paged KV cache pool: tensors here, page tables in ``BlockManager``.
 
-``k_cache``/``v_cache`` are ``[layers, num_blocks, kv_heads, block_size,
-head_dim]``; a slot is a sequence id of the block manager. The pool adds
-what the block manager cannot do without tensors: block copies for
-copy-on-write, and views that write and attend through an ``ops`` module
+``k_cache``/``v_cache`` are ``[layers, num_blocks, block_size, kv_heads,
+head_dim]`` (a token's K for all heads is one contiguous row, so writes are
+row copies and a gathered context is a strided view, not a permute); a slot
+is a sequence id of the block manager. The pool adds what the block manager
+cannot do without tensors: page tables mirrored into a host tensor
+(``BlockTableBuffer``), copy-on-write block copies batched until the next
+view, and views that write and attend through an ``ops`` module
 (``paged_ref.ops`` by default; the server passes ``paged_triton.ops``, so
 this package never imports triton).
 """
@@ -18,12 +21,9 @@ from torch import Tensor
 
 from paged_core.block_manager import BlockManager
 from paged_ref import ops as ref_ops
-from paged_ref.paged_views import (
-    PagedBatchedPrefillCacheView,
-    PagedCacheView,
-    PagedDecodeCacheView,
-    PagedPrefillCacheView,
-)
+from paged_ref.attention_metadata import AttentionMetadata, build_metadata
+from paged_ref.block_table_buffer import BlockTableBuffer
+from paged_ref.cache_view import CacheView
 
 
 def block_bytes(
@@ -37,9 +37,9 @@ def block_bytes(
 class PagedKVCachePool:
     """A block pool satisfying ``ServingPoolProtocol`` (see module doc).
 
-    A slot's length (``get_seq_len``) counts tokens whose KV is written;
-    the block manager's ``seq_len`` counts tokens reserved, which is more
-    between ``append_token`` and the decode step that writes the token.
+    A slot's length (``get_seq_len``) counts tokens whose KV is committed;
+    ``get_num_reserved`` counts tokens with room reserved, which is more
+    between ``append_token`` and the step that writes the token.
     """
 
     def __init__(
@@ -52,16 +52,18 @@ class PagedKVCachePool:
     ) -> None:
         if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
             raise ValueError(
-                "k_cache and v_cache must both be [layers, num_blocks, kv_heads, block_size, "
+                "k_cache and v_cache must both be [layers, num_blocks, block_size, kv_heads, "
                 f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
             )
         self.k_cache = k_cache
         self.v_cache = v_cache
-        self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = (
+        self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = (
             k_cache.shape
         )
         self.ops = ops if ops is not None else ref_ops
         self.block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching)
+        self._tables = BlockTableBuffer()
+        self._pending_copies: list[tuple[int, int]] = []
         self._slots: set[int] = set()  # live slots, including ones with no block yet
         self._next_slot = 0
 
@@ -80,7 +82,7 @@ class PagedKVCachePool:
     ) -> PagedKVCachePool:
         """A zeroed pool of ``num_blocks`` blocks for a model's shape
         (``device="meta"`` sizes it without allocating memory)."""
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         return PagedKVCachePool(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
@@ -113,6 +115,7 @@ class PagedKVCachePool:
         slot = self._new_slot_id()
         if initial_tokens:
             self.block_manager.allocate(slot, initial_tokens)
+            self._sync_table(slot)
         self._slots.add(slot)
         return slot
 
@@ -121,6 +124,7 @@ class PagedKVCachePool:
         self._check_live(slot)
         if self.block_manager.has_seq(slot):
             self.block_manager.free(slot)
+            self._tables.remove(slot)
         self._slots.remove(slot)
 
     def get_seq_len(self, slot: int) -> int:
@@ -140,20 +144,24 @@ class PagedKVCachePool:
     def is_paged(self) -> bool:
         return True
 
-    def prefill_view(self, slot: int) -> PagedPrefillCacheView:
-        return PagedPrefillCacheView(self, slot)
+    def prefill_view(self, slot: int) -> CacheView:
+        """One slot; the pass's token count comes from ``k`` (room reserved then)."""
+        return CacheView(self, [slot], [self.get_seq_len(slot)], None, reserve=True)
 
-    def decode_view(self, slots: list[int]) -> PagedDecodeCacheView:
-        return PagedDecodeCacheView(self, slots)
+    def decode_view(self, slots: list[int]) -> CacheView:
+        """One new token per slot at its current length."""
+        return self.view(slots, [1] * len(slots))
 
-    def batched_prefill_view(
-        self, slots: list[int], prompt_lens: list[int]
-    ) -> PagedBatchedPrefillCacheView:
-        return PagedBatchedPrefillCacheView(self, slots, prompt_lens)
+    def batched_prefill_view(self, slots: list[int], prompt_lens: list[int]) -> CacheView:
+        """``prompt_lens[i]`` new tokens for slot ``i``, packed one after another."""
+        return self.view(slots, prompt_lens)
 
-    def view(self, slots: Sequence[int], new_lens: Sequence[int] | None = None) -> PagedCacheView:
-        """The generic view: slot ``i`` gets ``new_lens[i]`` new tokens at its length."""
-        return PagedCacheView(self, slots, new_lens)
+    def view(self, slots: Sequence[int], new_lens: Sequence[int] | None = None) -> CacheView:
+        """The generic view: slot ``i`` gets ``new_lens[i]`` new tokens at its
+        length, reserving room for them if needed."""
+        if new_lens is None and len(slots) == 1:
+            return self.prefill_view(slots[0])
+        return CacheView(self, slots, [self.get_seq_len(s) for s in slots], new_lens, reserve=True)
 
     # -- ServingPoolProtocol -------------------------------------------------
     def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
@@ -164,6 +172,7 @@ class PagedKVCachePool:
         first ``num_cached_tokens`` come from the prefix cache."""
         slot = self._new_slot_id()
         cached = self.block_manager.allocate(slot, len(token_ids), list(token_ids))
+        self._sync_table(slot)
         self._slots.add(slot)
         return slot, cached
 
@@ -178,13 +187,21 @@ class PagedKVCachePool:
         return len(slots) <= bm.num_free_blocks()
 
     def append_token(self, slot: int, token_id: int) -> None:
-        """Reserve room for ``token_id``; copies a shared last block first (CoW)."""
+        """Reserve room for ``token_id``. If its block is shared, the slot gets
+        a private copy, made before the next view reads or writes the cache."""
         self._check_live(slot)
         bm = self.block_manager
         if not bm.has_seq(slot):
             bm.allocate(slot, 1, [token_id])
+            self._sync_table(slot)
             return
-        self._copy(bm.append(slot, token_id))
+        self._sync_table(slot, bm.append(slot, token_id))
+
+    def get_num_reserved(self, slot: int) -> int:
+        """Tokens the slot has room for (committed + reserved ahead)."""
+        self._check_live(slot)
+        bm = self.block_manager
+        return bm.seq_len(slot) if bm.has_seq(slot) else 0
 
     def fork_slot(self, slot: int) -> int:
         """A new slot sharing all of ``slot``'s blocks copy-on-write."""
@@ -192,6 +209,7 @@ class PagedKVCachePool:
         child = self._new_slot_id()
         if self.block_manager.has_seq(slot):
             self.block_manager.fork(slot, child)
+            self._tables.fork(slot, child)
         self._slots.add(child)
         return child
 
@@ -199,18 +217,46 @@ class PagedKVCachePool:
         """Free ``slot`` to make room; returns the tokens it held (to recompute)."""
         self._check_live(slot)
         self._slots.remove(slot)
-        return self.block_manager.preempt(slot) if self.block_manager.has_seq(slot) else 0
+        if not self.block_manager.has_seq(slot):
+            return 0
+        self._tables.remove(slot)
+        return self.block_manager.preempt(slot)
+
+    def step_view(
+        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
+    ) -> CacheView:
+        """The view for one engine step: slot ``i`` computes ``new_lens[i]``
+        tokens from position ``starts[i]``, all of them already reserved.
+        Its metadata is complete before the forward pass starts."""
+        return CacheView(self, slots, starts, new_lens, reserve=False)
+
+    def mark_computed(self, slot: int, num_tokens: int) -> None:
+        """Commit: the slot's first ``num_tokens`` tokens are written, so their
+        full blocks may enter the prefix cache."""
+        if num_tokens or self.block_manager.has_seq(slot):
+            self.block_manager.mark_computed(slot, num_tokens)
 
     def audit(self) -> list[str]:
-        """The block manager's audit plus the pool's own slot bookkeeping."""
-        problems = list(self.block_manager.audit())
-        for seq_id in self.block_manager.seq_ids():
+        """The block manager's audit, the pool's own slot bookkeeping, and the
+        mirrored page tables against the block manager's."""
+        bm = self.block_manager
+        problems = list(bm.audit())
+        for seq_id in bm.seq_ids():
             if seq_id not in self._slots:
                 problems.append(f"block manager holds sequence {seq_id} that is no live slot")
-        if self.block_manager.num_blocks != self.num_blocks:
+            if seq_id not in self._tables:
+                problems.append(f"sequence {seq_id} has no page-table row")
+            elif self._tables.blocks(seq_id) != bm.block_table(seq_id):
+                problems.append(
+                    f"sequence {seq_id}: page-table row {self._tables.blocks(seq_id)} differs "
+                    f"from the block manager's {bm.block_table(seq_id)}"
+                )
+        for handle in self._tables.handles():
+            if not bm.has_seq(handle):
+                problems.append(f"page-table row kept for sequence {handle} without blocks")
+        if bm.num_blocks != self.num_blocks:
             problems.append(
-                f"block manager has {self.block_manager.num_blocks} blocks, tensors have "
-                f"{self.num_blocks}"
+                f"block manager has {bm.num_blocks} blocks, tensors have {self.num_blocks}"
             )
         return problems
 
@@ -229,8 +275,8 @@ class PagedKVCachePool:
         return bm.block_table(slot) if bm.has_seq(slot) else []
 
     def ensure_reserved(self, slot: int, num_tokens: int) -> None:
-        """Grow the slot's reservation to ``num_tokens`` (a view writing past
-        what ``allocate_slot``/``append_token`` reserved). Raises
+        """Grow the slot's reservation to ``num_tokens`` (a design-document view
+        writing past what ``allocate_slot``/``append_token`` reserved). Raises
         ``OutOfBlocksError`` when the pool is full."""
         self._check_live(slot)
         bm = self.block_manager
@@ -238,22 +284,56 @@ class PagedKVCachePool:
             return
         if not bm.has_seq(slot):
             bm.allocate(slot, num_tokens)
+            self._sync_table(slot)
             return
-        copies: list[tuple[int, int]] = []
         while bm.seq_len(slot) < num_tokens:
-            copies += bm.append(slot)
-        self._copy(copies)
+            self._sync_table(slot, bm.append(slot))
 
-    def mark_computed(self, slot: int, num_tokens: int) -> None:
-        """Record that the slot's first ``num_tokens`` tokens are written."""
-        if num_tokens or self.block_manager.has_seq(slot):
-            self.block_manager.mark_computed(slot, num_tokens)
+    def build_metadata(
+        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
+    ) -> AttentionMetadata:
+        """A view's step metadata; copies pending from copy-on-write run first,
+        so every block the step reads or writes holds its data."""
+        bs = self.block_size
+        width = 1
+        for slot, start, n in zip(slots, starts, new_lens, strict=True):
+            end = start + n
+            if reserve:
+                self.ensure_reserved(slot, end)
+            elif end > self.get_num_reserved(slot):
+                raise RuntimeError(
+                    f"slot {slot} has room for {self.get_num_reserved(slot)} tokens but this "
+                    f"step writes up to position {end - 1}; reserve first (allocate_sequence / "
+                    "append_token)"
+                )
+            width = max(width, -(-end // bs))
+        self._flush_copies()
+        live = [s for s in slots if s in self._tables]
+        tables = (
+            self._tables.gather(live, width)
+            if len(live) == len(slots)
+            else torch.zeros(len(slots), width, dtype=torch.int32)  # only empty slots lack rows
+        )
+        return build_metadata(tables, starts, new_lens, bs, self.k_cache.device)
 
     # -- internals -----------------------------------------------------------
-    def _copy(self, pairs: list[tuple[int, int]]) -> None:
-        if pairs:
-            src_to_dst = torch.tensor(pairs, dtype=torch.int64, device=self.k_cache.device)
-            self.ops.copy_blocks(self.k_cache, self.v_cache, src_to_dst)
+    def _sync_table(self, slot: int, copies: Sequence[tuple[int, int]] = ()) -> None:
+        """Mirror the block manager's table change for ``slot`` into the buffer:
+        a copy-on-write swaps the last block, an append adds blocks."""
+        if slot not in self._tables:
+            self._tables.add(slot, self.block_manager.block_table(slot))
+            return
+        for _, dst in copies:
+            self._tables.set(slot, self._tables.num_blocks(slot) - 1, dst)
+        self._pending_copies.extend(copies)
+        new = self.block_manager.blocks_from(slot, self._tables.num_blocks(slot))
+        self._tables.extend(slot, new)
+
+    def _flush_copies(self) -> None:
+        if self._pending_copies:
+            pairs = torch.tensor(self._pending_copies, dtype=torch.int64, device=self.k_cache.device)
+            self._pending_copies = []
+            self.ops.copy_blocks(self.k_cache, self.v_cache, pairs)
 
     def _new_slot_id(self) -> int:
         slot = self._next_slot

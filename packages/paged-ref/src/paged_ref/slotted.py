@@ -1,9 +1,14 @@
 """Contiguous KV cache pool: one fixed ``max_seq_len`` row per slot.
 
-The baseline the paged pool is measured against (design 004): every slot
-reserves ``max_seq_len`` positions up front, so capacity is per slot, not per
-token. It satisfies ``ServingPoolProtocol`` with no prefix cache (always 0
-cached tokens) and forks by copying rows.
+The baseline the paged pool is measured against: every slot reserves
+``max_seq_len`` positions up front, so capacity is per slot, not per token.
+It satisfies ``ServingPoolProtocol`` with no prefix cache (always 0 cached
+tokens) and forks by copying rows.
+
+Its tensors have the paged pool's layout with one block per slot
+(``[layers, slots, max_seq_len, kv_heads, head_dim]``: block id = slot,
+block size = ``max_seq_len``), so both pools share one view class and one
+set of attention ops; only the bookkeeping differs.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ import torch
 from torch import Tensor
 
 from paged_core import OutOfBlocksError
-from paged_ref.slotted_views import BatchedPrefillCacheView, DecodeCacheView, PrefillCacheView
+from paged_ref import ops as ref_ops
+from paged_ref.attention_metadata import AttentionMetadata, build_metadata
+from paged_ref.cache_view import CacheView
 
 
 class SlottedKVCache:
-    """``k_cache``/``v_cache``: ``[layers, max_batch_size, kv_heads, max_seq_len, head_dim]``.
+    """``k_cache``/``v_cache``: ``[layers, max_batch_size, max_seq_len, kv_heads, head_dim]``.
 
     ``seq_lens[slot]`` counts tokens written (what views attend over);
     ``reserved[slot]`` counts tokens promised by ``allocate_sequence`` and
@@ -28,14 +35,15 @@ class SlottedKVCache:
     def __init__(self, k_cache: Tensor, v_cache: Tensor) -> None:
         if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
             raise ValueError(
-                "k_cache and v_cache must both be [layers, max_batch_size, kv_heads, "
-                f"max_seq_len, head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+                "k_cache and v_cache must both be [layers, max_batch_size, max_seq_len, "
+                f"kv_heads, head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
             )
         self.k_cache = k_cache
         self.v_cache = v_cache
-        self.num_layers, self.max_batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim = (
+        self.num_layers, self.max_batch_size, self.max_seq_len, self.num_kv_heads, self.head_dim = (
             k_cache.shape
         )
+        self.ops = ref_ops  # the contiguous baseline always attends with the reference ops
         self.seq_lens: list[int] = [0] * self.max_batch_size
         self.reserved: list[int] = [0] * self.max_batch_size
         self._free: set[int] = set(range(self.max_batch_size))
@@ -53,7 +61,7 @@ class SlottedKVCache:
     ) -> SlottedKVCache:
         """A zeroed pool for a model's shape (pass ``device="meta"`` to size it
         without allocating memory)."""
-        shape = (num_layers, max_batch_size, num_kv_heads, max_seq_len, head_dim)
+        shape = (num_layers, max_batch_size, max_seq_len, num_kv_heads, head_dim)
         return SlottedKVCache(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
@@ -109,16 +117,23 @@ class SlottedKVCache:
     def is_paged(self) -> bool:
         return False
 
-    def prefill_view(self, slot: int) -> PrefillCacheView:
-        return PrefillCacheView(self, slot)
+    def prefill_view(self, slot: int) -> CacheView:
+        """One slot; the pass's token count comes from ``k``."""
+        return CacheView(self, [slot], [self.get_seq_len(slot)], None, reserve=True)
 
-    def decode_view(self, slots: list[int]) -> DecodeCacheView:
-        return DecodeCacheView(self, slots)
+    def decode_view(self, slots: list[int]) -> CacheView:
+        """One new token per slot at its current length."""
+        return self.view(slots, [1] * len(slots))
 
-    def batched_prefill_view(
-        self, slots: list[int], prompt_lens: list[int]
-    ) -> BatchedPrefillCacheView:
-        return BatchedPrefillCacheView(self, slots, prompt_lens)
+    def batched_prefill_view(self, slots: list[int], prompt_lens: list[int]) -> CacheView:
+        """``prompt_lens[i]`` new tokens for slot ``i``, packed one after another."""
+        return self.view(slots, prompt_lens)
+
+    def view(self, slots: Sequence[int], new_lens: Sequence[int] | None = None) -> CacheView:
+        """Slot ``i`` gets ``new_lens[i]`` new tokens at its current length."""
+        if new_lens is None and len(slots) == 1:
+            return self.prefill_view(slots[0])
+        return CacheView(self, slots, [self.get_seq_len(s) for s in slots], new_lens, reserve=True)
 
     # -- ServingPoolProtocol -------------------------------------------------
     def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
@@ -142,15 +157,31 @@ class SlottedKVCache:
             )
         self.reserved[slot] += 1
 
+    def get_num_reserved(self, slot: int) -> int:
+        """Tokens the slot has room promised for (at most ``max_seq_len``)."""
+        self._check_allocated(slot)
+        return max(self.reserved[slot], self.seq_lens[slot])
+
     def fork_slot(self, slot: int) -> int:
         """A new slot holding a copy of ``slot``'s written rows."""
         self._check_allocated(slot)
         child = self.allocate_slot(self.reserved[slot])
         n = self.seq_lens[slot]
-        self.k_cache[:, child, :, :n] = self.k_cache[:, slot, :, :n]
-        self.v_cache[:, child, :, :n] = self.v_cache[:, slot, :, :n]
+        self.k_cache[:, child, :n] = self.k_cache[:, slot, :n]
+        self.v_cache[:, child, :n] = self.v_cache[:, slot, :n]
         self.seq_lens[child] = n
         return child
+
+    def step_view(
+        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
+    ) -> CacheView:
+        """The view for one engine step: slot ``i`` computes ``new_lens[i]``
+        tokens from position ``starts[i]``, all of them already reserved."""
+        return CacheView(self, slots, starts, new_lens, reserve=False)
+
+    def mark_computed(self, slot: int, num_tokens: int) -> None:
+        """Commit: the slot holds ``num_tokens`` written tokens."""
+        self.set_seq_len(slot, num_tokens)
 
     def audit(self) -> list[str]:
         problems = []
@@ -181,6 +212,24 @@ class SlottedKVCache:
         }
 
     # -- used by the views -----------------------------------------------------
+    def build_metadata(
+        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
+    ) -> AttentionMetadata:
+        """Step metadata with one "block" per slot: the slot's whole row."""
+        for slot, start, n in zip(slots, starts, new_lens, strict=True):
+            self._check_allocated(slot)
+            end = start + n
+            self._check_fits(end)
+            if reserve:
+                self.reserved[slot] = max(self.reserved[slot], end)
+            elif end > self.get_num_reserved(slot):
+                raise RuntimeError(
+                    f"slot {slot} has room for {self.get_num_reserved(slot)} tokens but this "
+                    f"step writes up to position {end - 1}; reserve first (append_token)"
+                )
+        tables = torch.tensor(list(slots), dtype=torch.int32).view(-1, 1)
+        return build_metadata(tables, starts, new_lens, self.max_seq_len, self.k_cache.device)
+
     def set_seq_len(self, slot: int, n: int) -> None:
         """Record that ``slot`` now holds ``n`` written tokens."""
         self._check_fits(n)

@@ -1,21 +1,22 @@
 """``LLMEngine``: continuous batching over a KV cache pool, one ``step()`` at a time.
 
-Each step, in order (design documents: retire -> free -> admit):
-1. take new requests and aborts (``add_request``/``abort_request`` may be
-   called from other threads; they only touch a locked inbox);
-2. retire finished sequences and free their slots;
-3. admit waiting sequences FCFS within ``max_batch_size`` and the free KV
-   capacity (keeping a reserve for growth); admission claims the prompt's
-   blocks, reusing prefix-cache hits;
-4. decode: every running sequence past its prefill gets one token; if the
-   pool cannot grow them all, preempt the newest sequence (free it, requeue
-   it for recompute) until it can;
-5. prefill chunks within ``max_num_batched_tokens`` minus the decode tokens;
-6. sample (one batched call), detokenize, check stops, stream deltas.
+Each step, in order:
+1. retire finished sequences and free their slots;
+2. schedule (``Scheduler.schedule``): one token budget shared by every
+   running sequence's missing tokens (decodes, prompt chunks, recomputes),
+   oldest first, preempting the newest when the pool is full, then FCFS
+   admissions into what is left (prefix-cache hits count as computed);
+3. one flat forward pass over every scheduled token (``ModelRunner``);
+4. commit: each sequence's computed tokens, and with them the prefix-cache
+   entries of its now-complete blocks; a pass that raises commits nothing
+   and fails only the sequences in it;
+5. sample the sequences whose tokens are all computed (one batched call),
+   detokenize, check stops, stream deltas.
 
 A request never fails because the pool is full: it waits or is recomputed.
 Errors that belong to one request (NaN logits, detokenizer) fail that
-request only; a failing forward pass fails the sequences in that pass.
+request only. The engine is single-threaded: the HTTP server drives it from
+one thread (``api/async_engine.py``), ``LLM`` from the caller's.
 """
 
 from __future__ import annotations
@@ -23,10 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,7 +46,7 @@ from paged_server.outputs import RequestOutput
 from paged_server.runner import ModelRunner
 from paged_server.sampler import SamplingRow, sample
 from paged_server.sampling_params import SamplingParams
-from paged_server.scheduler import Scheduler
+from paged_server.scheduler import Scheduler, SchedulerOutput
 from paged_server.sequence import Request, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -86,18 +84,19 @@ class LLMEngine:
         )
         self.runner = ModelRunner(loaded.model, self.pool, device)
         self.scheduler = Scheduler(
-            config.max_batch_size, config.block_size, config.enable_chunked_prefill
+            self.pool,
+            config.max_batch_size,
+            config.max_num_batched_tokens,
+            config.block_size,
+            config.enable_chunked_prefill,
         )
-        self._lock = threading.Lock()
-        self._inbox: list[Request] = []
-        self._aborts: list[str] = []
         self._requests: dict[str, Request] = {}  # submitted and not fully reported
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._touched: list[Sequence] = []
         self.counters = EngineCounters()
 
-    # -- submission (any thread) -----------------------------------------------
+    # -- submission ------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         """Queue a request; returns its prompt token count.
 
@@ -115,67 +114,23 @@ class LLMEngine:
         else:
             token_ids, text = list(prompt), None
         check_prompt(token_ids, params, self.config.max_seq_len, self.model_config, self.capacity)
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        waiting = len(self.scheduler.waiting)
+        if waiting >= self.config.max_queue_len:
+            raise QueueFullError(
+                f"{waiting} requests are already waiting (max_queue_len "
+                f"{self.config.max_queue_len}); retry later"
+            )
         request = self._new_request(request_id, text, token_ids, params)
-        with self._lock:
-            if request_id in self._requests:
-                raise ValueError(f"request_id: {request_id!r} is already in use")
-            waiting = len(self._inbox) + len(self.scheduler.waiting)
-            if waiting >= self.config.max_queue_len:
-                raise QueueFullError(
-                    f"{waiting} requests are already waiting (max_queue_len "
-                    f"{self.config.max_queue_len}); retry later"
-                )
-            self._requests[request_id] = request
-            self._inbox.append(request)
+        self._requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
         return len(token_ids)
 
     def abort_request(self, request_id: str) -> None:
-        """Cancel a request; its blocks are freed in the next ``step()``.
-        Unknown or finished ids are ignored."""
-        with self._lock:
-            self._aborts.append(request_id)
-
-    def has_unfinished(self) -> bool:
-        """Whether ``step()`` still has anything to do (including freeing
-        the slots of sequences that finished in the last step)."""
-        with self._lock:
-            return bool(self._inbox) or bool(self._aborts) or self.scheduler.has_work()
-
-    # -- the step ------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Advance every running request by at most one token; returns the
-        new output of each (request, choice) that produced something."""
-        with self._lock:
-            new, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
-        self._touched = []
-        for request in new:
-            self.scheduler.add(request.seqs[0])
-        for request_id in aborts:
-            self._abort(request_id)
-
-        for seq in self.scheduler.retire():
-            self._release(seq)
-        self.scheduler.admit(self.pool.free_token_capacity(), self._allocate)
-        decode = self._make_room_for_decode(self.scheduler.decode_sequences())
-        chunks = self.scheduler.schedule_prefill(self.config.max_num_batched_tokens - len(decode))
-
-        to_sample: list[tuple[Sequence, Tensor]] = []
-        if decode:
-            logits = self._forward(self.runner.decode, decode, [s for s in decode])
-            if logits is not None:
-                to_sample += zip(decode, logits, strict=True)
-        if chunks:
-            logits = self._forward(self.runner.prefill, chunks, [s for s, _ in chunks])
-            if logits is not None:
-                for (seq, _), row in zip(chunks, logits, strict=True):
-                    if not seq.is_prefilling:  # prompt complete: sample its first token
-                        to_sample += self._start_choices(seq, row)
-        self._sample(to_sample)
-        return self._collect_outputs()
-
-    # -- step parts -------------------------------------------------------------
-    def _abort(self, request_id: str) -> None:
+        """Cancel a request now: its final outputs come with the next
+        ``step()``, which frees its blocks first. Unknown or finished ids are
+        ignored."""
         request = self._requests.get(request_id)
         if request is None:
             return
@@ -184,59 +139,58 @@ class LLMEngine:
                 continue
             if seq.status is SequenceStatus.WAITING:
                 self.scheduler.remove_waiting(seq)
-            self._finish(seq, "abort")  # running ones are freed by retire() just below
+            self._finish(seq, "abort")  # running ones are freed by retire()
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self.pool.free_slot(seq.slot)
-            seq.slot = None
+    def has_unfinished(self) -> bool:
+        """Whether ``step()`` still has anything to do (including reporting and
+        freeing sequences that finished or were aborted since the last step)."""
+        return self.scheduler.has_work() or bool(self._touched)
 
-    def _allocate(self, seq: Sequence) -> bool:
-        """Claim a slot for ``seq``'s tokens (prefix hits become computed tokens)."""
-        if not self.pool.can_allocate_sequence(seq.token_ids):
-            return False
-        seq.slot, cached = self.pool.allocate_sequence(seq.token_ids)
-        assert cached < len(seq.token_ids), "a prefix hit must leave the last token to compute"
-        seq.num_computed = cached
-        self.counters.prefix_queries += len(seq.token_ids)
-        self.counters.prefix_hits += cached
-        if not seq.request.admitted:
-            seq.request.admitted = True
-            self.counters.prompt_tokens += seq.num_prompt_tokens
-        return True
+    # -- the step ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Advance every scheduled sequence by its tokens for this step; returns
+        the new output of each (request, choice) that produced something."""
+        self.scheduler.retire()
+        plan = self.scheduler.schedule()
+        self._count(plan)
+        if plan.scheduled:
+            self._run(plan.scheduled)
+        return self._collect_outputs()
 
-    def _make_room_for_decode(self, decode: list[Sequence]) -> list[Sequence]:
-        """Preempt newest-first until every decoding sequence can grow by one
-        token, then reserve that token for each."""
-        while decode and not self.pool.can_append([s.slot for s in decode if s.slot is not None]):
-            victim = self.scheduler.preempt_newest()
-            if victim is None:
-                break
-            self._release(victim)
-            self.counters.preemptions += 1
-            if victim in decode:
-                decode.remove(victim)
-        for seq in decode:
-            assert seq.slot is not None
-            self.pool.append_token(seq.slot, seq.token_ids[-1])
-        return decode
+    # -- step parts -------------------------------------------------------------
+    def _count(self, plan: SchedulerOutput) -> None:
+        counters = self.counters
+        counters.preemptions += len(plan.preempted)
+        for seq in plan.admitted:
+            counters.prefix_queries += seq.num_tokens
+            counters.prefix_hits += seq.num_computed_tokens  # hits, before this step computes
+            if not seq.request.admitted:
+                seq.request.admitted = True
+                counters.prompt_tokens += seq.num_prompt_tokens
 
-    def _forward(
-        self, fn: Callable[[Any], Tensor], arg: Any, seqs: list[Sequence]
-    ) -> Tensor | None:
-        """Run one forward pass; if it raises, fail only the sequences in it."""
+    def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """Forward, commit, then sample. A pass that raises commits nothing
+        and fails only the sequences in it."""
         try:
-            return fn(arg)
+            step = self.runner.execute(scheduled)
         except Exception as exc:
-            log.exception("forward pass failed for %d sequences", len(seqs))
-            for seq in seqs:
+            log.exception("forward pass failed for %d sequences", len(scheduled))
+            for seq, _ in scheduled:
                 self._fail(seq, f"model forward pass failed: {type(exc).__name__}: {exc}")
-            return None
+            return
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            assert seq.slot is not None
+            self.pool.mark_computed(seq.slot, seq.num_computed_tokens)
+        rows: list[tuple[Sequence, Tensor]] = []
+        for j, i in enumerate(step.sampled):
+            rows += self._start_choices(scheduled[i][0], step.logits[j])
+        self._sample(rows)
 
     def _start_choices(self, seq: Sequence, row: Tensor) -> list[tuple[Sequence, Tensor]]:
-        """The prompt of ``seq`` is computed: choice 0 of an ``n > 1`` request
-        forks the other choices from it (shared blocks) before sampling, and all
-        sample from the same logits with their own generators."""
+        """Rows to sample for ``seq``. When choice 0 of an ``n > 1`` request has
+        computed its prompt, it forks the other choices (shared blocks) first,
+        and all sample from the same logits with their own generators."""
         request = seq.request
         rows = [(seq, row)]
         if seq.index != 0 or request.forked or request.params.n == 1:
@@ -254,7 +208,7 @@ class LLMEngine:
             if child.slot is None:
                 self.scheduler.requeue_front(child)
             else:
-                child.num_computed = child.prefill_len = seq.num_computed
+                child.num_computed_tokens = seq.num_computed_tokens
                 self.scheduler.add_running(child)
             rows.append((child, row))
         return rows
@@ -303,7 +257,6 @@ class LLMEngine:
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         seen: set[int] = set()
-        done: list[str] = []
         for seq in self._touched:
             if id(seq) in seen:
                 continue
@@ -311,13 +264,10 @@ class LLMEngine:
             out = take_output(seq)
             if out is not None:
                 outputs.append(out)
-            if seq.request.finished and all(s.finish_reported for s in seq.request.seqs):
-                done.append(seq.request.request_id)
+            request = seq.request
+            if request.finished and all(s.finish_reported for s in request.seqs):
+                self._requests.pop(request.request_id, None)
         self._touched = []
-        if done:
-            with self._lock:
-                for request_id in done:
-                    self._requests.pop(request_id, None)
         return outputs
 
     # -- submission helpers -----------------------------------------------------
@@ -349,10 +299,8 @@ class LLMEngine:
     def metrics(self) -> dict[str, float]:
         """Gauges and counters for operators (names in docs/contracts.md)."""
         running = {id(s.request) for s in self.scheduler.running if not s.is_finished}
-        with self._lock:
-            waiting = {id(s.request) for s in self.scheduler.waiting} - running
-            num_waiting = len(waiting) + len(self._inbox)
-        return self.counters.snapshot(self.pool, self.capacity, len(running), num_waiting)
+        waiting = {id(s.request) for s in self.scheduler.waiting} - running
+        return self.counters.snapshot(self.pool, self.capacity, len(running), len(waiting))
 
     def audit(self) -> list[str]:
         """Inconsistencies between the engine and its pool (empty when healthy);

@@ -64,10 +64,10 @@ def audit_engine(
                 f"slot {seq.slot} is held by sequences {owners[seq.slot]} and {seq.seq_id}"
             )
         owners[seq.slot] = seq.seq_id
-        if not seq.is_finished and pool.get_seq_len(seq.slot) != seq.num_computed:
+        if not seq.is_finished and pool.get_seq_len(seq.slot) != seq.num_computed_tokens:
             problems.append(
                 f"sequence {seq.seq_id}: pool holds {pool.get_seq_len(seq.slot)} tokens, "
-                f"engine expects {seq.num_computed}"
+                f"engine expects {seq.num_computed_tokens}"
             )
     for seq in scheduler.waiting:
         if seq.slot is not None:

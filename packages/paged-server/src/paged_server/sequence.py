@@ -1,13 +1,13 @@
 """Per-request state: a ``Request`` (one prompt, ``n`` choices) owns one
 ``Sequence`` per choice; the scheduler moves sequences, not requests.
 
-Token bookkeeping of a sequence:
-- ``token_ids``: prompt + generated tokens.
-- ``num_computed``: tokens whose K/V sit in the cache (the pool slot's length).
-- ``prefill_len``: tokens to prefill in the current admission: the prompt on
-  first admission, prompt + generated after a preemption (recompute).
-While ``num_computed < prefill_len`` the sequence is prefilling; afterwards
-each step writes its last sampled token (decode) and samples the next one.
+Token bookkeeping of a sequence (the one place it is kept):
+- ``token_ids``: prompt + generated tokens; ``num_tokens`` is their count.
+- ``num_computed_tokens``: tokens whose K/V are committed to the cache.
+Each step computes some of the ``num_tokens - num_computed_tokens`` tokens
+still missing: a prompt chunk, the last sampled token (decode), or the
+whole history after a preemption (recompute). When a step brings
+``num_computed_tokens`` up to ``num_tokens``, the next token is sampled.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class TextStream(Protocol):
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # in the scheduler's queue (new or preempted)
-    RUNNING = "running"  # holds a cache slot
+    RUNNING = "running"  # in the running set, holding a cache slot
     PENDING_FORK = "pending_fork"  # choice > 0 of n: created when choice 0's prompt is done
     FINISHED = "finished"
 
@@ -72,8 +72,7 @@ class Sequence:
     text_stream: TextStream
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
-    num_computed: int = 0
-    prefill_len: int = 0
+    num_computed_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
     output_text: str = ""
@@ -94,12 +93,12 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed < self.prefill_len
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

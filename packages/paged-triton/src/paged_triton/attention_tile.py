@@ -29,7 +29,7 @@ def load_kv_tile(
     BLOCK_N: tl.constexpr,
 ):
     """Token positions ``t0 .. t0 + BLOCK_N`` of one KV head (element offset
-    ``kv_off``) in caches of shape ``[num_blocks, kv_heads, block_size,
+    ``kv_off``) in caches of shape ``[num_blocks, block_size, kv_heads,
     head_dim]``: block id from the page table row, then the slot inside the
     block. Returns the positions, their mask (``< end``) and the K and V
     tiles ``[BLOCK_N, BLOCK_D]``, zeros where masked."""

@@ -1,6 +1,6 @@
 """Copy whole cache blocks ``src -> dst`` in every layer (copy-on-write).
 
-A block is contiguous inside its layer (``kv_heads * block_size * head_dim``
+A block is contiguous inside its layer (``block_size * kv_heads * head_dim``
 elements), so a program copies one flat chunk of one block of one layer,
 for K and V together. Copies run in parallel, so when a destination is also
 some pair's source the sources are first snapshotted: every source is read
@@ -45,7 +45,7 @@ def _copy_blocks_kernel(
 
 def copy_blocks(k_caches: Tensor, v_caches: Tensor, src_to_dst: Tensor) -> None:
     """Copy blocks ``src_to_dst[:, 0] -> src_to_dst[:, 1]`` in all layers of
-    ``k_caches``/``v_caches`` (``[layers, num_blocks, kv_heads, block_size, head_dim]``).
+    ``k_caches``/``v_caches`` (``[layers, num_blocks, block_size, kv_heads, head_dim]``).
     Same contract as ``paged_ref.ops.copy_blocks``. Reads the pairs on the
     host once (a sync on CUDA; CoW copies are rare and off the decode path).
     """

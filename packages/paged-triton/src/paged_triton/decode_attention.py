@@ -15,6 +15,8 @@ host already knows, so no device sync happens per step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -144,7 +146,7 @@ def decode_attention(
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     batch, heads, head_dim = q.shape
-    _, kv_heads, block_size, cache_dim = k_cache.shape
+    _, block_size, kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim:
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_dim}")
     group = check_gqa(heads, kv_heads)
@@ -190,8 +192,8 @@ def decode_attention(
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        k_cache.stride(2),  # kv head
+        k_cache.stride(1),  # token within the block
         tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -208,7 +210,7 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
         USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=softcap is not None,
+        USE_SOFTCAP=bool(softcap),
         SPLIT=split,
         PRECISION=dot_precision(k_cache.dtype),
         num_warps=4,
@@ -227,11 +229,14 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    memo: dict[Any, Any] | None = None,
 ) -> Tensor:
     """One query per sequence (``q``: ``[batch, heads, head_dim]``) at position
     ``seq_lens[b] - 1`` over its paged context, read straight from the cache
     blocks (no gather copy). ``seq_lens`` includes the new token; 0 gives
-    zeros. Same contract as ``paged_ref.ops.paged_decode_attention``.
+    zeros. Same contract as ``paged_ref.ops.paged_decode_attention``
+    (``memo``, the caller's per-step scratch dict, is accepted for parity).
     """
     return decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap

@@ -15,6 +15,8 @@ return at once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -150,19 +152,21 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    memo: dict[Any, Any] | None = None,
 ) -> Tensor:
     """Packed queries (``q``: ``[total_q, heads, head_dim]``; sequence ``b``
     owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) attending causally to
     their paged context, whose K/V (new tokens included) are already in the
     cache. Same contract as ``paged_ref.ops.paged_prefill_attention``; rows
-    that see no key are zeros.
+    that see no key are zeros (``memo`` is accepted for parity).
     """
     check_runnable(_prefill_kernel, q, k_cache, v_cache)
     check_cache(k_cache, v_cache)
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, heads, head_dim], got shape {tuple(q.shape)}")
     total_q, heads, head_dim = q.shape
-    _, kv_heads, block_size, cache_dim = k_cache.shape
+    _, block_size, kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim:
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_dim}")
     group = check_gqa(heads, kv_heads)
@@ -199,8 +203,8 @@ def paged_prefill_attention(
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        k_cache.stride(2),  # kv head
+        k_cache.stride(1),  # token within the block
         tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -217,7 +221,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
         USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=softcap is not None,
+        USE_SOFTCAP=bool(softcap),
         PRECISION=dot_precision(k_cache.dtype),
         num_warps=4,
     )

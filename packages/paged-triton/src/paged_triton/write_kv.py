@@ -58,7 +58,7 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     """
     check_runnable(_write_kv_kernel, k_cache, v_cache, k, v)
     check_cache(k_cache, v_cache)
-    num_blocks, kv_heads, block_size, head_dim = k_cache.shape
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     expected = (slot_mapping.shape[0], kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(
@@ -80,8 +80,8 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
         v.stride(0),
         v.stride(1),
         k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        k_cache.stride(2),  # kv head
+        k_cache.stride(1),  # token within the block
         KV_HEADS=kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_KVH=triton.next_power_of_2(kv_heads),

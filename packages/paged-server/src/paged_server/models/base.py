@@ -1,8 +1,13 @@
 """What every model family shares: the forward contract, the LM head, tying.
 
-The engine and tests call ``model(input_ids, position_ids, kv_cache)``; the
-runner may call ``hidden_states`` then ``compute_logits`` on the rows it
-samples from, so that a long prefill never builds ``[L, vocab]`` logits.
+With a cache view the model runs one flat batch: ``input_ids`` and
+``position_ids`` are ``[num_tokens]`` (every scheduled token of every
+sequence, no padding) and the view knows which tokens belong to whom.
+Without one, ``[batch, length]`` sequences run with plain causal attention
+(tests, scoring). The runner calls ``hidden_states`` then ``compute_logits``
+on the rows it samples from, so a long prefill never builds ``[L, vocab]``
+logits. Committing the pass (``kv_cache.advance``) is the caller's job, once
+the pass has succeeded.
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ class CausalLM(nn.Module):
         position_ids: torch.Tensor,
         kv_cache: AttentionViewProtocol | None = None,
     ) -> torch.Tensor:
-        """Logits ``[B, L, vocab]`` in float32 for ``input_ids [B, L]`` at
-        ``position_ids [B, L]`` (each sequence's own positions). With a cache
-        view, attention covers cached + new tokens and the view is advanced."""
+        """Float32 logits ``[..., vocab]`` for ``input_ids`` at ``position_ids``
+        (same shape: ``[num_tokens]`` with a view, ``[batch, length]`` without).
+        With a cache view, attention covers cached + new tokens; the view is
+        not advanced."""
         return self.compute_logits(self.hidden_states(input_ids, position_ids, kv_cache))
 
     def hidden_states(
@@ -55,16 +61,18 @@ class CausalLM(nn.Module):
         position_ids: torch.Tensor,
         kv_cache: AttentionViewProtocol | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states ``[B, L, hidden]``; advances ``kv_cache`` by ``L``."""
+        """Final-norm hidden states ``[..., hidden]``."""
         if input_ids.shape != position_ids.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and position_ids "
-                f"{tuple(position_ids.shape)} must have the same [batch, length] shape"
+                f"{tuple(position_ids.shape)} must have the same shape"
             )
-        hidden = self.model(input_ids, position_ids, kv_cache)
-        if kv_cache is not None:
-            kv_cache.advance(input_ids.shape[1])
-        return hidden
+        if kv_cache is not None and input_ids.dim() != 1:
+            raise ValueError(
+                f"with a cache view the batch is flat [num_tokens]; got input_ids of shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        return self.model(input_ids, position_ids, kv_cache)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head in the model dtype, then float32 (and final soft-capping)."""

@@ -1,9 +1,10 @@
 """Building blocks shared by the model families: RMSNorm, attention, gated MLP.
 
 Attention is the one place where a cache view enters model code: with a view
-the layer hands its new q/k/v to ``kv_cache.attend`` and never learns whether
-the pool behind it is slotted or paged; without one it runs plain causal
-attention over the input (tests, one-shot scoring).
+the layer hands the flat batch's new q/k/v (``[num_tokens, heads, head_dim]``)
+to ``kv_cache.attend`` and never learns whether the pool behind it is
+contiguous or paged; without one it runs plain causal attention over
+``[batch, length]`` sequences (tests, one-shot scoring).
 """
 
 from __future__ import annotations
@@ -110,14 +111,14 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: AttentionViewProtocol | None,
     ) -> torch.Tensor:
-        """``x [B, L, hidden]`` -> ``[B, L, hidden]``."""
-        b, length, _ = x.shape
-        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
+        """``x [..., hidden]`` -> ``[..., hidden]``: a flat ``[num_tokens, hidden]``
+        batch with a cache view, or ``[batch, length, hidden]`` sequences
+        without one."""
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, k, cos, sin)
         if kv_cache is None:
             out = causal_attention(
@@ -133,7 +134,7 @@ class Attention(nn.Module):
                 sliding_window=self.sliding_window,
                 softcap=self.softcap,
             )
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        return self.o_proj(out.flatten(-2))
 
 
 def causal_attention(
@@ -145,12 +146,14 @@ def causal_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention over one unpadded input, no cache.
+    """Causal attention over unpadded sequences, no cache (tests, scoring).
 
-    ``q [B, H, L, D]``, ``k``/``v`` ``[B, KV, L, D]``. Query ``i`` sees keys
-    ``j <= i`` and, with a window ``w``, ``j > i - w`` (the rule the cache
-    views follow). Scores, soft-cap and softmax run in float32.
+    ``q [B, L, H, D]``, ``k``/``v`` ``[B, L, KV, D]``; returns ``[B, L, H, D]``.
+    Query ``i`` sees keys ``j <= i`` and, with a window ``w``, ``j > i - w``
+    (the rule the cache views follow). Scores, soft-cap and softmax run in
+    float32: this is the plain oracle the cached paths are tested against.
     """
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
@@ -164,4 +167,4 @@ def causal_attention(
         visible &= pos[None, :] > pos[:, None] - sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v.float()).to(q.dtype)
+    return torch.matmul(probs, v.float()).to(q.dtype).transpose(1, 2)

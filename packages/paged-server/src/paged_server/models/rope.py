@@ -44,7 +44,7 @@ def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams, max_pos: int) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
-    """Turns ``position_ids [B, L]`` into ``cos, sin [B, L, head_dim]``.
+    """Turns ``position_ids [...]`` into ``cos, sin [..., head_dim]``.
 
     The frequencies are a plain attribute, not a buffer, so a model built on
     the meta device (the loader does that) still has real frequencies.
@@ -68,10 +68,10 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q``/``k`` ``[B, heads, L, D]`` by per-token angles ``[B, L, D]``
+    """Rotate ``q``/``k`` ``[..., heads, D]`` by per-token angles ``[..., D]``
     (the half-split layout Hugging Face checkpoints are trained with)."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
+    cos = cos.unsqueeze(-2)
+    sin = sin.unsqueeze(-2)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -1,0 +1,104 @@
+"""Page tables as rows of one host tensor, kept in step with the block manager.
+
+The block manager's tables are Python lists; turning every running
+sequence's list into a tensor each step costs time proportional to all
+blocks held. This buffer keeps one int32 row per live sequence and is
+updated only where a table changes (blocks added, a copy-on-write block
+swapped in, a fork, a free), so building a step's ``block_tables`` is one
+``index_select`` of the rows in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+class BlockTableBuffer:
+    """``[rows, width]`` int32 page tables addressed by sequence handle;
+    grows (doubling) when more sequences or longer tables arrive."""
+
+    def __init__(self, rows: int = 16, width: int = 16) -> None:
+        self.table = torch.zeros(max(rows, 1), max(width, 1), dtype=torch.int32)
+        self._row_of: dict[int, int] = {}
+        self._lens: list[int] = [0] * self.table.shape[0]
+        self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
+
+    def __contains__(self, handle: int) -> bool:
+        return handle in self._row_of
+
+    def add(self, handle: int, blocks: Sequence[int]) -> None:
+        """A row for a new sequence holding ``blocks``."""
+        if handle in self._row_of:
+            raise ValueError(f"sequence {handle} already has a page-table row")
+        if not self._free_rows:
+            self._grow(rows=2 * self.table.shape[0])
+        row = self._free_rows.pop()
+        self._row_of[handle] = row
+        self._lens[row] = 0
+        self.extend(handle, blocks)
+
+    def extend(self, handle: int, blocks: Sequence[int]) -> None:
+        """Append ``blocks`` to the sequence's table."""
+        if not blocks:
+            return
+        row = self._row_of[handle]
+        n = self._lens[row]
+        end = n + len(blocks)
+        if end > self.table.shape[1]:
+            self._grow(width=max(end, 2 * self.table.shape[1]))
+        if len(blocks) == 1:
+            self.table[row, n] = blocks[0]
+        else:
+            self.table[row, n:end] = torch.tensor(blocks, dtype=torch.int32)
+        self._lens[row] = end
+
+    def set(self, handle: int, index: int, block: int) -> None:
+        """Replace entry ``index`` (a copy-on-write block taking a shared one's place)."""
+        row = self._row_of[handle]
+        if not 0 <= index < self._lens[row]:
+            raise IndexError(f"sequence {handle} has {self._lens[row]} blocks, no index {index}")
+        self.table[row, index] = block
+
+    def fork(self, parent: int, child: int) -> None:
+        """A row for ``child`` with ``parent``'s blocks."""
+        self.add(child, [])
+        src, dst = self._row_of[parent], self._row_of[child]
+        n = self._lens[src]
+        self.table[dst, :n] = self.table[src, :n]
+        self._lens[dst] = n
+
+    def remove(self, handle: int) -> None:
+        """Give the sequence's row back (its contents are left as they are)."""
+        row = self._row_of.pop(handle)
+        self._free_rows.append(row)
+
+    def num_blocks(self, handle: int) -> int:
+        return self._lens[self._row_of[handle]]
+
+    def blocks(self, handle: int) -> list[int]:
+        """The sequence's table as a list (audits and tests)."""
+        row = self._row_of[handle]
+        return self.table[row, : self._lens[row]].tolist()
+
+    def handles(self) -> list[int]:
+        return list(self._row_of)
+
+    def gather(self, handles: Sequence[int], width: int) -> Tensor:
+        """``[len(handles), width]`` tables of these sequences (entries past a
+        table's end are stale: callers read only the blocks their tokens use)."""
+        rows = torch.tensor([self._row_of[h] for h in handles], dtype=torch.long)
+        if width > self.table.shape[1]:
+            self._grow(width=width)
+        return self.table[:, :width].index_select(0, rows)
+
+    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+        old_rows, old_width = self.table.shape
+        new = torch.zeros(rows or old_rows, width or old_width, dtype=torch.int32)
+        new[:old_rows, :old_width] = self.table
+        self.table = new
+        if rows:
+            self._lens += [0] * (rows - old_rows)
+            self._free_rows = list(range(rows - 1, old_rows - 1, -1)) + self._free_rows

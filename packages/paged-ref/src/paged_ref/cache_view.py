@@ -1,0 +1,179 @@
+"""The cache view: one flat forward pass over some of a pool's sequences.
+
+Model code sees only this (``AttentionViewProtocol``). A view covers
+``slots``; slot ``i`` brings ``new_lens[i]`` consecutive tokens of the flat
+batch, starting at its cached length ``starts[i]``. Both pools use this one
+class: the paged pool hands it page tables, the contiguous pool one
+"block" of ``max_seq_len`` tokens per slot, and every layer then costs one
+``write_kv`` and one attention op per part (decode, prefill) from the
+pool's ``ops`` module.
+
+The engine's runner builds a view whose metadata is complete before the
+forward pass (the pool already reserved every token). The design
+documents' convenience views (``prefill_view`` & co.) may instead leave the
+token count open until the first layer sees ``k``, and reserve room then.
+Nothing is committed until ``advance()``: a forward pass that raises leaves
+the pool as it was, apart from KV written where no one reads it yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from paged_ref.attention_metadata import AttentionMetadata
+from paged_ref.ops import gather_context
+
+
+class ViewPool(Protocol):
+    """What a view needs from its pool."""
+
+    k_cache: Tensor  # [layers, num_blocks, block_size, kv_heads, head_dim]
+    v_cache: Tensor
+    ops: ModuleType
+
+    def is_paged(self) -> bool: ...
+
+    def build_metadata(
+        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
+    ) -> AttentionMetadata: ...
+
+    def mark_computed(self, slot: int, num_tokens: int) -> None: ...
+
+
+class CacheView:
+    """A flat forward pass over ``slots`` of a pool (see module doc)."""
+
+    def __init__(
+        self,
+        pool: ViewPool,
+        slots: Sequence[int],
+        starts: Sequence[int],
+        new_lens: Sequence[int] | None,
+        *,
+        reserve: bool,
+    ) -> None:
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a view must cover distinct slots, got {list(slots)}")
+        if new_lens is not None:
+            if len(new_lens) != len(slots):
+                raise ValueError(f"got {len(new_lens)} new lengths for {len(slots)} slots")
+            if any(n < 0 for n in new_lens):
+                raise ValueError(f"new token counts must be >= 0, got {list(new_lens)}")
+        self.pool = pool
+        self.slots = list(slots)
+        self.starts = list(starts)
+        self.new_lens = None if new_lens is None else list(new_lens)
+        self._open = new_lens is None  # each pass's token count comes from its k
+        self._reserve = reserve
+        self.meta: AttentionMetadata | None = None
+        if self.new_lens is not None:
+            self.meta = pool.build_metadata(self.slots, self.starts, self.new_lens, reserve)
+
+    # -- KVCacheProtocol ---------------------------------------------------------
+    @property
+    def seq_len(self) -> int:
+        """Tokens cached before this pass (the max over the view's slots)."""
+        return max(self.starts, default=0)
+
+    def is_paged(self) -> bool:
+        return self.pool.is_paged()
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``, the view's
+        tokens in slot order) and return each slot's whole context,
+        ``[num_slots, kv_heads, max_len, head_dim]`` (position ``p`` at index
+        ``p``; zeros past a slot's length)."""
+        meta = self._write(layer_idx, k, v)
+        return (
+            gather_context(self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens),
+            gather_context(self.pool.v_cache[layer_idx], meta.block_tables, meta.seq_lens),
+        )
+
+    def advance(self, n: int | None = None) -> None:
+        """Commit this pass: each slot now holds ``starts[i] + new_lens[i]``
+        tokens (``n`` each when the view was built without counts). The view
+        may then run the next pass with the same counts (e.g. decode)."""
+        added = self.new_lens if self.new_lens is not None else [n or 0] * len(self.slots)
+        for slot, start, extra in zip(self.slots, self.starts, added, strict=True):
+            self.pool.mark_computed(slot, start + extra)
+        self.starts = [s + a for s, a in zip(self.starts, added, strict=True)]
+        self.meta = None
+        if self._open:
+            self.new_lens = None
+
+    # -- AttentionViewProtocol ---------------------------------------------------
+    def attend(
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        """``write_kv`` then the decode and prefill attention ops.
+        ``q``: ``[num_tokens, heads, head_dim]``; returns the same shape."""
+        meta = self._write(layer_idx, k, v)
+        ops = self.pool.ops
+        k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+        softcap = softcap or None  # 0 means off, as in vLLM
+        dec, pre = meta.decode, meta.prefill
+        if dec is not None and pre is None and dec.rows is None:
+            return ops.paged_decode_attention(  # type: ignore[no-any-return]
+                q, k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
+                sliding_window, softcap, memo=meta.memo,
+            )  # fmt: skip
+        out = torch.empty_like(q)
+        num_decodes = 0
+        if dec is not None:
+            num_decodes = dec.seq_lens.shape[0]
+            q_dec = q[:num_decodes] if dec.rows is None else q[dec.rows]
+            o = ops.paged_decode_attention(
+                q_dec, k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
+                sliding_window, softcap, memo=meta.memo,
+            )  # fmt: skip
+            if dec.rows is None:
+                out[:num_decodes] = o
+            else:
+                out[dec.rows] = o
+        if pre is not None:
+            q_pre = q[num_decodes:] if pre.rows is None else q[pre.rows]
+            o = ops.paged_prefill_attention(
+                q_pre, k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q, pre.seq_lens,
+                scale, sliding_window, softcap, memo=meta.memo,
+            )  # fmt: skip
+            if pre.rows is None:
+                out[num_decodes:] = o
+            else:
+                out[pre.rows] = o
+        return out
+
+    # -- internals ---------------------------------------------------------------
+    def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> AttentionMetadata:
+        meta = self._metadata(k.shape[0])
+        if k.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"k/v hold {k.shape[0]} tokens but this view's slots bring {meta.num_tokens}"
+            )
+        self.pool.ops.write_kv(
+            self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx], k, v, meta.slot_mapping
+        )
+        return meta
+
+    def _metadata(self, num_tokens: int) -> AttentionMetadata:
+        if self.meta is None:
+            if self.new_lens is None:  # a single-slot prefill view: the pass says how many
+                if len(self.slots) != 1:
+                    raise ValueError("a view without token counts must cover exactly one slot")
+                self.new_lens = [num_tokens]
+            self.meta = self.pool.build_metadata(
+                self.slots, self.starts, self.new_lens, self._reserve
+            )
+        return self.meta
