@@ -253,3 +253,35 @@ def test_audit_catches_a_leaked_slot(make_engine, run_engine, prompt_of, greedy,
     assert any("leak" in p for p in engine.audit())
     engine.pool.free_slot(slot)
     assert engine.audit() == []
+
+
+def test_a_failing_pass_commits_nothing_and_keeps_shared_blocks(
+    make_engine, run_engine, prompt_of, greedy
+) -> None:
+    """KV written by a pass that then raises is never registered in the prefix
+    cache, and the blocks its sequence shared with finished ones stay cached."""
+    engine = make_engine(block_size=4)
+    shared = prompt_of(12, 5)
+    first = run_engine(engine, [("x", shared + prompt_of(2, 6), greedy(4))])
+    cache = engine.pool.block_manager.block_pool.cache
+    cached_before = len(cache)
+    assert cached_before >= 3  # x's full prompt blocks
+
+    layer = engine.loaded.model.model.layers[1]
+    real_forward = layer.forward
+
+    def failing_forward(*args, **kwargs):
+        raise RuntimeError("simulated failure after layer 0 wrote its KV")
+
+    layer.forward = failing_forward  # type: ignore[method-assign]
+    try:
+        failed = run_engine(engine, [("y", shared + prompt_of(9, 7), greedy(4))])
+    finally:
+        layer.forward = real_forward  # type: ignore[method-assign]
+    assert failed.choices[("y", 0)].finish_reason == "error"
+    assert len(cache) == cached_before  # y's new full blocks were never committed
+    assert engine.audit() == []
+    # x's cached prefix is intact: the same prompt hits it and decodes the same tokens.
+    again = run_engine(engine, [("z", shared + prompt_of(2, 6), greedy(4))])
+    assert again.tokens("z") == first.tokens("x")
+    assert engine.metrics()["prefix_cache_hits_total"] >= 2 * 12

@@ -1,6 +1,7 @@
 """The model runner against plain causal forward passes of the same model:
-whatever the pool, view or batch shape, a row's logits are those of the
-sequence run alone without a cache (design 004/000 runner tests)."""
+whatever the pool or the mix of work in a step, a sequence's logits are
+those of the sequence run alone without a cache, and only real tokens go
+through the model."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def no_cache_logits(loaded, tokens: list[int]) -> torch.Tensor:
 
 def make_runner(loaded, backend: str, **kw):
     config = EngineConfig(
-        kv_cache_backend=backend, block_size=4, max_seq_len=64, max_batch_size=4, **kw
+        **{"kv_cache_backend": backend, "block_size": 4, "max_seq_len": 64, "max_batch_size": 4}
+        | kw
     )
     pool, capacity = build_cache_pool(
         config, loaded.config, torch.float32, torch.device("cpu"), "ref"
@@ -34,34 +36,99 @@ def make_runner(loaded, backend: str, **kw):
 def admit(pool, tokens: list[int]) -> Sequence:
     request = Request("r", None, list(tokens), SamplingParams(), 0.0)
     seq = Sequence(0, request, 0, list(tokens), torch.Generator(), None)  # type: ignore[arg-type]
-    seq.slot, seq.num_computed = pool.allocate_sequence(tokens)
-    seq.prefill_len, seq.status = len(tokens), SequenceStatus.RUNNING
+    seq.slot, seq.num_computed_tokens = pool.allocate_sequence(tokens)
+    seq.status = SequenceStatus.RUNNING
     return seq
 
 
+def step(runner, pool, scheduled):
+    """Run and commit one step as the engine does; logits by sequence."""
+    out = runner.execute(scheduled)
+    for seq, n in scheduled:
+        seq.num_computed_tokens += n
+        pool.mark_computed(seq.slot, seq.num_computed_tokens)
+    return {id(scheduled[i][0]): out.logits[j] for j, i in enumerate(out.sampled)}
+
+
+def grow(pool, seq: Sequence, token: int) -> None:
+    """A sampled token: append it and reserve its room, as the scheduler does."""
+    seq.token_ids.append(token)
+    pool.append_token(seq.slot, token)
+
+
+def fork(pool, parent: Sequence) -> Sequence:
+    child = Sequence(1, parent.request, 1, list(parent.token_ids), torch.Generator(), None)  # type: ignore[arg-type]
+    child.slot = pool.fork_slot(parent.slot)
+    child.num_computed_tokens = parent.num_computed_tokens
+    child.status = SequenceStatus.RUNNING
+    return child
+
+
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
-def test_prefill_chunks_and_decode_match_an_uncached_forward(
-    tiny_loaded, prompt_of, backend
-) -> None:
-    runner, pool, _ = make_runner(tiny_loaded, backend, enable_prefix_caching=False)
-    long, short = prompt_of(11, 1), prompt_of(5, 2)
-    a, b = admit(pool, long), admit(pool, short)
-    # Batched prefill of different lengths (right padding), then the rest of A alone.
-    logits = runner.prefill([(a, 6), (b, 5)])
-    assert pool.get_seq_len(a.slot) == 6 and pool.get_seq_len(b.slot) == 5
-    torch.testing.assert_close(logits[1], no_cache_logits(tiny_loaded, short)[-1])
-    logits = runner.prefill([(a, 5)])
-    assert pool.get_seq_len(a.slot) == 11 and not a.is_prefilling
-    torch.testing.assert_close(logits[0], no_cache_logits(tiny_loaded, long)[-1])
-    # Two decode steps with made-up next tokens, at each sequence's own position.
-    for step_tokens in ([7, 8], [9, 10]):
-        for seq, tok in zip((a, b), step_tokens, strict=True):
-            seq.token_ids.append(tok)
-            pool.append_token(seq.slot, tok)
-        logits = runner.decode([a, b])
-        for i, seq in enumerate((a, b)):
-            assert pool.get_seq_len(seq.slot) == len(seq.token_ids)
-            torch.testing.assert_close(logits[i], no_cache_logits(tiny_loaded, seq.token_ids)[-1])
+def test_mixed_step_matches_each_sequence_alone(tiny_loaded, prompt_of, backend) -> None:
+    """One pass holding decodes, two prefill chunks (one completing a prompt,
+    one not), a prefix-cache hit and a fork gives each sequence the logits
+    of an uncached forward of its own tokens."""
+    runner, pool, _ = make_runner(tiny_loaded, backend, max_batch_size=5)
+    a = admit(pool, prompt_of(11, 1))
+    b = admit(pool, prompt_of(9, 2))
+    step(runner, pool, [(a, 11), (b, 5)])
+    e = fork(pool, a)  # shares every block of a's prompt, the partial last one too
+    grow(pool, a, 7)  # copy-on-write: a writes into a private copy of that block
+    grow(pool, e, 8)
+    c = admit(pool, prompt_of(13, 3))
+    d = admit(pool, a.token_ids[:8] + prompt_of(3, 4))  # paged: 2 blocks from the cache
+    if backend == "paged":
+        assert d.num_computed_tokens == 8
+    scheduled = [(b, 4), (a, 1), (c, 6), (e, 1), (d, d.num_tokens - d.num_computed_tokens)]
+    logits = step(runner, pool, scheduled)
+    assert set(logits) == {id(a), id(b), id(d), id(e)}  # c is mid-prompt: no logits
+    for seq in (a, b, d, e):
+        want = no_cache_logits(tiny_loaded, seq.token_ids)[-1]
+        torch.testing.assert_close(logits[id(seq)], want, atol=1e-5, rtol=1e-5)
+    # c's first chunk is in the cache: the rest of its prompt continues from it.
+    logits = step(runner, pool, [(c, 7)])
+    torch.testing.assert_close(
+        logits[id(c)], no_cache_logits(tiny_loaded, c.token_ids)[-1], atol=1e-5, rtol=1e-5
+    )
+    assert pool.audit() == []
+
+
+def test_no_padding_reaches_the_linear_layers(tiny_loaded, prompt_of) -> None:
+    """Every projection sees exactly the step's tokens; the LM head only the
+    rows that are sampled."""
+    runner, pool, _ = make_runner(tiny_loaded, "paged")
+    rows: dict[str, list[int]] = {"q_proj": [], "down_proj": [], "lm_head": []}
+    model = tiny_loaded.model
+    hooks = [
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda m, i, o: rows["q_proj"].append(i[0].shape[0])
+        ),
+        model.model.layers[-1].mlp.down_proj.register_forward_hook(
+            lambda m, i, o: rows["down_proj"].append(i[0].shape[0])
+        ),
+        model.lm_head.register_forward_hook(lambda m, i, o: rows["lm_head"].append(i[0].shape[0])),
+    ]
+    try:
+        a, b, c = (admit(pool, prompt_of(n, i)) for i, n in enumerate((3, 17, 6)))
+        step(runner, pool, [(a, 3), (b, 10), (c, 6)])
+        grow(pool, a, 5)
+        grow(pool, c, 6)
+        step(runner, pool, [(a, 1), (b, 7), (c, 1)])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert rows["q_proj"] == rows["down_proj"] == [19, 9]
+    assert rows["lm_head"] == [2, 3]  # a and c, then a, b and c
+
+
+def test_a_step_without_reserved_room_is_refused(tiny_loaded, prompt_of) -> None:
+    runner, pool, _ = make_runner(tiny_loaded, "paged")
+    a = admit(pool, prompt_of(4, 1))
+    step(runner, pool, [(a, 4)])
+    a.token_ids.append(9)  # sampled but not reserved (the scheduler's job)
+    with pytest.raises(RuntimeError, match="reserve first"):
+        runner.execute([(a, 1)])
 
 
 def test_paged_prefill_allocates_blocks_and_free_returns_them(tiny_loaded, prompt_of) -> None:
@@ -69,7 +136,7 @@ def test_paged_prefill_allocates_blocks_and_free_returns_them(tiny_loaded, promp
     assert pool.free_token_capacity() == capacity.tokens == 64
     seq = admit(pool, prompt_of(9, 3))
     assert pool.free_token_capacity() == 64 - 3 * 4  # ceil(9 / 4) blocks
-    runner.prefill([(seq, 9)])
+    step(runner, pool, [(seq, 9)])
     pool.free_slot(seq.slot)
     assert pool.free_token_capacity() == 64
     assert pool.audit() == []
@@ -85,11 +152,12 @@ def test_prefix_hit_starts_positions_at_the_cached_length(tiny_loaded, prompt_of
     runner, pool, _ = make_runner(tiny_loaded, "paged")
     prompt = prompt_of(10, 4)
     first = admit(pool, prompt)
-    runner.prefill([(first, 10)])
+    step(runner, pool, [(first, 10)])
     second = admit(pool, prompt[:8] + [5, 6, 7])
-    assert second.num_computed == 8  # two full blocks from the cache
-    logits = runner.prefill([(second, 3)])
-    torch.testing.assert_close(logits[0], no_cache_logits(tiny_loaded, second.token_ids)[-1])
+    assert second.num_computed_tokens == 8  # two full blocks from the cache
+    logits = step(runner, pool, [(second, 3)])
+    want = no_cache_logits(tiny_loaded, second.token_ids)[-1]
+    torch.testing.assert_close(logits[id(second)], want)
 
 
 def test_pool_sizing_from_config(tiny_loaded) -> None:

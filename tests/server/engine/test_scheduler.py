@@ -1,13 +1,17 @@
-"""The split scheduler of the design documents: retire -> admit(budget) ->
-decode / prefill, FCFS, block budget with reserve, chunking, preemption order."""
+"""The token-budget scheduler over real pools: retire -> schedule (running
+first, oldest first, preempting the newest when the pool is full) -> admit
+FCFS within the budget, the running-set limit and free KV with a reserve."""
 
 from __future__ import annotations
 
 import torch
 
+from paged_ref import PagedKVCachePool, SlottedKVCache
 from paged_server.sampling_params import SamplingParams
 from paged_server.scheduler import Scheduler
 from paged_server.sequence import Request, Sequence, SequenceStatus
+
+BLOCK = 16
 
 
 class _NoText:
@@ -16,6 +20,13 @@ class _NoText:
 
     def flush(self) -> str:
         return ""
+
+
+def paged_pool(num_blocks: int = 64, block_size: int = BLOCK) -> PagedKVCachePool:
+    # Prefix caching off: these prompts share ids, and hits are not the point here.
+    return PagedKVCachePool.from_model_config(
+        1, 1, 4, num_blocks, block_size, torch.float32, enable_prefix_caching=False
+    )
 
 
 def make_seq(prompt_len: int, n: int = 1, name: str = "r") -> Sequence:
@@ -35,128 +46,150 @@ def make_seq(prompt_len: int, n: int = 1, name: str = "r") -> Sequence:
     return request.seqs[0]
 
 
-def finish_prefill(*seqs: Sequence) -> None:
-    for s in seqs:
-        s.num_computed = s.prefill_len
-        s.token_ids.append(7)  # first sampled token
+def scheduler(pool, max_batch_size: int = 8, budget: int = 512, **kw) -> Scheduler:
+    return Scheduler(pool, max_batch_size, budget, kw.pop("block_size", BLOCK), **kw)
 
 
-def test_split_retire_admit_decode() -> None:
-    sched = Scheduler(max_batch_size=8)
+def run_step(sched: Scheduler) -> list[tuple[Sequence, int]]:
+    """Schedule, then do what the engine does after a successful pass:
+    commit, and give every sequence that is complete a sampled token."""
+    plan = sched.schedule()
+    for seq, n in plan.scheduled:
+        seq.num_computed_tokens += n
+        sched.pool.mark_computed(seq.slot, seq.num_computed_tokens)
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+    return plan.scheduled
+
+
+def test_retire_frees_then_admits_and_decodes_take_one_token_each() -> None:
+    pool = paged_pool()
+    sched = scheduler(pool)
     a, b, c = make_seq(4, name="a"), make_seq(4, name="b"), make_seq(4, name="c")
     for s in (a, b, c):
         sched.add(s)
-    assert sched.retire() == []
-    assert sched.admit() == [a, b, c]
-    finish_prefill(a, b, c)
+    assert run_step(sched) == [(a, 4), (b, 4), (c, 4)]
     a.finish("stop")
-    assert sched.retire() == [a]
-    assert sched.admit() == []
-    d = make_seq(4, name="d")
-    sched.add(d)
-    assert sched.admit() == [d]
-    assert sched.decode_sequences() == [b, c]
+    slot_a = a.slot
+    assert sched.retire() == [a] and a.slot is None
+    assert slot_a not in pool.block_manager.seq_ids()
+    sched.add(d := make_seq(4, name="d"))
+    assert run_step(sched) == [(b, 1), (c, 1), (d, 4)]
+    assert pool.audit() == []
 
 
-def test_block_budget_keeps_a_twenty_percent_reserve() -> None:
-    sched = Scheduler(max_batch_size=8, block_size=16)
-    a, b, c = make_seq(100), make_seq(200), make_seq(300)
-    for s in (a, b, c):
-        sched.add(s)
-    assert sched.admit(free_kv_tokens=250) == [a]  # usable 200: B (200) does not fit after A
-    assert sched.admit(free_kv_tokens=625) == [b, c]  # usable 500 = 200 + 300
+def test_kv_budget_keeps_a_twenty_percent_reserve() -> None:
+    pool = paged_pool(num_blocks=16, block_size=16)  # 256 tokens free
+    sched = scheduler(pool, budget=10_000)
+    a, b = make_seq(100), make_seq(120)
+    sched.add(a)
+    sched.add(b)
+    # Usable: 256 - max(20% of 256, 0 running blocks) = 205: A (100) fits, B (120) does not.
+    assert [s for s, _ in run_step(sched)] == [a]
+    assert list(sched.waiting) == [b]
 
 
 def test_reserve_covers_one_block_per_running_sequence() -> None:
-    sched = Scheduler(max_batch_size=16, block_size=16)
-    running = [make_seq(1) for _ in range(10)]
-    for s in running:
-        sched.add(s)
-    assert len(sched.admit()) == 10
-    sched.add(big := make_seq(300))
-    # 20% of 400 is 80, but 10 running sequences may each need a block (160).
-    assert sched.admit(free_kv_tokens=400) == []
-    assert sched.admit(free_kv_tokens=460) == [big]
+    def admits(prompt_len: int) -> bool:
+        pool = paged_pool(num_blocks=40, block_size=4)
+        sched = scheduler(pool, max_batch_size=16, block_size=4, budget=10_000)
+        for _ in range(10):
+            sched.add(make_seq(1))
+        run_step(sched)  # 10 sequences, one block each: 30 blocks (120 tokens) free
+        sched.add(big := make_seq(prompt_len))
+        return big in [s for s, _ in run_step(sched)]
+
+    # 20% of 120 is 24, but 10 running sequences may each need a block (40):
+    # 80 tokens are usable, not 96.
+    assert admits(80)
+    assert not admits(81)
 
 
-def test_block_budget_zero_admits_nothing() -> None:
-    sched = Scheduler(max_batch_size=8)
-    sched.add(make_seq(1))
-    assert sched.admit(free_kv_tokens=0) == []
-    assert len(sched.waiting) == 1
-
-
-def test_budget_none_for_contiguous_checks_only_batch_size() -> None:
-    sched = Scheduler(max_batch_size=2)
+def test_contiguous_pool_checks_only_slots_and_batch_size() -> None:
+    pool = SlottedKVCache.from_model_config(1, 1, 4, 10_001, 2, dtype=torch.float32)
+    sched = scheduler(pool, max_batch_size=4, budget=30_000)
     seqs = [make_seq(10_000) for _ in range(3)]
     for s in seqs:
         sched.add(s)
-    assert sched.admit(free_kv_tokens=None) == seqs[:2]
+    assert [s for s, _ in run_step(sched)] == seqs[:2]  # two slots
     seqs[0].finish("stop")
     sched.retire()
-    assert sched.admit(free_kv_tokens=None) == [seqs[2]]
+    assert [s for s, _ in run_step(sched)] == [seqs[1], seqs[2]]
 
 
 def test_lone_large_prompt_may_use_the_reserve() -> None:
     """Nothing runs: a prompt bigger than 80% of the pool must still start."""
-    sched = Scheduler(max_batch_size=4)
+    pool = paged_pool(num_blocks=6, block_size=16)  # 96 tokens
+    sched = scheduler(pool)
     sched.add(big := make_seq(90))
-    assert sched.admit(free_kv_tokens=100) == [big]
+    assert run_step(sched) == [(big, 90)]
 
 
-def test_fcfs_head_of_line_blocks_and_allocate_can_refuse() -> None:
-    sched = Scheduler(max_batch_size=8)
-    a, b = make_seq(4, name="a"), make_seq(4, name="b")
-    sched.add(a)
-    sched.add(b)
-    assert sched.admit(allocate=lambda s: s is not a) == []  # b may not jump the queue
-    assert sched.admit(allocate=lambda s: True) == [a, b]
+def test_fcfs_head_of_line_blocks_later_requests() -> None:
+    pool = paged_pool(num_blocks=8, block_size=16)
+    sched = scheduler(pool)
+    sched.add(a := make_seq(100, name="a"))  # 7 blocks: fits alone
+    sched.add(b := make_seq(200, name="b"))  # never fits next to a
+    sched.add(c := make_seq(4, name="c"))  # would fit, but may not jump the queue
+    assert run_step(sched) == [(a, 100)]
+    assert list(sched.waiting) == [b, c]
 
 
 def test_n_choices_take_n_running_places() -> None:
-    sched = Scheduler(max_batch_size=4)
+    sched = scheduler(paged_pool(), max_batch_size=4)
     sched.add(group := make_seq(4, n=3))
     sched.add(single := make_seq(4))
     sched.add(pair := make_seq(4, n=2))
-    assert sched.admit() == [group, single]  # 3 + 1 = 4 places; the pair waits
+    assert [s for s, _ in run_step(sched)] == [group, single]  # 3 + 1 = 4 places
     assert sched.waiting[0] is pair
 
 
-def test_chunked_prefill_fills_the_token_budget_oldest_first() -> None:
-    sched = Scheduler(max_batch_size=8, enable_chunked_prefill=True)
+def test_one_budget_for_decodes_and_prefill_chunks_oldest_first() -> None:
+    pool = paged_pool()
+    sched = scheduler(pool, budget=12)
     a, b, c = make_seq(10), make_seq(7), make_seq(5)
     for s in (a, b, c):
         sched.add(s)
-    sched.admit()
-    chunks = sched.schedule_prefill(token_budget=12)
-    assert [(s, n) for s, n in chunks] == [(a, 10), (b, 2)]
-    a.num_computed, b.num_computed = 10, 2
-    assert sched.schedule_prefill(token_budget=12) == [(b, 5), (c, 5)]
+    assert run_step(sched) == [(a, 10), (b, 2)]  # chunked: the budget is filled exactly
+    assert run_step(sched) == [(a, 1), (b, 5), (c, 5)]  # a decodes, b finishes, c starts
+    assert run_step(sched) == [(a, 1), (b, 1), (c, 1)]
+    assert pool.audit() == []
 
 
 def test_unchunked_prefill_runs_whole_prompts_and_never_starves_the_first() -> None:
-    sched = Scheduler(max_batch_size=8, enable_chunked_prefill=False)
+    sched = scheduler(paged_pool(), budget=8, enable_chunked_prefill=False)
     a, b = make_seq(10), make_seq(7)
-    for s in (a, b):
-        sched.add(s)
-    sched.admit()
-    assert sched.schedule_prefill(token_budget=8) == [(a, 10)]
-    assert sched.schedule_prefill(token_budget=17) == [(a, 10), (b, 7)]
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched) == [(a, 10)]  # overshoots the budget: nothing else ran
+    assert run_step(sched) == [(a, 1), (b, 7)]
 
 
-def test_preempt_newest_requeues_at_the_front_in_admission_order() -> None:
-    sched = Scheduler(max_batch_size=8)
-    a, b, c = make_seq(4, name="a"), make_seq(4, name="b"), make_seq(4, name="c")
-    for s in (a, b, c):
-        sched.add(s)
-    sched.admit()
-    finish_prefill(a, b, c)
-    sched.add(late := make_seq(4, name="late"))
-    assert sched.preempt_newest() is c
-    assert sched.preempt_newest() is b
-    assert list(sched.waiting) == [b, c, late]
-    assert b.num_computed == 0 and b.prefill_len == 0 and len(b.token_ids) == 5
-    assert sched.running == [a]
-    # Readmitted, its prefill covers prompt + generated tokens (recompute).
-    assert sched.admit() == [b, c, late]
-    assert b.prefill_len == 5 and b.is_prefilling
+def test_full_pool_preempts_the_newest_and_recomputes_it() -> None:
+    pool = paged_pool(num_blocks=3, block_size=4)  # 12 tokens
+    sched = scheduler(pool, budget=100)
+    a, b = make_seq(4, name="a"), make_seq(4, name="b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prefilled: 2 blocks used, each sequence has 5 tokens now
+    run_step(sched)  # a takes the last free block for token 4; b must make room...
+    assert sched.running == [a] and list(sched.waiting) == [b]
+    assert b.slot is None and b.num_computed_tokens == 0 and b.num_tokens == 5
+    assert b.status is SequenceStatus.WAITING
+    # b's KV is recomputed (prompt + generated) once a finishes and frees blocks.
+    a.finish("stop")
+    sched.retire()
+    assert run_step(sched) == [(b, 5)]
+    assert pool.audit() == []
+
+
+def test_preemption_in_a_step_admits_nothing_new() -> None:
+    pool = paged_pool(num_blocks=3, block_size=4)
+    sched = scheduler(pool, budget=100)
+    a, b = make_seq(4, name="a"), make_seq(4, name="b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    plan = sched.schedule()
+    assert plan.preempted == [b] and plan.admitted == []
+    assert [s for s, _ in plan.scheduled] == [a]
