@@ -114,7 +114,7 @@ class LLMEngine:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
-        check_prompt(token_ids, params, self.config.max_seq_len, self.model_config, self.capacity)
+        check_prompt(token_ids, params, self.config.max_seq_len, self.model_config, self.capacity, self.config.max_batch_size)
         request = self._new_request(request_id, text, token_ids, params)
         with self._lock:
             if request_id in self._requests:
