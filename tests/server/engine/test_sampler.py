@@ -116,6 +116,36 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours() -> None:
     assert len(set(draws(0))) > 3  # really random, not constant
 
 
+@pytest.mark.parametrize("neighbour", [{"top_p": 0.5}, {"top_k": 3}, {"min_p": 0.2}])
+def test_seeded_row_ignores_its_neighbours_filters(neighbour: dict[str, float]) -> None:
+    """A filtered neighbour must not change an unfiltered seeded row's token
+    (it did when any filter sorted every row before the draw), nor the reverse."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(5))
+
+    def token(params: dict[str, float], seed: int, with_neighbour: bool) -> int:
+        mine = row(torch.Generator().manual_seed(seed), **params)
+        if not with_neighbour:
+            return sample(logits, [mine]).token_ids[0]
+        other = row(torch.Generator().manual_seed(1000 + seed), **neighbour)
+        return sample(logits.repeat(3, 1), [other, mine, other]).token_ids[1]
+
+    for params in ({}, {"temperature": 0.7}, {"top_k": 10}):
+        alone = [token(params, seed, False) for seed in range(30)]
+        assert [token(params, seed, True) for seed in range(30)] == alone, params
+        assert len(set(alone)) > 3  # really random, not constant
+
+
+def test_a_draw_at_the_top_of_the_cdf_takes_a_token_with_mass(monkeypatch) -> None:
+    """A uniform that rounds onto the CDF total used to clamp to the last
+    position, a token the filter had removed."""
+    import paged_server.sampler as sampler
+
+    monkeypatch.setattr(sampler, "_uniform", lambda generator: 1.0)
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    assert sample(logits, [row(top_k=2)]).token_ids == [1]
+    assert sample(logits[:, [2, 0, 1]], [row(top_k=2)]).token_ids == [2]
+
+
 def test_logprobs_are_the_models_log_softmax() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     out = sample(logits, [row(temperature=0.0, logprobs=True, repetition_penalty=1.5, output=[2])])
