@@ -93,6 +93,19 @@ def test_temperature_sharpens_as_hand_computed() -> None:
     assert abs(toks.count(0) / 4000 - 0.8) < 0.03
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6])
+def test_tiny_temperature_is_greedy(temperature: float) -> None:
+    """logits / 1e-40 overflow to inf; sampling from that returned the last
+    vocabulary id. Below 1e-5 the row takes the argmax instead."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)) * 5
+    gen = torch.Generator().manual_seed(0)
+    out = sample(logits, [row(gen, temperature=temperature)] * 4)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.errors == [None] * 4
+    assert SamplingParams(temperature=temperature).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_greedy_is_argmax_after_penalties() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     assert sample(logits, [row(temperature=0.0)]).token_ids == [0]

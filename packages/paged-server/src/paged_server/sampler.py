@@ -12,9 +12,11 @@ logits sorted once per step (top-k keeps exactly k; ties go by sort order).
 The draw itself always walks the cumulative distribution in vocabulary
 order, whichever filters the batch uses: a row's token then depends only on
 its own logits, parameters and generator, never on whether a neighbour's
-filter made the batch sort. Greedy rows (temperature 0) take the argmax
-after penalties. A row whose logits hold NaN or +inf gets an error instead
-of a token; the other rows are unharmed.
+filter made the batch sort. Greedy rows (``SamplingParams.greedy``:
+temperature below 1e-5, 0 included) take the argmax after penalties; far
+smaller temperatures would overflow ``logits / temperature`` to inf. A row
+whose logits hold NaN or +inf gets an error instead of a token; the other
+rows are unharmed.
 """
 
 from __future__ import annotations

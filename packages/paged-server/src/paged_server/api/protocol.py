@@ -53,7 +53,7 @@ class _SamplingFields(_Strict):
         None, description="Must name the served model (GET /v1/models); omitted = the served model."
     )
     n: int = Field(1, ge=1, le=MAX_N, description="Choices to generate per prompt.")
-    temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0, description="0 (or below 1e-5) = greedy.")
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off (vLLM extension).")
     min_p: FiniteFloat = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
