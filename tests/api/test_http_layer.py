@@ -148,3 +148,27 @@ def test_api_key_guards_everything_but_health(fake_engine: Any) -> None:
         assert wrong.status_code == 401 and "wrong API key" in wrong.json()["error"]["message"]
         ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "fake-model"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "fragment"),
+    [
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search",
+         "beam search is not supported yet"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True},
+         "use_beam_search", "beam search is not supported yet"),
+        ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "got best_of 3 with n 2"),
+    ],
+)
+def test_unsupported_search_options_are_400_never_ignored(
+    fake_server: Any, fake_engine: Any, path: str, body: dict[str, Any], param: str, fragment: str
+) -> None:
+    """``use_beam_search: true`` used to come back as ordinary sampled choices."""
+    resp = httpx.post(fake_server.url + path, json={**body, "max_tokens": 2}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param
+    assert err["message"].startswith(f"{param}: ") and fragment in err["message"], err["message"]
+    assert fake_engine.added == []  # refused before reaching the engine
+    off = {**body, "use_beam_search": False, "best_of": None, "max_tokens": 2}
+    assert httpx.post(fake_server.url + path, json=off, timeout=30).status_code == 200

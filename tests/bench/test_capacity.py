@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from paged_server.bench.capacity import (
     admit_until_full,
     capacity_row,
     capacity_table,
+    default_avg_lengths,
     draw_lengths,
     make_paged_pool,
 )
@@ -51,3 +54,32 @@ def test_admit_stops_at_first_refusal_and_pool_stays_consistent() -> None:
     admitted = admit_until_full(pool, [32, 16, 32, 1], random.Random(0))
     assert admitted == [32, 16]  # the third needs 2 blocks, only 1 is left
     assert pool.audit() == []
+
+
+def test_default_lengths_follow_the_slot_length() -> None:
+    """Doubling from max_seq_len / 32 up to max_seq_len: the old fixed list at 4096."""
+    assert default_avg_lengths(4096) == (128, 256, 512, 1024, 2048, 4096)
+    assert default_avg_lengths(1024) == (32, 64, 128, 256, 512, 1024)
+    assert default_avg_lengths(16) == (1, 2, 4, 8, 16)
+    table = capacity_table(max_seq_len=64, num_slots=2, block_size=16)
+    assert [r["avg_len_target"] for r in table["rows"]] == [2, 4, 8, 16, 32, 64]
+
+
+def test_cli_capacity_with_a_short_slot_length(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--capacity --kv-slot-len 1024`` failed: the table's averages went to 4096."""
+    from paged_server.bench import main
+
+    rc = main(
+        ["--model", str(tiny_model_dir), "--capacity", "--kv-slots", "2", "--kv-slot-len", "64",
+         "--block-size", "16", "--workload", "seed", "--num-requests", "1", "--prompt-scale", "0.1",
+         "--max-new-tokens-scale", "0.02", "--configs", "paged", "--max-batch-size", "4",
+         "--max-num-batched-tokens", "64", "--attention-backend", "ref", "--dtype", "float32"]
+    )
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    (table,) = [x for x in map(json.loads, captured.out.splitlines()) if x["kind"] == "capacity"]
+    assert table["settings"]["max_seq_len"] == 64
+    rows = table["rows"]
+    assert rows[-1]["avg_len_target"] == 64 and rows[-1]["paged"] == rows[-1]["contiguous"] == 2

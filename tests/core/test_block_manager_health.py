@@ -64,6 +64,44 @@ def test_audit_reports_owner_and_free_list_disagreements():
     assert any("listed as plain free" in p for p in m2.audit())
 
 
+def test_audit_reports_a_referenced_block_on_the_free_list():
+    """It would be handed out again while a sequence still uses it."""
+    m = BlockManager(num_blocks=4, block_size=4)
+    m.allocate(1, 5)
+    block = m.block_table(1)[0]
+    # deliberate corruption, as a release that dropped a reference too many would leave it
+    m.allocator._free[block] = None
+    m.block_pool._free_plain[block] = None
+    assert f"block {block} has ref count 1 but is on the free list" in " | ".join(m.audit())
+
+
+def test_audit_reports_an_unreferenced_block_on_no_free_list():
+    """Lost: no sequence holds it and it can never be handed out again."""
+    m = BlockManager(num_blocks=4, block_size=4)
+    del m.allocator._free[3]  # deliberate corruption: off both free lists
+    del m.block_pool._free_plain[3]
+    assert "block 3 has ref count 0 but is on no free list" in " | ".join(m.audit())
+
+
+def test_audit_reports_unknown_ids_on_the_free_lists():
+    m = BlockManager(num_blocks=4, block_size=4)
+    m.allocator._free[9] = None  # deliberate corruption
+    m.block_pool._free_plain[-1] = None
+    problems = " | ".join(m.audit())
+    assert "free list holds unknown block id 9" in problems
+    assert "plain free list holds unknown block id -1" in problems
+
+
+def test_audit_is_clean_with_cached_and_plain_free_blocks():
+    m = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    m.allocate(1, 9, list(range(9)))
+    m.mark_computed(1, 9)
+    m.allocate(2, 5)
+    m.free(1)  # two full blocks stay cached on the free list, one goes plain
+    assert m.block_pool.num_cached_free() > 0
+    assert m.audit() == []
+
+
 def test_reclaim_leaked_frees_unreferenced_blocks():
     m = BlockManager(num_blocks=6, block_size=4)
     m.allocate(1, 5)

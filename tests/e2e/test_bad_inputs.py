@@ -47,6 +47,8 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("negative-token-id", COMP, {"prompt": [1, -5]}, 400, "prompt", ">= 0"),
     ("top-logprobs", COMP, {"prompt": "x", "logprobs": 5}, 400, "logprobs", "only 0 is supported"),
     ("echo", COMP, {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("beam-search", CHAT, {"messages": MSG, "use_beam_search": True}, 400, "use_beam_search",
+     "beam search is not supported yet"),
     ("image-content", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages[0].content[0].type", "'text'"),
     ("bad-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "'user'"),

@@ -1,5 +1,6 @@
-"""Queue-full back-pressure (503 + Retry-After) and the API key (401), on a
-server with one running slot, a one-request queue and a key."""
+"""Queue-full back-pressure (503 + Retry-After), the API key (401) and n above
+the batch limit (400), on a server with one running slot, a one-request queue
+and a key."""
 
 from __future__ import annotations
 
@@ -46,6 +47,23 @@ def test_full_queue_answers_503_with_retry_after(guarded: ServerThread) -> None:
         wait_idle(guarded)  # both streams hung up: aborted, capacity back
         ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert ok.status_code == 200
+    assert guarded.engine.audit() == []
+
+
+def test_n_above_max_batch_size_is_400_and_does_not_block_the_queue(guarded: ServerThread) -> None:
+    """n choices run at once: n=2 on a one-place server could never start and,
+    queued, held up every request behind it. It must be refused up front."""
+    with httpx.Client(base_url=guarded.url, headers=AUTH, timeout=20) as client:
+        for path, body in [("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
+            resp = client.post(path, json={**body, "n": 2, "max_tokens": 1})
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert err["param"] == "n"
+            assert err["message"].startswith("n: must be <= 1 (max_batch_size), got 2")
+        ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": 1})
+        assert ok.status_code == 200
+    wait_idle(guarded)
     assert guarded.engine.audit() == []
 
 

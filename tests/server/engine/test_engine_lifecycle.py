@@ -69,6 +69,9 @@ def test_submission_errors_are_clear(make_engine, prompt_of) -> None:
         engine.add_request("big", prompt_of(20, 0), SamplingParams(max_tokens=21))
     with pytest.raises(ValueError, match="^temperature"):
         engine.add_request("bad", prompt_of(4, 0), SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match=r"^n: must be <= 8 \(max_batch_size\), got 9; "):
+        engine.add_request("wide", prompt_of(4, 0), SamplingParams(n=9))
+    assert not engine.has_unfinished()  # rejected, not queued
     assert engine.add_request("ok", prompt_of(20, 0), SamplingParams(max_tokens=13)) == 20
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", prompt_of(4, 0), SamplingParams())

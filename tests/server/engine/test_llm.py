@@ -52,6 +52,21 @@ def test_invalid_params_fail_only_that_prompt(llm) -> None:
     assert (results[1].outputs[0].error or "").startswith("top_p")
 
 
+@pytest.mark.timeout(60)
+def test_n_above_max_batch_size_fails_that_prompt_instead_of_hanging(llm) -> None:
+    """All n choices run at once, so n=5 with max_batch_size=4 could never start;
+    before the check it waited forever and blocked the prompt behind it."""
+    results = llm.generate(
+        ["too many choices", "after it"],
+        [SamplingParams(n=5, max_tokens=2), SamplingParams(max_tokens=2, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    assert [c.finish_reason for c in results[0].outputs] == ["error"] * 5
+    assert "n: must be <= 4 (max_batch_size), got 5" in (results[0].outputs[0].error or "")
+    assert results[1].outputs[0].finish_reason == "length"
+    assert llm.engine.audit() == []
+
+
 def test_input_mistakes_are_clear(llm) -> None:
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(["a", "b"], [SamplingParams()] * 3)

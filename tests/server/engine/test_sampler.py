@@ -93,6 +93,19 @@ def test_temperature_sharpens_as_hand_computed() -> None:
     assert abs(toks.count(0) / 4000 - 0.8) < 0.03
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6])
+def test_tiny_temperature_is_greedy(temperature: float) -> None:
+    """logits / 1e-40 overflow to inf; sampling from that returned the last
+    vocabulary id. Below 1e-5 the row takes the argmax instead."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)) * 5
+    gen = torch.Generator().manual_seed(0)
+    out = sample(logits, [row(gen, temperature=temperature)] * 4)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.errors == [None] * 4
+    assert SamplingParams(temperature=temperature).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_greedy_is_argmax_after_penalties() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     assert sample(logits, [row(temperature=0.0)]).token_ids == [0]
@@ -114,6 +127,36 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours() -> None:
 
     assert draws(0) == draws(3)
     assert len(set(draws(0))) > 3  # really random, not constant
+
+
+@pytest.mark.parametrize("neighbour", [{"top_p": 0.5}, {"top_k": 3}, {"min_p": 0.2}])
+def test_seeded_row_ignores_its_neighbours_filters(neighbour: dict[str, float]) -> None:
+    """A filtered neighbour must not change an unfiltered seeded row's token
+    (it did when any filter sorted every row before the draw), nor the reverse."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(5))
+
+    def token(params: dict[str, float], seed: int, with_neighbour: bool) -> int:
+        mine = row(torch.Generator().manual_seed(seed), **params)
+        if not with_neighbour:
+            return sample(logits, [mine]).token_ids[0]
+        other = row(torch.Generator().manual_seed(1000 + seed), **neighbour)
+        return sample(logits.repeat(3, 1), [other, mine, other]).token_ids[1]
+
+    for params in ({}, {"temperature": 0.7}, {"top_k": 10}):
+        alone = [token(params, seed, False) for seed in range(30)]
+        assert [token(params, seed, True) for seed in range(30)] == alone, params
+        assert len(set(alone)) > 3  # really random, not constant
+
+
+def test_a_draw_at_the_top_of_the_cdf_takes_a_token_with_mass(monkeypatch) -> None:
+    """A uniform that rounds onto the CDF total used to clamp to the last
+    position, a token the filter had removed."""
+    import paged_server.sampler as sampler
+
+    monkeypatch.setattr(sampler, "_uniform", lambda generator: 1.0)
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    assert sample(logits, [row(top_k=2)]).token_ids == [1]
+    assert sample(logits[:, [2, 0, 1]], [row(top_k=2)]).token_ids == [2]
 
 
 def test_logprobs_are_the_models_log_softmax() -> None:

@@ -53,9 +53,15 @@ class BlockAllocator:
         return self._ref_counts[block_id]
 
     def is_free(self, block_id: int) -> bool:
-        """Whether ``block_id`` has no references (it may still hold cached content)."""
+        """Whether ``block_id`` is on the free list, i.e. has no references (it
+        may still hold cached content)."""
         self._check_id(block_id)
         return block_id in self._free
+
+    def free_blocks(self) -> list[int]:
+        """The free list's ids in reuse order (for audits: each must be a
+        valid id with ref count 0, and every such id must be on it)."""
+        return list(self._free)
 
     def owners(self, block_id: int) -> frozenset[Owner]:
         """Owners that currently hold a reference to ``block_id``."""

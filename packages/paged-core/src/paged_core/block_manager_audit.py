@@ -14,10 +14,19 @@ if TYPE_CHECKING:
 
 def audit_block_manager(manager: BlockManager) -> list[str]:
     """Every inconsistency between the allocator's ref counts and owners, the
-    page tables, the free lists and the prefix index (empty when healthy)."""
+    page tables, the free lists and the prefix index (empty when healthy).
+
+    The free list is checked against the ref counts in both directions: a
+    referenced block on it would be handed out twice, an unreferenced block
+    off it (and off the plain list) is lost for good."""
     problems: list[str] = []
     alloc = manager.allocator
     cache = manager.block_pool.cache
+    free_list = set(alloc.free_blocks())
+    plain_list = set(manager.block_pool.plain_free_blocks())
+    valid = range(manager.num_blocks)
+    for name, ids in (("free list", free_list), ("plain free list", plain_list)):
+        problems.extend(f"{name} holds unknown block id {b}" for b in sorted(ids - set(valid)))
     bs = manager.block_size
     holders: dict[int, set[int]] = {}
     tokens_used = 0
@@ -63,7 +72,7 @@ def audit_block_manager(manager: BlockManager) -> list[str]:
                     f"{where}: cached block {block_id} at index {i} stores other tokens"
                 )
 
-    for block_id in range(manager.num_blocks):
+    for block_id in valid:
         seqs = holders.get(block_id, set())
         refs = alloc.ref_count(block_id)
         if refs != len(seqs):
@@ -76,13 +85,23 @@ def audit_block_manager(manager: BlockManager) -> list[str]:
                 f"block {block_id} is owned by {set(alloc.owners(block_id))} "
                 f"but held by {sorted(seqs)}"
             )
-        plain = manager.block_pool.is_plain_free(block_id)
-        if alloc.is_free(block_id):
+        if refs and block_id in free_list:
+            problems.append(
+                f"block {block_id} has ref count {refs} but is on the free list "
+                "(it can be handed out while in use)"
+            )
+        elif not refs and block_id not in free_list:
+            problems.append(
+                f"block {block_id} has ref count 0 but is on no free list "
+                "(lost: it can never be handed out)"
+            )
+        plain = block_id in plain_list
+        if block_id in free_list:
             if plain == cache.is_cached(block_id):
                 state = "both plain and cached" if plain else "neither plain nor cached"
                 problems.append(f"free block {block_id} is {state}")
         elif plain:
-            problems.append(f"block {block_id} is in use but listed as plain free")
+            problems.append(f"block {block_id} is off the free list but listed as plain free")
 
     if tokens_used != manager._tokens_used:
         problems.append(

@@ -40,6 +40,10 @@ class BlockPool:
         """Whether ``block_id`` is listed as free with no cached content."""
         return block_id in self._free_plain
 
+    def plain_free_blocks(self) -> list[int]:
+        """The plain free list's ids (for audits)."""
+        return list(self._free_plain)
+
     def allocate_fresh(self, n: int, owner: Owner) -> list[int]:
         """Hand out ``n`` free blocks to write new KV into: plain ones first,
         then cached ones least recently freed first (evicting their content).

@@ -113,7 +113,14 @@ class LLMEngine:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
-        check_prompt(token_ids, params, self.config.max_seq_len, self.model_config, self.capacity)
+        check_prompt(
+            token_ids,
+            params,
+            self.config.max_seq_len,
+            self.model_config,
+            self.capacity,
+            self.config.max_batch_size,
+        )
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         waiting = len(self.scheduler.waiting)

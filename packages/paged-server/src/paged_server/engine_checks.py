@@ -18,11 +18,20 @@ def check_prompt(
     max_seq_len: int,
     model_config: ModelConfig,
     capacity: PoolCapacity,
+    max_batch_size: int,
 ) -> None:
     """Reject at submission what could never run, rather than after it waited:
-    empty prompts, ids outside the vocabulary, prompts leaving no room for a
-    generated token, and (paged) sequences that alone need more blocks than
-    the whole pool has."""
+    more choices (``n``) than ``max_batch_size`` (admission needs all ``n``
+    places at once, so such a request would wait forever and, the queue being
+    first come first served, hold up every request behind it), empty prompts,
+    ids outside the vocabulary, prompts leaving no room for a generated token,
+    and (paged) sequences that alone need more blocks than the whole pool has."""
+    if params.n > max_batch_size:
+        raise ValueError(
+            f"n: must be <= {max_batch_size} (max_batch_size), got {params.n}; all n choices "
+            "run at once, so this request could never start: ask for fewer choices or "
+            "raise max_batch_size"
+        )
     n = len(token_ids)
     if n == 0:
         raise ValueError("prompt: must not be empty")

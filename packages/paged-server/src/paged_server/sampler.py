@@ -8,9 +8,15 @@ same tokens whatever else shares its batch.
 
 Order of processing (as in Hugging Face ``generate``): penalties ->
 temperature -> top-k -> top-p -> min-p -> sample, the three filters on
-logits sorted once per step (top-k keeps exactly k; ties go by sort order). Greedy rows
-(temperature 0) take the argmax after penalties. A row whose logits hold
-NaN or +inf gets an error instead of a token; the other rows are unharmed.
+logits sorted once per step (top-k keeps exactly k; ties go by sort order).
+The draw itself always walks the cumulative distribution in vocabulary
+order, whichever filters the batch uses: a row's token then depends only on
+its own logits, parameters and generator, never on whether a neighbour's
+filter made the batch sort. Greedy rows (``SamplingParams.greedy``:
+temperature below 1e-5, 0 included) take the argmax after penalties; far
+smaller temperatures would overflow ``logits / temperature`` to inf. A row
+whose logits hold NaN or +inf gets an error instead of a token; the other
+rows are unharmed.
 """
 
 from __future__ import annotations
@@ -85,14 +91,16 @@ def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         sub_rows = [rows[i] for i in sampled]
-        probs, order = _filtered_probs(logits[sampled], sub_rows)
+        probs = _filtered_probs(logits[sampled], sub_rows)
         uniforms = torch.tensor([_uniform(r.generator) for r in sub_rows], device=logits.device)
         cdf = probs.cumsum(dim=-1)
         # right=True skips tokens with zero mass (equal cdf values).
         drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True)
-        drawn = drawn.clamp(max=probs.shape[-1] - 1)
-        if order is not None:
-            drawn = order.gather(1, drawn)
+        vocab = probs.shape[-1]
+        off_end = drawn >= vocab  # the draw rounded onto the total
+        if bool(off_end.any()):  # take the last token with mass, not vocab - 1
+            last_with_mass = vocab - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1, keepdim=True)
+            drawn = torch.where(off_end, last_with_mass, drawn)
         tokens[sampled] = drawn.squeeze(-1)
 
     token_list = tokens.tolist()
@@ -111,15 +119,12 @@ def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
 def sampling_distribution(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     """The distribution each (non-greedy) row samples from, ``[batch, vocab]``
     in token order: penalties, temperature and filters applied."""
-    probs, order = _filtered_probs(apply_penalties(logits.float(), rows), rows)
-    return probs if order is None else torch.zeros_like(probs).scatter(1, order, probs)
+    return _filtered_probs(apply_penalties(logits.float(), rows), rows)
 
 
-def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor | None]:
-    """Temperature, then top-k / top-p / min-p on logits sorted once.
-
-    Returns probabilities and, when sorted, ``order`` (sorted position ->
-    token id); ``None`` means the probabilities are in token order."""
+def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Temperature, then top-k / top-p / min-p on logits sorted once;
+    probabilities in token order (the order every row's draw uses)."""
     device = logits.device
     params = [r.params for r in rows]
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
@@ -128,9 +133,10 @@ def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
     if not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-        return torch.softmax(logits, dim=-1), None
+        return torch.softmax(logits, dim=-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    return filter_sorted(sorted_logits, top_k, top_p, min_p), order
+    sorted_probs = filter_sorted(sorted_logits, top_k, top_p, min_p)
+    return torch.empty_like(sorted_probs).scatter_(1, order, sorted_probs)
 
 
 def filter_sorted(sorted_logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:

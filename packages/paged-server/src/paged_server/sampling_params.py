@@ -5,12 +5,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily (as vLLM does): so close to 0 the
+# distribution is the argmax anyway, and far smaller ones (1e-40) overflow
+# logits / temperature to inf, which leaves no distribution to draw from.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each token of one request and when to stop.
 
-    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` and ``min_p=0``
+    ``temperature=0`` is greedy, and so is any temperature below
+    ``GREEDY_TEMPERATURE`` (1e-5; far smaller ones would overflow
+    ``logits / temperature``). ``top_k=0`` and ``top_p=1`` and ``min_p=0``
     switch those filters off. Penalties follow vLLM: the repetition penalty
     applies to tokens seen in the prompt or output, presence/frequency
     penalties to output tokens. ``seed`` makes a request reproducible on its
@@ -42,7 +49,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether tokens are the argmax: ``temperature < GREEDY_TEMPERATURE``."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, max_seq_len: int) -> None:
         """Raise ``ValueError("<field>: what is wrong")`` for the first bad field."""

@@ -11,8 +11,10 @@ the schema:
   completions accept ``logprobs: 0`` and chat accepts ``logprobs: true`` with
   ``top_logprobs: 0``; asking for top-k alternatives is a 400, not a silent no-op.
 - Fields OpenAI has that this server cannot honour (``echo``, ``suffix``,
-  ``logit_bias``, ``tools``, non-text content) are rejected with a 400 naming
-  the field, never ignored. Unknown fields are ignored, like vLLM.
+  ``logit_bias``, ``best_of`` other than ``n``, ``tools``, non-text content)
+  are rejected with a 400 naming the field, never ignored; so is vLLM's
+  ``use_beam_search: true`` until beam search exists. Unknown fields are
+  ignored, like vLLM.
 
 Types are strict: ``"max_tokens": "5"`` is a 400, not coerced.
 """
@@ -53,7 +55,7 @@ class _SamplingFields(_Strict):
         None, description="Must name the served model (GET /v1/models); omitted = the served model."
     )
     n: int = Field(1, ge=1, le=MAX_N, description="Choices to generate per prompt.")
-    temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0, description="0 (or below 1e-5) = greedy.")
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off (vLLM extension).")
     min_p: FiniteFloat = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
@@ -68,6 +70,9 @@ class _SamplingFields(_Strict):
         None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension."
     )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension).")
+    use_beam_search: bool = Field(
+        False, description="Not supported yet: must be false (vLLM extension)."
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -96,6 +101,17 @@ class _SamplingFields(_Strict):
     def _check_stream_options(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_beam_search(self) -> _SamplingFields:
+        # Declared, not left to extra="ignore": ignoring it returned sampled
+        # choices to a client that asked for a beam search.
+        if self.use_beam_search:
+            raise ValueError(
+                "use_beam_search: beam search is not supported yet; omit it or send false "
+                "(n > 1 returns independently sampled choices)"
+            )
         return self
 
     def stop_list(self) -> list[str]:
@@ -152,7 +168,10 @@ class CompletionRequest(_SamplingFields):
         if self.logit_bias:
             raise ValueError("logit_bias: not supported; send no logit_bias")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of: must equal n ({self.n}) or be omitted")
+            raise ValueError(
+                f"best_of: must equal n or be omitted, got best_of {self.best_of} with n "
+                f"{self.n} (picking the best of extra samples is not supported)"
+            )
         return self
 
 

@@ -5,6 +5,8 @@ The contiguous pool reserves ``max_seq_len`` positions per slot, so it holds
 ``num_slots`` sequences whatever their length. The paged pool gets the same
 bytes as blocks (``num_slots * max_seq_len / block_size`` of them) and hands
 them out per ``block_size`` tokens, so short sequences leave room for more.
+The average lengths default to ``max_seq_len / 32`` doubling up to
+``max_seq_len`` (128..4096 at 4096), so any slot length gives a full table.
 For each average length we draw sequence lengths (uniform in
 ``[avg * (1 - spread), avg * (1 + spread)]``, capped at ``max_seq_len``),
 admit them one by one with ``allocate_sequence`` until a pool says no, and
@@ -20,7 +22,13 @@ from typing import Any
 
 import torch
 
-DEFAULT_AVG_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
+
+def default_avg_lengths(max_seq_len: int) -> tuple[int, ...]:
+    """``max_seq_len / 32`` doubling up to ``max_seq_len`` (lengths below 1
+    dropped): averages a fixed list would put past a short slot length
+    could never be drawn."""
+    lengths = (max_seq_len >> shift for shift in range(5, -1, -1))
+    return tuple(sorted({n for n in lengths if n >= 1}))
 
 
 @dataclass(slots=True)
@@ -141,7 +149,7 @@ def capacity_row(
 
 
 def capacity_table(
-    avg_lengths: tuple[int, ...] = DEFAULT_AVG_LENGTHS,
+    avg_lengths: tuple[int, ...] | None = None,
     *,
     num_slots: int = 8,
     max_seq_len: int = 4096,
@@ -150,7 +158,10 @@ def capacity_table(
     seed: int = 0,
     shape: KVShape | None = None,
 ) -> dict[str, Any]:
-    """The whole table plus the settings it was measured with."""
+    """The whole table plus the settings it was measured with; ``avg_lengths``
+    defaults to ``default_avg_lengths(max_seq_len)``."""
+    if avg_lengths is None:
+        avg_lengths = default_avg_lengths(max_seq_len)
     rows = [
         capacity_row(
             n,
