@@ -43,7 +43,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("empty-messages", CHAT, {"messages": []}, 400, "messages", "at least 1"),
     ("missing-prompt", COMP, {"max_tokens": 3}, 400, "prompt", "field required"),
     ("too-many-stops", COMP, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
-    ("token-id-out-of-vocab", COMP, {"prompt": [1, 10**7]}, 400, "prompt", "out of range"),
+    ("token-id-out-of-vocab", COMP, {"prompt": [1, 10**7]}, 400, "prompt", "outside the vocabulary"),
     ("negative-token-id", COMP, {"prompt": [1, -5]}, 400, "prompt", ">= 0"),
     ("top-logprobs", COMP, {"prompt": "x", "logprobs": 5}, 400, "logprobs", "only 0 is supported"),
     ("echo", COMP, {"prompt": "x", "echo": True}, 400, "echo", "not supported"),

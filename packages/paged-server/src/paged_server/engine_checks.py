@@ -7,6 +7,7 @@ import math
 
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.cache_pool import PoolCapacity
+from paged_server.errors import ContextLengthError
 from paged_server.models import ModelConfig
 from paged_server.sampling_params import SamplingParams
 from paged_server.scheduler import Scheduler
@@ -34,15 +35,16 @@ def check_prompt(
         )
     n = len(token_ids)
     if n == 0:
-        raise ValueError("prompt: must not be empty")
+        raise ValueError("prompt: must not be empty (after tokenisation)")
     vocab = model_config.vocab_size
     bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
     if n >= max_seq_len:
-        raise ValueError(
-            f"prompt has {n} tokens but max_seq_len is {max_seq_len} "
-            "(the prompt and at least one generated token must fit); shorten the prompt"
+        raise ContextLengthError(
+            f"prompt: prompt has {n} tokens but max_seq_len is {max_seq_len} "
+            f"(the prompt and at least one generated token must fit); shorten the prompt to "
+            f"at most {max_seq_len - 1} tokens"
         )
     if capacity.num_slots is None:  # paged: must fit the pool on its own
         kv_tokens = min(n + params.max_tokens, max_seq_len) - 1  # the last token is never written

@@ -6,3 +6,8 @@ from __future__ import annotations
 class QueueFullError(RuntimeError):
     """The waiting queue already holds ``max_queue_len`` requests; the caller
     should retry later (HTTP 503)."""
+
+
+class ContextLengthError(ValueError):
+    """The prompt (or prompt + ``max_tokens``) does not fit ``max_seq_len``
+    (HTTP 400 with OpenAI's ``context_length_exceeded`` code)."""

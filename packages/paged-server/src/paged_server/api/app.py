@@ -88,14 +88,8 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     config: Any = getattr(engine, "config", None)
     max_seq_len = int(config.max_seq_len)
     tokenizer: Any = getattr(engine, "tokenizer", None)
-    model_config: Any = getattr(engine, "model_config", None)
-    vocab_size = int(getattr(model_config, "vocab_size", 0) or tokenizer.vocab_size)
     serving = OpenAIServing(
-        async_engine,
-        tokenizer,
-        model_name=settings.model_name,
-        max_seq_len=max_seq_len,
-        vocab_size=vocab_size,
+        async_engine, tokenizer, model_name=settings.model_name, max_seq_len=max_seq_len
     )
     created = int(time.time())
 

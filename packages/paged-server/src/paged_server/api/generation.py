@@ -19,7 +19,7 @@ from starlette.requests import Request
 
 from paged_server.api.async_engine import AsyncEngine, EngineDeadError, StreamEnd
 from paged_server.api.errors import APIError
-from paged_server.errors import QueueFullError
+from paged_server.errors import ContextLengthError, QueueFullError
 
 DISCONNECT_POLL_S = 1.0
 
@@ -129,4 +129,6 @@ def bad_value(exc: ValueError, *, default_param: str | None = None) -> APIError:
     param = head if sep and head.isidentifier() else default_param
     if param == "prompt" and default_param is not None:
         param = default_param  # the engine says "prompt"; chat requests call it "messages"
-    return APIError(400, message, param=param, code="invalid_value")
+        message = f"{param}:{message.partition(':')[2]}"
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
+    return APIError(400, message, param=param, code=code)

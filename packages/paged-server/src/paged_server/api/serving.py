@@ -1,10 +1,12 @@
 """The two generation endpoints: /v1/completions and /v1/chat/completions.
 
-Handlers validate what depends on the model (token ids against the
-vocabulary, prompt and max_tokens against ``max_seq_len``), tokenise,
-submit to the engine, then either stream server-sent events or wait and
-return one JSON body. Prompts are tokenised here so that length errors can
-state both numbers before anything is queued.
+Handlers tokenise, check the one thing only the API has an opinion on
+(``prompt + max_tokens`` within ``max_seq_len``, OpenAI's rule; the engine
+stops at ``max_seq_len`` instead), submit to the engine, then either stream
+server-sent events or wait and return one JSON body. Everything else about
+a prompt (empty, ids outside the vocabulary, too long, too big for the KV
+pool) is checked once, by the engine, and its error mapped to a 400 once
+(``generation.bad_value``).
 """
 
 from __future__ import annotations
@@ -56,13 +58,11 @@ class OpenAIServing:
         *,
         model_name: str,
         max_seq_len: int,
-        vocab_size: int,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_seq_len = max_seq_len
-        self.vocab_size = vocab_size
 
     # ------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -112,31 +112,15 @@ class OpenAIServing:
     async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(await _off_loop(self.tokenizer.encode, prompt, size=len(prompt)))
-        bad = [t for t in prompt if t >= self.vocab_size]
-        if bad:
-            raise APIError(
-                400,
-                f"prompt: token id {bad[0]} is out of range; the vocabulary has {self.vocab_size} ids",
-                param="prompt",
-                code="invalid_value",
-            )
         return list(prompt)
 
     def _check_length(
         self, n_prompt: int, max_tokens: int, param: str, max_tokens_param: str = "max_tokens"
     ) -> None:
+        """``max_tokens`` must fit beside the prompt; a prompt that alone does
+        not fit is the engine's to report."""
         limit = self.max_seq_len
-        if n_prompt == 0:
-            raise APIError(400, f"{param}: the prompt is empty after tokenisation", param=param)
-        if n_prompt >= limit:
-            raise APIError(
-                400,
-                f"{param}: prompt has {n_prompt} tokens but max_seq_len is {limit} "
-                f"(prompt + generated tokens); shorten the prompt to at most {limit - 1} tokens",
-                param=param,
-                code="context_length_exceeded",
-            )
-        if n_prompt + max_tokens > limit:
+        if n_prompt < limit and n_prompt + max_tokens > limit:
             raise APIError(
                 400,
                 f"{max_tokens_param}: prompt has {n_prompt} tokens and {max_tokens_param} is "
