@@ -3,7 +3,6 @@ failure isolation, metrics, and audits that come back clean afterwards."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -89,10 +89,6 @@ class Sequence:
         return len(self.request.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

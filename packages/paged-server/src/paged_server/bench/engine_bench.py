@@ -119,19 +119,6 @@ def pool_occupancy(pool: Any) -> tuple[float, float, float]:
     return held, allocated, capacity
 
 
-def engine_pool(engine: Any) -> Any:
-    """The engine's KV pool (for occupancy and its byte size)."""
-    for path in (("pool",), ("cache_pool",), ("runner", "pool"), ("runner", "cache_pool")):
-        obj = engine
-        for name in path:
-            obj = getattr(obj, name, None)
-        if obj is not None and hasattr(obj, "stats"):
-            return obj
-    raise AttributeError(
-        "cannot find the engine's KV pool (expected engine.pool or engine.runner.pool)"
-    )
-
-
 def _greedy(max_tokens: int) -> Any:
     from paged_server.sampling_params import SamplingParams
 
@@ -142,7 +129,7 @@ def run_engine(
     engine: Any, workload: Workload, *, config_name: str, model_name: str = ""
 ) -> RunResult:
     """Run ``workload`` to completion on ``engine`` (fresh, idle) and measure it."""
-    pool = engine_pool(engine)
+    pool = engine.pool
     for r in workload.warmup:  # untimed; only the burst below is measured
         engine.add_request(r.request_id, list(r.prompt_token_ids), _greedy(r.max_tokens))
     while engine.has_unfinished():
@@ -214,9 +201,7 @@ def run_engine(
             "max_seq_len": cfg.max_seq_len,
             "block_size": cfg.block_size,
             "kv_capacity_tokens": int(after["kv_capacity_tokens"]),
-            "kv_bytes": int(
-                sum(t.numel() * t.element_size() for t in (pool.k_cache, pool.v_cache))
-            ),
+            "kv_bytes": int(pool.kv_bytes()),
             "enable_prefix_caching": cfg.enable_prefix_caching,
             "enable_chunked_prefill": cfg.enable_chunked_prefill,
             "steps": len(timeline),

@@ -7,7 +7,6 @@ JSON lines, the results files and the results page share one schema.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -121,7 +120,3 @@ class RunResult:
             if d[key] is not None:
                 d[key] = round(d[key], 4)
         return d
-
-    def json_line(self) -> str:
-        """One line, keys sorted, no timeline: what ``paged-server bench`` prints."""
-        return json.dumps(self.to_dict(), sort_keys=True)
