@@ -224,6 +224,16 @@ class BlockManager:
         a caller that mirrors the table last looked (O(new blocks))."""
         return self._seq(seq_id).table[start:]
 
+    def seq_lens(self, seq_ids: Sequence[int]) -> list[int]:
+        """``seq_len`` of each sequence, in one call (a step checks its batch)."""
+        seqs = self._seqs
+        try:
+            return [seqs[s].num_tokens for s in seq_ids]
+        except KeyError as exc:
+            raise UnknownSequenceError(
+                f"unknown sequence {exc.args[0]}: it was never allocated or is already freed"
+            ) from None
+
     def seq_len(self, seq_id: int) -> int:
         """Tokens reserved for the sequence (prompt + appended)."""
         return self._seq(seq_id).num_tokens

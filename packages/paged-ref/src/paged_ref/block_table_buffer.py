@@ -78,6 +78,11 @@ class BlockTableBuffer:
     def num_blocks(self, handle: int) -> int:
         return self._lens[self._row_of[handle]]
 
+    def last(self, handle: int) -> int:
+        """The sequence's last block id."""
+        row = self._row_of[handle]
+        return int(self.table[row, self._lens[row] - 1])
+
     def blocks(self, handle: int) -> list[int]:
         """The sequence's table as a list (audits and tests)."""
         row = self._row_of[handle]
@@ -86,13 +91,19 @@ class BlockTableBuffer:
     def handles(self) -> list[int]:
         return list(self._row_of)
 
-    def gather(self, handles: Sequence[int], width: int) -> Tensor:
-        """``[len(handles), width]`` tables of these sequences (entries past a
-        table's end are stale: callers read only the blocks their tokens use)."""
-        rows = torch.tensor([self._row_of[h] for h in handles], dtype=torch.long)
+    def rows(self, handles: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Row index and table length of each sequence (``KeyError`` for one
+        without a row)."""
+        row_of, lens = self._row_of, self._lens
+        rows = [row_of[h] for h in handles]
+        return rows, [lens[r] for r in rows]
+
+    def gather(self, rows: Sequence[int], width: int) -> Tensor:
+        """``[len(rows), width]`` tables of these rows (entries past a table's
+        end are stale: callers read only the blocks their tokens use)."""
         if width > self.table.shape[1]:
             self._grow(width=width)
-        return self.table[:, :width].index_select(0, rows)
+        return self.table[:, :width].index_select(0, torch.tensor(rows, dtype=torch.long))
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
         old_rows, old_width = self.table.shape

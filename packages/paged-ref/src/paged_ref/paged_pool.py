@@ -195,7 +195,10 @@ class PagedKVCachePool:
             bm.allocate(slot, 1, [token_id])
             self._sync_table(slot)
             return
-        self._sync_table(slot, bm.append(slot, token_id))
+        at_boundary = bm.seq_len(slot) % self.block_size == 0
+        copies = bm.append(slot, token_id)
+        if copies or at_boundary:  # else the token fits the slot's own last block
+            self._sync_table(slot, copies)
 
     def get_num_reserved(self, slot: int) -> int:
         """Tokens the slot has room for (committed + reserved ahead)."""
@@ -295,25 +298,25 @@ class PagedKVCachePool:
         """A view's step metadata; copies pending from copy-on-write run first,
         so every block the step reads or writes holds its data."""
         bs = self.block_size
-        width = 1
-        for slot, start, n in zip(slots, starts, new_lens, strict=True):
-            end = start + n
-            if reserve:
-                self.ensure_reserved(slot, end)
-            elif end > self.get_num_reserved(slot):
-                raise RuntimeError(
-                    f"slot {slot} has room for {self.get_num_reserved(slot)} tokens but this "
-                    f"step writes up to position {end - 1}; reserve first (allocate_sequence / "
-                    "append_token)"
-                )
-            width = max(width, -(-end // bs))
+        if reserve:
+            for slot, start, n in zip(slots, starts, new_lens, strict=True):
+                self.ensure_reserved(slot, start + n)
+        bm = self.block_manager
+        rooms = [bm.seq_len(s) if bm.has_seq(s) else 0 for s in slots]
+        ends = [start + n for start, n in zip(starts, new_lens, strict=True)]
+        over = [i for i, (end, room) in enumerate(zip(ends, rooms, strict=True)) if end > room]
+        if over:
+            i = over[0]
+            raise RuntimeError(
+                f"slot {slots[i]} has room for {rooms[i]} tokens but this step writes up to "
+                f"position {ends[i] - 1}; reserve first (allocate_sequence / append_token)"
+            )
+        width = -(-max(ends, default=1) // bs) or 1
         self._flush_copies()
-        live = [s for s in slots if s in self._tables]
-        tables = (
-            self._tables.gather(live, width)
-            if len(live) == len(slots)
-            else torch.zeros(len(slots), width, dtype=torch.int32)  # only empty slots lack rows
-        )
+        if all(rooms):
+            tables = self._tables.gather(self._tables.rows(slots)[0], width)
+        else:  # only slots with nothing to compute lack a row
+            tables = torch.zeros(len(slots), width, dtype=torch.int32)
         return build_metadata(tables, starts, new_lens, bs, self.k_cache.device)
 
     # -- internals -----------------------------------------------------------
