@@ -10,6 +10,7 @@ from paged_server.config import (
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
+    resolve_max_num_batched_tokens,
 )
 from paged_server.sampling_params import SamplingParams
 
@@ -107,3 +108,21 @@ def test_sampling_params_reject_bad_field(overrides: dict, field: str) -> None:
 
 def test_single_stop_string_becomes_a_list() -> None:
     assert SamplingParams(stop="\n").stop == ["\n"]
+
+
+def test_step_token_budget_fits_the_device() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_max_num_batched_tokens(EngineConfig(), cpu) == 256
+    assert resolve_max_num_batched_tokens(EngineConfig(), cuda) == 2048
+    # never below what every running sequence needs to decode in one step
+    assert resolve_max_num_batched_tokens(EngineConfig(max_batch_size=300), cpu) == 300
+    # whole prompts only: the budget must hold the longest one
+    unchunked = EngineConfig(enable_chunked_prefill=False, max_seq_len=4096)
+    assert resolve_max_num_batched_tokens(unchunked, cpu) == 4096
+    assert resolve_max_num_batched_tokens(EngineConfig(max_num_batched_tokens=999), cpu) == 999
+
+
+def test_engine_records_the_budget_it_runs_with(make_engine) -> None:
+    engine = make_engine(max_num_batched_tokens=None)
+    assert engine.config.max_num_batched_tokens == 256
+    assert engine.scheduler.max_num_batched_tokens == 256

@@ -151,7 +151,8 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
 
     def append_token(self, slot: int, token_id: int) -> None:
         """Reserve room for ``token_id``, which a later step writes (and record
-        it for prefix hashing). Raises ``RuntimeError`` if full."""
+        it for prefix hashing). Raises ``OutOfBlocksError`` (a ``RuntimeError``)
+        when full, and then changes nothing."""
         ...
 
     def get_num_reserved(self, slot: int) -> int:

@@ -21,6 +21,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class EngineConfig:
     """Everything that shapes one engine: cache layout, budgets, backends.
 
+    ``max_num_batched_tokens=None`` picks a budget for the device (see
+    ``resolve_max_num_batched_tokens``); the engine records the one it used.
     ``num_gpu_blocks=None`` sizes the paged pool from ``kv_cache_memory_bytes``
     when given, else to ``max_batch_size * max_seq_len / block_size`` blocks:
     the same token capacity as the contiguous pool, for like-for-like
@@ -35,7 +37,7 @@ class EngineConfig:
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     max_batch_size: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: by device, see resolve_max_num_batched_tokens
     max_seq_len: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -54,16 +56,18 @@ class EngineConfig:
             raise ValueError(
                 f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
-        for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "max_queue_len"):
+        for name in ("block_size", "max_batch_size", "max_queue_len"):
             _at_least(name, getattr(self, name), 1)
         _at_least("max_seq_len", self.max_seq_len, 2)  # one prompt token + one generated
-        for name in ("num_gpu_blocks", "kv_cache_memory_bytes"):
+        for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
         if not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model: must be a path string or None, got {self.model!r}")
+        if self.max_num_batched_tokens is None:
+            return
         if self.max_num_batched_tokens < self.max_batch_size:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -76,6 +80,26 @@ class EngineConfig:
                 f"max_seq_len ({self.max_seq_len}) when enable_chunked_prefill is False, "
                 "or long prompts could never be scheduled; enable chunked prefill or raise it"
             )
+
+
+# Step token budget when none is given. On a GPU a step costs about the same
+# up to thousands of tokens, so big chunks are nearly free. On a CPU a step
+# costs in proportion to its tokens: 256 prompt tokens beside the decodes
+# keep a mixed step within a few decode steps' time (streams do not stall
+# while prompts arrive) and still run the matrix products near full speed.
+DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}
+
+
+def resolve_max_num_batched_tokens(config: EngineConfig, device: torch.device) -> int:
+    """The configured budget, or the device's default; never below
+    ``max_batch_size`` (every running sequence must be able to decode in one
+    step) nor, without chunked prefill, below ``max_seq_len`` (whole prompts)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    budget = DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cuda"])
+    if not config.enable_chunked_prefill:
+        budget = max(budget, config.max_seq_len)
+    return max(budget, config.max_batch_size)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:

@@ -21,6 +21,7 @@ one thread (``api/async_engine.py``), ``LLM`` from the caller's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -35,6 +36,7 @@ from paged_server.config import (
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
+    resolve_max_num_batched_tokens,
 )
 from paged_server.detokenize import IncrementalDetokenizer
 from paged_server.engine_checks import audit_engine, check_prompt
@@ -61,11 +63,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
-        self.config = config
         if loaded is None:
             device = resolve_device(config)
             loaded = load_model(_model_path(config), resolve_dtype(config, device), device)
         device = next(loaded.model.parameters()).device
+        # The config as run: device defaults filled in.
+        config = dataclasses.replace(
+            config, max_num_batched_tokens=resolve_max_num_batched_tokens(config, device)
+        )
+        self.config = config
         self.attention_backend = resolve_attention_backend(config, device)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -86,7 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_size,
-            config.max_num_batched_tokens,
+            config.max_num_batched_tokens,  # type: ignore[arg-type]  # resolved above
             config.block_size,
             config.enable_chunked_prefill,
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from paged_core import OutOfBlocksError
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.sequence import Sequence, SequenceStatus
 
@@ -143,9 +144,11 @@ class Scheduler:
         assert seq.slot is not None, f"running sequence {seq.seq_id} has no cache slot"
         pool = self.pool
         while (reserved := pool.get_num_reserved(seq.slot)) < upto:
-            if pool.can_append([seq.slot]):
+            try:
                 pool.append_token(seq.slot, seq.token_ids[reserved])
                 continue
+            except OutOfBlocksError:  # all or nothing: the pool is unchanged
+                pass
             victim = self._preempt_newest()
             if victim is None:  # cannot happen while ``seq`` runs; be loud if it does
                 raise RuntimeError(f"no room for sequence {seq.seq_id} and nothing to preempt")

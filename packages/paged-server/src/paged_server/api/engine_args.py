@@ -51,7 +51,8 @@ _HELP = {
     "max_batch_size * max_seq_len / block_size)",
     "kv_cache_memory_bytes": "KV cache memory budget in bytes (sizes the pool)",
     "max_batch_size": "most sequences running at once",
-    "max_num_batched_tokens": "token budget of one engine step (decode + prefill chunks)",
+    "max_num_batched_tokens": "token budget of one engine step (decode + prefill chunks); "
+    "none: 2048 on CUDA, 256 on CPU (where a step costs in proportion to its tokens)",
     "max_seq_len": "most tokens per sequence, prompt + generated",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "enable_chunked_prefill": "split long prompts into chunks interleaved with decode",
