@@ -80,6 +80,11 @@ def test_cli_prints_one_json_line_per_configuration(
     assert contiguous["peak_running"] <= 2 < paged["peak_running"] <= 4
     assert 0 < contiguous["peak_kv_usage"] < paged["peak_kv_usage"] <= 1
     assert paged["preemptions"] == 0
+    # Our engine times its linear layers (the CPU bound); transformers' runs do not.
+    for ours in (paged, contiguous):
+        assert 0 < ours["linear_seconds"] < ours["seconds"]
+        assert 0 < ours["linear_share"] < 1
+    assert runs["hf_generate_batch"]["linear_seconds"] is None
     ratios = lines[-1]
     assert ratios["paged_vs_contiguous"] == pytest.approx(
         paged["tokens_per_s"] / contiguous["tokens_per_s"], rel=0.02

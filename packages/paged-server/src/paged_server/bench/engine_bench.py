@@ -9,6 +9,7 @@ sequences, KV usage over time and preemptions.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,38 @@ def pool_occupancy(pool: Any) -> tuple[float, float, float]:
     return held, allocated, capacity
 
 
+class LinearTimer:
+    """Wall time spent inside a model's ``nn.Linear`` layers while active
+    (forward hooks around each call). On a CPU the linear layers are the
+    bound of a decoding engine: the matrix products any engine must run.
+    Not for CUDA (kernels run asynchronously; timing them needs syncs)."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        self.seconds = 0.0
+        self._linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self._handles: list[Any] = []
+        self._start = 0.0
+
+    def __enter__(self) -> LinearTimer:
+        def before(*_: Any) -> None:
+            self._start = time.perf_counter()
+
+        def after(*_: Any) -> None:
+            self.seconds += time.perf_counter() - self._start
+
+        for m in self._linears:
+            self._handles.append(m.register_forward_pre_hook(before))
+            self._handles.append(m.register_forward_hook(after))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 def _greedy(max_tokens: int) -> Any:
     from paged_server.sampling_params import SamplingParams
 
@@ -144,33 +177,36 @@ def run_engine(
     peak_held = (0.0, 1.0)
     peak_pool = 0.0
     peak_running = 0
-    while engine.has_unfinished():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if out.finish_reason == "error":
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-            if out.new_token_ids:
-                clock.record(out.request_id, len(out.new_token_ids), now)
-                produced += len(out.new_token_ids)
-        m = engine.metrics()
-        held, allocated, capacity = pool_occupancy(pool)
-        running = int(m["num_requests_running"])
-        peak_running = max(peak_running, running)
-        peak_pool = max(peak_pool, allocated / capacity if capacity else 0.0)
-        if held > peak_held[0]:
-            peak_held = (held, allocated)
-        timeline.append(
-            {
-                "t": round(now - start, 4),
-                "running": running,
-                "waiting": int(m["num_requests_waiting"]),
-                "tokens_held": held,
-                "slots_allocated": allocated,
-                "pool_usage": round(allocated / capacity, 4) if capacity else 0.0,
-            }
-        )
-    seconds = time.perf_counter() - start
+    on_cpu = next(engine.loaded.model.parameters()).device.type == "cpu"
+    timer = LinearTimer(engine.loaded.model) if on_cpu else None
+    with timer if timer is not None else contextlib.nullcontext():
+        while engine.has_unfinished():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                if out.new_token_ids:
+                    clock.record(out.request_id, len(out.new_token_ids), now)
+                    produced += len(out.new_token_ids)
+            m = engine.metrics()
+            held, allocated, capacity = pool_occupancy(pool)
+            running = int(m["num_requests_running"])
+            peak_running = max(peak_running, running)
+            peak_pool = max(peak_pool, allocated / capacity if capacity else 0.0)
+            if held > peak_held[0]:
+                peak_held = (held, allocated)
+            timeline.append(
+                {
+                    "t": round(now - start, 4),
+                    "running": running,
+                    "waiting": int(m["num_requests_waiting"]),
+                    "tokens_held": held,
+                    "slots_allocated": allocated,
+                    "pool_usage": round(allocated / capacity, 4) if capacity else 0.0,
+                }
+            )
+        seconds = time.perf_counter() - start
     after = engine.metrics()
     if produced != workload.output_tokens:
         raise RuntimeError(
@@ -194,6 +230,7 @@ def run_engine(
         peak_kv_pool_usage=peak_pool,
         preemptions=int(after["num_preemptions_total"] - before["num_preemptions_total"]),
         prefix_cache_hit_rate=hits / queries if queries else None,
+        linear_seconds=timer.seconds if timer is not None else None,
         settings={
             "kv_cache_backend": cfg.kv_cache_backend,
             "max_batch_size": cfg.max_batch_size,

@@ -32,6 +32,7 @@ RESULT_KEYS = (
     "peak_kv_pool_usage",
     "preemptions",
     "prefix_cache_hit_rate",
+    "linear_seconds",
     "settings",
 )
 
@@ -85,7 +86,9 @@ class RunResult:
     memory holds real tokens: near 1 for paged, low for contiguous slots;
     above 1 when sequences share prefix blocks, which count once per sequence).
     ``peak_kv_pool_usage`` is the highest fraction of the whole pool's token
-    slots allocated at any step."""
+    slots allocated at any step. ``linear_seconds`` (our engine on a CPU) is
+    the time spent inside the model's linear layers: the bound a perfect
+    engine around the same matrix products would approach."""
 
     config: str
     workload: str
@@ -101,6 +104,7 @@ class RunResult:
     peak_kv_pool_usage: float | None = None
     preemptions: int | None = None
     prefix_cache_hit_rate: float | None = None
+    linear_seconds: float | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     timeline: list[dict[str, float]] = field(default_factory=list)
 
@@ -119,4 +123,8 @@ class RunResult:
         for key in ("peak_kv_usage", "peak_kv_pool_usage", "prefix_cache_hit_rate"):
             if d[key] is not None:
                 d[key] = round(d[key], 4)
+        if self.linear_seconds is not None:
+            d["linear_seconds"] = round(self.linear_seconds, 3)
+            # Share of wall time in the linear layers = tokens/s as a share of the bound.
+            d["linear_share"] = round(self.linear_seconds / self.seconds, 4) if self.seconds else None
         return d
