@@ -99,6 +99,9 @@ def test_bench_serve_reports_one_json_line(capsys: pytest.CaptureFixture[str]) -
         assert 0 < p["p50"] <= p["p90"] <= p["p99"]
     assert report["output_tokens_per_s"] > 0
     assert report["server"]["prefix_cache_queries_total"] > 0
+    # The engine config as run: the CPU default step budget is filled in.
+    assert report["engine_config"]["max_num_batched_tokens"] == 256
+    assert set(report["running"]) == {"mean", "peak", "samples"}
 
 
 def test_bench_hook_runs_the_offline_benchmark_cli(capsys: pytest.CaptureFixture[str]) -> None:

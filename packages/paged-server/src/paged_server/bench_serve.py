@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -121,15 +122,41 @@ async def _one_request(
         timing.done = time.perf_counter()
 
 
+RUNNING_SAMPLE_S = 0.5  # how often the server's running count is read during a run
+
+
+async def _sample_running(client: httpx.AsyncClient, samples: list[float]) -> None:
+    """Read ``paged:num_requests_running`` from /metrics until cancelled."""
+    while True:
+        await asyncio.sleep(RUNNING_SAMPLE_S)
+        try:
+            text = (await client.get("/metrics")).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            m = _METRIC_LINE.match(line)
+            if m and m.group(1) == "paged:num_requests_running":
+                samples.append(float(m.group(2)))
+
+
 async def run_workload(
-    url: str, model: str | None, workload: Any, rate: float, seed: int, api_key: str | None
+    url: str,
+    model: str | None,
+    workload: Any,
+    rate: float,
+    seed: int,
+    api_key: str | None,
+    running: list[float] | None = None,
 ) -> tuple[list[RequestTiming], float]:
-    """Send every request of ``workload`` at its arrival time; returns timings and wall time."""
+    """Send every request of ``workload`` at its arrival time; returns timings
+    and wall time. ``running`` (if given) collects the server's running
+    count, sampled every ``RUNNING_SAMPLE_S`` seconds."""
     offsets = arrival_offsets(len(workload.requests), rate, seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timings = [RequestTiming() for _ in workload.requests]
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits, headers=headers) as client:
+        sampler = asyncio.ensure_future(_sample_running(client, running)) if running is not None else None
         start = time.perf_counter()
         tasks = []
         for spec, delay, timing in zip(workload.requests, offsets, timings, strict=True):
@@ -145,7 +172,12 @@ async def run_workload(
                 body["model"] = model
             tasks.append(_one_request(client, body, delay, start, timing))
         await asyncio.gather(*tasks)
-        return timings, time.perf_counter() - start
+        wall = time.perf_counter() - start
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+        return timings, wall
 
 
 def summarize(timings: list[RequestTiming], wall_s: float) -> dict[str, Any]:
@@ -248,10 +280,11 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
             name = served_model_name(config, args.served_model_name)
             server = ServerThread(engine, ServerSettings(model_name=name)).start()
             url, model, tokenizer = server.url, name, engine.tokenizer
-            settings_info = asdict(config)
+            settings_info = asdict(engine.config)  # as run: defaults resolved
         workload = build_workload(args.workload, wl.token_pool_from_tokenizer(tokenizer), args)
+        running: list[float] = []
         timings, wall = asyncio.run(
-            run_workload(url, model, workload, rate, args.seed, args.api_key)
+            run_workload(url, model, workload, rate, args.seed, args.api_key, running)
         )
         server_metrics = scrape_metrics(url, args.api_key)
     finally:
@@ -265,6 +298,11 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
         "url": args.url or "in-process",
         "num_requests": len(workload.requests),
         **summarize(timings, wall),
+        "running": {
+            "mean": round(sum(running) / len(running), 1) if running else None,
+            "peak": max(running, default=None),
+            "samples": len(running),
+        },
         "server": {
             k: server_metrics.get(k)
             for k in (
