@@ -98,6 +98,7 @@ def _run_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
                 _pct(r["peak_kv_usage"]),
                 _pct(r["peak_kv_pool_usage"]),
                 _f(r["preemptions"]),
+                _pct(r.get("linear_share")),
                 ratio(r, "contiguous"),
                 ratio(r, "hf_generate_batch"),
                 ratio(r, "hf_static_generate"),
@@ -116,6 +117,7 @@ RUN_HEADER = [
     "peak KV usage",
     "peak pool allocated",
     "preemptions",
+    "time in linear layers",
     "vs contiguous",
     "vs HF generate_batch",
     "vs HF static",
@@ -366,6 +368,53 @@ def _history_section(results: Path) -> list[str]:
     return out + [""]
 
 
+def _serving_section(data: dict[str, Any] | None) -> list[str]:
+    out = ["## Serving latency: inter-token latency while prompts arrive", ""]
+    if data is None:
+        return out + ["_Not run yet: `python benchmarks/run_all.py` writes it._", ""]
+    spec, env = data["plan"], data["environment"]
+    out += [
+        f"`paged-server bench-serve` on the embedded model, in-process server on loopback: workload "
+        f"`{spec['workload']}` ({spec['num_requests']} requests, Poisson arrivals at {spec['request_rate']} "
+        "requests/s, streamed, EOS ignored), once per step token budget (`--max-num-batched-tokens`). Every "
+        "step is one forward pass; a step that also prefills a prompt chunk takes longer, and each running "
+        "stream waits for it. Running = the server's `paged:num_requests_running`, sampled every 0.5 s. "
+        f"Measured {env['date']} on {env['hardware']}.",
+        "",
+    ]
+    rows = []
+    for r in data["runs"]:
+        itl = r["itl_ms"]
+        label = f"{r['budget']}" + (" (CPU default)" if r.get("budget_is_default") else "")
+        rows.append(
+            [
+                label,
+                _f(r["running"]["mean"]),
+                _f(r["running"]["peak"]),
+                _lat(itl),
+                f"{itl['p99'] / itl['p50']:.2f}x" if itl["p50"] else "-",
+                _lat(r["ttft_ms"]),
+                _f(r["output_tokens_per_s"]),
+                f"{r['completed']}/{r['num_requests']}",
+            ]
+        )
+    out += _table(
+        [
+            "step token budget",
+            "mean running",
+            "peak running",
+            "ITL ms p50/p90/p99",
+            "ITL p99 / p50",
+            "TTFT ms p50/p90/p99",
+            "output tokens/s",
+            "completed",
+        ],
+        rows,
+    )
+    out.append("")
+    return out
+
+
 def _summary_bullets(title: str, data: dict[str, Any]) -> list[str]:
     by = {r["config"]: r for r in data["runs"]}
     p, c = by.get("paged"), by.get("contiguous")
@@ -390,8 +439,14 @@ def _summary_bullets(title: str, data: dict[str, Any]) -> list[str]:
         if key in by and by[key]["tokens_per_s"]
     ]
     if ratios:
+        bound = ""
+        if p.get("linear_share") is not None:
+            bound = (
+                f" ({_pct(p['linear_share'])} of its time in the linear layers, i.e. tokens/s at "
+                f"{_pct(p['linear_share'])} of the linear-layers-only bound)"
+            )
         out.append(
-            f"- {title}: paged throughput {_f(p['tokens_per_s'])} tokens/s; "
+            f"- {title}: paged throughput {_f(p['tokens_per_s'])} tokens/s{bound}; "
             + ", ".join(ratios)
             + "."
         )
@@ -402,6 +457,7 @@ def _summary(results: Path) -> list[str]:
     out = ["## Summary", ""]
     for key, title in (
         ("seed_embedded", "Seed workload, embedded model"),
+        ("seed_100m_full", "Seed workload (full size), ~100M Llama"),
         ("seed_100m", "Seed workload (scaled), ~100M Llama"),
         ("nano_vllm_embedded", "nano-vllm workload (scaled), embedded model"),
     ):
@@ -418,6 +474,21 @@ def _summary(results: Path) -> list[str]:
                 f"from the cache; TTFT p50 {_f(on['ttft_ms']['p50'])} ms vs {_f(off['ttft_ms']['p50'])} ms without, "
                 f"throughput {on['tokens_per_s'] / off['tokens_per_s']:.2f}x."
             )
+    serving = _load(results, "serving_latency")
+    if serving is not None:
+        parts = [
+            f"{r['itl_ms']['p99'] / r['itl_ms']['p50']:.1f}x at a {r['budget']}-token step budget"
+            + (" (the CPU default)" if r.get("budget_is_default") else "")
+            for r in serving["runs"]
+            if r["itl_ms"]["p50"]
+        ]
+        out.append(
+            "- Serving (bench-serve, ~"
+            + _f(serving["runs"][-1]["running"]["mean"])
+            + " streams running): ITL p99 / p50 "
+            + ", ".join(parts)
+            + "."
+        )
     cap = _load(results, "capacity")
     if cap is not None and cap["rows"]:
         r = min(cap["rows"], key=lambda r: r["avg_len_target"])
@@ -455,7 +526,9 @@ def write_page(results: Path, docs: Path) -> Path:
         "engine construction excluded). **TTFT** = first token time since the burst (all requests arrive at t=0, so it "
         "includes queueing). **ITL** = gap between consecutive tokens of one request. **Peak KV usage** = tokens held / "
         "token slots allocated to sequences, at the step holding the most tokens. **Peak pool allocated** = highest share "
-        "of all token slots allocated. Ratios divide the row's tokens/s by the column's, measured in the same run. "
+        "of all token slots allocated. **Time in linear layers** = share of our engine's wall time spent inside the "
+        "model's `nn.Linear` layers: the matrix products any engine must run, so tokens/s divided by the "
+        "linear-layers-only bound. Ratios divide the row's tokens/s by the column's, measured in the same run. "
         "On CPU every configuration runs the same float32 weights; ours uses the PyTorch reference attention path.",
         "",
     ]
@@ -466,6 +539,13 @@ def write_page(results: Path, docs: Path) -> Path:
         "The design documents' `paged_attention` workload at full size.",
     )
     lines += _timeline_section(seed, images, docs)
+    lines += _comparison_section(
+        "Seed workload, ~100M-parameter Llama (full size)",
+        _load(results, "seed_100m_full"),
+        "`paged-server bench --model-config 100m --workload seed`: the design documents' workload at full "
+        "size on a random ~100M-parameter Llama, against transformers' continuous batching and static "
+        "`generate` (the contiguous pool is left out here to keep the run short).",
+    )
     lines += _comparison_section(
         "Seed workload, ~100M-parameter Llama (scaled down for CPU)",
         s100,
@@ -481,6 +561,7 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _capacity_section(_load(results, "capacity"), images, docs)
     lines += _sweep_section(_load(results, "batch_sweep"), images, docs)
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)
+    lines += _serving_section(_load(results, "serving_latency"))
     lines += _micro_section(_load(results, "microbench"))
     lines += _history_section(results)
     info = _load(results, "run_info")
@@ -496,7 +577,9 @@ def write_page(results: Path, docs: Path) -> Path:
         "nox -s bench                                   # microbenchmarks + everything above (CPU: under 20 minutes)",
         "python benchmarks/run_all.py --quick           # smoke test into a temporary folder",
         "paged-server bench --workload seed             # one workload, all four configurations, JSON lines",
-        "paged-server bench --model-config 100m --workload seed --prompt-scale 0.5 --max-new-tokens-scale 0.25  # as above",
+        "paged-server bench --model-config 100m --workload seed   # the ~100M model, full size",
+        "paged-server bench --model-config 100m --workload seed --prompt-scale 0.5 --max-new-tokens-scale 0.25  # scaled",
+        "paged-server bench-serve --num-requests 96 --request-rate 8   # serving latency, CPU default budget",
         "```",
         "",
     ]

@@ -48,6 +48,14 @@ FULL_PLAN: dict[str, Any] = {
         "prompt_scale": 0.5,
         "new_tokens_scale": 0.25,
     },
+    "seed_100m_full": {  # `paged-server bench --model-config 100m --workload seed`
+        "model": "100m",
+        "workload": "seed",
+        "num_requests": None,
+        "prompt_scale": 1.0,
+        "new_tokens_scale": 1.0,
+        "configs": ["paged", "hf_generate_batch", "hf_static_generate"],
+    },
     "nano_vllm_embedded": {
         "model": "embedded",
         "workload": "nano_vllm",
@@ -62,6 +70,13 @@ FULL_PLAN: dict[str, Any] = {
         "prompt_scale": 0.25,
         "new_tokens_scale": 0.25,
         "batch_sizes": [4, 8, 16, 32, 48],
+    },
+    "serving_latency": {  # bench-serve, Poisson arrivals keeping ~32 sequences running
+        "model": "embedded",
+        "workload": "continuous_batching",
+        "num_requests": 96,
+        "request_rate": 8.0,
+        "budgets": [2048, None],  # None: the engine's CPU default
     },
     "prefix_cache": {
         "model": "embedded",
@@ -86,12 +101,27 @@ QUICK_PLAN: dict[str, Any] = {
         "prompt_scale": 0.1,
         "new_tokens_scale": 0.05,
     },
+    "seed_100m_full": {
+        "model": "embedded",
+        "workload": "seed",
+        "num_requests": 4,
+        "prompt_scale": 0.1,
+        "new_tokens_scale": 0.05,
+        "configs": ["paged", "hf_generate_batch", "hf_static_generate"],
+    },
     "nano_vllm_embedded": {
         "model": "embedded",
         "workload": "nano_vllm",
         "num_requests": 8,
         "prompt_scale": 0.1,
         "new_tokens_scale": 0.05,
+    },
+    "serving_latency": {
+        "model": "embedded",
+        "workload": "continuous_batching",
+        "num_requests": 8,
+        "request_rate": 8.0,
+        "budgets": [2048, None],
     },
     "batch_sweep": {
         "model": "embedded",
@@ -215,7 +245,7 @@ class Bench:
 
 
 def run_comparison(bench: Bench, key: str, *, timelines: bool = False) -> dict[str, Any]:
-    """All four configurations on one workload, side by side."""
+    """The plan's configurations (default: all four) on one workload, side by side."""
     from paged_server.bench.suite import ALL_CONFIGS, ratios, run_config
 
     spec = bench.plan[key]
@@ -223,7 +253,7 @@ def run_comparison(bench: Bench, key: str, *, timelines: bool = False) -> dict[s
     workload = bench.workload(spec)
     data = bench.header(spec, workload)
     results = []
-    for config in ALL_CONFIGS:
+    for config in spec.get("configs", ALL_CONFIGS):
         results.append(run_config(config, workload, models, bench.options, model_name=name))
     data["runs"] = [
         run_line(r, timeline=timelines and r.config in ("paged", "contiguous")) for r in results
@@ -282,6 +312,35 @@ def run_prefix_cache(bench: Bench) -> dict[str, Any]:
         runs.append(run_line(r))
     data["runs"] = runs
     save("prefix_cache", data)
+    return data
+
+
+def run_serving_latency(bench: Bench) -> dict[str, Any]:
+    """``paged-server bench-serve`` in-process, once per step token budget:
+    inter-token latency of ~32 running streams while prompts keep arriving."""
+    from paged_server.api.engine_args import engine_config_from_args
+    from paged_server.bench_serve import bench_serve
+    from paged_server.cli import build_parser
+
+    spec = bench.plan["serving_latency"]
+    bench.model(spec["model"])  # the embedded model exists before the server starts
+    runs = []
+    for budget in spec["budgets"]:
+        argv = [
+            "bench-serve",
+            "--workload", spec["workload"],
+            "--num-requests", str(spec["num_requests"]),
+            "--request-rate", str(spec["request_rate"]),
+            "--max-num-batched-tokens", "none" if budget is None else str(budget),
+        ]  # fmt: skip
+        args = build_parser().parse_args(argv)
+        report = bench_serve(args, engine_config_from_args(args))
+        report["budget"] = report["engine_config"]["max_num_batched_tokens"]
+        report["budget_is_default"] = budget is None
+        emit({"kind": "serve", **report})
+        runs.append(report)
+    data = {"environment": bench.env, "plan": spec, "runs": runs}
+    save("serving_latency", data)
     return data
 
 
@@ -345,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        help="comma-separated subset: capacity,seed_embedded,seed_100m,nano_vllm_embedded,batch_sweep,prefix_cache",
+        help="comma-separated subset: capacity,seed_embedded,seed_100m,seed_100m_full,"
+        "nano_vllm_embedded,batch_sweep,prefix_cache,serving_latency",
     )
     args = parser.parse_args(argv)
     global RESULTS, DOCS
@@ -365,9 +425,11 @@ def main(argv: list[str] | None = None) -> int:
             "capacity": lambda: run_capacity(bench),
             "seed_embedded": lambda: run_comparison(bench, "seed_embedded", timelines=True),
             "seed_100m": lambda: run_comparison(bench, "seed_100m"),
+            "seed_100m_full": lambda: run_comparison(bench, "seed_100m_full"),
             "nano_vllm_embedded": lambda: run_comparison(bench, "nano_vllm_embedded"),
             "batch_sweep": lambda: run_batch_sweep(bench),
             "prefix_cache": lambda: run_prefix_cache(bench),
+            "serving_latency": lambda: run_serving_latency(bench),
         }
         only = [s.strip() for s in args.only.split(",")] if args.only else list(steps)
         unknown = set(only) - set(steps)
@@ -382,7 +444,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[run_all] {name}: {durations[name]} s", file=sys.stderr, flush=True)
         total = round(time.perf_counter() - started, 1)
         if not args.quick and not args.only:
-            append_history({k: v for k, v in done.items() if k != "capacity"}, bench.env)
+            append_history(
+                {k: v for k, v in done.items() if k not in ("capacity", "serving_latency")},
+                bench.env,
+            )
             save(
                 "run_info",
                 {"date": bench.env["date"], "seconds": durations, "total_seconds": total},
