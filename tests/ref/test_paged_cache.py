@@ -1,4 +1,5 @@
-"""PagedKVCachePool and its views: the design document's testing plan (000)."""
+"""PagedKVCachePool and its views: the design document's testing plan (000),
+for flat views (each slot's new tokens packed one after another)."""
 
 from __future__ import annotations
 
@@ -11,29 +12,38 @@ from paged_ref import PagedKVCachePool
 HEADS, KV_HEADS, DIM, BS = 4, 2, 8, 16
 
 
-def make_pool(num_blocks=12, block_size=BS, layers=2, prefix_caching=True) -> PagedKVCachePool:
+def make_pool(num_blocks=12, block_size=BS, layers=2, prefix_caching=True, ops=None):
     return PagedKVCachePool.from_model_config(
         layers, KV_HEADS, DIM, num_blocks, block_size, torch.float32,
-        enable_prefix_caching=prefix_caching,
+        enable_prefix_caching=prefix_caching, ops=ops,
     )  # fmt: skip
 
 
-def kv(gen, batch, length):
-    shape = (batch, KV_HEADS, length, DIM)
+def kv(gen, num_tokens):
+    """Flat K and V for ``num_tokens`` tokens: ``[num_tokens, kv_heads, head_dim]``."""
+    shape = (num_tokens, KV_HEADS, DIM)
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def token_at(pool, layer, slot, pos):
-    """K of one token, read by hand through the page table (the oracle)."""
+def token_at(pool, layer, slot, pos, cache="k"):
+    """K (or V) of one token, ``[kv_heads, head_dim]``, read by hand through the
+    block manager's page table (the oracle)."""
     block = pool.block_table(slot)[pos // pool.block_size]
-    return pool.k_cache[layer, block, :, pos % pool.block_size]
+    tensor = pool.k_cache if cache == "k" else pool.v_cache
+    return tensor[layer, block, pos % pool.block_size]
 
 
-def prefill(pool, slot, length, gen, layers=None):
+def context(flat):
+    """``[len, kv_heads, head_dim]`` as one slot of ``update``'s result."""
+    return flat.transpose(0, 1).unsqueeze(0)
+
+
+def prefill(pool, slot, length, gen):
+    """Fill ``slot`` with ``length`` random tokens on every layer; returns K per layer."""
     view = pool.prefill_view(slot)
     written = []
-    for layer in range(layers or pool.num_layers):
-        k, v = kv(gen, 1, length)
+    for layer in range(pool.num_layers):
+        k, v = kv(gen, length)
         view.update(layer, k, v)
         written.append(k)
     view.advance(length)
@@ -45,7 +55,7 @@ def test_sequence_allocation_takes_blocks_eagerly():
     pool = make_pool()
     slot = pool.allocate_slot(initial_tokens=50)
     assert len(pool.block_table(slot)) == 4  # ceil(50 / 16)
-    assert pool.get_seq_len(slot) == 0
+    assert pool.get_seq_len(slot) == 0 and pool.get_num_reserved(slot) == 50
     assert pool.free_slot_count() == 8
     empty = pool.allocate_slot(initial_tokens=0)
     assert pool.block_table(empty) == [] and pool.free_slot_count() == 8
@@ -104,17 +114,27 @@ def test_audit_finds_and_reclaims_leaked_blocks():
     assert pool.audit() == []
 
 
+def test_audit_reports_a_page_table_mirror_that_differs():
+    pool = make_pool()
+    slot = pool.allocate_slot(40)
+    assert pool.audit() == []
+    # Corrupt the mirror only: the block manager still holds the right table.
+    pool._tables.set(slot, 1, pool.block_table(slot)[0])
+    assert any("page-table row" in p for p in pool.audit())
+
+
 def test_block_size_one(gen):
     pool = make_pool(num_blocks=10, block_size=1)
     slot = pool.allocate_slot(5)
     assert len(pool.block_table(slot)) == 5
     ks = prefill(pool, slot, 5, gen)
-    k, v = kv(gen, 1, 1)
+    k, v = kv(gen, 1)
     pool.decode_view([slot]).update(0, k, v)
     assert len(pool.block_table(slot)) == 6
     for p in range(5):
-        assert torch.equal(token_at(pool, 0, slot, p), ks[0][0, :, p])
-    assert torch.equal(token_at(pool, 0, slot, 5), k[0, :, 0])
+        assert torch.equal(token_at(pool, 0, slot, p), ks[0][p])
+    assert torch.equal(token_at(pool, 0, slot, 5), k[0])
+    assert pool.audit() == []
 
 
 # -- prefill views ------------------------------------------------------------
@@ -123,13 +143,14 @@ def test_single_sequence_prefill(gen):
     slot = pool.allocate_slot(32)
     view = pool.prefill_view(slot)
     assert isinstance(view, AttentionViewProtocol) and view.is_paged()
-    k, v = kv(gen, 1, 32)
+    k, v = kv(gen, 32)
     k_out, v_out = view.update(0, k, v)
-    assert k_out is k and v_out is v
+    assert torch.equal(k_out, context(k)) and torch.equal(v_out, context(v))
     b0, b1 = pool.block_table(slot)
-    assert torch.equal(pool.k_cache[0, b0], k[0, :, :16])
-    assert torch.equal(pool.k_cache[0, b1], k[0, :, 16:])
-    assert torch.equal(pool.v_cache[0, b1], v[0, :, 16:])
+    assert torch.equal(pool.k_cache[0, b0], k[:16])
+    assert torch.equal(pool.k_cache[0, b1], k[16:])
+    assert torch.equal(pool.v_cache[0, b1], v[16:])
+    assert pool.get_seq_len(slot) == 0  # nothing is committed before advance
     view.advance(32)
     assert pool.get_seq_len(slot) == 32 == view.seq_len
 
@@ -138,33 +159,55 @@ def test_cross_block_write_leaves_rest_of_block_untouched(gen):
     pool = make_pool()
     pool.k_cache.fill_(7.0)
     slot = pool.allocate_slot(40)
-    k, v = kv(gen, 1, 40)
+    k, v = kv(gen, 40)
     pool.prefill_view(slot).update(1, k, v)
     b0, b1, b2 = pool.block_table(slot)
-    assert torch.equal(pool.k_cache[1, b0], k[0, :, :16])
-    assert torch.equal(pool.k_cache[1, b1], k[0, :, 16:32])
-    assert torch.equal(pool.k_cache[1, b2, :, :8], k[0, :, 32:])
-    assert (pool.k_cache[1, b2, :, 8:] == 7.0).all()
+    assert torch.equal(pool.k_cache[1, b0], k[:16])
+    assert torch.equal(pool.k_cache[1, b1], k[16:32])
+    assert torch.equal(pool.k_cache[1, b2, :8], k[32:])
+    assert (pool.k_cache[1, b2, 8:] == 7.0).all()
     assert (pool.k_cache[0] == 7.0).all()  # other layer untouched
 
 
-def test_batched_prefill_writes_only_real_tokens(gen):
+def test_packed_prefill_writes_exactly_its_tokens(gen):
     pool = make_pool()
-    pool.k_cache.fill_(7.0)
+    # Stale NaN in the blocks, as a reused block may hold.
+    pool.k_cache.fill_(float("nan"))
+    pool.v_cache.fill_(float("nan"))
     s0, s1 = pool.allocate_slot(10), pool.allocate_slot(20)
     assert pool.free_slot_count() == 12 - 3
     view = pool.batched_prefill_view([s0, s1], [10, 20])
-    k, v = kv(gen, 2, 20)
+    k, v = kv(gen, 30)  # slot 0's 10 tokens, then slot 1's 20
     k_out, v_out = view.update(0, k, v)
-    assert k_out is k and v_out is v
     (b0,) = pool.block_table(s0)
-    assert torch.equal(pool.k_cache[0, b0, :, :10], k[0, :, :10])
-    assert (pool.k_cache[0, b0, :, 10:] == 7.0).all()
+    assert torch.equal(pool.k_cache[0, b0, :10], k[:10])
+    assert pool.k_cache[0, b0, 10:].isnan().all()  # nothing written past slot 0's tokens
     for p in range(20):
-        assert torch.equal(token_at(pool, 0, s1, p), k[1, :, p])
-    assert pool.free_slot_count() == 12 - 3  # padding took no block
-    view.advance(20)
+        assert torch.equal(token_at(pool, 0, s1, p), k[10 + p])
+    # Each slot's context; zeros (not the stale NaN) past slot 0's length.
+    assert k_out.shape == v_out.shape == (2, KV_HEADS, 20, DIM)
+    assert torch.equal(k_out[0, :, :10], context(k[:10])[0])
+    assert torch.equal(v_out[1], context(v[10:])[0])
+    assert torch.equal(k_out[0, :, 10:], torch.zeros(KV_HEADS, 10, DIM))
+    assert torch.equal(v_out[0, :, 10:], torch.zeros(KV_HEADS, 10, DIM))
+    assert pool.free_slot_count() == 12 - 3  # the view took no block beyond the tokens
+    view.advance()
     assert (pool.get_seq_len(s0), pool.get_seq_len(s1)) == (10, 20)
+
+
+def test_kv_token_count_must_match_the_views_slots(gen):
+    pool = make_pool()
+    s0, s1 = pool.allocate_slot(10), pool.allocate_slot(20)
+    view = pool.batched_prefill_view([s0, s1], [10, 20])
+    before = pool.k_cache.clone()
+    with pytest.raises(ValueError, match="40 tokens"):
+        view.update(0, *kv(gen, 40))  # the old right-padded [2 x 20] batch
+    with pytest.raises(ValueError, match="29 tokens"):
+        view.attend(0, torch.randn(29, HEADS, DIM), *kv(gen, 29), scale=1.0)
+    assert torch.equal(pool.k_cache, before)  # nothing written
+    assert (pool.get_seq_len(s0), pool.get_seq_len(s1)) == (0, 0)
+    with pytest.raises(ValueError, match="distinct"):
+        pool.decode_view([s0, s0])
 
 
 # -- decode views -------------------------------------------------------------
@@ -172,13 +215,14 @@ def test_single_decode_step(gen):
     pool = make_pool()
     slot = pool.allocate_slot(20)
     prefill(pool, slot, 20, gen)
-    k, v = kv(gen, 1, 1)
+    k, v = kv(gen, 1)
     k_all, v_all = pool.decode_view([slot]).update(0, k, v)
     table = pool.block_table(slot)
-    assert torch.equal(pool.k_cache[0, table[1], :, 4], k[0, :, 0])
-    assert k_all.shape == (1, KV_HEADS, 21, DIM)
+    assert torch.equal(pool.k_cache[0, table[1], 4], k[0])
+    assert k_all.shape == v_all.shape == (1, KV_HEADS, 21, DIM)
     for p in range(21):
         assert torch.equal(k_all[0, :, p], token_at(pool, 0, slot, p))
+        assert torch.equal(v_all[0, :, p], token_at(pool, 0, slot, p, "v"))
 
 
 def test_multi_sequence_decode_at_exact_positions(gen):
@@ -188,13 +232,14 @@ def test_multi_sequence_decode_at_exact_positions(gen):
     prefill(pool, s1, 30, gen)
     view = pool.decode_view([s0, s1])
     assert view.seq_len == 30
-    k, v = kv(gen, 2, 1)
+    k, v = kv(gen, 2)
     k_all, _ = view.update(0, k, v)
-    assert torch.equal(pool.k_cache[0, pool.block_table(s0)[0], :, 10], k[0, :, 0])
-    assert torch.equal(pool.k_cache[0, pool.block_table(s1)[1], :, 14], k[1, :, 0])
+    assert torch.equal(pool.k_cache[0, pool.block_table(s0)[0], 10], k[0])
+    assert torch.equal(pool.k_cache[0, pool.block_table(s1)[1], 14], k[1])
     assert k_all.shape == (2, KV_HEADS, 31, DIM)
     for p in range(11):
         assert torch.equal(k_all[0, :, p], token_at(pool, 0, s0, p))
+    assert torch.equal(k_all[0, :, 11:], torch.zeros(KV_HEADS, 20, DIM))
     for p in range(31):
         assert torch.equal(k_all[1, :, p], token_at(pool, 0, s1, p))
     view.advance(1)
@@ -209,36 +254,47 @@ def test_vectorized_gather_equals_naive_loop(gen):
         prefill(pool, s, n, gen)
     view = pool.decode_view(slots)
     for layer in range(pool.num_layers):
-        k, v = kv(gen, len(slots), 1)
+        k, v = kv(gen, len(slots))
         k_all, v_all = view.update(layer, k, v)
+        assert k_all.shape[2] == max(lens) + 1
         for i, (s, n) in enumerate(zip(slots, lens, strict=True)):
             table = pool.block_table(s)
             naive_k = torch.stack(
-                [pool.k_cache[layer, table[p // 4], :, p % 4] for p in range(n + 1)], 1
+                [pool.k_cache[layer, table[p // 4], p % 4] for p in range(n + 1)], 1
             )
             naive_v = torch.stack(
-                [pool.v_cache[layer, table[p // 4], :, p % 4] for p in range(n + 1)], 1
+                [pool.v_cache[layer, table[p // 4], p % 4] for p in range(n + 1)], 1
             )
             assert torch.equal(k_all[i, :, : n + 1], naive_k)
             assert torch.equal(v_all[i, :, : n + 1], naive_v)
+            assert not k_all[i, :, n + 1 :].any() and not v_all[i, :, n + 1 :].any()
 
 
-def test_step_metadata_is_built_once_and_reused_by_every_layer(gen):
+def test_step_metadata_is_built_once_and_reused_by_every_layer(gen, monkeypatch):
     pool = make_pool()
     slots = [pool.allocate_slot(5), pool.allocate_slot(18)]
     for s, n in zip(slots, [5, 18], strict=True):
         prefill(pool, s, n, gen)
+    builds = []
+    build = pool.build_metadata
+    monkeypatch.setattr(pool, "build_metadata", lambda *a: builds.append(a) or build(*a))
     view = pool.decode_view(slots)
-    q = torch.randn(2, HEADS, 1, DIM, generator=gen)
-    view.attend(0, q, *kv(gen, 2, 1), scale=0.5)
+    q = torch.randn(2, HEADS, DIM, generator=gen)
+    view.attend(0, q, *kv(gen, 2), scale=0.5)
     meta = view.meta
-    block_tables = meta.block_tables
-    view.attend(1, q, *kv(gen, 2, 1), scale=0.5)
-    assert view.meta is meta and view.meta.block_tables is block_tables
-    view.update(0, *kv(gen, 2, 1))
-    gather = view._gather_blocks
-    view.update(1, *kv(gen, 2, 1))
-    assert view._gather_blocks is gather
+    plans = dict(meta.memo)
+    assert plans  # layer 0 left its gather plan for the other layers
+    view.attend(1, q, *kv(gen, 2), scale=0.5)
+    assert view.meta is meta and len(builds) == 1
+    assert meta.memo.keys() == plans.keys()
+    assert all(meta.memo[key] is plan for key, plan in plans.items())
+    # The next pass (same counts) builds its metadata once more, not per layer.
+    view.advance(1)
+    pool.append_token(slots[0], 0)
+    pool.append_token(slots[1], 0)
+    for layer in range(pool.num_layers):
+        view.attend(layer, q, *kv(gen, 2), scale=0.5)
+    assert len(builds) == 2 and view.meta is not meta
 
 
 def test_decode_grows_a_block_lazily_and_fails_cleanly_when_full(gen):
@@ -246,18 +302,38 @@ def test_decode_grows_a_block_lazily_and_fails_cleanly_when_full(gen):
     slot = pool.allocate_slot(16)
     prefill(pool, slot, 16, gen)
     free_before = pool.free_slot_count()
-    k, v = kv(gen, 1, 1)
+    k, v = kv(gen, 1)
     pool.decode_view([slot]).update(0, k, v)
     assert pool.free_slot_count() == free_before - 1
-    assert torch.equal(pool.k_cache[0, pool.block_table(slot)[1], :, 0], k[0, :, 0])
+    assert torch.equal(pool.k_cache[0, pool.block_table(slot)[1], 0], k[0])
 
     full = make_pool(num_blocks=1)
     only = full.allocate_slot(16)
     prefill(full, only, 16, gen)
     assert not full.can_append([only])
-    with pytest.raises(RuntimeError):
-        full.decode_view([only]).update(0, *kv(gen, 1, 1))
+    with pytest.raises(OutOfBlocksError):
+        full.decode_view([only]).update(0, *kv(gen, 1))
+    assert (full.get_seq_len(only), full.get_num_reserved(only)) == (16, 16)
     assert full.audit() == []
+
+
+def test_step_view_requires_room_reserved_first(gen):
+    pool = make_pool()
+    slot, _ = pool.allocate_sequence(list(range(BS)))
+    with pytest.raises(RuntimeError, match="reserve first"):
+        pool.step_view([slot], [0], [BS + 1])  # one token past the prompt
+    blocks = pool.block_table(slot)
+    view = pool.step_view([slot], [0], [BS])
+    view.update(0, *kv(gen, BS))
+    view.advance()
+    with pytest.raises(RuntimeError, match="reserve first"):
+        pool.step_view([slot], [BS], [1])  # a decode before append_token
+    assert pool.block_table(slot) == blocks  # the strict view took no block
+    pool.append_token(slot, 5)
+    k, v = kv(gen, 1)
+    pool.step_view([slot], [BS], [1]).update(0, k, v)
+    assert torch.equal(token_at(pool, 0, slot, BS), k[0])
+    assert pool.audit() == []
 
 
 @pytest.mark.parametrize(
@@ -270,10 +346,11 @@ def test_decode_at_block_boundaries(prompt, block, offset, gen):
     prefill(pool, slot, prompt, gen)
     pool.append_token(slot, 1)
     assert len(pool.block_table(slot)) == block + 1
-    k, v = kv(gen, 1, 1)
+    k, v = kv(gen, 1)
     view = pool.decode_view([slot])
     view.update(0, k, v)
-    assert torch.equal(pool.k_cache[0, pool.block_table(slot)[block], :, offset], k[0, :, 0])
+    assert len(pool.block_table(slot)) == block + 1  # append_token already reserved it
+    assert torch.equal(pool.k_cache[0, pool.block_table(slot)[block], offset], k[0])
     view.advance(1)
     assert pool.get_seq_len(slot) == prompt + 1
 
@@ -282,14 +359,22 @@ def test_decode_after_batched_prefill(gen):
     pool = make_pool()
     s0, s1 = pool.allocate_slot(5), pool.allocate_slot(10)
     view = pool.batched_prefill_view([s0, s1], [5, 10])
-    view.update(0, *kv(gen, 2, 10))
+    view.update(0, *kv(gen, 15))
     view.advance(10)
     dec = pool.decode_view([s0, s1])
     assert dec.seq_len == 10
-    k, v = kv(gen, 2, 1)
+    k, v = kv(gen, 2)
     dec.update(0, k, v)
-    assert torch.equal(token_at(pool, 0, s0, 5), k[0, :, 0])
-    assert torch.equal(token_at(pool, 0, s1, 10), k[1, :, 0])
+    assert torch.equal(token_at(pool, 0, s0, 5), k[0])
+    assert torch.equal(token_at(pool, 0, s1, 10), k[1])
+    # The same view runs the next decode step after a commit.
+    dec.advance(1)
+    k, v = kv(gen, 2)
+    dec.update(0, k, v)
+    assert torch.equal(token_at(pool, 0, s0, 6), k[0])
+    assert torch.equal(token_at(pool, 0, s1, 11), k[1])
+    dec.advance(1)
+    assert (pool.get_seq_len(s0), pool.get_seq_len(s1)) == (7, 12)
 
 
 # -- serving pool -------------------------------------------------------------
@@ -300,21 +385,62 @@ def test_fork_shares_blocks_and_copies_on_write(gen):
     child = pool.fork_slot(parent)
     assert pool.block_table(child) == pool.block_table(parent)
     assert pool.get_seq_len(child) == 20
+    shared = pool.block_table(parent)[1]
+    parent_block = pool.k_cache[:, shared].clone()
     pool.append_token(child, 3)  # last block is shared: child gets a copy
-    assert pool.block_table(child)[1] != pool.block_table(parent)[1]
+    assert pool.block_table(child)[1] != shared
     assert pool.stats()["cow_copies"] == 1
+    k, v = kv(gen, 1)
+    pool.decode_view([child]).update(0, k, v)  # runs the deferred copy first
     for layer in range(pool.num_layers):
         for p in range(20):
-            assert torch.equal(token_at(pool, layer, child, p), ks[layer][0, :, p])
-    k, v = kv(gen, 1, 1)
-    pool.decode_view([child]).update(0, k, v)
-    assert torch.equal(token_at(pool, 0, child, 20), k[0, :, 0])
-    parent_block = pool.block_table(parent)[1]
-    assert torch.equal(pool.k_cache[0, parent_block, :, :4], ks[0][0, :, 16:])
+            assert torch.equal(token_at(pool, layer, child, p), ks[layer][p])
+    assert torch.equal(token_at(pool, 0, child, 20), k[0])
+    assert torch.equal(pool.k_cache[:, shared], parent_block)  # parent's block untouched
     assert pool.audit() == []
     pool.free_slot(parent)
     pool.free_slot(child)
     assert pool.audit() == [] and pool.stats()["blocks_used"] == 0
+
+
+def assert_views_use_block_manager_tables(pool, slots):
+    """The audit (mirror vs block manager) and the tables a view hands the ops."""
+    assert pool.audit() == []
+    starts = [pool.get_num_reserved(s) - 1 for s in slots]
+    meta = pool.build_metadata(slots, starts, [1] * len(slots), False)
+    for row, slot in zip(meta.block_tables.tolist(), slots, strict=True):
+        table = pool.block_table(slot)
+        assert row[: len(table)] == table
+
+
+def test_page_table_mirror_follows_growth_fork_and_free():
+    pool = make_pool(num_blocks=20, block_size=4)
+    a, _ = pool.allocate_sequence(list(range(8)))
+    b, _ = pool.allocate_sequence(list(range(8)))  # no hit: nothing was computed yet
+    assert_views_use_block_manager_tables(pool, [a, b])
+    for t in range(5):  # across a block boundary
+        pool.append_token(a, t)
+    assert_views_use_block_manager_tables(pool, [a, b])
+    child = pool.fork_slot(b)  # b's last block is full: appends take fresh blocks
+    pool.append_token(child, 1)
+    pool.append_token(b, 2)
+    assert pool.stats()["cow_copies"] == 0
+    assert_views_use_block_manager_tables(pool, [a, b, child])
+    pool.free_slot(b)
+    assert_views_use_block_manager_tables(pool, [a, child])
+    pool.mark_computed(a, 13)
+    c, cached = pool.allocate_sequence(list(range(8)) + [0, 1, 2, 3, 9])  # a prefix hit
+    assert cached == 12
+    assert_views_use_block_manager_tables(pool, [child, c, a])
+
+
+def test_page_table_mirror_follows_copy_on_write():
+    pool = make_pool(num_blocks=20, block_size=4)
+    parent, _ = pool.allocate_sequence(list(range(6)))
+    child = pool.fork_slot(parent)
+    pool.append_token(child, 1)  # shared half-full block: copied
+    assert pool.stats()["cow_copies"] == 1
+    assert_views_use_block_manager_tables(pool, [parent, child])
 
 
 class RecordingOps:
@@ -344,13 +470,18 @@ def test_views_and_cow_go_through_the_pools_ops(gen):
     rec = RecordingOps()
     pool = PagedKVCachePool.from_model_config(1, KV_HEADS, DIM, 8, 4, torch.float32, ops=rec)
     slot, _ = pool.allocate_sequence([1, 2, 3])
-    pool.prefill_view(slot).attend(0, torch.randn(1, HEADS, 3, DIM), *kv(gen, 1, 3), scale=1.0)
-    child = pool.fork_slot(slot)
-    pool.append_token(child, 4)
-    pool.decode_view([child]).attend(0, torch.randn(1, HEADS, 1, DIM), *kv(gen, 1, 1), scale=1.0)
+    view = pool.prefill_view(slot)
+    view.attend(0, torch.randn(3, HEADS, DIM), *kv(gen, 3), scale=1.0)
+    view.advance()
+    children = [pool.fork_slot(slot), pool.fork_slot(slot)]
+    for child in children:
+        pool.append_token(child, 4)
+    pool.decode_view(children).attend(
+        0, torch.randn(2, HEADS, DIM), *kv(gen, 2), scale=1.0
+    )  # fmt: skip
     assert rec.calls == [
         "write_kv", "paged_prefill_attention", "copy_blocks", "write_kv", "paged_decode_attention",
-    ]  # fmt: skip
+    ]  # fmt: skip  # both children's copies in one batched call
 
 
 def test_paged_ref_never_imports_triton():
@@ -365,6 +496,7 @@ def test_sizing_helpers_and_kv_bytes():
     pool = PagedKVCachePool.from_model_config(3, 2, 8, 10, 4, torch.float16, device="meta")
     per_block = 2 * 3 * 2 * 4 * 8 * 2
     assert pool.kv_bytes() == 10 * per_block
+    assert tuple(pool.k_cache.shape) == (3, 10, 4, 2, 8)  # [layers, blocks, block, kv_heads, dim]
     assert (
         PagedKVCachePool.num_blocks_for_memory(
             10 * per_block + per_block - 1, 3, 2, 8, 4, torch.float16

@@ -1,6 +1,7 @@
 """The same K/V stream through the contiguous and the paged pool gives the
-same attention outputs: batched prefill then decode steps, with page tables
-shuffled by earlier frees, for GQA 4:1 and MQA, sliding window on and off."""
+same attention outputs: packed prefill then decode steps, with page tables
+shuffled by earlier frees, for GQA 4:1 and MQA, sliding window on and off,
+and with stale NaN in the reused blocks."""
 
 from __future__ import annotations
 
@@ -27,24 +28,42 @@ def shuffled_paged_pool(
 
 
 def run_stream(pool, steps, prompt_lens, window, softcap):
-    """Batched prefill of every prompt, then one decode step per entry of
-    ``steps``; returns every attention output in order."""
+    """Packed prefill of every prompt (``steps[0]``), then one decode step per
+    further entry of ``steps``, room reserved by ``append_token`` and one
+    decode view reused from step to step; returns every attention output in
+    order."""
     slots = [pool.allocate_sequence([7] * n)[0] for n in prompt_lens]
     outs = []
+    decode = None
     for i, layers in enumerate(steps):
         if i == 0:
             view = pool.batched_prefill_view(slots, prompt_lens)
         else:
             for s in slots:
                 pool.append_token(s, 7)
-            view = pool.decode_view(slots)
+            view = decode = decode or pool.decode_view(slots)
         for layer, (q, k, v) in enumerate(layers):
             outs.append(
                 view.attend(layer, q, k, v, scale=DIM**-0.5, sliding_window=window, softcap=softcap)
             )
-        view.advance(steps[i][0][0].shape[2])
+        view.advance(1)
+    assert [pool.get_seq_len(s) for s in slots] == [n + len(steps) - 1 for n in prompt_lens]
     assert pool.audit() == []
     return outs
+
+
+def flat_steps(heads, kv_heads, prompt_lens, decodes, layers, gen, score_scale=1.0):
+    """Random flat q/k/v per layer: one packed prefill of ``prompt_lens``, then
+    ``decodes`` steps of one token per sequence. ``score_scale`` multiplies q
+    and k (bigger scores), leaving v, and so the outputs' size, as drawn."""
+
+    def qkv(n):
+        q = torch.randn(n, heads, DIM, generator=gen) * score_scale
+        k = torch.randn(n, kv_heads, DIM, generator=gen) * score_scale
+        return q, k, torch.randn(n, kv_heads, DIM, generator=gen)
+
+    sizes = [sum(prompt_lens)] + [len(prompt_lens)] * decodes
+    return [[qkv(n) for _ in range(layers)] for n in sizes]
 
 
 @pytest.mark.backend
@@ -52,18 +71,8 @@ def run_stream(pool, steps, prompt_lens, window, softcap):
 @pytest.mark.parametrize("window", [None, 3], ids=["full", "window3"])
 def test_paged_equals_contiguous(heads, kv_heads, window, paged_ops, paged_atol, gen):
     prompt_lens = [5, 11, 8]
-    batch, padded = len(prompt_lens), max(prompt_lens)
-
-    def qkv(length):
-        return (
-            torch.randn(batch, heads, length, DIM, generator=gen),
-            torch.randn(batch, kv_heads, length, DIM, generator=gen),
-            torch.randn(batch, kv_heads, length, DIM, generator=gen),
-        )
-
-    steps = [[qkv(padded) for _ in range(LAYERS)]] + [
-        [qkv(1) for _ in range(LAYERS)] for _ in range(6)
-    ]
+    batch = len(prompt_lens)
+    steps = flat_steps(heads, kv_heads, prompt_lens, 6, LAYERS, gen)
     slotted = SlottedKVCache.from_model_config(
         LAYERS, kv_heads, DIM, 32, batch, dtype=torch.float32
     )
@@ -80,10 +89,7 @@ def test_paged_equals_contiguous(heads, kv_heads, window, paged_ops, paged_atol,
 @pytest.mark.backend
 def test_paged_equals_contiguous_with_softcap(paged_ops, paged_atol, gen):
     heads, kv_heads, lens = 4, 2, [6, 3]
-    steps = [
-        [tuple(torch.randn(2, h, n, DIM, generator=gen) * 3 for h in (heads, kv_heads, kv_heads))]
-        for n in (6, 1, 1)
-    ]
+    steps = flat_steps(heads, kv_heads, lens, 2, 1, gen, score_scale=3.0)  # the cap bites
     slotted = SlottedKVCache.from_model_config(1, kv_heads, DIM, 16, 2, dtype=torch.float32)
     paged = shuffled_paged_pool(kv_heads, paged_ops, gen)
     for e, g in zip(
@@ -94,6 +100,29 @@ def test_paged_equals_contiguous_with_softcap(paged_ops, paged_atol, gen):
         torch.testing.assert_close(g, e, atol=paged_atol, rtol=0)
 
 
+@pytest.mark.backend
+def test_stale_nan_in_reused_blocks_does_not_leak(paged_ops, paged_atol, gen):
+    """Blocks and slots freed by earlier sequences may hold anything, even NaN:
+    the tails of last blocks and the blocks a sliding window has left (window
+    3 over blocks of 4, so windows cross block boundaries) must not reach the
+    outputs of either pool."""
+    heads, kv_heads, lens = 4, 2, [5, 10, 3]
+    steps = flat_steps(heads, kv_heads, lens, 4, LAYERS, gen)
+
+    def slotted_pool():
+        return SlottedKVCache.from_model_config(LAYERS, kv_heads, DIM, 16, 3, dtype=torch.float32)
+
+    expected = run_stream(slotted_pool(), steps, lens, 3, None)  # zeroed: nothing stale
+    stale_slotted, stale_paged = slotted_pool(), shuffled_paged_pool(kv_heads, paged_ops, gen)
+    for pool in (stale_slotted, stale_paged):
+        pool.k_cache.fill_(float("nan"))
+        pool.v_cache.fill_(float("nan"))
+    for pool, atol in ((stale_slotted, 1e-6), (stale_paged, paged_atol)):
+        for e, g in zip(expected, run_stream(pool, steps, lens, 3, None), strict=True):
+            assert torch.isfinite(g).all()
+            torch.testing.assert_close(g, e, atol=atol, rtol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.backend
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -101,14 +130,8 @@ def test_paged_equals_contiguous_with_softcap(paged_ops, paged_atol, gen):
 def test_paged_equals_contiguous_on_cuda(dtype, paged_ops, gen):
     heads, kv_heads, lens = 8, 2, [5, 11, 8]
     steps = [
-        [
-            tuple(
-                torch.randn(3, h, n, DIM, generator=gen).to("cuda", dtype)
-                for h in (heads, kv_heads, kv_heads)
-            )
-            for _ in range(LAYERS)
-        ]
-        for n in (11, 1, 1, 1)
+        [tuple(t.to("cuda", dtype) for t in layer) for layer in step]
+        for step in flat_steps(heads, kv_heads, lens, 3, LAYERS, gen)
     ]
     slotted = SlottedKVCache.from_model_config(
         LAYERS, kv_heads, DIM, 32, 3, dtype=dtype, device="cuda"

@@ -28,26 +28,24 @@ class FakeModel:
         self.tables = [table(HEADS), table(KV_HEADS), table(KV_HEADS)]
 
     def qkv(self, layer, tokens, start):
-        """``[1, heads, len, D]`` q/k/v for ``tokens`` at positions ``start..``."""
-        ids = torch.tensor(tokens)
+        """``[len, heads, D]`` q/k/v for ``tokens`` at positions ``start..``."""
+        ids = torch.tensor(tokens, dtype=torch.long)
         pos = torch.arange(start, start + len(tokens))
-        return [
-            (tok[layer, ids] + p[layer, pos]).transpose(0, 1).unsqueeze(0) for tok, p in self.tables
-        ]
+        return [tok[layer, ids] + p[layer, pos] for tok, p in self.tables]
 
 
 def run(view, model, tokens_per_row, starts, window=None):
-    """attend on every layer for a (right-padded) batch; returns per-layer outputs."""
-    width = max(len(t) for t in tokens_per_row)
+    """attend on every layer for a flat batch (each row's tokens after the
+    previous row's), then commit; returns each layer's ``[num_tokens, heads, D]``."""
     outs = []
     for layer in range(LAYERS):
-        parts = []
-        for toks, start in zip(tokens_per_row, starts, strict=True):
-            padded = toks + [0] * (width - len(toks))
-            parts.append(model.qkv(layer, padded, start))
+        parts = [
+            model.qkv(layer, toks, start)
+            for toks, start in zip(tokens_per_row, starts, strict=True)
+        ]
         q, k, v = (torch.cat(x) for x in zip(*parts, strict=True))
         outs.append(view.attend(layer, q, k, v, scale=DIM**-0.5, sliding_window=window))
-    view.advance(width)
+    view.advance(len(tokens_per_row[0]))  # the count matters only to prefill_view
     return outs
 
 
@@ -89,7 +87,7 @@ def test_prefix_hit_equals_full_prefill(window, gen, new_pool, paged_atol):
     got = run(view, model, [second[cached_b:]], [cached_b], window)
     want = full_prefill(model, second, window)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w[:, :, cached_b:], atol=paged_atol, rtol=0)
+        torch.testing.assert_close(g, w[cached_b:], atol=paged_atol, rtol=0)
     assert pool.get_seq_len(slot_b) == len(second)
     assert pool.stats()["prefix_hits_tokens"] == cached_b
     assert pool.audit() == []
@@ -106,7 +104,8 @@ def test_update_returns_cached_context_after_a_prefix_hit(gen, new_pool, paged_a
     _, k, v = model.qkv(0, prompt[cached:], cached)
     k_all, v_all = pool.prefill_view(slot_b).update(0, k, v)
     _, k_full, v_full = model.qkv(0, prompt, 0)
-    assert torch.equal(k_all, k_full) and torch.equal(v_all, v_full)
+    assert torch.equal(k_all, k_full.transpose(0, 1).unsqueeze(0))
+    assert torch.equal(v_all, v_full.transpose(0, 1).unsqueeze(0))
 
 
 def test_batch_mixing_a_fresh_prompt_and_a_prefix_hit(gen, new_pool, paged_atol):
@@ -123,12 +122,13 @@ def test_batch_mixing_a_fresh_prompt_and_a_prefix_hit(gen, new_pool, paged_atol)
     rows = [hit_prompt[cached:], fresh_prompt]
     view = pool.batched_prefill_view([s_hit, s_fresh], [len(r) for r in rows])
     got = run(view, model, rows, [cached, 0])
+    n_hit = len(rows[0])
     for layer, out in enumerate(got):
-        want_hit = full_prefill(model, hit_prompt)[layer][0, :, cached:]
-        want_fresh = full_prefill(model, fresh_prompt)[layer][0]
-        torch.testing.assert_close(out[0, :, : len(rows[0])], want_hit, atol=paged_atol, rtol=0)
-        torch.testing.assert_close(out[1, :, : len(rows[1])], want_fresh, atol=paged_atol, rtol=0)
-        assert torch.equal(out[1, :, len(rows[1]) :], torch.zeros_like(out[1, :, len(rows[1]) :]))
+        assert out.shape[0] == n_hit + len(fresh_prompt)  # one row per token, no padding
+        want_hit = full_prefill(model, hit_prompt)[layer][cached:]
+        want_fresh = full_prefill(model, fresh_prompt)[layer]
+        torch.testing.assert_close(out[:n_hit], want_hit, atol=paged_atol, rtol=0)
+        torch.testing.assert_close(out[n_hit:], want_fresh, atol=paged_atol, rtol=0)
     assert (pool.get_seq_len(s_hit), pool.get_seq_len(s_fresh)) == (len(hit_prompt), 5)
 
 
@@ -145,7 +145,7 @@ def test_chunked_prefill_then_decode_equals_full_prefill(window, gen, new_pool, 
     pool.append_token(slot, prompt[13])
     pieces.append(run(pool.decode_view([slot]), model, [prompt[13:]], [13], window))
     for layer in range(LAYERS):
-        got = torch.cat([p[layer] for p in pieces], dim=2)
+        got = torch.cat([p[layer] for p in pieces])
         torch.testing.assert_close(got, want[layer], atol=paged_atol, rtol=0)
     assert pool.get_seq_len(slot) == 14 and pool.audit() == []
 
@@ -160,8 +160,39 @@ def test_generic_view_runs_chunks_of_several_sequences(gen, new_pool, paged_atol
     first = run(pool.view([sa, sb], [4, 2]), model, [a[:4], b[:2]], [0, 0])
     second = run(pool.view([sa, sb], [5, 4]), model, [a[4:], b[2:]], [4, 2])
     for layer in range(LAYERS):
-        full_a, full_b = full_prefill(model, a)[layer][0], full_prefill(model, b)[layer][0]
-        got_a = torch.cat([first[layer][0, :, :4], second[layer][0, :, :5]], dim=1)
-        got_b = torch.cat([first[layer][1, :, :2], second[layer][1, :, :4]], dim=1)
+        full_a, full_b = full_prefill(model, a)[layer], full_prefill(model, b)[layer]
+        got_a = torch.cat([first[layer][:4], second[layer][:5]])
+        got_b = torch.cat([first[layer][4:], second[layer][5:]])
         torch.testing.assert_close(got_a, full_a, atol=paged_atol, rtol=0)
         torch.testing.assert_close(got_b, full_b, atol=paged_atol, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_one_step_mixes_decodes_and_chunks_in_any_order(window, gen, new_pool, paged_atol):
+    """One engine step (``step_view``, room reserved beforehand) where a decode
+    sits between two prefill chunks, so each part's rows are picked out of the
+    flat batch, and a prefix hit starts mid-prompt."""
+    model = FakeModel(gen)
+    a = torch.randint(1, VOCAB, (9,), generator=gen).tolist()
+    b = torch.randint(1, VOCAB, (7,), generator=gen).tolist()
+    c = a[:BLOCK] + torch.randint(1, VOCAB, (3,), generator=gen).tolist()
+    pool = new_pool()
+    sa, _ = pool.allocate_sequence(a)
+    sb, _ = pool.allocate_sequence(b[:6])
+    first = pool.step_view([sa, sb], [0, 0], [5, 6])
+    run(first, model, [a[:5], b[:6]], [0, 0], window)
+    pool.append_token(sb, b[6])
+    sc, cached = pool.allocate_sequence(c)  # a's first block is computed: a hit
+    assert cached == BLOCK
+    view = pool.step_view([sa, sb, sc], [5, 6, cached], [4, 1, len(c) - cached])
+    assert view.meta.decode.rows is not None  # the decode is not first: rows are picked
+    got = run(view, model, [a[5:], b[6:], c[cached:]], [5, 6, cached], window)
+    for layer, out in enumerate(got):
+        want_a = full_prefill(model, a, window)[layer][5:]
+        want_b = full_prefill(model, b, window)[layer][6:]
+        want_c = full_prefill(model, c, window)[layer][cached:]
+        torch.testing.assert_close(out[:4], want_a, atol=paged_atol, rtol=0)
+        torch.testing.assert_close(out[4:5], want_b, atol=paged_atol, rtol=0)
+        torch.testing.assert_close(out[5:], want_c, atol=paged_atol, rtol=0)
+    assert [pool.get_seq_len(s) for s in (sa, sb, sc)] == [9, 7, len(c)]
+    assert pool.audit() == []

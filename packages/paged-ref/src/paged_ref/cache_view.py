@@ -74,6 +74,15 @@ class CacheView:
         if self.new_lens is not None:
             self.meta = pool.build_metadata(self.slots, self.starts, self.new_lens, reserve)
 
+    @classmethod
+    def over(cls, pool: ViewPool, meta: AttentionMetadata) -> CacheView:
+        """A view over metadata someone else keeps up to date (the static
+        buffers a CUDA graph reads). It covers no slots of its own, so
+        ``advance`` commits nothing: the caller commits through the pool."""
+        view = cls(pool, [], [], None, reserve=False)  # no slots: builds nothing
+        view.new_lens, view.meta, view._open = list(meta.new_lens), meta, False
+        return view
+
     # -- KVCacheProtocol ---------------------------------------------------------
     @property
     def seq_len(self) -> int:
@@ -98,6 +107,8 @@ class CacheView:
         """Commit this pass: each slot now holds ``starts[i] + new_lens[i]``
         tokens (``n`` each when the view was built without counts). The view
         may then run the next pass with the same counts (e.g. decode)."""
+        if not self.slots:  # a view ``over`` someone else's metadata commits nothing
+            return
         added = self.new_lens if self.new_lens is not None else [n or 0] * len(self.slots)
         for slot, start, extra in zip(self.slots, self.starts, added, strict=True):
             self.pool.mark_computed(slot, start + extra)

@@ -42,6 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # CUDA: never replay decode steps from CUDA graphs
     dtype: str = "auto"
     device: str = "auto"
     max_queue_len: int = 1024

@@ -38,6 +38,7 @@ from paged_server.config import (
     resolve_dtype,
     resolve_max_num_batched_tokens,
 )
+from paged_server.decode_graphs import DecodeGraphs
 from paged_server.detokenize import IncrementalDetokenizer
 from paged_server.engine_checks import audit_engine, check_prompt
 from paged_server.engine_metrics import EngineCounters
@@ -88,7 +89,10 @@ class LLMEngine:
         self.pool, self.capacity = build_cache_pool(
             config, loaded.config, loaded.dtype, device, self.attention_backend
         )
-        self.runner = ModelRunner(loaded.model, self.pool, device)
+        self.runner = ModelRunner(loaded.model, self.pool, device, self._decode_graphs(device))
+        if device.type == "cuda":  # compile (and capture) before the first request
+            seconds = self.runner.warm_up(min(config.max_seq_len - 1, 256))
+            log.info("warm-up done in %.1f s", seconds)
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_size,
@@ -101,6 +105,26 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._touched: list[Sequence] = []
         self.counters = EngineCounters()
+
+    def _decode_graphs(self, device: torch.device) -> DecodeGraphs | None:
+        """CUDA graphs for pure-decode steps: on CUDA, with the Triton kernels
+        (the reference ops sync with the host), unless ``enforce_eager``."""
+        config = self.config
+        if (
+            config.enforce_eager
+            or device.type != "cuda"
+            or self.attention_backend != "triton"
+            or config.kv_cache_backend != "paged"
+        ):
+            return None
+        return DecodeGraphs(
+            self.loaded.model,
+            self.pool,  # type: ignore[arg-type]  # the paged pool builds metadata
+            device,
+            config.max_batch_size,
+            -(-config.max_seq_len // config.block_size),
+            capture=True,
+        )
 
     # -- submission ------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> int:

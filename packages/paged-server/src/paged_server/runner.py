@@ -8,17 +8,22 @@ metadata (page tables, slot mapping, lengths) before the forward pass, and
 the LM head runs only on the rows whose logits are sampled: the last token
 of each sequence whose tokens are all computed after this step.
 
+On a GPU, pure-decode steps replay CUDA graphs instead (``decode_graphs``):
+same inputs, copied into static buffers and padded to a captured size.
+
 The runner commits nothing: the engine does, once the pass has succeeded.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from paged_core.protocols import ServingPoolProtocol
+from paged_server.decode_graphs import DecodeGraphs
 from paged_server.sequence import Sequence
 
 
@@ -35,10 +40,17 @@ class StepLogits:
 class ModelRunner:
     """Runs the engine's forward passes over one cache pool."""
 
-    def __init__(self, model: nn.Module, pool: ServingPoolProtocol, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        pool: ServingPoolProtocol,
+        device: torch.device,
+        decode_graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
@@ -66,13 +78,38 @@ class ModelRunner:
             if end == seq.num_tokens:
                 rows.append(len(ids) - 1)
                 sampled.append(i)
-        view = self.pool.step_view(slots, starts, lens)
         model = self.model
-        hidden = model.hidden_states(  # type: ignore[operator]
-            self._tensor(ids), self._tensor(positions), view
-        )
+        graphs = self.decode_graphs
+        if graphs is not None and len(ids) == len(slots) <= graphs.max_size:
+            hidden = graphs.run(slots, starts, self._tensor(ids))
+        else:
+            view = self.pool.step_view(slots, starts, lens)
+            hidden = model.hidden_states(  # type: ignore[operator]
+                self._tensor(ids), self._tensor(positions), view
+            )
         logits = model.compute_logits(hidden.index_select(0, self._tensor(rows)))  # type: ignore[operator]
         return StepLogits(logits, sampled, len(ids))
+
+    @torch.inference_mode()
+    def warm_up(self, prompt_len: int) -> float:
+        """Compile the kernels the server will use before the first request:
+        every decode batch size (captured as graphs when there are graphs) and
+        one prefill of ``prompt_len`` tokens through a throwaway sequence.
+        Returns the seconds it took."""
+        start = time.perf_counter()
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture_all()
+        slot, _ = self.pool.allocate_sequence([0] * prompt_len)
+        try:  # never committed: nothing enters the prefix cache
+            view = self.pool.step_view([slot], [0], [prompt_len])
+            self.model.hidden_states(  # type: ignore[operator]
+                self._tensor([0] * prompt_len), self._tensor(list(range(prompt_len))), view
+            )
+        finally:
+            self.pool.free_slot(slot)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def _tensor(self, data: list[int]) -> Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

@@ -57,6 +57,8 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "enable_chunked_prefill": "split long prompts into chunks interleaved with decode",
     "attention_backend": "attention kernels: auto = triton on CUDA, ref on CPU",
+    "enforce_eager": "run every step eagerly; otherwise, on CUDA with the triton backend, "
+    "decode steps replay CUDA graphs captured at start-up",
     "dtype": "weights and KV dtype: auto = bfloat16 on CUDA, float32 on CPU",
     "device": "auto, cpu, cuda or cuda:N",
     "max_queue_len": "waiting requests beyond which new ones get HTTP 503",

@@ -74,6 +74,7 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
+        self._scales: dict[torch.dtype, float] = {}
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         max_pos = config.max_position_embeddings
@@ -82,6 +83,15 @@ class Gemma3Model(nn.Module):
             config.local_rope or config.rope, config.head_dim, max_pos
         )
 
+    def _rounded_scale(self, dtype: torch.dtype) -> float:
+        """The embedding scale rounded to the weights' dtype first, as the
+        checkpoints expect; a Python float, so no tensor is made per step
+        (that would be a host-to-device copy inside a CUDA graph)."""
+        scale = self._scales.get(dtype)
+        if scale is None:
+            scale = self._scales[dtype] = float(torch.tensor(self.embed_scale, dtype=dtype))
+        return scale
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -89,8 +99,7 @@ class Gemma3Model(nn.Module):
         kv_cache: AttentionViewProtocol | None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # The scale is rounded to the weights' dtype first, as the checkpoints expect.
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        x = x * self._rounded_scale(x.dtype)
         global_cos, global_sin = self.global_rotary(position_ids, x.dtype)
         local_cos, local_sin = self.local_rotary(position_ids, x.dtype)
         for layer in self.layers:

@@ -1,0 +1,164 @@
+"""Decode steps replayed from CUDA graphs, one per padded batch size.
+
+On a GPU a decode step of a small model is bound by launching kernels (a few
+per layer) from Python, not by the kernels. A CUDA graph records the whole
+forward pass once and replays it with one launch. A graph reads fixed
+addresses, so a pure-decode step's inputs (token ids, positions, slot
+mapping, page tables, lengths) are copied into persistent device buffers,
+and the batch is padded to the next captured size: padding rows write no KV
+(slot -1) and attend to nothing (length 0), and their outputs are dropped.
+
+Everything here also runs without a GPU, eagerly (``capture=False``): the
+tests check on a CPU that the padded static-buffer path gives the same
+logits as the plain one, and that its forward pass never syncs with the
+host or allocates step-dependent shapes (what a capture needs).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from paged_ref.attention_metadata import AttentionMetadata, DecodePart
+from paged_ref.cache_view import CacheView, ViewPool
+
+log = logging.getLogger(__name__)
+
+# Batch sizes captured (as vLLM does: small powers of two, then steps of 16).
+CAPTURE_SIZES = (1, 2, 4, 8, *range(16, 513, 16))
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """The captured sizes up to ``max_batch_size`` (which is always one)."""
+    return [s for s in CAPTURE_SIZES if s < max_batch_size] + [max_batch_size]
+
+
+class DecodeGraphs:
+    """Static buffers and one graph (or, eagerly, one static view) per size."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pool: ViewPool,
+        device: torch.device,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        *,
+        capture: bool,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.sizes = capture_sizes(max_batch_size)
+        self.capture = capture
+        n = self.sizes[-1]
+        long = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(n, **long)  # type: ignore[arg-type]
+        self.positions = torch.zeros(n, **long)  # type: ignore[arg-type]
+        self.slot_mapping = torch.full((n,), -1, **long)  # type: ignore[arg-type]
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self._views = {size: self._static_view(size) for size in self.sizes}
+        self._graphs: dict[int, Any] = {}
+        self._outputs: dict[int, Tensor] = {}
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded(self, batch: int) -> int:
+        """The captured size a batch of ``batch`` decodes runs at."""
+        return self.sizes[bisect.bisect_left(self.sizes, batch)]
+
+    def run(self, slots: list[int], starts: list[int], input_ids: Tensor) -> Tensor:
+        """Hidden states ``[batch, hidden]`` of a pure-decode step: one token
+        (``input_ids``) per slot at position ``starts[i]``, room reserved,
+        ``batch <= max_size``."""
+        meta = self.pool.build_metadata(slots, starts, [1] * len(slots), False)
+        batch = len(slots)
+        size = self.padded(batch)
+        self._load(meta, input_ids, size)
+        graph = self._graphs.get(size)
+        if graph is not None:
+            graph.replay()
+            return self._outputs[size][:batch]
+        return self._forward(size)[:batch]
+
+    @torch.inference_mode()
+    def capture_all(self) -> float:
+        """Warm up every size (compiles its kernels) and, with ``capture``,
+        record its graph; returns the seconds it took. All-padding inputs:
+        nothing is written to or read from the cache."""
+        start = time.perf_counter()
+        self._reset(self.max_size)
+        graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        for size in reversed(self.sizes):  # largest first: the others reuse its memory
+            self._forward(size)
+            if self.capture:
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=graph_pool):
+                    self._outputs[size] = self._forward(size)
+                self._graphs[size] = graph
+        seconds = time.perf_counter() - start
+        log.info(
+            "decode warm-up: %d batch sizes (1..%d) %s in %.1f s",
+            len(self.sizes),
+            self.max_size,
+            "captured as CUDA graphs" if self.capture else "run eagerly",
+            seconds,
+        )
+        return seconds
+
+    # -- internals -------------------------------------------------------------
+    def _forward(self, size: int) -> Tensor:
+        view = self._views[size]
+        assert view.meta is not None
+        view.meta.memo.clear()  # what the reference ops derived last step is stale now
+        return self.model.hidden_states(  # type: ignore[operator, no-any-return]
+            self.input_ids[:size], self.positions[:size], view
+        )
+
+    def _static_view(self, size: int) -> CacheView:
+        tables, lens = self.block_tables[:size], self.seq_lens[:size]
+        meta = AttentionMetadata(
+            starts=[0] * size,
+            new_lens=[1] * size,
+            positions=self.positions[:size],
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=tables,
+            seq_lens=lens,
+            decode=DecodePart(rows=None, block_tables=tables, seq_lens=lens),
+            prefill=None,
+        )
+        return CacheView.over(self.pool, meta)
+
+    def _load(self, meta: AttentionMetadata, input_ids: Tensor, size: int) -> None:
+        """Device-to-device copies of this step into the static buffers, then padding."""
+        batch = len(meta.starts)
+        dec = meta.decode
+        assert dec is not None and meta.prefill is None, "graphs replay pure-decode steps"
+        width = dec.block_tables.shape[1]
+        if width > self.block_tables.shape[1]:
+            raise ValueError(
+                f"a sequence uses {width} blocks, more than the {self.block_tables.shape[1]} "
+                "the graphs were built for (max_seq_len / block_size)"
+            )
+        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
+        self.positions[:batch].copy_(meta.positions, non_blocking=True)
+        self.slot_mapping[:batch].copy_(meta.slot_mapping, non_blocking=True)
+        self.block_tables[:batch, :width].copy_(dec.block_tables, non_blocking=True)
+        self.seq_lens[:batch].copy_(dec.seq_lens, non_blocking=True)
+        self._reset(size, start=batch)
+
+    def _reset(self, size: int, start: int = 0) -> None:
+        """Rows ``start:size`` become padding: no KV write, nothing to attend."""
+        if start < size:
+            self.input_ids[start:size].zero_()
+            self.positions[start:size].zero_()
+            self.slot_mapping[start:size].fill_(-1)
+            self.seq_lens[start:size].zero_()
