@@ -30,11 +30,18 @@ from paged_ref.ops import gather_context
 
 
 class ViewPool(Protocol):
-    """What a view needs from its pool."""
+    """What a view needs from its pool: ``k_cache``/``v_cache``
+    (``[layers, num_blocks, block_size, kv_heads, head_dim]``) and the
+    ``ops`` module that writes and attends."""
 
-    k_cache: Tensor  # [layers, num_blocks, block_size, kv_heads, head_dim]
-    v_cache: Tensor
-    ops: ModuleType
+    @property
+    def k_cache(self) -> Tensor: ...
+
+    @property
+    def v_cache(self) -> Tensor: ...
+
+    @property
+    def ops(self) -> ModuleType: ...
 
     def is_paged(self) -> bool: ...
 

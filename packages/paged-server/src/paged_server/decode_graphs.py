@@ -56,10 +56,9 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch_size)
         self.capture = capture
         n = self.sizes[-1]
-        long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(n, **long)  # type: ignore[arg-type]
-        self.positions = torch.zeros(n, **long)  # type: ignore[arg-type]
-        self.slot_mapping = torch.full((n,), -1, **long)  # type: ignore[arg-type]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self._views = {size: self._static_view(size) for size in self.sizes}
