@@ -85,6 +85,17 @@ def test_audit_reports_unknown_ids_on_the_free_list():
     assert "free list holds unknown block id -1" in problems
 
 
+def test_audit_reports_a_cached_block_that_holds_another_prefix():
+    """A hit on it would serve KV of other tokens."""
+    m = BlockManager(num_blocks=4, block_size=4)
+    m.allocate(1, 6, [1, 2, 3, 4, 5, 6])
+    m.mark_computed(1, 6)
+    block = m.block_pool.blocks[m.block_table(1)[0]]
+    assert block.block_hash is not None and m.audit() == []
+    block.token_ids = (9, 9, 9, 9)  # deliberate corruption
+    assert f"sequence 1: block {block.block_id} caches another prefix" in m.audit()
+
+
 def test_audit_is_clean_with_cached_and_plain_free_blocks():
     m = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
     m.allocate(1, 9, list(range(9)))

@@ -61,8 +61,7 @@ class _SeqBlocks:
     table: list[Block]
     num_tokens: int  # reserved: prompt + appended
     num_computed: int = 0  # tokens whose KV the pool reported written
-    tokens: list[int] = field(default_factory=list)  # leading known token ids
-    tokens_complete: bool = True  # False once a token id was not given
+    tokens: list[int] = field(default_factory=list)  # known ids; stop growing at the first unknown
     hashes: list[BlockHash] = field(default_factory=list)  # chained keys of leading full blocks
 
 
@@ -121,10 +120,7 @@ class BlockManager:
         seq = _SeqBlocks(table, num_tokens, num_cached)
         if self.enable_prefix_caching:
             seq.hashes = [block_hash for _, block_hash in hits]
-            if token_ids is None:
-                seq.tokens_complete = False
-            else:
-                seq.tokens = list(token_ids)
+            seq.tokens = list(token_ids) if token_ids is not None else []
             self._prefix_queries_tokens += num_tokens
             self._prefix_hits_tokens += num_cached
         self._seqs[seq_id] = seq
@@ -173,12 +169,13 @@ class BlockManager:
             seq.table[-1] = copy
             copies.append((last.block_id, copy.block_id))
             self._cow_copies += 1
+        if (
+            self.enable_prefix_caching
+            and token_id is not None
+            and len(seq.tokens) == seq.num_tokens
+        ):
+            seq.tokens.append(token_id)  # ids are kept while every id so far is known
         seq.num_tokens += 1
-        if self.enable_prefix_caching and seq.tokens_complete:
-            if token_id is None:
-                seq.tokens_complete = False
-            else:
-                seq.tokens.append(token_id)
         return copies
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
@@ -228,7 +225,7 @@ class BlockManager:
             self.block_pool.acquire(block)
         self._seqs[child] = _SeqBlocks(
             list(src.table), src.num_tokens, src.num_computed,
-            list(src.tokens), src.tokens_complete, list(src.hashes),
+            list(src.tokens), list(src.hashes),
         )  # fmt: skip
         self._forks += 1
 
@@ -299,15 +296,17 @@ class BlockManager:
             n, where = seq.num_tokens, f"sequence {seq_id}"
             if n < 1 or len(seq.table) != _cdiv(n, bs):
                 problems.append(f"{where} has {n} tokens but {len(seq.table)} blocks")
-            if not 0 <= seq.num_computed <= n or len(seq.hashes) > n // bs:
-                problems.append(f"{where}: {seq.num_computed} computed, {len(seq.hashes)} keys")
-            if self.enable_prefix_caching and seq.tokens_complete and len(seq.tokens) != n:
-                problems.append(f"{where} recorded {len(seq.tokens)} token ids for {n} tokens")
+            if not 0 <= seq.num_computed <= n or len(seq.tokens) > n or len(seq.hashes) > n // bs:
+                problems.append(
+                    f"{where} has {n} tokens but {seq.num_computed} computed, "
+                    f"{len(seq.tokens)} token ids, {len(seq.hashes)} block keys"
+                )
             for i, block in enumerate(seq.table):
+                if block.block_hash is None:
+                    continue
                 own = tuple(seq.tokens[i * bs : (i + 1) * bs])
-                if block.block_hash is not None and (
-                    (i < len(seq.hashes) and seq.hashes[i] != block.block_hash)
-                    or (len(own) == bs and block.token_ids != own)
+                if (i < len(seq.hashes) and seq.hashes[i] != block.block_hash) or (
+                    len(own) == bs and block.token_ids != own
                 ):
                     problems.append(f"{where}: block {block.block_id} caches another prefix")
         if not self.enable_prefix_caching and self.block_pool.prefix_index:

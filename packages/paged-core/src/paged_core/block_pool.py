@@ -179,21 +179,19 @@ class BlockPool:
                 )
             if refs and block in self.free_queue:
                 problems.append(
-                    f"block {b} has ref count {refs} but is on the free list "
-                    "(it can be handed out while in use)"
+                    f"block {b} has ref count {refs} but is on the free list (it can be handed out while in use)"
                 )
             elif not refs and block not in self.free_queue:
                 problems.append(
-                    f"block {b} has ref count 0 but is on no free list "
-                    "(lost: it can never be handed out)"
+                    f"block {b} has ref count 0 but is on no free list (lost: it can never be handed out)"
                 )
-            if block.block_hash is not None and len(block.token_ids) != block_size:
-                problems.append(f"cached block {b} does not store exactly {block_size} tokens")
-            if (
-                block.block_hash is not None
-                and self.prefix_index.get(block.block_hash) is not block
+            if block.block_hash is not None and (
+                self.prefix_index.get(block.block_hash) is not block
+                or len(block.token_ids) != block_size
             ):
-                problems.append(f"cached block {b} is not in the prefix index under its key")
+                problems.append(
+                    f"cached block {b} is not indexed under its key with {block_size} tokens"
+                )
         for key, block in self.prefix_index.items():
             if not self._owns(block) or block.block_hash != key:
                 problems.append(
