@@ -43,7 +43,7 @@ class FakePool:
             token = self.tokens[seq_id][pos]
             # a block shared with another sequence may only be written with a token
             # every sharer agrees on (one shared prefix); anything else is a missed CoW
-            if self.m.allocator.ref_count(block) > 1:
+            if self.m.block_pool.blocks[block].ref_count > 1:
                 for other, toks in self.tokens.items():
                     if other != seq_id and pos < len(toks) and block in self.m.block_table(other):
                         assert toks[pos] == token, (

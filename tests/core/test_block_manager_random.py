@@ -130,4 +130,4 @@ def test_random_interleavings_keep_the_manager_consistent(fake_pool, cfg, ops):
     assert pool.m.audit() == []
     assert pool.m.num_free_blocks() == num_blocks
     assert pool.m.stats().tokens_used == 0
-    assert pool.m.allocator.allocated_blocks() == []
+    assert all(block.ref_count == 0 for block in pool.m.block_pool.blocks)

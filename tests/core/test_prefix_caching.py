@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 from paged_core import BlockManager
-from paged_core.prefix_cache import hash_block_tokens
+from paged_core.block_pool import hash_block_tokens
 
 BS = 4
 PREFIX = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33, 34]  # exactly 3 blocks
@@ -24,7 +25,7 @@ def test_shared_three_block_prefix_shares_exactly_three_blocks(fake_pool):
     pool.compute(1)
     assert pool.allocate(2, PREFIX + [7, 8]) == 12
     assert shared_blocks(pool.m, 1, 2) == 3
-    assert [pool.m.allocator.ref_count(b) for b in pool.m.block_table(2)] == [2, 2, 2, 1]
+    assert [pool.m.block_pool.blocks[b].ref_count for b in pool.m.block_table(2)] == [2, 2, 2, 1]
     pool.compute(2)
     pool.check_all()
 
@@ -67,13 +68,13 @@ def test_key_of_a_block_depends_on_every_earlier_token(fake_pool):
 
 def test_block_keys_are_stable_across_processes():
     code = (
-        "from paged_core.prefix_cache import hash_block_tokens as h;"
+        "from paged_core.block_pool import hash_block_tokens as h;"
         "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())"
     )
     keys = {
         subprocess.run(
             [sys.executable, "-c", code],
-            env={"PYTHONHASHSEED": seed},
+            env={**os.environ, "PYTHONHASHSEED": seed},  # same import path, other seeds
             capture_output=True,
             text=True,
             check=True,

@@ -265,7 +265,7 @@ def test_a_failing_pass_commits_nothing_and_keeps_shared_blocks(
     engine = make_engine(block_size=4)
     shared = prompt_of(12, 5)
     first = run_engine(engine, [("x", shared + prompt_of(2, 6), greedy(4))])
-    cache = engine.pool.block_manager.block_pool.cache
+    cache = engine.pool.block_manager.block_pool.prefix_index
     cached_before = len(cache)
     assert cached_before >= 3  # x's full prompt blocks
 

@@ -1,10 +1,8 @@
-"""paged-core: protocols, block allocator and block manager. No tensors, no kernels."""
+"""paged-core: protocols, block pool and block manager. No tensors, no kernels."""
 
-from paged_core.block_allocator import BlockAllocator
-from paged_core.block_manager import BlockManager, UnknownSequenceError
-from paged_core.block_manager_stats import BlockManagerStats
-from paged_core.block_pool import BlockPool
-from paged_core.errors import OutOfBlocksError
+from paged_core.block_manager import BlockManager, BlockManagerStats
+from paged_core.block_pool import Block, BlockPool
+from paged_core.errors import OutOfBlocksError, UnknownSequenceError
 from paged_core.protocols import (
     AttentionViewProtocol,
     CachePoolProtocol,
@@ -14,7 +12,7 @@ from paged_core.protocols import (
 
 __all__ = [
     "AttentionViewProtocol",
-    "BlockAllocator",
+    "Block",
     "BlockManager",
     "BlockManagerStats",
     "BlockPool",

@@ -1,32 +1,68 @@
-"""Block manager: per-sequence page tables over a ref-counted block pool.
+"""Block manager: per-sequence page tables over a ``BlockPool``, and its counters.
 
 It answers the scheduler's questions (can this prompt be admitted, can every
 running sequence grow by one token) and does the bookkeeping behind them:
 eager allocation of a prompt's blocks, prefix-cache hits on full blocks whose
 KV is already computed, copy-on-write when a sequence writes into a block it
-shares, and audits that cross-check every structure. Pure Python, no tensors:
-the pool that owns the KV tensors copies blocks when ``append`` says so.
-
-Which free block is reused next (plain ones first, then cached ones least
-recently freed first) is ``BlockPool``'s job; the block manager knows sequences.
+shares, and an audit. Pure Python, no tensors: the pool that owns the KV
+tensors copies blocks when ``append`` says so. Preemptions are the engine's
+to count: here a preemption is a ``free``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 
-from paged_core.block_manager_audit import audit_block_manager
-from paged_core.block_manager_stats import BlockManagerStats
-from paged_core.block_pool import BlockPool
-from paged_core.errors import OutOfBlocksError
-from paged_core.prefix_cache import BlockHash, hash_block_tokens
-from paged_core.sequence_blocks import SequenceBlocks, UnknownSequenceError
+from paged_core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from paged_core.errors import OutOfBlocksError, UnknownSequenceError
 
-__all__ = ["BlockManager", "UnknownSequenceError"]
+__all__ = ["BlockManager", "BlockManagerStats"]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(slots=True)
+class BlockManagerStats:
+    """A snapshot of the block manager's counters.
+
+    ``blocks_free`` includes ``blocks_cached_free`` (free blocks still holding
+    prefix-cache content, evicted least recently freed first). ``tokens_used``
+    sums every live sequence's reserved length, so tokens in shared blocks
+    count once per sequence. ``usage`` is ``blocks_used / num_blocks``.
+    ``prefix_*`` count prompt tokens looked up and served from the cache."""
+
+    num_blocks: int
+    block_size: int
+    blocks_used: int
+    blocks_free: int
+    blocks_cached_free: int
+    tokens_used: int
+    tokens_capacity_free: int
+    usage: float
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    hit_rate: float
+    evictions: int
+    forks: int
+    cow_copies: int
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat name -> number map, as pools' ``stats()`` and metrics endpoints report it."""
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class _SeqBlocks:
+    """One sequence's page table and what prefix caching needs to know of it."""
+
+    table: list[Block]
+    num_tokens: int  # reserved: prompt + appended
+    num_computed: int = 0  # tokens whose KV the pool reported written
+    tokens: list[int] = field(default_factory=list)  # known ids; stop growing at the first unknown
+    hashes: list[BlockHash] = field(default_factory=list)  # chained keys of leading full blocks
 
 
 class BlockManager:
@@ -37,34 +73,26 @@ class BlockManager:
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.block_pool = BlockPool(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks)
-        self.allocator = self.block_pool.allocator
-        self._seqs: dict[int, SequenceBlocks] = {}
-        self._tokens_used = 0
+        self._seqs: dict[int, _SeqBlocks] = {}
         self._prefix_queries_tokens = 0
         self._prefix_hits_tokens = 0
         self._forks = 0
         self._cow_copies = 0
-        self._preemptions = 0
 
     # -- admission -------------------------------------------------------
     def num_blocks_needed(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
         """Free blocks that ``allocate`` would take for this prompt: fresh blocks
         beyond the prefix hits, plus hits on cached blocks that are currently
-        free (taking them out of the free list uses up free capacity too)."""
-        self._check_prompt(num_tokens, token_ids)
-        hits = self._match_prefix(num_tokens, token_ids)
-        free_hits = sum(1 for block_id, _ in hits if self.allocator.is_free(block_id))
-        return _cdiv(num_tokens, self.block_size) - len(hits) + free_hits
+        free (taking them out of the free queue uses up free capacity too)."""
+        return self._plan(num_tokens, token_ids)[1]
 
     def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
         """Whether ``allocate`` would succeed now (exact, never optimistic)."""
-        return self.num_blocks_needed(num_tokens, token_ids) <= self.allocator.num_free()
+        return self.num_blocks_needed(num_tokens, token_ids) <= self.num_free_blocks()
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
         """Reserve blocks for a prompt of ``num_tokens`` tokens, reusing cached
@@ -77,34 +105,25 @@ class BlockManager:
             raise ValueError(
                 f"sequence {seq_id} already has blocks; free it before allocating again"
             )
-        self._check_prompt(num_tokens, token_ids)
-        hits = self._match_prefix(num_tokens, token_ids)
-        num_fresh = _cdiv(num_tokens, self.block_size) - len(hits)
-        needed = num_fresh + sum(1 for block_id, _ in hits if self.allocator.is_free(block_id))
-        if needed > self.allocator.num_free():
+        hits, needed = self._plan(num_tokens, token_ids)
+        if needed > self.num_free_blocks():
             raise OutOfBlocksError(
                 f"sequence {seq_id} needs {needed} free blocks for {num_tokens} tokens "
-                f"({len(hits)} prefix-cache hit blocks) but only {self.allocator.num_free()} of "
+                f"({len(hits)} prefix-cache hit blocks) but only {self.num_free_blocks()} of "
                 f"{self.num_blocks} are free; wait for sequences to finish or preempt one"
             )
-        table = []
-        for block_id, _ in hits:
-            self.block_pool.acquire_hit(block_id, owner=seq_id)
-            table.append(block_id)
-        table.extend(self.block_pool.allocate_fresh(num_fresh, seq_id))
-
+        for block, _ in hits:
+            self.block_pool.acquire(block)
+        table = [block for block, _ in hits]
+        table += self.block_pool.get_new_blocks(_cdiv(num_tokens, self.block_size) - len(hits))
         num_cached = len(hits) * self.block_size
-        seq = SequenceBlocks(table=table, num_tokens=num_tokens, num_computed=num_cached)
+        seq = _SeqBlocks(table, num_tokens, num_cached)
         if self.enable_prefix_caching:
             seq.hashes = [block_hash for _, block_hash in hits]
-            if token_ids is None:
-                seq.tokens_complete = False
-            else:
-                seq.tokens = list(token_ids)
+            seq.tokens = list(token_ids) if token_ids is not None else []
             self._prefix_queries_tokens += num_tokens
             self._prefix_hits_tokens += num_cached
         self._seqs[seq_id] = seq
-        self._tokens_used += num_tokens
         return num_cached
 
     # -- growth ----------------------------------------------------------
@@ -117,18 +136,16 @@ class BlockManager:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         bs = self.block_size
         needed = 0
-        shared_last: dict[int, int] = {}
+        shared_last: dict[Block, int] = {}  # a shared last block -> its writers here
         for seq_id in seq_ids:
             seq = self._seq(seq_id)
             n = seq.num_tokens
             needed += _cdiv(n + num_tokens, bs) - _cdiv(n, bs)
-            if num_tokens and n % bs:
-                last = seq.table[-1]
-                if self.allocator.ref_count(last) > 1:
-                    shared_last[last] = shared_last.get(last, 0) + 1
-        for block_id, writers in shared_last.items():
-            needed += min(writers, self.allocator.ref_count(block_id) - 1)
-        return needed <= self.allocator.num_free()
+            if num_tokens and n % bs and seq.table[-1].ref_count > 1:
+                shared_last[seq.table[-1]] = shared_last.get(seq.table[-1], 0) + 1
+        for block, writers in shared_last.items():
+            needed += min(writers, block.ref_count - 1)
+        return needed <= self.num_free_blocks()
 
     def append(self, seq_id: int, token_id: int | None = None) -> list[tuple[int, int]]:
         """Reserve room for one more token (``token_id`` is recorded for prefix
@@ -141,26 +158,24 @@ class BlockManager:
         seq = self._seq(seq_id)
         copies: list[tuple[int, int]] = []
         if seq.num_tokens % self.block_size == 0:
-            self._require_free(1, f"sequence {seq_id} needs a new block for token {seq.num_tokens}")
-            seq.table.extend(self.block_pool.allocate_fresh(1, seq_id))
-        else:
-            last = seq.table[-1]
-            if self.allocator.ref_count(last) > 1:
-                self._require_free(
-                    1, f"sequence {seq_id} needs a private copy of shared block {last}"
-                )
-                (copy,) = self.block_pool.allocate_fresh(1, seq_id)
-                self.block_pool.release([last], owner=seq_id)  # stays in use by the others
-                seq.table[-1] = copy
-                copies.append((last, copy))
-                self._cow_copies += 1
+            self._require_free(f"sequence {seq_id} needs a new block for token {seq.num_tokens}")
+            seq.table += self.block_pool.get_new_blocks(1)
+        elif (last := seq.table[-1]).ref_count > 1:
+            self._require_free(
+                f"sequence {seq_id} needs a private copy of shared block {last.block_id}"
+            )
+            (copy,) = self.block_pool.get_new_blocks(1)
+            self.block_pool.free([last])  # stays in use by the others
+            seq.table[-1] = copy
+            copies.append((last.block_id, copy.block_id))
+            self._cow_copies += 1
+        if (
+            self.enable_prefix_caching
+            and token_id is not None
+            and len(seq.tokens) == seq.num_tokens
+        ):
+            seq.tokens.append(token_id)  # ids are kept while every id so far is known
         seq.num_tokens += 1
-        self._tokens_used += 1
-        if self.enable_prefix_caching and seq.tokens_complete:
-            if token_id is None:
-                seq.tokens_complete = False
-            else:
-                seq.tokens.append(token_id)
         return copies
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
@@ -183,16 +198,22 @@ class BlockManager:
             tokens = seq.tokens[i * bs : (i + 1) * bs]
             block_hash = hash_block_tokens(seq.hashes[-1] if seq.hashes else None, tokens)
             seq.hashes.append(block_hash)
-            self.block_pool.cache.register(seq.table[i], block_hash, tokens)
+            self.block_pool.register(seq.table[i], block_hash, tokens)
 
     # -- release ---------------------------------------------------------
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks, tail first, so that its tail is evicted
         before its head. Blocks with cached content stay evictable."""
         seq = self._seq(seq_id)
-        self.block_pool.release(reversed(seq.table), owner=seq_id)
+        self.block_pool.free(reversed(seq.table))
         del self._seqs[seq_id]
-        self._tokens_used -= seq.num_tokens
+
+    def preempt(self, seq_id: int) -> int:
+        """``free`` the sequence to make room; returns how many tokens it held,
+        to be recomputed when it is readmitted (less any prefix hits then)."""
+        num_tokens = self._seq(seq_id).num_tokens
+        self.free(seq_id)
+        return num_tokens
 
     def fork(self, parent: int, child: int) -> None:
         """Give ``child`` the same tokens as ``parent`` by sharing every block
@@ -200,39 +221,23 @@ class BlockManager:
         if child in self._seqs:
             raise ValueError(f"cannot fork into sequence {child}: it already exists")
         src = self._seq(parent)
-        for block_id in src.table:
-            self.allocator.share(block_id, owner=child)
-        self._seqs[child] = src.copy()
-        self._tokens_used += src.num_tokens
+        for block in src.table:
+            self.block_pool.acquire(block)
+        self._seqs[child] = _SeqBlocks(
+            list(src.table), src.num_tokens, src.num_computed,
+            list(src.tokens), list(src.hashes),
+        )  # fmt: skip
         self._forks += 1
-
-    def preempt(self, seq_id: int) -> int:
-        """Free a sequence to make room; returns how many tokens it held, which
-        must be recomputed when it is readmitted (less any prefix hits then)."""
-        num_tokens = self._seq(seq_id).num_tokens
-        self.free(seq_id)
-        self._preemptions += 1
-        return num_tokens
 
     # -- queries ---------------------------------------------------------
     def block_table(self, seq_id: int) -> list[int]:
-        """The sequence's block ids in token order (a copy)."""
-        return list(self._seq(seq_id).table)
+        """The sequence's block ids in token order."""
+        return [block.block_id for block in self._seq(seq_id).table]
 
     def blocks_from(self, seq_id: int, start: int) -> list[int]:
         """The sequence's block ids from index ``start`` on: what changed since
         a caller that mirrors the table last looked (O(new blocks))."""
-        return self._seq(seq_id).table[start:]
-
-    def seq_lens(self, seq_ids: Sequence[int]) -> list[int]:
-        """``seq_len`` of each sequence, in one call (a step checks its batch)."""
-        seqs = self._seqs
-        try:
-            return [seqs[s].num_tokens for s in seq_ids]
-        except KeyError as exc:
-            raise UnknownSequenceError(
-                f"unknown sequence {exc.args[0]}: it was never allocated or is already freed"
-            ) from None
+        return [block.block_id for block in self._seq(seq_id).table[start:]]
 
     def seq_len(self, seq_id: int) -> int:
         """Tokens reserved for the sequence (prompt + appended)."""
@@ -251,53 +256,74 @@ class BlockManager:
 
     def num_free_blocks(self) -> int:
         """Free blocks, including evictable ones that still hold cached content."""
-        return self.allocator.num_free()
+        return len(self.block_pool.free_queue)
 
     def free_token_capacity(self) -> int:
         """Tokens the free blocks can hold."""
-        return self.allocator.num_free() * self.block_size
+        return self.num_free_blocks() * self.block_size
 
     def stats(self) -> BlockManagerStats:
         """Operator counters (see ``BlockManagerStats``)."""
-        free = self.allocator.num_free()
+        free = self.num_free_blocks()
         used = self.num_blocks - free
-        queries = self._prefix_queries_tokens
+        queries, hits = self._prefix_queries_tokens, self._prefix_hits_tokens
         return BlockManagerStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             blocks_used=used,
             blocks_free=free,
             blocks_cached_free=self.block_pool.num_cached_free(),
-            tokens_used=self._tokens_used,
+            tokens_used=sum(seq.num_tokens for seq in self._seqs.values()),
             tokens_capacity_free=free * self.block_size,
             usage=used / self.num_blocks if self.num_blocks else 0.0,
             prefix_queries_tokens=queries,
-            prefix_hits_tokens=self._prefix_hits_tokens,
-            hit_rate=self._prefix_hits_tokens / queries if queries else 0.0,
+            prefix_hits_tokens=hits,
+            hit_rate=hits / queries if queries else 0.0,
             evictions=self.block_pool.evictions,
             forks=self._forks,
             cow_copies=self._cow_copies,
-            preemptions=self._preemptions,
         )
 
     # -- health ----------------------------------------------------------
     def audit(self) -> list[str]:
-        """Cross-check allocator, ref counts, page tables, free lists and the
-        prefix index. Returns every inconsistency found (empty when healthy).
+        """Every inconsistency between the page tables and the blocks they point
+        at (each sequence's lengths and prefix keys here; ref counts, the free
+        queue and the prefix index in ``BlockPool.audit``); empty when healthy.
         O(num_blocks + total table length): for tests and health checks."""
-        return audit_block_manager(self)
+        problems: list[str] = []
+        bs = self.block_size
+        for seq_id, seq in self._seqs.items():
+            n, where = seq.num_tokens, f"sequence {seq_id}"
+            if n < 1 or len(seq.table) != _cdiv(n, bs):
+                problems.append(f"{where} has {n} tokens but {len(seq.table)} blocks")
+            if not 0 <= seq.num_computed <= n or len(seq.tokens) > n or len(seq.hashes) > n // bs:
+                problems.append(
+                    f"{where} has {n} tokens but {seq.num_computed} computed, "
+                    f"{len(seq.tokens)} token ids, {len(seq.hashes)} block keys"
+                )
+            for i, block in enumerate(seq.table):
+                if block.block_hash is None:
+                    continue
+                own = tuple(seq.tokens[i * bs : (i + 1) * bs])
+                if (i < len(seq.hashes) and seq.hashes[i] != block.block_hash) or (
+                    len(own) == bs and block.token_ids != own
+                ):
+                    problems.append(f"{where}: block {block.block_id} caches another prefix")
+        if not self.enable_prefix_caching and self.block_pool.prefix_index:
+            problems.append("prefix caching is off but the prefix index is not empty")
+        return problems + self.block_pool.audit([s.table for s in self._seqs.values()], bs)
 
     def reclaim_leaked(self) -> list[int]:
-        """Free every allocated block that no page table points at (a leak
-        left by a bug elsewhere) and drop its cached content. Returns them."""
-        referenced = [b for seq in self._seqs.values() for b in seq.table]
-        leaked = self.allocator.find_unreferenced_blocks(referenced)
-        for block_id in leaked:
-            self.block_pool.reclaim(block_id)
-        return leaked
+        """Free every block in use that no page table points at (a leak left by
+        a bug elsewhere) and drop its cached content. Returns their ids."""
+        held = {block.block_id for seq in self._seqs.values() for block in seq.table}
+        leaked = [b for b in self.block_pool.blocks if b.ref_count and b.block_id not in held]
+        for block in leaked:
+            self.block_pool.reclaim(block)
+        return [block.block_id for block in leaked]
 
     # -- internals -------------------------------------------------------
-    def _seq(self, seq_id: int) -> SequenceBlocks:
+    def _seq(self, seq_id: int) -> _SeqBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise UnknownSequenceError(
@@ -305,37 +331,35 @@ class BlockManager:
             )
         return seq
 
-    def _check_prompt(self, num_tokens: int, token_ids: Sequence[int] | None) -> None:
+    def _plan(
+        self, num_tokens: int, token_ids: Sequence[int] | None
+    ) -> tuple[list[tuple[Block, BlockHash]], int]:
+        """The prompt's leading full blocks found in the prefix index, with
+        their keys (up to the first miss; never the block holding the last
+        prompt token, whose logits must be computed), and the free blocks the
+        prompt needs: fresh ones plus hits that are free now."""
         if num_tokens <= 0:
             raise ValueError(f"a sequence needs at least 1 token, got num_tokens={num_tokens}")
         if token_ids is not None and len(token_ids) != num_tokens:
             raise ValueError(
                 f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given"
             )
-
-    def _match_prefix(
-        self, num_tokens: int, token_ids: Sequence[int] | None
-    ) -> list[tuple[int, BlockHash]]:
-        """Leading full blocks of the prompt found in the prefix index, as
-        ``(block_id, key)``; stops at the first miss. The block holding the
-        last prompt token is never matched: its logits must be computed."""
-        if not self.enable_prefix_caching or token_ids is None or not len(self.block_pool.cache):
-            return []
         bs = self.block_size
-        hits: list[tuple[int, BlockHash]] = []
+        hits: list[tuple[Block, BlockHash]] = []
         parent: BlockHash | None = None
-        for i in range((num_tokens - 1) // bs):
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            parent = hash_block_tokens(parent, tokens)
-            block_id = self.block_pool.cache.lookup(parent, tokens)
-            if block_id is None:
-                break
-            hits.append((block_id, parent))
-        return hits
+        if self.enable_prefix_caching and token_ids is not None and self.block_pool.prefix_index:
+            for i in range((num_tokens - 1) // bs):
+                tokens = token_ids[i * bs : (i + 1) * bs]
+                parent = hash_block_tokens(parent, tokens)
+                block = self.block_pool.lookup(parent, tokens)
+                if block is None:
+                    break
+                hits.append((block, parent))
+        free_hits = sum(1 for block, _ in hits if block.ref_count == 0)
+        return hits, _cdiv(num_tokens, bs) - len(hits) + free_hits
 
-    def _require_free(self, n: int, why: str) -> None:
-        if n > self.allocator.num_free():
+    def _require_free(self, why: str) -> None:
+        if not self.block_pool.free_queue:
             raise OutOfBlocksError(
-                f"{why} but only {self.allocator.num_free()} of {self.num_blocks} blocks are "
-                "free; preempt a sequence first"
+                f"{why} but only 0 of {self.num_blocks} blocks are free; preempt a sequence first"
             )

@@ -1,83 +1,212 @@
-"""Which free block to hand out next, and what happens to a block's cached KV.
+"""The blocks: ref counts, one free queue, and the prefix index.
 
-Free blocks come in two kinds. *Plain* free blocks hold nothing worth keeping
-and are handed out first. *Cached* free blocks keep the KV of a prefix
-registered in the ``PrefixCache``; they stay in the allocator's free list in
-the order they were freed and are evicted least recently freed first, only
-when no plain block is left. A prefix hit takes a cached free block back out
-of the free list in O(1) (``BlockAllocator.take``).
+Every physical block is one ``Block`` carrying its ref count, its prefix key
+(or ``None``) and the token ids that key stands for. The free blocks form one
+queue: blocks holding no cached KV at the front (handed out first, the most
+recently freed first), blocks still holding cached KV behind them in the order
+they were freed (evicted least recently freed first). The queue is an
+``OrderedDict``, a linked list in C: popping the front, pushing at either end
+and taking a block out of the middle (a prefix hit on a free cached block) are
+all O(1).
 
 The pool knows blocks; the block manager knows sequences.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from paged_core.block_allocator import BlockAllocator, Owner
-from paged_core.prefix_cache import PrefixCache
+from paged_core.errors import OutOfBlocksError
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+    """Chained key of one full block: blake2b over its parent's key (``None``
+    for the first block) and its token ids as signed 64-bit integers, so equal
+    keys mean the whole prefix matches; stable across processes, unlike
+    ``hash()``. A root key hashes ``block_size * 8`` bytes and a child 16 more,
+    so the two can never coincide by concatenation."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        h.update(parent)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+@dataclass(slots=True, eq=False)  # eq=False: blocks compare and hash by identity
+class Block:
+    """One physical KV block. ``block_hash`` is set while the block holds
+    registered prefix content (``token_ids``), whether it is free or not."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class BlockPool:
-    """Ref-counted blocks plus the prefix cache, with plain-first, then LRU, reuse."""
+    """``num_blocks`` blocks, the free queue and the prefix index (key -> block).
+
+    A key maps to at most one block and a block holds at most one key: when
+    two sequences compute the same content into different blocks, the first
+    registration wins and the other block stays uncached."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.allocator = BlockAllocator(num_blocks)
-        self.cache = PrefixCache()
-        # Reversed so that a fresh pool hands out 0, 1, 2, ... (dict.popitem is LIFO).
-        self._free_plain: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # front = next handed out; a fresh pool hands out 0, 1, 2, ...
+        self.free_queue: OrderedDict[Block, None] = OrderedDict.fromkeys(self.blocks)
+        self.prefix_index: dict[BlockHash, Block] = {}
         self.evictions = 0
-
-    def num_free(self) -> int:
-        """Free blocks, cached ones included."""
-        return self.allocator.num_free()
+        self._num_cached_free = 0
 
     def num_cached_free(self) -> int:
         """Free blocks that still hold cached KV (evictable)."""
-        return self.allocator.num_free() - len(self._free_plain)
+        return self._num_cached_free
 
-    def is_plain_free(self, block_id: int) -> bool:
-        """Whether ``block_id`` is listed as free with no cached content."""
-        return block_id in self._free_plain
-
-    def plain_free_blocks(self) -> list[int]:
-        """The plain free list's ids (for audits)."""
-        return list(self._free_plain)
-
-    def allocate_fresh(self, n: int, owner: Owner) -> list[int]:
-        """Hand out ``n`` free blocks to write new KV into: plain ones first,
-        then cached ones least recently freed first (evicting their content).
-        The caller has checked that ``n`` blocks are free."""
+    def get_new_blocks(self, n: int) -> list[Block]:
+        """Take ``n`` blocks off the front of the free queue (ref count 1) to
+        write new KV into, evicting the cached content of those that hold
+        some. ``OutOfBlocksError`` when fewer are free; nothing changes then."""
+        assert n >= 0, f"cannot take a negative number of blocks ({n})"
+        if n > len(self.free_queue):
+            raise OutOfBlocksError(
+                f"cannot allocate {n} blocks: only {len(self.free_queue)} of "
+                f"{len(self.blocks)} are free"
+            )
         out = []
         for _ in range(n):
-            if self._free_plain:
-                block_id, _ = self._free_plain.popitem()
-                self.allocator.take(block_id, owner=owner)
-            else:
-                (block_id,) = self.allocator.allocate(1, owner=owner)
-                evicted = self.cache.evict(block_id)
-                assert evicted, f"free block {block_id} was neither plain nor cached"
+            block, _ = self.free_queue.popitem(last=False)
+            assert block.ref_count == 0, "a free block must have no references"
+            if block.block_hash is not None:
+                self._uncache(block)
+                self._num_cached_free -= 1
                 self.evictions += 1
-            out.append(block_id)
+            block.ref_count = 1
+            out.append(block)
         return out
 
-    def acquire_hit(self, block_id: int, owner: Owner) -> None:
-        """Add a reference to a prefix-cache hit: out of the free list if it is
-        free (it is cached, so not plain), shared if it is in use."""
-        if self.allocator.is_free(block_id):
-            self.allocator.take(block_id, owner=owner)
-        else:
-            self.allocator.share(block_id, owner=owner)
+    def acquire(self, block: Block) -> None:
+        """Add a reference to ``block`` (a prefix hit, a fork); a free one
+        (a hit on cached KV) leaves the free queue."""
+        if block.ref_count == 0:
+            del self.free_queue[block]
+            if block.block_hash is not None:
+                self._num_cached_free -= 1
+        block.ref_count += 1
 
-    def release(self, block_ids: Iterable[int], owner: Owner) -> None:
-        """Drop ``owner``'s reference to each block, in the given order; blocks
-        that become free keep their cached content if they have any."""
-        for block_id in self.allocator.free(block_ids, owner=owner):
-            if not self.cache.is_cached(block_id):
-                self._free_plain[block_id] = None
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference to each block, in order. A block that becomes
+        free joins the back of the queue if it holds cached KV, else the
+        front. A double free (more drops than references) or a block of
+        another pool is a ``ValueError``, raised before anything changes."""
+        blocks = list(blocks)
+        drops: dict[Block, int] = {}
+        for block in blocks:
+            self._check_own(block)
+            n = drops[block] = drops.get(block, 0) + 1
+            if block.ref_count == 0:
+                raise ValueError(f"double free of block {block.block_id}: it is already free")
+            if n > block.ref_count:
+                raise ValueError(
+                    f"double free of block {block.block_id}: freed {n} times in one call but "
+                    f"it has only {block.ref_count} reference(s)"
+                )
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block, last=False)
+                else:
+                    self._num_cached_free += 1
 
-    def reclaim(self, block_id: int) -> None:
+    def reclaim(self, block: Block) -> None:
         """Free a leaked block whatever its ref count, dropping its content."""
-        self.cache.evict(block_id)
-        self.allocator.force_free(block_id)
-        self._free_plain[block_id] = None
+        self._check_own(block)
+        if block.ref_count:
+            block.ref_count = 0
+            self._uncache(block)
+            self.free_queue[block] = None
+            self.free_queue.move_to_end(block, last=False)
+
+    def lookup(self, block_hash: BlockHash, tokens: Sequence[int]) -> Block | None:
+        """The block holding ``tokens`` under ``block_hash``, or ``None``. The
+        tokens are compared too, so a hash collision never serves wrong KV."""
+        block = self.prefix_index.get(block_hash)
+        return block if block is not None and block.token_ids == tuple(tokens) else None
+
+    def register(self, block: Block, block_hash: BlockHash, tokens: Sequence[int]) -> bool:
+        """Record that ``block`` (in use, its KV now computed) holds ``tokens``
+        under ``block_hash``. Returns whether the block became cached."""
+        assert block.ref_count > 0, "only a block in use is registered"
+        if block.block_hash is not None or block_hash in self.prefix_index:
+            return False
+        block.block_hash, block.token_ids = block_hash, tuple(tokens)
+        self.prefix_index[block_hash] = block
+        return True
+
+    def audit(self, page_tables: Iterable[Sequence[Block]], block_size: int) -> list[str]:
+        """Every disagreement between the ref counts and the holders in
+        ``page_tables``, the free queue and the prefix index (empty when
+        healthy). A referenced block on the free queue would be handed out
+        twice; an unreferenced block off it is lost for good."""
+        problems: list[str] = []
+        holders = [0] * len(self.blocks)
+        for block in (block for table in page_tables for block in table):
+            if self._owns(block):
+                holders[block.block_id] += 1
+            else:
+                problems.append(f"a page table points at unknown block id {block.block_id}")
+        for block in self.free_queue:
+            if not self._owns(block):
+                problems.append(f"free list holds unknown block id {block.block_id}")
+        cached_free = sum(1 for b in self.free_queue if b.block_hash is not None)
+        if cached_free != self._num_cached_free:
+            problems.append(f"{cached_free} cached free blocks counted as {self._num_cached_free}")
+        for block, holds in zip(self.blocks, holders, strict=True):
+            b, refs = block.block_id, block.ref_count
+            if refs != holds:
+                kind = "leaked" if not holds else "miscounted"
+                problems.append(
+                    f"block {b} ({kind}) has ref count {refs} but {holds} page tables hold it"
+                )
+            if refs and block in self.free_queue:
+                problems.append(
+                    f"block {b} has ref count {refs} but is on the free list (it can be handed out while in use)"
+                )
+            elif not refs and block not in self.free_queue:
+                problems.append(
+                    f"block {b} has ref count 0 but is on no free list (lost: it can never be handed out)"
+                )
+            if block.block_hash is not None and (
+                self.prefix_index.get(block.block_hash) is not block
+                or len(block.token_ids) != block_size
+            ):
+                problems.append(
+                    f"cached block {b} is not indexed under its key with {block_size} tokens"
+                )
+        for key, block in self.prefix_index.items():
+            if not self._owns(block) or block.block_hash != key:
+                problems.append(
+                    f"prefix index maps a key to block {block.block_id}, cached under another"
+                )
+        return problems
+
+    def _uncache(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self.prefix_index[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+
+    def _owns(self, block: Block) -> bool:
+        return 0 <= block.block_id < len(self.blocks) and self.blocks[block.block_id] is block
+
+    def _check_own(self, block: Block) -> None:
+        if not self._owns(block):
+            raise ValueError(f"unknown block {block.block_id}: not a block of this pool")

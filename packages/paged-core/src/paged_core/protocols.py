@@ -183,5 +183,6 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
         ...
 
     def stats(self) -> dict[str, float]:
-        """Operator counters: usage, hits, evictions, preemption support."""
+        """Operator counters: KV usage, prefix-cache queries and hits, evictions
+        (preemptions are the engine's to count)."""
         ...
