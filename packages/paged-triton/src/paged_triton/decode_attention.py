@@ -45,7 +45,13 @@ from paged_triton.launch_checks import (
     interpreted,
     last_dim_contiguous,
 )
-from paged_triton.tile_config import tile_config
+from paged_triton.tile_config import (
+    TileConfig,
+    autotune_enabled,
+    candidates,
+    tile_config,
+    tuned,
+)
 
 MIN_DOT = 16  # tl.dot wants every dimension >= 16
 MAX_HEADS_PER_PROGRAM = 64  # larger groups (big MQA) are split over programs
@@ -188,13 +194,14 @@ def _shape_params(
     dtype: torch.dtype,
     arch: int | None,
     emulate_bf16: bool,
+    tile: TileConfig | None,
 ) -> tuple[int, dict[str, Any], int, int]:
     """What depends only on the layer's shapes: head programs per sequence,
     the constexprs (window and softcap flags aside), warps, stages."""
     group = check_gqa(heads, kv_heads)
     heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    tile = tile_config("decode", block_d, dtype, arch)
+    tile = tile or tile_config("decode", block_d, dtype, arch)
     constexprs = dict(
         GROUP=group,
         HEADS_PER_PROG=heads_per_prog,
@@ -225,14 +232,16 @@ def plan_decode(
     arch: int | None,
     interpret: bool,
     memo: dict[Any, Any] | None = None,
+    tile: TileConfig | None = None,
 ) -> list[Launch]:
     """The decode launch, and the merge launch when contexts may be split.
-    ``tables``/``lens`` are int32 on q's device; nothing here reads a tensor."""
+    ``tables``/``lens`` are int32 on q's device; nothing here reads a tensor.
+    ``tile``: instead of :func:`tile_config`'s choice (autotuning)."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     head_programs, constexprs, num_warps, num_stages = _shape_params(
         heads, kv_heads, head_dim, block_size, k_cache.dtype, arch,
-        interpret and torch.bfloat16 in (q.dtype, k_cache.dtype),
+        interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
     )  # fmt: skip
     block_d = constexprs["BLOCK_D"]
     max_visible = tables.shape[1] * block_size
@@ -250,13 +259,33 @@ def plan_decode(
         _decode_kernel,
         (batch, head_programs, splits),
         (
-            q, k_cache, v_cache, tables, lens, out, part_acc, part_lse,
-            qs[0], qs[1],
-            cs[0], cs[2], cs[1],  # block, kv head, token within the block
-            tables.stride(0), os[0], os[1],
-            float(scale), float(softcap or 1.0), heads, head_programs, batch, window,
-            policy.min_chunk, policy.target_programs, splits, rows,
-        ),  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            lens,
+            out,
+            part_acc,
+            part_lse,
+            qs[0],
+            qs[1],
+            cs[0],  # block
+            cs[2],  # kv head
+            cs[1],  # token within the block
+            tables.stride(0),
+            os[0],
+            os[1],
+            float(scale),
+            float(softcap or 1.0),
+            heads,
+            head_programs,
+            batch,
+            window,
+            policy.min_chunk,
+            policy.target_programs,
+            splits,
+            rows,
+        ),
         dict(constexprs, USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap)),
         num_warps,
         num_stages,
@@ -286,6 +315,23 @@ def _partials(
     if memo is not None:
         memo[key] = buffers
     return buffers
+
+
+def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> TileConfig:
+    """The fastest candidate tile for this layer's shapes (timed once)."""
+    import triton.testing
+
+    q, k_cache = args[0], args[1]
+    block_d = max(MIN_DOT, triton.next_power_of_2(q.shape[2]))
+    key = ("decode", q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype, args[10],
+           use_window, use_softcap)  # fmt: skip
+
+    def time_ms(tile: TileConfig) -> float:
+        launches = plan_decode(*args, tile=tile)
+        return float(triton.testing.do_bench(lambda: [launch.run() for launch in launches]))
+
+    options = candidates("decode", block_d, k_cache.dtype, args[10])
+    return tuned(key, options, time_ms)
 
 
 def decode_attention(
@@ -319,21 +365,15 @@ def decode_attention(
     out = torch.empty_like(q)
     if batch == 0 or heads == 0:
         return out
-    launches = plan_decode(
-        last_dim_contiguous(q),
-        k_cache,
-        v_cache,
-        as_int32(block_tables, q),
-        as_int32(seq_lens, q),
-        scale,
-        sliding_window,
-        softcap,
-        out,
-        policy or split_policy(q.device),
-        device_arch(q.device),
-        _INTERPRETED,
-        memo,
-    )
+    args = (
+        last_dim_contiguous(q), k_cache, v_cache, as_int32(block_tables, q), as_int32(seq_lens, q),
+        scale, sliding_window, softcap, out, policy or split_policy(q.device),
+        device_arch(q.device), _INTERPRETED, memo,
+    )  # fmt: skip
+    tile = None
+    if autotune_enabled(q.device):
+        tile = _autotuned(args, sliding_window is not None, bool(softcap))
+    launches = plan_decode(*args, tile=tile)
     for launch in launches:
         launch.run()
     return out

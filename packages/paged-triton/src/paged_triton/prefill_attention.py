@@ -35,7 +35,13 @@ from paged_triton.launch_checks import (
     interpreted,
     last_dim_contiguous,
 )
-from paged_triton.tile_config import TileConfig, tile_config
+from paged_triton.tile_config import (
+    TileConfig,
+    autotune_enabled,
+    candidates,
+    tile_config,
+    tuned,
+)
 
 MIN_DOT = 16
 MAX_HEADS_PER_PROGRAM = 16
@@ -158,6 +164,7 @@ def _shape_params(
     dtype: torch.dtype,
     arch: int | None,
     emulate_bf16: bool,
+    tile: TileConfig | None,
 ) -> tuple[int, int, dict[str, Any], TileConfig]:
     """What depends only on the layer's shapes: queries per program, head
     programs, the constexprs (window and softcap flags aside), warps, stages."""
@@ -165,7 +172,7 @@ def _shape_params(
     heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
     g_pad = triton.next_power_of_2(heads_per_prog)
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    tile = tile_config("prefill", block_d, dtype, arch)
+    tile = tile or tile_config("prefill", block_d, dtype, arch)
     block_q = max(1, tile.block_m // g_pad)
     constexprs = dict(
         GROUP=group,
@@ -196,16 +203,18 @@ def plan_prefill(
     out: Tensor,
     arch: int | None,
     interpret: bool,
+    tile: TileConfig | None = None,
 ) -> Launch:
     """The prefill launch; ``tables``/``cu_q``/``lens`` are int32 on q's
     device. The grid's ``total_q // BLOCK_Q + batch`` query programs bound
-    the per-sequence tiles without reading ``cu_seqlens_q``."""
+    the per-sequence tiles without reading ``cu_seqlens_q``. ``tile``:
+    instead of :func:`tile_config`'s choice (autotuning)."""
     total_q, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     batch = lens.shape[0]
     block_q, head_programs, constexprs, tile = _shape_params(
         heads, kv_heads, head_dim, block_size, k_cache.dtype, arch,
-        interpret and torch.bfloat16 in (q.dtype, k_cache.dtype),
+        interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
     )  # fmt: skip
     return Launch(
         _prefill_kernel,
@@ -236,6 +245,23 @@ def plan_prefill(
         tile.num_stages,
         tile.maxnreg,
     )
+
+
+def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> TileConfig:
+    """The fastest candidate tile for this layer's shapes (timed once)."""
+    import triton.testing
+
+    q, k_cache = args[0], args[1]
+    block_d = max(MIN_DOT, triton.next_power_of_2(q.shape[2]))
+    key = ("prefill", q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype, args[10],
+           use_window, use_softcap)  # fmt: skip
+
+    def time_ms(tile: TileConfig) -> float:
+        launch = plan_prefill(*args, tile=tile)
+        return float(triton.testing.do_bench(launch.run))
+
+    options = candidates("prefill", block_d, k_cache.dtype, args[10])
+    return tuned(key, options, time_ms)
 
 
 def paged_prefill_attention(
@@ -278,20 +304,15 @@ def paged_prefill_attention(
     out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1], if any, stay zero
     if total_q == 0 or batch == 0 or heads == 0:
         return out
-    plan_prefill(
-        last_dim_contiguous(q),
-        k_cache,
-        v_cache,
-        as_int32(block_tables, q),
-        as_int32(cu_seqlens_q, q),
-        as_int32(seq_lens, q),
-        scale,
-        sliding_window,
-        softcap,
-        out,
-        device_arch(q.device),
-        _INTERPRETED,
-    ).run()
+    args = (
+        last_dim_contiguous(q), k_cache, v_cache, as_int32(block_tables, q),
+        as_int32(cu_seqlens_q, q), as_int32(seq_lens, q), scale, sliding_window, softcap, out,
+        device_arch(q.device), _INTERPRETED,
+    )  # fmt: skip
+    tile = None
+    if autotune_enabled(q.device):
+        tile = _autotuned(args, sliding_window is not None, bool(softcap))
+    plan_prefill(*args, tile=tile).run()
     return out
 
 

@@ -25,13 +25,17 @@ Why these numbers (compile data for bf16, the same for fp16):
   rows x 32 keys on the 99 KB GPUs (sm_86/sm_89: 82 KB, 210 registers).
 - Rows of 1 KB (float32 x head_dim 256) halve the key tile again.
 
-On a GPU, ``PAGED_TRITON_AUTOTUNE=1`` makes the ops time :func:`candidates`
-once per shape instead (triton.autotune); it is off by default, in CI and
-in the interpreter.
+On a GPU, ``PAGED_TRITON_AUTOTUNE=1`` makes the ops time the
+:func:`candidates` once per layer shape (the first call, e.g. in a warm-up;
+a few seconds each) and keep the fastest (:func:`tuned`). It is off by
+default, and never used in the interpreter.
 """
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -85,3 +89,47 @@ def tile_config(kernel: str, block_d: int, dtype: torch.dtype, arch: int | None)
             return TileConfig(32, 32, 4, 5)
         return TileConfig(32, 16, 4, 5)
     raise ValueError(f"no tile configuration for kernel {kernel!r}; known: {KERNELS}")
+
+
+def autotune_enabled(device: torch.device) -> bool:
+    """``PAGED_TRITON_AUTOTUNE=1`` and a CUDA device."""
+    return device.type == "cuda" and os.environ.get("PAGED_TRITON_AUTOTUNE") == "1"
+
+
+def candidates(kernel: str, block_d: int, dtype: torch.dtype, arch: int | None) -> list[TileConfig]:
+    """Configurations worth timing: the table's choice first, then its
+    neighbours (tile, warps, stages). Some may not fit a given GPU; the
+    tuner skips those that fail to compile or launch."""
+    chosen = tile_config(kernel, block_d, dtype, arch)
+    if kernel == "decode":
+        others = [TileConfig(0, n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (3, 4, 5)]
+    else:
+        others = [
+            TileConfig(m, n, w, s, 255 if w == 8 else None)
+            for m, n in ((32, 32), (64, 32), (64, 64), (128, 64))
+            for w in (4, 8)
+            for s in (3, 4, 5)
+        ]
+    return [chosen] + [c for c in others if c != chosen]
+
+
+_TUNED: dict[Hashable, TileConfig] = {}
+
+
+def tuned(
+    key: Hashable, options: list[TileConfig], time_ms: Callable[[TileConfig], float]
+) -> TileConfig:
+    """The fastest of ``options`` by ``time_ms`` (which runs the kernel with
+    that configuration), measured once per ``key`` and remembered. An
+    option whose run raises (too much shared memory on this GPU, say) is
+    skipped; if all fail, the first (the table's choice) is kept."""
+    if key not in _TUNED:
+        timings = []
+        for option in options:
+            try:
+                timings.append((time_ms(option), option))
+            except Exception:  # a candidate this GPU cannot run is not a choice
+                timings.append((math.inf, option))
+        best = min(timings, key=lambda t: t[0])
+        _TUNED[key] = best[1] if math.isfinite(best[0]) else options[0]
+    return _TUNED[key]

@@ -65,7 +65,9 @@ def _write_kv_kernel(
 
 
 @functools.lru_cache(maxsize=64)
-def _constexprs(kv_heads: int, head_dim: int, block_size: int, emulate_bf16: bool) -> dict[str, Any]:
+def _constexprs(
+    kv_heads: int, head_dim: int, block_size: int, emulate_bf16: bool
+) -> dict[str, Any]:
     return dict(
         KV_HEADS=kv_heads,
         HEAD_DIM=head_dim,
@@ -86,12 +88,20 @@ def plan_write_kv(
         _write_kv_kernel,
         (k.shape[0],),
         (
-            k, v, k_cache, v_cache, slots, ks[0], ks[1], vs[0], vs[1],
-            cs[0], cs[2], cs[1],  # block, kv head, token within the block
-        ),  # fmt: skip
-        _constexprs(
-            kv_heads, head_dim, block_size, interpret and k_cache.dtype == torch.bfloat16
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slots,
+            ks[0],
+            ks[1],
+            vs[0],
+            vs[1],
+            cs[0],  # block
+            cs[2],  # kv head
+            cs[1],  # token within the block
         ),
+        _constexprs(kv_heads, head_dim, block_size, interpret and k_cache.dtype == torch.bfloat16),
         num_warps=4,
         num_stages=1,
     )
