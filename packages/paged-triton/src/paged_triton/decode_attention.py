@@ -232,6 +232,7 @@ def plan_decode(
     arch: int | None,
     interpret: bool,
     memo: dict[Any, Any] | None = None,
+    *,
     tile: TileConfig | None = None,
 ) -> list[Launch]:
     """The decode launch, and the merge launch when contexts may be split.
@@ -328,7 +329,12 @@ def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> Ti
 
     def time_ms(tile: TileConfig) -> float:
         launches = plan_decode(*args, tile=tile)
-        return float(triton.testing.do_bench(lambda: [launch.run() for launch in launches]))
+
+        def step() -> None:
+            for launch in launches:
+                launch.run()
+
+        return float(triton.testing.do_bench(step))
 
     options = candidates("decode", block_d, k_cache.dtype, args[10])
     return tuned(key, options, time_ms)

@@ -203,6 +203,7 @@ def plan_prefill(
     out: Tensor,
     arch: int | None,
     interpret: bool,
+    *,
     tile: TileConfig | None = None,
 ) -> Launch:
     """The prefill launch; ``tables``/``cu_q``/``lens`` are int32 on q's
