@@ -1,9 +1,11 @@
 """Summarise a ``nox -s gpu`` run: benchmarks/results/gpu.json and gpu.md.
 
 Reads the junit XML files of the GPU test runs and the pytest-benchmark JSON
-of the kernel benchmarks, and writes one JSON (device, versions, test
-outcomes with failures named, every benchmark's measurements, the issue's
-targets evaluated) and a markdown page of the same. Every number is one the
+of the kernel benchmarks, compiles the core kernel matrix for this GPU's
+own architecture (CI covers sm_80/sm_89/sm_90; this one may be another),
+and writes one JSON (device, versions, test outcomes with failures named,
+every benchmark's measurements, the issue's targets evaluated, the compile
+data) and a markdown page of the same. Every number is one the
 run measured; a target whose case did not run is reported as missing.
 
 Usage: ``python benchmarks/gpu_report.py --junit a.xml [b.xml ...] --bench kernels.json``
@@ -86,6 +88,25 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def compile_here() -> dict[str, Any]:
+    """The core compile matrix for this GPU's compute capability."""
+    import torch
+
+    from paged_triton import compile_matrix as cm
+
+    missing = cm.tools_missing()
+    if missing or not torch.cuda.is_available():
+        return {"skipped": missing or "no CUDA device"}
+    major, minor = torch.cuda.get_device_capability()
+    results = cm.run(cm.core_variants(), archs=[10 * major + minor])
+    return {
+        "arch": f"sm_{10 * major + minor}",
+        "compiles": len(results),
+        "problems": [f"{r.job.label}: {'; '.join(r.problems)}" for r in results if r.problems],
+        "rows": [r.row() for r in results],
+    }
+
+
 def _num(row: dict[str, Any], key: str, scale: float = 1.0, digits: int = 1) -> str:
     value = row.get(key)
     return "-" if value is None else f"{value * scale:,.{digits}f}"
@@ -131,10 +152,21 @@ def markdown(report: dict[str, Any]) -> str:
     host = [r for r in report["benchmarks"] if "us_per_call" in r]
     for r in host:
         lines += ["", f"Host overhead: {r['us_per_call']:.1f} us per call ({r['measures']})."]
+    matrix = report["compile_matrix"]
+    lines += ["", "## Compile matrix for this GPU", ""]
+    if "skipped" in matrix:
+        lines.append(f"Skipped: {matrix['skipped']}.")
+    else:
+        lines.append(
+            f"{matrix['compiles']} core variants compiled for {matrix['arch']}: "
+            f"{len(matrix['problems'])} with problems (spills, shared memory, single-buffered K/V)."
+        )
+        lines += [f"- {p}" for p in matrix["problems"]]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
+    """Write gpu.json and gpu.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--junit", type=Path, nargs="*", default=[])
     parser.add_argument("--bench", type=Path, required=True)
@@ -154,6 +186,7 @@ def main() -> None:
         "tests": read_junit(args.junit),
         "targets": targets(rows),
         "benchmarks": rows,
+        "compile_matrix": compile_here(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

@@ -14,21 +14,22 @@ Why these numbers (compile data for bf16, the same for fp16):
 - decode (16 padded query rows, 4 warps): 64-key tiles, 32 when a K/V row
   is 512 bytes (head_dim 256): 37-73 KB shared, 64-168 registers, no spills.
 - prefill, head_dim 64: 64 query rows x 64 keys, 4 warps (155-162 registers).
-- prefill, head_dim 128: the old 4 warps spilled 56-64 B per thread on
-  sm_80/sm_89; 8 warps: 146-198 registers, 88.5 KB (112.5 KB on sm_90).
+- prefill, head_dim 128: the old 4 warps x 64x64 tiles spilled 40-64 B per
+  thread on sm_80/sm_89; 8 warps: 146-198 registers, 88.5 KB (112.5 KB on sm_90).
   8-warp tiles set ``maxnreg=255``: left alone, ptxas aimed at 128
   registers (two blocks per SM) and spilled 8 B for GQA-8 on sm_80, where
   shared memory allows one block per SM anyway (219 registers, no spill).
-- prefill, head_dim 256 (Gemma 3): 4 warps x 64x64 tiles spilled 120-200 B
-  per thread and needed 104-160 KB; now 8 warps x 64 rows x 32 keys where
+- prefill, head_dim 256 (Gemma 3): 4 warps x 64x64 tiles spilled 8-200 B
+  per thread (sm_90 least, sm_80 most) and needed 104-160 KB; now 8 warps x 64 rows x 32 keys where
   shared memory is large (sm_80: 100 KB, sm_90: 128 KB), and 4 warps x 32
   rows x 32 keys on the 99 KB GPUs (sm_86/sm_89: 82 KB, 210 registers).
 - Rows of 1 KB (float32 x head_dim 256) halve the key tile again.
 
 On a GPU, ``PAGED_TRITON_AUTOTUNE=1`` makes the ops time the
-:func:`candidates` once per layer shape (the first call, e.g. in a warm-up;
-a few seconds each) and keep the fastest (:func:`tuned`). It is off by
-default, and never used in the interpreter.
+:func:`candidates` (18-24 per kernel, each compiled and timed with
+``do_bench``) once per layer shape, on its first call (so: in a warm-up),
+and keep the fastest (:func:`tuned`). It is off by default, and never used
+in the interpreter. (Written without a GPU: not yet run on one.)
 """
 
 from __future__ import annotations
