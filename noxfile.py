@@ -1,4 +1,4 @@
-"""Developer and CI entry points: ``nox -s test``, ``lint``, ``typecheck``, ``bench``, ``serve``.
+"""Developer and CI entry points: ``nox -s test``, ``lint``, ``typecheck``, ``bench``, ``gpu``, ``serve``.
 
 Every session installs the four packages (editable) with torch pinned by
 ``constraints.txt`` so CPU machines get the CPU build.
@@ -7,6 +7,7 @@ Every session installs the four packages (editable) with torch pinned by
 from __future__ import annotations
 
 import os
+import shutil
 
 import nox
 
@@ -91,6 +92,42 @@ def bench(session: nox.Session) -> None:
                 "--benchmark-json=benchmarks/results/microbench.json", *session.posargs, env=env)
     if os.path.exists("benchmarks/run_all.py"):
         session.run("python", "benchmarks/run_all.py", env=env)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """On a CUDA machine: the `cuda`-marked tests and the Triton differential
+    tests on the GPU (bf16 included), the kernel benchmarks (do_bench, L2
+    flushed), then benchmarks/results/gpu.json and gpu.md. Without CUDA it
+    says so in one line and stops. Arguments after `--` go to both pytest runs."""
+    if shutil.which("nvidia-smi") is None:
+        session.skip("no NVIDIA GPU here (nvidia-smi not found); nox -s gpu needs one")
+    _install(session, *TEST_DEPS)
+    probe = session.run(
+        "python", "-c", "import torch; print(torch.cuda.is_available())", silent=True
+    )
+    if "True" not in str(probe):
+        session.skip("no CUDA GPU here (torch.cuda.is_available() is False); nox -s gpu needs one")
+    tmp = session.create_tmp()
+    env = {"PYTHONHASHSEED": "0", "PAGED_TEST_BACKEND": "triton"}
+    junit = [f"{tmp}/gpu-cuda-tests.xml", f"{tmp}/gpu-triton-tests.xml"]
+    session.run("pytest", "tests", "-m", "cuda", "-p", "no:randomly", f"--junitxml={junit[0]}",
+                *session.posargs, env=env, success_codes=[0, 1, 5])  # fmt: skip
+    session.run("pytest", "tests/triton", "-m", "not cuda", "-p", "no:randomly",
+                "--deselect", "tests/triton/test_compile_matrix.py", f"--junitxml={junit[1]}",
+                *session.posargs, env=env, success_codes=[0, 1])  # fmt: skip
+    bench = f"{tmp}/gpu-kernels.json"
+    session.run("pytest", "benchmarks/test_decode_attention_bench.py",
+                "benchmarks/test_prefill_attention_bench.py", "--benchmark-only", "-p", "no:randomly",
+                f"--benchmark-json={bench}", *session.posargs, env=env)  # fmt: skip
+    session.run("python", "benchmarks/gpu_report.py", "--junit", *junit, "--bench", bench)
+    failed = session.run(
+        "python", "-c",
+        "import json; print(json.load(open('benchmarks/results/gpu.json'))['tests']['failed'])",
+        silent=True,
+    )  # fmt: skip
+    if str(failed).strip() != "0":
+        session.error(f"{str(failed).strip()} GPU test(s) failed: see benchmarks/results/gpu.md")
 
 
 @nox.session

@@ -3,8 +3,9 @@
 A covering set of layouts rather than the full cartesian product (the
 interpreter is slow): every head layout, head_dim, block size, window and
 softcap setting appears, each case runs per dtype, once with the automatic
-split choice and once forced through the flash-decoding split + merge path.
-Every batch mixes the lengths the kernel's masks care about.
+split choice and once forced through the flash-decoding split + merge path
+(a policy that cuts every context of 128+ tokens into 64-token pieces, at
+most 4). Every batch mixes the lengths the kernel's masks care about.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 
 from paged_ref import ops as ref_ops
 from paged_triton.decode_attention import decode_attention
-from paged_triton.decode_splits import choose_num_splits
+from paged_triton.decode_splits import SplitPolicy
+
+SPLIT = SplitPolicy(min_chunk=64, target_programs=1 << 20, max_splits=4)
 
 # heads, kv_heads, head_dim, block_size, sliding_window, softcap
 CASES = [
@@ -33,8 +36,9 @@ ARGS = ("heads", "kv_heads", "head_dim", "block_size", "window", "softcap")
 
 def lengths(block_size: int) -> list[int]:
     """Longest first so sequences 1 and 3 share its leading blocks: a few
-    hundred, exact multiples, one short of a block, a single token."""
-    return [300, 3 * block_size, 1, block_size, block_size - 1]
+    hundred (4 pieces when split), exact multiples, one short of a block, a
+    single token, and 130 (2 pieces of 64 and 66)."""
+    return [300, 3 * block_size, 1, block_size, block_size - 1, 130]
 
 
 def make_inputs(lens, heads, kv_heads, head_dim, block_size, dtype, gen, paged):
@@ -46,17 +50,17 @@ def make_inputs(lens, heads, kv_heads, head_dim, block_size, dtype, gen, paged):
     return q, k_cache, v_cache, tables, seq_lens
 
 
-@pytest.mark.parametrize("num_splits", [None, 4], ids=["auto-split", "split4"])
+@pytest.mark.parametrize("policy", [None, SPLIT], ids=["auto-split", "split"])
 @pytest.mark.parametrize(ARGS, CASES)
 def test_decode_matches_reference(
-    heads, kv_heads, head_dim, block_size, window, softcap, num_splits, dtype, gen, paged
+    heads, kv_heads, head_dim, block_size, window, softcap, policy, dtype, gen, paged
 ):
     q, k_cache, v_cache, tables, seq_lens = make_inputs(
         lengths(block_size), heads, kv_heads, head_dim, block_size, dtype, gen, paged
     )
     scale = head_dim**-0.5
     out = decode_attention(
-        q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, num_splits=num_splits
+        q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, policy=policy
     )
     expected = ref_ops.paged_decode_attention(
         q, k_cache, v_cache, tables, seq_lens, scale, window, softcap
@@ -64,19 +68,17 @@ def test_decode_matches_reference(
     paged.assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("num_splits", [None, 3])
-def test_empty_and_fully_masked_rows_are_zeros(num_splits, gen, paged):
-    lens = [0, 20, 0, 33]
+@pytest.mark.parametrize("policy", [None, SPLIT], ids=["auto-split", "split"])
+def test_empty_and_fully_masked_rows_are_zeros(policy, gen, paged):
+    lens = [0, 200, 0, 33]
     q, k_cache, v_cache, tables, seq_lens = make_inputs(
         lens, 4, 2, 64, 16, torch.float32, gen, paged
     )
-    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits=num_splits)
+    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, policy=policy)
     assert torch.isfinite(out).all()
     assert (out[[0, 2]] == 0).all() and (out[[1, 3]] != 0).any()
     # A window of 0 hides every key, even the query's own position.
-    hidden = decode_attention(
-        q, k_cache, v_cache, tables, seq_lens, 0.125, 0, num_splits=num_splits
-    )
+    hidden = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 0, policy=policy)
     assert (hidden == 0).all()
     expected = ref_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 0)
     paged.assert_close(hidden, expected, torch.float32)
@@ -85,7 +87,7 @@ def test_empty_and_fully_masked_rows_are_zeros(num_splits, gen, paged):
 def test_stale_data_past_the_length_never_leaks(gen, paged):
     """Slots past a sequence's length and blocks it does not own hold NaN
     (stale or never written): the kernel must not even multiply by them."""
-    lens, block_size = [37, 5, 64], 16
+    lens, block_size = [37, 5, 200], 16
     q, k_cache, v_cache, tables, seq_lens = make_inputs(
         lens, 4, 2, 64, block_size, torch.float32, gen, paged
     )
@@ -100,20 +102,6 @@ def test_stale_data_past_the_length_never_leaks(gen, paged):
             for src, dsts in ((k_cache, (clean_k, poisoned_k)), (v_cache, (clean_v, poisoned_v))):
                 for dst in dsts:
                     dst[block, off] = src[block, off]
-    out = decode_attention(q, poisoned_k, poisoned_v, tables, seq_lens, 0.125, num_splits=2)
+    out = decode_attention(q, poisoned_k, poisoned_v, tables, seq_lens, 0.125, policy=SPLIT)
     expected = ref_ops.paged_decode_attention(q, clean_k, clean_v, tables, seq_lens, 0.125)
     paged.assert_close(out, expected, torch.float32)
-
-
-def test_split_heuristic_splits_only_small_batches_with_long_context():
-    sms = 132
-    # 1 sequence x 8 kv heads, 4096 tokens: split to fill the GPU, pieces >= 256 tokens.
-    assert choose_num_splits(programs=8, max_context=4096, num_sms=sms) == 16
-    assert choose_num_splits(programs=8, max_context=512, num_sms=sms) == 2
-    # A short context is never cut below the minimum piece.
-    assert choose_num_splits(programs=8, max_context=200, num_sms=sms) == 1
-    # Batch 16: a few pieces; batch 64 has enough programs: no split, no merge kernel.
-    assert choose_num_splits(programs=16 * 8, max_context=4096, num_sms=sms) == 3
-    assert choose_num_splits(programs=64 * 8, max_context=4096, num_sms=sms) == 1
-    # The interpreter (1 "SM") never splits.
-    assert choose_num_splits(programs=8, max_context=4096, num_sms=1) == 1

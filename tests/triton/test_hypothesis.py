@@ -12,7 +12,16 @@ from hypothesis import strategies as st
 
 from paged_ref import ops as ref_ops
 from paged_triton.decode_attention import decode_attention
+from paged_triton.decode_splits import SplitPolicy
 from paged_triton.ops import paged_prefill_attention
+
+# Split policies small enough to cut these short contexts (16-token pieces).
+POLICIES = [
+    None,
+    SplitPolicy(min_chunk=16, target_programs=1 << 20, max_splits=2),
+    SplitPolicy(min_chunk=16, target_programs=1 << 20, max_splits=5),
+    SplitPolicy(min_chunk=16, target_programs=24, max_splits=8),
+]
 
 
 @st.composite
@@ -35,9 +44,9 @@ def paged_batches(draw):
         seqs=seqs,
         window=draw(st.none() | st.integers(1, 40)),
         softcap=draw(st.none() | st.floats(1.0, 10.0)),
-        num_splits=draw(st.sampled_from([None, 2, 5])),
+        policy=draw(st.sampled_from(POLICIES)),
         share=draw(st.booleans()),
-        dtype=draw(st.sampled_from([torch.float32, torch.float16])),
+        dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -60,7 +69,7 @@ def test_kernels_match_reference(case, paged):
 
     q = torch.randn(len(lens), case["heads"], head_dim, generator=gen).to(paged.device, dtype)
     out = decode_attention(
-        q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, num_splits=case["num_splits"]
+        q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, policy=case["policy"]
     )
     expected = ref_ops.paged_decode_attention(
         q, k_cache, v_cache, tables, seq_lens, scale, window, softcap

@@ -18,6 +18,7 @@ reuse what depends only on the step's metadata: gather indices and masks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,16 +228,20 @@ def gather_context(cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> Ten
     return out.transpose(1, 2)
 
 
-def copy_blocks(k_caches: Tensor, v_caches: Tensor, src_to_dst: Tensor) -> None:
+def copy_blocks(
+    k_caches: Tensor, v_caches: Tensor, src_to_dst: Tensor | Sequence[Sequence[int]]
+) -> None:
     """Copy whole blocks ``src -> dst`` in every layer (copy-on-write).
 
     ``k_caches``: ``[layers, num_blocks, block_size, kv_heads, head_dim]``;
-    ``src_to_dst``: ``[n, 2]`` int64. All sources are read before any
-    destination is written.
+    ``src_to_dst``: host pairs, a list of ``(src, dst)`` or an int64 tensor
+    ``[n, 2]``, moved to the caches' device in one copy. All sources are
+    read before any destination is written.
     """
-    if src_to_dst.numel() == 0:
+    pairs = torch.as_tensor(src_to_dst, dtype=torch.long).reshape(-1, 2)
+    if pairs.shape[0] == 0:
         return
-    pairs = src_to_dst.to(device=k_caches.device, dtype=torch.long).view(-1, 2)
+    pairs = pairs.to(device=k_caches.device, non_blocking=True)
     src, dst = pairs[:, 0], pairs[:, 1]
     k_caches[:, dst] = k_caches[:, src]
     v_caches[:, dst] = v_caches[:, src]

@@ -334,9 +334,8 @@ class PagedKVCachePool:
 
     def _flush_copies(self) -> None:
         if self._pending_copies:
-            pairs = torch.tensor(self._pending_copies, dtype=torch.int64, device=self.k_cache.device)
-            self._pending_copies = []
-            self.ops.copy_blocks(self.k_cache, self.v_cache, pairs)
+            pairs, self._pending_copies = self._pending_copies, []
+            self.ops.copy_blocks(self.k_cache, self.v_cache, pairs)  # host pairs: one upload
 
     def _new_slot_id(self) -> int:
         slot = self._next_slot

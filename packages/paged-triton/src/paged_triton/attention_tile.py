@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from paged_triton.interpreter_bf16 import cast, dot
+
 
 @triton.jit
 def load_kv_tile(
@@ -66,6 +68,7 @@ def attend_tile(
     softcap,
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     """Fold one K/V tile into the running softmax state of every query row.
 
@@ -74,8 +77,9 @@ def attend_tile(
     ([M, D]) in float32. Scores are scaled, soft-capped, then masked, as the
     contract says. A row that has seen no visible key keeps ``m = -inf``;
     its exponent base is taken as 0 so nothing becomes NaN.
+    ``EMULATE_BF16``: see interpreter_bf16.py (True only when interpreting bf16).
     """
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = dot(q, tl.trans(k), PRECISION, EMULATE_BF16) * scale
     if USE_SOFTCAP:
         s = soft_cap(s, softcap)
     # log2 units from here on (1.44... = log2(e)): exp2 is the fast exponential.
@@ -85,5 +89,5 @@ def attend_tile(
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(s - m_base[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + dot(cast(p, v.dtype, EMULATE_BF16), v, PRECISION, EMULATE_BF16)
     return m_new, l_new, acc

@@ -5,21 +5,27 @@ elements), so a program copies one flat chunk of one block of one layer,
 for K and V together. Copies run in parallel, so when a destination is also
 some pair's source the sources are first snapshotted: every source is read
 before any destination is written, as in ``paged_ref.ops.copy_blocks``.
+
+The pairs come from the host (the pool batches a step's copy-on-writes), are
+checked there, and reach the device in one copy; nothing is read back.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from paged_triton.launch import Launch
 from paged_triton.launch_checks import check_cache, check_runnable
 
 CHUNK = 1024  # elements per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["PAIRS"])
 def _copy_blocks_kernel(
     SRC_K,
     SRC_V,
@@ -43,47 +49,69 @@ def _copy_blocks_kernel(
     tl.store(DST_V + dst, tl.load(SRC_V + src, mask=mask), mask=mask)
 
 
-def copy_blocks(k_caches: Tensor, v_caches: Tensor, src_to_dst: Tensor) -> None:
-    """Copy blocks ``src_to_dst[:, 0] -> src_to_dst[:, 1]`` in all layers of
-    ``k_caches``/``v_caches`` (``[layers, num_blocks, block_size, kv_heads, head_dim]``).
-    Same contract as ``paged_ref.ops.copy_blocks``. Reads the pairs on the
-    host once (a sync on CUDA; CoW copies are rare and off the decode path).
+def plan_copy_blocks(
+    src_k: Tensor, src_v: Tensor, k_caches: Tensor, v_caches: Tensor, pairs: Tensor
+) -> Launch:
+    """Programs (pair, layer, chunk); ``pairs`` is ``[n, 2]`` int64 on the
+    caches' device, indexing ``src_k``'s blocks and ``k_caches``' blocks."""
+    layers = k_caches.shape[0]
+    block_elems = k_caches[0, 0].numel()
+    return Launch(
+        _copy_blocks_kernel,
+        (pairs.shape[0], layers, triton.cdiv(block_elems, CHUNK)),
+        (
+            src_k,
+            src_v,
+            k_caches,
+            v_caches,
+            pairs,
+            src_k.stride(0),
+            src_k.stride(1),
+            k_caches.stride(0),
+            k_caches.stride(1),
+            block_elems,
+        ),
+        dict(CHUNK=CHUNK),
+        num_warps=4,
+        num_stages=1,
+    )
+
+
+def copy_blocks(
+    k_caches: Tensor, v_caches: Tensor, src_to_dst: Tensor | Sequence[Sequence[int]]
+) -> None:
+    """Copy blocks ``src -> dst`` in all layers of ``k_caches``/``v_caches``
+    (``[layers, num_blocks, block_size, kv_heads, head_dim]``). ``src_to_dst``:
+    host pairs, a list of ``(src, dst)`` or a CPU int64 tensor ``[n, 2]``
+    (a device tensor works too but is read back first, a sync). Same contract
+    as ``paged_ref.ops.copy_blocks``; one host-to-device copy per call.
     """
     check_runnable(_copy_blocks_kernel, k_caches, v_caches)
     check_cache(k_caches, v_caches, ndim=5)
     layers, num_blocks = k_caches.shape[:2]
-    block_elems = k_caches[0, 0].numel()
     inner = k_caches.shape[2:]
     if k_caches.stride()[2:] != (inner[1] * inner[2], inner[2], 1):
         raise ValueError(
             f"each cache block must be contiguous (strides {k_caches.stride()}); "
             "allocate the caches with torch.empty/zeros"
         )
-    if src_to_dst.numel() == 0 or layers == 0:
+    pairs = torch.as_tensor(src_to_dst, dtype=torch.int64).reshape(-1, 2).cpu()
+    if pairs.shape[0] == 0 or layers == 0:
         return
-    pairs_host = src_to_dst.reshape(-1, 2).to(device="cpu", dtype=torch.int64)
-    if int(pairs_host.min()) < 0 or int(pairs_host.max()) >= num_blocks:
-        raise ValueError(
-            f"src_to_dst holds block ids outside [0, {num_blocks}): {pairs_host.tolist()}"
-        )
+    if int(pairs.min()) < 0 or int(pairs.max()) >= num_blocks:
+        raise ValueError(f"src_to_dst holds block ids outside [0, {num_blocks}): {pairs.tolist()}")
     src_k, src_v = k_caches, v_caches
-    if set(pairs_host[:, 0].tolist()) & set(pairs_host[:, 1].tolist()):
-        # A destination is also a source: copy from a snapshot of the sources.
-        src_k, src_v = k_caches[:, pairs_host[:, 0]], v_caches[:, pairs_host[:, 0]]
-        pairs_host = torch.stack([torch.arange(pairs_host.shape[0]), pairs_host[:, 1]], dim=1)
-    pairs = pairs_host.to(k_caches.device).contiguous()
-    grid = (pairs.shape[0], layers, triton.cdiv(block_elems, CHUNK))
-    _copy_blocks_kernel[grid](
-        src_k,
-        src_v,
-        k_caches,
-        v_caches,
-        pairs,
-        src_k.stride(0),
-        src_k.stride(1),
-        k_caches.stride(0),
-        k_caches.stride(1),
-        block_elems,
-        CHUNK=CHUNK,
-        num_warps=4,
-    )
+    if set(pairs[:, 0].tolist()) & set(pairs[:, 1].tolist()):
+        # A destination is also a source: copy from a snapshot of the sources,
+        # gathered with the same single upload ((i, dst) pairs, then the sources).
+        n = pairs.shape[0]
+        snapshot_pairs = torch.stack([torch.arange(n), pairs[:, 1]], dim=1)
+        device_ids = torch.cat([snapshot_pairs.reshape(-1), pairs[:, 0]]).to(
+            k_caches.device, non_blocking=True
+        )
+        sources = device_ids[2 * n :]
+        src_k, src_v = k_caches[:, sources], v_caches[:, sources]
+        device_pairs = device_ids[: 2 * n].view(n, 2)
+    else:
+        device_pairs = pairs.contiguous().to(k_caches.device, non_blocking=True)
+    plan_copy_blocks(src_k, src_v, k_caches, v_caches, device_pairs).run()

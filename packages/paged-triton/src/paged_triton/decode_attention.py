@@ -6,15 +6,18 @@ group is padded to 16 rows so the scores and the weighted sum are ``tl.dot``
 tensor-core products. Tokens are fetched through the page table per
 position, so any block size works and a tile may span several blocks.
 
-For small batches with long contexts (too few programs to fill the GPU) the
-context is split across programs (flash-decoding): each split writes a
-partial, normalised output and its log-sum-exp, and a second kernel merges
-them (decode_splits.py). ``choose_num_splits`` decides from shapes the
-host already knows, so no device sync happens per step.
+Long contexts are cut into pieces on the device (flash-decoding with a
+per-sequence split, decode_splits.py): the grid has a fixed number of
+split programs per sequence, decided from shapes alone, and each program
+learns from ``seq_lens`` whether its piece exists. Nothing here syncs with
+the host, and the integers that change from step to step (batch, the block
+table's width, the split grid) are not specialised by Triton, so a new step
+never compiles a new kernel variant.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -23,22 +26,49 @@ import triton.language as tl
 from torch import Tensor
 
 from paged_triton.attention_tile import attend_tile, load_kv_tile
-from paged_triton.decode_splits import choose_num_splits, merge_splits, num_sms
+from paged_triton.decode_splits import (
+    BLOCK_B,
+    SplitPolicy,
+    plan_merge,
+    split_plan,
+    split_policy,
+    visible_len,
+)
+from paged_triton.interpreter_bf16 import cast
+from paged_triton.launch import Launch, device_arch
 from paged_triton.launch_checks import (
     as_int32,
     check_cache,
     check_gqa,
     check_runnable,
     dot_precision,
+    interpreted,
     last_dim_contiguous,
 )
+from paged_triton.tile_config import (
+    TileConfig,
+    autotune_enabled,
+    candidates,
+    tile_config,
+    tuned,
+)
 
-BLOCK_N = 64  # token positions per tile
 MIN_DOT = 16  # tl.dot wants every dimension >= 16
 MAX_HEADS_PER_PROGRAM = 64  # larger groups (big MQA) are split over programs
+# Arguments that change from step to step: never specialised (no mid-serving compiles).
+PER_STEP_INTS = [
+    "stride_btb",
+    "batch",
+    "window",
+    "min_chunk",
+    "target_programs",
+    "max_splits",
+    "partial_rows",
+]
+PER_STEP_POINTERS = ["BT", "LENS"]  # views into the step's packed metadata: 8-byte aligned
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS, do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _decode_kernel(
     Q,
     K,
@@ -58,9 +88,14 @@ def _decode_kernel(
     stride_oh,
     scale,
     softcap,
-    window,
-    num_splits,
     num_heads,
+    head_programs,
+    batch,
+    window,
+    min_chunk,
+    target_programs,
+    max_splits,
+    partial_rows,
     GROUP: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -68,18 +103,47 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
+
+    # Visible keys of the query at position seq_len - 1: [seq_len - n, seq_len).
+    seq_len = tl.load(LENS + b)
+    n = visible_len(seq_len, window, USE_WINDOW)
+    # Cheap exit first: no sequence gets more than n // min_chunk pieces, nor more
+    # than the grid has (max_splits is 1 when the host knows nothing can split).
+    limit = tl.maximum(tl.minimum(n // min_chunk, max_splits), 1)
+    if split >= limit:
+        return
+    pieces = limit * 0 + 1
+    row0 = limit * 0
+    if limit > 1:
+        pieces, row0 = split_plan(
+            LENS, b, batch, window, head_programs, min_chunk, target_programs, max_splits,
+            USE_WINDOW, BLOCK_B,
+        )  # fmt: skip
+    if split >= pieces:
+        return
+    lo = seq_len - n
+    start = lo
+    end = seq_len
+    if pieces > 1:
+        # Piece boundaries on tile multiples. A piece holds >= min_chunk keys, so
+        # none is empty when min_chunk >= BLOCK_N; an empty one (tests use small
+        # pieces) stores lse = -inf and weighs nothing in the merge.
+        start = lo + (split * n // pieces) // BLOCK_N * BLOCK_N
+        if split + 1 < pieces:
+            end = lo + ((split + 1) * n // pieces) // BLOCK_N * BLOCK_N
+
     head_blocks: tl.constexpr = (GROUP + HEADS_PER_PROG - 1) // HEADS_PER_PROG
     kv_head = pid_h // head_blocks
     first = (pid_h % head_blocks) * HEADS_PER_PROG
-
     g = tl.arange(0, BLOCK_H)
     head_mask = (g < HEADS_PER_PROG) & (first + g < GROUP)
     heads = kv_head * GROUP + first + g
@@ -89,19 +153,7 @@ def _decode_kernel(
     q = tl.load(
         Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0
     )
-    q = q.to(K.dtype.element_ty)
-
-    # Visible keys of the query at position seq_len - 1: [lo, seq_len).
-    seq_len = tl.load(LENS + b)
-    lo = seq_len * 0
-    if USE_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    start = lo
-    end = seq_len
-    if SPLIT:
-        per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-        start = lo + split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+    q = cast(q, K.dtype.element_ty, EMULATE_BF16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -113,19 +165,179 @@ def _decode_kernel(
             K, V, bt_row, kv_off, t0, end, d, d_mask, stride_cb, stride_ct, BLOCK_SIZE, BLOCK_N
         )
         m_i, l_i, acc = attend_tile(
-            q, k, v, tok_mask[None, :], m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION
-        )
+            q, k, v, tok_mask[None, :], m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION,
+            EMULATE_BF16,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key -> zeros
-    if SPLIT:
-        # Partial results: [batch, heads, num_splits, BLOCK_D] and [batch, heads, num_splits].
-        row = (b * num_heads + heads) * num_splits + split
-        tl.store(PART_ACC + row[:, None] * BLOCK_D + d[None, :], out, mask=head_mask[:, None])
+    if pieces > 1:
+        # Piece `split` of b: partial rows [partial_rows, num_heads, BLOCK_D] and [.., num_heads].
+        row = row0 + split
+        part = row * num_heads + heads
+        # (The scalar test is broadcast: Triton's interpreter turns `bool tensor &
+        # bool scalar` into integers, which a store rejects as a mask.)
+        keep = head_mask & (g * 0 + row < partial_rows)
+        tl.store(PART_ACC + part[:, None] * BLOCK_D + d[None, :], out, mask=keep[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(PART_LSE + row, lse, mask=head_mask)
+        tl.store(PART_LSE + part, lse, mask=keep)
     else:
         o_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=qd_mask)
+        tl.store(o_ptrs, cast(out, OUT.dtype.element_ty, EMULATE_BF16), mask=qd_mask)
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_params(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    arch: int | None,
+    emulate_bf16: bool,
+    tile: TileConfig | None,
+) -> tuple[int, dict[str, Any], int, int]:
+    """What depends only on the layer's shapes: head programs per sequence,
+    the constexprs (window and softcap flags aside), warps, stages."""
+    group = check_gqa(heads, kv_heads)
+    heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
+    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    tile = tile or tile_config("decode", block_d, dtype, arch)
+    constexprs = dict(
+        GROUP=group,
+        HEADS_PER_PROG=heads_per_prog,
+        BLOCK_H=max(MIN_DOT, triton.next_power_of_2(heads_per_prog)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=tile.block_n,
+        BLOCK_B=BLOCK_B,
+        PRECISION=dot_precision(dtype),
+        EMULATE_BF16=emulate_bf16,
+    )
+    head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
+    return head_programs, constexprs, tile.num_warps, tile.num_stages
+
+
+def plan_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    lens: Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: Tensor,
+    policy: SplitPolicy,
+    arch: int | None,
+    interpret: bool,
+    memo: dict[Any, Any] | None = None,
+    *,
+    tile: TileConfig | None = None,
+) -> list[Launch]:
+    """The decode launch, and the merge launch when contexts may be split.
+    ``tables``/``lens`` are int32 on q's device; nothing here reads a tensor.
+    ``tile``: instead of :func:`tile_config`'s choice (autotuning)."""
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    head_programs, constexprs, num_warps, num_stages = _shape_params(
+        heads, kv_heads, head_dim, block_size, k_cache.dtype, arch,
+        interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
+    )  # fmt: skip
+    block_d = constexprs["BLOCK_D"]
+    max_visible = tables.shape[1] * block_size
+    if sliding_window is not None:
+        max_visible = min(max_visible, sliding_window)
+    splits = policy.grid_splits(max_visible, head_programs)
+    # Always real float32 buffers (one row when nothing can split), so the
+    # kernel's signature, and the compiled variant, never depend on the step.
+    rows = policy.partial_rows(batch, splits, head_programs) if splits > 1 else 1
+    part_acc, part_lse = _partials(memo, rows, heads, block_d, q.device)
+    window = int(sliding_window or 0)
+    use_window = sliding_window is not None
+    qs, cs, os = q.stride(), k_cache.stride(), out.stride()
+    decode = Launch(
+        _decode_kernel,
+        (batch, head_programs, splits),
+        (
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            lens,
+            out,
+            part_acc,
+            part_lse,
+            qs[0],
+            qs[1],
+            cs[0],  # block
+            cs[2],  # kv head
+            cs[1],  # token within the block
+            tables.stride(0),
+            os[0],
+            os[1],
+            float(scale),
+            float(softcap or 1.0),
+            heads,
+            head_programs,
+            batch,
+            window,
+            policy.min_chunk,
+            policy.target_programs,
+            splits,
+            rows,
+        ),
+        dict(constexprs, USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap)),
+        num_warps,
+        num_stages,
+    )
+    if splits == 1:
+        return [decode]
+    merge = plan_merge(
+        part_acc, part_lse, lens, out, window, head_programs, policy, splits, use_window,
+        constexprs["EMULATE_BF16"],
+    )  # fmt: skip
+    return [decode, merge]
+
+
+def _partials(
+    memo: dict[Any, Any] | None, rows: int, heads: int, block_d: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Partial outputs and log-sum-exps of split pieces; with the step's
+    ``memo``, allocated once per step and reused by every layer (a layer's
+    merge has read them before the next layer's decode writes them)."""
+    key = ("paged_triton.decode_partials", rows, heads, block_d)
+    if memo is not None and key in memo:
+        return memo[key]  # type: ignore[no-any-return]
+    buffers = (
+        torch.empty(rows, heads, block_d, device=device, dtype=torch.float32),
+        torch.empty(rows, heads, device=device, dtype=torch.float32),
+    )
+    if memo is not None:
+        memo[key] = buffers
+    return buffers
+
+
+def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> TileConfig:
+    """The fastest candidate tile for this layer's shapes (timed once)."""
+    import triton.testing
+
+    q, k_cache = args[0], args[1]
+    block_d = max(MIN_DOT, triton.next_power_of_2(q.shape[2]))
+    key = ("decode", q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype, args[10],
+           use_window, use_softcap)  # fmt: skip
+
+    def time_ms(tile: TileConfig) -> float:
+        launches = plan_decode(*args, tile=tile)
+
+        def step() -> None:
+            for launch in launches:
+                launch.run()
+
+        return float(triton.testing.do_bench(step))
+
+    options = candidates("decode", block_d, k_cache.dtype, args[10])
+    return tuned(key, options, time_ms)
 
 
 def decode_attention(
@@ -137,19 +349,20 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    num_splits: int | None = None,
+    *,
+    memo: dict[Any, Any] | None = None,
+    policy: SplitPolicy | None = None,
 ) -> Tensor:
-    """:func:`paged_decode_attention` with the split count exposed
-    (``None``: :func:`choose_num_splits`; tests force the split path)."""
+    """:func:`paged_decode_attention` with the split policy exposed
+    (``None``: :func:`split_policy` for the device; tests force splits)."""
     check_runnable(_decode_kernel, q, k_cache, v_cache)
     check_cache(k_cache, v_cache)
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_dim}")
-    group = check_gqa(heads, kv_heads)
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    check_gqa(heads, k_cache.shape[2])
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(
             f"block_tables must be [batch={batch}, max_blocks] and seq_lens [batch], got "
@@ -158,65 +371,17 @@ def decode_attention(
     out = torch.empty_like(q)
     if batch == 0 or heads == 0:
         return out
-    q = last_dim_contiguous(q)
-    tables = as_int32(block_tables, q.device)
-    lens = as_int32(seq_lens, q.device)
-
-    heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
-    head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
-    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    if num_splits is None:
-        max_context = tables.shape[1] * block_size
-        if sliding_window is not None:
-            max_context = min(max_context, max(sliding_window, 1))
-        num_splits = choose_num_splits(batch * head_programs, max_context, num_sms(q.device))
-    num_splits = max(1, int(num_splits))
-    split = num_splits > 1
-    if split:
-        part_acc = torch.empty(
-            batch, heads, num_splits, block_d, device=q.device, dtype=torch.float32
-        )
-        part_lse = torch.empty(batch, heads, num_splits, device=q.device, dtype=torch.float32)
-    else:
-        part_acc = part_lse = out  # unused: the kernel stores straight to `out`
-
-    _decode_kernel[(batch, head_programs, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        tables,
-        lens,
-        out,
-        part_acc,
-        part_lse,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(2),  # kv head
-        k_cache.stride(1),  # token within the block
-        tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        float(scale),
-        float(softcap or 1.0),
-        int(sliding_window or 0),
-        num_splits,
-        heads,
-        GROUP=group,
-        HEADS_PER_PROG=heads_per_prog,
-        BLOCK_H=max(MIN_DOT, triton.next_power_of_2(heads_per_prog)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=BLOCK_N,
-        USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=bool(softcap),
-        SPLIT=split,
-        PRECISION=dot_precision(k_cache.dtype),
-        num_warps=4,
-    )
-    if split:
-        merge_splits(part_acc, part_lse, out)
+    args = (
+        last_dim_contiguous(q), k_cache, v_cache, as_int32(block_tables, q), as_int32(seq_lens, q),
+        scale, sliding_window, softcap, out, policy or split_policy(q.device),
+        device_arch(q.device), _INTERPRETED, memo,
+    )  # fmt: skip
+    tile = None
+    if autotune_enabled(q.device):
+        tile = _autotuned(args, sliding_window is not None, bool(softcap))
+    launches = plan_decode(*args, tile=tile)
+    for launch in launches:
+        launch.run()
     return out
 
 
@@ -235,9 +400,13 @@ def paged_decode_attention(
     """One query per sequence (``q``: ``[batch, heads, head_dim]``) at position
     ``seq_lens[b] - 1`` over its paged context, read straight from the cache
     blocks (no gather copy). ``seq_lens`` includes the new token; 0 gives
-    zeros. Same contract as ``paged_ref.ops.paged_decode_attention``
-    (``memo``, the caller's per-step scratch dict, is accepted for parity).
+    zeros. Same contract as ``paged_ref.ops.paged_decode_attention``; with
+    ``memo`` (the caller's per-step dict) the split buffers are allocated
+    once per step instead of once per layer.
     """
     return decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, memo=memo
     )
+
+
+_INTERPRETED = interpreted(_decode_kernel)  # Triton decides once, at import

@@ -21,6 +21,11 @@ def interpreted(kernel: object) -> bool:
 
 def check_runnable(kernel: object, *tensors: Tensor) -> None:
     """Raise if ``kernel`` cannot run on these tensors' device."""
+    first = tensors[0]
+    if first.is_cuda:  # the serving path, checked without building device objects
+        index = first.get_device()
+        if all(t.is_cuda and t.get_device() == index for t in tensors):
+            return
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(
@@ -74,9 +79,17 @@ def last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def as_int32(t: Tensor, device: torch.device) -> Tensor:
-    """Index metadata as contiguous int32 on ``device`` (a no-op when it already is)."""
-    return t.to(device=device, dtype=torch.int32).contiguous()
+def as_int32(t: Tensor, like: Tensor) -> Tensor:
+    """Index metadata as contiguous int32 on ``like``'s device (``t`` itself
+    when it already is: the step's metadata is built that way)."""
+    if (
+        t.dtype is torch.int32
+        and t.is_cuda == like.is_cuda
+        and t.get_device() == like.get_device()
+        and t.is_contiguous()
+    ):
+        return t
+    return t.to(device=like.device, dtype=torch.int32).contiguous()
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -85,6 +98,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def as_int64(t: Tensor, device: torch.device) -> Tensor:
-    """Slot indices as contiguous int64 on ``device`` (slots can exceed 2**31 in huge pools)."""
-    return t.to(device=device, dtype=torch.long).contiguous()
+def as_int64(t: Tensor, like: Tensor) -> Tensor:
+    """Slot indices as contiguous int64 on ``like``'s device (slots can exceed
+    2**31 in huge pools); ``t`` itself when it already is."""
+    if (
+        t.dtype is torch.int64
+        and t.is_cuda == like.is_cuda
+        and t.get_device() == like.get_device()
+        and t.is_contiguous()
+    ):
+        return t
+    return t.to(device=like.device, dtype=torch.long).contiguous()

@@ -15,6 +15,7 @@ return at once.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -23,22 +24,33 @@ import triton.language as tl
 from torch import Tensor
 
 from paged_triton.attention_tile import attend_tile, load_kv_tile
+from paged_triton.interpreter_bf16 import cast
+from paged_triton.launch import Launch, device_arch
 from paged_triton.launch_checks import (
     as_int32,
     check_cache,
     check_gqa,
     check_runnable,
     dot_precision,
+    interpreted,
     last_dim_contiguous,
 )
+from paged_triton.tile_config import (
+    TileConfig,
+    autotune_enabled,
+    candidates,
+    tile_config,
+    tuned,
+)
 
-BLOCK_M = 64  # query rows per program (queries x group heads)
-BLOCK_N = 64  # key positions per tile
 MIN_DOT = 16
 MAX_HEADS_PER_PROGRAM = 16
+# Arguments that change from step to step: never specialised (no mid-serving compiles).
+PER_STEP_INTS = ["stride_btb", "batch", "window"]
+PER_STEP_POINTERS = ["BT", "CU_Q", "LENS"]  # views into the step's packed metadata
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS, do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _prefill_kernel(
     Q,
     K,
@@ -70,6 +82,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -109,7 +122,7 @@ def _prefill_kernel(
         mask=qd_mask,
         other=0.0,
     )
-    q = q.to(K.dtype.element_ty)
+    q = cast(q, K.dtype.element_ty, EMULATE_BF16)
 
     # Absolute positions of this tile's queries, and the keys any of them can see.
     seq_len = tl.load(LENS + b)
@@ -134,12 +147,122 @@ def _prefill_kernel(
         if USE_WINDOW:
             visible = visible & (tok[None, :] > pos[:, None] - window)
         m_i, l_i, acc = attend_tile(
-            q, k, v, visible, m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION
+            q, k, v, visible, m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION, EMULATE_BF16
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key -> zeros
     o_ptrs = OUT + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=qd_mask)
+    tl.store(o_ptrs, cast(out, OUT.dtype.element_ty, EMULATE_BF16), mask=qd_mask)
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_params(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    arch: int | None,
+    emulate_bf16: bool,
+    tile: TileConfig | None,
+) -> tuple[int, int, dict[str, Any], TileConfig]:
+    """What depends only on the layer's shapes: queries per program, head
+    programs, the constexprs (window and softcap flags aside), warps, stages."""
+    group = check_gqa(heads, kv_heads)
+    heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
+    g_pad = triton.next_power_of_2(heads_per_prog)
+    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    tile = tile or tile_config("prefill", block_d, dtype, arch)
+    block_q = max(1, tile.block_m // g_pad)
+    constexprs = dict(
+        GROUP=group,
+        HEADS_PER_PROG=heads_per_prog,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=tile.block_n,
+        PRECISION=dot_precision(dtype),
+        EMULATE_BF16=emulate_bf16,
+    )
+    head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
+    return block_q, head_programs, constexprs, tile
+
+
+def plan_prefill(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    cu_q: Tensor,
+    lens: Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: Tensor,
+    arch: int | None,
+    interpret: bool,
+    *,
+    tile: TileConfig | None = None,
+) -> Launch:
+    """The prefill launch; ``tables``/``cu_q``/``lens`` are int32 on q's
+    device. The grid's ``total_q // BLOCK_Q + batch`` query programs bound
+    the per-sequence tiles without reading ``cu_seqlens_q``. ``tile``:
+    instead of :func:`tile_config`'s choice (autotuning)."""
+    total_q, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    batch = lens.shape[0]
+    block_q, head_programs, constexprs, tile = _shape_params(
+        heads, kv_heads, head_dim, block_size, k_cache.dtype, arch,
+        interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
+    )  # fmt: skip
+    return Launch(
+        _prefill_kernel,
+        (total_q // block_q + batch, head_programs),
+        (
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            cu_q,
+            lens,
+            out,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),  # block
+            k_cache.stride(2),  # kv head
+            k_cache.stride(1),  # token within the block
+            tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            float(scale),
+            float(softcap or 1.0),
+            int(sliding_window or 0),
+            batch,
+        ),
+        dict(constexprs, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(softcap)),
+        tile.num_warps,
+        tile.num_stages,
+        tile.maxnreg,
+    )
+
+
+def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> TileConfig:
+    """The fastest candidate tile for this layer's shapes (timed once)."""
+    import triton.testing
+
+    q, k_cache = args[0], args[1]
+    block_d = max(MIN_DOT, triton.next_power_of_2(q.shape[2]))
+    key = ("prefill", q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype, args[10],
+           use_window, use_softcap)  # fmt: skip
+
+    def time_ms(tile: TileConfig) -> float:
+        launch = plan_prefill(*args, tile=tile)
+        return float(triton.testing.do_bench(launch.run))
+
+    options = candidates("prefill", block_d, k_cache.dtype, args[10])
+    return tuned(key, options, time_ms)
 
 
 def paged_prefill_attention(
@@ -166,10 +289,9 @@ def paged_prefill_attention(
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, heads, head_dim], got shape {tuple(q.shape)}")
     total_q, heads, head_dim = q.shape
-    _, block_size, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_dim}")
-    group = check_gqa(heads, kv_heads)
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    check_gqa(heads, k_cache.shape[2])
     batch = seq_lens.shape[0]
     if (
         cu_seqlens_q.shape != (batch + 1,)
@@ -183,46 +305,16 @@ def paged_prefill_attention(
     out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1], if any, stay zero
     if total_q == 0 or batch == 0 or heads == 0:
         return out
-    q = last_dim_contiguous(q)
-    tables = as_int32(block_tables, q.device)
-    cu_q = as_int32(cu_seqlens_q, q.device)
-    lens = as_int32(seq_lens, q.device)
-
-    heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
-    g_pad = triton.next_power_of_2(heads_per_prog)
-    block_q = max(1, BLOCK_M // g_pad)
-    grid = (total_q // block_q + batch, kv_heads * triton.cdiv(group, heads_per_prog))
-    _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        tables,
-        cu_q,
-        lens,
-        out,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(2),  # kv head
-        k_cache.stride(1),  # token within the block
-        tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        float(scale),
-        float(softcap or 1.0),
-        int(sliding_window or 0),
-        batch,
-        GROUP=group,
-        HEADS_PER_PROG=heads_per_prog,
-        G_PAD=g_pad,
-        BLOCK_Q=block_q,
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size,
-        BLOCK_N=BLOCK_N,
-        USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=bool(softcap),
-        PRECISION=dot_precision(k_cache.dtype),
-        num_warps=4,
-    )
+    args = (
+        last_dim_contiguous(q), k_cache, v_cache, as_int32(block_tables, q),
+        as_int32(cu_seqlens_q, q), as_int32(seq_lens, q), scale, sliding_window, softcap, out,
+        device_arch(q.device), _INTERPRETED,
+    )  # fmt: skip
+    tile = None
+    if autotune_enabled(q.device):
+        tile = _autotuned(args, sliding_window is not None, bool(softcap))
+    plan_prefill(*args, tile=tile).run()
     return out
+
+
+_INTERPRETED = interpreted(_prefill_kernel)  # Triton decides once, at import

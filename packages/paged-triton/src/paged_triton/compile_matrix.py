@@ -1,0 +1,504 @@
+"""Compile every kernel variant the supported model families produce, for
+real GPUs (sm_80, sm_89, sm_90), on any machine, GPU or not.
+
+A *variant* is one kernel with one set of constexprs, warps and stages. The
+variants come from the head layouts of the families ``paged`` serves
+(:data:`FAMILIES`) plus a few layouts that keep GQA groups 1-8, soft-capping
+and 32-token blocks covered (:data:`COVERAGE`), in fp16 and bf16 (fp32 where
+a CPU pool uses it). Each is planned by the ops' own planning functions
+(``plan_decode``, ``plan_prefill``, ...) on ``meta`` tensors, then
+specialised exactly as Triton's JIT would specialise those arguments on a
+GPU (divisibility by 16, ``do_not_specialize``), and compiled ahead of time
+with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``
+using the ``ptxas`` shipped in the triton wheel.
+
+Each result records registers, stack and local memory per thread
+(``cuobjdump -res-usage``; any in a 16-bit kernel are register spills),
+shared memory (must fit the target), and for the attention kernels how
+many shared-memory buffers the pipeliner gave the K/V tiles.
+
+Used by ``tests/triton/test_compile_matrix.py`` (``nox -s test``) and the
+GPU report (``nox -s gpu``); ``python -m paged_triton.compile_matrix``
+prints the table. Compiles run in worker processes with the interpreter
+off; Triton's cache (``TRITON_CACHE_DIR``) makes reruns fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from typing import Any
+
+import torch
+
+from paged_triton.launch import Launch
+from paged_triton.tile_config import smem_limit
+
+ARCHS = (80, 89, 90)
+KERNELS = ("write_kv", "decode", "decode_merge", "prefill", "copy_blocks")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A model's attention layout: heads, kv heads, head_dim, and the window
+    its local layers use (their global layers run without one)."""
+
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+
+FAMILIES = (
+    Layout("Llama 3.2 1B", 32, 8, 64),
+    Layout("Llama 3.2 3B", 24, 8, 128),
+    Layout("Qwen3 0.6B/1.7B", 16, 8, 128),
+    Layout("Qwen3 4B/8B", 32, 8, 128),
+    Layout("Gemma 3 1B", 4, 1, 256, window=512),
+    Layout("Gemma 3 4B", 8, 4, 256, window=1024),
+    Layout("Gemma 3 12B", 16, 8, 256, window=1024),
+)
+# No supported family has these today; they keep the rest of the GQA range covered.
+COVERAGE = (
+    Layout("MHA d128", 16, 16, 128),
+    Layout("GQA-8 d128", 64, 8, 128),
+    Layout("MQA-8 d64", 8, 1, 64),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One launch to compile: a kernel for a layout and the options a layer uses."""
+
+    kernel: str
+    layout: Layout
+    dtype: str = "bf16"
+    block_size: int = 16
+    window: bool = False
+    softcap: bool = False
+
+    @property
+    def label(self) -> str:
+        flags = [
+            f"bs{self.block_size}",
+            *(["window"] if self.window else []),
+            *(["softcap"] if self.softcap else []),
+        ]
+        layout = self.layout
+        shape = f"{layout.heads}/{layout.kv_heads}x{layout.head_dim}"
+        return f"{self.kernel} {self.dtype} {shape} {' '.join(flags)} ({layout.name})"
+
+
+def _layer_options(layout: Layout) -> list[bool]:
+    """Window off (global layers), and on for families with local layers."""
+    return [False, True] if layout.window else [False]
+
+
+def core_variants() -> list[Variant]:
+    """What ``nox -s test`` compiles (about 30 variants per arch): for one
+    family per head_dim (64, 128, 256: Llama 3.2 1B, Llama 3.2 3B, Gemma 3
+    1B) decode, its split merge, prefill and write_kv in fp16 and bf16;
+    Gemma's windowed layers; soft-capping, 32-token blocks and fp32 once
+    each; GQA groups 1 and 8; copy_blocks. Family layouts left out share
+    these kernels' code paths and differ only in constexpr masks (GQA group
+    2 and 4 both pad to 16 decode rows, for instance);
+    :func:`exhaustive_variants` compiles them all. Whether a decode step is
+    split is decided on the device, so one decode variant serves both."""
+    llama_1b, llama_3b, gemma_1b = FAMILIES[0], FAMILIES[1], FAMILIES[4]
+    out: list[Variant] = []
+    for layout in (llama_1b, llama_3b, gemma_1b):
+        for dtype in ("fp16", "bf16"):
+            out += [Variant(k, layout, dtype) for k in ("prefill", "decode", "decode_merge")]
+            out.append(Variant("write_kv", layout, dtype))
+    out += [
+        Variant("decode", gemma_1b, "bf16", window=True),
+        Variant("prefill", gemma_1b, "bf16", window=True),
+        Variant("decode", FAMILIES[5], "bf16", window=True, softcap=True),  # GQA 2 x 256
+        Variant("prefill", FAMILIES[5], "bf16", window=True, softcap=True),
+        Variant("decode", llama_3b, "bf16", block_size=32),
+        Variant("prefill", llama_3b, "bf16", block_size=32),
+        Variant("decode", llama_3b, "fp32"),
+        Variant("prefill", llama_3b, "fp32"),
+    ]
+    for layout in COVERAGE[:2]:  # GQA group 1 (MHA) and 8
+        out += [Variant("decode", layout, "bf16"), Variant("prefill", layout, "bf16")]
+    out += [Variant("copy_blocks", llama_3b, dtype) for dtype in ("bf16", "fp32")]
+    return _unique(out)
+
+
+def exhaustive_variants() -> list[Variant]:
+    """Every family and coverage layout x fp16/bf16/fp32 x block size 16/32 x
+    window x softcap (``PAGED_COMPILE_MATRIX=exhaustive``)."""
+    out: list[Variant] = []
+    for layout in FAMILIES + COVERAGE:
+        for dtype in DTYPES:
+            for block_size in (16, 32):
+                out.append(Variant("write_kv", layout, dtype, block_size))
+                for window in (False, True):
+                    for softcap in (False, True):
+                        for kernel in ("prefill", "decode"):
+                            out.append(Variant(kernel, layout, dtype, block_size, window, softcap))
+            out.append(Variant("decode_merge", layout, dtype))
+        out += [Variant("copy_blocks", layout, dtype) for dtype in DTYPES]
+    return _unique(out)
+
+
+def _unique(variants: Iterable[Variant]) -> list[Variant]:
+    return list(dict.fromkeys(variants))
+
+
+# -- planning: the ops' own launch plans on meta tensors ------------------------------
+
+
+def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset: int = 0) -> Launch:
+    """The launch the op would make for ``variant`` on a GPU of ``arch``, in
+    a step of ``batch`` sequences whose block tables are ``width`` wide and
+    whose metadata tensors start ``offset`` bytes into the step's packed
+    buffer (8 is what ``attention_metadata.to_device`` can give)."""
+    from paged_triton.copy_blocks import plan_copy_blocks
+    from paged_triton.decode_attention import plan_decode
+    from paged_triton.decode_splits import SplitPolicy
+    from paged_triton.prefill_attention import plan_prefill
+    from paged_triton.write_kv import plan_write_kv
+
+    layout, dtype = variant.layout, DTYPES[variant.dtype]
+    heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
+    bs = variant.block_size
+
+    def empty(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.empty(*shape, device="meta", dtype=dt)
+
+    def step_tensor(*shape: int, dt: torch.dtype = torch.int32) -> torch.Tensor:
+        """Small metadata on the CPU (meta tensors have no address to misalign)."""
+        n = math.prod(shape)
+        skip = offset // torch.empty((), dtype=dt).element_size()
+        return torch.zeros(n + skip, dtype=dt)[skip:].view(shape)
+
+    num_blocks = 4096
+    cache = empty(num_blocks, bs, kv_heads, head_dim)
+    window = (layout.window or 1024) if variant.window else None
+    softcap = 30.0 if variant.softcap else None
+    tables, lens = step_tensor(batch, width), step_tensor(batch)
+    if variant.kernel == "write_kv":
+        new = empty(batch, kv_heads, head_dim)
+        return plan_write_kv(cache, cache, new, new, step_tensor(batch, dt=torch.int64))
+    if variant.kernel == "copy_blocks":
+        caches = empty(4, num_blocks, bs, kv_heads, head_dim)
+        return plan_copy_blocks(
+            caches, caches, caches, caches, step_tensor(batch, 2, dt=torch.int64)
+        )
+    if variant.kernel == "prefill":
+        q = empty(batch * 32, heads, head_dim)
+        cu_q = step_tensor(batch + 1)
+        return plan_prefill(
+            q, cache, cache, tables, cu_q, lens, head_dim**-0.5, window, softcap,
+            torch.empty_like(q), arch, interpret=False,
+        )  # fmt: skip
+    if variant.kernel in ("decode", "decode_merge"):
+        q = empty(batch, heads, head_dim)
+        policy = SplitPolicy(target_programs=1 << 16)  # splits whenever the context allows
+        launches = plan_decode(
+            q, cache, cache, tables, lens, head_dim**-0.5, window, softcap, torch.empty_like(q),
+            policy, arch, interpret=False,
+        )  # fmt: skip
+        if variant.kernel == "decode":
+            return launches[0]
+        if len(launches) != 2:
+            raise ValueError(f"{variant.label}: {width} blocks of {bs} tokens cannot be split")
+        return launches[1]
+    raise ValueError(f"unknown kernel {variant.kernel!r}; known: {KERNELS}")
+
+
+# -- what Triton's JIT would compile ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CompileJob:
+    """Everything ``triton.compile`` needs, picklable for a worker process."""
+
+    label: str
+    dtype: str
+    kernel: str  # "module:function"
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    attrs: dict[tuple[int, ...], list[list[Any]]]
+    options: dict[str, int]  # num_warps, num_stages (maxnreg)
+    arch: int
+    block_n: int | None = None  # K/V tile rows (attention kernels)
+
+    @property
+    def num_warps(self) -> int:
+        return self.options["num_warps"]
+
+    @property
+    def num_stages(self) -> int:
+        return self.options["num_stages"]
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (
+            self.kernel,
+            tuple(self.signature.items()),
+            tuple(sorted((k, repr(v)) for k, v in self.constexprs.items())),
+            tuple(sorted(self.attrs)),
+            tuple(sorted(self.options.items())),
+            self.arch,
+        )
+
+
+def _flags(kernel: Any) -> tuple[set[str], set[str]]:
+    """Parameter names with ``do_not_specialize`` / ``..._on_alignment``
+    (a JITFunction, or an InterpretedFunction under the interpreter)."""
+    if hasattr(kernel, "params"):
+        dns = {p.name for p in kernel.params if p.do_not_specialize}
+        dns_oa = {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
+        return dns, dns_oa
+    kwargs = getattr(kernel, "kwargs", {})
+    return set(kwargs.get("do_not_specialize") or ()), set(
+        kwargs.get("do_not_specialize_on_alignment") or ()
+    )
+
+
+def specialize(launch: Launch, arch: int) -> tuple[dict[str, str], dict[str, Any], dict]:
+    """Signature, constexprs and attributes as Triton's JIT derives them from
+    these arguments on a GPU of ``arch`` (same C++ specialisation routine)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import native_specialize_impl
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    fn = launch.kernel
+    names = list(fn.arg_names)
+    dns, dns_oa = _flags(fn)
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    args = iter(launch.args)
+    for index, name in enumerate(names):
+        if name in launch.constexprs:
+            signature[name] = "constexpr"
+            constexprs[name] = launch.constexprs[name]
+            continue
+        arg = next(args)
+        ty, key = native_specialize_impl(backend, arg, False, name not in dns, name not in dns_oa)
+        if ty == "constexpr":  # Triton folds an int argument equal to 1 into the kernel
+            signature[name] = "constexpr"
+            constexprs[name] = key
+            continue
+        signature[name] = ty
+        if isinstance(key, str) and key:
+            attrs[(index,)] = backend.parse_attr(key)
+    if next(args, None) is not None:
+        raise ValueError(f"{fn.__name__}: more arguments than parameters")
+    return signature, constexprs, attrs
+
+
+def job(variant: Variant, arch: int, **step: int) -> CompileJob:
+    """What Triton's JIT would compile for ``variant`` (``step``: see :func:`plan`)."""
+    launch = plan(variant, arch, **step)
+    signature, constexprs, attrs = specialize(launch, arch)
+    fn = launch.kernel
+    module = fn.fn.__module__  # the Python function under the JIT or interpreter wrapper
+    return CompileJob(
+        label=variant.label,
+        dtype=variant.dtype,
+        kernel=f"{module}:{fn.__name__}",
+        signature=signature,
+        constexprs=constexprs,
+        attrs=attrs,
+        options=launch.options,
+        arch=arch,
+        block_n=launch.constexprs.get("BLOCK_N")
+        if variant.kernel in ("decode", "prefill")
+        else None,
+    )
+
+
+# -- compiling (worker side) ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CompileResult:
+    job: CompileJob
+    registers: int = 0
+    stack: int = 0  # bytes per thread
+    local: int = 0  # bytes per thread
+    shared: int = 0  # bytes per block
+    kv_buffers: int | None = None  # shared-memory buffers of the K/V tiles
+    seconds: float = 0.0
+    error: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "variant": self.job.label,
+            "arch": f"sm_{self.job.arch}",
+            "num_warps": self.job.num_warps,
+            "num_stages": self.job.num_stages,
+            "registers": self.registers,
+            "stack": self.stack,
+            "local": self.local,
+            "shared": self.shared,
+            "kv_buffers": self.kv_buffers,
+            "seconds": round(self.seconds, 2),
+            "error": self.error,
+            "problems": self.problems,
+        }
+
+
+def tools_missing() -> str | None:
+    """Why AOT compilation cannot run here (``None`` when it can)."""
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed"
+    for tool in ("ptxas", "cuobjdump"):
+        try:
+            getattr(triton.knobs.nvidia, tool)
+        except RuntimeError:
+            return f"{tool} not found (shipped in triton's wheel under backends/nvidia/bin)"
+    return None
+
+
+def _worker_init() -> None:
+    # The kernels must be JITFunctions here, not interpreter stand-ins.
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, stated
+
+
+_RES_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)")
+
+
+def compile_job(job: CompileJob) -> CompileResult:
+    """Compile ``job`` for its GPU and read its resource usage."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    result = CompileResult(job)
+    module, name = job.kernel.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(
+            ASTSource(fn, job.signature, job.constexprs, job.attrs),
+            target=GPUTarget("cuda", job.arch, 32),
+            options=job.options,
+        )
+    except Exception as exc:  # a compile failure is a result, reported per variant
+        result.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+        return result
+    result.seconds = time.perf_counter() - start
+    result.shared = int(compiled.metadata.shared)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    match = _RES_USAGE.search(usage)
+    if match is None:
+        result.error = f"cannot read cuobjdump -res-usage output: {usage[:200]!r}"
+        return result
+    result.registers, result.stack, result.local = map(int, match.groups())
+    if job.block_n is not None:
+        result.kv_buffers = _kv_buffers(compiled.asm["ttgir"], job)
+    return result
+
+
+def _kv_buffers(ttgir: str, job: CompileJob) -> int:
+    """Shared-memory buffers the pipeliner allocated for the K/V tiles:
+    ``local_alloc`` of ``[buffers x BLOCK_N x BLOCK_D]`` (0 when K/V never
+    go through shared memory)."""
+    block_d = job.constexprs["BLOCK_D"]
+    found = re.findall(rf"memdesc<(\d+)x{job.block_n}x{block_d}x", ttgir)
+    return max((int(n) for n in found), default=0)
+
+
+# -- checking and running -----------------------------------------------------------------
+
+
+def check(result: CompileResult) -> list[str]:
+    """What is wrong with a compiled variant (empty when nothing is)."""
+    job = result.job
+    if result.error:
+        return [f"does not compile: {result.error}"]
+    problems = []
+    limit = smem_limit(job.arch)
+    if result.shared > limit:
+        problems.append(f"needs {result.shared} B shared memory, sm_{job.arch} has {limit}")
+    if job.dtype != "fp32" and (result.stack or result.local):
+        problems.append(
+            f"spills: {result.stack} B stack + {result.local} B local per thread "
+            f"({result.registers} registers, {job.num_warps} warps)"
+        )
+    if job.dtype != "fp32" and result.kv_buffers is not None and result.kv_buffers < 2:
+        problems.append(f"K/V tiles single-buffered ({result.kv_buffers} buffer)")
+    return problems
+
+
+def run(
+    variants: Sequence[Variant], archs: Sequence[int] = ARCHS, workers: int | None = None
+) -> list[CompileResult]:
+    """Compile every variant for every arch (deduplicated: families that share
+    a head layout share compiled kernels) in ``workers`` processes; each
+    result carries its :func:`check` problems."""
+    jobs = list({j.key: j for j in (job(v, arch) for arch in archs for v in variants)}.values())
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    # Always in fresh processes: kernels imported here may be interpreter stand-ins.
+    with ProcessPoolExecutor(workers, get_context("spawn"), initializer=_worker_init) as pool:
+        results = list(pool.map(compile_job, jobs, chunksize=1))
+    for result in results:
+        result.problems = check(result)
+    return results
+
+
+def markdown(results: Sequence[CompileResult]) -> str:
+    """One table row per compiled variant."""
+    lines = [
+        "| variant | arch | warps | stages | regs | stack | local | shared KB | K/V buffers | problems |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in sorted(results, key=lambda r: (r.job.label, r.job.arch)):
+        j = r.job
+        lines.append(
+            f"| {j.label} | sm_{j.arch} | {j.num_warps} | {j.num_stages} | {r.registers} | "
+            f"{r.stack} | {r.local} | {r.shared / 1024:.1f} | "
+            f"{'' if r.kv_buffers is None else r.kv_buffers} | {'; '.join(r.problems)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """``python -m paged_triton.compile_matrix [--exhaustive]``: print the table."""
+    missing = tools_missing()
+    if missing:
+        print(f"compile matrix skipped: {missing}")
+        return 0
+    variants = exhaustive_variants() if "--exhaustive" in argv else core_variants()
+    start = time.perf_counter()
+    results = run(variants)
+    print(markdown(results))
+    bad = [r for r in results if r.problems]
+    print(
+        f"\n{len(results)} compiles ({len(variants)} variants x {len(ARCHS)} archs, deduplicated) "
+        f"in {time.perf_counter() - start:.0f} s; {len(bad)} with problems"
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

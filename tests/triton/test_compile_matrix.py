@@ -1,0 +1,97 @@
+"""The kernels, compiled ahead of time for real GPUs on this (GPU-less) machine.
+
+Every variant of ``compile_matrix.core_variants()`` is compiled for sm_80,
+sm_89 and sm_90 with the ptxas shipped in triton's wheel, from the launches
+the ops themselves plan and with the argument specialisation Triton's JIT
+would apply on a GPU. A variant fails if it does not compile, spills
+registers (16-bit dtypes), needs more shared memory than the target has, or
+leaves its K/V tiles single-buffered. This is the only check of the real
+bf16/fp16 tensor-core code paths that runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+
+from paged_triton import compile_matrix as cm
+
+MISSING = cm.tools_missing()
+needs_ptxas = pytest.mark.skipif(
+    MISSING is not None, reason=f"ahead-of-time GPU compilation unavailable: {MISSING}"
+)
+
+
+def describe(results: list[cm.CompileResult]) -> list[str]:
+    return [
+        f"{r.job.label} sm_{r.job.arch}: {'; '.join(r.problems)}" for r in results if r.problems
+    ]
+
+
+@needs_ptxas
+def test_core_matrix_compiles_without_spills_within_shared_memory():
+    results = cm.run(cm.core_variants())
+    assert {r.job.arch for r in results} == set(cm.ARCHS)
+    assert not describe(results), "\n".join(describe(results))
+    attention = [r for r in results if r.kv_buffers is not None and r.job.dtype != "fp32"]
+    assert attention and all(r.kv_buffers >= 2 for r in attention)
+
+
+def test_core_matrix_covers_every_kernel_and_option():
+    """The core set is small, but every kernel and every constexpr switch the
+    families use appears in it at least once."""
+    variants = cm.core_variants()
+    assert {v.kernel for v in variants} == set(cm.KERNELS)
+    attention = [v for v in variants if v.kernel in ("decode", "prefill")]
+    assert {v.layout.head_dim for v in attention} == {64, 128, 256}
+    assert {v.dtype for v in attention} == {"fp16", "bf16", "fp32"}
+    assert {v.block_size for v in attention} == {16, 32}
+    for flag in ("window", "softcap"):
+        for kernel in ("decode", "prefill"):
+            assert {getattr(v, flag) for v in attention if v.kernel == kernel} == {False, True}
+    groups = Counter(v.layout.heads // v.layout.kv_heads for v in attention)
+    assert {1, 3, 4, 8} <= set(groups)  # MHA, Llama 3B, Llama 1B / Gemma 1B, GQA-8
+    assert any(v.layout.kv_heads == 1 for v in attention)  # MQA (Gemma 3 1B)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        cm.Variant("decode", cm.FAMILIES[1]),
+        cm.Variant("decode", cm.FAMILIES[4], window=True),
+        cm.Variant("decode_merge", cm.FAMILIES[1]),
+        cm.Variant("prefill", cm.FAMILIES[5], window=True, softcap=True),
+        cm.Variant("write_kv", cm.FAMILIES[1]),
+        cm.Variant("copy_blocks", cm.FAMILIES[1]),
+    ],
+    ids=lambda v: v.kernel,
+)
+def test_step_sizes_never_need_a_new_variant(variant):
+    """Batch, block-table width, split grid and the metadata's alignment in
+    the step's packed buffer change every step; none may change what Triton
+    compiles (else a new variant would compile in the middle of serving).
+    Width 1 (no split possible) and 2048 (a 32-way split grid) included."""
+    steps = [
+        dict(batch=1, width=64, offset=0),
+        dict(batch=37, width=100, offset=8),
+        dict(batch=64, width=256, offset=0),
+        dict(batch=256, width=2048, offset=8),
+    ]
+    if variant.kernel != "decode_merge":  # the merge only runs when a split is possible
+        steps.append(dict(batch=3, width=1, offset=8))
+    keys = {cm.job(variant, 90, **step).key for step in steps}
+    assert len(keys) == 1
+
+
+@needs_ptxas
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("PAGED_COMPILE_MATRIX") != "exhaustive",
+    reason="the exhaustive matrix (600 variants, ~1,600 compiles: tens of minutes) runs with "
+    "PAGED_COMPILE_MATRIX=exhaustive, or: python -m paged_triton.compile_matrix --exhaustive",
+)
+def test_exhaustive_matrix():
+    results = cm.run(cm.exhaustive_variants())
+    assert not describe(results), "\n".join(describe(results))
