@@ -195,3 +195,41 @@ class CacheView:
                 self.slots, self.starts, self.new_lens, self._reserve
             )
         return self.meta
+
+
+class ViewsMixin:
+    """The view constructors both pools offer, written once: the design
+    documents' ``prefill_view`` / ``decode_view`` / ``batched_prefill_view``
+    (start at each slot's committed length, reserve room themselves) and the
+    engine's ``step_view`` (positions given, room already reserved)."""
+
+    def get_seq_len(self, slot: int) -> int:
+        raise NotImplementedError
+
+    def prefill_view(self, slot: int) -> CacheView:
+        """One slot; the pass's token count comes from ``k`` (room reserved then)."""
+        return CacheView(self, [slot], [self.get_seq_len(slot)], None, reserve=True)  # type: ignore[arg-type]
+
+    def decode_view(self, slots: list[int]) -> CacheView:
+        """One new token per slot at its current length."""
+        return self.view(slots, [1] * len(slots))
+
+    def batched_prefill_view(self, slots: list[int], prompt_lens: list[int]) -> CacheView:
+        """``prompt_lens[i]`` new tokens for slot ``i``, packed one after another."""
+        return self.view(slots, prompt_lens)
+
+    def view(self, slots: Sequence[int], new_lens: Sequence[int] | None = None) -> CacheView:
+        """The generic view: slot ``i`` gets ``new_lens[i]`` new tokens at its
+        length, reserving room for them if needed."""
+        if new_lens is None and len(slots) == 1:
+            return self.prefill_view(slots[0])
+        starts = [self.get_seq_len(s) for s in slots]
+        return CacheView(self, slots, starts, new_lens, reserve=True)  # type: ignore[arg-type]
+
+    def step_view(
+        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
+    ) -> CacheView:
+        """The view for one engine step: slot ``i`` computes ``new_lens[i]``
+        tokens from position ``starts[i]``, all of them already reserved. Its
+        metadata is complete before the forward pass starts."""
+        return CacheView(self, slots, starts, new_lens, reserve=False)  # type: ignore[arg-type]

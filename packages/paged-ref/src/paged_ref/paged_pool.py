@@ -23,7 +23,7 @@ from paged_core.block_manager import BlockManager
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.block_table_buffer import BlockTableBuffer
-from paged_ref.cache_view import CacheView
+from paged_ref.cache_view import ViewsMixin
 
 
 def block_bytes(
@@ -34,7 +34,7 @@ def block_bytes(
     return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
 
 
-class PagedKVCachePool:
+class PagedKVCachePool(ViewsMixin):
     """A block pool satisfying ``ServingPoolProtocol`` (see module doc).
 
     A slot's length (``get_seq_len``) counts tokens whose KV is committed;
@@ -144,25 +144,6 @@ class PagedKVCachePool:
     def is_paged(self) -> bool:
         return True
 
-    def prefill_view(self, slot: int) -> CacheView:
-        """One slot; the pass's token count comes from ``k`` (room reserved then)."""
-        return CacheView(self, [slot], [self.get_seq_len(slot)], None, reserve=True)
-
-    def decode_view(self, slots: list[int]) -> CacheView:
-        """One new token per slot at its current length."""
-        return self.view(slots, [1] * len(slots))
-
-    def batched_prefill_view(self, slots: list[int], prompt_lens: list[int]) -> CacheView:
-        """``prompt_lens[i]`` new tokens for slot ``i``, packed one after another."""
-        return self.view(slots, prompt_lens)
-
-    def view(self, slots: Sequence[int], new_lens: Sequence[int] | None = None) -> CacheView:
-        """The generic view: slot ``i`` gets ``new_lens[i]`` new tokens at its
-        length, reserving room for them if needed."""
-        if new_lens is None and len(slots) == 1:
-            return self.prefill_view(slots[0])
-        return CacheView(self, slots, [self.get_seq_len(s) for s in slots], new_lens, reserve=True)
-
     # -- ServingPoolProtocol -------------------------------------------------
     def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
         return len(token_ids) > 0 and self.block_manager.can_allocate(len(token_ids), token_ids)
@@ -224,14 +205,6 @@ class PagedKVCachePool:
             return 0
         self._tables.remove(slot)
         return self.block_manager.preempt(slot)
-
-    def step_view(
-        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
-    ) -> CacheView:
-        """The view for one engine step: slot ``i`` computes ``new_lens[i]``
-        tokens from position ``starts[i]``, all of them already reserved.
-        Its metadata is complete before the forward pass starts."""
-        return CacheView(self, slots, starts, new_lens, reserve=False)
 
     def mark_computed(self, slot: int, num_tokens: int) -> None:
         """Commit: the slot's first ``num_tokens`` tokens are written, so their

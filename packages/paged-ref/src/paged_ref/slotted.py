@@ -21,10 +21,10 @@ from torch import Tensor
 from paged_core import OutOfBlocksError
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
-from paged_ref.cache_view import CacheView
+from paged_ref.cache_view import ViewsMixin
 
 
-class SlottedKVCache:
+class SlottedKVCache(ViewsMixin):
     """``k_cache``/``v_cache``: ``[layers, max_batch_size, max_seq_len, kv_heads, head_dim]``.
 
     ``seq_lens[slot]`` counts tokens written (what views attend over);
@@ -117,24 +117,6 @@ class SlottedKVCache:
     def is_paged(self) -> bool:
         return False
 
-    def prefill_view(self, slot: int) -> CacheView:
-        """One slot; the pass's token count comes from ``k``."""
-        return CacheView(self, [slot], [self.get_seq_len(slot)], None, reserve=True)
-
-    def decode_view(self, slots: list[int]) -> CacheView:
-        """One new token per slot at its current length."""
-        return self.view(slots, [1] * len(slots))
-
-    def batched_prefill_view(self, slots: list[int], prompt_lens: list[int]) -> CacheView:
-        """``prompt_lens[i]`` new tokens for slot ``i``, packed one after another."""
-        return self.view(slots, prompt_lens)
-
-    def view(self, slots: Sequence[int], new_lens: Sequence[int] | None = None) -> CacheView:
-        """Slot ``i`` gets ``new_lens[i]`` new tokens at its current length."""
-        if new_lens is None and len(slots) == 1:
-            return self.prefill_view(slots[0])
-        return CacheView(self, slots, [self.get_seq_len(s) for s in slots], new_lens, reserve=True)
-
     # -- ServingPoolProtocol -------------------------------------------------
     def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
         return bool(self._free) and len(token_ids) <= self.max_seq_len
@@ -171,13 +153,6 @@ class SlottedKVCache:
         self.v_cache[:, child, :n] = self.v_cache[:, slot, :n]
         self.seq_lens[child] = n
         return child
-
-    def step_view(
-        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
-    ) -> CacheView:
-        """The view for one engine step: slot ``i`` computes ``new_lens[i]``
-        tokens from position ``starts[i]``, all of them already reserved."""
-        return CacheView(self, slots, starts, new_lens, reserve=False)
 
     def mark_computed(self, slot: int, num_tokens: int) -> None:
         """Commit: the slot holds ``num_tokens`` written tokens."""
