@@ -5,6 +5,8 @@ stages) in a pure host function and then runs them. The compile matrix
 (``compile_matrix.py``) calls the same planning functions on ``meta``
 tensors, so what it compiles ahead of time for a GPU is exactly what the
 ops would launch there, down to Triton's specialisation of each argument.
+Within one step, a :class:`Replay` kept in the step's ``memo`` lets every
+layer after the first skip the checks and the planning.
 """
 
 from __future__ import annotations
