@@ -190,7 +190,7 @@ def test_decode_host_overhead(benchmark, monkeypatch):
         )
         what = "paged_decode_attention with a no-op kernel (wrapper + Triton launch)"
     else:
-        monkeypatch.setattr(Launch, "run", lambda self: None)
+        monkeypatch.setattr(Launch, "run", lambda self, args=None: None)
         what = "paged_decode_attention with the launch stubbed: the Python wrapper alone"
     shape = dict(LAYOUT, dtype=torch.bfloat16) if CUDA else dict(CPU_LAYOUT, dtype=torch.float32)
     step = kernel_bench.decode_step([4096] * 64 if CUDA else [64] * 64, **shape, device=DEVICE)

@@ -105,3 +105,28 @@ def test_stale_data_past_the_length_never_leaks(gen, paged):
     out = decode_attention(q, poisoned_k, poisoned_v, tables, seq_lens, 0.125, policy=SPLIT)
     expected = ref_ops.paged_decode_attention(q, clean_k, clean_v, tables, seq_lens, 0.125)
     paged.assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("policy", [None, SPLIT], ids=["auto-split", "split"])
+def test_step_memo_replays_one_plan_for_every_layer(policy, gen, paged):
+    """With the step's memo, the first layer's plan is replayed by the next
+    layers (other caches and queries, same shapes): each still reads its own
+    tensors, and a layer with another window gets its own plan."""
+    lens, block_size = lengths(16), 16
+    memo: dict = {}
+    step = None
+    for window in (None, None, 40, None):
+        q, k_cache, v_cache, tables, seq_lens = make_inputs(
+            lens, 8, 2, 64, block_size, torch.float32, gen, paged
+        )
+        if step is not None:  # later layers: the same step's block tables and lengths
+            tables, seq_lens = step
+        step = (tables, seq_lens)
+        out = decode_attention(
+            q, k_cache, v_cache, tables, seq_lens, 0.125, window, memo=memo, policy=policy
+        )
+        expected = ref_ops.paged_decode_attention(
+            q, k_cache, v_cache, tables, seq_lens, 0.125, window
+        )
+        paged.assert_close(out, expected, torch.float32)
+    assert sum(key[0] == "paged_triton.decode" for key in memo) == 2

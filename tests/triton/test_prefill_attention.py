@@ -78,3 +78,21 @@ def test_batch_without_new_tokens_returns_empty(gen, paged):
     )
     out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.2)
     assert out.shape == (0, 2, 32)
+
+
+def test_step_memo_replays_one_plan_for_every_layer(gen, paged):
+    """As for decode: later layers of a step reuse the first layer's plan
+    with their own queries and caches."""
+    memo: dict = {}
+    first = None
+    for _ in range(3):
+        q, k_cache, v_cache, tables, cu, seq_lens = make_inputs(
+            contexts(16), 4, 2, 64, 16, torch.float32, gen, paged
+        )
+        if first is not None:
+            tables, cu, seq_lens = first
+        first = (tables, cu, seq_lens)
+        args = (q, k_cache, v_cache, tables, cu, seq_lens, 0.125)
+        out = paged_prefill_attention(*args, memo=memo)
+        paged.assert_close(out, ref_ops.paged_prefill_attention(*args), torch.float32)
+    assert sum(key[0] == "paged_triton.prefill" for key in memo) == 1

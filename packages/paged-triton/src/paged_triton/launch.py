@@ -5,11 +5,14 @@ stages) in a pure host function and then runs them. The compile matrix
 (``compile_matrix.py``) calls the same planning functions on ``meta``
 tensors, so what it compiles ahead of time for a GPU is exactly what the
 ops would launch there, down to Triton's specialisation of each argument.
+Within one step, a :class:`Replay` kept in the step's ``memo`` lets every
+layer after the first skip the checks and the planning.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +40,37 @@ class Launch:
             out["maxnreg"] = self.maxnreg
         return out
 
-    def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+    def run(self, args: tuple[Any, ...] | list[Any] | None = None) -> None:
+        """Launch (with ``args`` instead of the planned arguments if given)."""
+        self.kernel[self.grid](
+            *(self.args if args is None else args), **self.constexprs, **self.options
+        )
+
+
+@dataclass(slots=True)
+class Replay:
+    """A layer's planned launches, replayed for the next layers of the same
+    step with only their own tensors swapped in (the ops keep it in the
+    step's ``memo``): every layer of a step has the same shapes, block
+    tables and lengths, so checks and planning run once per step, not once
+    per layer. ``where[i]`` gives, for launch ``i``, the argument position
+    of each per-layer tensor (-1: not an argument of that launch)."""
+
+    launches: Sequence[Launch]
+    where: Sequence[tuple[int, ...]]
+
+    def run(self, *tensors: Any) -> None:
+        for launch, positions in zip(self.launches, self.where, strict=True):
+            args = list(launch.args)
+            for position, tensor in zip(positions, tensors, strict=True):
+                if position >= 0:
+                    args[position] = tensor
+            launch.run(args)
+
+
+def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a planned launch assumed about ``t``: shape, strides, dtype, device."""
+    return (t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device())
 
 
 def device_arch(device: torch.device) -> int | None:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.interpreter_bf16 import cast
-from paged_triton.launch import Launch, device_arch
+from paged_triton.launch import Launch, Replay, device_arch, tensor_key
 from paged_triton.launch_checks import (
     as_int32,
     check_cache,
@@ -282,8 +282,19 @@ def paged_prefill_attention(
     owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) attending causally to
     their paged context, whose K/V (new tokens included) are already in the
     cache. Same contract as ``paged_ref.ops.paged_prefill_attention``; rows
-    that see no key are zeros (``memo`` is accepted for parity).
+    that see no key are zeros. With ``memo`` (the caller's per-step dict)
+    the first layer's checked plan is replayed by the others.
     """
+    key = None
+    if memo is not None and q.stride(-1) == 1:
+        key = ("paged_triton.prefill", id(block_tables), id(cu_seqlens_q), id(seq_lens),
+               tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), scale, sliding_window,
+               softcap)  # fmt: skip
+        replay = memo.get(key)
+        if replay is not None:
+            out = torch.zeros_like(q)
+            replay.run(q, k_cache, v_cache, out)
+            return out
     check_runnable(_prefill_kernel, q, k_cache, v_cache)
     check_cache(k_cache, v_cache)
     if q.dim() != 3:
@@ -313,7 +324,10 @@ def paged_prefill_attention(
     tile = None
     if autotune_enabled(q.device):
         tile = _autotuned(args, sliding_window is not None, bool(softcap))
-    plan_prefill(*args, tile=tile).run()
+    launch = plan_prefill(*args, tile=tile)
+    launch.run()
+    if key is not None and memo is not None:  # q, k, v, out: arguments 0, 1, 2, 6
+        memo[key] = Replay([launch], [(0, 1, 2, 6)])
     return out
 
 
