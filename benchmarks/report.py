@@ -152,10 +152,10 @@ def _capacity_section(cap: dict[str, Any] | None, images: Path, docs: Path) -> l
     s = cap["settings"]
     img = plot_capacity(cap, images / "capacity.png")
     out += [
-        f"Measured by admitting sequences into the real pools (`paged_ref.SlottedKVCache` with {s['num_slots']} slots x "
-        f"{s['max_seq_len']} tokens, `paged_ref.PagedKVCachePool` with {s['num_blocks']:,} blocks x {s['block_size']} "
+        f"Measured by admitting sequences into the real pools (`paged_ref.ContiguousKVPool` with {s['num_slots']} slots x "
+        f"{s['max_model_len']} tokens, `paged_ref.PagedKVPool` with {s['num_blocks']:,} blocks x {s['block_size']} "
         f"tokens: the same {s['token_slots']:,} token slots and the same bytes) until one refuses. Lengths are drawn "
-        f"uniformly within +/-{int(100 * s['length_spread'])}% of the average (narrower near max_seq_len so the mean holds), "
+        f"uniformly within +/-{int(100 * s['length_spread'])}% of the average (narrower near max_model_len so the mean holds), "
         f"seed {s['seed']}.",
         "",
         f"![capacity]({img.relative_to(docs).as_posix()})",

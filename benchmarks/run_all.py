@@ -318,9 +318,9 @@ def run_prefix_cache(bench: Bench) -> dict[str, Any]:
 def run_serving_latency(bench: Bench) -> dict[str, Any]:
     """``paged-server bench-serve`` in-process, once per step token budget:
     inter-token latency of ~32 running streams while prompts keep arriving."""
-    from paged_server.api.engine_args import engine_config_from_args
-    from paged_server.bench_serve import bench_serve
-    from paged_server.cli import build_parser
+    from paged_server.bench.serving import bench_serve
+    from paged_server.entrypoints.cli import build_parser
+    from paged_server.entrypoints.openai.engine_args import engine_config_from_args
 
     spec = bench.plan["serving_latency"]
     bench.model(spec["model"])  # the embedded model exists before the server starts
@@ -348,7 +348,7 @@ def run_capacity(bench: Bench) -> dict[str, Any]:
     from paged_server.bench.capacity import capacity_table
 
     b = bench.options.budget
-    table = capacity_table(num_slots=b.slots, max_seq_len=b.slot_len, block_size=b.block_size)
+    table = capacity_table(num_slots=b.slots, max_model_len=b.slot_len, block_size=b.block_size)
     emit(table)
     save("capacity", {"environment": bench.env, **table})
     return table

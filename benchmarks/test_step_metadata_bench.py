@@ -5,7 +5,7 @@ with one layer of one 1-wide head (so KV memory stays small: only page
 tables and metadata matter here). One round is what the engine does on the host before a decode
 forward: reserve room for each sequence's new token (``append_token``; a
 new block every 16th step), then build the step's view
-(``step_view``: page tables gathered from the mirrored host rows, slot
+(``step_view``: page tables gathered from the mirrored host rows, seq_id
 mapping, lengths, decode/prefill split).
 
 Cases, side by side in one run: 4,096-token and 32,768-token contexts
@@ -23,57 +23,57 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_ref import PagedKVCachePool
+from paged_ref import PagedKVPool
 
 NUM_SEQS, BLOCK_SIZE = 256, 16
 
 
-def build(context: int) -> tuple[PagedKVCachePool, list[int], list[int]]:
+def build(context: int) -> tuple[PagedKVPool, list[int], list[int]]:
     blocks = NUM_SEQS * (context // BLOCK_SIZE + 8)  # room for the rounds below
-    pool = PagedKVCachePool.from_model_config(
+    pool = PagedKVPool.from_model_config(
         1, 1, 1, blocks, BLOCK_SIZE, torch.float32, enable_prefix_caching=False
     )
-    slots = [pool.allocate_sequence([1] * context)[0] for _ in range(NUM_SEQS)]
-    for slot in slots:
-        pool.mark_computed(slot, context - 1)
+    seq_ids = [pool.allocate_sequence([1] * context)[0] for _ in range(NUM_SEQS)]
+    for seq_id in seq_ids:
+        pool.mark_computed(seq_id, context - 1)
     # ``advance`` commits the token at ``context - 1`` first, then reserves the next.
-    return pool, slots, [context - 2] * NUM_SEQS
+    return pool, seq_ids, [context - 2] * NUM_SEQS
 
 
-def advance(pool: PagedKVCachePool, slots: list[int], starts: list[int]) -> None:
+def advance(pool: PagedKVPool, seq_ids: list[int], starts: list[int]) -> None:
     """What the engine does around the metadata: commit last step's token,
     then reserve room for this step's (a new block every 16th step)."""
-    for i, slot in enumerate(slots):
+    for i, seq_id in enumerate(seq_ids):
         starts[i] += 1
-        pool.mark_computed(slot, starts[i])
-        pool.append_token(slot, 7)
+        pool.mark_computed(seq_id, starts[i])
+        pool.append_token(seq_id, 7)
 
 
 @pytest.mark.parametrize("context", [4096, 32768])
 def test_decode_step_metadata(benchmark, context: int) -> None:
     """The step's metadata alone: ``step_view`` (the issue's target)."""
-    pool, slots, starts = build(context)
+    pool, seq_ids, starts = build(context)
     ones = [1] * NUM_SEQS
     benchmark.pedantic(
-        lambda: pool.step_view(slots, starts, ones),
-        setup=lambda: advance(pool, slots, starts),
+        lambda: pool.step_view(seq_ids, starts, ones),
+        setup=lambda: advance(pool, seq_ids, starts),
         rounds=64,
         warmup_rounds=2,
     )
     benchmark.extra_info.update(
-        {"sequences": NUM_SEQS, "context_tokens": context, "blocks_held": pool.num_blocks - pool.free_slot_count()}
+        {"sequences": NUM_SEQS, "context_tokens": context, "blocks_held": pool.num_blocks - pool.free_seq_count()}
     )
 
 
 @pytest.mark.parametrize("context", [4096, 32768])
 def test_decode_step_host_work(benchmark, context: int) -> None:
     """Commit + reserve + metadata: all the host bookkeeping of a decode step."""
-    pool, slots, starts = build(context)
+    pool, seq_ids, starts = build(context)
     ones = [1] * NUM_SEQS
 
     def step() -> None:
-        advance(pool, slots, starts)
-        pool.step_view(slots, starts, ones)
+        advance(pool, seq_ids, starts)
+        pool.step_view(seq_ids, starts, ones)
 
     benchmark.pedantic(step, rounds=64, warmup_rounds=2)
     benchmark.extra_info.update({"sequences": NUM_SEQS, "context_tokens": context})

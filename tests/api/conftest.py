@@ -35,9 +35,9 @@ class FakeEngine:
     one token per step; honours max_tokens, n, logprobs, aborts and the queue
     limit. ``fail_steps`` makes the next steps raise; ``step_delay`` slows steps."""
 
-    def __init__(self, tokenizer: Tokenizer, *, max_seq_len: int = 256, max_queue_len: int = 64,
+    def __init__(self, tokenizer: Tokenizer, *, max_model_len: int = 256, max_queue_len: int = 64,
                  max_running: int = 1000, step_delay: float = 0.0) -> None:
-        self.config = EngineConfig(max_seq_len=max_seq_len, max_queue_len=max_queue_len)
+        self.config = EngineConfig(max_model_len=max_model_len, max_queue_len=max_queue_len)
         self.tokenizer = tokenizer
         self.model_config = SimpleNamespace(vocab_size=tokenizer.vocab_size)
         self.max_running = max_running
@@ -58,7 +58,7 @@ class FakeEngine:
         ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
-        params.validate(self.config.max_seq_len)
+        params.validate(self.config.max_model_len)
         waiting = max(0, len(self.requests) - self.max_running)
         if waiting >= self.config.max_queue_len:
             raise QueueFullError(f"{waiting} requests are waiting (max_queue_len)")
@@ -141,8 +141,8 @@ def fake_engine(tokenizer: Tokenizer) -> FakeEngine:
 
 @pytest.fixture
 def fake_server(fake_engine: FakeEngine) -> Any:
-    from paged_server.api.app import ServerSettings
-    from paged_server.api.server import ServerThread
+    from paged_server.entrypoints.openai.app import ServerSettings
+    from paged_server.entrypoints.openai.server import ServerThread
 
     with ServerThread(fake_engine, ServerSettings(model_name="fake-model", shutdown_timeout_s=2)) as srv:
         yield srv

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from paged_server.api.async_engine import AsyncEngine, EngineDeadError, StreamEnd
-from paged_server.api.metrics import ServerMetrics
+from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, StreamEnd
+from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.sampling_params import SamplingParams
 
 

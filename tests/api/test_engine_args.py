@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from paged_server.api.engine_args import add_engine_flags, engine_config_from_args
-from paged_server.cli import build_parser
 from paged_server.config import EngineConfig
+from paged_server.entrypoints.cli import build_parser
+from paged_server.entrypoints.openai.engine_args import add_engine_flags, engine_config_from_args
 
 
 def parser() -> argparse.ArgumentParser:

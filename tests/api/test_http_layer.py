@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from paged_server.api.app import ServerSettings
-from paged_server.api.server import ServerThread
+from paged_server.entrypoints.openai.app import ServerSettings
+from paged_server.entrypoints.openai.server import ServerThread
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from paged_server.api.metrics import ENGINE_METRICS, Histogram, ServerMetrics
+from paged_server.entrypoints.openai.metrics import ENGINE_METRICS, Histogram, ServerMetrics
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 

@@ -8,8 +8,12 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from paged_server.api.errors import validation_error
-from paged_server.api.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompt
+from paged_server.entrypoints.openai.errors import validation_error
+from paged_server.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    normalize_prompt,
+)
 
 
 def error_for(model: Any, body: Any) -> tuple[str | None, str]:

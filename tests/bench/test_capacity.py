@@ -19,7 +19,7 @@ from paged_server.bench.capacity import (
     make_paged_pool,
 )
 
-TINY = {"num_slots": 2, "max_seq_len": 64, "block_size": 16, "spread": 0.0}
+TINY = {"num_slots": 2, "max_model_len": 64, "block_size": 16, "spread": 0.0}
 
 
 @pytest.mark.parametrize("length", [1, 16, 17, 20, 32, 48, 64])
@@ -32,7 +32,7 @@ def test_exact_lengths_match_block_arithmetic(length: int) -> None:
 
 
 def test_paged_never_below_contiguous_and_equal_at_max_len() -> None:
-    table = capacity_table((128, 512, 4096), num_slots=4, max_seq_len=4096, block_size=16)
+    table = capacity_table((128, 512, 4096), num_slots=4, max_model_len=4096, block_size=16)
     rows = {r["avg_len_target"]: r for r in table["rows"]}
     assert all(r["paged"] >= r["contiguous"] == 4 for r in rows.values())
     assert rows[4096]["paged"] == 4
@@ -45,7 +45,7 @@ def test_draw_lengths_keep_mean_near_target_and_within_bounds() -> None:
     lengths = draw_lengths(3000, 0.5, 4096, random.Random(0), 2000)
     assert all(1 <= n <= 4096 for n in lengths)
     assert abs(sum(lengths) / len(lengths) - 3000) < 60
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ValueError, match="max_model_len"):
         draw_lengths(5000, 0.5, 4096, random.Random(0), 1)
 
 
@@ -57,11 +57,11 @@ def test_admit_stops_at_first_refusal_and_pool_stays_consistent() -> None:
 
 
 def test_default_lengths_follow_the_slot_length() -> None:
-    """Doubling from max_seq_len / 32 up to max_seq_len: the old fixed list at 4096."""
+    """Doubling from max_model_len / 32 up to max_model_len: the old fixed list at 4096."""
     assert default_avg_lengths(4096) == (128, 256, 512, 1024, 2048, 4096)
     assert default_avg_lengths(1024) == (32, 64, 128, 256, 512, 1024)
     assert default_avg_lengths(16) == (1, 2, 4, 8, 16)
-    table = capacity_table(max_seq_len=64, num_slots=2, block_size=16)
+    table = capacity_table(max_model_len=64, num_slots=2, block_size=16)
     assert [r["avg_len_target"] for r in table["rows"]] == [2, 4, 8, 16, 32, 64]
 
 
@@ -80,6 +80,6 @@ def test_cli_capacity_with_a_short_slot_length(
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     (table,) = [x for x in map(json.loads, captured.out.splitlines()) if x["kind"] == "capacity"]
-    assert table["settings"]["max_seq_len"] == 64
+    assert table["settings"]["max_model_len"] == 64
     rows = table["rows"]
     assert rows[-1]["avg_len_target"] == 64 and rows[-1]["paged"] == rows[-1]["contiguous"] == 2

@@ -22,8 +22,8 @@ def test_percentiles_nearest_rank() -> None:
 def test_kv_occupancy_reads_both_pool_kinds() -> None:
     paged = {"tokens_used": 40.0, "blocks_used": 3.0, "block_size": 16.0, "num_blocks": 10.0}
     assert kv_occupancy(paged) == (40.0, 48.0, 160.0)
-    slotted = {"tokens_used": 40.0, "slots_used": 2.0, "slots_total": 4.0, "token_capacity": 256.0}
-    assert kv_occupancy(slotted) == (40.0, 128.0, 256.0)
+    contiguous = {"tokens_used": 40.0, "slots_used": 2.0, "slots_total": 4.0, "token_capacity": 256.0}
+    assert kv_occupancy(contiguous) == (40.0, 128.0, 256.0)
 
 
 def test_kv_budget_equal_tokens() -> None:

@@ -67,7 +67,7 @@ def test_page_and_plots_from_results(tmp_path: Path, report_module) -> None:  # 
     results, docs = tmp_path / "results", tmp_path / "docs"
     results.mkdir()
     env = describe_environment()
-    cap = capacity_table((16, 64), num_slots=2, max_seq_len=64, block_size=16, spread=0.0)
+    cap = capacity_table((16, 64), num_slots=2, max_model_len=64, block_size=16, spread=0.0)
     (results / "capacity.json").write_text(json.dumps({"environment": env, **cap}))
     model = {
         "name": "tiny",

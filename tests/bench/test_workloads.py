@@ -31,7 +31,7 @@ def test_seed_workload_matches_design_shape() -> None:
         assert set(r.prompt_token_ids) <= set(POOL)
     assert len({r.request_id for r in w.requests}) == 48
     # 48 x (384 + 256) tokens fit in 8 x 4096 token slots: the whole point of the workload
-    assert w.max_seq_len <= 640
+    assert w.max_model_len <= 640
 
 
 def test_nano_vllm_shape_and_scaling_keeps_draws() -> None:

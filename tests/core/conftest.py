@@ -1,7 +1,7 @@
 """Shared helpers for the block-manager tests.
 
 ``FakePool`` plays the KV pool around a ``BlockManager``: it "writes" each
-token id into the slot its page table gives, copies blocks when ``append``
+token id into the seq_id its page table gives, copies blocks when ``append``
 asks for copy-on-write, and checks that every sequence reads back exactly its
 own tokens. That turns block-table bugs (a hit on wrong or unwritten KV, a
 write into a shared block) into visible wrong "KV".
@@ -35,7 +35,7 @@ class FakePool:
 
     def compute(self, seq_id: int, upto: int | None = None) -> None:
         """Write the KV of positions [computed, upto) and tell the manager."""
-        end = self.m.seq_len(seq_id) if upto is None else upto
+        end = self.m.num_tokens(seq_id) if upto is None else upto
         table = self.m.block_table(seq_id)
         bs = self.m.block_size
         for pos in range(self.m.num_computed_tokens(seq_id), end):
@@ -68,8 +68,10 @@ class FakePool:
         del self.tokens[seq_id]
 
     def preempt(self, seq_id: int) -> int:
-        n = self.m.preempt(seq_id)
-        assert n == len(self.tokens.pop(seq_id))
+        """What the engine's preemption does: free, keeping the count to recompute."""
+        n = self.m.num_tokens(seq_id)
+        assert n == len(self.tokens[seq_id])
+        self.free(seq_id)
         return n
 
     def check_reads(self, seq_id: int, upto: int | None = None) -> None:
@@ -84,7 +86,7 @@ class FakePool:
         assert self.m.audit() == []
         assert sorted(self.m.seq_ids()) == sorted(self.tokens)
         for seq_id in self.tokens:
-            assert self.m.seq_len(seq_id) == len(self.tokens[seq_id])
+            assert self.m.num_tokens(seq_id) == len(self.tokens[seq_id])
             self.check_reads(seq_id)
 
 

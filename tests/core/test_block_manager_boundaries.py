@@ -22,7 +22,7 @@ def test_prompt_then_one_append_at_block_boundaries(bs, prompt, blocks_before, b
     assert m.can_append([1])
     assert m.append(1, 7) == []
     assert len(m.block_table(1)) == blocks_after
-    assert m.seq_len(1) == n + 1
+    assert m.num_tokens(1) == n + 1
     assert m.num_free_blocks() == 8 - blocks_after
     assert m.audit() == []
     m.free(1)
@@ -96,7 +96,7 @@ def test_exhausted_append_leaves_no_partial_state():
     assert not m.can_append([1])
     with pytest.raises(OutOfBlocksError, match="sequence 1 needs a new block for token 4"):
         m.append(1, 3)
-    assert m.seq_len(1) == 4 and m.block_table(1) == [0, 1]
+    assert m.num_tokens(1) == 4 and m.block_table(1) == [0, 1]
     assert m.audit() == []
 
 
@@ -113,7 +113,7 @@ def test_capacity_queries():
     assert m.free_token_capacity() == 80
     m.allocate(3, 17)
     assert m.num_free_blocks() == 7 and m.free_token_capacity() == 56
-    assert m.seq_len(3) == 17 and m.has_seq(3) and not m.has_seq(4)
+    assert m.num_tokens(3) == 17 and m.has_seq(3) and not m.has_seq(4)
     m.allocate(1, 1)
     assert m.seq_ids() == [3, 1]
 
@@ -142,9 +142,8 @@ def test_unknown_sequence_errors_name_the_id():
     m.free(1)
     for call in (
         m.free,
-        m.preempt,
         m.block_table,
-        m.seq_len,
+        m.num_tokens,
         lambda s: m.append(s, 1),
         lambda s: m.mark_computed(s, 0),
         lambda s: m.fork(s, 9),

@@ -30,11 +30,12 @@ def test_stats_as_dict_has_every_counter():
     assert all(isinstance(v, int | float) for v in d.values())
 
 
-def test_preempt_frees_and_reports_tokens_to_recompute():
+def test_free_after_append_releases_every_block():
     m = BlockManager(num_blocks=4, block_size=4)
     m.allocate(1, 5)
     m.append(1, None)
-    assert m.preempt(1) == 6
+    assert m.num_tokens(1) == 6
+    m.free(1)
     assert not m.has_seq(1)
     assert m.num_free_blocks() == 4
     assert m.audit() == []

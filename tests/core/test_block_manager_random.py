@@ -107,7 +107,7 @@ def test_random_interleavings_keep_the_manager_consistent(fake_pool, cfg, ops):
         else:
             seq_id = live[args[0] % len(live)]
             if name == "compute":
-                done, total = pool.m.num_computed_tokens(seq_id), pool.m.seq_len(seq_id)
+                done, total = pool.m.num_computed_tokens(seq_id), pool.m.num_tokens(seq_id)
                 # mostly compute everything (a forward pass); sometimes only part (a chunk)
                 pool.compute(seq_id, total if args[1] else (done + total) // 2)
             elif name == "append":

@@ -8,28 +8,28 @@ from paged_core import CachePoolProtocol, KVCacheProtocol
 
 
 class _CompletePool:
-    def allocate_slot(self, initial_tokens: int = 0) -> int:
+    def allocate_seq(self, initial_tokens: int = 0) -> int:
         return 0
 
-    def free_slot(self, slot: int) -> None: ...
-    def get_seq_len(self, slot: int) -> int:
+    def free_seq(self, seq_id: int) -> None: ...
+    def get_num_computed_tokens(self, seq_id: int) -> int:
         return 0
 
-    def free_slot_count(self) -> int:
+    def free_seq_count(self) -> int:
         return 1
 
     def free_token_capacity(self) -> int | None:
         return None
 
-    def prefill_view(self, slot): ...
-    def decode_view(self, slots): ...
-    def batched_prefill_view(self, slots, prompt_lens): ...
+    def prefill_view(self, seq_id): ...
+    def decode_view(self, seq_ids): ...
+    def batched_prefill_view(self, seq_ids, prompt_lens): ...
     def is_paged(self) -> bool:
         return False
 
 
 POOL_MEMBERS = [
-    "allocate_slot", "free_slot", "get_seq_len", "free_slot_count", "free_token_capacity",
+    "allocate_seq", "free_seq", "get_num_computed_tokens", "free_seq_count", "free_token_capacity",
     "prefill_view", "decode_view", "batched_prefill_view", "is_paged",
 ]
 

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from paged_server.api.app import ServerSettings
-from paged_server.api.server import ServerThread, build_engine
 from paged_server.config import EngineConfig
+from paged_server.entrypoints.openai.app import ServerSettings
+from paged_server.entrypoints.openai.server import ServerThread, build_engine
 
 MODEL = "tiny"
 MAX_SEQ_LEN = 256
@@ -27,7 +27,7 @@ def engine_config(**overrides: Any) -> EngineConfig:
         "attention_backend": "ref",
         "device": "cpu",
         "dtype": "float32",
-        "max_seq_len": MAX_SEQ_LEN,
+        "max_model_len": MAX_SEQ_LEN,
         "max_batch_size": 64,
         "max_num_batched_tokens": 1024,
     }

@@ -29,15 +29,15 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("stream-string", COMP, {"prompt": "x", "stream": "yes"}, 400, "stream", "must be true or false"),
     ("negative-max-tokens", COMP, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
     ("zero-max-tokens", CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
-    ("huge-max-tokens", COMP, {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", f"max_seq_len {MAX_SEQ_LEN}"),
+    ("huge-max-tokens", COMP, {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", f"max_model_len {MAX_SEQ_LEN}"),
     ("huge-max-completion-tokens", CHAT, {"messages": MSG, "max_completion_tokens": 10**6}, 400,
-     "max_completion_tokens", "max_seq_len"),
+     "max_completion_tokens", "max_model_len"),
     ("negative-temperature", COMP, {"prompt": "x", "temperature": -0.5}, 400, "temperature", ">= 0"),
     ("top-p-zero", COMP, {"prompt": "x", "top_p": 0}, 400, "top_p", "must be > 0"),
     ("n-too-large", COMP, {"prompt": "x", "n": 100}, 400, "n", "<= 16"),
-    ("prompt-too-long", COMP, {"prompt": LONG_PROMPT}, 400, "prompt", f"but max_seq_len is {MAX_SEQ_LEN}"),
+    ("prompt-too-long", COMP, {"prompt": LONG_PROMPT}, 400, "prompt", f"but max_model_len is {MAX_SEQ_LEN}"),
     ("messages-too-long", CHAT, {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400,
-     "messages", f"but max_seq_len is {MAX_SEQ_LEN}"),
+     "messages", f"but max_model_len is {MAX_SEQ_LEN}"),
     ("empty-prompt", COMP, {"prompt": ""}, 400, "prompt", "must not be empty"),
     ("empty-token-list", COMP, {"prompt": []}, 400, "prompt", "must not be empty"),
     ("empty-messages", CHAT, {"messages": []}, 400, "messages", "at least 1"),
@@ -74,7 +74,7 @@ def test_bad_request_gets_openai_error(http: httpx.Client, path: str, body: Any,
 def test_prompt_too_long_states_both_numbers(http: httpx.Client, server: Any) -> None:
     n = len(server.engine.tokenizer.encode(LONG_PROMPT))
     err = http.post(COMP, json={"prompt": LONG_PROMPT}).json()["error"]
-    assert f"prompt has {n} tokens but max_seq_len is {MAX_SEQ_LEN}" in err["message"]
+    assert f"prompt has {n} tokens but max_model_len is {MAX_SEQ_LEN}" in err["message"]
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b'{"prompt": "x",}', b"", b"\xff\xfe"])

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from paged_server.cli import main
+from paged_server.entrypoints.cli import main
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +28,7 @@ STARTUP = re.compile(
 
 
 def test_serve_logs_startup_and_shuts_down_cleanly_on_sigterm(tmp_path: Any) -> None:
-    cmd = [sys.executable, "-m", "paged_server.cli", "serve", "--port", "0", "--max-seq-len", "2048",
+    cmd = [sys.executable, "-m", "paged_server.entrypoints.cli", "serve", "--port", "0", "--max-model-len", "2048",
            "--device", "cpu", "--attention-backend", "ref", "--num-gpu-blocks", "512",
            "--shutdown-timeout", "1", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -86,7 +86,7 @@ def test_serve_logs_startup_and_shuts_down_cleanly_on_sigterm(tmp_path: Any) -> 
 def test_bench_serve_reports_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench-serve", "--workload", "continuous_batching", "--num-requests", "8",
                "--request-rate", "20", "--prompt-scale", "0.1", "--new-tokens-scale", "0.1",
-               "--max-seq-len", "256", "--device", "cpu", "--attention-backend", "ref"])
+               "--max-model-len", "256", "--device", "cpu", "--attention-backend", "ref"])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and len(out) == 1
     report = json.loads(out[0])

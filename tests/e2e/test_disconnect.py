@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from paged_server.api.async_engine import AsyncEngine
-from paged_server.api.server import build_engine
+from paged_server.entrypoints.openai.async_engine import AsyncEngine
+from paged_server.entrypoints.openai.server import build_engine
 from paged_server.sampling_params import SamplingParams
 
 from .conftest import MODEL, engine_config, wait_idle

@@ -1,5 +1,5 @@
 """Queue-full back-pressure (503 + Retry-After), the API key (401) and n above
-the batch limit (400), on a server with one running slot, a one-request queue
+the batch limit (400), on a server with one running seq_id, a one-request queue
 and a key."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from paged_server.api.app import ServerSettings
-from paged_server.api.server import ServerThread
+from paged_server.entrypoints.openai.app import ServerSettings
+from paged_server.entrypoints.openai.server import ServerThread
 
 from .conftest import MODEL, start_server, wait_idle
 
@@ -35,7 +35,7 @@ def test_full_queue_answers_503_with_retry_after(guarded: ServerThread) -> None:
     with httpx.Client(base_url=guarded.url, headers=AUTH, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=long) as running:
             lines = running.iter_lines()
-            next(lines)  # the first request holds the only batch slot
+            next(lines)  # the first request holds the only batch seq_id
             with client.stream("POST", "/v1/completions", json=long) as queued:
                 assert queued.status_code == 200  # accepted into the one-place queue
                 resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})

@@ -119,6 +119,6 @@ def paged_ops(attention_backend: str) -> types.ModuleType:
 
 @pytest.fixture
 def paged_atol(attention_backend: str) -> float:
-    """Reference ops share the slotted path's dense attention: agree to 1e-6.
+    """Reference ops share the contiguous path's dense attention: agree to 1e-6.
     Triton kernels sum in another order (online softmax): 1e-5."""
     return 1e-5 if attention_backend == "triton" else 1e-6

@@ -24,8 +24,8 @@ def test_write_kv_places_tokens_and_skips_padding(gen):
     k_before, v_before = k_cache.clone(), v_cache.clone()
     k = torch.randn(4, 2, HEAD_DIM, generator=gen)
     v = torch.randn(4, 2, HEAD_DIM, generator=gen)
-    slots = torch.tensor([5 * BLOCK + 3, -1, 0, 2 * BLOCK + 1])
-    ops.write_kv(k_cache, v_cache, k, v, slots)
+    seq_ids = torch.tensor([5 * BLOCK + 3, -1, 0, 2 * BLOCK + 1])
+    ops.write_kv(k_cache, v_cache, k, v, seq_ids)
     written = {(5, 3): 0, (0, 0): 2, (2, 1): 3}
     for (blk, off), i in written.items():
         assert torch.equal(k_cache[blk, off], k[i])

@@ -1,5 +1,5 @@
-"""PagedKVCachePool and its views: the design document's testing plan (000),
-for flat views (each slot's new tokens packed one after another)."""
+"""PagedKVPool and its views: the paged pool's testing plan (block allocation, page tables, views, copy-on-write),
+for flat views (each seq_id's new tokens packed one after another)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from paged_core import AttentionViewProtocol, OutOfBlocksError, ServingPoolProtocol
-from paged_ref import PagedKVCachePool
+from paged_ref import PagedKVPool
 
 HEADS, KV_HEADS, DIM, BS = 4, 2, 8, 16
 
 
 def make_pool(num_blocks=12, block_size=BS, layers=2, prefix_caching=True, ops=None):
-    return PagedKVCachePool.from_model_config(
+    return PagedKVPool.from_model_config(
         layers, KV_HEADS, DIM, num_blocks, block_size, torch.float32,
         enable_prefix_caching=prefix_caching, ops=ops,
     )  # fmt: skip
@@ -25,22 +25,22 @@ def kv(gen, num_tokens):
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def token_at(pool, layer, slot, pos, cache="k"):
+def token_at(pool, layer, seq_id, pos, cache="k"):
     """K (or V) of one token, ``[kv_heads, head_dim]``, read by hand through the
     block manager's page table (the oracle)."""
-    block = pool.block_table(slot)[pos // pool.block_size]
+    block = pool.block_table(seq_id)[pos // pool.block_size]
     tensor = pool.k_cache if cache == "k" else pool.v_cache
     return tensor[layer, block, pos % pool.block_size]
 
 
 def context(flat):
-    """``[len, kv_heads, head_dim]`` as one slot of ``update``'s result."""
+    """``[len, kv_heads, head_dim]`` as one seq_id of ``update``'s result."""
     return flat.transpose(0, 1).unsqueeze(0)
 
 
-def prefill(pool, slot, length, gen):
-    """Fill ``slot`` with ``length`` random tokens on every layer; returns K per layer."""
-    view = pool.prefill_view(slot)
+def prefill(pool, seq_id, length, gen):
+    """Fill ``seq_id`` with ``length`` random tokens on every layer; returns K per layer."""
+    view = pool.prefill_view(seq_id)
     written = []
     for layer in range(pool.num_layers):
         k, v = kv(gen, length)
@@ -53,116 +53,116 @@ def prefill(pool, slot, length, gen):
 # -- pool ---------------------------------------------------------------------
 def test_sequence_allocation_takes_blocks_eagerly():
     pool = make_pool()
-    slot = pool.allocate_slot(initial_tokens=50)
-    assert len(pool.block_table(slot)) == 4  # ceil(50 / 16)
-    assert pool.get_seq_len(slot) == 0 and pool.get_num_reserved(slot) == 50
-    assert pool.free_slot_count() == 8
-    empty = pool.allocate_slot(initial_tokens=0)
-    assert pool.block_table(empty) == [] and pool.free_slot_count() == 8
+    seq_id = pool.allocate_seq(initial_tokens=50)
+    assert len(pool.block_table(seq_id)) == 4  # ceil(50 / 16)
+    assert pool.get_num_computed_tokens(seq_id) == 0 and pool.get_num_reserved(seq_id) == 50
+    assert pool.free_seq_count() == 8
+    empty = pool.allocate_seq(initial_tokens=0)
+    assert pool.block_table(empty) == [] and pool.free_seq_count() == 8
     assert isinstance(pool, ServingPoolProtocol) and pool.is_paged()
 
 
 def test_free_returns_only_that_sequences_blocks():
     pool = make_pool(num_blocks=100)
-    slots = [pool.allocate_slot(n) for n in (20, 100, 33)]
-    assert [len(pool.block_table(s)) for s in slots] == [2, 7, 3]
+    seq_ids = [pool.allocate_seq(n) for n in (20, 100, 33)]
+    assert [len(pool.block_table(s)) for s in seq_ids] == [2, 7, 3]
     assert pool.free_token_capacity() == (100 - 12) * BS
-    middle = pool.block_table(slots[1])
-    pool.free_slot(slots[1])
-    assert pool.free_slot_count() == 100 - 5
-    assert set(middle).isdisjoint(pool.block_table(slots[0]) + pool.block_table(slots[2]))
+    middle = pool.block_table(seq_ids[1])
+    pool.free_seq(seq_ids[1])
+    assert pool.free_seq_count() == 100 - 5
+    assert set(middle).isdisjoint(pool.block_table(seq_ids[0]) + pool.block_table(seq_ids[2]))
     with pytest.raises(KeyError):
-        pool.get_seq_len(slots[1])
+        pool.get_num_computed_tokens(seq_ids[1])
     with pytest.raises(KeyError):
-        pool.free_slot(999)
+        pool.free_seq(999)
     assert pool.audit() == []
 
 
 def test_free_token_capacity_counts_free_blocks():
     pool = make_pool(num_blocks=100)
     for _ in range(3):
-        pool.allocate_slot(10 * BS)
+        pool.allocate_seq(10 * BS)
     assert pool.free_token_capacity() == 70 * 16 == 1120
 
 
 def test_exhaustion_leaves_no_partial_state():
     pool = make_pool(num_blocks=5)
-    first = pool.allocate_slot(3 * BS)
-    before = (pool.free_slot_count(), pool.block_manager.seq_ids(), pool.stats())
+    first = pool.allocate_seq(3 * BS)
+    before = (pool.free_seq_count(), pool.block_manager.seq_ids(), pool.stats())
     with pytest.raises(OutOfBlocksError):
-        pool.allocate_slot(3 * BS)
+        pool.allocate_seq(3 * BS)
     with pytest.raises(RuntimeError):
         pool.allocate_sequence(list(range(3 * BS)))
     assert not pool.can_allocate_sequence(list(range(3 * BS)))
-    assert (pool.free_slot_count(), pool.block_manager.seq_ids(), pool.stats()) == before
+    assert (pool.free_seq_count(), pool.block_manager.seq_ids(), pool.stats()) == before
     assert pool.audit() == []
-    later = pool.allocate_slot(2 * BS)
+    later = pool.allocate_seq(2 * BS)
     assert later > first + 1  # failed attempts used up ids; none is handed out twice
-    assert pool.free_slot_count() == 0
+    assert pool.free_seq_count() == 0
 
 
 def test_audit_finds_and_reclaims_leaked_blocks():
     pool = make_pool(num_blocks=20)
     for n in (5, 17, 40):
-        pool.allocate_slot(n)
+        pool.allocate_seq(n)
     assert pool.audit() == []
     # a bug elsewhere took blocks from the pool and forgot them
     leaked = [b.block_id for b in pool.block_manager.block_pool.get_new_blocks(5)]
     assert pool.audit() != []
-    free_before = pool.free_slot_count()
+    free_before = pool.free_seq_count()
     assert sorted(pool.reclaim_leaked()) == sorted(leaked)
-    assert pool.free_slot_count() == free_before + 5
+    assert pool.free_seq_count() == free_before + 5
     assert pool.audit() == []
 
 
 def test_audit_reports_a_page_table_mirror_that_differs():
     pool = make_pool()
-    slot = pool.allocate_slot(40)
+    seq_id = pool.allocate_seq(40)
     assert pool.audit() == []
     # Corrupt the mirror only: the block manager still holds the right table.
-    pool._tables.set(slot, 1, pool.block_table(slot)[0])
+    pool._tables.set(seq_id, 1, pool.block_table(seq_id)[0])
     assert any("page-table row" in p for p in pool.audit())
 
 
 def test_block_size_one(gen):
     pool = make_pool(num_blocks=10, block_size=1)
-    slot = pool.allocate_slot(5)
-    assert len(pool.block_table(slot)) == 5
-    ks = prefill(pool, slot, 5, gen)
+    seq_id = pool.allocate_seq(5)
+    assert len(pool.block_table(seq_id)) == 5
+    ks = prefill(pool, seq_id, 5, gen)
     k, v = kv(gen, 1)
-    pool.decode_view([slot]).update(0, k, v)
-    assert len(pool.block_table(slot)) == 6
+    pool.decode_view([seq_id]).update(0, k, v)
+    assert len(pool.block_table(seq_id)) == 6
     for p in range(5):
-        assert torch.equal(token_at(pool, 0, slot, p), ks[0][p])
-    assert torch.equal(token_at(pool, 0, slot, 5), k[0])
+        assert torch.equal(token_at(pool, 0, seq_id, p), ks[0][p])
+    assert torch.equal(token_at(pool, 0, seq_id, 5), k[0])
     assert pool.audit() == []
 
 
 # -- prefill views ------------------------------------------------------------
 def test_single_sequence_prefill(gen):
     pool = make_pool()
-    slot = pool.allocate_slot(32)
-    view = pool.prefill_view(slot)
+    seq_id = pool.allocate_seq(32)
+    view = pool.prefill_view(seq_id)
     assert isinstance(view, AttentionViewProtocol) and view.is_paged()
     k, v = kv(gen, 32)
     k_out, v_out = view.update(0, k, v)
     assert torch.equal(k_out, context(k)) and torch.equal(v_out, context(v))
-    b0, b1 = pool.block_table(slot)
+    b0, b1 = pool.block_table(seq_id)
     assert torch.equal(pool.k_cache[0, b0], k[:16])
     assert torch.equal(pool.k_cache[0, b1], k[16:])
     assert torch.equal(pool.v_cache[0, b1], v[16:])
-    assert pool.get_seq_len(slot) == 0  # nothing is committed before advance
+    assert pool.get_num_computed_tokens(seq_id) == 0  # nothing is committed before advance
     view.advance(32)
-    assert pool.get_seq_len(slot) == 32 == view.seq_len
+    assert pool.get_num_computed_tokens(seq_id) == 32 == view.seq_len
 
 
 def test_cross_block_write_leaves_rest_of_block_untouched(gen):
     pool = make_pool()
     pool.k_cache.fill_(7.0)
-    slot = pool.allocate_slot(40)
+    seq_id = pool.allocate_seq(40)
     k, v = kv(gen, 40)
-    pool.prefill_view(slot).update(1, k, v)
-    b0, b1, b2 = pool.block_table(slot)
+    pool.prefill_view(seq_id).update(1, k, v)
+    b0, b1, b2 = pool.block_table(seq_id)
     assert torch.equal(pool.k_cache[1, b0], k[:16])
     assert torch.equal(pool.k_cache[1, b1], k[16:32])
     assert torch.equal(pool.k_cache[1, b2, :8], k[32:])
@@ -175,30 +175,30 @@ def test_packed_prefill_writes_exactly_its_tokens(gen):
     # Stale NaN in the blocks, as a reused block may hold.
     pool.k_cache.fill_(float("nan"))
     pool.v_cache.fill_(float("nan"))
-    s0, s1 = pool.allocate_slot(10), pool.allocate_slot(20)
-    assert pool.free_slot_count() == 12 - 3
+    s0, s1 = pool.allocate_seq(10), pool.allocate_seq(20)
+    assert pool.free_seq_count() == 12 - 3
     view = pool.batched_prefill_view([s0, s1], [10, 20])
-    k, v = kv(gen, 30)  # slot 0's 10 tokens, then slot 1's 20
+    k, v = kv(gen, 30)  # seq_id 0's 10 tokens, then seq_id 1's 20
     k_out, v_out = view.update(0, k, v)
     (b0,) = pool.block_table(s0)
     assert torch.equal(pool.k_cache[0, b0, :10], k[:10])
-    assert pool.k_cache[0, b0, 10:].isnan().all()  # nothing written past slot 0's tokens
+    assert pool.k_cache[0, b0, 10:].isnan().all()  # nothing written past seq_id 0's tokens
     for p in range(20):
         assert torch.equal(token_at(pool, 0, s1, p), k[10 + p])
-    # Each slot's context; zeros (not the stale NaN) past slot 0's length.
+    # Each seq_id's context; zeros (not the stale NaN) past seq_id 0's length.
     assert k_out.shape == v_out.shape == (2, KV_HEADS, 20, DIM)
     assert torch.equal(k_out[0, :, :10], context(k[:10])[0])
     assert torch.equal(v_out[1], context(v[10:])[0])
     assert torch.equal(k_out[0, :, 10:], torch.zeros(KV_HEADS, 10, DIM))
     assert torch.equal(v_out[0, :, 10:], torch.zeros(KV_HEADS, 10, DIM))
-    assert pool.free_slot_count() == 12 - 3  # the view took no block beyond the tokens
+    assert pool.free_seq_count() == 12 - 3  # the view took no block beyond the tokens
     view.advance()
-    assert (pool.get_seq_len(s0), pool.get_seq_len(s1)) == (10, 20)
+    assert (pool.get_num_computed_tokens(s0), pool.get_num_computed_tokens(s1)) == (10, 20)
 
 
 def test_kv_token_count_must_match_the_views_slots(gen):
     pool = make_pool()
-    s0, s1 = pool.allocate_slot(10), pool.allocate_slot(20)
+    s0, s1 = pool.allocate_seq(10), pool.allocate_seq(20)
     view = pool.batched_prefill_view([s0, s1], [10, 20])
     before = pool.k_cache.clone()
     with pytest.raises(ValueError, match="40 tokens"):
@@ -206,7 +206,7 @@ def test_kv_token_count_must_match_the_views_slots(gen):
     with pytest.raises(ValueError, match="29 tokens"):
         view.attend(0, torch.randn(29, HEADS, DIM), *kv(gen, 29), scale=1.0)
     assert torch.equal(pool.k_cache, before)  # nothing written
-    assert (pool.get_seq_len(s0), pool.get_seq_len(s1)) == (0, 0)
+    assert (pool.get_num_computed_tokens(s0), pool.get_num_computed_tokens(s1)) == (0, 0)
     with pytest.raises(ValueError, match="distinct"):
         pool.decode_view([s0, s0])
 
@@ -214,21 +214,21 @@ def test_kv_token_count_must_match_the_views_slots(gen):
 # -- decode views -------------------------------------------------------------
 def test_single_decode_step(gen):
     pool = make_pool()
-    slot = pool.allocate_slot(20)
-    prefill(pool, slot, 20, gen)
+    seq_id = pool.allocate_seq(20)
+    prefill(pool, seq_id, 20, gen)
     k, v = kv(gen, 1)
-    k_all, v_all = pool.decode_view([slot]).update(0, k, v)
-    table = pool.block_table(slot)
+    k_all, v_all = pool.decode_view([seq_id]).update(0, k, v)
+    table = pool.block_table(seq_id)
     assert torch.equal(pool.k_cache[0, table[1], 4], k[0])
     assert k_all.shape == v_all.shape == (1, KV_HEADS, 21, DIM)
     for p in range(21):
-        assert torch.equal(k_all[0, :, p], token_at(pool, 0, slot, p))
-        assert torch.equal(v_all[0, :, p], token_at(pool, 0, slot, p, "v"))
+        assert torch.equal(k_all[0, :, p], token_at(pool, 0, seq_id, p))
+        assert torch.equal(v_all[0, :, p], token_at(pool, 0, seq_id, p, "v"))
 
 
 def test_multi_sequence_decode_at_exact_positions(gen):
     pool = make_pool()
-    s0, s1 = pool.allocate_slot(10), pool.allocate_slot(30)
+    s0, s1 = pool.allocate_seq(10), pool.allocate_seq(30)
     prefill(pool, s0, 10, gen)
     prefill(pool, s1, 30, gen)
     view = pool.decode_view([s0, s1])
@@ -244,21 +244,21 @@ def test_multi_sequence_decode_at_exact_positions(gen):
     for p in range(31):
         assert torch.equal(k_all[1, :, p], token_at(pool, 0, s1, p))
     view.advance(1)
-    assert (pool.get_seq_len(s0), pool.get_seq_len(s1)) == (11, 31)
+    assert (pool.get_num_computed_tokens(s0), pool.get_num_computed_tokens(s1)) == (11, 31)
 
 
 def test_vectorized_gather_equals_naive_loop(gen):
     pool = make_pool(num_blocks=30, block_size=4)
     lens = [3, 9, 4, 16]
-    slots = [pool.allocate_slot(n) for n in lens]
-    for s, n in zip(slots, lens, strict=True):
+    seq_ids = [pool.allocate_seq(n) for n in lens]
+    for s, n in zip(seq_ids, lens, strict=True):
         prefill(pool, s, n, gen)
-    view = pool.decode_view(slots)
+    view = pool.decode_view(seq_ids)
     for layer in range(pool.num_layers):
-        k, v = kv(gen, len(slots))
+        k, v = kv(gen, len(seq_ids))
         k_all, v_all = view.update(layer, k, v)
         assert k_all.shape[2] == max(lens) + 1
-        for i, (s, n) in enumerate(zip(slots, lens, strict=True)):
+        for i, (s, n) in enumerate(zip(seq_ids, lens, strict=True)):
             table = pool.block_table(s)
             naive_k = torch.stack(
                 [pool.k_cache[layer, table[p // 4], p % 4] for p in range(n + 1)], 1
@@ -273,13 +273,13 @@ def test_vectorized_gather_equals_naive_loop(gen):
 
 def test_step_metadata_is_built_once_and_reused_by_every_layer(gen, monkeypatch):
     pool = make_pool()
-    slots = [pool.allocate_slot(5), pool.allocate_slot(18)]
-    for s, n in zip(slots, [5, 18], strict=True):
+    seq_ids = [pool.allocate_seq(5), pool.allocate_seq(18)]
+    for s, n in zip(seq_ids, [5, 18], strict=True):
         prefill(pool, s, n, gen)
     builds = []
     build = pool.build_metadata
     monkeypatch.setattr(pool, "build_metadata", lambda *a: builds.append(a) or build(*a))
-    view = pool.decode_view(slots)
+    view = pool.decode_view(seq_ids)
     q = torch.randn(2, HEADS, DIM, generator=gen)
     view.attend(0, q, *kv(gen, 2), scale=0.5)
     meta = view.meta
@@ -291,8 +291,8 @@ def test_step_metadata_is_built_once_and_reused_by_every_layer(gen, monkeypatch)
     assert all(meta.memo[key] is plan for key, plan in plans.items())
     # The next pass (same counts) builds its metadata once more, not per layer.
     view.advance(1)
-    pool.append_token(slots[0], 0)
-    pool.append_token(slots[1], 0)
+    pool.append_token(seq_ids[0], 0)
+    pool.append_token(seq_ids[1], 0)
     for layer in range(pool.num_layers):
         view.attend(layer, q, *kv(gen, 2), scale=0.5)
     assert len(builds) == 2 and view.meta is not meta
@@ -300,40 +300,40 @@ def test_step_metadata_is_built_once_and_reused_by_every_layer(gen, monkeypatch)
 
 def test_decode_grows_a_block_lazily_and_fails_cleanly_when_full(gen):
     pool = make_pool(num_blocks=2)
-    slot = pool.allocate_slot(16)
-    prefill(pool, slot, 16, gen)
-    free_before = pool.free_slot_count()
+    seq_id = pool.allocate_seq(16)
+    prefill(pool, seq_id, 16, gen)
+    free_before = pool.free_seq_count()
     k, v = kv(gen, 1)
-    pool.decode_view([slot]).update(0, k, v)
-    assert pool.free_slot_count() == free_before - 1
-    assert torch.equal(pool.k_cache[0, pool.block_table(slot)[1], 0], k[0])
+    pool.decode_view([seq_id]).update(0, k, v)
+    assert pool.free_seq_count() == free_before - 1
+    assert torch.equal(pool.k_cache[0, pool.block_table(seq_id)[1], 0], k[0])
 
     full = make_pool(num_blocks=1)
-    only = full.allocate_slot(16)
+    only = full.allocate_seq(16)
     prefill(full, only, 16, gen)
     assert not full.can_append([only])
     with pytest.raises(OutOfBlocksError):
         full.decode_view([only]).update(0, *kv(gen, 1))
-    assert (full.get_seq_len(only), full.get_num_reserved(only)) == (16, 16)
+    assert (full.get_num_computed_tokens(only), full.get_num_reserved(only)) == (16, 16)
     assert full.audit() == []
 
 
 def test_step_view_requires_room_reserved_first(gen):
     pool = make_pool()
-    slot, _ = pool.allocate_sequence(list(range(BS)))
+    seq_id, _ = pool.allocate_sequence(list(range(BS)))
     with pytest.raises(RuntimeError, match="reserve first"):
-        pool.step_view([slot], [0], [BS + 1])  # one token past the prompt
-    blocks = pool.block_table(slot)
-    view = pool.step_view([slot], [0], [BS])
+        pool.step_view([seq_id], [0], [BS + 1])  # one token past the prompt
+    blocks = pool.block_table(seq_id)
+    view = pool.step_view([seq_id], [0], [BS])
     view.update(0, *kv(gen, BS))
     view.advance()
     with pytest.raises(RuntimeError, match="reserve first"):
-        pool.step_view([slot], [BS], [1])  # a decode before append_token
-    assert pool.block_table(slot) == blocks  # the strict view took no block
-    pool.append_token(slot, 5)
+        pool.step_view([seq_id], [BS], [1])  # a decode before append_token
+    assert pool.block_table(seq_id) == blocks  # the strict view took no block
+    pool.append_token(seq_id, 5)
     k, v = kv(gen, 1)
-    pool.step_view([slot], [BS], [1]).update(0, k, v)
-    assert torch.equal(token_at(pool, 0, slot, BS), k[0])
+    pool.step_view([seq_id], [BS], [1]).update(0, k, v)
+    assert torch.equal(token_at(pool, 0, seq_id, BS), k[0])
     assert pool.audit() == []
 
 
@@ -342,23 +342,23 @@ def test_step_view_requires_room_reserved_first(gen):
 )
 def test_decode_at_block_boundaries(prompt, block, offset, gen):
     pool = make_pool()
-    slot, cached = pool.allocate_sequence(list(range(prompt)))
+    seq_id, cached = pool.allocate_sequence(list(range(prompt)))
     assert cached == 0
-    prefill(pool, slot, prompt, gen)
-    pool.append_token(slot, 1)
-    assert len(pool.block_table(slot)) == block + 1
+    prefill(pool, seq_id, prompt, gen)
+    pool.append_token(seq_id, 1)
+    assert len(pool.block_table(seq_id)) == block + 1
     k, v = kv(gen, 1)
-    view = pool.decode_view([slot])
+    view = pool.decode_view([seq_id])
     view.update(0, k, v)
-    assert len(pool.block_table(slot)) == block + 1  # append_token already reserved it
-    assert torch.equal(pool.k_cache[0, pool.block_table(slot)[block], offset], k[0])
+    assert len(pool.block_table(seq_id)) == block + 1  # append_token already reserved it
+    assert torch.equal(pool.k_cache[0, pool.block_table(seq_id)[block], offset], k[0])
     view.advance(1)
-    assert pool.get_seq_len(slot) == prompt + 1
+    assert pool.get_num_computed_tokens(seq_id) == prompt + 1
 
 
 def test_decode_after_batched_prefill(gen):
     pool = make_pool()
-    s0, s1 = pool.allocate_slot(5), pool.allocate_slot(10)
+    s0, s1 = pool.allocate_seq(5), pool.allocate_seq(10)
     view = pool.batched_prefill_view([s0, s1], [5, 10])
     view.update(0, *kv(gen, 15))
     view.advance(10)
@@ -375,7 +375,7 @@ def test_decode_after_batched_prefill(gen):
     assert torch.equal(token_at(pool, 0, s0, 6), k[0])
     assert torch.equal(token_at(pool, 0, s1, 11), k[1])
     dec.advance(1)
-    assert (pool.get_seq_len(s0), pool.get_seq_len(s1)) == (7, 12)
+    assert (pool.get_num_computed_tokens(s0), pool.get_num_computed_tokens(s1)) == (7, 12)
 
 
 # -- serving pool -------------------------------------------------------------
@@ -383,9 +383,9 @@ def test_fork_shares_blocks_and_copies_on_write(gen):
     pool = make_pool()
     parent, _ = pool.allocate_sequence(list(range(20)))
     ks = prefill(pool, parent, 20, gen)
-    child = pool.fork_slot(parent)
+    child = pool.fork_seq(parent)
     assert pool.block_table(child) == pool.block_table(parent)
-    assert pool.get_seq_len(child) == 20
+    assert pool.get_num_computed_tokens(child) == 20
     shared = pool.block_table(parent)[1]
     parent_block = pool.k_cache[:, shared].clone()
     pool.append_token(child, 3)  # last block is shared: child gets a copy
@@ -399,18 +399,18 @@ def test_fork_shares_blocks_and_copies_on_write(gen):
     assert torch.equal(token_at(pool, 0, child, 20), k[0])
     assert torch.equal(pool.k_cache[:, shared], parent_block)  # parent's block untouched
     assert pool.audit() == []
-    pool.free_slot(parent)
-    pool.free_slot(child)
+    pool.free_seq(parent)
+    pool.free_seq(child)
     assert pool.audit() == [] and pool.stats()["blocks_used"] == 0
 
 
-def assert_views_use_block_manager_tables(pool, slots):
+def assert_views_use_block_manager_tables(pool, seq_ids):
     """The audit (mirror vs block manager) and the tables a view hands the ops."""
     assert pool.audit() == []
-    starts = [pool.get_num_reserved(s) - 1 for s in slots]
-    meta = pool.build_metadata(slots, starts, [1] * len(slots), False)
-    for row, slot in zip(meta.block_tables.tolist(), slots, strict=True):
-        table = pool.block_table(slot)
+    starts = [pool.get_num_reserved(s) - 1 for s in seq_ids]
+    meta = pool.build_metadata(seq_ids, starts, [1] * len(seq_ids), False)
+    for row, seq_id in zip(meta.block_tables.tolist(), seq_ids, strict=True):
+        table = pool.block_table(seq_id)
         assert row[: len(table)] == table
 
 
@@ -422,12 +422,12 @@ def test_page_table_mirror_follows_growth_fork_and_free():
     for t in range(5):  # across a block boundary
         pool.append_token(a, t)
     assert_views_use_block_manager_tables(pool, [a, b])
-    child = pool.fork_slot(b)  # b's last block is full: appends take fresh blocks
+    child = pool.fork_seq(b)  # b's last block is full: appends take fresh blocks
     pool.append_token(child, 1)
     pool.append_token(b, 2)
     assert pool.stats()["cow_copies"] == 0
     assert_views_use_block_manager_tables(pool, [a, b, child])
-    pool.free_slot(b)
+    pool.free_seq(b)
     assert_views_use_block_manager_tables(pool, [a, child])
     pool.mark_computed(a, 13)
     c, cached = pool.allocate_sequence(list(range(8)) + [0, 1, 2, 3, 9])  # a prefix hit
@@ -438,7 +438,7 @@ def test_page_table_mirror_follows_growth_fork_and_free():
 def test_page_table_mirror_follows_copy_on_write():
     pool = make_pool(num_blocks=20, block_size=4)
     parent, _ = pool.allocate_sequence(list(range(6)))
-    child = pool.fork_slot(parent)
+    child = pool.fork_seq(parent)
     pool.append_token(child, 1)  # shared half-full block: copied
     assert pool.stats()["cow_copies"] == 1
     assert_views_use_block_manager_tables(pool, [parent, child])
@@ -469,12 +469,12 @@ class RecordingOps:
 
 def test_views_and_cow_go_through_the_pools_ops(gen):
     rec = RecordingOps()
-    pool = PagedKVCachePool.from_model_config(1, KV_HEADS, DIM, 8, 4, torch.float32, ops=rec)
-    slot, _ = pool.allocate_sequence([1, 2, 3])
-    view = pool.prefill_view(slot)
+    pool = PagedKVPool.from_model_config(1, KV_HEADS, DIM, 8, 4, torch.float32, ops=rec)
+    seq_id, _ = pool.allocate_sequence([1, 2, 3])
+    view = pool.prefill_view(seq_id)
     view.attend(0, torch.randn(3, HEADS, DIM), *kv(gen, 3), scale=1.0)
     view.advance()
-    children = [pool.fork_slot(slot), pool.fork_slot(slot)]
+    children = [pool.fork_seq(seq_id), pool.fork_seq(seq_id)]
     for child in children:
         pool.append_token(child, 4)
     pool.decode_view(children).attend(
@@ -494,12 +494,12 @@ def test_paged_ref_never_imports_triton():
 
 
 def test_sizing_helpers_and_kv_bytes():
-    pool = PagedKVCachePool.from_model_config(3, 2, 8, 10, 4, torch.float16, device="meta")
+    pool = PagedKVPool.from_model_config(3, 2, 8, 10, 4, torch.float16, device="meta")
     per_block = 2 * 3 * 2 * 4 * 8 * 2
     assert pool.kv_bytes() == 10 * per_block
     assert tuple(pool.k_cache.shape) == (3, 10, 4, 2, 8)  # [layers, blocks, block, kv_heads, dim]
     assert (
-        PagedKVCachePool.num_blocks_for_memory(
+        PagedKVPool.num_blocks_for_memory(
             10 * per_block + per_block - 1, 3, 2, 8, 4, torch.float16
         )
         == 10

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_ref import PagedKVCachePool, SlottedKVCache
+from paged_ref import ContiguousKVPool, PagedKVPool
 
 LAYERS, DIM, BLOCK = 2, 16, 4
 
@@ -17,13 +17,13 @@ def shuffled_paged_pool(
     kv_heads, ops, gen, num_blocks=40, dtype=torch.float32, device="cpu", layers=LAYERS
 ):
     """A paged pool whose free list was scrambled by freeing blocks in random order."""
-    pool = PagedKVCachePool.from_model_config(
+    pool = PagedKVPool.from_model_config(
         layers, kv_heads, DIM, num_blocks, BLOCK, dtype, device,
         enable_prefix_caching=False, ops=ops,
     )  # fmt: skip
-    dummies = [pool.allocate_slot(BLOCK) for _ in range(num_blocks)]
+    dummies = [pool.allocate_seq(BLOCK) for _ in range(num_blocks)]
     for i in torch.randperm(num_blocks, generator=gen).tolist():
-        pool.free_slot(dummies[i])
+        pool.free_seq(dummies[i])
     return pool
 
 
@@ -32,22 +32,22 @@ def run_stream(pool, steps, prompt_lens, window, softcap):
     further entry of ``steps``, room reserved by ``append_token`` and one
     decode view reused from step to step; returns every attention output in
     order."""
-    slots = [pool.allocate_sequence([7] * n)[0] for n in prompt_lens]
+    seq_ids = [pool.allocate_sequence([7] * n)[0] for n in prompt_lens]
     outs = []
     decode = None
     for i, layers in enumerate(steps):
         if i == 0:
-            view = pool.batched_prefill_view(slots, prompt_lens)
+            view = pool.batched_prefill_view(seq_ids, prompt_lens)
         else:
-            for s in slots:
+            for s in seq_ids:
                 pool.append_token(s, 7)
-            view = decode = decode or pool.decode_view(slots)
+            view = decode = decode or pool.decode_view(seq_ids)
         for layer, (q, k, v) in enumerate(layers):
             outs.append(
                 view.attend(layer, q, k, v, scale=DIM**-0.5, sliding_window=window, softcap=softcap)
             )
         view.advance(1)
-    assert [pool.get_seq_len(s) for s in slots] == [n + len(steps) - 1 for n in prompt_lens]
+    assert [pool.get_num_computed_tokens(s) for s in seq_ids] == [n + len(steps) - 1 for n in prompt_lens]
     assert pool.audit() == []
     return outs
 
@@ -73,11 +73,11 @@ def test_paged_equals_contiguous(heads, kv_heads, window, paged_ops, paged_atol,
     prompt_lens = [5, 11, 8]
     batch = len(prompt_lens)
     steps = flat_steps(heads, kv_heads, prompt_lens, 6, LAYERS, gen)
-    slotted = SlottedKVCache.from_model_config(
+    contiguous = ContiguousKVPool.from_model_config(
         LAYERS, kv_heads, DIM, 32, batch, dtype=torch.float32
     )
     paged = shuffled_paged_pool(kv_heads, paged_ops, gen)
-    expected = run_stream(slotted, steps, prompt_lens, window, None)
+    expected = run_stream(contiguous, steps, prompt_lens, window, None)
     got = run_stream(paged, steps, prompt_lens, window, None)
     tables = [paged.block_table(s) for s in paged.block_manager.seq_ids()]
     assert any(t != sorted(t) or t[-1] - t[0] != len(t) - 1 for t in tables), "tables not shuffled"
@@ -90,10 +90,10 @@ def test_paged_equals_contiguous(heads, kv_heads, window, paged_ops, paged_atol,
 def test_paged_equals_contiguous_with_softcap(paged_ops, paged_atol, gen):
     heads, kv_heads, lens = 4, 2, [6, 3]
     steps = flat_steps(heads, kv_heads, lens, 2, 1, gen, score_scale=3.0)  # the cap bites
-    slotted = SlottedKVCache.from_model_config(1, kv_heads, DIM, 16, 2, dtype=torch.float32)
+    contiguous = ContiguousKVPool.from_model_config(1, kv_heads, DIM, 16, 2, dtype=torch.float32)
     paged = shuffled_paged_pool(kv_heads, paged_ops, gen)
     for e, g in zip(
-        run_stream(slotted, steps, lens, None, 5.0),
+        run_stream(contiguous, steps, lens, None, 5.0),
         run_stream(paged, steps, lens, None, 5.0),
         strict=True,
     ):
@@ -102,22 +102,22 @@ def test_paged_equals_contiguous_with_softcap(paged_ops, paged_atol, gen):
 
 @pytest.mark.backend
 def test_stale_nan_in_reused_blocks_does_not_leak(paged_ops, paged_atol, gen):
-    """Blocks and slots freed by earlier sequences may hold anything, even NaN:
+    """Blocks and seq_ids freed by earlier sequences may hold anything, even NaN:
     the tails of last blocks and the blocks a sliding window has left (window
     3 over blocks of 4, so windows cross block boundaries) must not reach the
     outputs of either pool."""
     heads, kv_heads, lens = 4, 2, [5, 10, 3]
     steps = flat_steps(heads, kv_heads, lens, 4, LAYERS, gen)
 
-    def slotted_pool():
-        return SlottedKVCache.from_model_config(LAYERS, kv_heads, DIM, 16, 3, dtype=torch.float32)
+    def contiguous_pool():
+        return ContiguousKVPool.from_model_config(LAYERS, kv_heads, DIM, 16, 3, dtype=torch.float32)
 
-    expected = run_stream(slotted_pool(), steps, lens, 3, None)  # zeroed: nothing stale
-    stale_slotted, stale_paged = slotted_pool(), shuffled_paged_pool(kv_heads, paged_ops, gen)
-    for pool in (stale_slotted, stale_paged):
+    expected = run_stream(contiguous_pool(), steps, lens, 3, None)  # zeroed: nothing stale
+    stale_contiguous, stale_paged = contiguous_pool(), shuffled_paged_pool(kv_heads, paged_ops, gen)
+    for pool in (stale_contiguous, stale_paged):
         pool.k_cache.fill_(float("nan"))
         pool.v_cache.fill_(float("nan"))
-    for pool, atol in ((stale_slotted, 1e-6), (stale_paged, paged_atol)):
+    for pool, atol in ((stale_contiguous, 1e-6), (stale_paged, paged_atol)):
         for e, g in zip(expected, run_stream(pool, steps, lens, 3, None), strict=True):
             assert torch.isfinite(g).all()
             torch.testing.assert_close(g, e, atol=atol, rtol=0)
@@ -133,13 +133,13 @@ def test_paged_equals_contiguous_on_cuda(dtype, paged_ops, gen):
         [tuple(t.to("cuda", dtype) for t in layer) for layer in step]
         for step in flat_steps(heads, kv_heads, lens, 3, LAYERS, gen)
     ]
-    slotted = SlottedKVCache.from_model_config(
+    contiguous = ContiguousKVPool.from_model_config(
         LAYERS, kv_heads, DIM, 32, 3, dtype=dtype, device="cuda"
     )
     paged = shuffled_paged_pool(kv_heads, paged_ops, gen, dtype=dtype, device="cuda")
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     for e, g in zip(
-        run_stream(slotted, steps, lens, 3, None),
+        run_stream(contiguous, steps, lens, 3, None),
         run_stream(paged, steps, lens, 3, None),
         strict=True,
     ):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_ref import PagedKVCachePool, SlottedKVCache
+from paged_ref import ContiguousKVPool, PagedKVPool
 
 pytestmark = pytest.mark.backend
 
@@ -52,7 +52,7 @@ def run(view, model, tokens_per_row, starts, window=None):
 @pytest.fixture
 def new_pool(paged_ops):
     def make(prefix_caching=True):
-        return PagedKVCachePool.from_model_config(
+        return PagedKVPool.from_model_config(
             LAYERS, KV_HEADS, DIM, 32, BLOCK, torch.float32,
             enable_prefix_caching=prefix_caching, ops=paged_ops,
         )  # fmt: skip
@@ -62,9 +62,9 @@ def new_pool(paged_ops):
 
 def full_prefill(model, tokens, window=None):
     """The oracle: one prefill of the whole prompt in the contiguous pool."""
-    pool = SlottedKVCache.from_model_config(LAYERS, KV_HEADS, DIM, 64, 1, dtype=torch.float32)
-    slot, _ = pool.allocate_sequence(tokens)
-    return run(pool.prefill_view(slot), model, [tokens], [0], window)
+    pool = ContiguousKVPool.from_model_config(LAYERS, KV_HEADS, DIM, 64, 1, dtype=torch.float32)
+    seq_id, _ = pool.allocate_sequence(tokens)
+    return run(pool.prefill_view(seq_id), model, [tokens], [0], window)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -75,20 +75,20 @@ def test_prefix_hit_equals_full_prefill(window, gen, new_pool, paged_atol):
     second = shared + [9, 8, 7, 6, 5]
 
     pool = new_pool()
-    slot_a, cached_a = pool.allocate_sequence(first)
+    seq_id_a, cached_a = pool.allocate_sequence(first)
     assert cached_a == 0
-    run(pool.prefill_view(slot_a), model, [first], [0], window)
-    slot_b, cached_b = pool.allocate_sequence(second)
+    run(pool.prefill_view(seq_id_a), model, [first], [0], window)
+    seq_id_b, cached_b = pool.allocate_sequence(second)
     assert cached_b == 2 * BLOCK
-    assert pool.get_seq_len(slot_b) == cached_b
-    assert pool.block_table(slot_b)[:2] == pool.block_table(slot_a)[:2]
-    view = pool.prefill_view(slot_b)
+    assert pool.get_num_computed_tokens(seq_id_b) == cached_b
+    assert pool.block_table(seq_id_b)[:2] == pool.block_table(seq_id_a)[:2]
+    view = pool.prefill_view(seq_id_b)
     assert view.seq_len == cached_b
     got = run(view, model, [second[cached_b:]], [cached_b], window)
     want = full_prefill(model, second, window)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w[cached_b:], atol=paged_atol, rtol=0)
-    assert pool.get_seq_len(slot_b) == len(second)
+    assert pool.get_num_computed_tokens(seq_id_b) == len(second)
     assert pool.stats()["prefix_hits_tokens"] == cached_b
     assert pool.audit() == []
 
@@ -97,12 +97,12 @@ def test_update_returns_cached_context_after_a_prefix_hit(gen, new_pool, paged_a
     model = FakeModel(gen)
     prompt = torch.randint(1, VOCAB, (3 * BLOCK,), generator=gen).tolist()
     pool = new_pool()
-    slot_a, _ = pool.allocate_sequence(prompt)
-    run(pool.prefill_view(slot_a), model, [prompt], [0])
-    slot_b, cached = pool.allocate_sequence(prompt)
+    seq_id_a, _ = pool.allocate_sequence(prompt)
+    run(pool.prefill_view(seq_id_a), model, [prompt], [0])
+    seq_id_b, cached = pool.allocate_sequence(prompt)
     assert cached == 2 * BLOCK  # the block holding the last token is always computed
     _, k, v = model.qkv(0, prompt[cached:], cached)
-    k_all, v_all = pool.prefill_view(slot_b).update(0, k, v)
+    k_all, v_all = pool.prefill_view(seq_id_b).update(0, k, v)
     _, k_full, v_full = model.qkv(0, prompt, 0)
     assert torch.equal(k_all, k_full.transpose(0, 1).unsqueeze(0))
     assert torch.equal(v_all, v_full.transpose(0, 1).unsqueeze(0))
@@ -129,7 +129,7 @@ def test_batch_mixing_a_fresh_prompt_and_a_prefix_hit(gen, new_pool, paged_atol)
         want_fresh = full_prefill(model, fresh_prompt)[layer]
         torch.testing.assert_close(out[:n_hit], want_hit, atol=paged_atol, rtol=0)
         torch.testing.assert_close(out[n_hit:], want_fresh, atol=paged_atol, rtol=0)
-    assert (pool.get_seq_len(s_hit), pool.get_seq_len(s_fresh)) == (len(hit_prompt), 5)
+    assert (pool.get_num_computed_tokens(s_hit), pool.get_num_computed_tokens(s_fresh)) == (len(hit_prompt), 5)
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -138,16 +138,16 @@ def test_chunked_prefill_then_decode_equals_full_prefill(window, gen, new_pool, 
     prompt = torch.randint(1, VOCAB, (14,), generator=gen).tolist()
     want = full_prefill(model, prompt, window)
     pool = new_pool(prefix_caching=False)
-    slot, _ = pool.allocate_sequence(prompt[:13])
+    seq_id, _ = pool.allocate_sequence(prompt[:13])
     pieces = []
     for lo, hi in [(0, 5), (5, 6), (6, 13)]:
-        pieces.append(run(pool.prefill_view(slot), model, [prompt[lo:hi]], [lo], window))
-    pool.append_token(slot, prompt[13])
-    pieces.append(run(pool.decode_view([slot]), model, [prompt[13:]], [13], window))
+        pieces.append(run(pool.prefill_view(seq_id), model, [prompt[lo:hi]], [lo], window))
+    pool.append_token(seq_id, prompt[13])
+    pieces.append(run(pool.decode_view([seq_id]), model, [prompt[13:]], [13], window))
     for layer in range(LAYERS):
         got = torch.cat([p[layer] for p in pieces])
         torch.testing.assert_close(got, want[layer], atol=paged_atol, rtol=0)
-    assert pool.get_seq_len(slot) == 14 and pool.audit() == []
+    assert pool.get_num_computed_tokens(seq_id) == 14 and pool.audit() == []
 
 
 def test_generic_view_runs_chunks_of_several_sequences(gen, new_pool, paged_atol):
@@ -194,5 +194,5 @@ def test_one_step_mixes_decodes_and_chunks_in_any_order(window, gen, new_pool, p
         torch.testing.assert_close(out[:4], want_a, atol=paged_atol, rtol=0)
         torch.testing.assert_close(out[4:5], want_b, atol=paged_atol, rtol=0)
         torch.testing.assert_close(out[5:], want_c, atol=paged_atol, rtol=0)
-    assert [pool.get_seq_len(s) for s in (sa, sb, sc)] == [9, 7, len(c)]
+    assert [pool.get_num_computed_tokens(s) for s in (sa, sb, sc)] == [9, 7, len(c)]
     assert pool.audit() == []

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from paged_ref import PagedKVCachePool
+from paged_ref import PagedKVPool
 from paged_ref import ops as ref_ops
 from paged_triton import ops
 
@@ -81,14 +81,14 @@ def test_pool_flushes_copy_on_write_as_host_pairs(gen, paged):
 
     spy = types.SimpleNamespace(**{name: getattr(ops, name) for name in ops.__all__})
     spy.copy_blocks = recording_copy_blocks
-    pool = PagedKVCachePool.from_model_config(
+    pool = PagedKVPool.from_model_config(
         2, 2, 32, 8, 4, torch.float32, device=paged.device, ops=spy
     )
     pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=gen))
     parents = [pool.allocate_sequence([t, 2, 3, 4, 5, 6])[0] for t in (1, 9)]
     for parent in parents:
         pool.mark_computed(parent, 6)
-    children = [pool.fork_slot(p) for p in parents]
+    children = [pool.fork_seq(p) for p in parents]
     for child in children:
         pool.append_token(child, 7)  # each shares its parent's half-full block: copy-on-write
     pool.step_view(children, [6, 6], [1, 1])  # the step flushes the pending copies

@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from paged_server.config import EngineConfig
 from paged_server.default_model.tokenizer_builder import build_tokenizer
-from paged_server.engine import LLMEngine
+from paged_server.engine.llm_engine import LLMEngine
 from paged_server.models import LoadedModel, load_model
 from paged_server.sampling_params import SamplingParams
 
@@ -65,7 +65,7 @@ def make_engine(tiny_loaded: LoadedModel) -> Callable[..., LLMEngine]:
     def make(**overrides: Any) -> LLMEngine:
         cfg: dict[str, Any] = dict(
             max_batch_size=8,
-            max_seq_len=128,
+            max_model_len=128,
             max_num_batched_tokens=256,
             block_size=4,
             device="cpu",

@@ -17,7 +17,7 @@ from paged_server.sampling_params import SamplingParams
 
 def test_defaults_are_valid() -> None:
     EngineConfig().validate()
-    SamplingParams().validate(max_seq_len=2048)
+    SamplingParams().validate(max_model_len=2048)
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_defaults_are_valid() -> None:
         ({"kv_cache_memory_bytes": -1}, "kv_cache_memory_bytes"),
         ({"max_batch_size": 0}, "max_batch_size"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-        ({"max_seq_len": 1}, "max_seq_len"),
+        ({"max_model_len": 1}, "max_model_len"),
         ({"max_queue_len": 0}, "max_queue_len"),
         ({"block_size": 2.5}, "block_size"),
         ({"max_batch_size": True}, "max_batch_size"),
@@ -49,9 +49,9 @@ def test_batched_tokens_must_cover_the_batch_and_unchunked_prompts() -> None:
         EngineConfig(max_batch_size=64, max_num_batched_tokens=32).validate()
     with pytest.raises(ValueError, match="enable_chunked_prefill"):
         EngineConfig(
-            max_seq_len=2048, max_num_batched_tokens=512, enable_chunked_prefill=False
+            max_model_len=2048, max_num_batched_tokens=512, enable_chunked_prefill=False
         ).validate()
-    EngineConfig(max_seq_len=2048, max_num_batched_tokens=512).validate()  # chunked: fine
+    EngineConfig(max_model_len=2048, max_num_batched_tokens=512).validate()  # chunked: fine
 
 
 def test_auto_resolution_on_cpu() -> None:
@@ -103,7 +103,7 @@ def test_cuda_without_gpu_is_a_clear_error() -> None:
 )
 def test_sampling_params_reject_bad_field(overrides: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field}: "):
-        SamplingParams(**overrides).validate(max_seq_len=4096)
+        SamplingParams(**overrides).validate(max_model_len=4096)
 
 
 def test_single_stop_string_becomes_a_list() -> None:
@@ -117,7 +117,7 @@ def test_step_token_budget_fits_the_device() -> None:
     # never below what every running sequence needs to decode in one step
     assert resolve_max_num_batched_tokens(EngineConfig(max_batch_size=300), cpu) == 300
     # whole prompts only: the budget must hold the longest one
-    unchunked = EngineConfig(enable_chunked_prefill=False, max_seq_len=4096)
+    unchunked = EngineConfig(enable_chunked_prefill=False, max_model_len=4096)
     assert resolve_max_num_batched_tokens(unchunked, cpu) == 4096
     assert resolve_max_num_batched_tokens(EngineConfig(max_num_batched_tokens=999), cpu) == 999
 

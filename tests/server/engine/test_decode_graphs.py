@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from paged_server.decode_graphs import DecodeGraphs, capture_sizes
-from paged_server.engine import LLMEngine
+from paged_server.engine.decode_graphs import DecodeGraphs, capture_sizes
+from paged_server.engine.llm_engine import LLMEngine
 
 
 def attach_graphs(engine: LLMEngine, capture: bool = False) -> DecodeGraphs:
@@ -28,7 +28,7 @@ def attach_graphs(engine: LLMEngine, capture: bool = False) -> DecodeGraphs:
         engine.pool,  # type: ignore[arg-type]
         torch.device("cpu"),
         config.max_batch_size,
-        -(-config.max_seq_len // config.block_size),
+        -(-config.max_model_len // config.block_size),
         capture=capture,
     )
     engine.runner.decode_graphs = graphs
@@ -52,9 +52,9 @@ def test_padded_static_path_matches_the_plain_one(make_engine, run_engine, promp
     used: list[int] = []
     real_run = graphs.run
 
-    def counting_run(slots, starts, input_ids):
-        used.append(len(slots))
-        return real_run(slots, starts, input_ids)
+    def counting_run(seq_ids, starts, input_ids):
+        used.append(len(seq_ids))
+        return real_run(seq_ids, starts, input_ids)
 
     graphs.run = counting_run  # type: ignore[method-assign]
     padded = run_engine(engine, requests)
@@ -121,12 +121,12 @@ def test_triton_decode_forward_is_graph_safe(make_engine, run_engine, prompt_of,
 
     graphs = attach_graphs(engine)
     lens = (7, 13, 18, 4)
-    slots = [engine.pool.allocate_sequence(prompt_of(n, 20 + n))[0] for n in lens]
+    seq_ids = [engine.pool.allocate_sequence(prompt_of(n, 20 + n))[0] for n in lens]
     traces = []
     # Two steps that differ in batch, positions, page tables and lengths, both padded to 4.
     for batch, back in ((3, 1), (4, 3)):
         starts = [n - back for n in lens[:batch]]
-        meta = engine.pool.build_metadata(slots[:batch], starts, [1] * batch, False)
+        meta = engine.pool.build_metadata(seq_ids[:batch], starts, [1] * batch, False)
         graphs._load(meta, torch.arange(batch) + back, graphs.padded(batch))
         mode = GraphSafety()
         with torch.inference_mode(), mode, contextlib.ExitStack() as stack:
@@ -136,8 +136,8 @@ def test_triton_decode_forward_is_graph_safe(make_engine, run_engine, prompt_of,
         traces.append(mode.trace)
     assert launches, "the Triton kernels were never launched"
     assert traces[0] == traces[1]
-    for slot in slots:
-        engine.pool.free_slot(slot)
+    for seq_id in seq_ids:
+        engine.pool.free_seq(seq_id)
 
 
 def _forbidden(name: str):
@@ -159,7 +159,7 @@ def test_captured_graphs_replay_the_eager_results(prompt_of, greedy, tiny_model_
     out = {}
     for eager in (True, False):
         config = EngineConfig(
-            max_batch_size=8, max_seq_len=128, block_size=16, device="cuda",
+            max_batch_size=8, max_model_len=128, block_size=16, device="cuda",
             attention_backend="triton", enforce_eager=eager,
         )  # fmt: skip
         engine = LLMEngine(config, loaded)

@@ -96,13 +96,13 @@ def test_unchunked_prefill_matches(reference, make_engine, run_engine) -> None:
 def test_contiguous_preempts_when_slots_are_memory_limited(
     reference, make_engine, run_engine, tiny_loaded
 ) -> None:
-    """Contiguous rows run out of positions only at max_seq_len, so here the
-    pressure is fewer slots than max_batch_size: requests wait, none fail."""
+    """Contiguous rows run out of positions only at max_model_len, so here the
+    pressure is fewer seq_ids than max_batch_size: requests wait, none fail."""
     requests, ref = reference
     c = tiny_loaded.config
     row_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 128
     engine = make_engine(kv_cache_backend="contiguous", kv_cache_memory_bytes=2 * row_bytes)
-    assert engine.capacity.num_slots == 2
+    assert engine.capacity.num_rows == 2
     assert_same_outputs(run_engine(engine, requests), ref, requests)
 
 

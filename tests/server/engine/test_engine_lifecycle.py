@@ -57,8 +57,8 @@ def test_running_out_of_blocks_during_decode_preempts_instead_of_failing(
 
 
 def test_submission_errors_are_clear(make_engine, prompt_of) -> None:
-    engine = make_engine(max_seq_len=64, num_gpu_blocks=8)
-    with pytest.raises(ValueError, match="prompt has 64 tokens but max_seq_len is 64"):
+    engine = make_engine(max_model_len=64, num_gpu_blocks=8)
+    with pytest.raises(ValueError, match="prompt has 64 tokens but max_model_len is 64"):
         engine.add_request("long", prompt_of(64, 0), SamplingParams())
     with pytest.raises(ValueError, match="must not be empty"):
         engine.add_request("empty", [], SamplingParams())
@@ -124,10 +124,10 @@ def _poisoned(loaded: LoadedModel, token: int) -> LoadedModel:
 
 def _poisoned_engine(tiny_loaded, backend: str, bad_token: int, **kw):
     from paged_server.config import EngineConfig
-    from paged_server.engine import LLMEngine
+    from paged_server.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
-        kv_cache_backend=backend, block_size=4, max_seq_len=128, device="cpu", **kw
+        kv_cache_backend=backend, block_size=4, max_model_len=128, device="cpu", **kw
     )
     return LLMEngine(config, _poisoned(tiny_loaded, bad_token))
 
@@ -171,8 +171,8 @@ def test_stale_nan_kv_in_reused_blocks_does_not_poison_later_requests(
 def test_detokenizer_error_fails_only_that_request(
     make_engine, run_engine, prompt_of, greedy, monkeypatch
 ) -> None:
-    import paged_server.engine as engine_module
-    from paged_server.detokenize import IncrementalDetokenizer
+    import paged_server.engine.llm_engine as engine_module
+    from paged_server.engine.detokenize import IncrementalDetokenizer
 
     class Fragile(IncrementalDetokenizer):
         def add(self, token_ids):  # type: ignore[override]
@@ -251,9 +251,9 @@ def test_audit_catches_a_leaked_slot(make_engine, run_engine, prompt_of, greedy,
     engine = make_engine(kv_cache_backend=backend)
     run_engine(engine, [("a", prompt_of(6, 0), greedy(3))])
     assert engine.audit() == []
-    slot, _ = engine.pool.allocate_sequence(prompt_of(6, 1))  # nobody will free it
+    seq_id, _ = engine.pool.allocate_sequence(prompt_of(6, 1))  # nobody will free it
     assert any("leak" in p for p in engine.audit())
-    engine.pool.free_slot(slot)
+    engine.pool.free_seq(seq_id)
     assert engine.audit() == []
 
 

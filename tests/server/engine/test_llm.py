@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from paged_server.llm import LLM
+from paged_server.entrypoints.llm import LLM
 from paged_server.sampling_params import SamplingParams
 
 
 @pytest.fixture
 def llm(tiny_loaded) -> LLM:
-    return LLM(loaded=tiny_loaded, max_batch_size=4, max_seq_len=128, block_size=4, max_queue_len=3)
+    return LLM(loaded=tiny_loaded, max_batch_size=4, max_model_len=128, block_size=4, max_queue_len=3)
 
 
 def test_generate_text_prompts_in_order(llm, make_engine, run_engine) -> None:
@@ -79,7 +79,7 @@ def test_default_model_end_to_end(tmp_path, monkeypatch) -> None:
     from paged_server.default_model import CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    llm = LLM(max_batch_size=2, max_seq_len=64, max_num_batched_tokens=64)
+    llm = LLM(max_batch_size=2, max_model_len=64, max_num_batched_tokens=64)
     assert llm.engine.config.model is None
     (result,) = llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(result.outputs[0].token_ids) == 4 and result.outputs[0].text

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from paged_server.output_processor import append_token, take_output
+from paged_server.engine.output_processor import append_token, take_output
+from paged_server.engine.sequence import Request, Sequence
 from paged_server.sampling_params import SamplingParams
-from paged_server.sequence import Request, Sequence
 
 PIECES = {10: "Hel", 11: "lo", 12: " wor", 13: "ld", 14: "!", 15: "##", 16: "#", 17: "\ufffd"}
 EOS = 2
@@ -21,18 +21,18 @@ class ScriptedText:
         return "<flush>"
 
 
-def new_seq(max_seq_len_prompt: int = 3, **params) -> Sequence:
-    request = Request("r", None, [5] * max_seq_len_prompt, SamplingParams(**params), 0.0)
-    seq = Sequence(0, request, 0, [5] * max_seq_len_prompt, torch.Generator(), ScriptedText())
+def new_seq(max_model_len_prompt: int = 3, **params) -> Sequence:
+    request = Request("r", None, [5] * max_model_len_prompt, SamplingParams(**params), 0.0)
+    seq = Sequence(0, request, 0, [5] * max_model_len_prompt, torch.Generator(), ScriptedText())
     request.seqs.append(seq)
     return seq
 
 
-def feed(seq: Sequence, tokens: list[int], max_seq_len: int = 100) -> list[str]:
+def feed(seq: Sequence, tokens: list[int], max_model_len: int = 100) -> list[str]:
     """Append tokens one by one; returns the text delta streamed after each."""
     deltas = []
     for t in tokens:
-        append_token(seq, t, None, {EOS}, max_seq_len)
+        append_token(seq, t, None, {EOS}, max_model_len)
         out = take_output(seq)
         deltas.append(out.new_text if out else "")
         if seq.is_finished:
@@ -83,9 +83,9 @@ def test_eos_and_stop_token_ids_add_no_text() -> None:
     assert seq.finish_reason == "length" and seq.token_ids[-3:] == [10, EOS, 11]
 
 
-def test_max_seq_len_ends_generation_with_length() -> None:
+def test_max_model_len_ends_generation_with_length() -> None:
     seq = new_seq(max_tokens=50)
-    feed(seq, [10, 11, 12, 13], max_seq_len=5)  # prompt 3 + 2 generated = 5
+    feed(seq, [10, 11, 12, 13], max_model_len=5)  # prompt 3 + 2 generated = 5
     assert seq.finish_reason == "length" and seq.num_generated == 2
 
 

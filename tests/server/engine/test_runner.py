@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_server.cache_pool import build_cache_pool
 from paged_server.config import EngineConfig
-from paged_server.runner import ModelRunner
+from paged_server.engine.pool_factory import build_cache_pool
+from paged_server.engine.runner import ModelRunner
+from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.sampling_params import SamplingParams
-from paged_server.sequence import Request, Sequence, SequenceStatus
 
 
 def no_cache_logits(loaded, tokens: list[int]) -> torch.Tensor:
@@ -24,7 +24,7 @@ def no_cache_logits(loaded, tokens: list[int]) -> torch.Tensor:
 
 def make_runner(loaded, backend: str, **kw):
     config = EngineConfig(
-        **{"kv_cache_backend": backend, "block_size": 4, "max_seq_len": 64, "max_batch_size": 4}
+        **{"kv_cache_backend": backend, "block_size": 4, "max_model_len": 64, "max_batch_size": 4}
         | kw
     )
     pool, capacity = build_cache_pool(
@@ -36,7 +36,7 @@ def make_runner(loaded, backend: str, **kw):
 def admit(pool, tokens: list[int]) -> Sequence:
     request = Request("r", None, list(tokens), SamplingParams(), 0.0)
     seq = Sequence(0, request, 0, list(tokens), torch.Generator(), None)  # type: ignore[arg-type]
-    seq.slot, seq.num_computed_tokens = pool.allocate_sequence(tokens)
+    seq.pool_seq_id, seq.num_computed_tokens = pool.allocate_sequence(tokens)
     seq.status = SequenceStatus.RUNNING
     return seq
 
@@ -46,19 +46,19 @@ def step(runner, pool, scheduled):
     out = runner.execute(scheduled)
     for seq, n in scheduled:
         seq.num_computed_tokens += n
-        pool.mark_computed(seq.slot, seq.num_computed_tokens)
+        pool.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
     return {id(scheduled[i][0]): out.logits[j] for j, i in enumerate(out.sampled)}
 
 
 def grow(pool, seq: Sequence, token: int) -> None:
     """A sampled token: append it and reserve its room, as the scheduler does."""
     seq.token_ids.append(token)
-    pool.append_token(seq.slot, token)
+    pool.append_token(seq.pool_seq_id, token)
 
 
 def fork(pool, parent: Sequence) -> Sequence:
     child = Sequence(1, parent.request, 1, list(parent.token_ids), torch.Generator(), None)  # type: ignore[arg-type]
-    child.slot = pool.fork_slot(parent.slot)
+    child.pool_seq_id = pool.fork_seq(parent.pool_seq_id)
     child.num_computed_tokens = parent.num_computed_tokens
     child.status = SequenceStatus.RUNNING
     return child
@@ -137,7 +137,7 @@ def test_paged_prefill_allocates_blocks_and_free_returns_them(tiny_loaded, promp
     seq = admit(pool, prompt_of(9, 3))
     assert pool.free_token_capacity() == 64 - 3 * 4  # ceil(9 / 4) blocks
     step(runner, pool, [(seq, 9)])
-    pool.free_slot(seq.slot)
+    pool.free_seq(seq.pool_seq_id)
     assert pool.free_token_capacity() == 64
     assert pool.audit() == []
 
@@ -145,7 +145,7 @@ def test_paged_prefill_allocates_blocks_and_free_returns_them(tiny_loaded, promp
 def test_contiguous_pool_reports_no_token_capacity(tiny_loaded) -> None:
     _, pool, capacity = make_runner(tiny_loaded, "contiguous")
     assert pool.free_token_capacity() is None
-    assert capacity.num_slots == 4 and capacity.tokens == 4 * 64
+    assert capacity.num_rows == 4 and capacity.tokens == 4 * 64
 
 
 def test_prefix_hit_starts_positions_at_the_cached_length(tiny_loaded, prompt_of) -> None:
@@ -164,15 +164,15 @@ def test_pool_sizing_from_config(tiny_loaded) -> None:
     c = tiny_loaded.config
     block_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 4  # fp32, block_size 4
     _, _, cap = make_runner(tiny_loaded, "paged")
-    assert cap.num_blocks == 4 * 64 // 4  # max_batch_size * max_seq_len / block_size
+    assert cap.num_blocks == 4 * 64 // 4  # max_batch_size * max_model_len / block_size
     _, _, cap = make_runner(tiny_loaded, "paged", kv_cache_memory_bytes=10 * block_bytes + 7)
     assert cap.num_blocks == 10 and cap.tokens == 40
     _, _, cap = make_runner(tiny_loaded, "paged", num_gpu_blocks=3, kv_cache_memory_bytes=1 << 30)
     assert cap.num_blocks == 3  # an explicit block count wins
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         make_runner(tiny_loaded, "paged", kv_cache_memory_bytes=block_bytes - 1)
-    # contiguous: rows of max_seq_len (64) tokens, at most max_batch_size of them
+    # contiguous: rows of max_model_len (64) tokens, at most max_batch_size of them
     _, _, cap = make_runner(tiny_loaded, "contiguous", kv_cache_memory_bytes=16 * 3 * block_bytes)
-    assert cap.num_slots == 3
+    assert cap.num_rows == 3
     _, _, cap = make_runner(tiny_loaded, "contiguous", kv_cache_memory_bytes=1 << 30)
-    assert cap.num_slots == 4
+    assert cap.num_rows == 4

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from paged_server.sampler import SamplingRow, apply_penalties, sample, sampling_distribution
+from paged_server.engine.sampler import SamplingRow, apply_penalties, sample, sampling_distribution
 from paged_server.sampling_params import SamplingParams
 
 # probabilities 0.5, 0.25, 0.15, 0.07, 0.03 (in shuffled order)
@@ -151,7 +151,7 @@ def test_seeded_row_ignores_its_neighbours_filters(neighbour: dict[str, float]) 
 def test_a_draw_at_the_top_of_the_cdf_takes_a_token_with_mass(monkeypatch) -> None:
     """A uniform that rounds onto the CDF total used to clamp to the last
     position, a token the filter had removed."""
-    import paged_server.sampler as sampler
+    import paged_server.engine.sampler as sampler
 
     monkeypatch.setattr(sampler, "_uniform", lambda generator: 1.0)
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()

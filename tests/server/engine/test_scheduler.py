@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from paged_ref import PagedKVCachePool, SlottedKVCache
+from paged_ref import ContiguousKVPool, PagedKVPool
+from paged_server.engine.scheduler import Scheduler
+from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.sampling_params import SamplingParams
-from paged_server.scheduler import Scheduler
-from paged_server.sequence import Request, Sequence, SequenceStatus
 
 BLOCK = 16
 
@@ -22,9 +22,9 @@ class _NoText:
         return ""
 
 
-def paged_pool(num_blocks: int = 64, block_size: int = BLOCK) -> PagedKVCachePool:
+def paged_pool(num_blocks: int = 64, block_size: int = BLOCK) -> PagedKVPool:
     # Prefix caching off: these prompts share ids, and hits are not the point here.
-    return PagedKVCachePool.from_model_config(
+    return PagedKVPool.from_model_config(
         1, 1, 4, num_blocks, block_size, torch.float32, enable_prefix_caching=False
     )
 
@@ -56,7 +56,7 @@ def run_step(sched: Scheduler) -> list[tuple[Sequence, int]]:
     plan = sched.schedule()
     for seq, n in plan.scheduled:
         seq.num_computed_tokens += n
-        sched.pool.mark_computed(seq.slot, seq.num_computed_tokens)
+        sched.pool.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(7)
     return plan.scheduled
@@ -70,9 +70,9 @@ def test_retire_frees_then_admits_and_decodes_take_one_token_each() -> None:
         sched.add(s)
     assert run_step(sched) == [(a, 4), (b, 4), (c, 4)]
     a.finish("stop")
-    slot_a = a.slot
-    assert sched.retire() == [a] and a.slot is None
-    assert slot_a not in pool.block_manager.seq_ids()
+    seq_id_a = a.pool_seq_id
+    assert sched.retire() == [a] and a.pool_seq_id is None
+    assert seq_id_a not in pool.block_manager.seq_ids()
     sched.add(d := make_seq(4, name="d"))
     assert run_step(sched) == [(b, 1), (c, 1), (d, 4)]
     assert pool.audit() == []
@@ -106,12 +106,12 @@ def test_reserve_covers_one_block_per_running_sequence() -> None:
 
 
 def test_contiguous_pool_checks_only_slots_and_batch_size() -> None:
-    pool = SlottedKVCache.from_model_config(1, 1, 4, 10_001, 2, dtype=torch.float32)
+    pool = ContiguousKVPool.from_model_config(1, 1, 4, 10_001, 2, dtype=torch.float32)
     sched = scheduler(pool, max_batch_size=4, budget=30_000)
     seqs = [make_seq(10_000) for _ in range(3)]
     for s in seqs:
         sched.add(s)
-    assert [s for s, _ in run_step(sched)] == seqs[:2]  # two slots
+    assert [s for s, _ in run_step(sched)] == seqs[:2]  # two seq_ids
     seqs[0].finish("stop")
     sched.retire()
     assert [s for s, _ in run_step(sched)] == [seqs[1], seqs[2]]
@@ -174,7 +174,7 @@ def test_full_pool_preempts_the_newest_and_recomputes_it() -> None:
     run_step(sched)  # both prefilled: 2 blocks used, each sequence has 5 tokens now
     run_step(sched)  # a takes the last free block for token 4; b must make room...
     assert sched.running == [a] and list(sched.waiting) == [b]
-    assert b.slot is None and b.num_computed_tokens == 0 and b.num_tokens == 5
+    assert b.pool_seq_id is None and b.num_computed_tokens == 0 and b.num_tokens == 5
     assert b.status is SequenceStatus.WAITING
     # b's KV is recomputed (prompt + generated) once a finishes and frees blocks.
     a.finish("stop")

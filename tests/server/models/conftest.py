@@ -124,21 +124,21 @@ def checkpoint(request: pytest.FixtureRequest, checkpoints: dict[str, Checkpoint
 
 
 def make_pool(kind: str, loaded: LoadedModel, ops: ModuleType | None = None, **kw: Any) -> Any:
-    """A float32 CPU pool sized for the tiny models: ``slotted`` or ``paged``
+    """A float32 CPU pool sized for the tiny models: ``contiguous`` or ``paged``
     (block size 4, so sequences span many blocks and windows cross blocks)."""
-    from paged_ref import PagedKVCachePool, SlottedKVCache
+    from paged_ref import ContiguousKVPool, PagedKVPool
 
     c = loaded.config
-    if kind == "slotted":
-        return SlottedKVCache.from_model_config(
+    if kind == "contiguous":
+        return ContiguousKVPool.from_model_config(
             c.num_layers,
             c.num_kv_heads,
             c.head_dim,
-            max_seq_len=128,
+            max_model_len=128,
             max_batch_size=4,
             dtype=torch.float32,
         )
-    return PagedKVCachePool.from_model_config(
+    return PagedKVPool.from_model_config(
         c.num_layers,
         c.num_kv_heads,
         c.head_dim,
@@ -182,9 +182,9 @@ def greedy_with_pool(
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Prefill ``prompt`` through ``pool`` then decode ``steps`` greedy tokens
     one at a time; returns the tokens and each step's last-position logits."""
-    slot, cached = pool.allocate_sequence(prompt)
+    seq_id, cached = pool.allocate_sequence(prompt)
     new = prompt[cached:]
-    view = pool.prefill_view(slot)
+    view = pool.prefill_view(seq_id)
     logits = model(torch.tensor(new), torch.arange(cached, len(prompt)), view)[-1]
     view.advance(len(new))
     tokens, step_logits = [], [logits]
@@ -193,13 +193,13 @@ def greedy_with_pool(
         tokens.append(token)
         if len(tokens) == steps:
             break
-        pool.append_token(slot, token)
+        pool.append_token(seq_id, token)
         position = len(prompt) + len(tokens) - 1
-        view = pool.decode_view([slot])
+        view = pool.decode_view([seq_id])
         logits = model(torch.tensor([token]), torch.tensor([position]), view)[-1]
         view.advance(1)
         step_logits.append(logits)
-    pool.free_slot(slot)
+    pool.free_seq(seq_id)
     return tokens, step_logits
 
 

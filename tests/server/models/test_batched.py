@@ -21,35 +21,35 @@ def run_view(model, view, ids: list[int], positions: list[int]) -> torch.Tensor:
 def _run_batched(model, pool, prompts):
     """Packed batched prefill then batched greedy decode; returns the
     per-sequence prefill logits and the decode logits of each step."""
-    slots = [pool.allocate_sequence(p)[0] for p in prompts]
+    seq_ids = [pool.allocate_sequence(p)[0] for p in prompts]
     lens = [len(p) for p in prompts]
     ids = [t for p in prompts for t in p]
     positions = [i for n in lens for i in range(n)]
-    logits = run_view(model, pool.batched_prefill_view(slots, lens), ids, positions)
+    logits = run_view(model, pool.batched_prefill_view(seq_ids, lens), ids, positions)
     ends = torch.tensor(lens).cumsum(0).tolist()
     prefill = [logits[end - n : end] for end, n in zip(ends, lens, strict=True)]
     last = torch.stack([logits[end - 1] for end in ends])
     steps = []
     for step in range(DECODE_STEPS):
         tokens = last.argmax(-1).tolist()
-        for slot, token in zip(slots, tokens, strict=True):
-            pool.append_token(slot, token)
-        last = run_view(model, pool.decode_view(slots), tokens, [n + step for n in lens])
+        for seq_id, token in zip(seq_ids, tokens, strict=True):
+            pool.append_token(seq_id, token)
+        last = run_view(model, pool.decode_view(seq_ids), tokens, [n + step for n in lens])
         steps.append(last)
     return prefill, steps
 
 
 @torch.no_grad()
 def _run_alone(model, pool, prompt):
-    slot, _ = pool.allocate_sequence(prompt)
-    prefill = run_view(model, pool.prefill_view(slot), prompt, list(range(len(prompt))))
+    seq_id, _ = pool.allocate_sequence(prompt)
+    prefill = run_view(model, pool.prefill_view(seq_id), prompt, list(range(len(prompt))))
     last, steps = prefill[-1], []
     for step in range(DECODE_STEPS):
         token = int(last.argmax(-1))
-        pool.append_token(slot, token)
-        last = run_view(model, pool.decode_view([slot]), [token], [len(prompt) + step])[0]
+        pool.append_token(seq_id, token)
+        last = run_view(model, pool.decode_view([seq_id]), [token], [len(prompt) + step])[0]
         steps.append(last)
-    pool.free_slot(slot)
+    pool.free_seq(seq_id)
     return prefill, steps
 
 
@@ -65,7 +65,7 @@ def _check(checkpoint, pool_of, prompt_of, kind, ops=None):
             torch.testing.assert_close(b_step[i], step, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["slotted", "paged"])
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_batched_prefill_and_decode_equal_each_sequence_alone(checkpoint, kind, pool_of, prompt_of):
     _check(checkpoint, pool_of, prompt_of, kind)
 

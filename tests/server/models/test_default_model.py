@@ -71,7 +71,7 @@ def test_loads_serves_chat_and_matches_transformers(default_dir, pool_of, greedy
         [{"role": "user", "content": "What is a list?"}], tokenize=True
     )
     assert tok.decode(prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
-    tokens, _ = greedy_pool(loaded.model, pool_of("slotted", loaded), prompt, 16)
+    tokens, _ = greedy_pool(loaded.model, pool_of("contiguous", loaded), prompt, 16)
     hf = AutoModelForCausalLM.from_pretrained(default_dir).eval()
     expected = hf.generate(
         torch.tensor([prompt]),

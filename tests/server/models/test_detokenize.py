@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import SentencePieceBPETokenizer
 
 from paged_server.default_model.tokenizer_builder import build_tokenizer, training_texts
-from paged_server.detokenize import IncrementalDetokenizer
+from paged_server.engine.detokenize import IncrementalDetokenizer
 from paged_server.tokenizer import Tokenizer
 
 

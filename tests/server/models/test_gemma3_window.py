@@ -40,7 +40,7 @@ def sliding_only(tmp_path_factory, tokenizer_json):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kind", [None, "slotted", "paged"])
+@pytest.mark.parametrize("kind", [None, "contiguous", "paged"])
 def test_tokens_past_the_window_do_not_matter(sliding_only, kind, pool_of, prompt_of):
     _, loaded = sliding_only
     prompt = prompt_of(12, 7)

@@ -79,7 +79,7 @@ def test_softcapped_attention_matches_transformers_eager(window):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kind", ["slotted", "paged"])
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_attention_softcap_reaches_the_cache_views(checkpoints, tmp_path, kind, pool_of, prompt_of):
     path = tmp_path / "gemma-capped"
     shutil.copytree(checkpoints["gemma3"].path, path)
@@ -92,13 +92,13 @@ def test_attention_softcap_reaches_the_cache_views(checkpoints, tmp_path, kind, 
     reference = capped.model(ids, pos)
     assert not torch.allclose(reference, checkpoints["gemma3"].loaded.model(ids, pos), atol=1e-3)
     pool = pool_of(kind, capped)
-    slot, _ = pool.allocate_sequence(prompt[:6])
-    view = pool.prefill_view(slot)
+    seq_id, _ = pool.allocate_sequence(prompt[:6])
+    view = pool.prefill_view(seq_id)
     logits = [capped.model(ids[0, :6], pos[0, :6], view)]
     view.advance(6)
     for t in range(6, 10):
-        pool.append_token(slot, prompt[t])
-        view = pool.decode_view([slot])
+        pool.append_token(seq_id, prompt[t])
+        view = pool.decode_view([seq_id])
         logits.append(capped.model(ids[0, t : t + 1], pos[0, t : t + 1], view))
         view.advance(1)
     torch.testing.assert_close(torch.cat(logits), reference[0], atol=1e-5, rtol=0)

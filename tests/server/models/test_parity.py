@@ -32,7 +32,7 @@ def test_greedy_without_cache_matches_generate(checkpoint, prompt_of, hf_greedy_
     assert seq[PROMPT_LEN:] == hf_greedy_of(checkpoint.hf_model, prompt, STEPS)
 
 
-@pytest.mark.parametrize("kind", ["slotted", "paged"])
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_greedy_with_ref_pools_matches_generate(
     checkpoint, kind, prompt_of, pool_of, greedy_pool, hf_greedy_of
 ):

@@ -208,13 +208,6 @@ class BlockManager:
         self.block_pool.free(reversed(seq.table))
         del self._seqs[seq_id]
 
-    def preempt(self, seq_id: int) -> int:
-        """``free`` the sequence to make room; returns how many tokens it held,
-        to be recomputed when it is readmitted (less any prefix hits then)."""
-        num_tokens = self._seq(seq_id).num_tokens
-        self.free(seq_id)
-        return num_tokens
-
     def fork(self, parent: int, child: int) -> None:
         """Give ``child`` the same tokens as ``parent`` by sharing every block
         (copy-on-write: the first write into a shared block copies it)."""
@@ -239,7 +232,7 @@ class BlockManager:
         a caller that mirrors the table last looked (O(new blocks))."""
         return [block.block_id for block in self._seq(seq_id).table[start:]]
 
-    def seq_len(self, seq_id: int) -> int:
+    def num_tokens(self, seq_id: int) -> int:
         """Tokens reserved for the sequence (prompt + appended)."""
         return self._seq(seq_id).num_tokens
 

@@ -2,7 +2,7 @@
 
 ``KVCacheProtocol`` is what model code sees (a *view* over a pool for one
 forward pass); ``CachePoolProtocol`` is what the runner and engine see (the
-pool itself). Both the contiguous (slotted) backend and the paged backend
+pool itself). Both the contiguous backend and the paged backend
 implement them, so nothing above the cache ever checks a cache's type.
 
 paged-core holds no tensors, so tensors are typed as ``Any`` here; the
@@ -81,45 +81,53 @@ class AttentionViewProtocol(KVCacheProtocol, Protocol):
 class CachePoolProtocol(Protocol):
     """A KV cache pool as the runner and engine use it.
 
-    A *slot* is the pool's handle for one sequence: a fixed row of the
-    contiguous tensor, or a page table in the paged pool.
+    Vocabulary, the same in every package: a *seq_id* is the pool's handle
+    for one sequence (a row of the contiguous tensor, or a page table in the
+    paged pool); a *slot* is one token's place in the cache
+    (``slot_mapping``); ``num_computed_tokens`` counts tokens whose K/V are
+    written, ``num_reserved`` tokens with room set aside, ``max_model_len``
+    the most tokens a sequence may hold. The design documents' names
+    (``allocate_slot``, ``free_slot``, ``get_seq_len``, ``free_slot_count``)
+    are ``allocate_seq``, ``free_seq``, ``get_num_computed_tokens``,
+    ``free_seq_count`` here.
     """
 
-    def allocate_slot(self, initial_tokens: int = 0) -> int:
-        """Claim a slot with room for ``initial_tokens`` tokens (paged pools
-        allocate blocks eagerly; contiguous slots have fixed capacity).
+    def allocate_seq(self, initial_tokens: int = 0) -> int:
+        """Claim a seq_id with room for ``initial_tokens`` tokens (paged pools
+        allocate blocks eagerly; contiguous rows have fixed capacity).
 
         Raises ``RuntimeError`` when the capacity is not there."""
         ...
 
-    def free_slot(self, slot: int) -> None:
-        """Release a slot and everything it holds (blocks, length, table)."""
+    def free_seq(self, seq_id: int) -> None:
+        """Release a seq_id and everything it holds (blocks, length, table)."""
         ...
 
-    def get_seq_len(self, slot: int) -> int:
-        """Tokens currently stored for ``slot``."""
+    def get_num_computed_tokens(self, seq_id: int) -> int:
+        """Tokens currently stored for ``seq_id``."""
         ...
 
-    def free_slot_count(self) -> int:
-        """Free slots (contiguous) or a bound on allocatable sequences (paged)."""
+    def free_seq_count(self) -> int:
+        """Sequences that could be allocated now: free rows (contiguous), or
+        free blocks, an upper bound since each sequence needs one (paged)."""
         ...
 
     def free_token_capacity(self) -> int | None:
         """Tokens that free capacity can still hold; ``None`` where capacity is
-        per slot rather than per token (contiguous)."""
+        per seq_id rather than per token (contiguous)."""
         ...
 
-    def prefill_view(self, slot: int) -> KVCacheProtocol:
-        """A single-slot view for prefill (new tokens start at the slot's length)."""
+    def prefill_view(self, seq_id: int) -> KVCacheProtocol:
+        """A single-sequence view for prefill (new tokens start at the seq_id's length)."""
         ...
 
-    def decode_view(self, slots: list[int]) -> KVCacheProtocol:
-        """A multi-slot view for batched decode (one new token per slot)."""
+    def decode_view(self, seq_ids: list[int]) -> KVCacheProtocol:
+        """A multi-sequence view for batched decode (one new token per seq_id)."""
         ...
 
-    def batched_prefill_view(self, slots: list[int], prompt_lens: list[int]) -> KVCacheProtocol:
-        """A multi-slot view for a packed prefill batch: ``prompt_lens[i]`` new
-        tokens of slot ``i``, one slot's tokens after another."""
+    def batched_prefill_view(self, seq_ids: list[int], prompt_lens: list[int]) -> KVCacheProtocol:
+        """A multi-sequence view for a packed prefill batch: ``prompt_lens[i]`` new
+        tokens of seq_id ``i``, one seq_id's tokens after another."""
         ...
 
     def is_paged(self) -> bool:
@@ -133,48 +141,48 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
     prefix-cache hits, room reserved before a step, one flat view per step
     whose metadata is built before the forward pass, commits after it,
     copy-on-write forks and audits. Both backends satisfy it; the contiguous
-    one reports no prefix hits and copies a slot's rows to fork."""
+    one reports no prefix hits and copies a seq_id's rows to fork."""
 
     def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
         """Whether ``allocate_sequence(token_ids)`` would succeed now."""
         ...
 
     def allocate_sequence(self, token_ids: Sequence[int]) -> tuple[int, int]:
-        """Claim a slot for a prompt; returns ``(slot, num_cached_tokens)``.
+        """Claim a seq_id for a prompt; returns ``(seq_id, num_cached_tokens)``.
         The first ``num_cached_tokens`` are already in the cache (prefix hits)
-        and the slot's length starts there. Raises ``RuntimeError`` if full."""
+        and the seq_id's length starts there. Raises ``RuntimeError`` if full."""
         ...
 
-    def can_append(self, slots: Sequence[int]) -> bool:
-        """Whether every slot can grow by one token right now."""
+    def can_append(self, seq_ids: Sequence[int]) -> bool:
+        """Whether every seq_id can grow by one token right now."""
         ...
 
-    def append_token(self, slot: int, token_id: int) -> None:
+    def append_token(self, seq_id: int, token_id: int) -> None:
         """Reserve room for ``token_id``, which a later step writes (and record
         it for prefix hashing). Raises ``OutOfBlocksError`` (a ``RuntimeError``)
         when full, and then changes nothing."""
         ...
 
-    def get_num_reserved(self, slot: int) -> int:
-        """Tokens ``slot`` has room for: committed plus reserved ahead."""
+    def get_num_reserved(self, seq_id: int) -> int:
+        """Tokens ``seq_id`` has room for: committed plus reserved ahead."""
         ...
 
     def step_view(
-        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
+        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
     ) -> AttentionViewProtocol:
-        """The view for one flat step: slot ``i`` computes ``new_lens[i]``
+        """The view for one flat step: seq_id ``i`` computes ``new_lens[i]``
         tokens from position ``starts[i]``, all already reserved. Its metadata
         is complete when this returns, so the forward pass needs no host
         work to learn the layout."""
         ...
 
-    def mark_computed(self, slot: int, num_tokens: int) -> None:
-        """Commit: the slot's first ``num_tokens`` tokens are written (their
+    def mark_computed(self, seq_id: int, num_tokens: int) -> None:
+        """Commit: the seq_id's first ``num_tokens`` tokens are written (their
         full blocks may now serve prefix-cache hits)."""
         ...
 
-    def fork_slot(self, slot: int) -> int:
-        """A new slot holding the same tokens (shared copy-on-write blocks
+    def fork_seq(self, seq_id: int) -> int:
+        """A new seq_id holding the same tokens (shared copy-on-write blocks
         in the paged pool)."""
         ...
 

@@ -1,20 +1,20 @@
 """paged-ref: reference KV cache pools, the cache view and gather+SDPA attention ops.
 
 Never imports triton: the Triton backend passes its own ``ops`` module to
-:class:`PagedKVCachePool`.
+:class:`PagedKVPool`.
 """
 
 from paged_ref import ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.cache_view import CacheView
-from paged_ref.paged_pool import PagedKVCachePool
-from paged_ref.slotted import SlottedKVCache
+from paged_ref.contiguous_pool import ContiguousKVPool
+from paged_ref.paged_pool import PagedKVPool
 
 __all__ = [
     "AttentionMetadata",
     "CacheView",
-    "PagedKVCachePool",
-    "SlottedKVCache",
+    "PagedKVPool",
+    "ContiguousKVPool",
     "build_metadata",
     "ops",
 ]

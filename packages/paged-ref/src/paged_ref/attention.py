@@ -1,6 +1,6 @@
 """Dense masked attention: the one attention implementation in paged-ref.
 
-The paged ops gather K/V through block tables and the slotted views read a
+The paged ops gather K/V through block tables and the contiguous views read a
 contiguous slice; both then call :func:`masked_attention` with a boolean
 visibility mask built by :func:`context_mask`, so masking, GQA, soft-capping
 and the float32 softmax live in exactly one place.

@@ -1,10 +1,10 @@
 """The cache view: one flat forward pass over some of a pool's sequences.
 
 Model code sees only this (``AttentionViewProtocol``). A view covers
-``slots``; slot ``i`` brings ``new_lens[i]`` consecutive tokens of the flat
+``seq_ids``; seq_id ``i`` brings ``new_lens[i]`` consecutive tokens of the flat
 batch, starting at its cached length ``starts[i]``. Both pools use this one
 class: the paged pool hands it page tables, the contiguous pool one
-"block" of ``max_seq_len`` tokens per slot, and every layer then costs one
+"block" of ``max_model_len`` tokens per seq_id, and every layer then costs one
 ``write_kv`` and one attention op per part (decode, prefill) from the
 pool's ``ops`` module.
 
@@ -46,54 +46,54 @@ class ViewPool(Protocol):
     def is_paged(self) -> bool: ...
 
     def build_metadata(
-        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
+        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
     ) -> AttentionMetadata: ...
 
-    def mark_computed(self, slot: int, num_tokens: int) -> None: ...
+    def mark_computed(self, seq_id: int, num_tokens: int) -> None: ...
 
 
 class CacheView:
-    """A flat forward pass over ``slots`` of a pool (see module doc)."""
+    """A flat forward pass over ``seq_ids`` of a pool (see module doc)."""
 
     def __init__(
         self,
         pool: ViewPool,
-        slots: Sequence[int],
+        seq_ids: Sequence[int],
         starts: Sequence[int],
         new_lens: Sequence[int] | None,
         *,
         reserve: bool,
     ) -> None:
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"a view must cover distinct slots, got {list(slots)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a view must cover distinct seq_ids, got {list(seq_ids)}")
         if new_lens is not None:
-            if len(new_lens) != len(slots):
-                raise ValueError(f"got {len(new_lens)} new lengths for {len(slots)} slots")
+            if len(new_lens) != len(seq_ids):
+                raise ValueError(f"got {len(new_lens)} new lengths for {len(seq_ids)} seq_ids")
             if any(n < 0 for n in new_lens):
                 raise ValueError(f"new token counts must be >= 0, got {list(new_lens)}")
         self.pool = pool
-        self.slots = list(slots)
+        self.seq_ids = list(seq_ids)
         self.starts = list(starts)
         self.new_lens = None if new_lens is None else list(new_lens)
         self._open = new_lens is None  # each pass's token count comes from its k
         self._reserve = reserve
         self.meta: AttentionMetadata | None = None
         if self.new_lens is not None:
-            self.meta = pool.build_metadata(self.slots, self.starts, self.new_lens, reserve)
+            self.meta = pool.build_metadata(self.seq_ids, self.starts, self.new_lens, reserve)
 
     @classmethod
     def over(cls, pool: ViewPool, meta: AttentionMetadata) -> CacheView:
         """A view over metadata someone else keeps up to date (the static
-        buffers a CUDA graph reads). It covers no slots of its own, so
+        buffers a CUDA graph reads). It covers no seq_ids of its own, so
         ``advance`` commits nothing: the caller commits through the pool."""
-        view = cls(pool, [], [], None, reserve=False)  # no slots: builds nothing
+        view = cls(pool, [], [], None, reserve=False)  # no seq_ids: builds nothing
         view.new_lens, view.meta, view._open = list(meta.new_lens), meta, False
         return view
 
     # -- KVCacheProtocol ---------------------------------------------------------
     @property
     def seq_len(self) -> int:
-        """Tokens cached before this pass (the max over the view's slots)."""
+        """Tokens cached before this pass (the max over the view's seq_ids)."""
         return max(self.starts, default=0)
 
     def is_paged(self) -> bool:
@@ -101,9 +101,9 @@ class CacheView:
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``, the view's
-        tokens in slot order) and return each slot's whole context,
-        ``[num_slots, kv_heads, max_len, head_dim]`` (position ``p`` at index
-        ``p``; zeros past a slot's length)."""
+        tokens in seq_id order) and return each seq_id's whole context,
+        ``[num_seqs, kv_heads, max_len, head_dim]`` (position ``p`` at index
+        ``p``; zeros past a seq_id's length)."""
         meta = self._write(layer_idx, k, v)
         return (
             gather_context(self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens),
@@ -111,14 +111,14 @@ class CacheView:
         )
 
     def advance(self, n: int | None = None) -> None:
-        """Commit this pass: each slot now holds ``starts[i] + new_lens[i]``
+        """Commit this pass: each seq_id now holds ``starts[i] + new_lens[i]``
         tokens (``n`` each when the view was built without counts). The view
         may then run the next pass with the same counts (e.g. decode)."""
-        if not self.slots:  # a view ``over`` someone else's metadata commits nothing
+        if not self.seq_ids:  # a view ``over`` someone else's metadata commits nothing
             return
-        added = self.new_lens if self.new_lens is not None else [n or 0] * len(self.slots)
-        for slot, start, extra in zip(self.slots, self.starts, added, strict=True):
-            self.pool.mark_computed(slot, start + extra)
+        added = self.new_lens if self.new_lens is not None else [n or 0] * len(self.seq_ids)
+        for seq_id, start, extra in zip(self.seq_ids, self.starts, added, strict=True):
+            self.pool.mark_computed(seq_id, start + extra)
         self.starts = [s + a for s, a in zip(self.starts, added, strict=True)]
         self.meta = None
         if self._open:
@@ -178,7 +178,7 @@ class CacheView:
         meta = self._metadata(k.shape[0])
         if k.shape[0] != meta.num_tokens:
             raise ValueError(
-                f"k/v hold {k.shape[0]} tokens but this view's slots bring {meta.num_tokens}"
+                f"k/v hold {k.shape[0]} tokens but this view's seq_ids bring {meta.num_tokens}"
             )
         self.pool.ops.write_kv(
             self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx], k, v, meta.slot_mapping
@@ -187,12 +187,12 @@ class CacheView:
 
     def _metadata(self, num_tokens: int) -> AttentionMetadata:
         if self.meta is None:
-            if self.new_lens is None:  # a single-slot prefill view: the pass says how many
-                if len(self.slots) != 1:
-                    raise ValueError("a view without token counts must cover exactly one slot")
+            if self.new_lens is None:  # a single-sequence prefill view: the pass says how many
+                if len(self.seq_ids) != 1:
+                    raise ValueError("a view without token counts must cover exactly one seq_id")
                 self.new_lens = [num_tokens]
             self.meta = self.pool.build_metadata(
-                self.slots, self.starts, self.new_lens, self._reserve
+                self.seq_ids, self.starts, self.new_lens, self._reserve
             )
         return self.meta
 
@@ -200,36 +200,36 @@ class CacheView:
 class ViewsMixin:
     """The view constructors both pools offer, written once: the design
     documents' ``prefill_view`` / ``decode_view`` / ``batched_prefill_view``
-    (start at each slot's committed length, reserve room themselves) and the
+    (start at each seq_id's committed length, reserve room themselves) and the
     engine's ``step_view`` (positions given, room already reserved)."""
 
-    def get_seq_len(self, slot: int) -> int:
+    def get_num_computed_tokens(self, seq_id: int) -> int:
         raise NotImplementedError
 
-    def prefill_view(self, slot: int) -> CacheView:
-        """One slot; the pass's token count comes from ``k`` (room reserved then)."""
-        return CacheView(self, [slot], [self.get_seq_len(slot)], None, reserve=True)  # type: ignore[arg-type]
+    def prefill_view(self, seq_id: int) -> CacheView:
+        """One seq_id; the pass's token count comes from ``k`` (room reserved then)."""
+        return CacheView(self, [seq_id], [self.get_num_computed_tokens(seq_id)], None, reserve=True)  # type: ignore[arg-type]
 
-    def decode_view(self, slots: list[int]) -> CacheView:
-        """One new token per slot at its current length."""
-        return self.view(slots, [1] * len(slots))
+    def decode_view(self, seq_ids: list[int]) -> CacheView:
+        """One new token per seq_id at its current length."""
+        return self.view(seq_ids, [1] * len(seq_ids))
 
-    def batched_prefill_view(self, slots: list[int], prompt_lens: list[int]) -> CacheView:
-        """``prompt_lens[i]`` new tokens for slot ``i``, packed one after another."""
-        return self.view(slots, prompt_lens)
+    def batched_prefill_view(self, seq_ids: list[int], prompt_lens: list[int]) -> CacheView:
+        """``prompt_lens[i]`` new tokens for seq_id ``i``, packed one after another."""
+        return self.view(seq_ids, prompt_lens)
 
-    def view(self, slots: Sequence[int], new_lens: Sequence[int] | None = None) -> CacheView:
-        """The generic view: slot ``i`` gets ``new_lens[i]`` new tokens at its
+    def view(self, seq_ids: Sequence[int], new_lens: Sequence[int] | None = None) -> CacheView:
+        """The generic view: seq_id ``i`` gets ``new_lens[i]`` new tokens at its
         length, reserving room for them if needed."""
-        if new_lens is None and len(slots) == 1:
-            return self.prefill_view(slots[0])
-        starts = [self.get_seq_len(s) for s in slots]
-        return CacheView(self, slots, starts, new_lens, reserve=True)  # type: ignore[arg-type]
+        if new_lens is None and len(seq_ids) == 1:
+            return self.prefill_view(seq_ids[0])
+        starts = [self.get_num_computed_tokens(s) for s in seq_ids]
+        return CacheView(self, seq_ids, starts, new_lens, reserve=True)  # type: ignore[arg-type]
 
     def step_view(
-        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
+        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
     ) -> CacheView:
-        """The view for one engine step: slot ``i`` computes ``new_lens[i]``
+        """The view for one engine step: seq_id ``i`` computes ``new_lens[i]``
         tokens from position ``starts[i]``, all of them already reserved. Its
         metadata is complete before the forward pass starts."""
-        return CacheView(self, slots, starts, new_lens, reserve=False)  # type: ignore[arg-type]
+        return CacheView(self, seq_ids, starts, new_lens, reserve=False)  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 ``k_cache``/``v_cache`` are ``[layers, num_blocks, block_size, kv_heads,
 head_dim]`` (a token's K for all heads is one contiguous row, so writes are
-row copies and a gathered context is a strided view, not a permute); a slot
+row copies and a gathered context is a strided view, not a permute); a seq_id
 is a sequence id of the block manager. The pool adds what the block manager
 cannot do without tensors: page tables mirrored into a host tensor
 (``BlockTableBuffer``), copy-on-write block copies batched until the next
@@ -34,10 +34,10 @@ def block_bytes(
     return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
 
 
-class PagedKVCachePool(ViewsMixin):
+class PagedKVPool(ViewsMixin):
     """A block pool satisfying ``ServingPoolProtocol`` (see module doc).
 
-    A slot's length (``get_seq_len``) counts tokens whose KV is committed;
+    A seq_id's length (``get_num_computed_tokens``) counts tokens whose KV is committed;
     ``get_num_reserved`` counts tokens with room reserved, which is more
     between ``append_token`` and the step that writes the token.
     """
@@ -64,8 +64,8 @@ class PagedKVCachePool(ViewsMixin):
         self.block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching)
         self._tables = BlockTableBuffer()
         self._pending_copies: list[tuple[int, int]] = []
-        self._slots: set[int] = set()  # live slots, including ones with no block yet
-        self._next_slot = 0
+        self._live: set[int] = set()  # live seq_ids, including ones with no block yet
+        self._next_seq_id = 0
 
     @staticmethod
     def from_model_config(
@@ -79,11 +79,11 @@ class PagedKVCachePool(ViewsMixin):
         *,
         enable_prefix_caching: bool = True,
         ops: ModuleType | None = None,
-    ) -> PagedKVCachePool:
+    ) -> PagedKVPool:
         """A zeroed pool of ``num_blocks`` blocks for a model's shape
         (``device="meta"`` sizes it without allocating memory)."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        return PagedKVCachePool(
+        return PagedKVPool(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
             enable_prefix_caching=enable_prefix_caching,
@@ -107,34 +107,34 @@ class PagedKVCachePool(ViewsMixin):
         return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache))
 
     # -- CachePoolProtocol -------------------------------------------------
-    def allocate_slot(self, initial_tokens: int = 0) -> int:
-        """A new slot with blocks for ``initial_tokens`` tokens, taken eagerly so
+    def allocate_seq(self, initial_tokens: int = 0) -> int:
+        """A new seq_id with blocks for ``initial_tokens`` tokens, taken eagerly so
         an exhausted pool fails here, before any forward pass. All or nothing."""
         if initial_tokens < 0:
             raise ValueError(f"initial_tokens must be >= 0, got {initial_tokens}")
-        slot = self._new_slot_id()
+        seq_id = self._new_seq_id()
         if initial_tokens:
-            self.block_manager.allocate(slot, initial_tokens)
-            self._sync_table(slot)
-        self._slots.add(slot)
-        return slot
+            self.block_manager.allocate(seq_id, initial_tokens)
+            self._sync_table(seq_id)
+        self._live.add(seq_id)
+        return seq_id
 
-    def free_slot(self, slot: int) -> None:
-        """Release the slot's blocks (prefix-cached ones stay evictable)."""
-        self._check_live(slot)
-        if self.block_manager.has_seq(slot):
-            self.block_manager.free(slot)
-            self._tables.remove(slot)
-        self._slots.remove(slot)
+    def free_seq(self, seq_id: int) -> None:
+        """Release the seq_id's blocks (prefix-cached ones stay evictable)."""
+        self._check_live(seq_id)
+        if self.block_manager.has_seq(seq_id):
+            self.block_manager.free(seq_id)
+            self._tables.remove(seq_id)
+        self._live.remove(seq_id)
 
-    def get_seq_len(self, slot: int) -> int:
+    def get_num_computed_tokens(self, seq_id: int) -> int:
         """Tokens whose KV is in the cache (prefix hits included)."""
-        self._check_live(slot)
-        if not self.block_manager.has_seq(slot):
+        self._check_live(seq_id)
+        if not self.block_manager.has_seq(seq_id):
             return 0
-        return self.block_manager.num_computed_tokens(slot)
+        return self.block_manager.num_computed_tokens(seq_id)
 
-    def free_slot_count(self) -> int:
+    def free_seq_count(self) -> int:
         """Free blocks: a bound on how many more sequences fit."""
         return self.block_manager.num_free_blocks()
 
@@ -149,77 +149,68 @@ class PagedKVCachePool(ViewsMixin):
         return len(token_ids) > 0 and self.block_manager.can_allocate(len(token_ids), token_ids)
 
     def allocate_sequence(self, token_ids: Sequence[int]) -> tuple[int, int]:
-        """A slot for the prompt; returns ``(slot, num_cached_tokens)`` where the
+        """A seq_id for the prompt; returns ``(seq_id, num_cached_tokens)`` where the
         first ``num_cached_tokens`` come from the prefix cache."""
-        slot = self._new_slot_id()
-        cached = self.block_manager.allocate(slot, len(token_ids), list(token_ids))
-        self._sync_table(slot)
-        self._slots.add(slot)
-        return slot, cached
+        seq_id = self._new_seq_id()
+        cached = self.block_manager.allocate(seq_id, len(token_ids), list(token_ids))
+        self._sync_table(seq_id)
+        self._live.add(seq_id)
+        return seq_id, cached
 
-    def can_append(self, slots: Sequence[int]) -> bool:
-        """Whether every slot can grow by one token right now (exact, from the
-        block manager; a slot that has no block yet counts one per slot, a
+    def can_append(self, seq_ids: Sequence[int]) -> bool:
+        """Whether every seq_id can grow by one token right now (exact, from the
+        block manager; a seq_id that has no block yet counts one per seq_id, a
         safe bound since one token never needs more than one new block)."""
         bm = self.block_manager
-        with_blocks = [s for s in slots if bm.has_seq(s)]
-        if len(with_blocks) == len(slots):
+        with_blocks = [s for s in seq_ids if bm.has_seq(s)]
+        if len(with_blocks) == len(seq_ids):
             return bm.can_append(with_blocks)
-        return len(slots) <= bm.num_free_blocks()
+        return len(seq_ids) <= bm.num_free_blocks()
 
-    def append_token(self, slot: int, token_id: int) -> None:
-        """Reserve room for ``token_id``. If its block is shared, the slot gets
+    def append_token(self, seq_id: int, token_id: int) -> None:
+        """Reserve room for ``token_id``. If its block is shared, the seq_id gets
         a private copy, made before the next view reads or writes the cache."""
-        self._check_live(slot)
+        self._check_live(seq_id)
         bm = self.block_manager
-        if not bm.has_seq(slot):
-            bm.allocate(slot, 1, [token_id])
-            self._sync_table(slot)
+        if not bm.has_seq(seq_id):
+            bm.allocate(seq_id, 1, [token_id])
+            self._sync_table(seq_id)
             return
-        at_boundary = bm.seq_len(slot) % self.block_size == 0
-        copies = bm.append(slot, token_id)
-        if copies or at_boundary:  # else the token fits the slot's own last block
-            self._sync_table(slot, copies)
+        at_boundary = bm.num_tokens(seq_id) % self.block_size == 0
+        copies = bm.append(seq_id, token_id)
+        if copies or at_boundary:  # else the token fits the seq_id's own last block
+            self._sync_table(seq_id, copies)
 
-    def get_num_reserved(self, slot: int) -> int:
-        """Tokens the slot has room for (committed + reserved ahead)."""
-        self._check_live(slot)
+    def get_num_reserved(self, seq_id: int) -> int:
+        """Tokens the seq_id has room for (committed + reserved ahead)."""
+        self._check_live(seq_id)
         bm = self.block_manager
-        return bm.seq_len(slot) if bm.has_seq(slot) else 0
+        return bm.num_tokens(seq_id) if bm.has_seq(seq_id) else 0
 
-    def fork_slot(self, slot: int) -> int:
-        """A new slot sharing all of ``slot``'s blocks copy-on-write."""
-        self._check_live(slot)
-        child = self._new_slot_id()
-        if self.block_manager.has_seq(slot):
-            self.block_manager.fork(slot, child)
-            self._tables.fork(slot, child)
-        self._slots.add(child)
+    def fork_seq(self, seq_id: int) -> int:
+        """A new seq_id sharing all of ``seq_id``'s blocks copy-on-write."""
+        self._check_live(seq_id)
+        child = self._new_seq_id()
+        if self.block_manager.has_seq(seq_id):
+            self.block_manager.fork(seq_id, child)
+            self._tables.fork(seq_id, child)
+        self._live.add(child)
         return child
 
-    def preempt(self, slot: int) -> int:
-        """Free ``slot`` to make room; returns the tokens it held (to recompute)."""
-        self._check_live(slot)
-        self._slots.remove(slot)
-        if not self.block_manager.has_seq(slot):
-            return 0
-        self._tables.remove(slot)
-        return self.block_manager.preempt(slot)
-
-    def mark_computed(self, slot: int, num_tokens: int) -> None:
-        """Commit: the slot's first ``num_tokens`` tokens are written, so their
+    def mark_computed(self, seq_id: int, num_tokens: int) -> None:
+        """Commit: the seq_id's first ``num_tokens`` tokens are written, so their
         full blocks may enter the prefix cache."""
-        if num_tokens or self.block_manager.has_seq(slot):
-            self.block_manager.mark_computed(slot, num_tokens)
+        if num_tokens or self.block_manager.has_seq(seq_id):
+            self.block_manager.mark_computed(seq_id, num_tokens)
 
     def audit(self) -> list[str]:
-        """The block manager's audit, the pool's own slot bookkeeping, and the
+        """The block manager's audit, the pool's own seq_id bookkeeping, and the
         mirrored page tables against the block manager's."""
         bm = self.block_manager
         problems = list(bm.audit())
         for seq_id in bm.seq_ids():
-            if seq_id not in self._slots:
-                problems.append(f"block manager holds sequence {seq_id} that is no live slot")
+            if seq_id not in self._live:
+                problems.append(f"block manager holds sequence {seq_id} that is no live seq_id")
             if seq_id not in self._tables:
                 problems.append(f"sequence {seq_id} has no page-table row")
             elif self._tables.blocks(seq_id) != bm.block_table(seq_id):
@@ -244,77 +235,77 @@ class PagedKVCachePool(ViewsMixin):
         return self.block_manager.stats().as_dict()
 
     # -- used by the views -----------------------------------------------------
-    def block_table(self, slot: int) -> list[int]:
-        """The slot's block ids in token order (empty before its first block)."""
-        self._check_live(slot)
+    def block_table(self, seq_id: int) -> list[int]:
+        """The seq_id's block ids in token order (empty before its first block)."""
+        self._check_live(seq_id)
         bm = self.block_manager
-        return bm.block_table(slot) if bm.has_seq(slot) else []
+        return bm.block_table(seq_id) if bm.has_seq(seq_id) else []
 
-    def ensure_reserved(self, slot: int, num_tokens: int) -> None:
-        """Grow the slot's reservation to ``num_tokens`` (a design-document view
-        writing past what ``allocate_slot``/``append_token`` reserved). Raises
+    def ensure_reserved(self, seq_id: int, num_tokens: int) -> None:
+        """Grow the seq_id's reservation to ``num_tokens`` (a design-document view
+        writing past what ``allocate_seq``/``append_token`` reserved). Raises
         ``OutOfBlocksError`` when the pool is full."""
-        self._check_live(slot)
+        self._check_live(seq_id)
         bm = self.block_manager
         if num_tokens <= 0:
             return
-        if not bm.has_seq(slot):
-            bm.allocate(slot, num_tokens)
-            self._sync_table(slot)
+        if not bm.has_seq(seq_id):
+            bm.allocate(seq_id, num_tokens)
+            self._sync_table(seq_id)
             return
-        while bm.seq_len(slot) < num_tokens:
-            self._sync_table(slot, bm.append(slot))
+        while bm.num_tokens(seq_id) < num_tokens:
+            self._sync_table(seq_id, bm.append(seq_id))
 
     def build_metadata(
-        self, slots: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
+        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
     ) -> AttentionMetadata:
         """A view's step metadata; copies pending from copy-on-write run first,
         so every block the step reads or writes holds its data."""
         bs = self.block_size
         if reserve:
-            for slot, start, n in zip(slots, starts, new_lens, strict=True):
-                self.ensure_reserved(slot, start + n)
+            for seq_id, start, n in zip(seq_ids, starts, new_lens, strict=True):
+                self.ensure_reserved(seq_id, start + n)
         bm = self.block_manager
-        rooms = [bm.seq_len(s) if bm.has_seq(s) else 0 for s in slots]
+        rooms = [bm.num_tokens(s) if bm.has_seq(s) else 0 for s in seq_ids]
         ends = [start + n for start, n in zip(starts, new_lens, strict=True)]
         over = [i for i, (end, room) in enumerate(zip(ends, rooms, strict=True)) if end > room]
         if over:
             i = over[0]
             raise RuntimeError(
-                f"slot {slots[i]} has room for {rooms[i]} tokens but this step writes up to "
+                f"seq_id {seq_ids[i]} has room for {rooms[i]} tokens but this step writes up to "
                 f"position {ends[i] - 1}; reserve first (allocate_sequence / append_token)"
             )
         width = -(-max(ends, default=1) // bs) or 1
         self._flush_copies()
         if all(rooms):
-            tables = self._tables.gather(self._tables.rows(slots)[0], width)
-        else:  # only slots with nothing to compute lack a row
-            tables = torch.zeros(len(slots), width, dtype=torch.int32)
+            tables = self._tables.gather(self._tables.rows(seq_ids)[0], width)
+        else:  # only seq_ids with nothing to compute lack a row
+            tables = torch.zeros(len(seq_ids), width, dtype=torch.int32)
         return build_metadata(tables, starts, new_lens, bs, self.k_cache.device)
 
     # -- internals -----------------------------------------------------------
-    def _sync_table(self, slot: int, copies: Sequence[tuple[int, int]] = ()) -> None:
-        """Mirror the block manager's table change for ``slot`` into the buffer:
+    def _sync_table(self, seq_id: int, copies: Sequence[tuple[int, int]] = ()) -> None:
+        """Mirror the block manager's table change for ``seq_id`` into the buffer:
         a copy-on-write swaps the last block, an append adds blocks."""
-        if slot not in self._tables:
-            self._tables.add(slot, self.block_manager.block_table(slot))
+        if seq_id not in self._tables:
+            self._tables.add(seq_id, self.block_manager.block_table(seq_id))
             return
         for _, dst in copies:
-            self._tables.set(slot, self._tables.num_blocks(slot) - 1, dst)
+            self._tables.set(seq_id, self._tables.num_blocks(seq_id) - 1, dst)
         self._pending_copies.extend(copies)
-        new = self.block_manager.blocks_from(slot, self._tables.num_blocks(slot))
-        self._tables.extend(slot, new)
+        new = self.block_manager.blocks_from(seq_id, self._tables.num_blocks(seq_id))
+        self._tables.extend(seq_id, new)
 
     def _flush_copies(self) -> None:
         if self._pending_copies:
             pairs, self._pending_copies = self._pending_copies, []
             self.ops.copy_blocks(self.k_cache, self.v_cache, pairs)  # host pairs: one upload
 
-    def _new_slot_id(self) -> int:
-        slot = self._next_slot
-        self._next_slot += 1
-        return slot
+    def _new_seq_id(self) -> int:
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return seq_id
 
-    def _check_live(self, slot: int) -> None:
-        if slot not in self._slots:
-            raise KeyError(f"slot {slot} is not allocated in this paged pool")
+    def _check_live(self, seq_id: int) -> None:
+        if seq_id not in self._live:
+            raise KeyError(f"seq_id {seq_id} is not allocated in this paged pool")

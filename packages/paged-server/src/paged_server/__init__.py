@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from paged_server.config import EngineConfig
-    from paged_server.engine import LLMEngine
-    from paged_server.llm import LLM
+    from paged_server.engine.llm_engine import LLMEngine
+    from paged_server.entrypoints.llm import LLM
     from paged_server.outputs import CompletionResult, RequestOutput
     from paged_server.sampling_params import SamplingParams
 
 _EXPORTS = {
     "EngineConfig": "paged_server.config",
-    "LLMEngine": "paged_server.engine",
-    "LLM": "paged_server.llm",
+    "LLMEngine": "paged_server.engine.llm_engine",
+    "LLM": "paged_server.entrypoints.llm",
     "CompletionResult": "paged_server.outputs",
     "RequestOutput": "paged_server.outputs",
     "SamplingParams": "paged_server.sampling_params",

@@ -24,9 +24,9 @@ class EngineConfig:
     ``max_num_batched_tokens=None`` picks a budget for the device (see
     ``resolve_max_num_batched_tokens``); the engine records the one it used.
     ``num_gpu_blocks=None`` sizes the paged pool from ``kv_cache_memory_bytes``
-    when given, else to ``max_batch_size * max_seq_len / block_size`` blocks:
+    when given, else to ``max_batch_size * max_model_len / block_size`` blocks:
     the same token capacity as the contiguous pool, for like-for-like
-    comparisons. The contiguous pool always has fixed ``max_seq_len`` rows;
+    comparisons. The contiguous pool always has fixed ``max_model_len`` rows;
     with ``kv_cache_memory_bytes`` it gets as many rows as fit (at most
     ``max_batch_size``).
     """
@@ -38,7 +38,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     max_batch_size: int = 64
     max_num_batched_tokens: int | None = None  # None: by device, see resolve_max_num_batched_tokens
-    max_seq_len: int = 2048
+    max_model_len: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
@@ -59,7 +59,7 @@ class EngineConfig:
             )
         for name in ("block_size", "max_batch_size", "max_queue_len"):
             _at_least(name, getattr(self, name), 1)
-        _at_least("max_seq_len", self.max_seq_len, 2)  # one prompt token + one generated
+        _at_least("max_model_len", self.max_model_len, 2)  # one prompt token + one generated
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
@@ -75,10 +75,10 @@ class EngineConfig:
                 f"max_batch_size ({self.max_batch_size}) so every running sequence can "
                 "decode in one step; raise it or lower max_batch_size"
             )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_seq_len:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_seq_len ({self.max_seq_len}) when enable_chunked_prefill is False, "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False, "
                 "or long prompts could never be scheduled; enable chunked prefill or raise it"
             )
 
@@ -94,12 +94,12 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}
 def resolve_max_num_batched_tokens(config: EngineConfig, device: torch.device) -> int:
     """The configured budget, or the device's default; never below
     ``max_batch_size`` (every running sequence must be able to decode in one
-    step) nor, without chunked prefill, below ``max_seq_len`` (whole prompts)."""
+    step) nor, without chunked prefill, below ``max_model_len`` (whole prompts)."""
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
     budget = DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cuda"])
     if not config.enable_chunked_prefill:
-        budget = max(budget, config.max_seq_len)
+        budget = max(budget, config.max_model_len)
     return max(budget, config.max_batch_size)
 
 

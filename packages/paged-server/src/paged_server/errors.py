@@ -9,5 +9,5 @@ class QueueFullError(RuntimeError):
 
 
 class ContextLengthError(ValueError):
-    """The prompt (or prompt + ``max_tokens``) does not fit ``max_seq_len``
+    """The prompt (or prompt + ``max_tokens``) does not fit ``max_model_len``
     (HTTP 400 with OpenAI's ``context_length_exceeded`` code)."""

@@ -52,10 +52,10 @@ class SamplingParams:
         """Whether tokens are the argmax: ``temperature < GREEDY_TEMPERATURE``."""
         return self.temperature < GREEDY_TEMPERATURE
 
-    def validate(self, max_seq_len: int) -> None:
+    def validate(self, max_model_len: int) -> None:
         """Raise ``ValueError("<field>: what is wrong")`` for the first bad field."""
         _int_in("n", self.n, 1, None)
-        _int_in("max_tokens", self.max_tokens, 1, max_seq_len)
+        _int_in("max_tokens", self.max_tokens, 1, max_model_len)
         _int_in("top_k", self.top_k, 0, None, hint=" (0 = off)")
         _float_in("temperature", self.temperature, 0.0, None)
         _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -89,7 +89,7 @@ def _int_in(name: str, value: object, low: int, high: int | None, hint: str = ""
     if value < low:
         raise ValueError(f"{name}: must be >= {low}{hint}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name}: must be <= {high} (max_seq_len), got {value}")
+        raise ValueError(f"{name}: must be <= {high} (max_model_len), got {value}")
 
 
 def _float_in(

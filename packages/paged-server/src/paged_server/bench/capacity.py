@@ -1,14 +1,14 @@
 """Capacity table: how many sequences fit at once, contiguous vs paged, at
 equal KV bytes, *measured* by admitting sequences into the real pools.
 
-The contiguous pool reserves ``max_seq_len`` positions per slot, so it holds
+The contiguous pool reserves ``max_model_len`` positions per slot, so it holds
 ``num_slots`` sequences whatever their length. The paged pool gets the same
-bytes as blocks (``num_slots * max_seq_len / block_size`` of them) and hands
+bytes as blocks (``num_slots * max_model_len / block_size`` of them) and hands
 them out per ``block_size`` tokens, so short sequences leave room for more.
-The average lengths default to ``max_seq_len / 32`` doubling up to
-``max_seq_len`` (128..4096 at 4096), so any slot length gives a full table.
+The average lengths default to ``max_model_len / 32`` doubling up to
+``max_model_len`` (128..4096 at 4096), so any slot length gives a full table.
 For each average length we draw sequence lengths (uniform in
-``[avg * (1 - spread), avg * (1 + spread)]``, capped at ``max_seq_len``),
+``[avg * (1 - spread), avg * (1 + spread)]``, capped at ``max_model_len``),
 admit them one by one with ``allocate_sequence`` until a pool says no, and
 count. Tiny per-token KV (one layer, one head) keeps it fast; the count does
 not depend on the per-token size because both pools get the same bytes.
@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 
-def default_avg_lengths(max_seq_len: int) -> tuple[int, ...]:
-    """``max_seq_len / 32`` doubling up to ``max_seq_len`` (lengths below 1
+def default_avg_lengths(max_model_len: int) -> tuple[int, ...]:
+    """``max_model_len / 32`` doubling up to ``max_model_len`` (lengths below 1
     dropped): averages a fixed list would put past a short slot length
     could never be drawn."""
-    lengths = (max_seq_len >> shift for shift in range(5, -1, -1))
+    lengths = (max_model_len >> shift for shift in range(5, -1, -1))
     return tuple(sorted({n for n in lengths if n >= 1}))
 
 
@@ -41,25 +41,25 @@ class KVShape:
     dtype: torch.dtype = torch.float32
 
 
-def make_contiguous_pool(shape: KVShape, num_slots: int, max_seq_len: int) -> Any:
-    """A real ``SlottedKVCache`` with ``num_slots`` rows of ``max_seq_len``."""
-    from paged_ref import SlottedKVCache
+def make_contiguous_pool(shape: KVShape, num_slots: int, max_model_len: int) -> Any:
+    """A real ``ContiguousKVPool`` with ``num_slots`` rows of ``max_model_len``."""
+    from paged_ref import ContiguousKVPool
 
-    return SlottedKVCache.from_model_config(
+    return ContiguousKVPool.from_model_config(
         shape.num_layers,
         shape.num_kv_heads,
         shape.head_dim,
-        max_seq_len,
+        max_model_len,
         num_slots,
         dtype=shape.dtype,
     )
 
 
 def make_paged_pool(shape: KVShape, num_blocks: int, block_size: int) -> Any:
-    """A real ``PagedKVCachePool`` (prefix caching off: every prompt is distinct anyway)."""
-    from paged_ref import PagedKVCachePool
+    """A real ``PagedKVPool`` (prefix caching off: every prompt is distinct anyway)."""
+    from paged_ref import PagedKVPool
 
-    return PagedKVCachePool.from_model_config(
+    return PagedKVPool.from_model_config(
         shape.num_layers,
         shape.num_kv_heads,
         shape.head_dim,
@@ -76,14 +76,14 @@ def pool_kv_bytes(pool: Any) -> int:
 
 
 def draw_lengths(
-    avg: int, spread: float, max_seq_len: int, rng: random.Random, n: int
+    avg: int, spread: float, max_model_len: int, rng: random.Random, n: int
 ) -> list[int]:
     """``n`` sequence lengths uniform around ``avg`` (exactly ``avg`` when
-    ``spread`` is 0). The spread narrows near ``max_seq_len`` so the mean
+    ``spread`` is 0). The spread narrows near ``max_model_len`` so the mean
     stays ``avg``."""
-    if not 1 <= avg <= max_seq_len:
-        raise ValueError(f"average length {avg} must be within 1..max_seq_len ({max_seq_len})")
-    spread = min(spread, (max_seq_len - avg) / avg, (avg - 1) / avg)
+    if not 1 <= avg <= max_model_len:
+        raise ValueError(f"average length {avg} must be within 1..max_model_len ({max_model_len})")
+    spread = min(spread, (max_model_len - avg) / avg, (avg - 1) / avg)
     lo, hi = round(avg * (1 - spread)), round(avg * (1 + spread))
     return [rng.randint(lo, hi) for _ in range(n)]
 
@@ -113,7 +113,7 @@ def capacity_row(
     avg_len: int,
     *,
     num_slots: int = 8,
-    max_seq_len: int = 4096,
+    max_model_len: int = 4096,
     block_size: int = 16,
     spread: float = 0.5,
     seed: int = 0,
@@ -121,12 +121,12 @@ def capacity_row(
 ) -> dict[str, Any]:
     """Max concurrent sequences of average length ``avg_len`` in each pool."""
     shape = shape or KVShape()
-    if (num_slots * max_seq_len) % block_size:
+    if (num_slots * max_model_len) % block_size:
         raise ValueError(
-            "num_slots * max_seq_len must be a multiple of block_size for equal KV bytes"
+            "num_slots * max_model_len must be a multiple of block_size for equal KV bytes"
         )
-    num_blocks = num_slots * max_seq_len // block_size
-    contiguous = make_contiguous_pool(shape, num_slots, max_seq_len)
+    num_blocks = num_slots * max_model_len // block_size
+    contiguous = make_contiguous_pool(shape, num_slots, max_model_len)
     paged = make_paged_pool(shape, num_blocks, block_size)
     c_bytes, p_bytes = pool_kv_bytes(contiguous), pool_kv_bytes(paged)
     if c_bytes != p_bytes:
@@ -134,7 +134,7 @@ def capacity_row(
     # Enough draws for the paged pool to fill even with the shortest lengths.
     rng = random.Random(f"capacity:{seed}:{avg_len}")
     upper = num_blocks * block_size // max(1, round(avg_len * (1 - spread))) + 2
-    lengths = draw_lengths(avg_len, spread, max_seq_len, rng, upper)
+    lengths = draw_lengths(avg_len, spread, max_model_len, rng, upper)
     c_admitted = admit_until_full(contiguous, lengths, random.Random(1))
     p_admitted = admit_until_full(paged, lengths, random.Random(2))
     return {
@@ -152,21 +152,21 @@ def capacity_table(
     avg_lengths: tuple[int, ...] | None = None,
     *,
     num_slots: int = 8,
-    max_seq_len: int = 4096,
+    max_model_len: int = 4096,
     block_size: int = 16,
     spread: float = 0.5,
     seed: int = 0,
     shape: KVShape | None = None,
 ) -> dict[str, Any]:
     """The whole table plus the settings it was measured with; ``avg_lengths``
-    defaults to ``default_avg_lengths(max_seq_len)``."""
+    defaults to ``default_avg_lengths(max_model_len)``."""
     if avg_lengths is None:
-        avg_lengths = default_avg_lengths(max_seq_len)
+        avg_lengths = default_avg_lengths(max_model_len)
     rows = [
         capacity_row(
             n,
             num_slots=num_slots,
-            max_seq_len=max_seq_len,
+            max_model_len=max_model_len,
             block_size=block_size,
             spread=spread,
             seed=seed,
@@ -178,10 +178,10 @@ def capacity_table(
         "kind": "capacity",
         "settings": {
             "num_slots": num_slots,
-            "max_seq_len": max_seq_len,
+            "max_model_len": max_model_len,
             "block_size": block_size,
-            "num_blocks": num_slots * max_seq_len // block_size,
-            "token_slots": num_slots * max_seq_len,
+            "num_blocks": num_slots * max_model_len // block_size,
+            "token_slots": num_slots * max_model_len,
             "length_spread": spread,
             "seed": seed,
         },

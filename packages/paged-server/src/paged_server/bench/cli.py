@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-slot-len",
         type=int,
         default=4096,
-        help="tokens per contiguous slot = max_seq_len (default 4096)",
+        help="tokens per contiguous slot = max_model_len (default 4096)",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             emit(
                 capacity_table(
                     num_slots=args.kv_slots,
-                    max_seq_len=args.kv_slot_len,
+                    max_model_len=args.kv_slot_len,
                     block_size=args.block_size,
                 )
             )

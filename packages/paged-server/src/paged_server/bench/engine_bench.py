@@ -71,7 +71,7 @@ def engine_config(
         num_gpu_blocks=blocks,
         max_batch_size=batch,
         max_num_batched_tokens=max(max_num_batched_tokens, batch),
-        max_seq_len=budget.slot_len,
+        max_model_len=budget.slot_len,
         enable_prefix_caching=enable_prefix_caching,
         attention_backend=attention_backend,
         dtype=dtype,
@@ -85,7 +85,7 @@ def engine_config(
 def kv_occupancy(stats: dict[str, float]) -> tuple[float, float, float]:
     """``(tokens held, token slots allocated to sequences, pool token slots)``
     from a pool's ``stats()``: block counters for the paged pool, slot
-    counters for the contiguous one (a used slot allocates ``max_seq_len``).
+    counters for the contiguous one (a used slot allocates ``max_model_len``).
     Tokens in shared blocks count once per sequence here; see
     ``physical_tokens_held`` for the paged pool."""
     held = stats.get("tokens_used", stats.get("tokens_held", 0.0))
@@ -102,7 +102,7 @@ def physical_tokens_held(block_manager: Any) -> int:
     bs = block_manager.block_size
     filled: dict[int, int] = {}
     for seq_id in block_manager.seq_ids():
-        n = block_manager.seq_len(seq_id)
+        n = block_manager.num_tokens(seq_id)
         for i, block in enumerate(block_manager.block_table(seq_id)):
             filled[block] = max(filled.get(block, 0), min(bs, max(0, n - i * bs)))
     return sum(filled.values())
@@ -235,7 +235,7 @@ def run_engine(
             "kv_cache_backend": cfg.kv_cache_backend,
             "max_batch_size": cfg.max_batch_size,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "max_seq_len": cfg.max_seq_len,
+            "max_model_len": cfg.max_model_len,
             "block_size": cfg.block_size,
             "kv_capacity_tokens": int(after["kv_capacity_tokens"]),
             "kv_bytes": int(pool.kv_bytes()),

@@ -130,7 +130,7 @@ def run_hf_continuous(
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
-    longest = workload.max_seq_len
+    longest = workload.max_model_len
     gen_cfg = GenerationConfig(
         do_sample=False,
         max_new_tokens=max(r.max_tokens for r in workload.requests),

@@ -52,7 +52,7 @@ class Workload:
         return sum(len(r.prompt_token_ids) for r in self.requests)
 
     @property
-    def max_seq_len(self) -> int:
+    def max_model_len(self) -> int:
         """Longest prompt + generation of any request (what a slot must hold)."""
         return max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
 
@@ -160,7 +160,7 @@ def seed_workload(
     prompt_scale: float = 1.0,
     new_tokens_scale: float = 1.0,
 ) -> Workload:
-    """The design documents' ``paged_attention`` workload: 48 requests in one
+    """The ``paged_attention`` seed workload: 48 requests in one
     burst, prompts 128-384 tokens, 128-256 new tokens, EOS ignored.
 
     Every request fits in 640 tokens, so at 8 x 4,096 token slots of KV memory

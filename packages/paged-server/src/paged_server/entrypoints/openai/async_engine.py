@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from paged_server.api.metrics import ServerMetrics
+from paged_server.entrypoints.openai.metrics import ServerMetrics
 
-logger = logging.getLogger("paged_server.api")
+logger = logging.getLogger("paged_server.entrypoints.openai")
 
 
 class EngineLike(Protocol):

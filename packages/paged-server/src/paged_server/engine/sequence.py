@@ -36,7 +36,7 @@ class TextStream(Protocol):
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # in the scheduler's queue (new or preempted)
-    RUNNING = "running"  # in the running set, holding a cache slot
+    RUNNING = "running"  # in the running set, holding KV in the pool
     PENDING_FORK = "pending_fork"  # choice > 0 of n: created when choice 0's prompt is done
     FINISHED = "finished"
 
@@ -53,7 +53,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     forked: bool = False  # choices 1..n-1 started (from choice 0's prompt)
-    admitted: bool = False  # got a cache slot at least once (prompt tokens counted)
+    admitted: bool = False  # held KV at least once (prompt tokens counted)
 
     @property
     def finished(self) -> bool:
@@ -71,7 +71,7 @@ class Sequence:
     generator: torch.Generator
     text_stream: TextStream
     status: SequenceStatus = SequenceStatus.WAITING
-    slot: int | None = None
+    pool_seq_id: int | None = None  # the pool's seq_id while it holds KV
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -101,7 +101,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def batch_slots_needed(self) -> int:
+    def running_places_needed(self) -> int:
         """Running-set places this sequence takes when admitted: all ``n``
         choices for a first admission of choice 0 (its forks follow it)."""
         if self.index == 0 and not self.request.forked:

@@ -73,12 +73,12 @@ class DecodeGraphs:
         """The captured size a batch of ``batch`` decodes runs at."""
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
-    def run(self, slots: list[int], starts: list[int], input_ids: Tensor) -> Tensor:
+    def run(self, seq_ids: list[int], starts: list[int], input_ids: Tensor) -> Tensor:
         """Hidden states ``[batch, hidden]`` of a pure-decode step: one token
-        (``input_ids``) per slot at position ``starts[i]``, room reserved,
+        (``input_ids``) per seq_id at position ``starts[i]``, room reserved,
         ``batch <= max_size``."""
-        meta = self.pool.build_metadata(slots, starts, [1] * len(slots), False)
-        batch = len(slots)
+        meta = self.pool.build_metadata(seq_ids, starts, [1] * len(seq_ids), False)
+        batch = len(seq_ids)
         size = self.padded(batch)
         self._load(meta, input_ids, size)
         graph = self._graphs.get(size)
@@ -145,7 +145,7 @@ class DecodeGraphs:
         if width > self.block_tables.shape[1]:
             raise ValueError(
                 f"a sequence uses {width} blocks, more than the {self.block_tables.shape[1]} "
-                "the graphs were built for (max_seq_len / block_size)"
+                "the graphs were built for (max_model_len / block_size)"
             )
         self.input_ids[:batch].copy_(input_ids, non_blocking=True)
         self.positions[:batch].copy_(meta.positions, non_blocking=True)

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-logger = logging.getLogger("paged_server.api")
+logger = logging.getLogger("paged_server.entrypoints.openai")
 
 # The `type` values OpenAI uses, keyed by status.
 _TYPES = {

@@ -1,7 +1,7 @@
 """``LLMEngine``: continuous batching over a KV cache pool, one ``step()`` at a time.
 
 Each step, in order:
-1. retire finished sequences and free their slots;
+1. retire finished sequences and free their seq_ids;
 2. schedule (``Scheduler.schedule``): one token budget shared by every
    running sequence's missing tokens (decodes, prompt chunks, recomputes),
    oldest first, preempting the newest when the pool is full, then FCFS
@@ -30,7 +30,6 @@ import time
 import torch
 from torch import Tensor
 
-from paged_server.cache_pool import build_cache_pool
 from paged_server.config import (
     EngineConfig,
     resolve_attention_backend,
@@ -38,19 +37,20 @@ from paged_server.config import (
     resolve_dtype,
     resolve_max_num_batched_tokens,
 )
-from paged_server.decode_graphs import DecodeGraphs
-from paged_server.detokenize import IncrementalDetokenizer
-from paged_server.engine_checks import audit_engine, check_prompt
-from paged_server.engine_metrics import EngineCounters
+from paged_server.engine.checks import audit_engine, check_prompt
+from paged_server.engine.decode_graphs import DecodeGraphs
+from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.metrics import EngineCounters
+from paged_server.engine.output_processor import append_token, take_output
+from paged_server.engine.pool_factory import build_cache_pool
+from paged_server.engine.runner import ModelRunner
+from paged_server.engine.sampler import SamplingRow, sample
+from paged_server.engine.scheduler import Scheduler, SchedulerOutput
+from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.errors import QueueFullError
 from paged_server.models import LoadedModel, load_model
-from paged_server.output_processor import append_token, take_output
 from paged_server.outputs import RequestOutput
-from paged_server.runner import ModelRunner
-from paged_server.sampler import SamplingRow, sample
 from paged_server.sampling_params import SamplingParams
-from paged_server.scheduler import Scheduler, SchedulerOutput
-from paged_server.sequence import Request, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +78,12 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        if config.max_seq_len > loaded.config.max_position_embeddings:
+        if config.max_model_len > loaded.config.max_position_embeddings:
             # RoPE is computed on the fly, so this runs, but past the trained length
             # a real checkpoint's quality degrades.
             log.warning(
-                "max_seq_len %d exceeds the model's max_position_embeddings %d",
-                config.max_seq_len,
+                "max_model_len %d exceeds the model's max_position_embeddings %d",
+                config.max_model_len,
                 loaded.config.max_position_embeddings,
             )
         self.pool, self.capacity = build_cache_pool(
@@ -91,7 +91,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(loaded.model, self.pool, device, self._decode_graphs(device))
         if device.type == "cuda":  # compile (and capture) before the first request
-            seconds = self.runner.warm_up(min(config.max_seq_len - 1, 256))
+            seconds = self.runner.warm_up(min(config.max_model_len - 1, 256))
             log.info("warm-up done in %.1f s", seconds)
         self.scheduler = Scheduler(
             self.pool,
@@ -122,7 +122,7 @@ class LLMEngine:
             self.pool,  # type: ignore[arg-type]  # the paged pool builds metadata
             device,
             config.max_batch_size,
-            -(-config.max_seq_len // config.block_size),
+            -(-config.max_model_len // config.block_size),
             capture=True,
         )
 
@@ -134,7 +134,7 @@ class LLMEngine:
         prompt, a prompt that can never fit the cache, or a duplicate id;
         ``QueueFullError`` when ``max_queue_len`` requests already wait.
         """
-        params.validate(self.config.max_seq_len)
+        params.validate(self.config.max_model_len)
         if isinstance(prompt, str):
             try:
                 token_ids = self.tokenizer.encode(prompt)
@@ -146,7 +146,7 @@ class LLMEngine:
         check_prompt(
             token_ids,
             params,
-            self.config.max_seq_len,
+            self.config.max_model_len,
             self.model_config,
             self.capacity,
             self.config.max_batch_size,
@@ -217,8 +217,8 @@ class LLMEngine:
             return
         for seq, n in scheduled:
             seq.num_computed_tokens += n
-            assert seq.slot is not None
-            self.pool.mark_computed(seq.slot, seq.num_computed_tokens)
+            assert seq.pool_seq_id is not None
+            self.pool.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
         rows: list[tuple[Sequence, Tensor]] = []
         for j, i in enumerate(step.sampled):
             rows += self._start_choices(scheduled[i][0], step.logits[j])
@@ -233,16 +233,16 @@ class LLMEngine:
         if seq.index != 0 or request.forked or request.params.n == 1:
             return rows
         request.forked = True
-        assert seq.slot is not None
+        assert seq.pool_seq_id is not None
         for child in request.seqs[1:]:
             if child.is_finished:
                 continue
             child.token_ids = list(seq.token_ids)
             try:
-                child.slot = self.pool.fork_slot(seq.slot)
-            except RuntimeError:  # no slot free (contiguous pool): recompute it later
-                child.slot = None
-            if child.slot is None:
+                child.pool_seq_id = self.pool.fork_seq(seq.pool_seq_id)
+            except RuntimeError:  # no seq_id free (contiguous pool): recompute it later
+                child.pool_seq_id = None
+            if child.pool_seq_id is None:
                 self.scheduler.requeue_front(child)
             else:
                 child.num_computed_tokens = seq.num_computed_tokens
@@ -274,7 +274,7 @@ class LLMEngine:
             self.counters.generation_tokens += 1
             self._touched.append(seq)
             try:
-                append_token(seq, token, logprob, self.eos_token_ids, self.config.max_seq_len)
+                append_token(seq, token, logprob, self.eos_token_ids, self.config.max_model_len)
             except Exception as exc:
                 self._fail(seq, f"detokenization failed: {type(exc).__name__}: {exc}")
 

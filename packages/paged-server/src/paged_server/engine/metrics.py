@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paged_core.protocols import ServingPoolProtocol
-from paged_server.cache_pool import PoolCapacity
+from paged_server.engine.pool_factory import PoolCapacity
 
 
 @dataclass(slots=True)
@@ -26,12 +26,12 @@ class EngineCounters:
         num_waiting: int,
     ) -> dict[str, float]:
         """``metrics()``: ``kv_cache_usage_perc`` is a fraction in [0, 1] (as in
-        vLLM): blocks in use, or slots in use for the contiguous pool."""
-        if capacity.num_slots is None:
+        vLLM): blocks in use, or seq_ids in use for the contiguous pool."""
+        if capacity.num_rows is None:
             free = pool.free_token_capacity() or 0
             usage = 1.0 - free / capacity.tokens if capacity.tokens else 0.0
         else:
-            usage = 1.0 - pool.free_slot_count() / capacity.num_slots
+            usage = 1.0 - pool.free_seq_count() / capacity.num_rows
         return {
             "num_requests_running": float(num_running),
             "num_requests_waiting": float(num_waiting),

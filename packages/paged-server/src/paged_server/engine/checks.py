@@ -6,17 +6,17 @@ from __future__ import annotations
 import math
 
 from paged_core.protocols import ServingPoolProtocol
-from paged_server.cache_pool import PoolCapacity
+from paged_server.engine.pool_factory import PoolCapacity
+from paged_server.engine.scheduler import Scheduler
 from paged_server.errors import ContextLengthError
 from paged_server.models import ModelConfig
 from paged_server.sampling_params import SamplingParams
-from paged_server.scheduler import Scheduler
 
 
 def check_prompt(
     token_ids: list[int],
     params: SamplingParams,
-    max_seq_len: int,
+    max_model_len: int,
     model_config: ModelConfig,
     capacity: PoolCapacity,
     max_batch_size: int,
@@ -40,14 +40,14 @@ def check_prompt(
     bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
-    if n >= max_seq_len:
+    if n >= max_model_len:
         raise ContextLengthError(
-            f"prompt: prompt has {n} tokens but max_seq_len is {max_seq_len} "
+            f"prompt: prompt has {n} tokens but max_model_len is {max_model_len} "
             f"(the prompt and at least one generated token must fit); shorten the prompt to "
-            f"at most {max_seq_len - 1} tokens"
+            f"at most {max_model_len - 1} tokens"
         )
-    if capacity.num_slots is None:  # paged: must fit the pool on its own
-        kv_tokens = min(n + params.max_tokens, max_seq_len) - 1  # the last token is never written
+    if capacity.num_rows is None:  # paged: must fit the pool on its own
+        kv_tokens = min(n + params.max_tokens, max_model_len) - 1  # the last token is never written
         blocks = math.ceil(kv_tokens / capacity.block_size)
         if blocks > capacity.num_blocks:
             raise ValueError(
@@ -60,37 +60,37 @@ def check_prompt(
 def audit_engine(
     pool: ServingPoolProtocol, scheduler: Scheduler, capacity: PoolCapacity, idle: bool
 ) -> list[str]:
-    """The pool's own audit, plus: every running sequence holds its own slot
+    """The pool's own audit, plus: every running sequence holds its own seq_id
     with the length the engine expects, no waiting sequence holds one, and
     an idle engine holds no KV capacity at all (else something leaked)."""
     problems = list(pool.audit())
     owners: dict[int, int] = {}
     for seq in scheduler.running:
-        if seq.slot is None:
+        if seq.pool_seq_id is None:
             if not seq.is_finished:
-                problems.append(f"running sequence {seq.seq_id} has no cache slot")
+                problems.append(f"running sequence {seq.seq_id} has no cache seq_id")
             continue
-        if seq.slot in owners:
+        if seq.pool_seq_id in owners:
             problems.append(
-                f"slot {seq.slot} is held by sequences {owners[seq.slot]} and {seq.seq_id}"
+                f"seq_id {seq.pool_seq_id} is held by sequences {owners[seq.pool_seq_id]} and {seq.seq_id}"
             )
-        owners[seq.slot] = seq.seq_id
-        if not seq.is_finished and pool.get_seq_len(seq.slot) != seq.num_computed_tokens:
+        owners[seq.pool_seq_id] = seq.seq_id
+        if not seq.is_finished and pool.get_num_computed_tokens(seq.pool_seq_id) != seq.num_computed_tokens:
             problems.append(
-                f"sequence {seq.seq_id}: pool holds {pool.get_seq_len(seq.slot)} tokens, "
+                f"sequence {seq.seq_id}: pool holds {pool.get_num_computed_tokens(seq.pool_seq_id)} tokens, "
                 f"engine expects {seq.num_computed_tokens}"
             )
     for seq in scheduler.waiting:
-        if seq.slot is not None:
-            problems.append(f"waiting sequence {seq.seq_id} still holds slot {seq.slot}")
+        if seq.pool_seq_id is not None:
+            problems.append(f"waiting sequence {seq.seq_id} still holds seq_id {seq.pool_seq_id}")
     if idle:
-        if capacity.num_slots is None:
+        if capacity.num_rows is None:
             held = capacity.tokens - (pool.free_token_capacity() or 0)
             if held:
                 problems.append(f"engine is idle but {held} KV tokens are still held (leak)")
-        elif pool.free_slot_count() != capacity.num_slots:
+        elif pool.free_seq_count() != capacity.num_rows:
             problems.append(
-                f"engine is idle but {capacity.num_slots - pool.free_slot_count()} "
-                "cache slots are still held (leak)"
+                f"engine is idle but {capacity.num_rows - pool.free_seq_count()} "
+                "cache seq_ids are still held (leak)"
             )
     return problems

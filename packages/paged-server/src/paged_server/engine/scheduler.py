@@ -6,14 +6,14 @@ history after a preemption. Each step the scheduler walks the running set
 oldest first and gives each sequence what the ``max_num_batched_tokens``
 budget still allows (whole prompts only when chunked prefill is off), making
 sure the pool has room for every scheduled token; if it has none, the newest
-running sequence is preempted (its slot freed, and it goes back to the front
+running sequence is preempted (its seq_id freed, and it goes back to the front
 of the queue to be recomputed) until it does. If nothing was preempted,
 waiting sequences are admitted FCFS into what is left of the budget, the
 running-set limit and the free KV capacity.
 
 The scheduler knows budgets and order, and talks to the pool only through
 ``ServingPoolProtocol``: it never sees a tensor or a cache type. It owns the
-slots' lifecycle: admission allocates, preemption and ``retire`` free.
+seq_ids' lifecycle: admission allocates, preemption and ``retire`` free.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from paged_core import OutOfBlocksError
 from paged_core.protocols import ServingPoolProtocol
-from paged_server.sequence import Sequence, SequenceStatus
+from paged_server.engine.sequence import Sequence, SequenceStatus
 
 # Share of free KV capacity admission leaves for running sequences to grow.
 RESERVE_FRACTION = 0.2
@@ -73,12 +73,12 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A sequence that got its slot outside admission (a fork of choice 0)."""
+        """A sequence that got its seq_id outside admission (a fork of choice 0)."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def requeue_front(self, seq: Sequence) -> None:
-        """Put ``seq`` first in the queue (preempted, or a fork that found no slot)."""
+        """Put ``seq`` first in the queue (preempted, or a fork that found no seq_id)."""
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -95,12 +95,12 @@ class Scheduler:
 
     def num_running_places(self) -> int:
         """Places in the running set taken, counting choices waiting to fork."""
-        return sum(s.batch_slots_needed for s in self.running)
+        return sum(s.running_places_needed for s in self.running)
 
     # -- the step --------------------------------------------------------------
     def retire(self) -> list[Sequence]:
         """Take finished sequences out of the running set and free their
-        slots, before scheduling, so the space is reusable at once."""
+        seq_ids, before scheduling, so the space is reusable at once."""
         retired = [s for s in self.running if s.is_finished]
         if retired:
             self.running = [s for s in self.running if not s.is_finished]
@@ -141,11 +141,11 @@ class Scheduler:
         """Reserve room for ``seq``'s tokens below ``upto``, preempting the
         newest running sequences while the pool is full. ``False`` when
         ``seq`` itself had to go."""
-        assert seq.slot is not None, f"running sequence {seq.seq_id} has no cache slot"
+        assert seq.pool_seq_id is not None, f"running sequence {seq.seq_id} has no cache seq_id"
         pool = self.pool
-        while (reserved := pool.get_num_reserved(seq.slot)) < upto:
+        while (reserved := pool.get_num_reserved(seq.pool_seq_id)) < upto:
             try:
-                pool.append_token(seq.slot, seq.token_ids[reserved])
+                pool.append_token(seq.pool_seq_id, seq.token_ids[reserved])
                 continue
             except OutOfBlocksError:  # all or nothing: the pool is unchanged
                 pass
@@ -193,7 +193,7 @@ class Scheduler:
             if seq.is_finished:  # e.g. a fork that finished on its first token
                 self.waiting.popleft()
                 continue
-            if seq.batch_slots_needed > places:
+            if seq.running_places_needed > places:
                 break
             cost = seq.num_tokens
             if not self.enable_chunked_prefill and cost > budget and has_prefill:
@@ -204,10 +204,10 @@ class Scheduler:
                     break
             if not self.pool.can_allocate_sequence(seq.token_ids):
                 break
-            seq.slot, seq.num_computed_tokens = self.pool.allocate_sequence(seq.token_ids)
+            seq.pool_seq_id, seq.num_computed_tokens = self.pool.allocate_sequence(seq.token_ids)
             self.waiting.popleft()
             self.add_running(seq)
-            places -= seq.batch_slots_needed
+            places -= seq.running_places_needed
             if kv_budget is not None:
                 kv_budget -= cost
             wanted = seq.num_tokens - seq.num_computed_tokens
@@ -218,6 +218,6 @@ class Scheduler:
             has_prefill = has_prefill or n > 1
 
     def _free(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self.pool.free_slot(seq.slot)
-            seq.slot = None
+        if seq.pool_seq_id is not None:
+            self.pool.free_seq(seq.pool_seq_id)
+            seq.pool_seq_id = None

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from paged_server.engine.sequence import Sequence
 from paged_server.outputs import RequestOutput
-from paged_server.sequence import Sequence
 
 
 def append_token(
@@ -21,7 +21,7 @@ def append_token(
     token_id: int,
     logprob: float | None,
     eos_token_ids: Collection[int],
-    max_seq_len: int,
+    max_model_len: int,
 ) -> None:
     """Record one sampled token and finish the sequence if a stop condition holds.
 
@@ -39,7 +39,7 @@ def append_token(
     else:
         _add_text(seq, seq.text_stream.add(token_id))
         if not seq.is_finished and (
-            seq.num_generated >= params.max_tokens or len(seq.token_ids) >= max_seq_len
+            seq.num_generated >= params.max_tokens or len(seq.token_ids) >= max_model_len
         ):
             seq.finish("length")
             _add_text(seq, seq.text_stream.flush())

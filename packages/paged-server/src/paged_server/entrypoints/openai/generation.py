@@ -17,8 +17,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from paged_server.api.async_engine import AsyncEngine, EngineDeadError, StreamEnd
-from paged_server.api.errors import APIError
+from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, StreamEnd
+from paged_server.entrypoints.openai.errors import APIError
 from paged_server.errors import ContextLengthError, QueueFullError
 
 DISCONNECT_POLL_S = 1.0

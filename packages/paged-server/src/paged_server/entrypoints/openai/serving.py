@@ -1,8 +1,8 @@
 """The two generation endpoints: /v1/completions and /v1/chat/completions.
 
 Handlers tokenise, check the one thing only the API has an opinion on
-(``prompt + max_tokens`` within ``max_seq_len``, OpenAI's rule; the engine
-stops at ``max_seq_len`` instead), submit to the engine, then either stream
+(``prompt + max_tokens`` within ``max_model_len``, OpenAI's rule; the engine
+stops at ``max_model_len`` instead), submit to the engine, then either stream
 server-sent events or wait and return one JSON body. Everything else about
 a prompt (empty, ids outside the vocabulary, too long, too big for the KV
 pool) is checked once, by the engine, and its error mapped to a 400 once
@@ -21,17 +21,21 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from paged_server.api.async_engine import AsyncEngine
-from paged_server.api.errors import APIError
-from paged_server.api.generation import Generation, GenerationEnded, bad_value
-from paged_server.api.protocol import (
+from paged_server.entrypoints.openai.async_engine import AsyncEngine
+from paged_server.entrypoints.openai.errors import APIError
+from paged_server.entrypoints.openai.generation import Generation, GenerationEnded, bad_value
+from paged_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
     normalize_prompt,
 )
-from paged_server.api.responses import CollectedChoice, ResponseFormat
-from paged_server.api.streaming import EventStreamResponse, stream_chat, stream_completion
+from paged_server.entrypoints.openai.responses import CollectedChoice, ResponseFormat
+from paged_server.entrypoints.openai.streaming import (
+    EventStreamResponse,
+    stream_chat,
+    stream_completion,
+)
 from paged_server.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -57,12 +61,12 @@ class OpenAIServing:
         tokenizer: Any,
         *,
         model_name: str,
-        max_seq_len: int,
+        max_model_len: int,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_seq_len = max_seq_len
+        self.max_model_len = max_model_len
 
     # ------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -86,7 +90,7 @@ class OpenAIServing:
         self._check_model(body.model)
         ids = await _off_loop(self._render_chat, body, size=sum(len(m.text()) for m in body.messages))
         requested = body.requested_max_tokens()
-        max_tokens = requested if requested is not None else max(1, self.max_seq_len - len(ids))
+        max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self._check_length(len(ids), max_tokens, "messages", max_tokens_param=param)
         params = self._params(body, max_tokens, logprobs=body.logprobs)
@@ -119,12 +123,12 @@ class OpenAIServing:
     ) -> None:
         """``max_tokens`` must fit beside the prompt; a prompt that alone does
         not fit is the engine's to report."""
-        limit = self.max_seq_len
+        limit = self.max_model_len
         if n_prompt < limit and n_prompt + max_tokens > limit:
             raise APIError(
                 400,
                 f"{max_tokens_param}: prompt has {n_prompt} tokens and {max_tokens_param} is "
-                f"{max_tokens}, more than max_seq_len {limit} in total; ask for at most "
+                f"{max_tokens}, more than max_model_len {limit} in total; ask for at most "
                 f"{limit - n_prompt} tokens",
                 param=max_tokens_param,
                 code="context_length_exceeded",
@@ -167,7 +171,7 @@ class OpenAIServing:
             logprobs=logprobs,
         )
         try:
-            params.validate(self.max_seq_len)
+            params.validate(self.max_model_len)
         except ValueError as exc:
             raise bad_value(exc) from None
         return params

@@ -16,7 +16,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from paged_server.config import EngineConfig
-from paged_server.engine import LLMEngine
+from paged_server.engine.llm_engine import LLMEngine
 from paged_server.errors import QueueFullError
 from paged_server.models import LoadedModel
 from paged_server.outputs import CompletionChoice, CompletionResult

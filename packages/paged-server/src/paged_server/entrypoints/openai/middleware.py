@@ -10,7 +10,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from paged_server.api.errors import error_bytes
+from paged_server.entrypoints.openai.errors import error_bytes
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 OPEN_PATHS = frozenset({"/health"})

@@ -19,15 +19,15 @@ from typing import Any
 
 import uvicorn
 
-from paged_server.api.app import ServerSettings, create_app
 from paged_server.config import EngineConfig, resolve_attention_backend, resolve_device
+from paged_server.entrypoints.openai.app import ServerSettings, create_app
 
-logger = logging.getLogger("paged_server.api")
+logger = logging.getLogger("paged_server.entrypoints.openai")
 
 
 def build_engine(config: EngineConfig) -> Any:
     """Validate ``config`` and build the engine (loads the model)."""
-    from paged_server.engine import LLMEngine
+    from paged_server.engine.llm_engine import LLMEngine
 
     config.validate()
     return LLMEngine(config)
@@ -56,14 +56,14 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
     source = config.model or "embedded default model"
     tokens = int(m.get("kv_capacity_tokens", 0))
     if config.kv_cache_backend == "contiguous":
-        layout = f"{tokens // config.max_seq_len} slots of {config.max_seq_len}"
+        layout = f"{tokens // config.max_model_len} slots of {config.max_model_len}"
     else:
         layout = f"{int(m.get('kv_capacity_blocks', 0))} blocks of {config.block_size}"
     return (
         f"paged-server: serving '{settings.model_name}' ({source}) on {url} | "
         f"kv_cache_backend={config.kv_cache_backend} attention={attention} | "
         f"KV capacity {tokens} tokens in {layout} | "
-        f"max_seq_len={config.max_seq_len} max_batch_size={config.max_batch_size} "
+        f"max_model_len={config.max_model_len} max_batch_size={config.max_batch_size} "
         f"api_key={'on' if settings.api_key else 'off'}"
     )
 

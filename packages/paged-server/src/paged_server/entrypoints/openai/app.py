@@ -20,15 +20,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from paged_server.api.async_engine import AsyncEngine, EngineLike
-from paged_server.api.errors import APIError, install_error_handlers
-from paged_server.api.metrics import ServerMetrics
-from paged_server.api.middleware import (
+from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike
+from paged_server.entrypoints.openai.errors import APIError, install_error_handlers
+from paged_server.entrypoints.openai.metrics import ServerMetrics
+from paged_server.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
 )
-from paged_server.api.protocol import (
+from paged_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -36,9 +36,9 @@ from paged_server.api.protocol import (
     ErrorResponse,
     ModelList,
 )
-from paged_server.api.serving import OpenAIServing
+from paged_server.entrypoints.openai.serving import OpenAIServing
 
-logger = logging.getLogger("paged_server.api")
+logger = logging.getLogger("paged_server.entrypoints.openai")
 
 HEALTH_TIMEOUT_S = 10.0
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -86,10 +86,10 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name)
     async_engine = AsyncEngine(engine, metrics)
     config: Any = getattr(engine, "config", None)
-    max_seq_len = int(config.max_seq_len)
+    max_model_len = int(config.max_model_len)
     tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
-        async_engine, tokenizer, model_name=settings.model_name, max_seq_len=max_seq_len
+        async_engine, tokenizer, model_name=settings.model_name, max_model_len=max_model_len
     )
     created = int(time.time())
 
@@ -148,7 +148,7 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
                     "object": "model",
                     "created": created,
                     "owned_by": "paged",
-                    "max_model_len": max_seq_len,
+                    "max_model_len": max_model_len,
                 }
             ],
         }

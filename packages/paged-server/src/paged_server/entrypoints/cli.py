@@ -26,8 +26,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from paged_server.api.engine_args import add_engine_flags
-    from paged_server.api.middleware import DEFAULT_MAX_BODY_BYTES
+    from paged_server.entrypoints.openai.engine_args import add_engine_flags
+    from paged_server.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES
 
     p = sub.add_parser(
         "serve",
@@ -53,8 +53,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from paged_server.api.engine_args import add_engine_flags
-    from paged_server.bench_serve import add_bench_serve_flags
+    from paged_server.bench.serving import add_bench_serve_flags
+    from paged_server.entrypoints.openai.engine_args import add_engine_flags
 
     p = sub.add_parser(
         "bench-serve",
@@ -68,9 +68,9 @@ def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from paged_server.api.app import ServerSettings
-    from paged_server.api.engine_args import engine_config_from_args
-    from paged_server.api.server import build_engine, serve, served_model_name
+    from paged_server.entrypoints.openai.app import ServerSettings
+    from paged_server.entrypoints.openai.engine_args import engine_config_from_args
+    from paged_server.entrypoints.openai.server import build_engine, serve, served_model_name
 
     try:
         config = engine_config_from_args(args)
@@ -100,8 +100,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_bench_serve(args: argparse.Namespace) -> int:
-    from paged_server.api.engine_args import engine_config_from_args
-    from paged_server.bench_serve import bench_serve
+    from paged_server.bench.serving import bench_serve
+    from paged_server.entrypoints.openai.engine_args import engine_config_from_args
 
     try:
         config = None if args.url else engine_config_from_args(args)

@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic).
 
 Static limits live here so the OpenAPI schema states them; limits that depend
-on the loaded model (``max_tokens`` against ``max_seq_len``, token ids against
+on the loaded model (``max_tokens`` against ``max_model_len``, token ids against
 the vocabulary) are checked by the handlers. Chosen limits, all documented in
 the schema:
 
@@ -213,7 +213,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(
-        None, ge=1, description="Default: the rest of the context (max_seq_len - prompt)."
+        None, ge=1, description="Default: the rest of the context (max_model_len - prompt)."
     )
     max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
     logprobs: bool = False

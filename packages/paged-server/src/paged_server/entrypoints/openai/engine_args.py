@@ -45,15 +45,15 @@ def _field_kind(hint: Any) -> tuple[type, bool]:
 _HELP = {
     "model": "Hugging Face model directory (config.json, *.safetensors, tokenizer.json); "
     "omitted: the embedded tiny default model",
-    "kv_cache_backend": "KV cache layout: paged blocks or one contiguous max_seq_len row per sequence",
+    "kv_cache_backend": "KV cache layout: paged blocks or one contiguous max_model_len row per sequence",
     "block_size": "tokens per KV block",
     "num_gpu_blocks": "KV blocks in the pool (none: from --kv-cache-memory-bytes, else "
-    "max_batch_size * max_seq_len / block_size)",
+    "max_batch_size * max_model_len / block_size)",
     "kv_cache_memory_bytes": "KV cache memory budget in bytes (sizes the pool)",
     "max_batch_size": "most sequences running at once",
     "max_num_batched_tokens": "token budget of one engine step (decode + prefill chunks); "
     "none: 2048 on CUDA, 256 on CPU (where a step costs in proportion to its tokens)",
-    "max_seq_len": "most tokens per sequence, prompt + generated",
+    "max_model_len": "most tokens per sequence, prompt + generated",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "enable_chunked_prefill": "split long prompts into chunks interleaved with decode",
     "attention_backend": "attention kernels: auto = triton on CUDA, ref on CPU",
@@ -64,6 +64,10 @@ _HELP = {
     "max_queue_len": "waiting requests beyond which new ones get HTTP 503",
     "seed": "engine seed for sampling without a per-request seed",
 }
+
+
+# Older spellings still accepted (the docs use only the field's own flag).
+_ALIASES = {"max_model_len": ("--max-seq-len",)}
 
 
 def _choices(name: str) -> tuple[str, ...] | None:
@@ -83,12 +87,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         base, optional = _field_kind(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ()))
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help") or _HELP.get(f.name, f"EngineConfig.{f.name}")
         if base is bool:
             group.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
             continue
         parse = _parse_optional(base) if optional else base
@@ -99,7 +103,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         elif optional and not choices:
             metavar += "|none"
         group.add_argument(
-            flag, dest=f.name, type=parse, default=default, metavar=metavar, help=help_text,
+            *flags, dest=f.name, type=parse, default=default, metavar=metavar, help=help_text,
             choices=choices,
         )
 

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from paged_core.protocols import ServingPoolProtocol
-from paged_server.decode_graphs import DecodeGraphs
-from paged_server.sequence import Sequence
+from paged_server.engine.decode_graphs import DecodeGraphs
+from paged_server.engine.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -58,7 +58,7 @@ class ModelRunner:
         starting at ``seq.num_computed_tokens`` (room already reserved)."""
         order = [i for i, (_, n) in enumerate(scheduled) if n == 1]
         order += [i for i, (_, n) in enumerate(scheduled) if n != 1]
-        slots: list[int] = []
+        seq_ids: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
         ids: list[int] = []
@@ -67,10 +67,10 @@ class ModelRunner:
         sampled: list[int] = []
         for i in order:
             seq, n = scheduled[i]
-            assert seq.slot is not None, f"sequence {seq.seq_id} has no cache slot"
+            assert seq.pool_seq_id is not None, f"sequence {seq.seq_id} has no cache seq_id"
             start = seq.num_computed_tokens
             end = start + n
-            slots.append(seq.slot)
+            seq_ids.append(seq.pool_seq_id)
             starts.append(start)
             lens.append(n)
             ids += seq.token_ids[start:end]
@@ -80,10 +80,10 @@ class ModelRunner:
                 sampled.append(i)
         model = self.model
         graphs = self.decode_graphs
-        if graphs is not None and len(ids) == len(slots) <= graphs.max_size:
-            hidden = graphs.run(slots, starts, self._tensor(ids))
+        if graphs is not None and len(ids) == len(seq_ids) <= graphs.max_size:
+            hidden = graphs.run(seq_ids, starts, self._tensor(ids))
         else:
-            view = self.pool.step_view(slots, starts, lens)
+            view = self.pool.step_view(seq_ids, starts, lens)
             hidden = model.hidden_states(  # type: ignore[operator]
                 self._tensor(ids), self._tensor(positions), view
             )
@@ -99,14 +99,14 @@ class ModelRunner:
         start = time.perf_counter()
         if self.decode_graphs is not None:
             self.decode_graphs.capture_all()
-        slot, _ = self.pool.allocate_sequence([0] * prompt_len)
+        seq_id, _ = self.pool.allocate_sequence([0] * prompt_len)
         try:  # never committed: nothing enters the prefix cache
-            view = self.pool.step_view([slot], [0], [prompt_len])
+            view = self.pool.step_view([seq_id], [0], [prompt_len])
             self.model.hidden_states(  # type: ignore[operator]
                 self._tensor([0] * prompt_len), self._tensor(list(range(prompt_len))), view
             )
         finally:
-            self.pool.free_slot(slot)
+            self.pool.free_seq(seq_id)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start

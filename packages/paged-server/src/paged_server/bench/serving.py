@@ -1,4 +1,4 @@
-"""``paged-server bench-serve``: the design documents' workloads over HTTP.
+"""``paged-server bench-serve``: the benchmark workloads (`bench/workloads.py`) over HTTP.
 
 Requests go to ``POST /v1/completions`` (streaming, token-id prompts, EOS
 ignored so every run generates the same tokens) at a Poisson arrival rate
@@ -235,7 +235,7 @@ def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
         "(default: --model, else the embedded default model)",
     )
     parser.add_argument("--workload", default=CONTINUOUS_BATCHING, choices=workload_names(),
-                        help="which of the design documents' workloads to send")
+                        help="which workload of bench/workloads.py to send")
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -272,8 +272,12 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
         if args.url:
             url, model, tokenizer = args.url.rstrip("/"), args.served_model_name, _tokenizer_for(args)
         else:
-            from paged_server.api.app import ServerSettings
-            from paged_server.api.server import ServerThread, build_engine, served_model_name
+            from paged_server.entrypoints.openai.app import ServerSettings
+            from paged_server.entrypoints.openai.server import (
+                ServerThread,
+                build_engine,
+                served_model_name,
+            )
 
             assert config is not None
             engine = build_engine(config)

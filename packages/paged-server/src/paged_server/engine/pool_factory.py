@@ -20,12 +20,12 @@ from paged_server.models import ModelConfig
 @dataclass(slots=True)
 class PoolCapacity:
     """Total KV capacity: ``num_blocks`` of ``block_size`` tokens (paged), or
-    ``num_slots`` rows of ``max_seq_len`` tokens (contiguous; ``num_blocks``
+    ``num_rows`` rows of ``max_model_len`` tokens (contiguous; ``num_blocks``
     is then its size in block-equivalents, for comparisons)."""
 
     num_blocks: int
     block_size: int
-    num_slots: int | None
+    num_rows: int | None
     tokens: int
 
 
@@ -50,11 +50,11 @@ def build_cache_pool(
     """A zeroed pool for ``model_config`` and its capacity.
 
     Paged: ``num_gpu_blocks``, else as many blocks as ``kv_cache_memory_bytes``
-    holds, else ``max_batch_size * max_seq_len / block_size``. Contiguous:
+    holds, else ``max_batch_size * max_model_len / block_size``. Contiguous:
     ``max_batch_size`` rows, fewer if ``kv_cache_memory_bytes`` holds fewer.
     The contiguous pool attends with the reference path whatever ``backend``.
     """
-    from paged_ref import PagedKVCachePool, SlottedKVCache
+    from paged_ref import ContiguousKVPool, PagedKVPool
 
     layers, kv_heads, head_dim = (
         model_config.num_layers,
@@ -73,8 +73,8 @@ def build_cache_pool(
                     f"of {token_bytes * config.block_size} bytes; raise it or lower block_size"
                 )
         if num_blocks is None:
-            num_blocks = math.ceil(config.max_batch_size * config.max_seq_len / config.block_size)
-        pool: ServingPoolProtocol = PagedKVCachePool.from_model_config(
+            num_blocks = math.ceil(config.max_batch_size * config.max_model_len / config.block_size)
+        pool: ServingPoolProtocol = PagedKVPool.from_model_config(
             layers,
             kv_heads,
             head_dim,
@@ -87,17 +87,17 @@ def build_cache_pool(
         )
         capacity = PoolCapacity(num_blocks, config.block_size, None, num_blocks * config.block_size)
         return pool, capacity
-    slots = config.max_batch_size
+    rows = config.max_batch_size
     if config.kv_cache_memory_bytes is not None:
-        slots = min(slots, config.kv_cache_memory_bytes // (token_bytes * config.max_seq_len))
-        if slots < 1:
+        rows = min(rows, config.kv_cache_memory_bytes // (token_bytes * config.max_model_len))
+        if rows < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no contiguous "
-                f"slot of {token_bytes * config.max_seq_len} bytes (max_seq_len "
-                f"{config.max_seq_len}); raise it or lower max_seq_len"
+                f"row of {token_bytes * config.max_model_len} bytes (max_model_len "
+                f"{config.max_model_len}); raise it or lower max_model_len"
             )
-    pool = SlottedKVCache.from_model_config(
-        layers, kv_heads, head_dim, config.max_seq_len, slots, dtype=dtype, device=device
+    pool = ContiguousKVPool.from_model_config(
+        layers, kv_heads, head_dim, config.max_model_len, rows, dtype=dtype, device=device
     )
-    tokens = slots * config.max_seq_len
-    return pool, PoolCapacity(tokens // config.block_size, config.block_size, slots, tokens)
+    tokens = rows * config.max_model_len
+    return pool, PoolCapacity(tokens // config.block_size, config.block_size, rows, tokens)

@@ -17,9 +17,9 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from paged_server.api.errors import error_body
-from paged_server.api.generation import Generation, GenerationEnded
-from paged_server.api.responses import ResponseFormat
+from paged_server.entrypoints.openai.errors import error_body
+from paged_server.entrypoints.openai.generation import Generation, GenerationEnded
+from paged_server.entrypoints.openai.responses import ResponseFormat
 
 DONE = b"data: [DONE]\n\n"
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP server: app factory, async engine front, server runner."""
 
-from paged_server.api.app import ServerSettings, create_app
+from paged_server.entrypoints.openai.app import ServerSettings, create_app
 
 __all__ = ["ServerSettings", "create_app"]

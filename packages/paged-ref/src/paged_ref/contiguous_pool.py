@@ -1,0 +1,223 @@
+"""Contiguous KV cache pool: one fixed ``max_model_len`` row per seq_id.
+
+The baseline the paged pool is measured against: every seq_id reserves
+``max_model_len`` positions up front, so capacity is per seq_id, not per token.
+It satisfies ``ServingPoolProtocol`` with no prefix cache (always 0 cached
+tokens) and forks by copying rows.
+
+Its tensors have the paged pool's layout with one block per seq_id
+(``[layers, seq_ids, max_model_len, kv_heads, head_dim]``: block id = seq_id,
+block size = ``max_model_len``), so both pools share one view class and one
+set of attention ops; only the bookkeeping differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from paged_core import OutOfBlocksError
+from paged_ref import ops as ref_ops
+from paged_ref.attention_metadata import AttentionMetadata, build_metadata
+from paged_ref.cache_view import ViewsMixin
+
+
+class ContiguousKVPool(ViewsMixin):
+    """``k_cache``/``v_cache``: ``[layers, max_batch_size, max_model_len, kv_heads, head_dim]``.
+
+    ``seq_lens[seq_id]`` counts tokens written (what views attend over);
+    ``reserved[seq_id]`` counts tokens promised by ``allocate_sequence`` and
+    ``append_token`` (always >= ``seq_lens[seq_id]``, at most ``max_model_len``).
+    """
+
+    def __init__(self, k_cache: Tensor, v_cache: Tensor) -> None:
+        if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
+            raise ValueError(
+                "k_cache and v_cache must both be [layers, max_batch_size, max_model_len, "
+                f"kv_heads, head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            )
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+        self.num_layers, self.max_batch_size, self.max_model_len, self.num_kv_heads, self.head_dim = (
+            k_cache.shape
+        )
+        self.ops = ref_ops  # the contiguous baseline always attends with the reference ops
+        self.seq_lens: list[int] = [0] * self.max_batch_size
+        self.reserved: list[int] = [0] * self.max_batch_size
+        self._free: set[int] = set(range(self.max_batch_size))
+
+    @staticmethod
+    def from_model_config(
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_model_len: int,
+        max_batch_size: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+    ) -> ContiguousKVPool:
+        """A zeroed pool for a model's shape (pass ``device="meta"`` to size it
+        without allocating memory)."""
+        shape = (num_layers, max_batch_size, max_model_len, num_kv_heads, head_dim)
+        return ContiguousKVPool(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+    # The names the attention ops take for the two tensors.
+    @property
+    def k(self) -> Tensor:
+        return self.k_cache
+
+    @property
+    def v(self) -> Tensor:
+        return self.v_cache
+
+    def kv_bytes(self) -> int:
+        """Bytes held by the K and V tensors together."""
+        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache))
+
+    # -- CachePoolProtocol -------------------------------------------------
+    def allocate_seq(self, initial_tokens: int = 0) -> int:
+        """Claim a free seq_id (``initial_tokens`` is only checked against
+        ``max_model_len``: a seq_id's capacity is fixed)."""
+        self._check_fits(initial_tokens)
+        if not self._free:
+            raise OutOfBlocksError(
+                f"all {self.max_batch_size} cache seq_ids are in use; free a seq_id first "
+                "or build the pool with a larger max_batch_size"
+            )
+        seq_id = min(self._free)  # lowest first: deterministic, easy to read in logs
+        self._free.remove(seq_id)
+        self.seq_lens[seq_id] = 0
+        self.reserved[seq_id] = initial_tokens
+        return seq_id
+
+    def free_seq(self, seq_id: int) -> None:
+        """Release ``seq_id``; its stale rows stay but are never read (lengths reset)."""
+        self._check_live(seq_id)
+        self.seq_lens[seq_id] = 0
+        self.reserved[seq_id] = 0
+        self._free.add(seq_id)
+
+    def get_num_computed_tokens(self, seq_id: int) -> int:
+        self._check_live(seq_id)
+        return self.seq_lens[seq_id]
+
+    def free_seq_count(self) -> int:
+        return len(self._free)
+
+    def free_token_capacity(self) -> int | None:
+        """``None``: capacity is per seq_id, not per token."""
+        return None
+
+    def is_paged(self) -> bool:
+        return False
+
+    # -- ServingPoolProtocol -------------------------------------------------
+    def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
+        return bool(self._free) and len(token_ids) <= self.max_model_len
+
+    def allocate_sequence(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """A seq_id for the prompt; no prefix cache, so 0 tokens are cached."""
+        return self.allocate_seq(len(token_ids)), 0
+
+    def can_append(self, seq_ids: Sequence[int]) -> bool:
+        return all(self.reserved[s] < self.max_model_len for s in seq_ids)
+
+    def append_token(self, seq_id: int, token_id: int) -> None:
+        """Reserve the next position of ``seq_id`` (the token id is not needed:
+        no prefix hashing here)."""
+        self._check_live(seq_id)
+        if self.reserved[seq_id] >= self.max_model_len:
+            raise OutOfBlocksError(
+                f"seq_id {seq_id} is full ({self.max_model_len} tokens = max_model_len); "
+                "finish or preempt the sequence"
+            )
+        self.reserved[seq_id] += 1
+
+    def get_num_reserved(self, seq_id: int) -> int:
+        """Tokens the seq_id has room promised for (at most ``max_model_len``)."""
+        self._check_live(seq_id)
+        return max(self.reserved[seq_id], self.seq_lens[seq_id])
+
+    def fork_seq(self, seq_id: int) -> int:
+        """A new seq_id holding a copy of ``seq_id``'s written rows."""
+        self._check_live(seq_id)
+        child = self.allocate_seq(self.reserved[seq_id])
+        n = self.seq_lens[seq_id]
+        self.k_cache[:, child, :n] = self.k_cache[:, seq_id, :n]
+        self.v_cache[:, child, :n] = self.v_cache[:, seq_id, :n]
+        self.seq_lens[child] = n
+        return child
+
+    def mark_computed(self, seq_id: int, num_tokens: int) -> None:
+        """Commit: the seq_id holds ``num_tokens`` written tokens."""
+        self.set_num_computed_tokens(seq_id, num_tokens)
+
+    def audit(self) -> list[str]:
+        problems = []
+        for seq_id in range(self.max_batch_size):
+            n, r = self.seq_lens[seq_id], self.reserved[seq_id]
+            if seq_id in self._free:
+                if n or r:
+                    problems.append(f"free seq_id {seq_id} still has seq_len {n}, reserved {r}")
+            elif not 0 <= n <= self.max_model_len:
+                problems.append(f"seq_id {seq_id} seq_len {n} is outside 0..{self.max_model_len}")
+            elif r > self.max_model_len:
+                problems.append(f"seq_id {seq_id} reserved {r} > max_model_len {self.max_model_len}")
+        return problems
+
+    def stats(self) -> dict[str, float]:
+        """Usage counters under the block manager's names where they mean the
+        same: ``usage`` = tokens held / (seq_ids x max_model_len); no prefix cache."""
+        used = self.max_batch_size - len(self._free)
+        held = sum(max(n, r) for n, r in zip(self.seq_lens, self.reserved, strict=True))
+        capacity = self.max_batch_size * self.max_model_len
+        return {
+            "usage": held / capacity if capacity else 0.0,
+            "tokens_used": float(held),
+            "token_capacity": float(capacity),
+            "slots_used": float(used),
+            "slots_total": float(self.max_batch_size),
+            "hit_rate": 0.0,
+        }
+
+    # -- used by the views -----------------------------------------------------
+    def build_metadata(
+        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
+    ) -> AttentionMetadata:
+        """Step metadata with one "block" per seq_id: the seq_id's whole row."""
+        for seq_id, start, n in zip(seq_ids, starts, new_lens, strict=True):
+            self._check_live(seq_id)
+            end = start + n
+            self._check_fits(end)
+            if reserve:
+                self.reserved[seq_id] = max(self.reserved[seq_id], end)
+            elif end > self.get_num_reserved(seq_id):
+                raise RuntimeError(
+                    f"seq_id {seq_id} has room for {self.get_num_reserved(seq_id)} tokens but this "
+                    f"step writes up to position {end - 1}; reserve first (append_token)"
+                )
+        tables = torch.tensor(list(seq_ids), dtype=torch.int32).view(-1, 1)
+        return build_metadata(tables, starts, new_lens, self.max_model_len, self.k_cache.device)
+
+    def set_num_computed_tokens(self, seq_id: int, n: int) -> None:
+        """Record that ``seq_id`` now holds ``n`` written tokens."""
+        self._check_fits(n)
+        self.seq_lens[seq_id] = n
+        self.reserved[seq_id] = max(self.reserved[seq_id], n)
+
+    def _check_fits(self, n: int) -> None:
+        if n > self.max_model_len:
+            raise ValueError(
+                f"{n} tokens do not fit a seq_id of max_model_len {self.max_model_len}; "
+                "shorten the prompt or build the pool with a larger max_model_len"
+            )
+
+    def _check_live(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.max_batch_size or seq_id in self._free:
+            raise KeyError(f"seq_id {seq_id} is not allocated in this pool")

@@ -1,0 +1,1 @@
+"""The engine: scheduler, runner, sampler, sequences and the pool factory behind `LLMEngine`."""
