@@ -22,6 +22,7 @@ from paged_core import OutOfBlocksError
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.cache_view import ViewsMixin
+from paged_ref.kv_quant import as_bits, cache_dtype_for, check_scales, new_scales
 
 
 class ContiguousKVPool(ViewsMixin):
@@ -32,14 +33,26 @@ class ContiguousKVPool(ViewsMixin):
     ``append_token`` (always >= ``seq_lens[seq_id]``, at most ``max_model_len``).
     """
 
-    def __init__(self, k_cache: Tensor, v_cache: Tensor) -> None:
+    def __init__(
+        self,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        *,
+        k_scales: Tensor | None = None,
+        v_scales: Tensor | None = None,
+    ) -> None:
         if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
             raise ValueError(
                 "k_cache and v_cache must both be [layers, max_batch_size, max_model_len, "
                 f"kv_heads, head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
             )
+        check_scales(k_cache, k_scales, "k_scales")
+        check_scales(v_cache, v_scales, "v_scales")
         self.k_cache = k_cache
         self.v_cache = v_cache
+        # int8 only: [layers, max_batch_size, max_model_len, kv_heads] float16.
+        self.k_scales = k_scales
+        self.v_scales = v_scales
         self.num_layers, self.max_batch_size, self.max_model_len, self.num_kv_heads, self.head_dim = (
             k_cache.shape
         )
@@ -58,13 +71,16 @@ class ContiguousKVPool(ViewsMixin):
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> ContiguousKVPool:
         """A zeroed pool for a model's shape (pass ``device="meta"`` to size it
-        without allocating memory)."""
+        without allocating memory); ``kv_cache_dtype`` as for the paged pool."""
         shape = (num_layers, max_batch_size, max_model_len, num_kv_heads, head_dim)
+        cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
+        k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         return ContiguousKVPool(
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
+            k_cache, v_cache, k_scales=new_scales(k_cache), v_scales=new_scales(v_cache)
         )
 
     # The names the attention ops take for the two tensors.
@@ -77,8 +93,9 @@ class ContiguousKVPool(ViewsMixin):
         return self.v_cache
 
     def kv_bytes(self) -> int:
-        """Bytes held by the K and V tensors together."""
-        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache))
+        """Bytes held by the K and V tensors together, scales included."""
+        tensors = (self.k_cache, self.v_cache, self.k_scales, self.v_scales)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- CachePoolProtocol -------------------------------------------------
     def allocate_seq(self, initial_tokens: int = 0) -> int:
@@ -149,8 +166,9 @@ class ContiguousKVPool(ViewsMixin):
         self._check_live(seq_id)
         child = self.allocate_seq(self.reserved[seq_id])
         n = self.seq_lens[seq_id]
-        self.k_cache[:, child, :n] = self.k_cache[:, seq_id, :n]
-        self.v_cache[:, child, :n] = self.v_cache[:, seq_id, :n]
+        for tensor in (self.k_cache, self.v_cache, self.k_scales, self.v_scales):
+            if tensor is not None:
+                as_bits(tensor)[:, child, :n] = as_bits(tensor)[:, seq_id, :n]
         self.seq_lens[child] = n
         return child
 

@@ -27,6 +27,8 @@ class PoolCapacity:
     block_size: int
     num_rows: int | None
     tokens: int
+    kv_dtype: torch.dtype  # what the cache stores (the model dtype, or an 8-bit one)
+    kv_bytes: int  # the pool's K/V tensors (and int8 scales), bytes
 
 
 def attention_ops(backend: str) -> ModuleType:
@@ -52,17 +54,21 @@ def build_cache_pool(
     Paged: ``num_gpu_blocks``, else as many blocks as ``kv_cache_memory_bytes``
     holds, else ``max_batch_size * max_model_len / block_size``. Contiguous:
     ``max_batch_size`` rows, fewer if ``kv_cache_memory_bytes`` holds fewer.
+    Bytes are those of ``kv_cache_dtype`` (scales included), so an 8-bit
+    cache gets about twice the tokens from the same memory budget.
     The contiguous pool attends with the reference path whatever ``backend``.
     """
     from paged_ref import ContiguousKVPool, PagedKVPool
+    from paged_ref.kv_quant import cache_dtype_for, kv_bytes_per_token
 
     layers, kv_heads, head_dim = (
         model_config.num_layers,
         model_config.num_kv_heads,
         model_config.head_dim,
     )
-    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-    token_bytes = 2 * layers * kv_heads * head_dim * itemsize
+    # Bytes per token of what the pool stores (an 8-bit cache's scales included).
+    kv_dtype = cache_dtype_for(config.kv_cache_dtype, dtype)
+    token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
     if config.kv_cache_backend == "paged":
         num_blocks = config.num_gpu_blocks
         if num_blocks is None and config.kv_cache_memory_bytes is not None:
@@ -84,8 +90,12 @@ def build_cache_pool(
             device,
             enable_prefix_caching=config.enable_prefix_caching,
             ops=attention_ops(backend),
+            kv_cache_dtype=config.kv_cache_dtype,
         )
-        capacity = PoolCapacity(num_blocks, config.block_size, None, num_blocks * config.block_size)
+        tokens = num_blocks * config.block_size
+        capacity = PoolCapacity(
+            num_blocks, config.block_size, None, tokens, kv_dtype, tokens * token_bytes
+        )
         return pool, capacity
     rows = config.max_batch_size
     if config.kv_cache_memory_bytes is not None:
@@ -97,7 +107,11 @@ def build_cache_pool(
                 f"{config.max_model_len}); raise it or lower max_model_len"
             )
     pool = ContiguousKVPool.from_model_config(
-        layers, kv_heads, head_dim, config.max_model_len, rows, dtype=dtype, device=device
-    )
+        layers, kv_heads, head_dim, config.max_model_len, rows, dtype=dtype, device=device,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )  # fmt: skip
     tokens = rows * config.max_model_len
-    return pool, PoolCapacity(tokens // config.block_size, config.block_size, rows, tokens)
+    return pool, PoolCapacity(
+        tokens // config.block_size, config.block_size, rows, tokens, kv_dtype,
+        tokens * token_bytes,
+    )  # fmt: skip

@@ -62,10 +62,15 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
     return (
         f"paged-server: serving '{settings.model_name}' ({source}) on {url} | "
         f"kv_cache_backend={config.kv_cache_backend} attention={attention} | "
-        f"KV capacity {tokens} tokens in {layout} | "
+        f"KV cache {_dtype_name(engine.capacity.kv_dtype)} "
+        f"(kv_cache_dtype={config.kv_cache_dtype}): capacity {tokens} tokens in {layout} | "
         f"max_model_len={config.max_model_len} max_batch_size={config.max_batch_size} "
         f"api_key={'on' if settings.api_key else 'off'}"
     )
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
