@@ -156,7 +156,9 @@ def test_int8_pool_on_triton_ops_matches_reference_pool(gen, paged):
                                              dtype=torch.float32, device=paged.device,
                                              ops=backend, kv_cache_dtype="int8")  # fmt: skip
         seq = pool.allocate_seq(0)
-        rand = lambda *s: torch.randn(*s, generator=g).to(paged.device)  # noqa: E731
+        def rand(*shape, g=g):
+            return torch.randn(*shape, generator=g).to(paged.device)
+
         layer_outs = []
         view = pool.view([seq], [10])
         for layer in range(2):

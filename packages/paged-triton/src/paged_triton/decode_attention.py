@@ -44,10 +44,10 @@ from paged_triton.launch_checks import (
     check_runnable,
     compute_dtype,
     dot_precision,
-    kv_quant_mode,
-    scale_args,
     interpreted,
+    kv_quant_mode,
     last_dim_contiguous,
+    scale_args,
 )
 from paged_triton.tile_config import (
     TileConfig,

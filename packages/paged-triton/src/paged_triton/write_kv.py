@@ -18,21 +18,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from paged_ref.kv_quant import FP8_MAX
 from paged_triton.interpreter_bf16 import cast, round_to_fp8
 from paged_triton.launch import Launch
-from paged_ref.kv_quant import FP8_MAX
-
-# fp8 formats: mantissa bits and the exponent of the smallest normal number.
-FP8_FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 from paged_triton.launch_checks import (
     as_int64,
     check_cache,
     check_quantized_cache,
-    kv_quant_mode,
     check_runnable,
     interpreted,
+    kv_quant_mode,
     last_dim_contiguous,
 )
+
+# fp8 formats: mantissa bits and the exponent of the smallest normal number.
+FP8_FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 
 
 # The slot mapping is a view into the step's packed metadata (8-byte aligned).
