@@ -115,10 +115,10 @@ class CacheView:
         scales = self._scales(layer_idx)
         return (
             gather_context(
-                self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens, scales["k_scales"]
+                self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens, scales.get("k_scales")
             ),
             gather_context(
-                self.pool.v_cache[layer_idx], meta.block_tables, meta.seq_lens, scales["v_scales"]
+                self.pool.v_cache[layer_idx], meta.block_tables, meta.seq_lens, scales.get("v_scales")
             ),
         )
 
@@ -199,13 +199,13 @@ class CacheView:
         )  # fmt: skip
         return meta
 
-    def _scales(self, layer_idx: int) -> dict[str, Tensor | None]:
-        """The layer's int8 scales as the ops' keywords (None for other dtypes)."""
+    def _scales(self, layer_idx: int) -> dict[str, Tensor]:
+        """The layer's int8 scales as the ops' keywords; none for other dtypes
+        (so an ops module written before 8-bit caches still serves them)."""
         k_scales, v_scales = self.pool.k_scales, self.pool.v_scales
-        return {
-            "k_scales": None if k_scales is None else k_scales[layer_idx],
-            "v_scales": None if v_scales is None else v_scales[layer_idx],
-        }
+        if k_scales is None or v_scales is None:
+            return {}
+        return {"k_scales": k_scales[layer_idx], "v_scales": v_scales[layer_idx]}
 
     def _metadata(self, num_tokens: int) -> AttentionMetadata:
         if self.meta is None:

@@ -317,9 +317,10 @@ class PagedKVPool(ViewsMixin):
     def _flush_copies(self) -> None:
         if self._pending_copies:
             pairs, self._pending_copies = self._pending_copies, []
-            self.ops.copy_blocks(  # host pairs: one upload
-                self.k_cache, self.v_cache, pairs, k_scales=self.k_scales, v_scales=self.v_scales
-            )
+            scales = {}  # int8 only, so an ops module without scale keywords still serves the rest
+            if self.k_scales is not None and self.v_scales is not None:
+                scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
+            self.ops.copy_blocks(self.k_cache, self.v_cache, pairs, **scales)  # host pairs: one upload
 
     def _new_seq_id(self) -> int:
         seq_id = self._next_seq_id
