@@ -166,3 +166,32 @@ def test_bad_constraints_are_value_errors(make_engine: Callable[..., LLMEngine],
                                           spec: StructuredOutputsParams, message: str) -> None:
     with pytest.raises(ValueError, match=f"structured_outputs: .*{message}"):
         make_engine().add_request("r", [5, 6, 7], SamplingParams(structured_outputs=spec))
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_tool_call_grammars_force_a_parsable_call(make_engine: Callable[..., LLMEngine],
+                                                  run_engine: Callable[..., Any],
+                                                  prompt_of: Callable[[int, int], list[int]],
+                                                  parser: str) -> None:
+    """The grammar for tool_choice=required makes the random model write
+    calls in the family's format that its parser reads back."""
+    from paged_server.entrypoints.openai.tool_calls import call_grammar, parse_tool_calls
+
+    tools = [{"name": "get_time", "parameters": {"type": "object", "properties": {
+                 "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}},
+             {"name": "ping", "parameters": {"type": "object", "additionalProperties": False}}]
+    grammar = call_grammar(parser, tools, parallel=False)
+    requests = [(f"r{i}", prompt_of(6, i), SamplingParams(
+        max_tokens=120, seed=i, structured_outputs=StructuredOutputsParams(grammar=grammar)))
+        for i in range(4)]
+    run = run_engine(make_engine(), requests)
+    for i in range(4):
+        choice = run.choices[(f"r{i}", 0)]
+        assert choice.finish_reason == "stop", choice.text
+        content, calls = parse_tool_calls(parser, choice.text)
+        assert calls and content is None, choice.text
+        for call in calls:
+            args = json.loads(call.arguments)
+            assert call.name in ("get_time", "ping") and isinstance(args, dict)
+            if call.name == "get_time":
+                assert args["zone"] in ("UTC", "CET")
