@@ -46,8 +46,8 @@ from paged_server.engine.pool_factory import build_cache_pool
 from paged_server.engine.runner import ModelRunner
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
-from paged_server.engine.structured_output import StructuredOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.structured_output import StructuredOutput
 from paged_server.errors import QueueFullError
 from paged_server.models import LoadedModel, load_model
 from paged_server.outputs import RequestOutput

@@ -33,7 +33,7 @@ from torch import Tensor
 from paged_server.structured_outputs import StructuredOutputsParams
 
 # Compact JSON: no optional whitespace, so a model cannot pad forever.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
 _ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 _CACHE_SIZE = 128  # compiled grammars kept (schemas repeat across requests)
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -12,6 +12,7 @@ pool) is checked once, by the engine, and its error mapped to a 400 once
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -32,14 +33,14 @@ from paged_server.entrypoints.openai.protocol import (
     normalize_prompt,
 )
 from paged_server.entrypoints.openai.responses import CollectedChoice, ResponseFormat
-from paged_server.entrypoints.openai.structured import (
-    response_format_constraint,
-    tool_constraint,
-)
 from paged_server.entrypoints.openai.streaming import (
     EventStreamResponse,
     stream_chat,
     stream_completion,
+)
+from paged_server.entrypoints.openai.structured import (
+    response_format_constraint,
+    tool_constraint,
 )
 from paged_server.entrypoints.openai.tool_calls import detect_parser
 from paged_server.sampling_params import SamplingParams
@@ -236,8 +237,6 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     """A history tool call as chat templates expect it: ``arguments`` as an
     object when it is JSON (Llama's template dumps it with ``tojson``)."""
     function = dict(call["function"])
-    try:
+    with contextlib.suppress(ValueError):  # not JSON: templates that print text still work
         function["arguments"] = json.loads(function["arguments"])
-    except ValueError:
-        pass  # templates that print it as text still work
     return {**call, "function": function}
