@@ -169,6 +169,10 @@ class OpenAIServing:
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            use_beam_search=body.use_beam_search,
+            best_of=getattr(body, "best_of", None) if body.use_beam_search else None,
+            length_penalty=body.length_penalty,
+            early_stopping=body.early_stopping,
         )
         try:
             params.validate(self.max_model_len)
