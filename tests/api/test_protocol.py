@@ -45,7 +45,9 @@ def error_for(model: Any, body: Any) -> tuple[str | None, str]:
         ({"prompt": "x", "logprobs": 3}, "logprobs", "only 0 is supported"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
         ({"prompt": "x", "best_of": 2}, "best_of", "must equal n or be omitted, got best_of 2 with n 1"),
-        ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported yet"),
+        ({"prompt": "x", "use_beam_search": True, "stream": True}, "use_beam_search", "send stream=false"),
+        ({"prompt": "x", "use_beam_search": True, "n": 3, "best_of": 2}, "best_of", "beam width must be >= n"),
+        ({"prompt": "x", "use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping", "never"),
         ({"prompt": "x", "use_beam_search": "yes"}, "use_beam_search", "must be true or false"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
         ({"prompt": "x", "stream": "yes"}, "stream", "must be true or false"),
@@ -68,8 +70,8 @@ def test_completion_request_errors_name_the_field(body: dict[str, Any], param: s
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "only 0"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
          "tools[0].function", "field required"),
-        ({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search",
-         "not supported yet"),
+        ({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True, "stream": True},
+         "use_beam_search", "send stream=false"),
     ],
 )
 def test_chat_request_errors_name_the_field(body: dict[str, Any], param: str, fragment: str) -> None:

@@ -108,6 +108,7 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         num_generated_tokens=seq.num_generated,
         arrival_time=request.arrival_time,
         first_token_time=request.first_token_time,
+        cumulative_logprob=seq.cumulative_logprob,
     )
     seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
     seq.finish_reported = seq.is_finished

@@ -14,10 +14,12 @@ the schema:
   endpoints and ``tools`` / ``tool_choice`` on chat are enforced by a grammar
   (see ``structured.py`` and ``tool_calls.py``).
 - Fields OpenAI has that this server cannot honour (``echo``, ``suffix``,
-  ``logit_bias``, ``best_of`` other than ``n``, non-text content)
-  are rejected with a 400 naming the field, never ignored; so is vLLM's
-  ``use_beam_search: true`` until beam search exists. Unknown fields are
-  ignored, like vLLM.
+  ``logit_bias``, ``best_of`` other than ``n`` without beam search,
+  non-text content) are rejected with a 400 naming the field, never ignored.
+- Beam search (vLLM's extra parameters): ``use_beam_search: true`` with
+  ``best_of`` beams (default ``n``) returns the ``n`` best; with
+  ``length_penalty`` and ``early_stopping``. Not with ``stream: true``.
+  Unknown fields are ignored, like vLLM.
 
 Types are strict: ``"max_tokens": "5"`` is a 400, not coerced.
 """
@@ -98,7 +100,13 @@ class _SamplingFields(_Strict):
     )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension).")
     use_beam_search: bool = Field(
-        False, description="Not supported yet: must be false (vLLM extension)."
+        False, description="Beam search of best_of beams, returning the n best (vLLM extension)."
+    )
+    length_penalty: FiniteFloat = Field(
+        1.0, description="Beam search: scores are divided by length ** length_penalty."
+    )
+    early_stopping: bool | str = Field(
+        False, description='Beam search: true, false or "never", as in transformers.'
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -120,6 +128,13 @@ class _SamplingFields(_Strict):
                 )
         return v
 
+    @field_validator("early_stopping")
+    @classmethod
+    def _check_early_stopping(cls, v: bool | str) -> bool | str:
+        if not isinstance(v, bool) and v != "never":
+            raise ValueError(f'must be true, false or "never", got {v!r}')
+        return v
+
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_ids(cls, v: list[int] | None) -> list[int] | None:
@@ -135,12 +150,9 @@ class _SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _check_beam_search(self) -> _SamplingFields:
-        # Declared, not left to extra="ignore": ignoring it returned sampled
-        # choices to a client that asked for a beam search.
-        if self.use_beam_search:
+        if self.use_beam_search and self.stream:
             raise ValueError(
-                "use_beam_search: beam search is not supported yet; omit it or send false "
-                "(n > 1 returns independently sampled choices)"
+                "use_beam_search: beam search returns whole beams only; send stream=false"
             )
         return self
 
@@ -168,7 +180,9 @@ class CompletionRequest(_SamplingFields):
     )
     echo: bool = Field(False, description="Not supported: must be false.")
     suffix: str | None = Field(None, description="Not supported: must be null.")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only null or equal to n.")
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_N, description="Beam width with use_beam_search; else null or n."
+    )
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
 
     @field_validator("prompt")
@@ -197,10 +211,15 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix: not supported; send no suffix")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported; send no logit_bias")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.use_beam_search:
+            if self.best_of is not None and self.best_of < self.n:
+                raise ValueError(
+                    f"best_of: the beam width must be >= n, got best_of {self.best_of} with n {self.n}"
+                )
+        elif self.best_of is not None and self.best_of != self.n:
             raise ValueError(
                 f"best_of: must equal n or be omitted, got best_of {self.best_of} with n "
-                f"{self.n} (picking the best of extra samples is not supported)"
+                f"{self.n} (picking the best of extra samples needs use_beam_search=true)"
             )
         return self
 

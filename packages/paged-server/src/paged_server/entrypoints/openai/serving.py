@@ -204,6 +204,10 @@ class OpenAIServing:
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             structured_outputs=structured_outputs,
+            use_beam_search=body.use_beam_search,
+            best_of=getattr(body, "best_of", None) if body.use_beam_search else None,
+            length_penalty=body.length_penalty,
+            early_stopping=body.early_stopping,
         )
         try:
             params.validate(self.max_model_len)
