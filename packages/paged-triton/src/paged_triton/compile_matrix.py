@@ -226,18 +226,18 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
     num_blocks = 4096
     kv_dtype = KV_DTYPES[variant.kv_dtype] or dtype
     cache = empty(num_blocks, bs, kv_heads, head_dim, dt=kv_dtype)
-    scales: dict[str, torch.Tensor | None] = {"k_scales": None, "v_scales": None}
+    scale = None  # int8 only: [num_blocks, block_size, kv_heads] float16
     if kv_dtype == torch.int8:
         scale = empty(num_blocks, bs, kv_heads, dt=torch.float16)
-        scales = {"k_scales": scale, "v_scales": scale}
     window = (layout.window or 1024) if variant.window else None
     softcap = 30.0 if variant.softcap else None
     tables, lens = step_tensor(batch, width), step_tensor(batch)
     if variant.kernel == "write_kv":
         new = empty(batch, kv_heads, head_dim)
         return plan_write_kv(
-            cache, cache, new, new, step_tensor(batch, dt=torch.int64), **scales
-        )
+            cache, cache, new, new, step_tensor(batch, dt=torch.int64), k_scales=scale,
+            v_scales=scale,
+        )  # fmt: skip
     if variant.kernel == "copy_blocks":
         caches = empty(4, num_blocks, bs, kv_heads, head_dim, dt=kv_dtype)
         return plan_copy_blocks(
@@ -248,14 +248,14 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
         cu_q = step_tensor(batch + 1)
         return plan_prefill(
             q, cache, cache, tables, cu_q, lens, head_dim**-0.5, window, softcap,
-            torch.empty_like(q), arch, interpret=False, **scales,
+            torch.empty_like(q), arch, interpret=False, k_scales=scale, v_scales=scale,
         )  # fmt: skip
     if variant.kernel in ("decode", "decode_merge"):
         q = empty(batch, heads, head_dim)
         policy = SplitPolicy(target_programs=1 << 16)  # splits whenever the context allows
         launches = plan_decode(
             q, cache, cache, tables, lens, head_dim**-0.5, window, softcap, torch.empty_like(q),
-            policy, arch, interpret=False, **scales,
+            policy, arch, interpret=False, k_scales=scale, v_scales=scale,
         )  # fmt: skip
         if variant.kernel == "decode":
             return launches[0]

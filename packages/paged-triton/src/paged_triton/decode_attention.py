@@ -342,7 +342,7 @@ def _partials(
 
 
 def _autotuned(
-    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Any]
+    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: tuple[Any, Any]
 ) -> TileConfig:
     """The fastest candidate tile for this layer's shapes (timed once)."""
     import triton.testing
@@ -353,7 +353,7 @@ def _autotuned(
            use_window, use_softcap)  # fmt: skip
 
     def time_ms(tile: TileConfig) -> float:
-        launches = plan_decode(*args, tile=tile, **scales)
+        launches = plan_decode(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
 
         def step() -> None:
             for launch in launches:
@@ -418,10 +418,10 @@ def decode_attention(
         device_arch(q.device), _INTERPRETED, memo,
     )  # fmt: skip
     tile = None
-    scales = {"k_scales": k_scales, "v_scales": v_scales}
+    scales = (k_scales, v_scales)
     if autotune_enabled(q.device):
         tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
-    launches = plan_decode(*args, tile=tile, **scales)
+    launches = plan_decode(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
     for launch in launches:
         launch.run()
     if key is not None and memo is not None:

@@ -269,7 +269,7 @@ def plan_prefill(
 
 
 def _autotuned(
-    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Any]
+    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: tuple[Any, Any]
 ) -> TileConfig:
     """The fastest candidate tile for this layer's shapes (timed once)."""
     import triton.testing
@@ -280,7 +280,7 @@ def _autotuned(
            use_window, use_softcap)  # fmt: skip
 
     def time_ms(tile: TileConfig) -> float:
-        launch = plan_prefill(*args, tile=tile, **scales)
+        launch = plan_prefill(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
         return float(triton.testing.do_bench(launch.run))
 
     options = candidates("prefill", block_d, compute_dtype(q.dtype, k_cache.dtype), args[10],
@@ -350,10 +350,10 @@ def paged_prefill_attention(
         device_arch(q.device), _INTERPRETED,
     )  # fmt: skip
     tile = None
-    scales = {"k_scales": k_scales, "v_scales": v_scales}
+    scales = (k_scales, v_scales)
     if autotune_enabled(q.device):
         tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
-    launch = plan_prefill(*args, tile=tile, **scales)
+    launch = plan_prefill(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
     launch.run()
     if key is not None and memo is not None:  # q, k, v, k_scale, v_scale, out: arguments 0-4, 8
         memo[key] = Replay([launch], [(0, 1, 2, 3, 4, 8)])
