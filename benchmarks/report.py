@@ -218,8 +218,11 @@ def _kv_dtype_section(kv: dict[str, Any] | None, tput: dict[str, Any] | None) ->
             "agreement = share of the greedy tokens generated before the first one that differs; max "
             "|delta logprob| = largest change of a chosen token's logprob before that point; perplexity of a "
             "fixed English text (`pydoc_data.topics`) fed in 64-token chunks through a pool of that dtype. "
-            "Both models have random weights, so the size of the effect, not the perplexity, is what carries "
-            "over to a trained checkpoint.",
+            "Both models have random weights: their next-token distributions are nearly flat (perplexity "
+            "close to the vocabulary size), so near-ties flip greedy choices far more easily than in a trained "
+            "model; compare the dtypes with each other rather than reading the agreement as a trained "
+            "model's. `paged-server bench --capacity` prints the capacity table; "
+            "`python benchmarks/run_all.py --only kv_dtype` reruns both tables.",
             "",
         ]
         rows = []
