@@ -164,8 +164,9 @@ class LLMEngine:
                 f"{waiting} requests are already waiting (max_queue_len "
                 f"{self.config.max_queue_len}); retry later"
             )
-        grammars = self.structured_output.matchers(params.structured_outputs, params.n)
         request = self._new_request(request_id, text, token_ids, params)
+        # one matcher per sequence: n choices, or best_of beams
+        grammars = self.structured_output.matchers(params.structured_outputs, len(request.seqs))
         for seq, grammar in zip(request.seqs, grammars, strict=True):
             seq.grammar = grammar
         self._requests[request_id] = request
