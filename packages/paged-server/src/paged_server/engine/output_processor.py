@@ -100,6 +100,8 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         num_generated_tokens=seq.num_generated,
         arrival_time=request.arrival_time,
         first_token_time=request.first_token_time,
+        first_scheduled_time=request.first_scheduled_time,
+        num_cached_tokens=request.num_cached_tokens,
     )
     seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
     seq.finish_reported = seq.is_finished

@@ -54,6 +54,8 @@ class Request:
     first_token_time: float | None = None
     forked: bool = False  # choices 1..n-1 started (from choice 0's prompt)
     admitted: bool = False  # held KV at least once (prompt tokens counted)
+    num_cached_tokens: int = 0  # prefix-cache hits at its first admission
+    first_scheduled_time: float | None = None  # left the queue (first admission)
 
     @property
     def finished(self) -> bool:
