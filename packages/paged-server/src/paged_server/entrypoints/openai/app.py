@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike
 from paged_server.entrypoints.openai.errors import APIError, install_error_handlers
+from paged_server.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
@@ -83,10 +84,10 @@ class ServerSettings:
 
 def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     """The OpenAI-compatible app around ``engine`` (an ``LLMEngine``)."""
-    metrics = ServerMetrics(settings.model_name)
-    async_engine = AsyncEngine(engine, metrics)
     config: Any = getattr(engine, "config", None)
     max_model_len = int(config.max_model_len)
+    metrics = ServerMetrics(settings.model_name, max_model_len)
+    async_engine = AsyncEngine(engine, metrics)
     tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
         async_engine, tokenizer, model_name=settings.model_name, max_model_len=max_model_len
@@ -169,11 +170,8 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
         return JSONResponse({"status": "ok", "audit": []})
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={401: _ERRORS[401]})
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(
-            metrics.render(async_engine.metrics()),
-            media_type="text/plain; version=0.0.4; charset=utf-8",
-        )
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     _document_400_not_422(app)
     # Outermost first: the key is checked before the body is read.

@@ -54,6 +54,7 @@ class _Tracked:
     remaining: int  # choices not finished yet
     first_token_at: float | None = None
     last_token_at: dict[int, float] = field(default_factory=dict)
+    generated: dict[int, int] = field(default_factory=dict)  # choice -> tokens so far
 
 
 class EngineDeadError(RuntimeError):
@@ -73,6 +74,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._snapshot: dict[str, float] = {}
+        if metrics is not None:
+            metrics.read_engine_from(self.metrics)
         self._thread: threading.Thread | None = None
         self._submit_lock = threading.Lock()
         self._closed = False
@@ -141,7 +144,7 @@ class AsyncEngine:
             if tracked is None:
                 return  # finished already, or never added
             if self.server_metrics is not None:
-                self.server_metrics.requests.inc(tracked.remaining, finished_reason="abort")
+                self.server_metrics.finished("abort", tracked.remaining)
             self.engine.abort_request(request_id)
 
         self._submit(do_abort, None)
@@ -232,13 +235,15 @@ class AsyncEngine:
                 if out.finished:
                     tracked.remaining -= 1
                     if self.server_metrics is not None:
-                        self.server_metrics.requests.inc(finished_reason=out.finish_reason or "stop")
+                        self.server_metrics.finished(out.finish_reason or "stop")
             if tracked.remaining <= 0:
                 del self._tracked[request_id]
+                self._observe_finished(tracked, outs[-1], now)
             self._deliver(tracked, outs)
 
     def _observe(self, tracked: _Tracked, out: Any, now: float) -> None:
         n_new = len(out.new_token_ids)
+        tracked.generated[out.index] = out.num_generated_tokens  # the engine's count
         if self.server_metrics is None or n_new == 0:
             return
         if tracked.first_token_at is None:
@@ -250,6 +255,23 @@ class AsyncEngine:
             for _ in range(n_new):
                 self.server_metrics.itl.observe(gap)
         tracked.last_token_at[out.index] = now
+
+    def _observe_finished(self, tracked: _Tracked, out: Any, now: float) -> None:
+        """Per-request histograms, once all its choices finished (as vLLM:
+        e2e latency, queue time, prompt and generation lengths, time per
+        output token after the first)."""
+        metrics = self.server_metrics
+        if metrics is None:
+            return
+        metrics.e2e.observe(now - tracked.arrival)
+        arrival, scheduled = getattr(out, "arrival_time", None), getattr(out, "first_scheduled_time", None)
+        if arrival is not None and scheduled is not None:
+            metrics.queue_time.observe(max(0.0, scheduled - arrival))
+        metrics.prompt_tokens.observe(out.num_prompt_tokens)
+        metrics.generation_tokens.observe(sum(tracked.generated.values()))
+        longest = max(tracked.generated.values(), default=0)
+        if tracked.first_token_at is not None and longest > 1:
+            metrics.tpot.observe((now - tracked.first_token_at) / (longest - 1))
 
     @staticmethod
     def _deliver(tracked: _Tracked, item: Any) -> None:
@@ -265,7 +287,7 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", request_id)
             if self.server_metrics is not None:
-                self.server_metrics.requests.inc(tracked.remaining, finished_reason=reason)
+                self.server_metrics.finished(reason, tracked.remaining)
             self._deliver(tracked, StreamEnd(reason, message))
         self._tracked.clear()
 
