@@ -79,6 +79,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0
+    audit_interval_s: float = 60.0  # KV audit while idle (0 = never)
     announce: bool = False  # print start/stop lines (the CLI server does; test servers don't)
 
 
@@ -87,7 +88,7 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     config: Any = getattr(engine, "config", None)
     max_model_len = int(config.max_model_len)
     metrics = ServerMetrics(settings.model_name, max_model_len)
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, audit_interval_s=settings.audit_interval_s)
     tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
         async_engine, tokenizer, model_name=settings.model_name, max_model_len=max_model_len
@@ -172,6 +173,20 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse, responses={401: _ERRORS[401]})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.post(
+        "/admin/reclaim",
+        responses={401: _ERRORS[401], 403: {"description": "The server runs without an API key"}},
+        summary="Free KV blocks the audit reports as leaked (operator action)",
+    )
+    async def reclaim() -> JSONResponse:
+        """Reclaim leaked KV blocks (see docs/operations.md); the periodic audit
+        only reports them. Served only when the server has an API key."""
+        if settings.api_key is None:
+            raise APIError(403, "admin endpoints need the server to run with --api-key")
+        reclaimed = await async_engine.call(engine.reclaim_leaked, timeout=HEALTH_TIMEOUT_S)
+        problems = await async_engine.call(engine.audit, timeout=HEALTH_TIMEOUT_S)
+        return JSONResponse({"reclaimed_blocks": list(reclaimed), "audit": list(problems)})
 
     _document_400_not_422(app)
     # Outermost first: the key is checked before the body is read.

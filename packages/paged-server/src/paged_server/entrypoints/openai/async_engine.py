@@ -35,6 +35,7 @@ class EngineLike(Protocol):
     def has_unfinished(self) -> bool: ...
     def metrics(self) -> dict[str, float]: ...
     def audit(self) -> list[str]: ...
+    def reclaim_leaked(self) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -64,8 +65,15 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """Runs ``engine.step()`` in a loop on one thread and routes its outputs."""
 
-    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineLike,
+        metrics: ServerMetrics | None = None,
+        audit_interval_s: float = 0.0,
+    ) -> None:
         self.engine = engine
+        self.audit_interval_s = audit_interval_s  # while idle; 0 = never
+        self._last_audit = time.monotonic()
         self.server_metrics = metrics
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any] | None]] = (
             queue.SimpleQueue()
@@ -177,7 +185,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._step()
                 elif not ran:
-                    self._wake.wait(0.5)
+                    self._audit_if_due()
+                    self._wake.wait(min(0.5, self.audit_interval_s or 0.5))
                     self._wake.clear()
         except BaseException as exc:  # a bug in this loop: fail loudly, not silently
             self.last_error = f"engine thread crashed: {type(exc).__name__}: {exc}"
@@ -208,6 +217,20 @@ class AsyncEngine:
             else:
                 if fut is not None:
                     fut.set_result(result)
+
+    def _audit_if_due(self) -> None:
+        """The periodic KV audit, run only while idle (it walks every block).
+        Findings are logged and exported; reclaiming stays an operator action
+        (``POST /admin/reclaim``)."""
+        if not self.audit_interval_s or time.monotonic() - self._last_audit < self.audit_interval_s:
+            return
+        self._last_audit = time.monotonic()
+        problems = self.engine.audit()
+        if problems:
+            logger.error(
+                "KV block audit found %d problem(s): %s", len(problems), "; ".join(problems[:5])
+            )
+        self._snapshot = dict(self.engine.metrics())
 
     def _step(self) -> None:
         try:
