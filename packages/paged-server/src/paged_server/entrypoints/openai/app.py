@@ -96,7 +96,8 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     created = int(time.time())
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loop = asyncio.get_running_loop()  # for checks of leftover tasks
         async_engine.start()
         try:
             yield
