@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from paged_server.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this sample greedily (as vLLM does): so close to 0 the
 # distribution is the argmax anyway, and far smaller ones (1e-40) overflow
 # logits / temperature to inf, which leaves no distribution to draw from.
@@ -25,7 +27,8 @@ class SamplingParams:
     model's log-probability (before penalties and temperature) of each
     chosen token. ``stop`` strings are cut from the text; ``stop_token_ids``
     (and EOS unless ``ignore_eos``) end the request with their token kept in
-    ``token_ids`` but not in the text.
+    ``token_ids`` but not in the text. ``structured_outputs`` constrains
+    the output to a JSON schema or grammar (a token mask before sampling).
     """
 
     n: int = 1
@@ -42,6 +45,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI allows a single string
@@ -73,6 +77,8 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids: must be a list of non-negative integers, got {self.stop_token_ids!r}"
             )
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         for name in ("ignore_eos", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")

@@ -41,12 +41,13 @@ from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
-from paged_server.engine.output_processor import append_token, take_output
+from paged_server.engine.output_processor import append_token, finish_early, take_output
 from paged_server.engine.pool_factory import build_cache_pool
 from paged_server.engine.runner import ModelRunner
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.structured_output import StructuredOutput
 from paged_server.errors import QueueFullError
 from paged_server.models import LoadedModel, load_model
 from paged_server.outputs import RequestOutput
@@ -106,6 +107,9 @@ class LLMEngine:
         self._touched: list[Sequence] = []
         self.counters = EngineCounters()
         self._preemption_log = RateLimitedLog(log)
+        self.structured_output = StructuredOutput(
+            self.tokenizer.hf.to_str(), loaded.config.vocab_size, self.eos_token_ids
+        )
 
     def _decode_graphs(self, device: torch.device) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps: on CUDA, with the Triton kernels
@@ -160,7 +164,10 @@ class LLMEngine:
                 f"{waiting} requests are already waiting (max_queue_len "
                 f"{self.config.max_queue_len}); retry later"
             )
+        grammars = self.structured_output.matchers(params.structured_outputs, params.n)
         request = self._new_request(request_id, text, token_ids, params)
+        for seq, grammar in zip(request.seqs, grammars, strict=True):
+            seq.grammar = grammar
         self._requests[request_id] = request
         self.scheduler.add(request.seqs[0])
         return len(token_ids)
@@ -275,6 +282,7 @@ class LLMEngine:
         if not rows:
             return
         logits = torch.stack([row for _, row in rows])
+        logits = self.structured_output.mask_logits(logits, [s.grammar for s, _ in rows])
         result = sample(
             logits,
             [
@@ -294,10 +302,19 @@ class LLMEngine:
                 request.first_token_time = now
             self.counters.generation_tokens += 1
             self._touched.append(seq)
+            complete = False
+            if seq.grammar is not None:
+                complete, error = self.structured_output.accept(seq.grammar, token)
+                if error is not None:
+                    self._fail(seq, error)
+                    continue
             try:
                 append_token(seq, token, logprob, self.eos_token_ids, self.config.max_model_len)
             except Exception as exc:
                 self._fail(seq, f"detokenization failed: {type(exc).__name__}: {exc}")
+                continue
+            if complete and not seq.is_finished:  # the grammar admits nothing more
+                finish_early(seq, "stop")
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Finish ``seq``; choices that were waiting to fork from it finish too."""

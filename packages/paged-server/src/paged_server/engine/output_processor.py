@@ -46,6 +46,14 @@ def append_token(
     release_text(seq)
 
 
+def finish_early(seq: Sequence, reason: str) -> None:
+    """Finish ``seq`` for a reason outside the token itself (a completed
+    grammar), releasing the text still held back."""
+    seq.finish(reason)
+    _add_text(seq, seq.text_stream.flush())
+    release_text(seq)
+
+
 def _add_text(seq: Sequence, piece: str) -> None:
     """Append detokenized text, cutting (and finishing) at a stop string."""
     if not piece:

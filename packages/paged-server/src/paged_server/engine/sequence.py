@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +80,7 @@ class Sequence:
     output_text: str = ""
     emitted_text_len: int = 0
     logprobs: list[float] = field(default_factory=list)
+    grammar: Any = None  # llguidance matcher when the output is constrained
     # Not yet streamed (cleared by the engine after each RequestOutput).
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)

@@ -28,6 +28,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from paged_server.entrypoints.openai.engine_args import add_engine_flags
     from paged_server.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES
+    from paged_server.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
     p = sub.add_parser(
         "serve",
@@ -52,6 +53,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="seconds between KV block audits while the engine is idle; findings are "
                    "logged and exported as paged:kv_audit_problems (0 = never)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                   help="tool-call format of the model (default: detected from its chat template)")
     add_engine_flags(p)
 
 
@@ -98,6 +101,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         audit_interval_s=args.audit_interval,
         announce=True,
+        tool_call_parser=args.tool_call_parser,
     )
     serve(engine, settings, args.host, args.port, args.log_level)
     return 0

@@ -81,6 +81,7 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
     audit_interval_s: float = 60.0  # KV audit while idle (0 = never)
     announce: bool = False  # print start/stop lines (the CLI server does; test servers don't)
+    tool_call_parser: str | None = None  # None: detected from the chat template
 
 
 def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
@@ -91,7 +92,11 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(engine, metrics, audit_interval_s=settings.audit_interval_s)
     tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
-        async_engine, tokenizer, model_name=settings.model_name, max_model_len=max_model_len
+        async_engine,
+        tokenizer,
+        model_name=settings.model_name,
+        max_model_len=max_model_len,
+        tool_call_parser=settings.tool_call_parser,
     )
     created = int(time.time())
 
