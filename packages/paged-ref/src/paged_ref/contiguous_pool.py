@@ -171,6 +171,11 @@ class ContiguousKVPool(ViewsMixin):
                 problems.append(f"seq_id {seq_id} reserved {r} > max_model_len {self.max_model_len}")
         return problems
 
+    def reclaim_leaked(self) -> list[int]:
+        """Nothing to reclaim: rows are not shared, and a seq_id is freed by
+        whoever allocated it (an idle engine's audit reports one still held)."""
+        return []
+
     def stats(self) -> dict[str, float]:
         """Usage counters under the block manager's names where they mean the
         same: ``usage`` = tokens held / (seq_ids x max_model_len); no prefix cache."""

@@ -41,7 +41,7 @@ from paged_server.engine.beams import advance_beams, finish_beams, new_beam_sear
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
-from paged_server.engine.metrics import EngineCounters
+from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import append_token, finish_early, take_output
 from paged_server.engine.pool_factory import build_cache_pool
 from paged_server.engine.runner import ModelRunner
@@ -107,6 +107,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._touched: list[Sequence] = []
         self.counters = EngineCounters()
+        self._preemption_log = RateLimitedLog(log)
         self.structured_output = StructuredOutput(
             self.tokenizer.hf.to_str(), loaded.config.vocab_size, self.eos_token_ids
         )
@@ -205,14 +206,34 @@ class LLMEngine:
 
     # -- step parts -------------------------------------------------------------
     def _count(self, plan: SchedulerOutput) -> None:
+        """Preemptions and prompt tokens, counted here only (prefix-cache
+        counters are the pool's). A request's first admission records its
+        prefix-cache hits and when it left the queue."""
         counters = self.counters
         counters.preemptions += len(plan.preempted)
+        for seq in plan.preempted:
+            self._preemption_log.warning(
+                "preempted sequence %d (request %s) at %d tokens: KV cache full, %s; "
+                "it will be recomputed",
+                seq.seq_id,
+                seq.request.request_id,
+                seq.num_tokens,
+                self._free_kv_text(),
+            )
+        now = time.monotonic()
         for seq in plan.admitted:
-            counters.prefix_queries += seq.num_tokens
-            counters.prefix_hits += seq.num_computed_tokens  # hits, before this step computes
-            if not seq.request.admitted:
-                seq.request.admitted = True
+            request = seq.request
+            if not request.admitted:
+                request.admitted = True
+                request.num_cached_tokens = seq.num_computed_tokens  # hits, before this step
+                request.first_scheduled_time = now
                 counters.prompt_tokens += seq.num_prompt_tokens
+
+    def _free_kv_text(self) -> str:
+        free_tokens = self.pool.free_token_capacity()
+        if free_tokens is None:  # contiguous pool: rows, not blocks
+            return f"{self.pool.free_seq_count()} free seq_ids"
+        return f"{free_tokens // self.config.block_size} free blocks"
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """Forward, commit, then sample. A pass that raises commits nothing
@@ -392,10 +413,23 @@ class LLMEngine:
 
     def audit(self) -> list[str]:
         """Inconsistencies between the engine and its pool (empty when healthy);
-        when idle, any KV capacity still held is reported as a leak."""
-        return audit_engine(
+        when idle, any KV capacity still held is reported as a leak. The
+        number found is exported (``kv_audit_problems``)."""
+        problems = audit_engine(
             self.pool, self.scheduler, self.capacity, idle=not self.has_unfinished()
         )
+        self.counters.audits += 1
+        self.counters.audit_problems = len(problems)
+        return problems
+
+    def reclaim_leaked(self) -> list[int]:
+        """Operator action after an audit reported leaked blocks: free every
+        block that no live sequence's page table holds. Returns their ids
+        (always empty for the contiguous pool, which has no blocks)."""
+        reclaimed = self.pool.reclaim_leaked()
+        if reclaimed:
+            log.warning("reclaimed %d leaked KV blocks: %s", len(reclaimed), reclaimed)
+        return reclaimed
 
 
 def _model_path(config: EngineConfig) -> str:
