@@ -127,3 +127,22 @@ def test_tp2_matches_tp1_token_for_token(
             "message.broadcast": passes,
             "device.allreduce": 2 * two["layers"] * passes,
         }
+
+
+def test_a_dead_worker_fails_generate_with_a_clear_error(tp_checkpoints: dict[str, Path]) -> None:
+    import os
+    import signal
+
+    from paged_server.errors import EngineFailedError
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(str(tp_checkpoints["llama"]), tensor_parallel_size=2, **BASE, **POOLS["paged"]) as llm:
+        assert llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+        (worker,) = llm.engine.executor.workers
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        with pytest.raises(EngineFailedError, match=r"paged-tp-rank1 \(pid \d+\) killed by SIGKILL"):
+            llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+        assert any("killed by SIGKILL" in problem for problem in llm.engine.audit())
+        with pytest.raises(EngineFailedError):  # stays failed: nothing can step any more
+            llm.engine.step()

@@ -17,7 +17,7 @@ The runner commits nothing: the engine does, once the pass has succeeded.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ class ModelRunner:
         pool: ServingPoolProtocol,
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
-        before_forward: Callable[[Sequence[int], Any], None] | None = None,
+        before_forward: Callable[[list[int], Any], None] | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
