@@ -59,7 +59,10 @@ class TensorParallelExecutor:
                     f"{torch.cuda.device_count()} are visible; lower it or expose more GPUs"
                 )
             torch.cuda.set_device(self.device)
-        else:  # the ranks share the cores instead of each taking all of them
+        # On CPU the ranks share the cores instead of each taking all of them
+        # (restored at shutdown: the setting is process-wide).
+        self._threads = torch.get_num_threads()
+        if self.device.type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         self.recorder: RecordingOps | None = None
         self.dead: str | None = None  # why the ranks stopped, once they have
@@ -188,6 +191,7 @@ class TensorParallelExecutor:
         if not healthy:  # a worker may be stuck in a collective: no grace period
             _stop_processes(self.workers, 0.0)
         self._finalizer()  # joins, then terminates and kills what is left
+        torch.set_num_threads(self._threads)
 
     # -- internals -----------------------------------------------------------------
     def _require_group(self) -> TPGroup:
