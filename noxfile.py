@@ -24,6 +24,7 @@ TEST_DEPS = [
     "openai>=1.30",
     "schemathesis>=3",
     "matplotlib>=3.8",
+    "jsonschema>=4",
 ]
 BACKENDS = ("ref", "triton")
 

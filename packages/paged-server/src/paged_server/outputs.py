@@ -30,6 +30,7 @@ class RequestOutput:
     num_generated_tokens: int
     arrival_time: float | None = None
     first_token_time: float | None = None
+    cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class CompletionChoice:
     finish_reason: str | None
     logprobs: list[float] | None = None
     error: str | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
@@ -52,3 +54,24 @@ class CompletionResult:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionChoice] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One finished beam: ``tokens`` are the prompt's and the beam's (as in
+    vLLM), ``logprobs`` the log-probability of each generated token,
+    ``cum_logprob`` their sum; ``text`` is the generated text."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """``LLM.beam_search``'s result for one prompt: the beams, best first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)

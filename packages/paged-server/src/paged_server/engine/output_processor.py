@@ -46,6 +46,14 @@ def append_token(
     release_text(seq)
 
 
+def finish_early(seq: Sequence, reason: str) -> None:
+    """Finish ``seq`` for a reason outside the token itself (a completed
+    grammar), releasing the text still held back."""
+    seq.finish(reason)
+    _add_text(seq, seq.text_stream.flush())
+    release_text(seq)
+
+
 def _add_text(seq: Sequence, piece: str) -> None:
     """Append detokenized text, cutting (and finishing) at a stop string."""
     if not piece:
@@ -100,6 +108,7 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         num_generated_tokens=seq.num_generated,
         arrival_time=request.arrival_time,
         first_token_time=request.first_token_time,
+        cumulative_logprob=seq.cumulative_logprob,
     )
     seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
     seq.finish_reported = seq.is_finished
