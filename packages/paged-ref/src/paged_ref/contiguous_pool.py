@@ -14,6 +14,7 @@ set of attention ops; only the bookkeeping differs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ class ContiguousKVPool(ViewsMixin):
     ``append_token`` (always >= ``seq_lens[seq_id]``, at most ``max_model_len``).
     """
 
-    def __init__(self, k_cache: Tensor, v_cache: Tensor) -> None:
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, *, ops: ModuleType | None = None) -> None:
         if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
             raise ValueError(
                 "k_cache and v_cache must both be [layers, max_batch_size, max_model_len, "
@@ -43,7 +44,9 @@ class ContiguousKVPool(ViewsMixin):
         self.num_layers, self.max_batch_size, self.max_model_len, self.num_kv_heads, self.head_dim = (
             k_cache.shape
         )
-        self.ops = ref_ops  # the contiguous baseline always attends with the reference ops
+        # The contiguous baseline attends with the reference ops; a caller may
+        # wrap them (the tensor-parallel engine records copy_blocks calls).
+        self.ops = ops if ops is not None else ref_ops
         self.seq_lens: list[int] = [0] * self.max_batch_size
         self.reserved: list[int] = [0] * self.max_batch_size
         self._free: set[int] = set(range(self.max_batch_size))
@@ -58,6 +61,7 @@ class ContiguousKVPool(ViewsMixin):
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
+        ops: ModuleType | None = None,
     ) -> ContiguousKVPool:
         """A zeroed pool for a model's shape (pass ``device="meta"`` to size it
         without allocating memory)."""
@@ -65,6 +69,7 @@ class ContiguousKVPool(ViewsMixin):
         return ContiguousKVPool(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
+            ops=ops,
         )
 
     # The names the attention ops take for the two tensors.
@@ -145,13 +150,13 @@ class ContiguousKVPool(ViewsMixin):
         return max(self.reserved[seq_id], self.seq_lens[seq_id])
 
     def fork_seq(self, seq_id: int) -> int:
-        """A new seq_id holding a copy of ``seq_id``'s written rows."""
+        """A new seq_id holding a copy of ``seq_id``'s rows (one whole "block":
+        every change to the KV tensors outside a forward pass goes through
+        ``ops.copy_blocks``, so a caller can replay it on other tensors)."""
         self._check_live(seq_id)
         child = self.allocate_seq(self.reserved[seq_id])
-        n = self.seq_lens[seq_id]
-        self.k_cache[:, child, :n] = self.k_cache[:, seq_id, :n]
-        self.v_cache[:, child, :n] = self.v_cache[:, seq_id, :n]
-        self.seq_lens[child] = n
+        self.ops.copy_blocks(self.k_cache, self.v_cache, [(seq_id, child)])
+        self.seq_lens[child] = self.seq_lens[seq_id]
         return child
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None:

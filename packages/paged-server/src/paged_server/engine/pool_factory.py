@@ -7,6 +7,7 @@ talks to the pool through ``ServingPoolProtocol`` only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -46,8 +47,16 @@ def build_cache_pool(
     dtype: torch.dtype,
     device: torch.device,
     backend: str,
+    *,
+    num_kv_heads: int | None = None,
+    wrap_ops: Callable[[ModuleType], ModuleType] | None = None,
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:
     """A zeroed pool for ``model_config`` and its capacity.
+
+    With tensor parallelism the pool holds only this rank's ``num_kv_heads``
+    (default: all of the model's), so ``kv_cache_memory_bytes`` (a per-device
+    budget) buys more tokens; ``wrap_ops`` wraps the attention ops the pool
+    uses (rank 0 records its block copies that way).
 
     Paged: ``num_gpu_blocks``, else as many blocks as ``kv_cache_memory_bytes``
     holds, else ``max_batch_size * max_model_len / block_size``. Contiguous:
@@ -55,12 +64,17 @@ def build_cache_pool(
     The contiguous pool attends with the reference path whatever ``backend``.
     """
     from paged_ref import ContiguousKVPool, PagedKVPool
+    from paged_ref import ops as ref_ops
 
     layers, kv_heads, head_dim = (
         model_config.num_layers,
-        model_config.num_kv_heads,
+        num_kv_heads or model_config.num_kv_heads,
         model_config.head_dim,
     )
+
+    def ops_for(module: ModuleType) -> ModuleType:
+        return wrap_ops(module) if wrap_ops is not None else module
+
     itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
     token_bytes = 2 * layers * kv_heads * head_dim * itemsize
     if config.kv_cache_backend == "paged":
@@ -83,7 +97,7 @@ def build_cache_pool(
             dtype,
             device,
             enable_prefix_caching=config.enable_prefix_caching,
-            ops=attention_ops(backend),
+            ops=ops_for(attention_ops(backend)),
         )
         capacity = PoolCapacity(num_blocks, config.block_size, None, num_blocks * config.block_size)
         return pool, capacity
@@ -97,7 +111,14 @@ def build_cache_pool(
                 f"{config.max_model_len}); raise it or lower max_model_len"
             )
     pool = ContiguousKVPool.from_model_config(
-        layers, kv_heads, head_dim, config.max_model_len, rows, dtype=dtype, device=device
+        layers,
+        kv_heads,
+        head_dim,
+        config.max_model_len,
+        rows,
+        dtype=dtype,
+        device=device,
+        ops=ops_for(ref_ops),
     )
     tokens = rows * config.max_model_len
     return pool, PoolCapacity(tokens // config.block_size, config.block_size, rows, tokens)

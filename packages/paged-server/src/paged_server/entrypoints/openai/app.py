@@ -108,6 +108,9 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(async_engine.stop, settings.shutdown_timeout_s)
+            shutdown = getattr(engine, "shutdown", None)
+            if callable(shutdown):  # tensor-parallel workers exit with the server
+                await asyncio.to_thread(shutdown)
             if settings.announce:
                 print(
                     f"paged-server: engine stopped; {async_engine.aborted_at_shutdown} in-flight "

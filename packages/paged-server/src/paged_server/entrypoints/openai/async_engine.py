@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from paged_server.entrypoints.openai.metrics import ServerMetrics
+from paged_server.errors import EngineFailedError
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
 
@@ -240,6 +241,9 @@ class AsyncEngine:
             self.last_error = f"engine step failed: {type(exc).__name__}: {exc}"
             logger.error("%s\n%s", self.last_error, traceback.format_exc())
             self._end_all("error", self.last_error)
+            if isinstance(exc, EngineFailedError):  # no later step can succeed
+                self.last_error = str(exc)
+                self._stopping.set()
             return
         self._route(outputs)
         self._snapshot = dict(self.engine.metrics())
