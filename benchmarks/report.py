@@ -145,6 +145,31 @@ def _comparison_section(title: str, data: dict[str, Any] | None, intro: str) -> 
     return out
 
 
+def _tensor_parallel_section(data: dict[str, Any] | None) -> list[str]:
+    out = _comparison_section(
+        "Tensor parallelism: TP=2 vs TP=1 (CPU, gloo)",
+        data,
+        "The paged engine with `--tensor-parallel-size 1` and `2` on the same workload. On this "
+        "CPU machine both ranks share the same cores (each rank gets half the torch threads) "
+        "and every layer adds two gloo all-reduces through the loopback network, so TP=2 is "
+        "not expected to be faster here: it shows the cost of the communication, not a "
+        "speed-up. On a multi-GPU machine each rank has its own GPU and memory bandwidth and "
+        "NCCL all-reduces over NVLink; the number to measure there is decode tokens/s and ITL "
+        "at equal batch, and the KV capacity at equal per-GPU memory (TP=2 holds twice the "
+        "tokens per GPU when the KV heads split).",
+    )
+    if data is not None:
+        ratio = data.get("ratios", {}).get("tp2_vs_tp1")
+        comm = data.get("communication", {})
+        out += [
+            f"TP=2 / TP=1 tokens/s: {_f(ratio, 2)}x. Per forward pass: "
+            f"{_g(comm.get('all_reduces_per_step'))} all-reduces (2 per layer) and "
+            f"{_g(comm.get('broadcasts_per_message'))} broadcast(s) of the step message.",
+            "",
+        ]
+    return out
+
+
 def _capacity_section(cap: dict[str, Any] | None, images: Path, docs: Path) -> list[str]:
     out = ["## Capacity: concurrent sequences at equal KV memory", ""]
     if cap is None:
@@ -635,6 +660,7 @@ def write_page(results: Path, docs: Path) -> Path:
         "A random ~100M-parameter Llama (`paged-server bench --model-config 100m`), so the "
         "model's compute dominates as it would with a real checkpoint; scaled down because CPU is slow.",
     )
+    lines += _tensor_parallel_section(_load(results, "tensor_parallel"))
     lines += _comparison_section(
         "nano-vllm workload (scaled down for CPU)",
         _load(results, "nano_vllm_embedded"),

@@ -78,6 +78,13 @@ FULL_PLAN: dict[str, Any] = {
         "request_rate": 8.0,
         "budgets": [2048, None],  # None: the engine's CPU default
     },
+    "tensor_parallel": {  # paged engine, TP=1 vs TP=2 (gloo on CPU)
+        "model": "100m",
+        "workload": "seed",
+        "num_requests": None,
+        "prompt_scale": 0.25,
+        "new_tokens_scale": 0.25,
+    },
     "prefix_cache": {
         "model": "embedded",
         "workload": "shared_prefix",
@@ -143,6 +150,13 @@ QUICK_PLAN: dict[str, Any] = {
         "prompt_scale": 0.25,
         "new_tokens_scale": 0.05,
         "batch_sizes": [2, 4, 8, 12],
+    },
+    "tensor_parallel": {
+        "model": "embedded",
+        "workload": "seed",
+        "num_requests": 8,
+        "prompt_scale": 0.1,
+        "new_tokens_scale": 0.05,
     },
     "prefix_cache": {
         "model": "embedded",
@@ -366,6 +380,50 @@ def run_serving_latency(bench: Bench) -> dict[str, Any]:
     return data
 
 
+def run_tensor_parallel(bench: Bench) -> dict[str, Any]:
+    """The paged engine with tensor_parallel_size 1 then 2 on one workload
+    (CPU: two gloo ranks sharing the machine's cores), with each rank's
+    collectives per step counted."""
+    import dataclasses
+
+    from paged_server.bench.engine_bench import engine_config, run_engine
+    from paged_server.engine.llm_engine import LLMEngine
+
+    spec = bench.plan["tensor_parallel"]
+    models, name, _ = bench.model(spec["model"])
+    workload = bench.workload(spec)
+    data = bench.header(spec, workload)
+    base = engine_config(
+        "paged", bench.options.budget, model=models.model_dir,
+        max_num_batched_tokens=bench.options.max_num_batched_tokens,
+        attention_backend=bench.options.attention_backend, dtype=bench.options.dtype,
+    )  # fmt: skip
+    runs, comms = [], {}
+    for tp in (1, 2):
+        engine = LLMEngine(dataclasses.replace(base, tensor_parallel_size=tp))
+        try:
+            result = run_engine(engine, workload, config_name=f"paged_tp{tp}", model_name=name)
+            if engine.executor is not None and engine.executor.group is not None:
+                counts = engine.executor.group.counts
+                steps = result.settings["steps"]
+                comms = {
+                    "all_reduces_per_step": counts.all_reduces / max(counts.messages, 1),
+                    "broadcasts_per_message": counts.broadcasts / max(counts.messages, 1),
+                    "messages": counts.messages,
+                    "measured_steps": steps,
+                }
+        finally:
+            engine.shutdown()
+        runs.append(run_line(result))
+    data["runs"] = runs
+    data["communication"] = comms
+    t1, t2 = (r["tokens_per_s"] for r in runs)
+    data["ratios"] = {"tp2_vs_tp1": t2 / t1 if t1 else None}
+    emit({"kind": "ratios", "workload": workload.name, "model": name, **data["ratios"], **comms})
+    save("tensor_parallel", data)
+    return data
+
+
 def run_capacity(bench: Bench) -> dict[str, Any]:
     from paged_server.bench.capacity import capacity_table
 
@@ -475,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         help="comma-separated subset: capacity,seed_embedded,seed_100m,seed_100m_full,"
-        "nano_vllm_embedded,batch_sweep,prefix_cache,serving_latency,kv_dtype,kv_dtype_throughput",
+        "nano_vllm_embedded,batch_sweep,prefix_cache,serving_latency,tensor_parallel,kv_dtype,"
+        "kv_dtype_throughput",
     )
     args = parser.parse_args(argv)
     global RESULTS, DOCS
@@ -500,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_sweep": lambda: run_batch_sweep(bench),
             "prefix_cache": lambda: run_prefix_cache(bench),
             "serving_latency": lambda: run_serving_latency(bench),
+            "tensor_parallel": lambda: run_tensor_parallel(bench),
             "kv_dtype": lambda: run_kv_dtype(bench),
             "kv_dtype_throughput": lambda: run_kv_dtype_throughput(bench),
         }
@@ -520,7 +580,11 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     k: v
                     for k, v in done.items()
-                    if k not in ("capacity", "serving_latency", "kv_dtype", "kv_dtype_throughput")
+                    if k
+                    not in (
+                        "capacity", "serving_latency", "tensor_parallel", "kv_dtype",
+                        "kv_dtype_throughput",
+                    )  # fmt: skip
                 },
                 bench.env,
             )

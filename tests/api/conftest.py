@@ -47,6 +47,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.added: list[str] = []
         self.steps = 0
+        self.audits = 0
+        self.audit_problems: list[str] = []
         self.thread_ids: set[int] = set()
         self.word_ids = [tokenizer.encode(w, add_special_tokens=False) for w in WORDS]
 
@@ -115,7 +117,13 @@ class FakeEngine:
 
     def audit(self) -> list[str]:
         self._touch()
-        return []
+        self.audits += 1
+        return list(self.audit_problems)
+
+    def reclaim_leaked(self) -> list[int]:
+        self._touch()
+        reclaimed, self.audit_problems = list(range(len(self.audit_problems))), []
+        return reclaimed
 
     def expected_text(self, prompt_len: int, max_tokens: int, index: int = 0) -> str:
         return "".join(WORDS[(prompt_len + k + index) % len(WORDS)] for k in range(max_tokens))

@@ -56,8 +56,8 @@ def test_outputs_are_routed_per_request_from_one_engine_thread(fake_engine: Any)
         ae.stop()
     assert len(fake_engine.thread_ids) == 1
     assert threading.get_ident() not in fake_engine.thread_ids
-    assert metrics.ttft.count == 6
-    assert metrics.requests.value(finished_reason="length") == 9  # choices
+    assert metrics.sample("time_to_first_token_seconds_count") == 6
+    assert metrics.num_finished("length") == 9  # choices
 
 
 def test_abort_stops_generation_and_is_counted(fake_engine: Any) -> None:
@@ -80,7 +80,7 @@ def test_abort_stops_generation_and_is_counted(fake_engine: Any) -> None:
         ae.stop()
     assert fake_engine.aborted == ["long"]
     assert not fake_engine.requests
-    assert metrics.requests.value(finished_reason="abort") == 1
+    assert metrics.num_finished("abort") == 1
 
 
 def test_failed_step_ends_in_flight_streams_and_engine_keeps_serving(fake_engine: Any) -> None:

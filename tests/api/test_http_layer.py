@@ -39,7 +39,8 @@ def test_completion_stream_framing_and_usage(fake_server: Any, fake_engine: Any)
     chunks = [json.loads(p) for p in payloads[:-1]]
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     text_chunks = chunks[:-1]
     assert all(c["usage"] is None for c in text_chunks)
     assert all(c["object"] == "text_completion" and c["id"] == usage_chunk["id"] for c in chunks)
@@ -55,7 +56,8 @@ def test_several_prompts_times_n_number_choices_like_openai(fake_server: Any, fa
         0: fake_engine.expected_text(1, 3, 0), 1: fake_engine.expected_text(1, 3, 1),
         2: fake_engine.expected_text(3, 3, 0), 3: fake_engine.expected_text(3, 3, 1),
     }
-    assert resp["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+    assert resp["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_stream_opens_with_role_and_closes_with_finish(fake_server: Any) -> None:

@@ -23,7 +23,7 @@ MAX_TOKENS = 200
 
 def test_20_streams_disconnecting_midway_free_everything(server: Any) -> None:
     metrics = server.app.state.metrics
-    aborted_before = metrics.requests.value(finished_reason="abort")
+    aborted_before = metrics.num_finished("abort")
     generated_before = server.async_engine.metrics()["generation_tokens_total"]
     capacity = server.engine.free_token_capacity()
 
@@ -47,9 +47,9 @@ def test_20_streams_disconnecting_midway_free_everything(server: Any) -> None:
     assert asyncio.run(main()) == [3] * 20
     after = wait_idle(server)
     deadline = time.monotonic() + 10  # aborts are counted when the engine thread runs them
-    while metrics.requests.value(finished_reason="abort") - aborted_before < 20 and time.monotonic() < deadline:
+    while metrics.num_finished("abort") - aborted_before < 20 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert metrics.requests.value(finished_reason="abort") - aborted_before == 20
+    assert metrics.num_finished("abort") - aborted_before == 20
     generated = after["generation_tokens_total"] - generated_before
     assert generated < 20 * MAX_TOKENS / 2, f"{generated} tokens: streams were not cut short"
     assert server.engine.audit() == []

@@ -228,6 +228,11 @@ def test_metrics_report_the_contract_keys(make_engine, run_engine, prompt_of, gr
         "generation_tokens_total",
         "kv_capacity_tokens",
         "kv_capacity_blocks",
+        "kv_audit_problems",
+        "kv_audits_total",
+        "prefix_cache_misses_too_short_total",
+        "prefix_cache_misses_evicted_total",
+        "prefix_cache_misses_never_seen_total",
     }
     assert m["prompt_tokens_total"] == 16 and m["generation_tokens_total"] == 8
     assert m["kv_capacity_blocks"] == 32 and m["kv_capacity_tokens"] == 128

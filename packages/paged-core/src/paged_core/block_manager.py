@@ -6,7 +6,7 @@ eager allocation of a prompt's blocks, prefix-cache hits on full blocks whose
 KV is already computed, copy-on-write when a sequence writes into a block it
 shares, and an audit. Pure Python, no tensors: the pool that owns the KV
 tensors copies blocks when ``append`` says so. Preemptions are the engine's
-to count: here a preemption is a ``free``.
+to count (once, in the scheduler): here a preemption is a ``free``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from dataclasses import asdict, dataclass, field
 from paged_core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 from paged_core.errors import OutOfBlocksError, UnknownSequenceError
 
-__all__ = ["BlockManager", "BlockManagerStats"]
+__all__ = ["MISS_REASONS", "BlockManager", "BlockManagerStats"]
+
+# Why prompt tokens were not served from the prefix cache (see BlockManagerStats).
+MISS_REASONS = ("too_short", "evicted", "never_seen")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -32,7 +35,14 @@ class BlockManagerStats:
     prefix-cache content, evicted least recently freed first). ``tokens_used``
     sums every live sequence's reserved length, so tokens in shared blocks
     count once per sequence. ``usage`` is ``blocks_used / num_blocks``.
-    ``prefix_*`` count prompt tokens looked up and served from the cache."""
+    ``prefix_*`` count prompt tokens looked up and served from the cache;
+    the tokens not served are split by why (``queries = hits + the three
+    misses``): ``prefix_miss_too_short_tokens`` are those of the block
+    holding the last prompt token, which is never matched (its logits must
+    be computed), so a prompt of at most one block can never hit;
+    ``prefix_miss_evicted_tokens`` are full blocks whose content was cached
+    and evicted (or whose cached prefix was); ``prefix_miss_never_seen_tokens``
+    full blocks no earlier prompt computed."""
 
     num_blocks: int
     block_size: int
@@ -44,6 +54,9 @@ class BlockManagerStats:
     usage: float
     prefix_queries_tokens: int
     prefix_hits_tokens: int
+    prefix_miss_too_short_tokens: int
+    prefix_miss_evicted_tokens: int
+    prefix_miss_never_seen_tokens: int
     hit_rate: float
     evictions: int
     forks: int
@@ -80,6 +93,7 @@ class BlockManager:
         self._seqs: dict[int, _SeqBlocks] = {}
         self._prefix_queries_tokens = 0
         self._prefix_hits_tokens = 0
+        self._miss_tokens = dict.fromkeys(MISS_REASONS, 0)
         self._forks = 0
         self._cow_copies = 0
 
@@ -123,6 +137,7 @@ class BlockManager:
             seq.tokens = list(token_ids) if token_ids is not None else []
             self._prefix_queries_tokens += num_tokens
             self._prefix_hits_tokens += num_cached
+            self._count_misses(num_tokens, token_ids, len(hits), hits[-1][1] if hits else None)
         self._seqs[seq_id] = seq
         return num_cached
 
@@ -271,6 +286,9 @@ class BlockManager:
             usage=used / self.num_blocks if self.num_blocks else 0.0,
             prefix_queries_tokens=queries,
             prefix_hits_tokens=hits,
+            prefix_miss_too_short_tokens=self._miss_tokens["too_short"],
+            prefix_miss_evicted_tokens=self._miss_tokens["evicted"],
+            prefix_miss_never_seen_tokens=self._miss_tokens["never_seen"],
             hit_rate=hits / queries if queries else 0.0,
             evictions=self.block_pool.evictions,
             forks=self._forks,
@@ -350,6 +368,28 @@ class BlockManager:
                 hits.append((block, parent))
         free_hits = sum(1 for block, _ in hits if block.ref_count == 0)
         return hits, _cdiv(num_tokens, bs) - len(hits) + free_hits
+
+    def _count_misses(
+        self,
+        num_tokens: int,
+        token_ids: Sequence[int] | None,
+        num_hits: int,
+        parent: BlockHash | None,
+    ) -> None:
+        """Split the prompt's unserved tokens by reason (``BlockManagerStats``).
+        A matchable block after the first miss is "evicted" when its key is
+        still cached or was evicted (its prefix went), else "never seen"."""
+        bs = self.block_size
+        matchable = (num_tokens - 1) // bs
+        self._miss_tokens["too_short"] += num_tokens - matchable * bs
+        pool = self.block_pool
+        for i in range(num_hits, matchable):
+            if token_ids is None:  # no ids: nothing could ever match
+                self._miss_tokens["never_seen"] += (matchable - i) * bs
+                return
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            seen = parent in pool.prefix_index or pool.was_evicted(parent)
+            self._miss_tokens["evicted" if seen else "never_seen"] += bs
 
     def _require_free(self, why: str) -> None:
         if not self.block_pool.free_queue:

@@ -65,6 +65,10 @@ class BlockPool:
         self.prefix_index: dict[BlockHash, Block] = {}
         self.evictions = 0
         self._num_cached_free = 0
+        # Keys evicted recently (bounded), so a prefix miss can say "evicted"
+        # rather than "never seen".
+        self.evicted_keys: OrderedDict[BlockHash, None] = OrderedDict()
+        self.evicted_keys_limit = max(1024, 4 * num_blocks)
 
     def num_cached_free(self) -> int:
         """Free blocks that still hold cached KV (evictable)."""
@@ -85,6 +89,7 @@ class BlockPool:
             block, _ = self.free_queue.popitem(last=False)
             assert block.ref_count == 0, "a free block must have no references"
             if block.block_hash is not None:
+                self._remember_evicted(block.block_hash)
                 self._uncache(block)
                 self._num_cached_free -= 1
                 self.evictions += 1
@@ -198,6 +203,17 @@ class BlockPool:
                     f"prefix index maps a key to block {block.block_id}, cached under another"
                 )
         return problems
+
+    def was_evicted(self, block_hash: BlockHash) -> bool:
+        """Whether ``block_hash`` was evicted recently (the last
+        ``evicted_keys_limit`` evictions are remembered)."""
+        return block_hash in self.evicted_keys
+
+    def _remember_evicted(self, block_hash: BlockHash) -> None:
+        self.evicted_keys[block_hash] = None
+        self.evicted_keys.move_to_end(block_hash)
+        if len(self.evicted_keys) > self.evicted_keys_limit:
+            self.evicted_keys.popitem(last=False)
 
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None:

@@ -190,7 +190,12 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
         """Every inconsistency found (empty when healthy)."""
         ...
 
+    def reclaim_leaked(self) -> list[int]:
+        """Free every block no live seq_id holds (leaked by a bug); returns
+        their ids. An operator action after an audit, never run on its own."""
+        ...
+
     def stats(self) -> dict[str, float]:
-        """Operator counters: KV usage, prefix-cache queries and hits, evictions
-        (preemptions are the engine's to count)."""
+        """Operator counters: KV usage, prefix-cache queries, hits and misses
+        by reason, evictions (preemptions are the engine's to count)."""
         ...

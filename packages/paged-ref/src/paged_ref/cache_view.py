@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from paged_ref.attention_metadata import AttentionMetadata
+from paged_ref.kv_quant import scale_keywords
 from paged_ref.ops import gather_context
 
 
@@ -205,7 +206,7 @@ class CacheView:
         k_scales, v_scales = self.pool.k_scales, self.pool.v_scales
         if k_scales is None or v_scales is None:
             return {}
-        return {"k_scales": k_scales[layer_idx], "v_scales": v_scales[layer_idx]}
+        return scale_keywords(k_scales[layer_idx], v_scales[layer_idx])
 
     def _metadata(self, num_tokens: int) -> AttentionMetadata:
         if self.meta is None:

@@ -14,6 +14,7 @@ set of attention ops; only the bookkeeping differs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -22,7 +23,7 @@ from paged_core import OutOfBlocksError
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.cache_view import ViewsMixin
-from paged_ref.kv_quant import as_bits, cache_dtype_for, check_scales, new_scales
+from paged_ref.kv_quant import cache_dtype_for, check_scales, new_scales, scale_keywords
 
 
 class ContiguousKVPool(ViewsMixin):
@@ -38,6 +39,7 @@ class ContiguousKVPool(ViewsMixin):
         k_cache: Tensor,
         v_cache: Tensor,
         *,
+        ops: ModuleType | None = None,
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
     ) -> None:
@@ -56,7 +58,9 @@ class ContiguousKVPool(ViewsMixin):
         self.num_layers, self.max_batch_size, self.max_model_len, self.num_kv_heads, self.head_dim = (
             k_cache.shape
         )
-        self.ops = ref_ops  # the contiguous baseline always attends with the reference ops
+        # The contiguous baseline attends with the reference ops; a caller may
+        # wrap them (the tensor-parallel engine records copy_blocks calls).
+        self.ops = ops if ops is not None else ref_ops
         self.seq_lens: list[int] = [0] * self.max_batch_size
         self.reserved: list[int] = [0] * self.max_batch_size
         self._free: set[int] = set(range(self.max_batch_size))
@@ -71,6 +75,7 @@ class ContiguousKVPool(ViewsMixin):
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
+        ops: ModuleType | None = None,
         kv_cache_dtype: str = "auto",
     ) -> ContiguousKVPool:
         """A zeroed pool for a model's shape (pass ``device="meta"`` to size it
@@ -80,7 +85,7 @@ class ContiguousKVPool(ViewsMixin):
         k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         return ContiguousKVPool(
-            k_cache, v_cache, k_scales=new_scales(k_cache), v_scales=new_scales(v_cache)
+            k_cache, v_cache, ops=ops, k_scales=new_scales(k_cache), v_scales=new_scales(v_cache)
         )
 
     # The names the attention ops take for the two tensors.
@@ -162,14 +167,16 @@ class ContiguousKVPool(ViewsMixin):
         return max(self.reserved[seq_id], self.seq_lens[seq_id])
 
     def fork_seq(self, seq_id: int) -> int:
-        """A new seq_id holding a copy of ``seq_id``'s written rows."""
+        """A new seq_id holding a copy of ``seq_id``'s rows (one whole "block":
+        every change to the KV tensors outside a forward pass goes through
+        ``ops.copy_blocks``, so a caller can replay it on other tensors)."""
         self._check_live(seq_id)
         child = self.allocate_seq(self.reserved[seq_id])
-        n = self.seq_lens[seq_id]
-        for tensor in (self.k_cache, self.v_cache, self.k_scales, self.v_scales):
-            if tensor is not None:
-                as_bits(tensor)[:, child, :n] = as_bits(tensor)[:, seq_id, :n]
-        self.seq_lens[child] = n
+        self.ops.copy_blocks(  # an int8 cache's scales are copied with it
+            self.k_cache, self.v_cache, [(seq_id, child)],
+            **scale_keywords(self.k_scales, self.v_scales),
+        )  # fmt: skip
+        self.seq_lens[child] = self.seq_lens[seq_id]
         return child
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None:
@@ -188,6 +195,11 @@ class ContiguousKVPool(ViewsMixin):
             elif r > self.max_model_len:
                 problems.append(f"seq_id {seq_id} reserved {r} > max_model_len {self.max_model_len}")
         return problems
+
+    def reclaim_leaked(self) -> list[int]:
+        """Nothing to reclaim: rows are not shared, and a seq_id is freed by
+        whoever allocated it (an idle engine's audit reports one still held)."""
+        return []
 
     def stats(self) -> dict[str, float]:
         """Usage counters under the block manager's names where they mean the

@@ -82,6 +82,15 @@ def check_scales(cache: Tensor, scales: Tensor | None, name: str) -> None:
         )
 
 
+def scale_keywords(k_scales: Tensor | None, v_scales: Tensor | None) -> dict[str, Tensor]:
+    """The ops' ``k_scales=``/``v_scales=`` keywords for an int8 cache, and
+    none otherwise (so an ops module written before 8-bit caches still
+    serves the other dtypes)."""
+    if k_scales is None or v_scales is None:
+        return {}
+    return {"k_scales": k_scales, "v_scales": v_scales}
+
+
 def kv_bytes_per_token(
     num_layers: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype
 ) -> int:

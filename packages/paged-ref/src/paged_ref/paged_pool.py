@@ -24,7 +24,13 @@ from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.block_table_buffer import BlockTableBuffer
 from paged_ref.cache_view import ViewsMixin
-from paged_ref.kv_quant import cache_dtype_for, check_scales, kv_bytes_per_token, new_scales
+from paged_ref.kv_quant import (
+    cache_dtype_for,
+    check_scales,
+    kv_bytes_per_token,
+    new_scales,
+    scale_keywords,
+)
 
 
 def block_bytes(
@@ -317,10 +323,9 @@ class PagedKVPool(ViewsMixin):
     def _flush_copies(self) -> None:
         if self._pending_copies:
             pairs, self._pending_copies = self._pending_copies, []
-            scales = {}  # int8 only, so an ops module without scale keywords still serves the rest
-            if self.k_scales is not None and self.v_scales is not None:
-                scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
-            self.ops.copy_blocks(self.k_cache, self.v_cache, pairs, **scales)  # host pairs: one upload
+            self.ops.copy_blocks(  # host pairs: one upload; int8 scales copied too
+                self.k_cache, self.v_cache, pairs, **scale_keywords(self.k_scales, self.v_scales)
+            )
 
     def _new_seq_id(self) -> int:
         seq_id = self._next_seq_id

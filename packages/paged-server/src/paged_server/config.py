@@ -53,6 +53,7 @@ class EngineConfig:
     device: str = "auto"
     max_queue_len: int = 1024
     seed: int = 0
+    tensor_parallel_size: int = 1  # >1: that many processes, one per device (parallel/)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field and what to do."""
@@ -64,7 +65,7 @@ class EngineConfig:
             raise ValueError(
                 f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
-        for name in ("block_size", "max_batch_size", "max_queue_len"):
+        for name in ("block_size", "max_batch_size", "max_queue_len", "tensor_parallel_size"):
             _at_least(name, getattr(self, name), 1)
         _at_least("max_model_len", self.max_model_len, 2)  # one prompt token + one generated
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens"):

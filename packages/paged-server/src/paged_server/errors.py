@@ -11,3 +11,10 @@ class QueueFullError(RuntimeError):
 class ContextLengthError(ValueError):
     """The prompt (or prompt + ``max_tokens``) does not fit ``max_model_len``
     (HTTP 400 with OpenAI's ``context_length_exceeded`` code)."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine cannot go on (a tensor-parallel rank died, or the ranks
+    disagree after a failed step): every in-flight request fails with this
+    message and the server reports unhealthy (HTTP 500 for requests in
+    flight, 503 afterwards)."""

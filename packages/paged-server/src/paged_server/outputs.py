@@ -13,9 +13,11 @@ class RequestOutput:
     Deltas only: ``new_token_ids``/``new_text``/``new_logprobs`` hold what
     is new since the previous output of this choice. ``new_text`` may lag
     the tokens by a few characters while a stop string could still be
-    forming. ``arrival_time`` and ``first_token_time`` (``time.monotonic()``
-    seconds) let the server build TTFT histograms; the time an output
-    arrives gives inter-token latency.
+    forming. ``arrival_time``, ``first_scheduled_time`` and
+    ``first_token_time`` (``time.monotonic()`` seconds) let the server build
+    queue-time and TTFT histograms; the time an output arrives gives
+    inter-token latency. ``num_cached_tokens``: prompt tokens served from the
+    prefix cache at the request's first admission (``usage.cached_tokens``).
     """
 
     request_id: str
@@ -31,6 +33,8 @@ class RequestOutput:
     arrival_time: float | None = None
     first_token_time: float | None = None
     cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -15,7 +15,10 @@ Each step, in order:
 
 A request never fails because the pool is full: it waits or is recomputed.
 Errors that belong to one request (NaN logits, detokenizer) fail that
-request only. The engine is single-threaded: the HTTP server drives it from
+request only. With ``tensor_parallel_size > 1`` this process is rank 0
+(``paged_server.parallel``): it broadcasts each step to the other ranks
+before its own forward pass, and a failed pass is fatal
+(``EngineFailedError``), since the ranks' caches may then disagree. The engine is single-threaded: the HTTP server drives it from
 one thread (``api/async_engine.py``), ``LLM`` from the caller's.
 """
 
@@ -26,6 +29,7 @@ import itertools
 import logging
 import random
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -41,7 +45,7 @@ from paged_server.engine.beams import advance_beams, finish_beams, new_beam_sear
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
-from paged_server.engine.metrics import EngineCounters
+from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import append_token, finish_early, take_output
 from paged_server.engine.pool_factory import build_cache_pool
 from paged_server.engine.runner import ModelRunner
@@ -49,10 +53,14 @@ from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.engine.structured_output import StructuredOutput
-from paged_server.errors import QueueFullError
+from paged_server.errors import EngineFailedError, QueueFullError
 from paged_server.models import LoadedModel, load_model
+from paged_server.models.tensor_parallel import shard_heads
 from paged_server.outputs import RequestOutput
 from paged_server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_server.parallel import TensorParallelExecutor
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +74,33 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
+        self.executor: TensorParallelExecutor | None = None
+        self.failed: str | None = None  # set when the engine can no longer step
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError(
+                    "tensor_parallel_size > 1 loads the model in every rank: pass the model "
+                    "directory (model=...), not a LoadedModel"
+                )
+            try:
+                self._init(config, self._start_ranks(config))
+            except BaseException:
+                self.shutdown()
+                raise
+        else:
+            self._init(config, loaded)
+
+    def _start_ranks(self, config: EngineConfig) -> LoadedModel:
+        """Spawn ranks 1..N-1 and load this rank's (0) shard alongside theirs."""
+        from paged_server.parallel import TensorParallelExecutor
+
+        device = resolve_device(config)
+        self.executor = TensorParallelExecutor(
+            config, device, resolve_attention_backend(config, device)
+        )
+        return self.executor.load_model(_model_path(config), resolve_dtype(config, device))
+
+    def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         if loaded is None:
             device = resolve_device(config)
             loaded = load_model(_model_path(config), resolve_dtype(config, device), device)
@@ -88,10 +123,26 @@ class LLMEngine:
                 config.max_model_len,
                 loaded.config.max_position_embeddings,
             )
+        mc, executor = loaded.config, self.executor
+        self.kv_heads_per_rank = shard_heads(mc.num_heads, mc.num_kv_heads, loaded.model.tp).num_kv_heads
         self.pool, self.capacity = build_cache_pool(
-            config, loaded.config, loaded.dtype, device, self.attention_backend
+            config,
+            mc,
+            loaded.dtype,
+            device,
+            self.attention_backend,
+            num_kv_heads=self.kv_heads_per_rank,
+            wrap_ops=executor.wrap_ops if executor is not None else None,
         )
-        self.runner = ModelRunner(loaded.model, self.pool, device, self._decode_graphs(device))
+        self.runner = ModelRunner(
+            loaded.model,
+            self.pool,
+            device,
+            self._decode_graphs(device),
+            before_forward=executor.broadcast_step if executor is not None else None,
+        )
+        if executor is not None:
+            log.info("%s", self.parallel_summary())
         if device.type == "cuda":  # compile (and capture) before the first request
             seconds = self.runner.warm_up(min(config.max_model_len - 1, 256))
             log.info("warm-up done in %.1f s", seconds)
@@ -107,6 +158,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._touched: list[Sequence] = []
         self.counters = EngineCounters()
+        self._preemption_log = RateLimitedLog(log)
         self.structured_output = StructuredOutput(
             self.tokenizer.hf.to_str(), loaded.config.vocab_size, self.eos_token_ids
         )
@@ -117,6 +169,7 @@ class LLMEngine:
         config = self.config
         if (
             config.enforce_eager
+            or config.tensor_parallel_size > 1  # graphs would skip the step broadcast
             or device.type != "cuda"
             or self.attention_backend != "triton"
             or config.kv_cache_backend != "paged"
@@ -139,6 +192,8 @@ class LLMEngine:
         prompt, a prompt that can never fit the cache, or a duplicate id;
         ``QueueFullError`` when ``max_queue_len`` requests already wait.
         """
+        if self.failed is not None:
+            raise EngineFailedError(self.failed)
         params.validate(self.config.max_model_len)
         if isinstance(prompt, str):
             try:
@@ -164,8 +219,9 @@ class LLMEngine:
                 f"{waiting} requests are already waiting (max_queue_len "
                 f"{self.config.max_queue_len}); retry later"
             )
-        grammars = self.structured_output.matchers(params.structured_outputs, params.n)
         request = self._new_request(request_id, text, token_ids, params)
+        # one matcher per sequence: n choices, or best_of beams
+        grammars = self.structured_output.matchers(params.structured_outputs, len(request.seqs))
         for seq, grammar in zip(request.seqs, grammars, strict=True):
             seq.grammar = grammar
         self._requests[request_id] = request
@@ -189,12 +245,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Whether ``step()`` still has anything to do (including reporting and
         freeing sequences that finished or were aborted since the last step)."""
+        if self.failed is not None:
+            return False
         return self.scheduler.has_work() or bool(self._touched)
 
     # -- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled sequence by its tokens for this step; returns
-        the new output of each (request, choice) that produced something."""
+        the new output of each (request, choice) that produced something.
+        Raises ``EngineFailedError`` once the engine cannot go on."""
+        if self.failed is not None:
+            raise EngineFailedError(self.failed)
         self.scheduler.retire()
         plan = self.scheduler.schedule()
         self._count(plan)
@@ -204,14 +265,34 @@ class LLMEngine:
 
     # -- step parts -------------------------------------------------------------
     def _count(self, plan: SchedulerOutput) -> None:
+        """Preemptions and prompt tokens, counted here only (prefix-cache
+        counters are the pool's). A request's first admission records its
+        prefix-cache hits and when it left the queue."""
         counters = self.counters
         counters.preemptions += len(plan.preempted)
+        for seq in plan.preempted:
+            self._preemption_log.warning(
+                "preempted sequence %d (request %s) at %d tokens: KV cache full, %s; "
+                "it will be recomputed",
+                seq.seq_id,
+                seq.request.request_id,
+                seq.num_tokens,
+                self._free_kv_text(),
+            )
+        now = time.monotonic()
         for seq in plan.admitted:
-            counters.prefix_queries += seq.num_tokens
-            counters.prefix_hits += seq.num_computed_tokens  # hits, before this step computes
-            if not seq.request.admitted:
-                seq.request.admitted = True
+            request = seq.request
+            if not request.admitted:
+                request.admitted = True
+                request.num_cached_tokens = seq.num_computed_tokens  # hits, before this step
+                request.first_scheduled_time = now
                 counters.prompt_tokens += seq.num_prompt_tokens
+
+    def _free_kv_text(self) -> str:
+        free_tokens = self.pool.free_token_capacity()
+        if free_tokens is None:  # contiguous pool: rows, not blocks
+            return f"{self.pool.free_seq_count()} free seq_ids"
+        return f"{free_tokens // self.config.block_size} free blocks"
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """Forward, commit, then sample. A pass that raises commits nothing
@@ -219,6 +300,8 @@ class LLMEngine:
         try:
             step = self.runner.execute(scheduled)
         except Exception as exc:
+            if self.executor is not None:
+                raise self._fail_engine(self.executor.describe_failure(exc)) from exc
             log.exception("forward pass failed for %d sequences", len(scheduled))
             for seq, _ in scheduled:
                 self._fail(seq, f"model forward pass failed: {type(exc).__name__}: {exc}")
@@ -339,6 +422,38 @@ class LLMEngine:
     def _fail(self, seq: Sequence, message: str) -> None:
         self._finish(seq, "error", message)
 
+    def _fail_engine(self, reason: str) -> EngineFailedError:
+        """Stop for good: stop every rank; the caller raises the returned error."""
+        self.failed = f"tensor-parallel engine stopped: {reason}"
+        log.error("%s", self.failed)
+        if self.executor is not None:
+            self.executor.shutdown(reason)
+        return EngineFailedError(self.failed)
+
+    # -- lifecycle ----------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank).
+        Idempotent; the engine cannot step afterwards if it had workers."""
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.failed = self.failed or "the engine was shut down"
+
+    def parallel_summary(self) -> str | None:
+        """One line on how tensor parallelism splits the KV cache (None without it)."""
+        n = self.config.tensor_parallel_size
+        if n == 1:
+            return None
+        total, local = self.model_config.num_kv_heads, self.kv_heads_per_rank
+        gain = total / local
+        how = (
+            f"at equal per-device memory the pool holds {gain:g}x the tokens of one device"
+            if gain > 1
+            else "KV heads are replicated (fewer KV heads than ranks), so no capacity gain"
+        )
+        return (
+            f"tensor_parallel_size={n}: each rank holds {local} of {total} KV heads per layer; "
+            f"{how}"
+        )
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         seen: set[int] = set()
@@ -391,10 +506,24 @@ class LLMEngine:
 
     def audit(self) -> list[str]:
         """Inconsistencies between the engine and its pool (empty when healthy);
-        when idle, any KV capacity still held is reported as a leak."""
-        return audit_engine(
+        when idle, any KV capacity still held is reported as a leak. The
+        number found is exported (``kv_audit_problems``)."""
+        problems = self.executor.health() if self.executor is not None else []
+        problems += audit_engine(
             self.pool, self.scheduler, self.capacity, idle=not self.has_unfinished()
         )
+        self.counters.audits += 1
+        self.counters.audit_problems = len(problems)
+        return problems
+
+    def reclaim_leaked(self) -> list[int]:
+        """Operator action after an audit reported leaked blocks: free every
+        block that no live sequence's page table holds. Returns their ids
+        (always empty for the contiguous pool, which has no blocks)."""
+        reclaimed = self.pool.reclaim_leaked()
+        if reclaimed:
+            log.warning("reclaimed %d leaked KV blocks: %s", len(reclaimed), reclaimed)
+        return reclaimed
 
 
 def _model_path(config: EngineConfig) -> str:

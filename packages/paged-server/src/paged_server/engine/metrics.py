@@ -1,22 +1,31 @@
-"""The engine's counters and the ``metrics()`` snapshot built from them."""
+"""The engine's counters and the ``metrics()`` snapshot built from them.
+
+One source for each number: the engine counts what only it sees (prompt and
+generated tokens, preemptions, which the scheduler decides); the pool's
+``stats()`` (the block manager's counters) gives prefix-cache queries, hits
+and misses by reason. Nothing is counted in two places.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
+from paged_core import MISS_REASONS
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.engine.pool_factory import PoolCapacity
 
 
 @dataclass(slots=True)
 class EngineCounters:
-    """Monotonic totals since the engine started."""
+    """Monotonic totals since the engine started, and the last audit's result."""
 
     preemptions: int = 0
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0  # of those, tokens served from it
     prompt_tokens: int = 0  # each request's prompt once (not recomputes)
     generation_tokens: int = 0
+    audit_problems: int = 0  # findings of the last audit (0 when clean)
+    audits: int = 0
 
     def snapshot(
         self,
@@ -32,15 +41,46 @@ class EngineCounters:
             usage = 1.0 - free / capacity.tokens if capacity.tokens else 0.0
         else:
             usage = 1.0 - pool.free_seq_count() / capacity.num_rows
-        return {
+        stats = pool.stats()  # the contiguous pool has no prefix cache: zeros
+        out = {
             "num_requests_running": float(num_running),
             "num_requests_waiting": float(num_waiting),
             "kv_cache_usage_perc": usage,
             "num_preemptions_total": float(self.preemptions),
-            "prefix_cache_queries_total": float(self.prefix_queries),
-            "prefix_cache_hits_total": float(self.prefix_hits),
+            "prefix_cache_queries_total": float(stats.get("prefix_queries_tokens", 0)),
+            "prefix_cache_hits_total": float(stats.get("prefix_hits_tokens", 0)),
             "prompt_tokens_total": float(self.prompt_tokens),
             "generation_tokens_total": float(self.generation_tokens),
             "kv_capacity_tokens": float(capacity.tokens),
             "kv_capacity_blocks": float(capacity.num_blocks),
+            "kv_audit_problems": float(self.audit_problems),
+            "kv_audits_total": float(self.audits),
         }
+        for reason in MISS_REASONS:
+            key = f"prefix_miss_{reason}_tokens"
+            out[f"prefix_cache_misses_{reason}_total"] = float(stats.get(key, 0))
+        return out
+
+
+class RateLimitedLog:
+    """At most one line per ``interval_s``; the lines held back are counted
+    and their number is told with the next line that goes out."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 5.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last = -float("inf")
+        self._held_back = 0
+
+    def warning(self, msg: str, *args: object) -> bool:
+        """Log (or count) one warning; returns whether it was written."""
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._held_back += 1
+            return False
+        if self._held_back:
+            msg += " (%d similar message(s) held back in the last %.0f s)"
+            args = (*args, self._held_back, self.interval_s)
+        self.logger.warning(msg, *args)
+        self._last, self._held_back = now, 0
+        return True

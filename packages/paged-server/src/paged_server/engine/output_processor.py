@@ -109,6 +109,8 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         arrival_time=request.arrival_time,
         first_token_time=request.first_token_time,
         cumulative_logprob=seq.cumulative_logprob,
+        first_scheduled_time=request.first_scheduled_time,
+        num_cached_tokens=request.num_cached_tokens,
     )
     seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
     seq.finish_reported = seq.is_finished

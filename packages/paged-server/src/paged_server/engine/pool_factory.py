@@ -7,6 +7,7 @@ talks to the pool through ``ServingPoolProtocol`` only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -48,8 +49,16 @@ def build_cache_pool(
     dtype: torch.dtype,
     device: torch.device,
     backend: str,
+    *,
+    num_kv_heads: int | None = None,
+    wrap_ops: Callable[[ModuleType], ModuleType] | None = None,
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:
     """A zeroed pool for ``model_config`` and its capacity.
+
+    With tensor parallelism the pool holds only this rank's ``num_kv_heads``
+    (default: all of the model's), so ``kv_cache_memory_bytes`` (a per-device
+    budget) buys more tokens; ``wrap_ops`` wraps the attention ops the pool
+    uses (rank 0 records its block copies that way).
 
     Paged: ``num_gpu_blocks``, else as many blocks as ``kv_cache_memory_bytes``
     holds, else ``max_batch_size * max_model_len / block_size``. Contiguous:
@@ -59,13 +68,18 @@ def build_cache_pool(
     The contiguous pool attends with the reference path whatever ``backend``.
     """
     from paged_ref import ContiguousKVPool, PagedKVPool
+    from paged_ref import ops as ref_ops
     from paged_ref.kv_quant import cache_dtype_for, kv_bytes_per_token
 
     layers, kv_heads, head_dim = (
         model_config.num_layers,
-        model_config.num_kv_heads,
+        num_kv_heads or model_config.num_kv_heads,
         model_config.head_dim,
     )
+
+    def ops_for(module: ModuleType) -> ModuleType:
+        return wrap_ops(module) if wrap_ops is not None else module
+
     # Bytes per token of what the pool stores (an 8-bit cache's scales included).
     kv_dtype = cache_dtype_for(config.kv_cache_dtype, dtype)
     token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
@@ -89,7 +103,7 @@ def build_cache_pool(
             dtype,
             device,
             enable_prefix_caching=config.enable_prefix_caching,
-            ops=attention_ops(backend),
+            ops=ops_for(attention_ops(backend)),
             kv_cache_dtype=config.kv_cache_dtype,
         )
         tokens = num_blocks * config.block_size
@@ -108,7 +122,7 @@ def build_cache_pool(
             )
     pool = ContiguousKVPool.from_model_config(
         layers, kv_heads, head_dim, config.max_model_len, rows, dtype=dtype, device=device,
-        kv_cache_dtype=config.kv_cache_dtype,
+        ops=ops_for(ref_ops), kv_cache_dtype=config.kv_cache_dtype,
     )  # fmt: skip
     tokens = rows * config.max_model_len
     return pool, PoolCapacity(

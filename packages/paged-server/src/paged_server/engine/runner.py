@@ -17,7 +17,9 @@ The runner commits nothing: the engine does, once the pass has succeeded.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -46,11 +48,15 @@ class ModelRunner:
         pool: ServingPoolProtocol,
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
+        before_forward: Callable[[list[int], Any], None] | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.decode_graphs = decode_graphs
+        # Tensor parallelism: sends (token ids, the step's view) to the other
+        # ranks, which then run the same forward pass on their shards.
+        self.before_forward = before_forward
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
@@ -84,6 +90,8 @@ class ModelRunner:
             hidden = graphs.run(seq_ids, starts, self._tensor(ids))
         else:
             view = self.pool.step_view(seq_ids, starts, lens)
+            if self.before_forward is not None:
+                self.before_forward(ids, view)
             hidden = model.hidden_states(  # type: ignore[operator]
                 self._tensor(ids), self._tensor(positions), view
             )
@@ -102,6 +110,8 @@ class ModelRunner:
         seq_id, _ = self.pool.allocate_sequence([0] * prompt_len)
         try:  # never committed: nothing enters the prefix cache
             view = self.pool.step_view([seq_id], [0], [prompt_len])
+            if self.before_forward is not None:
+                self.before_forward([0] * prompt_len, view)
             self.model.hidden_states(  # type: ignore[operator]
                 self._tensor([0] * prompt_len), self._tensor(list(range(prompt_len))), view
             )

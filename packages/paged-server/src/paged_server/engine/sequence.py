@@ -58,6 +58,8 @@ class Request:
     beam: BeamSearch | None = None  # a beam search's scorer (its seqs are the beams)
     # Beams' last logits, kept until every running beam has its row.
     beam_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prefix-cache hits at its first admission
+    first_scheduled_time: float | None = None  # left the queue (first admission)
 
     @property
     def finished(self) -> bool:

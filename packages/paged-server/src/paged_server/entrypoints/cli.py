@@ -49,6 +49,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="larger request bodies get HTTP 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted")
+    p.add_argument("--audit-interval", type=float, default=60.0,
+                   help="seconds between KV block audits while the engine is idle; findings are "
+                   "logged and exported as paged:kv_audit_problems (0 = never)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                    help="tool-call format of the model (default: detected from its chat template)")
@@ -96,6 +99,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        audit_interval_s=args.audit_interval,
         announce=True,
         tool_call_parser=args.tool_call_parser,
     )

@@ -7,7 +7,9 @@
     beams[0].sequences[0].text
 
 ``generate`` feeds the engine as fast as its queue takes requests and
-steps it until every prompt is done; ``llm.engine`` gives metrics.
+steps it until every prompt is done; ``llm.engine`` gives metrics. With
+``tensor_parallel_size=N`` the engine runs N processes: ``llm.shutdown()``
+(or ``with LLM(...) as llm:``) stops them; so does interpreter exit.
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ class LLM:
     ) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_config), loaded)
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (if any)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer

@@ -17,6 +17,7 @@ from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.config import ModelConfig
+from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
 
 class CausalLM(nn.Module):
@@ -25,9 +26,10 @@ class CausalLM(nn.Module):
 
     model: nn.Module
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp  # this rank's shard (the LM head stays whole on every rank)
 
     def _init_lm_head(self) -> None:
         """Create ``lm_head`` after ``self.model`` so that tied checkpoints

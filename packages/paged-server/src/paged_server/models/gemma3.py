@@ -22,12 +22,13 @@ from paged_server.models.base import CausalLM
 from paged_server.models.config import SLIDING_ATTENTION, ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
 from paged_server.models.rope import RotaryEmbedding
+from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
 
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich-norm block: norm -> attention -> norm -> residual, same for the MLP."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         c = config
         self.is_sliding = c.layer_types[layer_idx] == SLIDING_ATTENTION
@@ -43,8 +44,9 @@ class Gemma3DecoderLayer(nn.Module):
             qk_norm=lambda: RMSNorm(c.head_dim, c.rms_norm_eps, unit_offset=True),
             sliding_window=c.layer_sliding_window(layer_idx),
             softcap=c.attn_logit_softcapping,
+            tp=tp,
         )
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, tp=tp)
         self.input_layernorm = self._norm(c)
         self.post_attention_layernorm = self._norm(c)
         self.pre_feedforward_layernorm = self._norm(c)
@@ -70,12 +72,14 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """Scaled embeddings, layers with local or global RoPE, final norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         self._scales: dict[torch.dtype, float] = {}
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, tp) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         max_pos = config.max_position_embeddings
         self.global_rotary = RotaryEmbedding(config.rope, config.head_dim, max_pos)
@@ -113,7 +117,7 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text model; the LM head is tied to the embeddings by default."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.model = Gemma3Model(config)
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, tp)
+        self.model = Gemma3Model(config, tp)
         self._init_lm_head()

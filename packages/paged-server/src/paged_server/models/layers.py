@@ -18,6 +18,14 @@ from torch import nn
 from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.errors import InvalidConfigError
 from paged_server.models.rope import apply_rope
+from paged_server.models.tensor_parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    shard_heads,
+    shard_size,
+)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -51,17 +59,28 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``: SwiGLU (Llama, Qwen) or GeGLU (Gemma)."""
+    """``down(act(gate(x)) * up(x))``: SwiGLU (Llama, Qwen) or GeGLU (Gemma).
+    With tensor parallelism each rank holds ``1/world_size`` of the
+    intermediate features (gate/up column-, down row-parallel)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        bias: bool = False,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
         if act not in ACTIVATIONS:
             raise InvalidConfigError(
                 f"activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
             )
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        size = shard_size(intermediate_size, tp, "intermediate_size")
+        start = tp.rank * size
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, start, size, bias)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, start, size, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, start, size, bias, tp)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +89,9 @@ class GatedMLP(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm
-    (Qwen 3, Gemma 3), an optional sliding window and logit soft-capping."""
+    (Qwen 3, Gemma 3), an optional sliding window and logit soft-capping.
+    With tensor parallelism each rank computes its share of the heads
+    (``shard_heads``); ``num_heads``/``num_kv_heads`` are then this rank's."""
 
     def __init__(
         self,
@@ -85,6 +106,7 @@ class Attention(nn.Module):
         qk_norm: Callable[[], RMSNorm] | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -93,14 +115,22 @@ class Attention(nn.Module):
                 f"num_key_value_heads ({num_kv_heads})"
             )
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        heads = shard_heads(num_heads, num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            heads.num_heads,
+            heads.num_kv_heads,
+            head_dim,
+        )
         self.scale = scale
         self.sliding_window = sliding_window
         self.softcap = softcap
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        q_full, kv_full = num_heads * head_dim, num_kv_heads * head_dim
+        q_start, q_size = heads.q_start * head_dim, heads.num_heads * head_dim
+        kv_start, kv_size = heads.kv_start * head_dim, heads.num_kv_heads * head_dim
+        self.q_proj = ColumnParallelLinear(hidden_size, q_full, q_start, q_size, bias)
+        self.k_proj = ColumnParallelLinear(hidden_size, kv_full, kv_start, kv_size, bias)
+        self.v_proj = ColumnParallelLinear(hidden_size, kv_full, kv_start, kv_size, bias)
+        self.o_proj = RowParallelLinear(q_full, hidden_size, q_start, q_size, bias, tp)
         self.q_norm = qk_norm() if qk_norm else None
         self.k_norm = qk_norm() if qk_norm else None
 

@@ -15,12 +15,15 @@ from paged_server.models.base import CausalLM
 from paged_server.models.config import ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
 from paged_server.models.rope import RotaryEmbedding
+from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm transformer block."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, qk_norm: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, qk_norm: bool, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         c = config
         self.self_attn = Attention(
@@ -34,8 +37,11 @@ class LlamaDecoderLayer(nn.Module):
             qk_norm=(lambda: RMSNorm(c.head_dim, c.rms_norm_eps)) if qk_norm else None,
             sliding_window=c.layer_sliding_window(layer_idx),
             softcap=c.attn_logit_softcapping,
+            tp=tp,
         )
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
+        self.mlp = GatedMLP(
+            c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias, tp=tp
+        )
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -53,11 +59,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (weights under ``model.``)."""
 
-    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, qk_norm: bool = False, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qk_norm) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, qk_norm, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
@@ -80,7 +88,7 @@ class LlamaForCausalLM(CausalLM):
 
     qk_norm = False
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.model = LlamaModel(config, qk_norm=self.qk_norm)
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, tp)
+        self.model = LlamaModel(config, qk_norm=self.qk_norm, tp=tp)
         self._init_lm_head()

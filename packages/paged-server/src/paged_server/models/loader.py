@@ -4,7 +4,9 @@ Reads config.json, the weights (one ``*.safetensors`` file or shards listed
 in ``model.safetensors.index.json``, memory-mapped with ``safe_open``), the
 tokenizer and chat template, and generation_config.json for the EOS ids.
 The model is built on the meta device and filled tensor by tensor, so peak
-memory is about one copy of the weights in the target dtype.
+memory is about one copy of the weights in the target dtype. With tensor
+parallelism each rank reads only its slices of the sharded weights
+(``safe_open(...).get_slice``), so no rank holds the whole model.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from paged_server.models.errors import (
     ModelFileNotFoundError,
 )
 from paged_server.models.registry import Architecture, resolve_architecture
+from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 from paged_server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     path: Path
     dtype: torch.dtype
+    bytes_read: int = 0  # checkpoint bytes this process read (its shard with TP)
 
     @property
     def chat_template(self) -> str | None:
@@ -58,10 +62,14 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """Load the model directory at ``path`` in ``dtype`` (``"auto"``: the
-    checkpoint's own) onto ``device``, in eval mode without gradients."""
+    checkpoint's own) onto ``device``, in eval mode without gradients; with
+    ``tp``, only that rank's shard."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelFileNotFoundError(
@@ -72,12 +80,12 @@ def load_model(
     arch_name, arch = resolve_architecture(hf)
     config = ModelConfig.from_hf(arch.text_config(hf), arch_name)
     target_dtype = resolve_dtype(dtype, config)
-    model = _build_empty(arch, config, target_dtype, torch.device(device))
-    load_weights(model, arch, weight_files(path))
+    model = _build_empty(arch, config, target_dtype, torch.device(device), tp)
+    bytes_read = load_weights(model, arch, weight_files(path))
     model.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_dir(path)
     eos = eos_token_ids(path, config, tokenizer)
-    return LoadedModel(model, config, tokenizer, eos, path, target_dtype)
+    return LoadedModel(model, config, tokenizer, eos, path, target_dtype, bytes_read)
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
@@ -131,20 +139,27 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def _build_empty(
-    arch: Architecture, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    arch: Architecture,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
-    """The model with uninitialized weights in ``dtype`` on ``device``."""
+    """The model (``tp``'s shard of it) with uninitialized weights in ``dtype`` on ``device``."""
     with torch.device("meta"):
-        model = arch.model_class(config)
+        model = arch.model_class(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own tensor
     return model
 
 
-def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into its parameter (converting dtype),
-    checking shapes against the model built from config.json."""
+def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> int:
+    """Copy every checkpoint tensor, or the slice of it this rank holds, into
+    its parameter (converting dtype), checking shapes against the model built
+    from config.json. Returns the bytes read from the files."""
     params = dict(model.named_parameters())
+    shards = _shard_slices(model)
+    bytes_read = 0
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
@@ -158,17 +173,30 @@ def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> None
                         unexpected.append(key)
                     continue
                 param = params[name]
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != tuple(param.shape):
+                tensor_slice = f.get_slice(key)
+                shape = tuple(tensor_slice.get_shape())
+                expected = tuple(param.shape)
+                shard = shards.get(name)
+                if shard is not None:  # the full tensor's shape, this rank's slice of it
+                    dim, start, full = shard
+                    expected = expected[:dim] + (full,) + expected[dim + 1 :]
+                if shape != expected:
                     raise CheckpointMismatchError(
                         f"weight {key} in {file.name} has shape {shape} but config.json implies "
-                        f"{tuple(param.shape)} (hidden_size={model.config.hidden_size}, "
+                        f"{expected} (hidden_size={model.config.hidden_size}, "
                         f"heads={model.config.num_heads}, kv_heads={model.config.num_kv_heads}, "
                         f"head_dim={model.config.head_dim}, vocab_size={model.config.vocab_size}); "
                         "the weights do not belong to this config"
                     )
+                if shard is None:
+                    tensor = f.get_tensor(key)
+                else:
+                    dim, start, _ = shard
+                    index = (slice(None),) * dim + (slice(start, start + param.shape[dim]),)
+                    tensor = tensor_slice[index]
+                bytes_read += tensor.numel() * tensor.element_size()
                 with torch.no_grad():
-                    param.copy_(f.get_tensor(key))
+                    param.copy_(tensor)
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
@@ -182,6 +210,25 @@ def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> None
         log.warning(
             "ignored %d unknown checkpoint tensors, e.g. %s", len(unexpected), unexpected[0]
         )
+    return bytes_read
+
+
+def _shard_slices(model: CausalLM) -> dict[str, tuple[int, int, int]]:
+    """``param name -> (dim, start, full size)`` for the parameters a rank
+    holds a slice of (the tensor-parallel layers'); others are read whole.
+    A row-parallel layer's bias is whole."""
+    out: dict[str, tuple[int, int, int]] = {}
+    if model.tp.world_size == 1:
+        return out
+    for prefix, module in model.named_modules():
+        dim = getattr(module, "shard_dim", None)
+        if dim is None:
+            continue
+        spec = (dim, module.shard_start, module.full_size)
+        out[f"{prefix}.weight"] = spec
+        if dim == 0 and getattr(module, "bias", None) is not None:
+            out[f"{prefix}.bias"] = (0, module.shard_start, module.full_size)
+    return out
 
 
 def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> list[int]:

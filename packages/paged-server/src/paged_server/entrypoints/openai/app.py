@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike
 from paged_server.entrypoints.openai.errors import APIError, install_error_handlers
+from paged_server.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
@@ -78,16 +79,17 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0
+    audit_interval_s: float = 60.0  # KV audit while idle (0 = never)
     announce: bool = False  # print start/stop lines (the CLI server does; test servers don't)
     tool_call_parser: str | None = None  # None: detected from the chat template
 
 
 def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     """The OpenAI-compatible app around ``engine`` (an ``LLMEngine``)."""
-    metrics = ServerMetrics(settings.model_name)
-    async_engine = AsyncEngine(engine, metrics)
     config: Any = getattr(engine, "config", None)
     max_model_len = int(config.max_model_len)
+    metrics = ServerMetrics(settings.model_name, max_model_len)
+    async_engine = AsyncEngine(engine, metrics, audit_interval_s=settings.audit_interval_s)
     tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
         async_engine,
@@ -99,12 +101,16 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     created = int(time.time())
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loop = asyncio.get_running_loop()  # for checks of leftover tasks
         async_engine.start()
         try:
             yield
         finally:
             await asyncio.to_thread(async_engine.stop, settings.shutdown_timeout_s)
+            shutdown = getattr(engine, "shutdown", None)
+            if callable(shutdown):  # tensor-parallel workers exit with the server
+                await asyncio.to_thread(shutdown)
             if settings.announce:
                 print(
                     f"paged-server: engine stopped; {async_engine.aborted_at_shutdown} in-flight "
@@ -174,11 +180,22 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
         return JSONResponse({"status": "ok", "audit": []})
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={401: _ERRORS[401]})
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(
-            metrics.render(async_engine.metrics()),
-            media_type="text/plain; version=0.0.4; charset=utf-8",
-        )
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.post(
+        "/admin/reclaim",
+        responses={401: _ERRORS[401], 403: {"description": "The server runs without an API key"}},
+        summary="Free KV blocks the audit reports as leaked (operator action)",
+    )
+    async def reclaim() -> JSONResponse:
+        """Reclaim leaked KV blocks (see docs/operations.md); the periodic audit
+        only reports them. Served only when the server has an API key."""
+        if settings.api_key is None:
+            raise APIError(403, "admin endpoints need the server to run with --api-key")
+        reclaimed = await async_engine.call(engine.reclaim_leaked, timeout=HEALTH_TIMEOUT_S)
+        problems = await async_engine.call(engine.audit, timeout=HEALTH_TIMEOUT_S)
+        return JSONResponse({"reclaimed_blocks": list(reclaimed), "audit": list(problems)})
 
     _document_400_not_422(app)
     # Outermost first: the key is checked before the body is read.

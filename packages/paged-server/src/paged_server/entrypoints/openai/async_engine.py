@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from paged_server.entrypoints.openai.metrics import ServerMetrics
+from paged_server.errors import EngineFailedError
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
 
@@ -35,6 +36,7 @@ class EngineLike(Protocol):
     def has_unfinished(self) -> bool: ...
     def metrics(self) -> dict[str, float]: ...
     def audit(self) -> list[str]: ...
+    def reclaim_leaked(self) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class _Tracked:
     remaining: int  # choices not finished yet
     first_token_at: float | None = None
     last_token_at: dict[int, float] = field(default_factory=dict)
+    generated: dict[int, int] = field(default_factory=dict)  # choice -> tokens so far
 
 
 class EngineDeadError(RuntimeError):
@@ -63,8 +66,15 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """Runs ``engine.step()`` in a loop on one thread and routes its outputs."""
 
-    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineLike,
+        metrics: ServerMetrics | None = None,
+        audit_interval_s: float = 0.0,
+    ) -> None:
         self.engine = engine
+        self.audit_interval_s = audit_interval_s  # while idle; 0 = never
+        self._last_audit = time.monotonic()
         self.server_metrics = metrics
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any] | None]] = (
             queue.SimpleQueue()
@@ -73,6 +83,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._snapshot: dict[str, float] = {}
+        if metrics is not None:
+            metrics.read_engine_from(self.metrics)
         self._thread: threading.Thread | None = None
         self._submit_lock = threading.Lock()
         self._closed = False
@@ -141,7 +153,7 @@ class AsyncEngine:
             if tracked is None:
                 return  # finished already, or never added
             if self.server_metrics is not None:
-                self.server_metrics.requests.inc(tracked.remaining, finished_reason="abort")
+                self.server_metrics.finished("abort", tracked.remaining)
             self.engine.abort_request(request_id)
 
         self._submit(do_abort, None)
@@ -174,7 +186,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._step()
                 elif not ran:
-                    self._wake.wait(0.5)
+                    self._audit_if_due()
+                    self._wake.wait(min(0.5, self.audit_interval_s or 0.5))
                     self._wake.clear()
         except BaseException as exc:  # a bug in this loop: fail loudly, not silently
             self.last_error = f"engine thread crashed: {type(exc).__name__}: {exc}"
@@ -206,6 +219,20 @@ class AsyncEngine:
                 if fut is not None:
                     fut.set_result(result)
 
+    def _audit_if_due(self) -> None:
+        """The periodic KV audit, run only while idle (it walks every block).
+        Findings are logged and exported; reclaiming stays an operator action
+        (``POST /admin/reclaim``)."""
+        if not self.audit_interval_s or time.monotonic() - self._last_audit < self.audit_interval_s:
+            return
+        self._last_audit = time.monotonic()
+        problems = self.engine.audit()
+        if problems:
+            logger.error(
+                "KV block audit found %d problem(s): %s", len(problems), "; ".join(problems[:5])
+            )
+        self._snapshot = dict(self.engine.metrics())
+
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
@@ -214,6 +241,9 @@ class AsyncEngine:
             self.last_error = f"engine step failed: {type(exc).__name__}: {exc}"
             logger.error("%s\n%s", self.last_error, traceback.format_exc())
             self._end_all("error", self.last_error)
+            if isinstance(exc, EngineFailedError):  # no later step can succeed
+                self.last_error = str(exc)
+                self._stopping.set()
             return
         self._route(outputs)
         self._snapshot = dict(self.engine.metrics())
@@ -232,13 +262,15 @@ class AsyncEngine:
                 if out.finished:
                     tracked.remaining -= 1
                     if self.server_metrics is not None:
-                        self.server_metrics.requests.inc(finished_reason=out.finish_reason or "stop")
+                        self.server_metrics.finished(out.finish_reason or "stop")
             if tracked.remaining <= 0:
                 del self._tracked[request_id]
+                self._observe_finished(tracked, outs[-1], now)
             self._deliver(tracked, outs)
 
     def _observe(self, tracked: _Tracked, out: Any, now: float) -> None:
         n_new = len(out.new_token_ids)
+        tracked.generated[out.index] = out.num_generated_tokens  # the engine's count
         if self.server_metrics is None or n_new == 0:
             return
         if tracked.first_token_at is None:
@@ -250,6 +282,23 @@ class AsyncEngine:
             for _ in range(n_new):
                 self.server_metrics.itl.observe(gap)
         tracked.last_token_at[out.index] = now
+
+    def _observe_finished(self, tracked: _Tracked, out: Any, now: float) -> None:
+        """Per-request histograms, once all its choices finished (as vLLM:
+        e2e latency, queue time, prompt and generation lengths, time per
+        output token after the first)."""
+        metrics = self.server_metrics
+        if metrics is None:
+            return
+        metrics.e2e.observe(now - tracked.arrival)
+        arrival, scheduled = getattr(out, "arrival_time", None), getattr(out, "first_scheduled_time", None)
+        if arrival is not None and scheduled is not None:
+            metrics.queue_time.observe(max(0.0, scheduled - arrival))
+        metrics.prompt_tokens.observe(out.num_prompt_tokens)
+        metrics.generation_tokens.observe(sum(tracked.generated.values()))
+        longest = max(tracked.generated.values(), default=0)
+        if tracked.first_token_at is not None and longest > 1:
+            metrics.tpot.observe((now - tracked.first_token_at) / (longest - 1))
 
     @staticmethod
     def _deliver(tracked: _Tracked, item: Any) -> None:
@@ -265,7 +314,7 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", request_id)
             if self.server_metrics is not None:
-                self.server_metrics.requests.inc(tracked.remaining, finished_reason=reason)
+                self.server_metrics.finished(reason, tracked.remaining)
             self._deliver(tracked, StreamEnd(reason, message))
         self._tracked.clear()
 

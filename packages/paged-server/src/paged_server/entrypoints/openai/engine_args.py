@@ -66,6 +66,8 @@ _HELP = {
     "device": "auto, cpu, cuda or cuda:N",
     "max_queue_len": "waiting requests beyond which new ones get HTTP 503",
     "seed": "engine seed for sampling without a per-request seed",
+    "tensor_parallel_size": "shard the model over this many devices (one process each; "
+    "NCCL on CUDA, gloo on CPU); KV memory budgets are per device",
 }
 
 

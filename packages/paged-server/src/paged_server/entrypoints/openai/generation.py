@@ -43,6 +43,7 @@ class Generation:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.engine_ids: list[str] = []
         self.prompt_tokens: list[int] = []
+        self._cached_tokens: dict[str, int] = {}  # engine request -> prefix-cache hits
         self._prompt_index: dict[str, int] = {}
         self._unfinished: set[str] = set()
         self._checked_at = time.monotonic()  # last client-disconnect poll
@@ -92,11 +93,18 @@ class Generation:
                 self._unfinished.clear()  # the engine thread aborted them already
                 raise GenerationEnded(item)
             for out in item:
+                self._cached_tokens[out.request_id] = out.num_cached_tokens
                 choice = self._prompt_index[out.request_id] * self.n + out.index
                 if out.finished:
                     remaining -= 1
                 yield choice, out
         self._unfinished.clear()
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (each prompt's first
+        admission), for ``usage.prompt_tokens_details.cached_tokens``."""
+        return sum(self._cached_tokens.values())
 
     async def _next(self, request: Request | None) -> Any:
         if request is None:

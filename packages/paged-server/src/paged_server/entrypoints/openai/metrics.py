@@ -1,146 +1,184 @@
-"""Prometheus metrics in the text exposition format (0.0.4), written by hand.
+"""Prometheus metrics through ``prometheus_client``, one registry per app.
 
-Names follow vLLM's with a ``paged:`` prefix (``vllm:kv_cache_usage_perc`` ->
-``paged:kv_cache_usage_perc``), so dashboards built for vLLM need only the
-prefix changed. Engine gauges and counters come from ``LLMEngine.metrics()``
-(a snapshot taken by the engine thread after each step); the latency
+Names and meanings follow vLLM's with a ``paged:`` prefix
+(``vllm:kv_cache_usage_perc`` -> ``paged:kv_cache_usage_perc``, same
+buckets), so dashboards built for vLLM need only the prefix changed
+(docs/operations.md has the table). Engine gauges and counters are read at
+scrape time from ``LLMEngine.metrics()`` (a snapshot the engine thread takes
+after each step), so each number keeps its one source; the per-request
 histograms are observed by the async front, where a client's wait is seen.
+
+Each app owns its own ``CollectorRegistry`` (never the global one), so two
+servers in one process do not mix, and a multi-process deployment can add a
+``MultiProcessCollector`` to it.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from paged_core import MISS_REASONS
+
+# No *_created samples (as vLLM): they double the page and no dashboard uses them.
+disable_created_metrics()
 
 PREFIX = "paged:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# vLLM's bucket edges, in seconds.
+# vLLM's bucket edges.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-# engine.metrics() key -> (Prometheus type, help). Counters end in _total.
+# engine.metrics() key -> (kind, help); exported as paged:<key>. Counter keys
+# end in _total (the exposition adds it back to the family name).
 ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "num_requests_running": ("gauge", "Requests in the running batch."),
     "num_requests_waiting": ("gauge", "Requests waiting to be scheduled."),
     "kv_cache_usage_perc": ("gauge", "Fraction of KV cache in use (1 = full)."),
     "kv_capacity_tokens": ("gauge", "KV cache capacity in tokens."),
     "kv_capacity_blocks": ("gauge", "KV cache capacity in blocks."),
+    "kv_audit_problems": ("gauge", "Problems the last KV block audit found (0 = clean)."),
+    "kv_audits_total": ("counter", "KV block audits run (periodic, /health, admin)."),
     "num_preemptions_total": ("counter", "Sequences preempted (freed and requeued)."),
     "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits_total": ("counter", "Prompt tokens found in the prefix cache."),
     "prompt_tokens_total": ("counter", "Prompt tokens processed."),
     "generation_tokens_total": ("counter", "Tokens generated."),
 }
+MISSES = "prefix_cache_misses"
 
 
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    return repr(float(v))
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's length buckets)."""
+    out: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return out
+            out.append(value)
+        exponent += 1
 
 
-def _labels(labels: Mapping[str, str]) -> str:
-    if not labels:
-        return ""
-    esc = {k: v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for k, v in labels.items()}
-    return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
+class _EngineCollector(Collector):
+    """Engine gauges and counters, read from the latest snapshot at scrape time."""
 
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.source: Callable[[], Mapping[str, float]] = dict
 
-class Histogram:
-    """A cumulative histogram; ``observe`` is thread-safe (engine thread + event loop)."""
-
-    def __init__(self, name: str, help: str, buckets: Iterable[float]) -> None:
-        self.name = PREFIX + name
-        self.help = help
-        self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * (len(self.buckets) + 1)  # last: above every edge
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.buckets, value)
-        with self._lock:
-            self._counts[i] += 1
-            self._sum += value
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return sum(self._counts)
-
-    def render(self, labels: Mapping[str, str]) -> list[str]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for edge, c in zip(self.buckets, counts, strict=False):
-            running += c
-            out.append(f"{self.name}_bucket{_labels({**labels, 'le': _fmt(edge)})} {running}")
-        running += counts[-1]
-        out.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {running}")
-        out.append(f"{self.name}_sum{_labels(labels)} {_fmt(total)}")
-        out.append(f"{self.name}_count{_labels(labels)} {running}")
-        return out
-
-
-class Counter:
-    """A monotonically increasing, thread-safe counter (optionally labelled)."""
-
-    def __init__(self, name: str, help: str) -> None:
-        self.name = PREFIX + name
-        self.help = help
-        self._values: dict[tuple[tuple[str, str], ...], float] = {}
-        self._lock = threading.Lock()
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def value(self, **labels: str) -> float:
-        with self._lock:
-            return self._values.get(tuple(sorted(labels.items())), 0.0)
-
-    def render(self, labels: Mapping[str, str]) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        with self._lock:
-            items = sorted(self._values.items())
-        for key, v in items:
-            out.append(f"{self.name}{_labels({**labels, **dict(key)})} {_fmt(v)}")
-        return out
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.source()
+        labels = [self.model_name]
+        for key, (kind, help) in ENGINE_METRICS.items():
+            if key not in snapshot:
+                continue
+            family: GaugeMetricFamily | CounterMetricFamily
+            if kind == "gauge":
+                family = GaugeMetricFamily(PREFIX + key, help, labels=["model_name"])
+            else:
+                family = CounterMetricFamily(PREFIX + key, help, labels=["model_name"])
+            family.add_metric(labels, float(snapshot[key]))
+            yield family
+        misses = CounterMetricFamily(
+            PREFIX + MISSES,
+            "Prompt tokens not served from the prefix cache, by reason: too_short (the "
+            "block holding the last prompt token is never matched), evicted, never_seen.",
+            labels=["model_name", "reason"],
+        )
+        for reason in MISS_REASONS:
+            key = f"{MISSES}_{reason}_total"
+            if key in snapshot:
+                misses.add_metric([self.model_name, reason], float(snapshot[key]))
+        if misses.samples:
+            yield misses
 
 
 class ServerMetrics:
-    """The metrics the HTTP front owns, plus rendering of the engine's snapshot."""
+    """The app's registry: the engine's snapshot plus the front's histograms."""
 
-    def __init__(self, model_name: str) -> None:
-        self.labels = {"model_name": model_name}
-        self.ttft = Histogram(
-            "time_to_first_token_seconds", "Time from request arrival to its first token.", TTFT_BUCKETS
-        )
-        self.itl = Histogram(
+    def __init__(self, model_name: str, max_model_len: int = 4096) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+
+        def histogram(name: str, help: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
+            return Histogram(
+                PREFIX + name, help, ["model_name"], buckets=buckets, registry=self.registry
+            )
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from request arrival to its first token.",
+            TTFT_BUCKETS,
+        ).labels(model_name)
+        self.itl = histogram(
             "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
-        )
-        self.requests = Counter(
-            "request_success_total", "Finished requests by finish reason (stop, length, abort, error)."
+        ).labels(model_name)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: time from the first to the last token over the tokens after the first.",
+            ITL_BUCKETS,
+        ).labels(model_name)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from request arrival to its last token.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time a request waited before its first admission.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
+        lengths = build_1_2_5_buckets(max_model_len)
+        self.prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length of finished requests.", lengths
+        ).labels(model_name)
+        self.generation_tokens = histogram(
+            "request_generation_tokens",
+            "Tokens generated per finished request (all choices).",
+            lengths,
+        ).labels(model_name)
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Finished choices by finish reason (stop, length, abort, error).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
         )
 
-    def render(self, engine_metrics: Mapping[str, float]) -> str:
-        """The whole /metrics page: engine snapshot first, then the front's own."""
-        lines: list[str] = []
-        for key, (kind, help) in ENGINE_METRICS.items():
-            if key not in engine_metrics:
-                continue
-            name = PREFIX + key
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
-            lines.append(f"{name}{_labels(self.labels)} {_fmt(float(engine_metrics[key]))}")
-        lines += self.ttft.render(self.labels)
-        lines += self.itl.render(self.labels)
-        lines += self.requests.render(self.labels)
-        return "\n".join(lines) + "\n"
+    def read_engine_from(self, source: Callable[[], Mapping[str, float]]) -> None:
+        """Where scrapes read the engine's snapshot (``AsyncEngine.metrics``)."""
+        self._engine.source = source
+
+    def finished(self, reason: str, count: int = 1) -> None:
+        """Count ``count`` choices that ended with ``reason``."""
+        if count > 0:
+            self._success.labels(self.model_name, reason).inc(count)
+
+    def sample(self, name: str, **labels: str) -> float:
+        """One sample's value (0 if absent), e.g. ``sample("e2e_request_latency_seconds_count")``."""
+        value = self.registry.get_sample_value(
+            PREFIX + name, {"model_name": self.model_name, **labels}
+        )
+        return value or 0.0
+
+    def num_finished(self, reason: str) -> float:
+        """Choices counted as finished with ``reason`` so far."""
+        return self.sample("request_success_total", finished_reason=reason)
+
+    def render(self) -> bytes:
+        """The whole /metrics page (Prometheus text format 0.0.4)."""
+        return generate_latest(self.registry)

@@ -44,11 +44,14 @@ def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from
+    the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -86,12 +89,19 @@ class ResponseFormat:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, obj: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
-        return {**self._envelope(obj, []), "usage": usage(prompt_tokens, completion_tokens)}
+        return {
+            **self._envelope(obj, []),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+        }
 
     # ---------------------------------------------------------------- bodies
-    def completion_body(self, choices: list[CollectedChoice], prompt_tokens: int) -> dict[str, Any]:
+    def completion_body(
+        self, choices: list[CollectedChoice], prompt_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         return {
             **self._envelope("text_completion", [
                 {
@@ -102,10 +112,12 @@ class ResponseFormat:
                 }
                 for i, c in enumerate(choices)
             ]),
-            "usage": usage(prompt_tokens, _generated(choices)),
+            "usage": usage(prompt_tokens, _generated(choices), cached_tokens),
         }
 
-    def chat_body(self, choices: list[CollectedChoice], prompt_tokens: int) -> dict[str, Any]:
+    def chat_body(
+        self, choices: list[CollectedChoice], prompt_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         return {
             **self._envelope("chat.completion", [
                 {
@@ -115,7 +127,7 @@ class ResponseFormat:
                 }
                 for i, c in enumerate(choices)
             ]),
-            "usage": usage(prompt_tokens, _generated(choices)),
+            "usage": usage(prompt_tokens, _generated(choices), cached_tokens),
         }
 
     def _chat_message(self, text: str, finish_reason: str | None) -> dict[str, Any]:

@@ -66,11 +66,17 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
         f"(kv_cache_dtype={config.kv_cache_dtype}): capacity {tokens} tokens in {layout} | "
         f"max_model_len={config.max_model_len} max_batch_size={config.max_batch_size} "
         f"api_key={'on' if settings.api_key else 'off'}"
+        + (f" | {parallel}" if (parallel := _parallel_summary(engine)) else "")
     )
 
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _parallel_summary(engine: Any) -> str | None:
+    summary = getattr(engine, "parallel_summary", None)
+    return summary() if callable(summary) else None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

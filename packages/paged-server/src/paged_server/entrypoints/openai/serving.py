@@ -232,8 +232,12 @@ class OpenAIServing:
         failed = [c.error for c in choices if c.error or c.finish_reason == "error"]
         if failed:
             raise APIError(500, f"generation failed: {failed[0] or 'engine error'}")
-        prompt_tokens = sum(gen.prompt_tokens)
-        body = fmt.chat_body(choices, prompt_tokens) if chat else fmt.completion_body(choices, prompt_tokens)
+        prompt_tokens, cached = sum(gen.prompt_tokens), gen.cached_tokens
+        body = (
+            fmt.chat_body(choices, prompt_tokens, cached)
+            if chat
+            else fmt.completion_body(choices, prompt_tokens, cached)
+        )
         return JSONResponse(body)
 
 

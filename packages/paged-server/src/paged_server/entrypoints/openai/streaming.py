@@ -50,7 +50,9 @@ async def stream_completion(gen: Generation, fmt: ResponseFormat) -> AsyncIterat
             finish = out.finish_reason if out.finished else None
             yield sse(fmt.completion_chunk(i, out.new_text, finish, logprobs))
         if fmt.include_usage:
-            yield sse(fmt.usage_chunk("text_completion", sum(gen.prompt_tokens), generated))
+            yield sse(fmt.usage_chunk(
+                "text_completion", sum(gen.prompt_tokens), generated, gen.cached_tokens
+            ))
     except GenerationEnded as exc:
         yield sse(error_body(exc.end.message, "server_error", code=exc.end.reason))
     finally:
@@ -85,7 +87,9 @@ async def stream_chat(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[byt
                 generated += out.num_generated_tokens
                 yield sse(fmt.chat_chunk(i, {}, finish))
         if fmt.include_usage:
-            yield sse(fmt.usage_chunk("chat.completion.chunk", sum(gen.prompt_tokens), generated))
+            yield sse(fmt.usage_chunk(
+                "chat.completion.chunk", sum(gen.prompt_tokens), generated, gen.cached_tokens
+            ))
     except GenerationEnded as exc:
         yield sse(error_body(exc.end.message, "server_error", code=exc.end.reason))
     finally:

@@ -1,0 +1,14 @@
+"""Tensor parallelism over ``torch.distributed``: one model across several devices.
+
+``executor`` is rank 0's side (the engine process), ``worker`` the other
+ranks', ``group`` the process groups and what crosses them, ``step_message``
+the one message per step. The sharded layers are model code
+(``paged_server.models.tensor_parallel``).
+"""
+
+from __future__ import annotations
+
+from paged_server.parallel.executor import TensorParallelExecutor, WorkerStartError
+from paged_server.parallel.group import CommCounts, TPGroup
+
+__all__ = ["CommCounts", "TPGroup", "TensorParallelExecutor", "WorkerStartError"]

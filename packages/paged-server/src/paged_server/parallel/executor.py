@@ -1,0 +1,234 @@
+"""Rank 0's side of tensor parallelism: start the workers, feed them, stop them.
+
+The engine process is rank 0: it keeps the scheduler and block manager,
+runs its own shard of the forward pass, and samples. ``TensorParallelExecutor``
+spawns ranks 1..N-1 (``torch.multiprocessing``, spawn), joins the process
+groups with them, and before every forward pass broadcasts that step's
+message (``broadcast_step``, one broadcast per step). Then every rank runs
+the same forward over its shard and the layers' all-reduces meet.
+
+Failure is all-or-nothing: once a rank dies or a collective fails the ranks
+can no longer agree on what their KV caches hold, so the engine stops all
+of them and reports which rank died and how.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import signal
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from paged_server.config import EngineConfig
+from paged_server.models import LoadedModel, load_model
+from paged_server.models.tensor_parallel import TensorParallel
+from paged_server.parallel.group import TPGroup
+from paged_server.parallel.step_message import RecordingOps, StepMessage
+from paged_server.parallel.worker import WorkerSpec, worker_main
+
+log = logging.getLogger(__name__)
+
+STORE_HOST = "127.0.0.1"  # one machine; see docs/operations.md for several
+START_TIMEOUT_S = 300.0  # workers import torch and load their shard first
+STOP_TIMEOUT_S = 10.0
+
+
+class WorkerStartError(RuntimeError):
+    """A tensor-parallel worker did not start (its traceback is on stderr)."""
+
+
+class TensorParallelExecutor:
+    """Workers for ranks 1..N-1 of ``config.tensor_parallel_size`` (see module doc)."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, attention_backend: str) -> None:
+        world = config.tensor_parallel_size
+        self.world_size = world
+        self.device = _rank_device(device, 0)
+        if self.device.type == "cuda":
+            if torch.cuda.device_count() < world:
+                raise ValueError(
+                    f"tensor_parallel_size={world} needs {world} GPUs but "
+                    f"{torch.cuda.device_count()} are visible; lower it or expose more GPUs"
+                )
+            torch.cuda.set_device(self.device)
+        # On CPU the ranks share the cores instead of each taking all of them
+        # (restored at shutdown: the setting is process-wide).
+        self._threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        self.recorder: RecordingOps | None = None
+        self.dead: str | None = None  # why the ranks stopped, once they have
+        store = dist.TCPStore(
+            STORE_HOST, 0, world, True,
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False,
+        )  # fmt: skip
+        self._store = store
+        self._specs = [
+            WorkerSpec(
+                rank=rank,
+                world_size=world,
+                store_host=STORE_HOST,
+                store_port=store.port,
+                config=config,
+                model_path="",  # set by load_model
+                dtype="",
+                device=str(_rank_device(device, rank)),
+                attention_backend=attention_backend,
+                num_threads=torch.get_num_threads(),
+                parent_pid=os.getpid(),
+            )
+            for rank in range(1, world)
+        ]
+        self.workers: list[Any] = []  # multiprocessing processes, ranks 1..N-1
+        self.group: TPGroup | None = None
+        # Workers never outlive this object, nor the interpreter (atexit).
+        self._finalizer = weakref.finalize(self, _stop_processes, self.workers, STOP_TIMEOUT_S)
+
+    # -- start-up -------------------------------------------------------------
+    def load_model(self, path: str, dtype: torch.dtype) -> LoadedModel:
+        """Start the workers on ``path`` and load rank 0's shard; returns
+        once every rank has loaded its shard. Raises ``WorkerStartError``."""
+        dtype_name = str(dtype).removeprefix("torch.")
+        context = mp.get_context("spawn")
+        for spec in self._specs:
+            spec = dataclasses.replace(spec, model_path=path, dtype=dtype_name)
+            process = context.Process(
+                target=worker_main, args=(spec,), name=f"paged-tp-rank{spec.rank}", daemon=True
+            )
+            process.start()
+            self.workers.append(process)
+        try:
+            self.group = TPGroup.connect(self._store, 0, self.world_size, self.device)
+        except Exception as exc:
+            raise WorkerStartError(
+                f"tensor-parallel workers did not join: {self._worker_status() or exc}"
+            ) from exc
+        tp = TensorParallel(0, self.world_size, self.group)
+        loaded: LoadedModel | None = None
+        try:
+            loaded = load_model(path, dtype, self.device, tp)
+        finally:
+            try:
+                all_ok = self.group.barrier_ok(loaded is not None)
+            except Exception as exc:
+                raise WorkerStartError(
+                    f"a tensor-parallel worker died while loading: {self._worker_status() or exc}"
+                ) from exc
+        if not all_ok:
+            raise WorkerStartError(
+                "a tensor-parallel worker failed to load its shard; its traceback is above"
+            )
+        return loaded
+
+    def wrap_ops(self, ops: Any) -> Any:
+        """The pool's ops, recording block copies for the workers (one pool)."""
+        self.recorder = RecordingOps(ops)
+        return self.recorder
+
+    # -- each step --------------------------------------------------------------
+    def broadcast_step(self, input_ids: Sequence[int], view: Any) -> None:
+        """Send the step ``view`` describes (its metadata is complete) to
+        every worker: rank 0 then runs its own forward pass."""
+        group = self._require_group()
+        if self.dead is None and (status := self._worker_status()):
+            self.dead = status
+        if self.dead is not None:
+            raise RuntimeError(self.dead)
+        meta = view.meta
+        message = StepMessage(
+            input_ids=list(input_ids),
+            block_tables=meta.block_tables.cpu().numpy(),
+            starts=list(meta.starts),
+            new_lens=list(meta.new_lens),
+            copies=self.recorder.take_copies() if self.recorder is not None else [],
+        )
+        group.broadcast_message(message)
+
+    def describe_failure(self, exc: BaseException) -> str:
+        """Why a step failed, naming a dead worker when there is one."""
+        for process in self.workers:
+            process.join(1.0)  # a rank whose sockets closed is exiting
+            if process.exitcode is not None:
+                break
+        status = self._worker_status()
+        if status:
+            return status
+        return (
+            f"a collective or the forward pass failed on rank 0 ({type(exc).__name__}: {exc}); "
+            "the ranks can no longer agree, so all were stopped"
+        )
+
+    def health(self) -> list[str]:
+        """Problems with the workers (empty when every one is running)."""
+        status = self.dead or self._worker_status()
+        return [status] if status else []
+
+    # -- shutdown -----------------------------------------------------------------
+    def shutdown(self, reason: str | None = None) -> None:
+        """Stop every worker: a stop message when they are healthy, else
+        SIGTERM then SIGKILL. Idempotent."""
+        healthy = (
+            reason is None
+            and self.group is not None
+            and self.dead is None
+            and not self._worker_status()
+        )
+        if healthy:
+            try:
+                self._require_group().broadcast_message(StepMessage(stop=True))
+            except Exception:
+                log.warning("could not send the stop message to the tensor-parallel workers")
+                healthy = False
+        self.dead = self.dead or reason or "the engine was shut down"
+        if not healthy:  # a worker may be stuck in a collective: no grace period
+            _stop_processes(self.workers, 0.0)
+        self._finalizer()  # joins, then terminates and kills what is left
+        torch.set_num_threads(self._threads)
+
+    # -- internals -----------------------------------------------------------------
+    def _require_group(self) -> TPGroup:
+        if self.group is None:
+            raise RuntimeError("tensor-parallel workers are not started (call load_model first)")
+        return self.group
+
+    def _worker_status(self) -> str:
+        """Which workers have exited and how ("" when all run)."""
+        dead = []
+        for process in self.workers:
+            code = getattr(process, "exitcode", None)
+            if code is None:
+                continue
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            dead.append(f"tensor-parallel worker {process.name} (pid {process.pid}) {how}")
+        if not dead:
+            return ""
+        return "; ".join(dead) + " (a worker's traceback, if it raised, is in this process's stderr)"
+
+
+def _stop_processes(processes: list[Any], timeout: float) -> None:
+    """Join ``processes`` for up to ``timeout`` s, then SIGTERM, then SIGKILL."""
+    for process in processes:
+        process.join(timeout)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(2.0)
+        if process.is_alive():
+            process.kill()
+            process.join(2.0)
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the CPU, or the ``rank``-th GPU from ``device``'s."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+

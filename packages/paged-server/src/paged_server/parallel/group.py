@@ -1,0 +1,112 @@
+"""The process groups of one tensor-parallel engine, and what goes over them.
+
+Two groups over one rendezvous store: the *device* group carries the
+forward pass's all-reduces (NCCL on CUDA, gloo on CPU); the *message*
+group (always gloo, on the host) carries rank 0's per-step message to the
+other ranks, as vLLM keeps its metadata off the GPU. Every collective a
+rank makes goes through ``TPGroup``, which counts them.
+
+The groups are built directly from a ``TCPStore`` (no global default
+group), so one process may hold several engines, one after another or side
+by side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Each step's message travels in one fixed-size broadcast; a larger message
+# (a big batch's page tables) sends its remainder in a second one.
+MESSAGE_BYTES = 64 * 1024
+_HEADER = 8  # the payload's length, little-endian
+# Workers wait for the next step as long as the server idles; a dead peer
+# closes its sockets, which ends the wait at once, so no timeout is needed.
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass(slots=True)
+class CommCounts:
+    """Collectives this rank has made (tests and the benchmark read these)."""
+
+    all_reduces: int = 0
+    broadcasts: int = 0
+    messages: int = 0  # step messages; each is 1 broadcast, 2 when over MESSAGE_BYTES
+
+
+class TPGroup:
+    """This rank's end of the device and message groups."""
+
+    def __init__(self, rank: int, world_size: int, device_pg: Any, message_pg: Any) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device_pg = device_pg
+        self.message_pg = message_pg
+        self.counts = CommCounts()
+        self._buffer = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+
+    @classmethod
+    def connect(
+        cls,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        collective_timeout_s: float = 600.0,
+    ) -> TPGroup:
+        """Join both groups (blocks until every rank has joined)."""
+        message_pg = dist.ProcessGroupGloo(
+            dist.PrefixStore("message", store), rank, world_size, IDLE_TIMEOUT
+        )
+        device_store = dist.PrefixStore("device", store)
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            device_pg: Any = dist.ProcessGroupNCCL(device_store, rank, world_size, options)
+        else:
+            device_pg = dist.ProcessGroupGloo(device_store, rank, world_size, timeout)
+        return cls(rank, world_size, device_pg, message_pg)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place."""
+        self.counts.all_reduces += 1
+        self.device_pg.allreduce([tensor]).wait()
+
+    def broadcast_message(self, message: object = None) -> Any:
+        """Rank 0 sends ``message`` (pickled); every other rank receives it."""
+        self.counts.messages += 1
+        buffer = self._buffer
+        if self.rank == 0:
+            payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            head = payload[: MESSAGE_BYTES - _HEADER]
+            buffer[:_HEADER] = torch.frombuffer(bytearray(len(payload).to_bytes(8, "little")), dtype=torch.uint8)
+            buffer[_HEADER : _HEADER + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            self._broadcast(buffer)
+            if len(payload) > len(head):
+                rest = torch.frombuffer(bytearray(payload[len(head) :]), dtype=torch.uint8)
+                self._broadcast(rest)
+            return message
+        self._broadcast(buffer)
+        size = int.from_bytes(buffer[:_HEADER].numpy().tobytes(), "little")
+        data = buffer[_HEADER : _HEADER + min(size, MESSAGE_BYTES - _HEADER)].numpy().tobytes()
+        if size > len(data):
+            rest = torch.empty(size - len(data), dtype=torch.uint8)
+            self._broadcast(rest)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
+
+    def barrier_ok(self, ok: bool) -> bool:
+        """Start-up handshake: whether every rank reports ``ok`` (a rank that
+        died instead makes this raise)."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        self.message_pg.allreduce([flag]).wait()
+        return int(flag.item()) == 0
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        self.counts.broadcasts += 1
+        self.message_pg.broadcast(tensor, 0).wait()

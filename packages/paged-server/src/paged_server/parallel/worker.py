@@ -1,0 +1,124 @@
+"""A tensor-parallel worker: ranks 1..N-1, one process each.
+
+A worker loads its shard of the model (only its slices of the checkpoint),
+builds a KV pool for its heads with the same blocks as rank 0's, reports
+ready, then runs what rank 0 broadcasts, one forward pass per message, until
+a stop message. It never samples: the LM head's rows are rank 0's alone.
+
+It exits when rank 0 goes: by the stop message, when rank 0's sockets close
+(a collective then raises), or, as a last resort, when its parent process
+is gone. Ctrl-C is left to rank 0, which stops the workers in order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from paged_server.config import EngineConfig
+from paged_server.parallel.group import TPGroup
+from paged_server.parallel.step_message import StepMessage
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a worker process needs, picklable for ``spawn``."""
+
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    config: EngineConfig
+    model_path: str
+    dtype: str  # a torch dtype name: "float32", "bfloat16"...
+    device: str  # "cpu" or "cuda:N"
+    attention_backend: str
+    num_threads: int
+    parent_pid: int
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Process entry point: run the worker; any error prints its traceback
+    and exits with code 1 (rank 0 reports the exit code)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process; rank 0 decides
+    _exit_with_parent(spec.parent_pid)
+    try:
+        run_worker(spec)
+    except BaseException:
+        print(f"paged tensor-parallel worker rank {spec.rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """Join the groups, load the shard, then execute steps until stopped."""
+    from paged_ref.attention_metadata import build_metadata
+    from paged_ref.cache_view import CacheView, ViewPool
+    from paged_ref.kv_quant import scale_keywords
+    from paged_server.engine.pool_factory import build_cache_pool
+    from paged_server.models import load_model
+    from paged_server.models.tensor_parallel import TensorParallel, shard_heads
+
+    torch.set_num_threads(spec.num_threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False)
+    group = TPGroup.connect(store, spec.rank, spec.world_size, device)
+    tp = TensorParallel(spec.rank, spec.world_size, group)
+    try:
+        loaded = load_model(spec.model_path, getattr(torch, spec.dtype), device, tp)
+        mc = loaded.config
+        heads = shard_heads(mc.num_heads, mc.num_kv_heads, tp)
+        pool, _ = build_cache_pool(
+            spec.config, mc, loaded.dtype, device, spec.attention_backend,
+            num_kv_heads=heads.num_kv_heads,
+        )  # fmt: skip
+    except BaseException:
+        group.barrier_ok(False)  # rank 0 learns at once that start-up failed
+        raise
+    if not group.barrier_ok(True):  # another rank failed to start: rank 0 reports it
+        return
+    view_pool = cast(ViewPool, pool)
+    paged = spec.config.kv_cache_backend == "paged"
+    block_size = spec.config.block_size if paged else spec.config.max_model_len
+    model: Any = loaded.model
+    while True:
+        message: StepMessage = group.broadcast_message()
+        if message.stop:
+            return
+        with torch.inference_mode():
+            for pairs in message.copies:
+                view_pool.ops.copy_blocks(
+                    view_pool.k_cache, view_pool.v_cache, pairs,
+                    **scale_keywords(view_pool.k_scales, view_pool.v_scales),
+                )  # fmt: skip
+            assert message.block_tables is not None
+            meta = build_metadata(
+                torch.from_numpy(message.block_tables), message.starts, message.new_lens,
+                block_size, device,
+            )  # fmt: skip
+            ids = torch.tensor(message.input_ids, dtype=torch.long, device=device)
+            model.hidden_states(ids, meta.positions, CacheView.over(view_pool, meta))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit when rank 0's process is gone (killed with no chance to stop us)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="paged-tp-parent-watch", daemon=True).start()

@@ -1,0 +1,90 @@
+"""A forward pass that raises fails only the requests in that step, with the
+error's message (HTTP 500 / an error event in a stream); the server keeps
+serving the next request and the KV audit stays clean."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from paged_server.entrypoints.openai.server import ServerThread
+
+from .conftest import MODEL, start_server, wait_idle
+
+pytestmark = pytest.mark.e2e
+
+
+class Fault:
+    """Wraps the runner's forward pass: raises once, on the next call after ``arm()``."""
+
+    def __init__(self, runner: Any) -> None:
+        self._execute = runner.execute
+        self._armed = threading.Event()
+        self.fired = 0
+        runner.execute = self
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    def __call__(self, scheduled: Any) -> Any:
+        if self._armed.is_set():
+            self._armed.clear()
+            self.fired += 1
+            raise RuntimeError(f"injected fault in a step of {len(scheduled)} sequence(s)")
+        return self._execute(scheduled)
+
+
+@pytest.fixture(scope="module")
+def faulty() -> Iterator[tuple[ServerThread, Fault]]:
+    srv = start_server()
+    yield srv, Fault(srv.engine.runner)
+    srv.stop()
+
+
+def complete(url: str, **body: Any) -> httpx.Response:
+    payload = {"model": MODEL, "prompt": "fault tolerance", "max_tokens": 8, **body}
+    return httpx.post(url + "/v1/completions", json=payload, timeout=60)
+
+
+def test_a_failed_step_is_a_500_with_its_message_and_the_next_request_works(faulty) -> None:
+    srv, fault = faulty
+    fault.arm()
+    failed = complete(srv.url)
+    assert fault.fired == 1
+    assert failed.status_code == 500
+    message = failed.json()["error"]["message"]
+    assert "model forward pass failed" in message and "injected fault" in message
+    ok = complete(srv.url)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    wait_idle(srv)
+    assert httpx.get(srv.url + "/health", timeout=30).json() == {"status": "ok", "audit": []}
+
+
+def test_a_failed_step_mid_stream_ends_that_stream_with_an_error(faulty) -> None:
+    srv, fault = faulty
+    body = {"model": MODEL, "prompt": "stream then fail", "max_tokens": 40, "stream": True,
+            "ignore_eos": True}
+    events: list[Any] = []
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if len(events) == 2:
+                fault.arm()  # the stream is generating: its next step fails
+    assert events[-1] == "[DONE]"
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and "injected fault" in errors[0]["error"]["message"]
+    finishes = [c["finish_reason"] for e in events if isinstance(e, dict)
+                for c in e.get("choices", []) if c.get("finish_reason")]
+    assert finishes == ["error"]
+    assert complete(srv.url).status_code == 200
+    wait_idle(srv)
+    assert srv.engine.audit() == []

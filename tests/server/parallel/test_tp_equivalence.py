@@ -1,0 +1,148 @@
+"""TP=2 gives the same tokens as TP=1, and talks only as much as it must.
+
+Each case runs one workload through ``LLM.generate`` twice, with
+``tensor_parallel_size`` 1 and 2 (gloo on CPU, real worker processes). The
+workload shares prompt prefixes (prefix-cache hits), has prompts longer
+than the step budget (chunked prefill), more KV demand than the paged pool
+holds (preemption and recompute), and one ``n=2`` request (forks:
+copy-on-write in the paged pool, a row copy in the contiguous one).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from paged_server.entrypoints.llm import LLM
+from paged_server.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE: dict[str, Any] = dict(
+    device="cpu",
+    dtype="float32",
+    attention_backend="ref",
+    max_model_len=64,
+    max_num_batched_tokens=16,  # prompts of 20+ tokens run in chunks
+    block_size=4,
+)
+POOLS: dict[str, dict[str, Any]] = {
+    # 24 blocks of 4 = 96 tokens for ~5 sequences of up to 44: preemption.
+    "paged": dict(kv_cache_backend="paged", num_gpu_blocks=24, max_batch_size=4),
+    "contiguous": dict(kv_cache_backend="contiguous", max_batch_size=4),
+}
+PREFIX = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # three full blocks
+
+
+def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = [
+        PREFIX + [100 + i for i in range(12)],
+        PREFIX + [200 + i for i in range(10)],
+        [300 + i for i in range(21)],
+        PREFIX + [400, 401, 402],
+        [50, 51, 52, 53, 54],
+    ]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    forked = SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=7, ignore_eos=True)
+    return prompts, [greedy, greedy, greedy, greedy, forked]
+
+
+def _generate(path: Path, tp: int, pool: str, count_comms: bool = False) -> dict[str, Any]:
+    prompts, params = _workload()
+    with LLM(str(path), tensor_parallel_size=tp, **BASE, **POOLS[pool]) as llm:
+        engine = llm.engine
+        calls: Counter[str] = Counter()
+        passes = [0]
+        if count_comms:
+            group = engine.executor.group
+            group.device_pg = _Counting(group.device_pg, calls, "device")
+            group.message_pg = _Counting(group.message_pg, calls, "message")
+            execute = engine.runner.execute
+
+            def counted(scheduled: Any) -> Any:
+                passes[0] += 1
+                return execute(scheduled)
+
+            engine.runner.execute = counted
+            group.counts.all_reduces = group.counts.broadcasts = 0
+        results = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        metrics = engine.metrics()
+        assert engine.audit() == []
+        out = {
+            "tokens": [[c.token_ids for c in r.outputs] for r in results],
+            "preemptions": metrics["num_preemptions_total"],
+            "prefix_hits": metrics["prefix_cache_hits_total"],
+            "calls": dict(calls),
+            "passes": passes[0],
+            "layers": engine.model_config.num_layers,
+        }
+        workers = list(engine.executor.workers) if engine.executor else []
+    assert all(not w.is_alive() for w in workers), "workers must exit with the LLM"
+    return out
+
+
+class _Counting:
+    """Counts every call made on a process group, by method name."""
+
+    def __init__(self, pg: Any, calls: Counter[str], label: str) -> None:
+        self._pg, self._calls, self._label = pg, calls, label
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._pg, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._calls[f"{self._label}.{name}"] += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize(
+    ("family", "pool"),
+    [("llama", "paged"), ("llama", "contiguous"), ("qwen3", "paged"), ("gemma3", "paged")],
+)
+def test_tp2_matches_tp1_token_for_token(
+    tp_checkpoints: dict[str, Path], family: str, pool: str
+) -> None:
+    path = tp_checkpoints[family]
+    count = family == "llama" and pool == "paged"
+    one = _generate(path, 1, pool)
+    two = _generate(path, 2, pool, count_comms=count)
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] == one["preemptions"]
+    assert two["prefix_hits"] == one["prefix_hits"]
+    if pool == "paged":  # the workload did exercise what it is meant to
+        assert one["preemptions"] > 0 and one["prefix_hits"] > 0
+    if count:
+        # Per forward pass: one step message (one broadcast while it fits
+        # 64 KiB) and two all-reduces per layer; nothing else on rank 0.
+        passes = two["passes"]
+        assert passes > 0
+        assert two["calls"] == {
+            "message.broadcast": passes,
+            "device.allreduce": 2 * two["layers"] * passes,
+        }
+
+
+def test_a_dead_worker_fails_generate_with_a_clear_error(tp_checkpoints: dict[str, Path]) -> None:
+    import os
+    import signal
+
+    from paged_server.errors import EngineFailedError
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(str(tp_checkpoints["llama"]), tensor_parallel_size=2, **BASE, **POOLS["paged"]) as llm:
+        assert llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+        (worker,) = llm.engine.executor.workers
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        with pytest.raises(EngineFailedError, match=r"paged-tp-rank1 \(pid \d+\) killed by SIGKILL"):
+            llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+        assert any("killed by SIGKILL" in problem for problem in llm.engine.audit())
+        with pytest.raises(EngineFailedError):  # stays failed: nothing can step any more
+            llm.engine.step()
