@@ -16,9 +16,14 @@ from paged_triton import ops
 from paged_triton.decode_attention import decode_attention
 from paged_triton.decode_splits import SplitPolicy
 
+# Triton has no e4m3 conversions before sm_89 (the ops refuse it with a clear error there).
+E4M3_UNSUPPORTED = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9)
 KV_DTYPES = [
     pytest.param(torch.int8, id="int8"),
-    pytest.param(torch.float8_e4m3fn, id="fp8_e4m3"),
+    pytest.param(
+        torch.float8_e4m3fn, id="fp8_e4m3",
+        marks=pytest.mark.skipif(E4M3_UNSUPPORTED, reason="fp8 e4m3 needs sm_89+ in Triton"),
+    ),
     pytest.param(torch.float8_e5m2, id="fp8_e5m2"),
 ]
 SPLIT = SplitPolicy(min_chunk=64, target_programs=1 << 20, max_splits=4)
@@ -143,6 +148,16 @@ def test_copy_blocks_copies_codes_and_scales(kv_dtype, pairs, gen, paged):
     assert bits_equal(k, expected[0]) and bits_equal(v, expected[1])
     if ks is not None:
         assert torch.equal(ks, expected[2]) and torch.equal(vs, expected[3])
+
+
+def test_e4m3_before_sm89_is_refused_with_the_alternatives(paged):
+    if not E4M3_UNSUPPORTED:
+        pytest.skip("needs a CUDA GPU older than sm_89")
+    cache = torch.zeros(2, 4, 1, 32, dtype=torch.float8_e4m3fn, device=paged.device)
+    new = torch.ones(1, 1, 32, device=paged.device)
+    with pytest.raises(ValueError, match="fp8_e5m2 or int8"):
+        ops.write_kv(cache, cache.clone(), new, new, torch.zeros(1, dtype=torch.long,
+                                                                 device=paged.device))  # fmt: skip
 
 
 @pytest.mark.backend
