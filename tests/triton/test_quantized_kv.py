@@ -150,6 +150,7 @@ def test_copy_blocks_copies_codes_and_scales(kv_dtype, pairs, gen, paged):
         assert torch.equal(ks, expected[2]) and torch.equal(vs, expected[3])
 
 
+@pytest.mark.cuda
 def test_e4m3_before_sm89_is_refused_with_the_alternatives(paged):
     if not E4M3_UNSUPPORTED:
         pytest.skip("needs a CUDA GPU older than sm_89")
