@@ -187,7 +187,7 @@ def unsupported(variant: Variant, arch: int) -> str | None:
     """Why ``variant`` is not compiled for ``arch`` (None: it is). The ops
     refuse the same combinations with a clear error
     (``launch_checks.check_quantized_cache``)."""
-    if variant.kv_dtype == "fp8_e4m3" and arch < 89 and variant.kernel != "copy_blocks":
+    if variant.kv_dtype == "fp8_e4m3" and arch < 89:
         return "Triton has no fp8 e4m3 (fp8e4nv) conversions before sm_89; use fp8_e5m2 or int8"
     return None
 
