@@ -4,6 +4,10 @@ for the offline ``LLM`` API, whole completions (``CompletionResult``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paged_server.engine.logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -15,7 +19,11 @@ class RequestOutput:
     the tokens by a few characters while a stop string could still be
     forming. ``arrival_time`` and ``first_token_time`` (``time.monotonic()``
     seconds) let the server build TTFT histograms; the time an output
-    arrives gives inter-token latency.
+    arrives gives inter-token latency. With ``SamplingParams.logprobs=N > 0``,
+    ``new_top_logprobs`` holds each new token's ``N`` most likely
+    alternatives ``(token id, logprob)``; with ``prompt_logprobs``, the
+    first output of each choice carries ``prompt_logprobs``: one entry per
+    prompt token, ``None`` for the first (nothing precedes it).
     """
 
     request_id: str
@@ -30,11 +38,16 @@ class RequestOutput:
     num_generated_tokens: int
     arrival_time: float | None = None
     first_token_time: float | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
 class CompletionChoice:
-    """One finished choice of an offline completion."""
+    """One finished choice of an offline completion. ``logprobs`` holds each
+    token's log-probability; ``top_logprobs`` (with ``logprobs=N``) each
+    position as vLLM shapes it: token id -> logprob for the token and its
+    ``N`` most likely alternatives."""
 
     index: int
     text: str
@@ -42,13 +55,17 @@ class CompletionChoice:
     finish_reason: str | None
     logprobs: list[float] | None = None
     error: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass(slots=True)
 class CompletionResult:
-    """Everything ``LLM.generate`` returns for one prompt."""
+    """Everything ``LLM.generate`` returns for one prompt; ``prompt_logprobs``
+    (with ``SamplingParams.prompt_logprobs``) as vLLM: ``None`` for the first
+    token, then token id -> logprob for the prompt token and its top ones."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionChoice] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -40,10 +40,11 @@ from paged_server.config import (
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.logprobs import token_logprobs
 from paged_server.engine.metrics import EngineCounters
 from paged_server.engine.output_processor import append_token, take_output
 from paged_server.engine.pool_factory import build_cache_pool
-from paged_server.engine.runner import ModelRunner
+from paged_server.engine.runner import ModelRunner, PromptScores
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
@@ -219,10 +220,24 @@ class LLMEngine:
             seq.num_computed_tokens += n
             assert seq.pool_seq_id is not None
             self.pool.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
+        for scores in step.prompt_scores:
+            self._score_prompt(scheduled[scores.index][0], scores)
         rows: list[tuple[Sequence, Tensor]] = []
         for j, i in enumerate(step.sampled):
             rows += self._start_choices(scheduled[i][0], step.logits[j])
         self._sample(rows)
+
+    def _score_prompt(self, seq: Sequence, scores: PromptScores) -> None:
+        """Append the prompt logprobs this step computed to the request's."""
+        request = seq.request
+        assert scores.first == len(request.prompt_logprobs), "prompt scored out of order"
+        targets = request.prompt_token_ids[scores.first : scores.first + scores.logits.shape[0]]
+        num_top = request.params.prompt_logprobs or 0
+        request.prompt_logprobs += token_logprobs(
+            scores.logits,
+            torch.tensor(targets, dtype=torch.long, device=scores.logits.device),
+            [num_top] * len(targets),
+        )
 
     def _start_choices(self, seq: Sequence, row: Tensor) -> list[tuple[Sequence, Tensor]]:
         """Rows to sample for ``seq``. When choice 0 of an ``n > 1`` request has
@@ -257,7 +272,13 @@ class LLMEngine:
         result = sample(
             logits,
             [
-                SamplingRow(s.request.params, s.generator, s.token_ids, s.num_prompt_tokens)
+                SamplingRow(
+                    s.request.params,
+                    s.generator,
+                    s.token_ids,
+                    s.num_prompt_tokens,
+                    self.eos_token_ids,
+                )
                 for s, _ in rows
             ],
         )

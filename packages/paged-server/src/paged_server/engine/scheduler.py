@@ -202,9 +202,13 @@ class Scheduler:
                 alone = not self.running
                 if cost > kv_budget and not (alone and cost <= free_kv):
                     break
-            if not self.pool.can_allocate_sequence(seq.token_ids):
+            # Prompt tokens to score must be computed, not read from the cache.
+            skip = seq.request.needs_prompt_logprobs
+            if not self.pool.can_allocate_sequence(seq.token_ids, skip_prefix_cache=skip):
                 break
-            seq.pool_seq_id, seq.num_computed_tokens = self.pool.allocate_sequence(seq.token_ids)
+            seq.pool_seq_id, seq.num_computed_tokens = self.pool.allocate_sequence(
+                seq.token_ids, skip_prefix_cache=skip
+            )
             self.waiting.popleft()
             self.add_running(seq)
             places -= seq.running_places_needed

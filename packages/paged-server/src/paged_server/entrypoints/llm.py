@@ -3,6 +3,7 @@
     llm = LLM(max_batch_size=8)            # embedded default model
     results = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=20))
     results[0].outputs[0].text
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=20))
 
 ``generate`` feeds the engine as fast as its queue takes requests and
 steps it until every prompt is done; ``llm.engine`` gives metrics.
@@ -77,7 +78,8 @@ class LLM:
                         text="",
                         token_ids=[],
                         finish_reason=None,
-                        logprobs=[] if params.logprobs else None,
+                        logprobs=[] if params.logprobs is not None else None,
+                        top_logprobs=[] if params.logprobs is not None else None,
                     )
                     for i in range(_num_choices(params))
                 ],
@@ -93,14 +95,38 @@ class LLM:
                     choice = results[out.request_id].outputs[out.index]
                     choice.text += out.new_text
                     choice.token_ids += out.new_token_ids
-                    if out.new_logprobs is not None and choice.logprobs is not None:
-                        choice.logprobs += out.new_logprobs
+                    _add_logprobs(results[out.request_id], choice, out)
                     if out.finished:
                         choice.finish_reason, choice.error = out.finish_reason, out.error
                         unfinished[out.request_id] -= 1
                         if unfinished[out.request_id] == 0:
                             bar.update(1)
         return [results[r] for r in order]
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[CompletionResult]:
+        """``generate`` over conversations rendered with the model's chat
+        template (as vLLM's ``LLM.chat``): one conversation (a list of
+        ``{"role", "content"}`` dicts) or a list of them."""
+        conversations = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        )
+        tokenizer = self.engine.tokenizer
+        prompt_ids = [
+            list(
+                tokenizer.apply_chat_template(
+                    list(c), add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+            )
+            for c in conversations
+        ]
+        return self.generate(None, sampling_params, prompt_token_ids=prompt_ids, use_tqdm=use_tqdm)
 
     def _submit(
         self,
@@ -128,6 +154,18 @@ class LLM:
                 continue
             unfinished[request_id] = params.n
         return []
+
+
+def _add_logprobs(result: CompletionResult, choice: CompletionChoice, out: Any) -> None:
+    """Accumulate a delta's logprobs in vLLM's offline shapes."""
+    if out.prompt_logprobs is not None and result.prompt_logprobs is None:
+        result.prompt_logprobs = [p.as_dict() if p else None for p in out.prompt_logprobs]
+    if out.new_logprobs is None or choice.logprobs is None or choice.top_logprobs is None:
+        return
+    tops = out.new_top_logprobs or [[] for _ in out.new_logprobs]
+    for token, lp, top in zip(out.new_token_ids, out.new_logprobs, tops, strict=False):
+        choice.top_logprobs.append({**dict(top), token: lp})
+    choice.logprobs += out.new_logprobs
 
 
 def _num_choices(params: SamplingParams) -> int:
