@@ -30,7 +30,7 @@ from paged_server.entrypoints.openai.protocol import (
     _SamplingFields,
     normalize_prompt,
 )
-from paged_server.entrypoints.openai.responses import CollectedChoice, ResponseFormat
+from paged_server.entrypoints.openai.responses import CollectedChoice, Echo, ResponseFormat
 from paged_server.entrypoints.openai.streaming import (
     EventStreamResponse,
     stream_chat,
@@ -72,15 +72,25 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_model(body.model)
-        prompts = [await self._encode_prompt(p) for p in normalize_prompt(body.prompt)]
+        raw_prompts = normalize_prompt(body.prompt)
+        prompts = [await self._encode_prompt(p) for p in raw_prompts]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        # max_tokens 0 (echo only): the engine generates one token, dropped.
+        run_tokens = max(max_tokens, 1)
         for ids in prompts:
-            self._check_length(len(ids), max_tokens, "prompt")
-        params = self._params(body, max_tokens, logprobs=body.logprobs is not None)
+            self._check_length(len(ids), run_tokens, "prompt")
+        params = self._params(body, run_tokens, logprobs=body.logprobs)
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs
+        echo = None
+        if body.echo:
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
+            echo = Echo(texts, prompts, drop_generated=max_tokens == 0)
         gen = Generation(self.engine, f"cmpl-{uuid.uuid4().hex}", body.n, arrival)
         await gen.submit(prompts, params, prompt_param="prompt")
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
-                             include_usage=body.include_usage())
+                             include_usage=body.include_usage(), num_top=body.logprobs,
+                             echo=echo, n=body.n)
         if body.stream:
             return EventStreamResponse(stream_completion(gen, fmt))
         return await self._complete(gen, fmt, request, chat=False)
@@ -93,11 +103,12 @@ class OpenAIServing:
         max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self._check_length(len(ids), max_tokens, "messages", max_tokens_param=param)
-        params = self._params(body, max_tokens, logprobs=body.logprobs)
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, max_tokens, logprobs=num_top)
         gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", body.n, arrival)
         await gen.submit([ids], params, prompt_param="messages")
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
-                             include_usage=body.include_usage())
+                             include_usage=body.include_usage(), num_top=num_top)
         if body.stream:
             return EventStreamResponse(stream_chat(gen, fmt))
         return await self._complete(gen, fmt, request, chat=True)
@@ -153,7 +164,9 @@ class OpenAIServing:
             raise APIError(400, f"messages: {exc}", param="messages") from None
         return list(ids)
 
-    def _params(self, body: _SamplingFields, max_tokens: int, *, logprobs: bool) -> SamplingParams:
+    def _params(
+        self, body: _SamplingFields, max_tokens: int, *, logprobs: int | None
+    ) -> SamplingParams:
         params = SamplingParams(
             n=body.n,
             max_tokens=max_tokens,
@@ -169,6 +182,8 @@ class OpenAIServing:
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            logit_bias=body.logit_bias_ids(),
+            min_tokens=body.min_tokens,
         )
         try:
             params.validate(self.max_model_len)
