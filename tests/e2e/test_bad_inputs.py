@@ -27,7 +27,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("prompt-object", COMP, {"prompt": {"a": 1}}, 400, "prompt", "must be a string"),
     ("messages-string", CHAT, {"messages": "hi"}, 400, "messages", "must be a list"),
     ("stream-string", COMP, {"prompt": "x", "stream": "yes"}, 400, "stream", "must be true or false"),
-    ("negative-max-tokens", COMP, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
+    ("negative-max-tokens", COMP, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 0"),
     ("zero-max-tokens", CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
     ("huge-max-tokens", COMP, {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", f"max_model_len {MAX_SEQ_LEN}"),
     ("huge-max-completion-tokens", CHAT, {"messages": MSG, "max_completion_tokens": 10**6}, 400,

@@ -26,6 +26,7 @@ from paged_server.entrypoints.openai.errors import APIError
 from paged_server.entrypoints.openai.generation import Generation, GenerationEnded, bad_value
 from paged_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     _SamplingFields,
     normalize_prompt,
@@ -71,7 +72,7 @@ class OpenAIServing:
     # ------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self._check_model(body.model)
+        self.check_model(body.model)
         raw_prompts = normalize_prompt(body.prompt)
         prompts = [await self._encode_prompt(p) for p in raw_prompts]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
@@ -97,7 +98,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self._check_model(body.model)
+        self.check_model(body.model)
         ids = await _off_loop(self._render_chat, body, size=sum(len(m.text()) for m in body.messages))
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
@@ -114,7 +115,7 @@ class OpenAIServing:
         return await self._complete(gen, fmt, request, chat=True)
 
     # -------------------------------------------------------------- checks
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
@@ -146,15 +147,19 @@ class OpenAIServing:
             )
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        return self.render_messages(body.messages, body.add_generation_prompt)
+
+    def render_messages(self, chat: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation through the model's chat template."""
         messages = []
-        for m in body.messages:
+        for m in chat:
             msg: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 msg["name"] = m.name
             messages.append(msg)
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
             )
         except jinja2.TemplateError as exc:
             raise APIError(
