@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     import torch
 
     from paged_server.engine.logprobs import TokenLogprobs
-
     from paged_server.sampling_params import SamplingParams
 
 
