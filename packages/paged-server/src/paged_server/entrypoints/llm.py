@@ -114,8 +114,10 @@ class LLM:
         """``generate`` over conversations rendered with the model's chat
         template (as vLLM's ``LLM.chat``): one conversation (a list of
         ``{"role", "content"}`` dicts) or a list of them."""
-        conversations = (
-            [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations: list[Sequence[dict[str, Any]]] = (
+            [messages]  # type: ignore[list-item]  # one conversation
+            if messages and isinstance(messages[0], dict)
+            else list(messages)  # type: ignore[arg-type]
         )
         tokenizer = self.engine.tokenizer
         prompt_ids = [
