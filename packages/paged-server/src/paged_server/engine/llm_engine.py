@@ -88,7 +88,14 @@ class LLMEngine:
                 loaded.config.max_position_embeddings,
             )
         self.pool, self.capacity = build_cache_pool(
-            config, loaded.config, loaded.dtype, device, self.attention_backend
+            config, loaded.config, loaded.dtype, device, self.attention_backend, loaded.model
+        )
+        log.info(
+            "KV cache: %d tokens (%d blocks of %d), sized by %s",
+            self.capacity.tokens,
+            self.capacity.num_blocks,
+            self.capacity.block_size,
+            self.capacity.sized_by,
         )
         self.runner = ModelRunner(loaded.model, self.pool, device, self._decode_graphs(device))
         if device.type == "cuda":  # compile (and capture) before the first request
