@@ -82,6 +82,12 @@ class _SamplingFields(_Strict):
         None,
         description=f"Token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] "
         "added to its logit.",
+        json_schema_extra={
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {
+                "type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS
+            },
+        },
     )
     use_beam_search: bool = Field(
         False, description="Not supported yet: must be false (vLLM extension)."

@@ -43,7 +43,7 @@ async def stream_completion(gen: Generation, fmt: ResponseFormat) -> AsyncIterat
             if out.error:
                 yield sse(error_body(f"generation failed: {out.error}", "server_error"))
             first = not started[i]
-            if not (out.new_text or out.finished or out.new_logprobs or first and fmt.echo):
+            if not (out.new_text or out.finished or out.new_logprobs or (first and fmt.echo)):
                 continue
             started[i] = True
             text, logprobs = fmt.completion_text_and_logprobs(
