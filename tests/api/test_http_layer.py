@@ -153,17 +153,17 @@ def test_api_key_guards_everything_but_health(fake_engine: Any) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "param", "fragment"),
     [
-        ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search",
-         "beam search is not supported yet"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True},
-         "use_beam_search", "beam search is not supported yet"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True}, "use_beam_search",
+         "send stream=false"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True,
+                                  "stream": True}, "use_beam_search", "send stream=false"),
         ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "got best_of 3 with n 2"),
     ],
 )
 def test_unsupported_search_options_are_400_never_ignored(
     fake_server: Any, fake_engine: Any, path: str, body: dict[str, Any], param: str, fragment: str
 ) -> None:
-    """``use_beam_search: true`` used to come back as ordinary sampled choices."""
+    """Options the server cannot honour as asked are refused, not ignored."""
     resp = httpx.post(fake_server.url + path, json={**body, "max_tokens": 2}, timeout=30)
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]

@@ -128,3 +128,23 @@ def test_async_client_streams(server: Any) -> None:
             await ac.close()
 
     assert isinstance(asyncio.run(main()), str)
+
+
+def test_completion_beam_search_returns_the_best_beams(client: openai.OpenAI, server: Any) -> None:
+    """vLLM's ``use_beam_search`` + ``best_of``: the ``n`` best of ``best_of``
+    beams, the same beams ``LLM.beam_search`` finds offline."""
+    from paged_server import LLM, BeamSearchParams
+
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, n=2,
+                                     extra_body={"use_beam_search": True, "best_of": 4})
+    offline = LLM(loaded=server.engine.loaded, device="cpu", attention_backend="ref",
+                  max_model_len=MAX_SEQ_LEN)
+    beams = offline.beam_search([PROMPT], BeamSearchParams(beam_width=4, max_tokens=10))
+    best = beams[0].sequences[:2]
+    assert [c.text for c in resp.choices] == [b.text for b in best]
+    assert [c.index for c in resp.choices] == [0, 1]
+    prompt_len = resp.usage.prompt_tokens
+    assert resp.usage.completion_tokens == sum(len(b.tokens) - prompt_len for b in best)
+    with pytest.raises(openai.BadRequestError, match="send stream=false"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True,
+                                  extra_body={"use_beam_search": True})

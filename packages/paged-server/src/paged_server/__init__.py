@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from paged_server.config import EngineConfig
     from paged_server.engine.llm_engine import LLMEngine
     from paged_server.entrypoints.llm import LLM
-    from paged_server.outputs import CompletionResult, RequestOutput
-    from paged_server.sampling_params import SamplingParams
+    from paged_server.outputs import BeamSearchOutput, CompletionResult, RequestOutput
+    from paged_server.sampling_params import BeamSearchParams, SamplingParams
 
 _EXPORTS = {
     "EngineConfig": "paged_server.config",
@@ -23,10 +23,14 @@ _EXPORTS = {
     "CompletionResult": "paged_server.outputs",
     "RequestOutput": "paged_server.outputs",
     "SamplingParams": "paged_server.sampling_params",
+    "BeamSearchParams": "paged_server.sampling_params",
+    "BeamSearchOutput": "paged_server.outputs",
 }
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "CompletionResult",
     "EngineConfig",
     "LLMEngine",

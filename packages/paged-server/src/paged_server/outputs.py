@@ -40,6 +40,7 @@ class RequestOutput:
     first_token_time: float | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class CompletionChoice:
     logprobs: list[float] | None = None
     error: str | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
@@ -69,3 +71,24 @@ class CompletionResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionChoice] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One finished beam: ``tokens`` are the prompt's and the beam's (as in
+    vLLM), ``logprobs`` the log-probability of each generated token,
+    ``cum_logprob`` their sum; ``text`` is the generated text."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """``LLM.beam_search``'s result for one prompt: the beams, best first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)

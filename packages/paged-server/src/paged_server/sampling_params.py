@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from paged_server.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this sample greedily (as vLLM does): so close to 0 the
 # distribution is the argmax anyway, and far smaller ones (1e-40) overflow
 # logits / temperature to inf, which leaves no distribution to draw from.
@@ -34,7 +36,16 @@ class SamplingParams:
     [-100, 100] to a token id's logit; ``min_tokens`` masks EOS and
     ``stop_token_ids`` until that many tokens are generated. ``stop`` strings are cut from the text; ``stop_token_ids``
     (and EOS unless ``ignore_eos``) end the request with their token kept in
-    ``token_ids`` but not in the text.
+    ``token_ids`` but not in the text. ``structured_outputs`` constrains
+    the output to a JSON schema or grammar (a token mask before sampling).
+
+    ``use_beam_search=True`` (vLLM's extra parameter) replaces sampling by a
+    deterministic beam search of width ``best_of`` (default ``n``) that
+    returns its ``n`` best finished beams; ``length_penalty`` and
+    ``early_stopping`` (``True``, ``False`` or ``"never"``) mean what they
+    mean in transformers' ``generate(num_beams=...)``. EOS and
+    ``stop_token_ids`` end a beam; the sampling knobs (temperature, top-k/p,
+    min-p, seed) do not apply, and penalties and stop strings are refused.
     """
 
     n: int = 1
@@ -54,6 +65,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI allows a single string
@@ -65,6 +82,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether tokens are the argmax: ``temperature < GREEDY_TEMPERATURE``."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def beam_width(self) -> int:
+        """Beams a beam search keeps (``best_of``, else ``n``); 1 without one."""
+        if not self.use_beam_search:
+            return 1
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the engine runs for the request: ``n`` choices, or the beams."""
+        return self.beam_width if self.use_beam_search else self.n
 
     def validate(self, max_model_len: int) -> None:
         """Raise ``ValueError("<field>: what is wrong")`` for the first bad field."""
@@ -88,13 +117,86 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids: must be a list of non-negative integers, got {self.stop_token_ids!r}"
             )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _int_in(name, value, 0, MAX_LOGPROBS, hint=" (top alternatives; 0 = the token only)")
         _check_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
+        for name in ("ignore_eos", "use_beam_search"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        if self.best_of is not None:
+            _int_in("best_of", self.best_of, 1, None)
+        if not self.use_beam_search:
+            if self.best_of is not None and self.best_of != self.n:
+                raise ValueError(
+                    f"best_of: must equal n or be omitted without beam search, got best_of "
+                    f"{self.best_of} with n {self.n} (use_beam_search=True searches best_of beams)"
+                )
+            return
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(
+                f"best_of: the beam width must be >= n, got best_of {self.best_of} with n {self.n}"
+            )
+        _float_in("length_penalty", self.length_penalty, float("-inf"), None)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f'early_stopping: must be true, false or "never", got {self.early_stopping!r}'
+            )
+        if self.stop:
+            raise ValueError("stop: stop strings are not supported with beam search; use stop_token_ids")
+        if self.structured_outputs is not None:
+            raise ValueError("structured_outputs: not supported with beam search (beams would need forked grammar states)")
+        for name, neutral in (
+            ("repetition_penalty", 1.0),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+        ):
+            if getattr(self, name) != neutral:
+                raise ValueError(f"{name}: must be {neutral} with beam search (scores are raw log-probabilities)")
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """``LLM.beam_search`` settings, named as in vLLM, plus transformers'
+    ``early_stopping``. Beam search here is deterministic: ``temperature``
+    must stay 0. ``include_stop_str_in_output`` keeps the text of the EOS /
+    stop token that ended a beam."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's parameters for this search (all beams returned)."""
+        if self.temperature != 0.0:
+            raise ValueError(
+                f"temperature: beam search is deterministic here; only 0.0 is supported, "
+                f"got {self.temperature}"
+            )
+        return SamplingParams(
+            n=self.beam_width,
+            best_of=self.beam_width,
+            use_beam_search=True,
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            stop_token_ids=list(self.stop_token_ids),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=0,
+        )
 
 
 def _check_logit_bias(bias: object) -> None:

@@ -27,11 +27,12 @@ def check_prompt(
     first come first served, hold up every request behind it), empty prompts,
     ids outside the vocabulary, prompts leaving no room for a generated token,
     and (paged) sequences that alone need more blocks than the whole pool has."""
-    if params.n > max_batch_size:
+    if params.num_seqs > max_batch_size:
+        name = "best_of" if params.use_beam_search else "n"
         raise ValueError(
-            f"n: must be <= {max_batch_size} (max_batch_size), got {params.n}; all n choices "
-            "run at once, so this request could never start: ask for fewer choices or "
-            "raise max_batch_size"
+            f"{name}: must be <= {max_batch_size} (max_batch_size), got {params.num_seqs}; all "
+            f"{params.num_seqs} choices or beams run at once, so this request could never start: "
+            "ask for fewer or raise max_batch_size"
         )
     n = len(token_ids)
     if n == 0:
@@ -59,6 +60,15 @@ def check_prompt(
                 f"prompt has {n} tokens and max_tokens is {params.max_tokens}: the sequence "
                 f"needs {blocks} KV blocks but the cache has {capacity.num_blocks} in total; "
                 "lower max_tokens or raise num_gpu_blocks / kv_cache_memory_bytes"
+            )
+        # Beams wait for each other, so all of them must fit at once (sharing
+        # usually makes it far less, but a preempted beam must always fit).
+        beams = params.beam_width
+        if beams > 1 and beams * blocks > capacity.num_blocks:
+            raise ValueError(
+                f"beam search of width {beams} over {blocks} KV blocks per beam needs up to "
+                f"{beams * blocks} blocks but the cache has {capacity.num_blocks}; lower "
+                "best_of or max_tokens, or raise num_gpu_blocks / kv_cache_memory_bytes"
             )
 
 

@@ -37,17 +37,19 @@ from paged_server.config import (
     resolve_dtype,
     resolve_max_num_batched_tokens,
 )
+from paged_server.engine.beams import advance_beams, finish_beams, new_beam_search, ready_rows
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
 from paged_server.engine.logprobs import token_logprobs
 from paged_server.engine.metrics import EngineCounters
-from paged_server.engine.output_processor import append_token, take_output
+from paged_server.engine.output_processor import append_token, finish_early, take_output
 from paged_server.engine.pool_factory import build_cache_pool
 from paged_server.engine.runner import ModelRunner, PromptScores
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.structured_output import StructuredOutput
 from paged_server.errors import QueueFullError
 from paged_server.models import LoadedModel, load_model
 from paged_server.outputs import RequestOutput
@@ -113,6 +115,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._touched: list[Sequence] = []
         self.counters = EngineCounters()
+        self.structured_output = StructuredOutput(
+            self.tokenizer.hf.to_str(), loaded.config.vocab_size, self.eos_token_ids
+        )
 
     def _decode_graphs(self, device: torch.device) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps: on CUDA, with the Triton kernels
@@ -167,7 +172,10 @@ class LLMEngine:
                 f"{waiting} requests are already waiting (max_queue_len "
                 f"{self.config.max_queue_len}); retry later"
             )
+        grammars = self.structured_output.matchers(params.structured_outputs, params.n)
         request = self._new_request(request_id, text, token_ids, params)
+        for seq, grammar in zip(request.seqs, grammars, strict=True):
+            seq.grammar = grammar
         self._requests[request_id] = request
         self.scheduler.add(request.seqs[0])
         return len(token_ids)
@@ -231,7 +239,11 @@ class LLMEngine:
             self._score_prompt(scheduled[scores.index][0], scores)
         rows: list[tuple[Sequence, Tensor]] = []
         for j, i in enumerate(step.sampled):
-            rows += self._start_choices(scheduled[i][0], step.logits[j])
+            seq = scheduled[i][0]
+            if seq.request.beam is not None:
+                self._beam_row(seq, step.logits[j])
+            else:
+                rows += self._start_choices(seq, step.logits[j])
         self._sample(rows)
 
     def _score_prompt(self, seq: Sequence, scores: PromptScores) -> None:
@@ -245,6 +257,24 @@ class LLMEngine:
             torch.tensor(targets, dtype=torch.long, device=scores.logits.device),
             [num_top] * len(targets),
         )
+    def _beam_row(self, seq: Sequence, row: Tensor) -> None:
+        """Keep a beam's logits; once every beam of its request has its row,
+        take one beam step (forks, frees) or finish the search."""
+        request = seq.request
+        if seq.is_finished:
+            return
+        request.beam_rows[seq.index] = row
+        rows = ready_rows(request)
+        if rows is None:
+            return
+        if not all(bool(torch.isfinite(r).all()) for r in rows):
+            self._fail(seq, "model produced non-finite logits (NaN or inf)")
+            return
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        self.counters.generation_tokens += len(rows)
+        if advance_beams(request, rows, self.pool, self.scheduler):
+            self._touched += finish_beams(request)
 
     def _start_choices(self, seq: Sequence, row: Tensor) -> list[tuple[Sequence, Tensor]]:
         """Rows to sample for ``seq``. When choice 0 of an ``n > 1`` request has
@@ -276,6 +306,7 @@ class LLMEngine:
         if not rows:
             return
         logits = torch.stack([row for _, row in rows])
+        logits = self.structured_output.mask_logits(logits, [s.grammar for s, _ in rows])
         result = sample(
             logits,
             [
@@ -301,15 +332,31 @@ class LLMEngine:
                 request.first_token_time = now
             self.counters.generation_tokens += 1
             self._touched.append(seq)
+            complete = False
+            if seq.grammar is not None:
+                complete, error = self.structured_output.accept(seq.grammar, token)
+                if error is not None:
+                    self._fail(seq, error)
+                    continue
             try:
                 append_token(seq, token, logprob, self.eos_token_ids, self.config.max_model_len)
             except Exception as exc:
                 self._fail(seq, f"detokenization failed: {type(exc).__name__}: {exc}")
+                continue
+            if complete and not seq.is_finished:  # the grammar admits nothing more
+                finish_early(seq, "stop")
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Finish ``seq``; choices that were waiting to fork from it finish too."""
+        """Finish ``seq``; choices that were waiting to fork from it finish too,
+        and so does every beam of a beam search."""
         seq.finish(reason, error)
         self._touched.append(seq)
+        if seq.request.beam is not None:
+            for beam in seq.request.seqs:
+                if not beam.is_finished:
+                    beam.finish(reason, error)
+                    self._touched.append(beam)
+            return
         if seq.index == 0 and not seq.request.forked:
             for child in seq.request.seqs[1:]:
                 if not child.is_finished:
@@ -326,10 +373,10 @@ class LLMEngine:
             if id(seq) in seen:
                 continue
             seen.add(id(seq))
-            out = take_output(seq)
-            if out is not None:
-                outputs.append(out)
             request = seq.request
+            out = take_output(seq)
+            if out is not None and out.index < request.params.n:  # not a dropped beam
+                outputs.append(out)
             if request.finished and all(s.finish_reported for s in request.seqs):
                 self._requests.pop(request.request_id, None)
         self._touched = []
@@ -341,7 +388,9 @@ class LLMEngine:
     ) -> Request:
         request = Request(request_id, text, token_ids, params, time.monotonic())
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        for index in range(params.n):
+        if params.use_beam_search:
+            request.beam = new_beam_search(request, self.eos_token_ids, self.config.max_model_len)
+        for index in range(params.num_seqs):
             generator = torch.Generator().manual_seed((base_seed + index * _GOLDEN) % 2**64)
             request.seqs.append(
                 Sequence(

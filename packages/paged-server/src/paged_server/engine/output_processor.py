@@ -49,6 +49,14 @@ def append_token(
     release_text(seq)
 
 
+def finish_early(seq: Sequence, reason: str) -> None:
+    """Finish ``seq`` for a reason outside the token itself (a completed
+    grammar), releasing the text still held back."""
+    seq.finish(reason)
+    _add_text(seq, seq.text_stream.flush())
+    release_text(seq)
+
+
 def _add_text(seq: Sequence, piece: str) -> None:
     """Append detokenized text, cutting (and finishing) at a stop string."""
     if not piece:
@@ -110,6 +118,7 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         first_token_time=request.first_token_time,
         new_top_logprobs=seq.new_top_logprobs if params.logprobs else None,
         prompt_logprobs=prompt_logprobs,
+        cumulative_logprob=seq.cumulative_logprob,
     )
     seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
     seq.new_top_logprobs = []

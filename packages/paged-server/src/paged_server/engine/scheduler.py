@@ -200,7 +200,8 @@ class Scheduler:
                 break
             if kv_budget is not None and free_kv is not None:
                 alone = not self.running
-                if cost > kv_budget and not (alone and cost <= free_kv):
+                fits = cost <= kv_budget or (alone and cost <= free_kv)
+                if not fits and not seq.holds_up_siblings:
                     break
             # Prompt tokens to score must be computed, not read from the cache.
             skip = seq.request.needs_prompt_logprobs

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
+    from paged_server.engine.beam_search import BeamSearch
     from paged_server.engine.logprobs import TokenLogprobs
     from paged_server.sampling_params import SamplingParams
 
@@ -65,6 +66,9 @@ class Request:
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
             self.prompt_token_ids
         )
+    beam: BeamSearch | None = None  # a beam search's scorer (its seqs are the beams)
+    # Beams' last logits, kept until every running beam has its row.
+    beam_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -89,6 +93,8 @@ class Sequence:
     output_text: str = ""
     emitted_text_len: int = 0
     logprobs: list[float] = field(default_factory=list)
+    grammar: Any = None  # llguidance matcher when the output is constrained
+    cumulative_logprob: float | None = None  # a finished beam's summed log-probability
     # Not yet streamed (cleared by the engine after each RequestOutput).
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
@@ -116,10 +122,17 @@ class Sequence:
     @property
     def running_places_needed(self) -> int:
         """Running-set places this sequence takes when admitted: all ``n``
-        choices for a first admission of choice 0 (its forks follow it)."""
+        choices (or beams) for a first admission of choice 0 (its forks
+        follow it)."""
         if self.index == 0 and not self.request.forked:
-            return self.request.params.n
+            return len(self.request.seqs)
         return 1
+
+    @property
+    def holds_up_siblings(self) -> bool:
+        """A beam being recomputed: the other beams of its request wait for
+        it holding their blocks, so admission must not wait for them."""
+        return self.request.beam is not None and self.request.forked
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

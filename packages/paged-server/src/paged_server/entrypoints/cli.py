@@ -28,6 +28,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from paged_server.entrypoints.openai.engine_args import add_engine_flags
     from paged_server.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES
+    from paged_server.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
     p = sub.add_parser(
         "serve",
@@ -49,6 +50,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                   help="tool-call format of the model (default: detected from its chat template)")
     add_engine_flags(p)
 
 
@@ -94,6 +97,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         announce=True,
+        tool_call_parser=args.tool_call_parser,
     )
     serve(engine, settings, args.host, args.port, args.log_level)
     return 0

@@ -4,6 +4,8 @@
     results = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=20))
     results[0].outputs[0].text
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=20))
+    beams = llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=20))
+    beams[0].sequences[0].text
 
 ``generate`` feeds the engine as fast as its queue takes requests and
 steps it until every prompt is done; ``llm.engine`` gives metrics.
@@ -11,7 +13,7 @@ steps it until every prompt is done; ``llm.engine`` gives metrics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -20,8 +22,13 @@ from paged_server.config import EngineConfig
 from paged_server.engine.llm_engine import LLMEngine
 from paged_server.errors import QueueFullError
 from paged_server.models import LoadedModel
-from paged_server.outputs import CompletionChoice, CompletionResult
-from paged_server.sampling_params import SamplingParams
+from paged_server.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionChoice,
+    CompletionResult,
+)
+from paged_server.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -98,6 +105,7 @@ class LLM:
                     _add_logprobs(results[out.request_id], choice, out)
                     if out.finished:
                         choice.finish_reason, choice.error = out.finish_reason, out.error
+                        choice.cumulative_logprob = out.cumulative_logprob
                         unfinished[out.request_id] -= 1
                         if unfinished[out.request_id] == 0:
                             bar.update(1)
@@ -129,6 +137,40 @@ class LLM:
             for c in conversations
         ]
         return self.generate(None, sampling_params, prompt_token_ids=prompt_ids, use_tqdm=use_tqdm)
+    def beam_search(
+        self,
+        prompts: Sequence[str | Sequence[int] | Mapping[str, Any]],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search of ``params.beam_width`` beams for each prompt (text,
+        token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``);
+        every prompt's beams come back best first. The beams of a prompt
+        share its KV blocks and fork copy-on-write where they diverge.
+        Raises ``ValueError`` for bad parameters."""
+        sampling = params.to_sampling_params()
+        sampling.validate(self.engine.config.max_model_len)
+        tokenizer = self.engine.tokenizer
+        token_ids = [_prompt_token_ids(p, tokenizer) for p in prompts]
+        results = self.generate(
+            prompt_token_ids=token_ids, sampling_params=sampling, use_tqdm=use_tqdm
+        )
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        tokens=list(prompt) + c.token_ids,
+                        logprobs=list(c.logprobs or []),
+                        cum_logprob=c.cumulative_logprob if c.cumulative_logprob is not None else 0.0,
+                        text=c.text,
+                        finish_reason=c.finish_reason,
+                        error=c.error,
+                    )
+                    for c in result.outputs
+                ]
+            )
+            for prompt, result in zip(token_ids, results, strict=True)
+        ]
 
     def _submit(
         self,
@@ -168,6 +210,17 @@ def _add_logprobs(result: CompletionResult, choice: CompletionChoice, out: Any) 
     for token, lp, top in zip(out.new_token_ids, out.new_logprobs, tops, strict=False):
         choice.top_logprobs.append({**dict(top), token: lp})
     choice.logprobs += out.new_logprobs
+def _prompt_token_ids(prompt: str | Sequence[int] | Mapping[str, Any], tokenizer: Any) -> list[int]:
+    """A beam-search prompt as token ids."""
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return list(tokenizer.encode(prompt["prompt"]))
+        raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    return list(prompt)
 
 
 def _num_choices(params: SamplingParams) -> int:

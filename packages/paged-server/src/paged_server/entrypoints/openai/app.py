@@ -88,6 +88,7 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0
     announce: bool = False  # print start/stop lines (the CLI server does; test servers don't)
+    tool_call_parser: str | None = None  # None: detected from the chat template
 
 
 def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
@@ -98,7 +99,11 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     max_model_len = int(config.max_model_len)
     tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
-        async_engine, tokenizer, model_name=settings.model_name, max_model_len=max_model_len
+        async_engine,
+        tokenizer,
+        model_name=settings.model_name,
+        max_model_len=max_model_len,
+        tool_call_parser=settings.tool_call_parser,
     )
     tokenization = Tokenization(tokenizer, max_model_len, serving.render_messages)
     created = int(time.time())

@@ -13,11 +13,16 @@ the schema:
   returns the prompt (and, with ``logprobs``, its logprobs; the first
   token's is null); ``max_tokens: 0`` is allowed with ``echo`` only.
 - ``logit_bias``: token id (a JSON string key) -> bias in [-100, 100].
+- ``response_format`` (``text``, ``json_object``, ``json_schema``) on both
+  endpoints and ``tools`` / ``tool_choice`` on chat are enforced by a grammar
+  (see ``structured.py`` and ``tool_calls.py``).
 - Fields OpenAI has that this server cannot honour (``suffix``,
-  ``best_of`` other than ``n``, ``tools``, non-text content)
-  are rejected with a 400 naming the field, never ignored; so is vLLM's
-  ``use_beam_search: true`` until beam search exists. Unknown fields are
-  ignored, like vLLM.
+  ``best_of`` other than ``n`` without beam search, non-text content) are
+  rejected with a 400 naming the field, never ignored.
+- Beam search (vLLM's extra parameters): ``use_beam_search: true`` with
+  ``best_of`` beams (default ``n``) returns the ``n`` best; with
+  ``length_penalty`` and ``early_stopping``. Not with ``stream: true``.
+  Unknown fields are ignored, like vLLM.
 
 Types are strict: ``"max_tokens": "5"`` is a 400, not coerced.
 """
@@ -51,6 +56,30 @@ class StreamOptions(_Strict):
     include_usage: bool = Field(
         False, description="Send one extra chunk before [DONE] with the request's token usage."
     )
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the output must match."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatParam(_Strict):
+    """``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormatParam:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        return self
 
 
 class _SamplingFields(_Strict):
@@ -90,11 +119,20 @@ class _SamplingFields(_Strict):
         },
     )
     use_beam_search: bool = Field(
-        False, description="Not supported yet: must be false (vLLM extension)."
+        False, description="Beam search of best_of beams, returning the n best (vLLM extension)."
+    )
+    length_penalty: FiniteFloat = Field(
+        1.0, description="Beam search: scores are divided by length ** length_penalty."
+    )
+    early_stopping: bool | str = Field(
+        False, description='Beam search: true, false or "never", as in transformers.'
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormatParam | None = Field(
+        None, description="text, json_object, or json_schema (enforced by a grammar)."
+    )
 
     @field_validator("stop")
     @classmethod
@@ -107,6 +145,13 @@ class _SamplingFields(_Strict):
                 raise ValueError(
                     f"each stop string must have 1..{MAX_STOP_LEN} characters, got {len(s)}"
                 )
+        return v
+
+    @field_validator("early_stopping")
+    @classmethod
+    def _check_early_stopping(cls, v: bool | str) -> bool | str:
+        if not isinstance(v, bool) and v != "never":
+            raise ValueError(f'must be true, false or "never", got {v!r}')
         return v
 
     @field_validator("stop_token_ids")
@@ -140,12 +185,9 @@ class _SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _check_beam_search(self) -> _SamplingFields:
-        # Declared, not left to extra="ignore": ignoring it returned sampled
-        # choices to a client that asked for a beam search.
-        if self.use_beam_search:
+        if self.use_beam_search and self.stream:
             raise ValueError(
-                "use_beam_search: beam search is not supported yet; omit it or send false "
-                "(n > 1 returns independently sampled choices)"
+                "use_beam_search: beam search returns whole beams only; send stream=false"
             )
         return self
 
@@ -179,7 +221,9 @@ class CompletionRequest(_SamplingFields):
         False, description="Return the prompt before the completion (with logprobs: its logprobs)."
     )
     suffix: str | None = Field(None, description="Not supported: must be null.")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only null or equal to n.")
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_N, description="Beam width with use_beam_search; else null or n."
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -200,10 +244,15 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("max_tokens: 0 is only allowed with echo=true (to score the prompt)")
         if self.suffix:
             raise ValueError("suffix: not supported; send no suffix")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.use_beam_search:
+            if self.best_of is not None and self.best_of < self.n:
+                raise ValueError(
+                    f"best_of: the beam width must be >= n, got best_of {self.best_of} with n {self.n}"
+                )
+        elif self.best_of is not None and self.best_of != self.n:
             raise ValueError(
                 f"best_of: must equal n or be omitted, got best_of {self.best_of} with n "
-                f"{self.n} (picking the best of extra samples is not supported)"
+                f"{self.n} (picking the best of extra samples needs use_beam_search=true)"
             )
         return self
 
@@ -224,15 +273,51 @@ class TextContentPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str = Field(description="JSON text, as the API returned it.")
+
+
+class MessageToolCall(_Strict):
+    """A call an earlier assistant turn made (sent back in the history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -251,18 +336,36 @@ class ChatCompletionRequest(_SamplingFields):
         description="Most likely alternatives per token (needs logprobs: true).",
     )
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
+    tools: list[ChatTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without."
+    )
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
-    def _check_unsupported(self) -> ChatCompletionRequest:
+    def _check_tools(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs=true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported; send no tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice: function '{choice.function.name}' is not among tools ({names or 'none given'})"
+            )
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs at least one tool in tools")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with a forced tool_choice")
         return self
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice`` with OpenAI's default: auto with tools, none without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -313,7 +416,8 @@ class ChatChoiceLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[MessageToolCall] = []
 
 
 class ChatCompletionChoice(BaseModel):

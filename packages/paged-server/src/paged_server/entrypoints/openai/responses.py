@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_server.entrypoints.openai.tool_calls import parse_tool_calls
+
 
 @dataclass(slots=True)
 class CollectedChoice:
@@ -87,6 +89,7 @@ class ResponseFormat:
         self.model = model
         self.tokenizer = tokenizer
         self.include_usage = include_usage  # streaming: every chunk carries "usage": null
+        self.tool_call_parser: str | None = None  # set when the request may call tools
         self.created = int(time.time())
         self.num_top = num_top  # logprobs asked for: top alternatives per token
         self.echo = echo
@@ -178,16 +181,27 @@ class ResponseFormat:
             **self._envelope("chat.completion", [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    **self._chat_message("".join(c.text), c.finish_reason),
                     "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
                     if c.logprobs
                     else None,
-                    "finish_reason": c.finish_reason,
                 }
                 for i, c in enumerate(choices)
             ]),
             "usage": usage(prompt_tokens, _generated(choices)),
         }
+
+    def _chat_message(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        """``message`` and ``finish_reason`` of one choice; tool calls parsed
+        out of the text when the request offered tools."""
+        if self.tool_call_parser is None:
+            return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        content, calls = parse_tool_calls(self.tool_call_parser, text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_dict() for c in calls]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"message": message, "finish_reason": finish_reason}
 
     # -------------------------------------------------------------- logprobs
     def _token_text(self, token_id: int) -> str:

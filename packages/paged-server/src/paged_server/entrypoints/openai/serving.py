@@ -12,6 +12,8 @@ pool) is checked once, by the engine, and its error mapped to a 400 once
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -37,7 +39,13 @@ from paged_server.entrypoints.openai.streaming import (
     stream_chat,
     stream_completion,
 )
+from paged_server.entrypoints.openai.structured import (
+    response_format_constraint,
+    tool_constraint,
+)
+from paged_server.entrypoints.openai.tool_calls import detect_parser
 from paged_server.sampling_params import SamplingParams
+from paged_server.structured_outputs import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -63,11 +71,16 @@ class OpenAIServing:
         *,
         model_name: str,
         max_model_len: int,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        # None: the format the chat template speaks (tool_calls.detect_parser)
+        self.tool_call_parser = tool_call_parser or detect_parser(
+            getattr(tokenizer, "chat_template", None)
+        )
 
     # ------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -80,7 +93,8 @@ class OpenAIServing:
         run_tokens = max(max_tokens, 1)
         for ids in prompts:
             self._check_length(len(ids), run_tokens, "prompt")
-        params = self._params(body, run_tokens, logprobs=body.logprobs)
+        params = self._params(body, run_tokens, logprobs=body.logprobs,
+                              structured_outputs=response_format_constraint(body.response_format))
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = body.logprobs
         echo = None
@@ -105,11 +119,16 @@ class OpenAIServing:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self._check_length(len(ids), max_tokens, "messages", max_tokens_param=param)
         num_top = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, max_tokens, logprobs=num_top)
+        constraint = tool_constraint(body, self.tool_call_parser) or response_format_constraint(
+            body.response_format
+        )
+        params = self._params(body, max_tokens, logprobs=num_top, structured_outputs=constraint)
         gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", body.n, arrival)
         await gen.submit([ids], params, prompt_param="messages")
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
                              include_usage=body.include_usage(), num_top=num_top)
+        if body.effective_tool_choice() != "none":
+            fmt.tool_call_parser = self.tool_call_parser
         if body.stream:
             return EventStreamResponse(stream_chat(gen, fmt))
         return await self._complete(gen, fmt, request, chat=True)
@@ -147,19 +166,32 @@ class OpenAIServing:
             )
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
-        return self.render_messages(body.messages, body.add_generation_prompt)
+        tools = None
+        if body.tools and body.effective_tool_choice() != "none":
+            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        return self.render_messages(body.messages, body.add_generation_prompt, tools)
 
-    def render_messages(self, chat: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation through the model's chat template."""
+    def render_messages(
+        self,
+        chat: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation (and its tools) through the model's chat template."""
         messages = []
         for m in chat:
             msg: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [_template_tool_call(c.model_dump()) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                tools=tools,
             )
         except jinja2.TemplateError as exc:
             raise APIError(
@@ -170,7 +202,12 @@ class OpenAIServing:
         return list(ids)
 
     def _params(
-        self, body: _SamplingFields, max_tokens: int, *, logprobs: int | None
+        self,
+        body: _SamplingFields,
+        max_tokens: int,
+        *,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         params = SamplingParams(
             n=body.n,
@@ -189,6 +226,11 @@ class OpenAIServing:
             logprobs=logprobs,
             logit_bias=body.logit_bias_ids(),
             min_tokens=body.min_tokens,
+            structured_outputs=structured_outputs,
+            use_beam_search=body.use_beam_search,
+            best_of=getattr(body, "best_of", None) if body.use_beam_search else None,
+            length_penalty=body.length_penalty,
+            early_stopping=body.early_stopping,
         )
         try:
             params.validate(self.max_model_len)
@@ -216,3 +258,12 @@ class OpenAIServing:
         prompt_tokens = sum(gen.prompt_tokens)
         body = fmt.chat_body(choices, prompt_tokens) if chat else fmt.completion_body(choices, prompt_tokens)
         return JSONResponse(body)
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A history tool call as chat templates expect it: ``arguments`` as an
+    object when it is JSON (Llama's template dumps it with ``tojson``)."""
+    function = dict(call["function"])
+    with contextlib.suppress(ValueError):  # not JSON: templates that print text still work
+        function["arguments"] = json.loads(function["arguments"])
+    return {**call, "function": function}

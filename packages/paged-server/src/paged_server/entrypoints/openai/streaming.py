@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from paged_server.entrypoints.openai.errors import error_body
 from paged_server.entrypoints.openai.generation import Generation, GenerationEnded
 from paged_server.entrypoints.openai.responses import ResponseFormat
+from paged_server.entrypoints.openai.tool_calls import ToolStreamParser
 
 DONE = b"data: [DONE]\n\n"
 
@@ -76,22 +77,30 @@ async def stream_chat(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[byt
     """``chat.completion.chunk``s: a role delta opens each choice, content
     deltas follow, an empty delta with the finish reason closes it."""
     generated = 0
+    tools = [ToolStreamParser(fmt.tool_call_parser) for _ in range(gen.n)] if fmt.tool_call_parser else None
     try:
         for i in range(gen.n):
             yield sse(fmt.chat_chunk(i, {"role": "assistant", "content": ""}, None))
         async for i, out in gen.outputs():
             if out.error:
                 yield sse(error_body(f"generation failed: {out.error}", "server_error"))
-            if out.new_text or out.new_logprobs:
+            if (out.new_text or out.new_logprobs) and tools is None:
                 logprobs = None
                 if out.new_logprobs:
                     logprobs = fmt.chat_logprobs(
                         out.new_token_ids, out.new_logprobs, out.new_top_logprobs or []
                     )
                 yield sse(fmt.chat_chunk(i, {"content": out.new_text}, None, logprobs))
+            finish = out.finish_reason
+            if tools is not None:  # content and calls as the tool parser separates them
+                deltas = tools[i].feed(out.new_text) + (tools[i].finish() if out.finished else [])
+                for delta in deltas:
+                    yield sse(fmt.chat_chunk(i, delta, None))
+                if tools[i].calls and finish == "stop":
+                    finish = "tool_calls"
             if out.finished:
                 generated += out.num_generated_tokens
-                yield sse(fmt.chat_chunk(i, {}, out.finish_reason))
+                yield sse(fmt.chat_chunk(i, {}, finish))
         if fmt.include_usage:
             yield sse(fmt.usage_chunk("chat.completion.chunk", sum(gen.prompt_tokens), generated))
     except GenerationEnded as exc:
