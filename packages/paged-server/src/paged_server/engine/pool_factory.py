@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from torch import nn
 
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.config import EngineConfig
+from paged_server.engine.kv_sizing import blocks_in, kv_budget
 from paged_server.models import ModelConfig
 
 
@@ -28,6 +30,7 @@ class PoolCapacity:
     block_size: int
     num_rows: int | None
     tokens: int
+    sized_by: str = ""  # how the size was chosen (the start-up line says it)
 
 
 def attention_ops(backend: str) -> ModuleType:
@@ -47,20 +50,23 @@ def build_cache_pool(
     dtype: torch.dtype,
     device: torch.device,
     backend: str,
+    model: nn.Module | None = None,
     *,
     num_kv_heads: int | None = None,
     wrap_ops: Callable[[ModuleType], ModuleType] | None = None,
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:
     """A zeroed pool for ``model_config`` and its capacity.
 
-    With tensor parallelism the pool holds only this rank's ``num_kv_heads``
-    (default: all of the model's), so ``kv_cache_memory_bytes`` (a per-device
-    budget) buys more tokens; ``wrap_ops`` wraps the attention ops the pool
-    uses (rank 0 records its block copies that way).
+    Paged: ``num_gpu_blocks``, else as many blocks as the memory budget
+    (``kv_cache_memory_bytes``, else ``gpu_memory_utilization``, see
+    ``kv_sizing``; ``model`` runs its profiling pass) holds, else
+    ``max_batch_size * max_model_len / block_size``. Contiguous:
+    ``max_batch_size`` rows, fewer if the memory budget holds fewer.
 
-    Paged: ``num_gpu_blocks``, else as many blocks as ``kv_cache_memory_bytes``
-    holds, else ``max_batch_size * max_model_len / block_size``. Contiguous:
-    ``max_batch_size`` rows, fewer if ``kv_cache_memory_bytes`` holds fewer.
+    With tensor parallelism the pool holds only this rank's ``num_kv_heads``
+    (default: all of the model's), so a per-device budget buys more tokens;
+    ``wrap_ops`` wraps the attention ops the pool uses (rank 0 records its
+    block copies that way).
     The contiguous pool attends with the reference path whatever ``backend``.
     """
     from paged_ref import ContiguousKVPool, PagedKVPool
@@ -77,13 +83,14 @@ def build_cache_pool(
 
     itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
     token_bytes = 2 * layers * kv_heads * head_dim * itemsize
+    budget = kv_budget(config, token_bytes, device, model)
     if config.kv_cache_backend == "paged":
-        num_blocks = config.num_gpu_blocks
-        if num_blocks is None and config.kv_cache_memory_bytes is not None:
-            num_blocks = config.kv_cache_memory_bytes // (token_bytes * config.block_size)
+        num_blocks = budget.num_blocks
+        if num_blocks is None and budget.num_bytes is not None:
+            num_blocks = blocks_in(budget.num_bytes, token_bytes, config.block_size)
             if num_blocks < 1:
                 raise ValueError(
-                    f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no KV block "
+                    f"kv_cache_memory_bytes ({budget.num_bytes}) holds no KV block "
                     f"of {token_bytes * config.block_size} bytes; raise it or lower block_size"
                 )
         if num_blocks is None:
@@ -99,14 +106,16 @@ def build_cache_pool(
             enable_prefix_caching=config.enable_prefix_caching,
             ops=ops_for(attention_ops(backend)),
         )
-        capacity = PoolCapacity(num_blocks, config.block_size, None, num_blocks * config.block_size)
+        capacity = PoolCapacity(
+            num_blocks, config.block_size, None, num_blocks * config.block_size, budget.sized_by
+        )
         return pool, capacity
     rows = config.max_batch_size
-    if config.kv_cache_memory_bytes is not None:
-        rows = min(rows, config.kv_cache_memory_bytes // (token_bytes * config.max_model_len))
+    if budget.num_bytes is not None:
+        rows = min(rows, budget.num_bytes // (token_bytes * config.max_model_len))
         if rows < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no contiguous "
+                f"kv_cache_memory_bytes ({budget.num_bytes}) holds no contiguous "
                 f"row of {token_bytes * config.max_model_len} bytes (max_model_len "
                 f"{config.max_model_len}); raise it or lower max_model_len"
             )
@@ -121,4 +130,7 @@ def build_cache_pool(
         ops=ops_for(ref_ops),
     )
     tokens = rows * config.max_model_len
-    return pool, PoolCapacity(tokens // config.block_size, config.block_size, rows, tokens)
+    sized_by = budget.sized_by if budget.num_bytes is not None else "max_batch_size rows"
+    return pool, PoolCapacity(
+        tokens // config.block_size, config.block_size, rows, tokens, sized_by
+    )

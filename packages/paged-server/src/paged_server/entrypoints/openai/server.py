@@ -59,10 +59,12 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
         layout = f"{tokens // config.max_model_len} slots of {config.max_model_len}"
     else:
         layout = f"{int(m.get('kv_capacity_blocks', 0))} blocks of {config.block_size}"
+    how = getattr(getattr(engine, "capacity", None), "sized_by", "")
+    sized_by = f" (sized by {how})" if how else ""
     return (
         f"paged-server: serving '{settings.model_name}' ({source}) on {url} | "
         f"kv_cache_backend={config.kv_cache_backend} attention={attention} | "
-        f"KV capacity {tokens} tokens in {layout} | "
+        f"KV capacity {tokens} tokens in {layout}{sized_by} | "
         f"max_model_len={config.max_model_len} max_batch_size={config.max_batch_size} "
         f"api_key={'on' if settings.api_key else 'off'}"
         + (f" | {parallel}" if (parallel := _parallel_summary(engine)) else "")
