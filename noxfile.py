@@ -24,6 +24,7 @@ TEST_DEPS = [
     "openai>=1.30",
     "schemathesis>=3",
     "matplotlib>=3.8",
+    "lm_eval[api]>=0.4.9",  # tests/e2e/test_lm_eval.py: local-completions against the server
     "jsonschema>=4",
 ]
 BACKENDS = ("ref", "triton")

@@ -99,7 +99,7 @@ class FakeEngine:
                 outs.append(RequestOutput(
                     request_id=rid, index=i, new_token_ids=list(self.word_ids[word]),
                     new_text=WORDS[word], new_logprobs=[-0.5] * len(self.word_ids[word])
-                    if req.params.logprobs else None,
+                    if req.params.logprobs is not None else None,
                     finished=finished, finish_reason="length" if finished else None, error=None,
                     num_prompt_tokens=len(req.prompt), num_generated_tokens=req.counts[i],
                 ))

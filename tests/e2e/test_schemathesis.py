@@ -26,8 +26,11 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 
 
-def cap_generation(case: Any) -> None:
-    """At most MAX_TOKENS_CAP new tokens (chat's default would fill the context)."""
+def cap_generation(case: Any, mode: GenerationMode) -> None:
+    """At most MAX_TOKENS_CAP new tokens (chat's default would fill the context),
+    and the rules across fields a JSON schema cannot state kept, so positive
+    cases are valid: min_tokens <= max_tokens, max_tokens 0 only with echo,
+    top_logprobs only with logprobs, logit_bias ids inside the vocabulary."""
     body = case.body
     if not isinstance(body, dict):
         return
@@ -37,6 +40,20 @@ def cap_generation(case: Any) -> None:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS_CAP:
             body[key] = MAX_TOKENS_CAP
+    if mode is GenerationMode.POSITIVE:
+        keep_cross_field_rules(body)
+
+
+def keep_cross_field_rules(body: dict[str, Any]) -> None:
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(body.get("min_tokens"), int) and isinstance(limit, int):
+        body["min_tokens"] = min(body["min_tokens"], limit)
+    if body.get("max_tokens") == 0 and "prompt" in body:
+        body["echo"] = True
+    if body.get("top_logprobs") and "messages" in body:
+        body["logprobs"] = True
+    if isinstance(body.get("logit_bias"), dict):
+        body["logit_bias"] = {str(int(k) % 256): v for k, v in body["logit_bias"].items()}
 
 
 def operations(url: str) -> list[Any]:
@@ -52,7 +69,7 @@ def fuzzer(op: Any, mode: GenerationMode, url: str, seen: dict[str, set[int]]) -
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode))
     def fuzz(case: Any) -> None:
-        cap_generation(case)
+        cap_generation(case, mode)
         response = case.call(base_url=url, timeout=60)
         seen.setdefault(op.label, set()).add(response.status_code)
         case.validate_response(response, checks=CHECKS)

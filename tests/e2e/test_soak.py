@@ -42,7 +42,7 @@ BAD_BODIES: list[dict[str, Any] | str] = [
     {"prompt": "x", "max_tokens": -1},
     {"prompt": "x", "n": 999},
     {"prompt": "x", "temperature": "hot"},
-    {"prompt": "x", "use_beam_search": True},
+    {"prompt": "x", "use_beam_search": True, "stream": True},
     {"prompt": "word " * (MAX_SEQ_LEN * 2), "max_tokens": 4},
     {"model": "no-such-model", "prompt": "x"},
     "{not json",

@@ -88,7 +88,7 @@ def test_cuda_without_gpu_is_a_clear_error() -> None:
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -3}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
@@ -98,7 +98,13 @@ def test_cuda_without_gpu_is_a_clear_error() -> None:
         ({"stop": [3]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
-        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"min_tokens": 17}, "min_tokens"),
+        ({"top_k": -2}, "top_k"),
     ],
 )
 def test_sampling_params_reject_bad_field(overrides: dict, field: str) -> None:

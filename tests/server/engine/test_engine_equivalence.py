@@ -16,7 +16,7 @@ def workload(prompt_of, greedy, count: int = 6, max_tokens: int = 10):
     requests = []
     for i in range(count):
         prompt = (shared if i % 2 else []) + prompt_of(3 + 5 * i, i)
-        requests.append((f"r{i}", prompt, greedy(max_tokens, logprobs=True)))
+        requests.append((f"r{i}", prompt, greedy(max_tokens, logprobs=0)))
     return requests
 
 
@@ -60,7 +60,7 @@ def test_forced_preemption_matches_unpressured_run(
     """Short prompts, long outputs: admission sees room, growth runs out of
     blocks, the newest sequences are preempted and recomputed; the tokens
     are the same as with a roomy pool and nothing fails."""
-    requests = [(f"g{i}", prompt_of(4 + i, 50 + i), greedy(16, logprobs=True)) for i in range(3)]
+    requests = [(f"g{i}", prompt_of(4 + i, 50 + i), greedy(16, logprobs=0)) for i in range(3)]
     roomy = run_engine(make_engine(), requests)  # reference attention, plenty of blocks
     engine = make_engine(attention_backend=attention_backend, num_gpu_blocks=7)  # 28 tokens
     run = run_engine(engine, requests)
@@ -115,7 +115,7 @@ def test_greedy_matches_transformers_generate(
     prompts = [prompt_of(7, 1), prompt_of(22, 2)]
     engine = make_engine(max_batch_size=2)
     run = run_engine(
-        engine, [(f"p{i}", p, greedy(10, logprobs=True)) for i, p in enumerate(prompts)]
+        engine, [(f"p{i}", p, greedy(10, logprobs=0)) for i, p in enumerate(prompts)]
     )
     for i, prompt in enumerate(prompts):
         with torch.no_grad():

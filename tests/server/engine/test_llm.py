@@ -15,7 +15,7 @@ def llm(tiny_loaded) -> LLM:
 
 def test_generate_text_prompts_in_order(llm, make_engine, run_engine) -> None:
     prompts = ["Hello world", "The quick brown fox", "def main():", "import os", "x = 1"]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     results = llm.generate(prompts, params, use_tqdm=False)  # 5 prompts, queue of 3
     tokenizer = llm.get_tokenizer()
     assert [r.prompt for r in results] == prompts

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_server.engine.logprobs import TokenLogprobs
 from paged_server.engine.output_processor import append_token, take_output
 from paged_server.engine.sequence import Request, Sequence
 from paged_server.sampling_params import SamplingParams
@@ -91,7 +92,7 @@ def test_max_model_len_ends_generation_with_length() -> None:
 
 def test_finished_sequence_reports_exactly_once() -> None:
     seq = new_seq(max_tokens=1)
-    append_token(seq, 10, -0.5, {EOS}, 100)
+    append_token(seq, 10, TokenLogprobs(10, -0.5), {EOS}, 100)
     out = take_output(seq)
     assert out is not None and out.finished and out.new_token_ids == [10]
     assert out.new_logprobs is None  # not asked for

@@ -161,9 +161,10 @@ def test_a_draw_at_the_top_of_the_cdf_takes_a_token_with_mass(monkeypatch) -> No
 
 def test_logprobs_are_the_models_log_softmax() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0]])
-    out = sample(logits, [row(temperature=0.0, logprobs=True, repetition_penalty=1.5, output=[2])])
+    out = sample(logits, [row(temperature=0.0, logprobs=0, repetition_penalty=1.5, output=[2])])
     expected = torch.log_softmax(logits, -1)[0, out.token_ids[0]].item()
-    assert out.logprobs == [pytest.approx(expected)]
+    assert out.logprobs[0] is not None
+    assert out.logprobs[0].logprob == pytest.approx(expected)
     assert sample(logits, [row(temperature=0.0)]).logprobs == [None]
 
 
@@ -173,3 +174,42 @@ def test_nan_row_fails_alone() -> None:
     assert out.token_ids[0] == 1 and out.token_ids[2] == 0
     assert out.errors[0] is None and out.errors[2] is None
     assert out.token_ids[1] == -1 and "non-finite" in (out.errors[1] or "")
+
+
+def test_top_logprobs_list_the_n_most_likely_with_the_chosen_token() -> None:
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [0.0, 0.0, 5.0, 1.0]])
+    out = sample(logits, [row(temperature=0.0, logprobs=2), row(temperature=0.0, logprobs=0)])
+    expected = torch.log_softmax(logits, -1)
+    first, second = out.logprobs
+    assert first is not None and second is not None
+    assert [t for t, _ in first.top] == [1, 2]
+    assert [lp for _, lp in first.top] == pytest.approx(expected[0, [1, 2]].tolist())
+    assert first.rank == 1 and first.as_dict().keys() == {1, 2}
+    assert second.top == [] and second.token_id == 2
+
+
+def test_logit_bias_moves_the_argmax_but_not_the_logprobs() -> None:
+    logits = torch.tensor([[1.0, 4.0, 3.0]])
+    out = sample(logits, [row(temperature=0.0, logprobs=1, logit_bias={0: 100.0})])
+    assert out.token_ids == [0]
+    assert out.logprobs[0] is not None
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item())
+    assert out.logprobs[0].rank == 3
+    assert sample(logits, [row(temperature=0.0, logit_bias={1: -100.0})]).token_ids == [2]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0]])  # 0 = EOS, 1 = a stop token
+
+    def pick(generated: int) -> int:
+        params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1])
+        r = SamplingRow(params, None, [3] * (4 + generated), 4, eos_token_ids=(0,))
+        return sample(logits, [r]).token_ids[0]
+
+    assert pick(0) == 2 and pick(1) == 2
+    assert pick(2) == 0  # reached: EOS allowed again
+
+
+def test_top_k_minus_one_means_off() -> None:
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert dist(top_k=-1) == pytest.approx(PROBS.tolist())

@@ -98,28 +98,50 @@ class BlockManager:
         self._cow_copies = 0
 
     # -- admission -------------------------------------------------------
-    def num_blocks_needed(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+    def num_blocks_needed(
+        self,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        *,
+        skip_prefix_cache: bool = False,
+    ) -> int:
         """Free blocks that ``allocate`` would take for this prompt: fresh blocks
         beyond the prefix hits, plus hits on cached blocks that are currently
         free (taking them out of the free queue uses up free capacity too)."""
-        return self._plan(num_tokens, token_ids)[1]
+        return self._plan(num_tokens, token_ids, skip_prefix_cache)[1]
 
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
+    def can_allocate(
+        self,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        *,
+        skip_prefix_cache: bool = False,
+    ) -> bool:
         """Whether ``allocate`` would succeed now (exact, never optimistic)."""
-        return self.num_blocks_needed(num_tokens, token_ids) <= self.num_free_blocks()
+        needed = self.num_blocks_needed(num_tokens, token_ids, skip_prefix_cache=skip_prefix_cache)
+        return needed <= self.num_free_blocks()
 
-    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+    def allocate(
+        self,
+        seq_id: int,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        *,
+        skip_prefix_cache: bool = False,
+    ) -> int:
         """Reserve blocks for a prompt of ``num_tokens`` tokens, reusing cached
         full blocks of its prefix. Returns the number of prompt tokens whose KV
         is already cached (a multiple of ``block_size``; never the whole prompt,
         because the last prompt token must be computed to get logits).
+        ``skip_prefix_cache`` looks nothing up (every prompt token is computed,
+        e.g. to score it) but still registers the blocks it computes.
 
         All or nothing: ``OutOfBlocksError`` leaves no state behind."""
         if seq_id in self._seqs:
             raise ValueError(
                 f"sequence {seq_id} already has blocks; free it before allocating again"
             )
-        hits, needed = self._plan(num_tokens, token_ids)
+        hits, needed = self._plan(num_tokens, token_ids, skip_prefix_cache)
         if needed > self.num_free_blocks():
             raise OutOfBlocksError(
                 f"sequence {seq_id} needs {needed} free blocks for {num_tokens} tokens "
@@ -135,9 +157,10 @@ class BlockManager:
         if self.enable_prefix_caching:
             seq.hashes = [block_hash for _, block_hash in hits]
             seq.tokens = list(token_ids) if token_ids is not None else []
-            self._prefix_queries_tokens += num_tokens
-            self._prefix_hits_tokens += num_cached
-            self._count_misses(num_tokens, token_ids, len(hits), hits[-1][1] if hits else None)
+            if not skip_prefix_cache:
+                self._prefix_queries_tokens += num_tokens
+                self._prefix_hits_tokens += num_cached
+                self._count_misses(num_tokens, token_ids, len(hits), hits[-1][1] if hits else None)
         self._seqs[seq_id] = seq
         return num_cached
 
@@ -343,7 +366,7 @@ class BlockManager:
         return seq
 
     def _plan(
-        self, num_tokens: int, token_ids: Sequence[int] | None
+        self, num_tokens: int, token_ids: Sequence[int] | None, skip_prefix_cache: bool = False
     ) -> tuple[list[tuple[Block, BlockHash]], int]:
         """The prompt's leading full blocks found in the prefix index, with
         their keys (up to the first miss; never the block holding the last
@@ -358,7 +381,8 @@ class BlockManager:
         bs = self.block_size
         hits: list[tuple[Block, BlockHash]] = []
         parent: BlockHash | None = None
-        if self.enable_prefix_caching and token_ids is not None and self.block_pool.prefix_index:
+        lookup = self.enable_prefix_caching and not skip_prefix_cache
+        if lookup and token_ids is not None and self.block_pool.prefix_index:
             for i in range((num_tokens - 1) // bs):
                 tokens = token_ids[i * bs : (i + 1) * bs]
                 parent = hash_block_tokens(parent, tokens)

@@ -143,14 +143,20 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
     copy-on-write forks and audits. Both backends satisfy it; the contiguous
     one reports no prefix hits and copies a seq_id's rows to fork."""
 
-    def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
+    def can_allocate_sequence(
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
+    ) -> bool:
         """Whether ``allocate_sequence(token_ids)`` would succeed now."""
         ...
 
-    def allocate_sequence(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def allocate_sequence(
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
+    ) -> tuple[int, int]:
         """Claim a seq_id for a prompt; returns ``(seq_id, num_cached_tokens)``.
         The first ``num_cached_tokens`` are already in the cache (prefix hits)
-        and the seq_id's length starts there. Raises ``RuntimeError`` if full."""
+        and the seq_id's length starts there; with ``skip_prefix_cache`` it is 0
+        (every prompt token is computed, e.g. to score it). Raises
+        ``RuntimeError`` if full."""
         ...
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:

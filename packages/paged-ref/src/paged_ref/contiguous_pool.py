@@ -140,10 +140,14 @@ class ContiguousKVPool(ViewsMixin):
         return False
 
     # -- ServingPoolProtocol -------------------------------------------------
-    def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
+    def can_allocate_sequence(
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
+    ) -> bool:
         return bool(self._free) and len(token_ids) <= self.max_model_len
 
-    def allocate_sequence(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def allocate_sequence(
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
+    ) -> tuple[int, int]:
         """A seq_id for the prompt; no prefix cache, so 0 tokens are cached."""
         return self.allocate_seq(len(token_ids)), 0
 

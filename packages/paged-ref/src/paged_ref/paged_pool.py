@@ -169,14 +169,22 @@ class PagedKVPool(ViewsMixin):
         return True
 
     # -- ServingPoolProtocol -------------------------------------------------
-    def can_allocate_sequence(self, token_ids: Sequence[int]) -> bool:
-        return len(token_ids) > 0 and self.block_manager.can_allocate(len(token_ids), token_ids)
+    def can_allocate_sequence(
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
+    ) -> bool:
+        return len(token_ids) > 0 and self.block_manager.can_allocate(
+            len(token_ids), token_ids, skip_prefix_cache=skip_prefix_cache
+        )
 
-    def allocate_sequence(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def allocate_sequence(
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
+    ) -> tuple[int, int]:
         """A seq_id for the prompt; returns ``(seq_id, num_cached_tokens)`` where the
         first ``num_cached_tokens`` come from the prefix cache."""
         seq_id = self._new_seq_id()
-        cached = self.block_manager.allocate(seq_id, len(token_ids), list(token_ids))
+        cached = self.block_manager.allocate(
+            seq_id, len(token_ids), list(token_ids), skip_prefix_cache=skip_prefix_cache
+        )
         self._sync_table(seq_id)
         self._live.add(seq_id)
         return seq_id, cached

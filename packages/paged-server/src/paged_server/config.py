@@ -28,7 +28,9 @@ class EngineConfig:
     ``num_gpu_blocks=None`` sizes the paged pool from ``kv_cache_memory_bytes``
     when given, else to ``max_batch_size * max_model_len / block_size`` blocks:
     the same token capacity as the contiguous pool, for like-for-like
-    comparisons. The contiguous pool always has fixed ``max_model_len`` rows;
+    comparisons. ``gpu_memory_utilization`` sizes it from device memory
+    instead (default 0.9 on CUDA; on CPU a share of the available RAM, only
+    when set; see ``engine/kv_sizing.py``). The contiguous pool always has fixed ``max_model_len`` rows;
     with ``kv_cache_memory_bytes`` it gets as many rows as fit (at most
     ``max_batch_size``). ``kv_cache_dtype`` (``auto`` = the model's dtype,
     ``fp8``/``fp8_e4m3``, ``fp8_e5m2``, ``int8``) is what both pools store;
@@ -41,6 +43,7 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None  # None: 0.9 on CUDA, off on CPU
     max_batch_size: int = 64
     max_num_batched_tokens: int | None = None  # None: by device, see resolve_max_num_batched_tokens
     max_model_len: int = 2048
@@ -71,6 +74,15 @@ class EngineConfig:
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
+        share = self.gpu_memory_utilization
+        if share is not None and (
+            isinstance(share, bool)
+            or not isinstance(share, int | float)
+            or not 0.0 < share <= 1.0
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization: must be a fraction in (0, 1], got {share!r}"
+            )
         if not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if self.model is not None and not isinstance(self.model, str):

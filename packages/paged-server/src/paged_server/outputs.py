@@ -4,6 +4,10 @@ for the offline ``LLM`` API, whole completions (``CompletionResult``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paged_server.engine.logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -18,6 +22,11 @@ class RequestOutput:
     queue-time and TTFT histograms; the time an output arrives gives
     inter-token latency. ``num_cached_tokens``: prompt tokens served from the
     prefix cache at the request's first admission (``usage.cached_tokens``).
+    With ``SamplingParams.logprobs=N > 0``, ``new_top_logprobs`` holds each
+    new token's ``N`` most likely alternatives ``(token id, logprob)``; with
+    ``prompt_logprobs``, the first output of each choice carries
+    ``prompt_logprobs``: one entry per prompt token, ``None`` for the first
+    (nothing precedes it).
     """
 
     request_id: str
@@ -32,6 +41,8 @@ class RequestOutput:
     num_generated_tokens: int
     arrival_time: float | None = None
     first_token_time: float | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
@@ -39,7 +50,10 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class CompletionChoice:
-    """One finished choice of an offline completion."""
+    """One finished choice of an offline completion. ``logprobs`` holds each
+    token's log-probability; ``top_logprobs`` (with ``logprobs=N``) each
+    position as vLLM shapes it: token id -> logprob for the token and its
+    ``N`` most likely alternatives."""
 
     index: int
     text: str
@@ -47,17 +61,21 @@ class CompletionChoice:
     finish_reason: str | None
     logprobs: list[float] | None = None
     error: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
 class CompletionResult:
-    """Everything ``LLM.generate`` returns for one prompt."""
+    """Everything ``LLM.generate`` returns for one prompt; ``prompt_logprobs``
+    (with ``SamplingParams.prompt_logprobs``) as vLLM: ``None`` for the first
+    token, then token id -> logprob for the prompt token and its top ones."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionChoice] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)

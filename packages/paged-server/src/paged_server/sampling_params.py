@@ -11,6 +11,11 @@ from paged_server.structured_outputs import StructuredOutputsParams
 # distribution is the argmax anyway, and far smaller ones (1e-40) overflow
 # logits / temperature to inf, which leaves no distribution to draw from.
 GREEDY_TEMPERATURE = 1e-5
+# Most top alternatives a request may ask for per token (vLLM's default
+# ``max_logprobs``); each costs a top-k over the vocabulary.
+MAX_LOGPROBS = 20
+# OpenAI's and vLLM's bound on one ``logit_bias`` entry.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(slots=True)
@@ -23,9 +28,13 @@ class SamplingParams:
     switch those filters off. Penalties follow vLLM: the repetition penalty
     applies to tokens seen in the prompt or output, presence/frequency
     penalties to output tokens. ``seed`` makes a request reproducible on its
-    own, whatever else is in the batch. ``logprobs=True`` returns the
-    model's log-probability (before penalties and temperature) of each
-    chosen token. ``stop`` strings are cut from the text; ``stop_token_ids``
+    own, whatever else is in the batch. ``logprobs=N`` returns the
+    model's log-probability (before bias, penalties and temperature) of each
+    chosen token and of the ``N`` most likely tokens (0: the chosen one
+    only); ``prompt_logprobs=N`` does the same for every prompt token
+    (the first has none), as vLLM. ``logit_bias`` adds a bias in
+    [-100, 100] to a token id's logit; ``min_tokens`` masks EOS and
+    ``stop_token_ids`` until that many tokens are generated. ``stop`` strings are cut from the text; ``stop_token_ids``
     (and EOS unless ``ignore_eos``) end the request with their token kept in
     ``token_ids`` but not in the text. ``structured_outputs`` constrains
     the output to a JSON schema or grammar (a token mask before sampling).
@@ -52,7 +61,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
     use_beam_search: bool = False
     best_of: int | None = None
@@ -63,6 +75,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI allows a single string
             self.stop = [self.stop]
+        if self.top_k == -1:  # vLLM's "off"
+            self.top_k = 0
 
     @property
     def greedy(self) -> bool:
@@ -84,8 +98,9 @@ class SamplingParams:
     def validate(self, max_model_len: int) -> None:
         """Raise ``ValueError("<field>: what is wrong")`` for the first bad field."""
         _int_in("n", self.n, 1, None)
-        _int_in("max_tokens", self.max_tokens, 1, max_model_len)
-        _int_in("top_k", self.top_k, 0, None, hint=" (0 = off)")
+        _int_in("max_tokens", self.max_tokens, 1, max_model_len, high_is=" (max_model_len)")
+        _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, high_is=" (max_tokens)")
+        _int_in("top_k", self.top_k, 0, None, hint=" (0 or -1 = off)")
         _float_in("temperature", self.temperature, 0.0, None)
         _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _float_in("min_p", self.min_p, 0.0, 1.0)
@@ -102,9 +117,14 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids: must be a list of non-negative integers, got {self.stop_token_ids!r}"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int_in(name, value, 0, MAX_LOGPROBS, hint=" (top alternatives; 0 = the token only)")
+        _check_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
-        for name in ("ignore_eos", "logprobs", "use_beam_search"):
+        for name in ("ignore_eos", "use_beam_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         self._validate_beam_search()
@@ -175,22 +195,43 @@ class BeamSearchParams:
             early_stopping=self.early_stopping,
             stop_token_ids=list(self.stop_token_ids),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=True,
+            logprobs=0,
         )
+
+
+def _check_logit_bias(bias: object) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias: must map token ids to numbers, got {bias!r}")
+    for token, value in bias.items():
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {token!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
+        ):
+            raise ValueError(
+                f"logit_bias: the bias of token {token} must be a number in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}"
+            )
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int_in(name: str, value: object, low: int, high: int | None, hint: str = "") -> None:
+def _int_in(
+    name: str, value: object, low: int, high: int | None, hint: str = "", high_is: str = ""
+) -> None:
     if not _is_int(value):
         raise ValueError(f"{name}: must be an integer{hint}, got {value!r}")
     assert isinstance(value, int)
     if value < low:
         raise ValueError(f"{name}: must be >= {low}{hint}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name}: must be <= {high} (max_model_len), got {value}")
+        raise ValueError(f"{name}: must be <= {high}{high_is or hint}, got {value}")
 
 
 def _float_in(

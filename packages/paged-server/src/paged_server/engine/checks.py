@@ -41,6 +41,11 @@ def check_prompt(
     bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+    biased = next((t for t in params.logit_bias or {} if t >= vocab), None)
+    if biased is not None:
+        raise ValueError(
+            f"logit_bias: token id {biased} is outside the vocabulary (0..{vocab - 1})"
+        )
     if n >= max_model_len:
         raise ContextLengthError(
             f"prompt: prompt has {n} tokens but max_model_len is {max_model_len} "

@@ -45,10 +45,11 @@ from paged_server.engine.beams import advance_beams, finish_beams, new_beam_sear
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.logprobs import token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import append_token, finish_early, take_output
 from paged_server.engine.pool_factory import build_cache_pool
-from paged_server.engine.runner import ModelRunner
+from paged_server.engine.runner import ModelRunner, PromptScores
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
@@ -95,6 +96,13 @@ class LLMEngine:
         from paged_server.parallel import TensorParallelExecutor
 
         device = resolve_device(config)
+        by_memory_share = device.type == "cuda" or config.gpu_memory_utilization is not None
+        if by_memory_share and config.num_gpu_blocks is None and config.kv_cache_memory_bytes is None:
+            # Each rank would size its pool from its own free memory; their block ids must agree.
+            raise ValueError(
+                "tensor_parallel_size > 1 cannot size the KV cache by memory share yet: set "
+                "--num-gpu-blocks or --kv-cache-memory-bytes (the same on every rank)"
+            )
         self.executor = TensorParallelExecutor(
             config, device, resolve_attention_backend(config, device)
         )
@@ -131,8 +139,17 @@ class LLMEngine:
             loaded.dtype,
             device,
             self.attention_backend,
+            # With TP, no rank-0-only profiling pass: the other ranks would not join its all-reduces.
+            model=loaded.model if executor is None else None,
             num_kv_heads=self.kv_heads_per_rank,
             wrap_ops=executor.wrap_ops if executor is not None else None,
+        )
+        log.info(
+            "KV cache: %d tokens (%d blocks of %d), sized by %s",
+            self.capacity.tokens,
+            self.capacity.num_blocks,
+            self.capacity.block_size,
+            self.capacity.sized_by,
         )
         self.runner = ModelRunner(
             loaded.model,
@@ -310,6 +327,8 @@ class LLMEngine:
             seq.num_computed_tokens += n
             assert seq.pool_seq_id is not None
             self.pool.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
+        for scores in step.prompt_scores:
+            self._score_prompt(scheduled[scores.index][0], scores)
         rows: list[tuple[Sequence, Tensor]] = []
         for j, i in enumerate(step.sampled):
             seq = scheduled[i][0]
@@ -319,6 +338,17 @@ class LLMEngine:
                 rows += self._start_choices(seq, step.logits[j])
         self._sample(rows)
 
+    def _score_prompt(self, seq: Sequence, scores: PromptScores) -> None:
+        """Append the prompt logprobs this step computed to the request's."""
+        request = seq.request
+        assert scores.first == len(request.prompt_logprobs), "prompt scored out of order"
+        targets = request.prompt_token_ids[scores.first : scores.first + scores.logits.shape[0]]
+        num_top = request.params.prompt_logprobs or 0
+        request.prompt_logprobs += token_logprobs(
+            scores.logits,
+            torch.tensor(targets, dtype=torch.long, device=scores.logits.device),
+            [num_top] * len(targets),
+        )
     def _beam_row(self, seq: Sequence, row: Tensor) -> None:
         """Keep a beam's logits; once every beam of its request has its row,
         take one beam step (forks, frees) or finish the search."""
@@ -372,7 +402,13 @@ class LLMEngine:
         result = sample(
             logits,
             [
-                SamplingRow(s.request.params, s.generator, s.token_ids, s.num_prompt_tokens)
+                SamplingRow(
+                    s.request.params,
+                    s.generator,
+                    s.token_ids,
+                    s.num_prompt_tokens,
+                    self.eos_token_ids,
+                )
                 for s, _ in rows
             ],
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from paged_server.engine.logprobs import TokenLogprobs
 from paged_server.engine.sequence import Sequence
 from paged_server.outputs import RequestOutput
 
@@ -19,7 +20,7 @@ from paged_server.outputs import RequestOutput
 def append_token(
     seq: Sequence,
     token_id: int,
-    logprob: float | None,
+    logprob: TokenLogprobs | None,
     eos_token_ids: Collection[int],
     max_model_len: int,
 ) -> None:
@@ -31,8 +32,10 @@ def append_token(
     seq.token_ids.append(token_id)
     seq.new_token_ids.append(token_id)
     if logprob is not None:
-        seq.logprobs.append(logprob)
-        seq.new_logprobs.append(logprob)
+        seq.logprobs.append(logprob.logprob)
+        seq.new_logprobs.append(logprob.logprob)
+        if params.logprobs:
+            seq.new_top_logprobs.append(logprob.top)
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         seq.finish("stop")
         _add_text(seq, seq.text_stream.flush())
@@ -95,12 +98,17 @@ def take_output(seq: Sequence) -> RequestOutput | None:
     elif not seq.new_token_ids and not seq.new_text:
         return None
     request = seq.request
+    params = request.params
+    prompt_logprobs = None
+    if params.prompt_logprobs is not None and not seq.prompt_logprobs_reported:
+        prompt_logprobs = request.prompt_logprobs
+        seq.prompt_logprobs_reported = True
     out = RequestOutput(
         request_id=request.request_id,
         index=seq.index,
         new_token_ids=seq.new_token_ids,
         new_text=seq.new_text,
-        new_logprobs=seq.new_logprobs if request.params.logprobs else None,
+        new_logprobs=seq.new_logprobs if params.logprobs is not None else None,
         finished=seq.is_finished,
         finish_reason=seq.finish_reason,
         error=seq.error,
@@ -108,10 +116,13 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         num_generated_tokens=seq.num_generated,
         arrival_time=request.arrival_time,
         first_token_time=request.first_token_time,
+        new_top_logprobs=seq.new_top_logprobs if params.logprobs else None,
+        prompt_logprobs=prompt_logprobs,
         cumulative_logprob=seq.cumulative_logprob,
         first_scheduled_time=request.first_scheduled_time,
         num_cached_tokens=request.num_cached_tokens,
     )
     seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
+    seq.new_top_logprobs = []
     seq.finish_reported = seq.is_finished
     return out

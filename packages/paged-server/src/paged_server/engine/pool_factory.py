@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from torch import nn
 
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.config import EngineConfig
+from paged_server.engine.kv_sizing import blocks_in, kv_budget
 from paged_server.models import ModelConfig
 
 
@@ -30,6 +32,7 @@ class PoolCapacity:
     tokens: int
     kv_dtype: torch.dtype  # what the cache stores (the model dtype, or an 8-bit one)
     kv_bytes: int  # the pool's K/V tensors (and int8 scales), bytes
+    sized_by: str = ""  # how the size was chosen (the start-up line says it)
 
 
 def attention_ops(backend: str) -> ModuleType:
@@ -49,22 +52,25 @@ def build_cache_pool(
     dtype: torch.dtype,
     device: torch.device,
     backend: str,
+    model: nn.Module | None = None,
     *,
     num_kv_heads: int | None = None,
     wrap_ops: Callable[[ModuleType], ModuleType] | None = None,
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:
     """A zeroed pool for ``model_config`` and its capacity.
 
-    With tensor parallelism the pool holds only this rank's ``num_kv_heads``
-    (default: all of the model's), so ``kv_cache_memory_bytes`` (a per-device
-    budget) buys more tokens; ``wrap_ops`` wraps the attention ops the pool
-    uses (rank 0 records its block copies that way).
+    Paged: ``num_gpu_blocks``, else as many blocks as the memory budget
+    (``kv_cache_memory_bytes``, else ``gpu_memory_utilization``, see
+    ``kv_sizing``; ``model`` runs its profiling pass) holds, else
+    ``max_batch_size * max_model_len / block_size``. Contiguous:
+    ``max_batch_size`` rows, fewer if the memory budget holds fewer.
 
-    Paged: ``num_gpu_blocks``, else as many blocks as ``kv_cache_memory_bytes``
-    holds, else ``max_batch_size * max_model_len / block_size``. Contiguous:
-    ``max_batch_size`` rows, fewer if ``kv_cache_memory_bytes`` holds fewer.
-    Bytes are those of ``kv_cache_dtype`` (scales included), so an 8-bit
-    cache gets about twice the tokens from the same memory budget.
+    With tensor parallelism the pool holds only this rank's ``num_kv_heads``
+    (default: all of the model's), so a per-device budget buys more tokens;
+    ``wrap_ops`` wraps the attention ops the pool uses (rank 0 records its
+    block copies that way). Bytes are those of ``kv_cache_dtype`` (int8
+    scales included), so an 8-bit cache gets about twice the tokens from
+    the same memory budget.
     The contiguous pool attends with the reference path whatever ``backend``.
     """
     from paged_ref import ContiguousKVPool, PagedKVPool
@@ -83,13 +89,14 @@ def build_cache_pool(
     # Bytes per token of what the pool stores (an 8-bit cache's scales included).
     kv_dtype = cache_dtype_for(config.kv_cache_dtype, dtype)
     token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
+    budget = kv_budget(config, token_bytes, device, model)
     if config.kv_cache_backend == "paged":
-        num_blocks = config.num_gpu_blocks
-        if num_blocks is None and config.kv_cache_memory_bytes is not None:
-            num_blocks = config.kv_cache_memory_bytes // (token_bytes * config.block_size)
+        num_blocks = budget.num_blocks
+        if num_blocks is None and budget.num_bytes is not None:
+            num_blocks = blocks_in(budget.num_bytes, token_bytes, config.block_size)
             if num_blocks < 1:
                 raise ValueError(
-                    f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no KV block "
+                    f"kv_cache_memory_bytes ({budget.num_bytes}) holds no KV block "
                     f"of {token_bytes * config.block_size} bytes; raise it or lower block_size"
                 )
         if num_blocks is None:
@@ -108,15 +115,16 @@ def build_cache_pool(
         )
         tokens = num_blocks * config.block_size
         capacity = PoolCapacity(
-            num_blocks, config.block_size, None, tokens, kv_dtype, tokens * token_bytes
-        )
+            num_blocks, config.block_size, None, tokens, kv_dtype, tokens * token_bytes,
+            budget.sized_by,
+        )  # fmt: skip
         return pool, capacity
     rows = config.max_batch_size
-    if config.kv_cache_memory_bytes is not None:
-        rows = min(rows, config.kv_cache_memory_bytes // (token_bytes * config.max_model_len))
+    if budget.num_bytes is not None:
+        rows = min(rows, budget.num_bytes // (token_bytes * config.max_model_len))
         if rows < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes}) holds no contiguous "
+                f"kv_cache_memory_bytes ({budget.num_bytes}) holds no contiguous "
                 f"row of {token_bytes * config.max_model_len} bytes (max_model_len "
                 f"{config.max_model_len}); raise it or lower max_model_len"
             )
@@ -125,7 +133,8 @@ def build_cache_pool(
         ops=ops_for(ref_ops), kv_cache_dtype=config.kv_cache_dtype,
     )  # fmt: skip
     tokens = rows * config.max_model_len
+    sized_by = budget.sized_by if budget.num_bytes is not None else "max_batch_size rows"
     return pool, PoolCapacity(
         tokens // config.block_size, config.block_size, rows, tokens, kv_dtype,
-        tokens * token_bytes,
+        tokens * token_bytes, sized_by,
     )  # fmt: skip

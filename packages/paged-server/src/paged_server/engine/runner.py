@@ -6,7 +6,9 @@ Every token the scheduler picked, of every sequence, goes into one
 a contiguous run of rows. The pool's ``step_view`` builds the step's
 metadata (page tables, slot mapping, lengths) before the forward pass, and
 the LM head runs only on the rows whose logits are sampled: the last token
-of each sequence whose tokens are all computed after this step.
+of each sequence whose tokens are all computed after this step, plus, for a
+request that asked for ``prompt_logprobs``, the prompt rows whose next
+prompt token is not scored yet.
 
 On a GPU, pure-decode steps replay CUDA graphs instead (``decode_graphs``):
 same inputs, copied into static buffers and padded to a captured size.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +32,16 @@ from paged_server.engine.sequence import Sequence
 
 
 @dataclass(slots=True)
+class PromptScores:
+    """Logits of prompt rows of scheduled entry ``index``: row ``j`` predicts
+    prompt token ``first + j``."""
+
+    index: int
+    first: int
+    logits: Tensor
+
+
+@dataclass(slots=True)
 class StepLogits:
     """Logits ``[len(sampled), vocab]``; row ``j`` belongs to entry
     ``sampled[j]`` of the scheduled list."""
@@ -37,6 +49,7 @@ class StepLogits:
     logits: Tensor
     sampled: list[int]
     num_tokens: int  # rows that went through the model (no padding)
+    prompt_scores: list[PromptScores] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -71,6 +84,7 @@ class ModelRunner:
         positions: list[int] = []
         rows: list[int] = []
         sampled: list[int] = []
+        scored: list[tuple[int, int, int, int]] = []  # (index, first token, row, count)
         for i in order:
             seq, n = scheduled[i]
             assert seq.pool_seq_id is not None, f"sequence {seq.seq_id} has no cache seq_id"
@@ -79,6 +93,9 @@ class ModelRunner:
             seq_ids.append(seq.pool_seq_id)
             starts.append(start)
             lens.append(n)
+            first, count = _prompt_rows_to_score(seq, start, end)
+            if count:
+                scored.append((i, first, len(ids) + first - 1 - start, count))
             ids += seq.token_ids[start:end]
             positions += range(start, end)
             if end == seq.num_tokens:
@@ -95,8 +112,14 @@ class ModelRunner:
             hidden = model.hidden_states(  # type: ignore[operator]
                 self._tensor(ids), self._tensor(positions), view
             )
+        for _, _, row, count in scored:
+            rows += range(row, row + count)
         logits = model.compute_logits(hidden.index_select(0, self._tensor(rows)))  # type: ignore[operator]
-        return StepLogits(logits, sampled, len(ids))
+        scores, at = [], len(sampled)
+        for i, first, _, count in scored:
+            scores.append(PromptScores(i, first, logits[at : at + count]))
+            at += count
+        return StepLogits(logits[: len(sampled)], sampled, len(ids), scores)
 
     @torch.inference_mode()
     def warm_up(self, prompt_len: int) -> float:
@@ -123,3 +146,15 @@ class ModelRunner:
 
     def _tensor(self, data: list[int]) -> Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
+
+
+def _prompt_rows_to_score(seq: Sequence, start: int, end: int) -> tuple[int, int]:
+    """``(first, count)``: this step's rows ``start..end-1`` predict prompt
+    tokens ``first..first+count-1`` that the request wants scored and that
+    are not scored yet (a recompute after preemption scores nothing twice)."""
+    request = seq.request
+    if seq.index != 0 or not request.needs_prompt_logprobs:
+        return 0, 0
+    first = max(start + 1, len(request.prompt_logprobs))
+    last = min(end, len(request.prompt_token_ids) - 1)  # the token row `end - 1` predicts
+    return first, max(0, last - first + 1)

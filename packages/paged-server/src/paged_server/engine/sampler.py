@@ -6,7 +6,8 @@ Randomness is per request: each row brings its own ``torch.Generator`` and
 draws exactly one uniform number per token, so a seeded request gives the
 same tokens whatever else shares its batch.
 
-Order of processing (as in Hugging Face ``generate``): penalties ->
+Order of processing: ``logit_bias`` and ``min_tokens``
+(``logits_processors``), then (as in Hugging Face ``generate``) penalties ->
 temperature -> top-k -> top-p -> min-p -> sample, the three filters on
 logits sorted once per step (top-k keeps exactly k; ties go by sort order).
 The draw itself always walks the cumulative distribution in vocabulary
@@ -21,12 +22,14 @@ rows are unharmed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from paged_server.engine.logits_processors import apply_logits_processors
+from paged_server.engine.logprobs import TokenLogprobs, gather_logprobs
 from paged_server.sampling_params import SamplingParams
 
 
@@ -38,14 +41,16 @@ class SamplingRow:
     generator: torch.Generator | None  # None: torch's global RNG (tests only)
     token_ids: Sequence[int]  # prompt + output so far (read only for penalties)
     num_prompt_tokens: int
+    eos_token_ids: Collection[int] = ()  # masked until min_tokens
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    """One entry per row: the token (or -1), its logprob when asked, or an error."""
+    """One entry per row: the token (or -1), its logprobs when asked
+    (``SamplingParams.logprobs`` alternatives), or an error."""
 
     token_ids: list[int]
-    logprobs: list[float | None]
+    logprobs: list[TokenLogprobs | None]
     errors: list[str | None]
 
 
@@ -83,10 +88,10 @@ def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
             errors[i] = "model produced non-finite logits (NaN or inf) for this request"
         logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
 
-    want_logprobs = [r.params.logprobs for r in rows]
+    want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-    logits = apply_penalties(logits, rows)
+    logits = apply_penalties(apply_logits_processors(logits, rows), rows)
     tokens = logits.argmax(dim=-1)  # greedy rows keep this
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
@@ -104,12 +109,14 @@ def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         tokens[sampled] = drawn.squeeze(-1)
 
     token_list = tokens.tolist()
-    logprob_list: list[float | None] = [None] * batch
+    logprob_list: list[TokenLogprobs | None] = [None] * batch
     if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-        logprob_list = [
-            lp if want else None for lp, want in zip(chosen, want_logprobs, strict=True)
-        ]
+        asked = [i for i, want in enumerate(want_logprobs) if want]
+        found = gather_logprobs(
+            raw_logprobs[asked], tokens[asked], [rows[i].params.logprobs or 0 for i in asked]
+        )
+        for i, entry in zip(asked, found, strict=True):
+            logprob_list[i] = entry
     for i, err in enumerate(errors):
         if err is not None:
             token_list[i], logprob_list[i] = -1, None
@@ -119,7 +126,8 @@ def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
 def sampling_distribution(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     """The distribution each (non-greedy) row samples from, ``[batch, vocab]``
     in token order: penalties, temperature and filters applied."""
-    return _filtered_probs(apply_penalties(logits.float(), rows), rows)
+    processed = apply_logits_processors(logits.float(), rows)
+    return _filtered_probs(apply_penalties(processed, rows), rows)
 
 
 def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -203,9 +203,13 @@ class Scheduler:
                 fits = cost <= kv_budget or (alone and cost <= free_kv)
                 if not fits and not seq.holds_up_siblings:
                     break
-            if not self.pool.can_allocate_sequence(seq.token_ids):
+            # Prompt tokens to score must be computed, not read from the cache.
+            skip = seq.request.needs_prompt_logprobs
+            if not self.pool.can_allocate_sequence(seq.token_ids, skip_prefix_cache=skip):
                 break
-            seq.pool_seq_id, seq.num_computed_tokens = self.pool.allocate_sequence(seq.token_ids)
+            seq.pool_seq_id, seq.num_computed_tokens = self.pool.allocate_sequence(
+                seq.token_ids, skip_prefix_cache=skip
+            )
             self.waiting.popleft()
             self.add_running(seq)
             places -= seq.running_places_needed

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from paged_server.engine.beam_search import BeamSearch
+    from paged_server.engine.logprobs import TokenLogprobs
     from paged_server.sampling_params import SamplingParams
 
 
@@ -55,6 +56,16 @@ class Request:
     first_token_time: float | None = None
     forked: bool = False  # choices 1..n-1 started (from choice 0's prompt)
     admitted: bool = False  # held KV at least once (prompt tokens counted)
+    # Scored prompt positions (params.prompt_logprobs): entry p is token p's.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens are still to be scored (so none may come
+        from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
     beam: BeamSearch | None = None  # a beam search's scorer (its seqs are the beams)
     # Beams' last logits, kept until every running beam has its row.
     beam_rows: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -89,8 +100,10 @@ class Sequence:
     # Not yet streamed (cleared by the engine after each RequestOutput).
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     new_text: str = ""
     finish_reported: bool = False
+    prompt_logprobs_reported: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

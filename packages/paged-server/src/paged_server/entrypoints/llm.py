@@ -3,6 +3,7 @@
     llm = LLM(max_batch_size=8)            # embedded default model
     results = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=20))
     results[0].outputs[0].text
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=20))
     beams = llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=20))
     beams[0].sequences[0].text
 
@@ -96,7 +97,8 @@ class LLM:
                         text="",
                         token_ids=[],
                         finish_reason=None,
-                        logprobs=[] if params.logprobs else None,
+                        logprobs=[] if params.logprobs is not None else None,
+                        top_logprobs=[] if params.logprobs is not None else None,
                     )
                     for i in range(_num_choices(params))
                 ],
@@ -112,8 +114,7 @@ class LLM:
                     choice = results[out.request_id].outputs[out.index]
                     choice.text += out.new_text
                     choice.token_ids += out.new_token_ids
-                    if out.new_logprobs is not None and choice.logprobs is not None:
-                        choice.logprobs += out.new_logprobs
+                    _add_logprobs(results[out.request_id], choice, out)
                     if out.finished:
                         choice.finish_reason, choice.error = out.finish_reason, out.error
                         choice.cumulative_logprob = out.cumulative_logprob
@@ -122,6 +123,32 @@ class LLM:
                             bar.update(1)
         return [results[r] for r in order]
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[CompletionResult]:
+        """``generate`` over conversations rendered with the model's chat
+        template (as vLLM's ``LLM.chat``): one conversation (a list of
+        ``{"role", "content"}`` dicts) or a list of them."""
+        conversations: list[Sequence[dict[str, Any]]] = (
+            [messages]  # type: ignore[list-item]  # one conversation
+            if messages and isinstance(messages[0], dict)
+            else list(messages)  # type: ignore[arg-type]
+        )
+        tokenizer = self.engine.tokenizer
+        prompt_ids = [
+            list(
+                tokenizer.apply_chat_template(
+                    list(c), add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+            )
+            for c in conversations
+        ]
+        return self.generate(None, sampling_params, prompt_token_ids=prompt_ids, use_tqdm=use_tqdm)
     def beam_search(
         self,
         prompts: Sequence[str | Sequence[int] | Mapping[str, Any]],
@@ -185,6 +212,16 @@ class LLM:
         return []
 
 
+def _add_logprobs(result: CompletionResult, choice: CompletionChoice, out: Any) -> None:
+    """Accumulate a delta's logprobs in vLLM's offline shapes."""
+    if out.prompt_logprobs is not None and result.prompt_logprobs is None:
+        result.prompt_logprobs = [p.as_dict() if p else None for p in out.prompt_logprobs]
+    if out.new_logprobs is None or choice.logprobs is None or choice.top_logprobs is None:
+        return
+    tops = out.new_top_logprobs or [[] for _ in out.new_logprobs]
+    for token, lp, top in zip(out.new_token_ids, out.new_logprobs, tops, strict=False):
+        choice.top_logprobs.append({**dict(top), token: lp})
+    choice.logprobs += out.new_logprobs
 def _prompt_token_ids(prompt: str | Sequence[int] | Mapping[str, Any], tokenizer: Any) -> list[int]:
     """A beam-search prompt as token ids."""
     if isinstance(prompt, Mapping):

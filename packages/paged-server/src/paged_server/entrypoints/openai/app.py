@@ -38,6 +38,15 @@ from paged_server.entrypoints.openai.protocol import (
     ModelList,
 )
 from paged_server.entrypoints.openai.serving import OpenAIServing
+from paged_server.entrypoints.openai.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    Tokenization,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    version,
+)
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
 
@@ -98,6 +107,7 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
         max_model_len=max_model_len,
         tool_call_parser=settings.tool_call_parser,
     )
+    tokenization = Tokenization(tokenizer, max_model_len, serving.render_messages)
     created = int(time.time())
 
     @asynccontextmanager
@@ -148,6 +158,22 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """Token ids of a text or a conversation (vLLM's /tokenize)."""
+        serving.check_model(body.model)
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """Text of token ids (vLLM's /detokenize)."""
+        serving.check_model(body.model)
+        return tokenization.detokenize(body)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def get_version() -> dict[str, str]:
+        return version()
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models() -> dict[str, Any]:

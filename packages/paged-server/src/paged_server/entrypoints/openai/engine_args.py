@@ -50,6 +50,9 @@ _HELP = {
     "num_gpu_blocks": "KV blocks in the pool (none: from --kv-cache-memory-bytes, else "
     "max_batch_size * max_model_len / block_size)",
     "kv_cache_memory_bytes": "KV cache memory budget in bytes (sizes the pool)",
+    "gpu_memory_utilization": "share of device memory this server may use; the KV pool gets "
+    "what weights and a profiling step leave (default 0.9 on CUDA; on CPU, when set: that "
+    "share of the available RAM)",
     "max_batch_size": "most sequences running at once",
     "max_num_batched_tokens": "token budget of one engine step (decode + prefill chunks); "
     "none: 2048 on CUDA, 256 on CPU (where a step costs in proportion to its tokens)",

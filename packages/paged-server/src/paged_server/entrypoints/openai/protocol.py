@@ -7,15 +7,18 @@ the schema:
 
 - ``n``: 1..16 choices; ``prompt``: at most 16 prompts per completion request.
 - ``stop``: at most 4 strings (OpenAI's limit), each 1..256 characters.
-- ``logprobs``: only the sampled token's log-probability is computed, so
-  completions accept ``logprobs: 0`` and chat accepts ``logprobs: true`` with
-  ``top_logprobs: 0``; asking for top-k alternatives is a 400, not a silent no-op.
+- ``logprobs``: completions ``logprobs: N`` and chat ``top_logprobs: N``
+  return up to ``MAX_LOGPROBS`` (20, vLLM's default) alternatives per token;
+  chat's ``top_logprobs`` needs ``logprobs: true``. Completions ``echo``
+  returns the prompt (and, with ``logprobs``, its logprobs; the first
+  token's is null); ``max_tokens: 0`` is allowed with ``echo`` only.
+- ``logit_bias``: token id (a JSON string key) -> bias in [-100, 100].
 - ``response_format`` (``text``, ``json_object``, ``json_schema``) on both
   endpoints and ``tools`` / ``tool_choice`` on chat are enforced by a grammar
   (see ``structured.py`` and ``tool_calls.py``).
-- Fields OpenAI has that this server cannot honour (``echo``, ``suffix``,
-  ``logit_bias``, ``best_of`` other than ``n`` without beam search,
-  non-text content) are rejected with a 400 naming the field, never ignored.
+- Fields OpenAI has that this server cannot honour (``suffix``,
+  ``best_of`` other than ``n`` without beam search, non-text content) are
+  rejected with a 400 naming the field, never ignored.
 - Beam search (vLLM's extra parameters): ``use_beam_search: true`` with
   ``best_of`` beams (default ``n``) returns the ``n`` best; with
   ``length_penalty`` and ``early_stopping``. Not with ``stream: true``.
@@ -29,6 +32,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from paged_server.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_N = 16
 MAX_PROMPTS = 16
@@ -99,6 +104,20 @@ class _SamplingFields(_Strict):
         None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension."
     )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension).")
+    min_tokens: int = Field(
+        0, ge=0, description="EOS and stop_token_ids are masked until this many tokens (vLLM)."
+    )
+    logit_bias: dict[str, FiniteFloat] | None = Field(
+        None,
+        description=f"Token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] "
+        "added to its logit.",
+        json_schema_extra={
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {
+                "type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS
+            },
+        },
+    )
     use_beam_search: bool = Field(
         False, description="Beam search of best_of beams, returning the n best (vLLM extension)."
     )
@@ -142,6 +161,22 @@ class _SamplingFields(_Strict):
             raise ValueError("token ids must be >= 0")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (digit strings), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"the bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {bias}"
+                )
+        return v
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
+
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
@@ -172,18 +207,23 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptType = Field(
         description=f"Text, token ids, or a list of up to {MAX_PROMPTS} of either."
     )
-    max_tokens: int | None = Field(16, ge=1, description="Tokens to generate (default 16).")
+    max_tokens: int | None = Field(
+        16, ge=0, description="Tokens to generate (default 16); 0 only with echo."
+    )
     logprobs: int | None = Field(
         None,
-        description="0 = return each sampled token's log-probability (top-k not supported).",
-        json_schema_extra={"minimum": 0, "maximum": 0},
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Each token's log-probability and the N most likely alternatives "
+        "(0 = the token's only).",
     )
-    echo: bool = Field(False, description="Not supported: must be false.")
+    echo: bool = Field(
+        False, description="Return the prompt before the completion (with logprobs: its logprobs)."
+    )
     suffix: str | None = Field(None, description="Not supported: must be null.")
     best_of: int | None = Field(
         None, ge=1, le=MAX_N, description="Beam width with use_beam_search; else null or n."
     )
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
 
     @field_validator("prompt")
     @classmethod
@@ -198,19 +238,12 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("token ids must be >= 0")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _check_logprobs(cls, v: int | None) -> int | None:
-        return _only_zero(v, "the sampled token's log-probability is returned; send logprobs=0")
-
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo: not supported; send echo=false")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo=true (to score the prompt)")
         if self.suffix:
             raise ValueError("suffix: not supported; send no suffix")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported; send no logit_bias")
         if self.use_beam_search:
             if self.best_of is not None and self.best_of < self.n:
                 raise ValueError(
@@ -222,12 +255,6 @@ class CompletionRequest(_SamplingFields):
                 f"{self.n} (picking the best of extra samples needs use_beam_search=true)"
             )
         return self
-
-
-def _only_zero(v: int | None, hint: str) -> int | None:
-    if v is not None and v != 0:
-        raise ValueError(f"only 0 is supported, got {v}: {hint}")
-    return v
 
 
 def normalize_prompt(v: PromptType) -> list[str | list[int]]:
@@ -303,7 +330,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
     logprobs: bool = False
     top_logprobs: int | None = Field(
-        None, description="Only 0 is supported.", json_schema_extra={"minimum": 0, "maximum": 0}
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Most likely alternatives per token (needs logprobs: true).",
     )
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = Field(None, max_length=128)
@@ -312,13 +342,10 @@ class ChatCompletionRequest(_SamplingFields):
     )
     parallel_tool_calls: bool = True
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _check_top_logprobs(cls, v: int | None) -> int | None:
-        return _only_zero(v, "top alternatives are not computed; send top_logprobs=0 or omit it")
-
     @model_validator(mode="after")
     def _check_tools(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
@@ -360,8 +387,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 

@@ -3,7 +3,10 @@
 Pure formatting: one `ResponseFormat` per HTTP request knows its id, model
 name and creation time, and turns choices, token ids and log-probabilities
 into the JSON OpenAI clients parse (``text_completion``, ``chat.completion``
-and their streaming ``chunk`` forms).
+and their streaming ``chunk`` forms). With ``echo``, a completion choice
+starts with its prompt (text, tokens and, when asked, the prompt's
+logprobs, the first of which is null); with ``max_tokens: 0`` (``echo``
+only) the one token the engine generates is dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class CollectedChoice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
     finish_reason: str | None = None
     error: str | None = None
     num_generated: int = 0
@@ -33,6 +38,10 @@ class CollectedChoice:
         self.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             self.logprobs.extend(out.new_logprobs)
+        if out.new_top_logprobs:
+            self.top_logprobs.extend(out.new_top_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error = out.error
@@ -55,16 +64,39 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+@dataclass(slots=True)
+class Echo:
+    """What ``echo`` puts before a completion: each prompt's text and ids;
+    ``drop_generated`` for ``max_tokens: 0`` (score the prompt only)."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    drop_generated: bool = False
+
+
 class ResponseFormat:
     """The bodies of one request (completion or chat, streaming or not)."""
 
-    def __init__(self, request_id: str, model: str, tokenizer: Any, *, include_usage: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        tokenizer: Any,
+        *,
+        include_usage: bool = False,
+        num_top: int | None = None,
+        echo: Echo | None = None,
+        n: int = 1,
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
         self.include_usage = include_usage  # streaming: every chunk carries "usage": null
         self.tool_call_parser: str | None = None  # set when the request may call tools
         self.created = int(time.time())
+        self.num_top = num_top  # logprobs asked for: top alternatives per token
+        self.echo = echo
+        self.n = n  # choices per prompt: choice i echoes prompt i // n
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -102,18 +134,57 @@ class ResponseFormat:
     def completion_body(
         self, choices: list[CollectedChoice], prompt_tokens: int, cached_tokens: int = 0
     ) -> dict[str, Any]:
+        bodies = []
+        for i, c in enumerate(choices):
+            text, logprobs = self.completion_text_and_logprobs(
+                i, "".join(c.text), c.token_ids, c.logprobs, c.top_logprobs, c.prompt_logprobs, 0,
+                first=True,
+            )
+            bodies.append(
+                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            )
+        generated = 0 if self.echo and self.echo.drop_generated else _generated(choices)
         return {
-            **self._envelope("text_completion", [
-                {
-                    "index": i,
-                    "text": "".join(c.text),
-                    "logprobs": self.completion_logprobs(c.token_ids, c.logprobs, 0) if c.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(choices)
-            ]),
-            "usage": usage(prompt_tokens, _generated(choices), cached_tokens),
+            **self._envelope("text_completion", bodies),
+            "usage": usage(prompt_tokens, generated, cached_tokens),
         }
+
+    def completion_text_and_logprobs(
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[list[tuple[int, float]]],
+        prompt_logprobs: list[Any] | None,
+        start_offset: int,
+        *,
+        first: bool,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A completion choice's text and ``logprobs`` object (or one
+        streamed delta of them; ``first``: the choice's first, which carries
+        the echoed prompt)."""
+        entries: list[tuple[int, float | None, list[tuple[int, float]]]] = []
+        echo = self.echo
+        if echo is not None and echo.drop_generated:
+            text, token_ids, logprobs, tops = "", [], [], []
+        if echo is not None and first:
+            prompt = index // self.n
+            text = echo.texts[prompt] + text
+            if self.num_top is not None:
+                ids = echo.token_ids[prompt]
+                scored = prompt_logprobs or [None] * len(ids)
+                entries += [
+                    (tid, s.logprob if s else None, s.top if s else [])
+                    for tid, s in zip(ids, scored, strict=False)
+                ]
+        if self.num_top is None:
+            return text, None
+        entries += [
+            (tid, lp, tops[k] if k < len(tops) else [])
+            for k, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=False))
+        ]
+        return text, self.completion_logprobs(entries, start_offset)
 
     def chat_body(
         self, choices: list[CollectedChoice], prompt_tokens: int, cached_tokens: int = 0
@@ -123,7 +194,9 @@ class ResponseFormat:
                 {
                     "index": i,
                     **self._chat_message("".join(c.text), c.finish_reason),
-                    "logprobs": self.chat_logprobs(c.token_ids, c.logprobs) if c.logprobs else None,
+                    "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
+                    if c.logprobs
+                    else None,
                 }
                 for i, c in enumerate(choices)
             ]),
@@ -146,26 +219,47 @@ class ResponseFormat:
     def _token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[float], start_offset: int) -> dict[str, Any]:
-        """Completions' ``logprobs`` object; offsets count from the choice's text start."""
-        tokens = [self._token_text(t) for t in token_ids[: len(logprobs)]]
+    def completion_logprobs(
+        self, entries: list[tuple[int, float | None, list[tuple[int, float]]]], start_offset: int
+    ) -> dict[str, Any]:
+        """Completions' ``logprobs`` object over ``(token id, logprob, top)``
+        entries (logprob ``None``: the first echoed prompt token). Each
+        ``top_logprobs`` dict holds the token itself and its top alternatives
+        (as vLLM); offsets count from the choice's text start."""
+        tokens = [self._token_text(tid) for tid, _, _ in entries]
         offsets, pos = [], start_offset
         for tok in tokens:
             offsets.append(pos)
             pos += len(tok)
+        top_logprobs: list[dict[str, float] | None] = []
+        for tok, (_, lp, top) in zip(tokens, entries, strict=True):
+            if lp is None:
+                top_logprobs.append(None)
+                continue
+            alternatives = {self._token_text(t): finite(v) for t, v in top}
+            top_logprobs.append({**alternatives, tok: finite(lp)})
         return {
             "tokens": tokens,
-            "token_logprobs": [finite(lp) for lp in logprobs],
-            "top_logprobs": None,
+            "token_logprobs": [None if lp is None else finite(lp) for _, lp, _ in entries],
+            "top_logprobs": top_logprobs,
             "text_offset": offsets,
         }
 
-    def chat_logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
-        """Chat's ``logprobs.content`` list (no top alternatives)."""
+    def chat_logprobs(
+        self, token_ids: list[int], logprobs: list[float], tops: list[list[tuple[int, float]]]
+    ) -> dict[str, Any]:
+        """Chat's ``logprobs.content`` list, ``top_logprobs`` as OpenAI: the
+        ``top_logprobs`` most likely tokens (the chosen one only if among them)."""
         content = []
-        for tid, lp in zip(token_ids, logprobs, strict=False):
+        for k, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=False)):
             tok = self._token_text(tid)
-            content.append({"token": tok, "logprob": finite(lp), "bytes": list(tok.encode()), "top_logprobs": []})
+            top = [
+                {"token": t, "logprob": finite(v), "bytes": list(t.encode())}
+                for t, v in ((self._token_text(a), b) for a, b in (tops[k] if k < len(tops) else []))
+            ]
+            content.append(
+                {"token": tok, "logprob": finite(lp), "bytes": list(tok.encode()), "top_logprobs": top}
+            )
         return {"content": content}
 
 

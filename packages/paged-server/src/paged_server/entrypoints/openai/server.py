@@ -59,11 +59,14 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
         layout = f"{tokens // config.max_model_len} slots of {config.max_model_len}"
     else:
         layout = f"{int(m.get('kv_capacity_blocks', 0))} blocks of {config.block_size}"
+    how = getattr(getattr(engine, "capacity", None), "sized_by", "")
+    sized_by = f" (sized by {how})" if how else ""
     return (
         f"paged-server: serving '{settings.model_name}' ({source}) on {url} | "
         f"kv_cache_backend={config.kv_cache_backend} attention={attention} | "
         f"KV cache {_dtype_name(engine.capacity.kv_dtype)} "
-        f"(kv_cache_dtype={config.kv_cache_dtype}): capacity {tokens} tokens in {layout} | "
+        f"(kv_cache_dtype={config.kv_cache_dtype}): capacity {tokens} tokens in {layout}"
+        f"{sized_by} | "
         f"max_model_len={config.max_model_len} max_batch_size={config.max_batch_size} "
         f"api_key={'on' if settings.api_key else 'off'}"
         + (f" | {parallel}" if (parallel := _parallel_summary(engine)) else "")

@@ -28,11 +28,12 @@ from paged_server.entrypoints.openai.errors import APIError
 from paged_server.entrypoints.openai.generation import Generation, GenerationEnded, bad_value
 from paged_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     _SamplingFields,
     normalize_prompt,
 )
-from paged_server.entrypoints.openai.responses import CollectedChoice, ResponseFormat
+from paged_server.entrypoints.openai.responses import CollectedChoice, Echo, ResponseFormat
 from paged_server.entrypoints.openai.streaming import (
     EventStreamResponse,
     stream_chat,
@@ -84,37 +85,48 @@ class OpenAIServing:
     # ------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self._check_model(body.model)
-        prompts = [await self._encode_prompt(p) for p in normalize_prompt(body.prompt)]
+        self.check_model(body.model)
+        raw_prompts = normalize_prompt(body.prompt)
+        prompts = [await self._encode_prompt(p) for p in raw_prompts]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        # max_tokens 0 (echo only): the engine generates one token, dropped.
+        run_tokens = max(max_tokens, 1)
         for ids in prompts:
-            self._check_length(len(ids), max_tokens, "prompt")
-        params = self._params(body, max_tokens, logprobs=body.logprobs is not None,
+            self._check_length(len(ids), run_tokens, "prompt")
+        params = self._params(body, run_tokens, logprobs=body.logprobs,
                               structured_outputs=response_format_constraint(body.response_format))
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs
+        echo = None
+        if body.echo:
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
+            echo = Echo(texts, prompts, drop_generated=max_tokens == 0)
         gen = Generation(self.engine, f"cmpl-{uuid.uuid4().hex}", body.n, arrival)
         await gen.submit(prompts, params, prompt_param="prompt")
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
-                             include_usage=body.include_usage())
+                             include_usage=body.include_usage(), num_top=body.logprobs,
+                             echo=echo, n=body.n)
         if body.stream:
             return EventStreamResponse(stream_completion(gen, fmt))
         return await self._complete(gen, fmt, request, chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self._check_model(body.model)
+        self.check_model(body.model)
         ids = await _off_loop(self._render_chat, body, size=sum(len(m.text()) for m in body.messages))
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self._check_length(len(ids), max_tokens, "messages", max_tokens_param=param)
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
         constraint = tool_constraint(body, self.tool_call_parser) or response_format_constraint(
             body.response_format
         )
-        params = self._params(body, max_tokens, logprobs=body.logprobs, structured_outputs=constraint)
+        params = self._params(body, max_tokens, logprobs=num_top, structured_outputs=constraint)
         gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", body.n, arrival)
         await gen.submit([ids], params, prompt_param="messages")
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
-                             include_usage=body.include_usage())
+                             include_usage=body.include_usage(), num_top=num_top)
         if body.effective_tool_choice() != "none":
             fmt.tool_call_parser = self.tool_call_parser
         if body.stream:
@@ -122,7 +134,7 @@ class OpenAIServing:
         return await self._complete(gen, fmt, request, chat=True)
 
     # -------------------------------------------------------------- checks
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
@@ -154,8 +166,20 @@ class OpenAIServing:
             )
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        tools = None
+        if body.tools and body.effective_tool_choice() != "none":
+            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        return self.render_messages(body.messages, body.add_generation_prompt, tools)
+
+    def render_messages(
+        self,
+        chat: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation (and its tools) through the model's chat template."""
         messages = []
-        for m in body.messages:
+        for m in chat:
             msg: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 msg["name"] = m.name
@@ -164,12 +188,9 @@ class OpenAIServing:
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
-        tools = None
-        if body.tools and body.effective_tool_choice() != "none":
-            tools = [t.model_dump(exclude_none=True) for t in body.tools]
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                 tools=tools,
             )
         except jinja2.TemplateError as exc:
@@ -185,7 +206,7 @@ class OpenAIServing:
         body: _SamplingFields,
         max_tokens: int,
         *,
-        logprobs: bool,
+        logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         params = SamplingParams(
@@ -203,6 +224,8 @@ class OpenAIServing:
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            logit_bias=body.logit_bias_ids(),
+            min_tokens=body.min_tokens,
             structured_outputs=structured_outputs,
             use_beam_search=body.use_beam_search,
             best_of=getattr(body, "best_of", None) if body.use_beam_search else None,

@@ -32,23 +32,38 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 async def stream_completion(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[bytes]:
     """``text_completion`` chunks: one per output with text; the finish reason
-    rides on the choice's last chunk."""
-    offsets = [0] * (len(gen.engine_ids) * gen.n)
+    rides on the choice's last chunk. With ``echo``, a choice's first chunk
+    starts with its prompt."""
+    num_choices = len(gen.engine_ids) * gen.n
+    offsets = [0] * num_choices
+    started = [False] * num_choices
     generated = 0
+    drop = fmt.echo is not None and fmt.echo.drop_generated
     try:
         async for i, out in gen.outputs():
             if out.error:
                 yield sse(error_body(f"generation failed: {out.error}", "server_error"))
-            if not out.new_text and not out.finished and not out.new_logprobs:
+            first = not started[i]
+            if not (out.new_text or out.finished or out.new_logprobs or (first and fmt.echo)):
                 continue
-            logprobs = None
-            if out.new_logprobs:
-                logprobs = fmt.completion_logprobs(out.new_token_ids, out.new_logprobs, offsets[i])
-            offsets[i] += len(out.new_text)
-            if out.finished:
+            started[i] = True
+            text, logprobs = fmt.completion_text_and_logprobs(
+                i,
+                out.new_text,
+                out.new_token_ids,
+                out.new_logprobs or [],
+                out.new_top_logprobs or [],
+                out.prompt_logprobs,
+                offsets[i],
+                first=first,
+            )
+            offsets[i] += len(text)
+            if out.finished and not drop:
                 generated += out.num_generated_tokens
             finish = out.finish_reason if out.finished else None
-            yield sse(fmt.completion_chunk(i, out.new_text, finish, logprobs))
+            if not text and not logprobs and not finish:
+                continue
+            yield sse(fmt.completion_chunk(i, text, finish, logprobs))
         if fmt.include_usage:
             yield sse(fmt.usage_chunk(
                 "text_completion", sum(gen.prompt_tokens), generated, gen.cached_tokens
@@ -74,7 +89,9 @@ async def stream_chat(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[byt
             if (out.new_text or out.new_logprobs) and tools is None:
                 logprobs = None
                 if out.new_logprobs:
-                    logprobs = fmt.chat_logprobs(out.new_token_ids, out.new_logprobs)
+                    logprobs = fmt.chat_logprobs(
+                        out.new_token_ids, out.new_logprobs, out.new_top_logprobs or []
+                    )
                 yield sse(fmt.chat_chunk(i, {"content": out.new_text}, None, logprobs))
             finish = out.finish_reason
             if tools is not None:  # content and calls as the tool parser separates them

@@ -1,0 +1,131 @@
+"""How many KV tokens the pool gets, and why (the start-up line says it).
+
+In order of precedence:
+1. ``num_gpu_blocks``: that many blocks.
+2. ``kv_cache_memory_bytes``: as many as that budget holds.
+3. ``gpu_memory_utilization`` (default 0.9 on CUDA; on CPU only when set):
+   - CUDA, as vLLM: with the weights loaded, run one profiling forward pass
+     of ``max_num_batched_tokens`` tokens (logits for every row, the most a
+     step can need, ``prompt_logprobs`` included); the pool gets
+     ``total * utilization - used - activation peak`` where ``used`` is the
+     device memory in use afterwards (weights, CUDA context, other
+     processes) from ``torch.cuda.mem_get_info``.
+   - CPU: ``utilization`` times ``MemAvailable`` (``/proc/meminfo``, read
+     after the weights are loaded).
+4. Otherwise (CPU default): ``max_batch_size * max_model_len`` tokens, the
+   contiguous pool's capacity, so the two layouts compare like for like and
+   tests stay small.
+
+A budget that holds no block refuses to start, saying what used the memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from paged_server.config import EngineConfig
+
+GIB = 1024**3
+DEFAULT_CUDA_UTILIZATION = 0.9
+
+
+@dataclass(slots=True)
+class KVBudget:
+    """Blocks for the paged pool (or bytes for the contiguous one) and how
+    they were chosen, in words for the start-up line."""
+
+    num_bytes: int | None  # None: no memory budget (fixed count / default)
+    num_blocks: int | None  # paged only: an explicit count
+    sized_by: str
+
+
+def kv_budget(
+    config: EngineConfig,
+    token_bytes: int,
+    device: torch.device,
+    model: nn.Module | None,
+) -> KVBudget:
+    """The budget ``config`` asks for on ``device`` (see the module docstring)."""
+    if config.num_gpu_blocks is not None:
+        return KVBudget(None, config.num_gpu_blocks, "--num-gpu-blocks")
+    if config.kv_cache_memory_bytes is not None:
+        return KVBudget(config.kv_cache_memory_bytes, None, "--kv-cache-memory-bytes")
+    utilization = config.gpu_memory_utilization
+    if utilization is None and device.type == "cuda":
+        utilization = DEFAULT_CUDA_UTILIZATION
+    if utilization is None:
+        return KVBudget(None, None, "max_batch_size x max_model_len (CPU default)")
+    if device.type == "cuda":
+        num_bytes, how = _cuda_budget(config, utilization, device, model)
+    else:
+        available = available_cpu_memory()
+        num_bytes = int(available * utilization)
+        how = (
+            f"--gpu-memory-utilization {utilization:g} of {available / GIB:.2f} GiB available "
+            "RAM (MemAvailable)"
+        )
+    if num_bytes < token_bytes * config.block_size:
+        raise ValueError(
+            f"gpu_memory_utilization: no room for the KV cache: {how} leaves "
+            f"{max(num_bytes, 0) / GIB:.3f} GiB, less than one block of {config.block_size} "
+            f"tokens ({token_bytes * config.block_size} bytes); raise "
+            "--gpu-memory-utilization, lower --max-num-batched-tokens, use a smaller "
+            "--dtype, or set --num-gpu-blocks / --kv-cache-memory-bytes"
+        )
+    return KVBudget(num_bytes, None, how)
+
+
+def available_cpu_memory() -> int:
+    """Bytes the OS could give this process now (``MemAvailable``)."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError(
+        "gpu_memory_utilization: cannot read the available RAM here (no /proc/meminfo); "
+        "size the CPU pool with --kv-cache-memory-bytes or --num-gpu-blocks"
+    )
+
+
+def _cuda_budget(
+    config: EngineConfig, utilization: float, device: torch.device, model: nn.Module | None
+) -> tuple[int, str]:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    if model is not None:
+        profile_forward(model, config.max_num_batched_tokens or 2048, device)
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    num_bytes = int(total * utilization) - used - activation_peak
+    how = (
+        f"--gpu-memory-utilization {utilization:g} of {total / GIB:.1f} GiB: "
+        f"{used / GIB:.2f} GiB in use after loading (weights, CUDA context, other "
+        f"processes), {activation_peak / GIB:.2f} GiB peak of a "
+        f"{config.max_num_batched_tokens}-token profiling step"
+    )
+    return num_bytes, how
+
+
+@torch.inference_mode()
+def profile_forward(model: nn.Module, num_tokens: int, device: torch.device) -> None:
+    """One forward pass of ``num_tokens`` tokens without a cache, logits for
+    every row: at least the activation memory of any real step."""
+    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device).unsqueeze(0)
+    model(ids, positions)
+
+
+def blocks_in(num_bytes: int, token_bytes: int, block_size: int) -> int:
+    """Whole blocks a byte budget holds."""
+    return max(0, math.floor(num_bytes / (token_bytes * block_size)))

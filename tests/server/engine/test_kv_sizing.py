@@ -1,0 +1,93 @@
+"""KV pool sizing: by a share of memory (``gpu_memory_utilization``), by an
+explicit budget or block count, and the CPU default; the pool holds exactly
+the tokens the start-up line claims, and a model that leaves no room
+refuses to start with a clear message."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from paged_server.engine import kv_sizing
+from paged_server.entrypoints.openai.app import ServerSettings
+from paged_server.entrypoints.openai.server import startup_line
+
+# tiny model (conftest): 2 layers x 2 kv heads x head_dim 16, K and V, float32
+TOKEN_BYTES = 2 * 2 * 2 * 16 * 4
+
+
+def fill(pool, block_size: int) -> int:
+    """Tokens the pool actually holds: one-block prompts until it says no."""
+    held = 0
+    while pool.can_allocate_sequence(list(range(1, block_size + 1))):
+        pool.allocate_sequence(list(range(1, block_size + 1)))
+        held += block_size
+    return held
+
+
+def test_cpu_share_of_available_ram_holds_what_the_startup_line_claims(
+    make_engine, monkeypatch
+) -> None:
+    monkeypatch.setattr(kv_sizing, "available_cpu_memory", lambda: 100_000)
+    engine = make_engine(gpu_memory_utilization=0.5, max_model_len=64)
+    want_blocks = 50_000 // (TOKEN_BYTES * 4)
+    assert engine.capacity.num_blocks == want_blocks
+    line = startup_line(engine, ServerSettings(model_name="tiny"), "http://127.0.0.1:1")
+    m = re.search(r"capacity (\d+) tokens in (\d+) blocks of 4 \(sized by ([^)]*)\)", line)
+    assert m, line
+    assert int(m[1]) == want_blocks * 4 and "--gpu-memory-utilization 0.5" in m[3]
+    assert "MemAvailable" in m[3]
+    assert fill(engine.pool, 4) == int(m[1])
+
+
+def test_real_available_ram_sizes_the_pool(make_engine) -> None:
+    share = 1e-7  # a few KB of this machine's free RAM, whatever it is
+    before = kv_sizing.available_cpu_memory()
+    engine = make_engine(gpu_memory_utilization=share, max_model_len=16)
+    after = kv_sizing.available_cpu_memory()
+    blocks = engine.capacity.num_blocks
+    lo, hi = sorted((before, after))
+    assert int(lo * 0.9 * share) // (TOKEN_BYTES * 4) <= blocks
+    assert blocks <= int(hi * 1.1 * share) // (TOKEN_BYTES * 4) + 1
+
+
+def test_no_room_refuses_to_start(make_engine, monkeypatch) -> None:
+    monkeypatch.setattr(kv_sizing, "available_cpu_memory", lambda: 3000)
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization: no room for the KV cache"):
+        make_engine(gpu_memory_utilization=0.5)
+
+
+def test_explicit_sizes_win_and_the_cpu_default_is_unchanged(make_engine, monkeypatch) -> None:
+    monkeypatch.setattr(kv_sizing, "available_cpu_memory", lambda: 100_000)
+    engine = make_engine(gpu_memory_utilization=0.5, num_gpu_blocks=7)
+    assert engine.capacity.num_blocks == 7 and engine.capacity.sized_by == "--num-gpu-blocks"
+    engine = make_engine(gpu_memory_utilization=0.5, kv_cache_memory_bytes=TOKEN_BYTES * 4 * 5)
+    assert engine.capacity.num_blocks == 5
+    engine = make_engine()  # CPU default: max_batch_size x max_model_len
+    assert engine.capacity.tokens == 8 * 128 and "CPU default" in engine.capacity.sized_by
+
+
+@pytest.mark.parametrize("share", [0.0, 1.5, True])
+def test_bad_share_is_rejected(make_engine, share) -> None:
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization: must be a fraction"):
+        make_engine(gpu_memory_utilization=share)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_default_profiles_and_sizes_from_free_memory(tiny_model_dir) -> None:
+    from paged_server.config import EngineConfig
+    from paged_server.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", block_size=16,
+                                    max_model_len=128, max_batch_size=8))
+    free, total = torch.cuda.mem_get_info()
+    assert "--gpu-memory-utilization 0.9" in engine.capacity.sized_by
+    pool_bytes = engine.capacity.tokens * TOKEN_BYTES // 2  # bfloat16 on CUDA
+    assert pool_bytes <= 0.9 * total and engine.capacity.num_blocks > 0
+    del engine
+    with pytest.raises(ValueError, match="no room for the KV cache"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=128,
+                               max_batch_size=8, gpu_memory_utilization=0.001))
