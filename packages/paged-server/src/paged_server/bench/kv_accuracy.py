@@ -76,7 +76,7 @@ def greedy_runs(
     llm = LLM(loaded=loaded, kv_cache_dtype=kv_cache_dtype, max_model_len=longest + 1,
               max_batch_size=len(prompts), max_num_batched_tokens=max(256, longest),
               attention_backend="ref", device=str(next(loaded.model.parameters()).device))  # fmt: skip
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     results = llm.generate(None, params, prompt_token_ids=prompts, use_tqdm=False)
     return [(r.outputs[0].token_ids, r.outputs[0].logprobs or []) for r in results]
 
