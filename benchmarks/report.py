@@ -211,6 +211,80 @@ def _capacity_section(cap: dict[str, Any] | None, images: Path, docs: Path) -> l
     return out + [""]
 
 
+def _kv_dtype_section(kv: dict[str, Any] | None, tput: dict[str, Any] | None) -> list[str]:
+    out = ["## KV cache dtype: 8-bit caches at equal KV bytes", ""]
+    if kv is None and tput is None:
+        return out + ["_Not run yet._", ""]
+    if kv is not None:
+        cap = kv["capacity"]
+        s = cap["settings"]
+        lay = s["layout"]
+        out += [
+            f"`--kv-cache-dtype`: capacity measured on real paged pools sized by bytes "
+            f"({s['budget_bytes'] / 2**30:.0f} GiB of KV, {lay['name']} layout: {lay['num_layers']} layers, "
+            f"{lay['num_kv_heads']} kv heads x {lay['head_dim']}, blocks of {s['block_size']}), sequences of "
+            f"{s['avg_len']} tokens admitted until the pool refuses. int8 stores a float16 scale per token and "
+            "kv head beside the codes (counted here); fp8 uses a per-tensor scale of 1.0 (nothing stored).",
+            "",
+        ]
+        out += _table(
+            ["model dtype", "kv_cache_dtype", "stored as", "bytes / token", "blocks", "tokens",
+             "sequences", "tokens vs auto"],  # fmt: skip
+            [
+                [r["model_dtype"], f"`{r['kv_cache_dtype']}`", r["stored_as"], _f(r["bytes_per_token"]),
+                 _f(r["num_blocks"]), _f(r["tokens"]), _f(r["sequences"]),
+                 f"{r['tokens_vs_auto']:.3f}x"]  # fmt: skip
+                for r in cap["rows"]
+            ],
+        )
+        out += [
+            "",
+            "Accuracy against `auto` on the same model (float32 weights, reference attention): greedy "
+            "agreement = share of the greedy tokens generated before the first one that differs; max "
+            "|delta logprob| = largest change of a chosen token's logprob before that point; perplexity of a "
+            "fixed English text (`pydoc_data.topics`) fed in 64-token chunks through a pool of that dtype. "
+            "Both models have random weights: their next-token distributions are nearly flat (perplexity "
+            "close to the vocabulary size), so near-ties flip greedy choices far more easily than in a trained "
+            "model; compare the dtypes with each other rather than reading the agreement as a trained "
+            "model's. `paged-server bench --capacity` prints the capacity table; "
+            "`python benchmarks/run_all.py --only kv_dtype` reruns both tables.",
+            "",
+        ]
+        rows = []
+        for table in kv["accuracy"]:
+            st = table["settings"]
+            for r in table["rows"]:
+                rows.append([
+                    table["model"], f"`{r['kv_cache_dtype']}`", _pct(r["greedy_agreement"]),
+                    f"{r['max_abs_delta_logprob']:.4f}", f"{r['perplexity']:,.2f}",
+                    f"{st['num_prompts']} x {st['max_tokens']} tokens, text {st['text_tokens']} tokens",
+                ])  # fmt: skip
+        out += _table(
+            ["model", "kv_cache_dtype", "greedy agreement", "max abs delta logprob", "perplexity", "sample"],
+            rows,
+        )
+        out.append("")
+    if tput is not None:
+        w = tput["workload"]
+        out += [
+            f"Throughput, `{w['name']}` workload on the {tput['model']['name']} model, paged engine, every "
+            f"kv_cache_dtype in the KV bytes of {tput['kv_budget']['tokens']:,} model-dtype token slots "
+            f"({tput['environment']['hardware']}, {tput['environment']['date']}):",
+            "",
+        ]
+        out += _table(
+            ["kv_cache_dtype", "tokens/s", "peak running", "TTFT ms p50/p90/p99", "ITL ms p50/p90/p99",
+             "vs auto"],  # fmt: skip
+            [
+                [f"`{r['kv_cache_dtype']}`", _f(r["tokens_per_s"]), _f(r["peak_running"]),
+                 _lat(r["ttft_ms"]), _lat(r["itl_ms"]), f"{r['vs_auto']:.2f}x" if r["vs_auto"] else "-"]  # fmt: skip
+                for r in tput["runs"]
+            ],
+        )
+        out.append("")
+    return out
+
+
 def _sweep_section(sweep: dict[str, Any] | None, images: Path, docs: Path) -> list[str]:
     out = ["## Throughput vs batch size", ""]
     if sweep is None:
@@ -521,6 +595,15 @@ def _summary(results: Path) -> list[str]:
             f"- Capacity at equal KV bytes (measured on the pools): at average length {r['avg_len_target']} the paged "
             f"pool holds **{r['paged']}** sequences, the contiguous pool {r['contiguous']} ({r['ratio']:.1f}x)."
         )
+    kv = _load(results, "kv_dtype")
+    if kv is not None:
+        rows = {(r["model_dtype"], r["kv_cache_dtype"]): r for r in kv["capacity"]["rows"]}
+        fp8, int8 = rows.get(("bfloat16", "fp8")), rows.get(("bfloat16", "int8"))
+        if fp8 and int8:
+            out.append(
+                f"- KV cache dtype at equal KV bytes (bf16 model): `fp8` holds **{fp8['tokens_vs_auto']:.2f}x** "
+                f"the tokens of `auto`, `int8` **{int8['tokens_vs_auto']:.2f}x** (its per-token scales cost the rest)."
+            )
     out += [
         "",
         "Reading these numbers: on a CPU a forward pass costs roughly in proportion to the tokens in it, so running "
@@ -585,6 +668,7 @@ def write_page(results: Path, docs: Path) -> Path:
         "CPU time; this is the scaled version named below.",
     )
     lines += _capacity_section(_load(results, "capacity"), images, docs)
+    lines += _kv_dtype_section(_load(results, "kv_dtype"), _load(results, "kv_dtype_throughput"))
     lines += _sweep_section(_load(results, "batch_sweep"), images, docs)
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)
     lines += _serving_section(_load(results, "serving_latency"))

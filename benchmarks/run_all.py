@@ -92,6 +92,19 @@ FULL_PLAN: dict[str, Any] = {
         "prompt_scale": 1.0,
         "new_tokens_scale": 1.0,
     },
+    "kv_dtype": {  # correctness: capacity at equal bytes + accuracy; no timing
+        "models": ["embedded", "100m"],
+        "num_prompts": 8,
+        "max_tokens": 64,
+    },
+    "kv_dtype_throughput": {  # the seed workload, paged, per kv_cache_dtype, equal KV bytes
+        "model": "embedded",
+        "workload": "seed",
+        "num_requests": None,
+        "prompt_scale": 1.0,
+        "new_tokens_scale": 1.0,
+        "kv_cache_dtypes": ["auto", "fp8", "int8"],
+    },
 }
 QUICK_PLAN: dict[str, Any] = {
     "seed_embedded": {
@@ -151,6 +164,15 @@ QUICK_PLAN: dict[str, Any] = {
         "num_requests": 8,
         "prompt_scale": 0.5,
         "new_tokens_scale": 0.5,
+    },
+    "kv_dtype": {"models": ["embedded"], "num_prompts": 2, "max_tokens": 8},
+    "kv_dtype_throughput": {
+        "model": "embedded",
+        "workload": "seed",
+        "num_requests": 4,
+        "prompt_scale": 0.1,
+        "new_tokens_scale": 0.05,
+        "kv_cache_dtypes": ["auto", "int8"],
     },
 }
 
@@ -412,6 +434,54 @@ def run_capacity(bench: Bench) -> dict[str, Any]:
     return table
 
 
+def run_kv_dtype(bench: Bench) -> dict[str, Any]:
+    """8-bit KV caches, correctness only: tokens and sequences at equal KV
+    bytes per kv_cache_dtype, and the accuracy table on each test model."""
+    from paged_server.bench.kv_accuracy import kv_accuracy_table
+    from paged_server.bench.kv_dtype_capacity import kv_dtype_capacity_table
+    from paged_server.models import load_model
+
+    spec = bench.plan["kv_dtype"]
+    capacity = kv_dtype_capacity_table(block_size=bench.options.budget.block_size)
+    emit(capacity)
+    accuracy = []
+    for key in spec["models"]:
+        models, name, _ = bench.model(key)
+        loaded = load_model(models.model_dir, "float32", "cpu")
+        table = kv_accuracy_table(loaded, name, num_prompts=spec["num_prompts"],
+                                  max_tokens=spec["max_tokens"])  # fmt: skip
+        emit(table)
+        accuracy.append(table)
+    data = {"environment": bench.env, "capacity": capacity, "accuracy": accuracy, "plan": spec}
+    save("kv_dtype", data)
+    return data
+
+
+def run_kv_dtype_throughput(bench: Bench) -> dict[str, Any]:
+    """The paged engine on the seed workload with each kv_cache_dtype, every
+    one in the KV bytes of the model-dtype budget (so 8 bits get ~2x tokens)."""
+    import dataclasses
+
+    from paged_server.bench.suite import run_config
+
+    spec = bench.plan["kv_dtype_throughput"]
+    models, name, _ = bench.model(spec["model"])
+    workload = bench.workload(spec)
+    data = bench.header(spec, workload)
+    runs = []
+    for kv in spec["kv_cache_dtypes"]:
+        options = dataclasses.replace(bench.options, kv_cache_dtype=kv)
+        result = run_config("paged", workload, models, options, model_name=name,
+                            label=f"paged, kv_cache_dtype={kv}")  # fmt: skip
+        runs.append({**run_line(result), "kv_cache_dtype": kv})
+    base = runs[0]["tokens_per_s"]
+    for run in runs:
+        run["vs_auto"] = round(run["tokens_per_s"] / base, 3) if base else None
+    data["runs"] = runs
+    save("kv_dtype_throughput", data)
+    return data
+
+
 def append_history(results: dict[str, dict[str, Any]], env: dict[str, Any]) -> None:
     """One line per configuration and date in results/history.jsonl (the
     SERVING_LOG the page's history table is built from)."""
@@ -463,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         help="comma-separated subset: capacity,seed_embedded,seed_100m,seed_100m_full,"
-        "nano_vllm_embedded,batch_sweep,prefix_cache,serving_latency,tensor_parallel",
+        "nano_vllm_embedded,batch_sweep,prefix_cache,serving_latency,tensor_parallel,kv_dtype,"
+        "kv_dtype_throughput",
     )
     args = parser.parse_args(argv)
     global RESULTS, DOCS
@@ -489,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
             "prefix_cache": lambda: run_prefix_cache(bench),
             "serving_latency": lambda: run_serving_latency(bench),
             "tensor_parallel": lambda: run_tensor_parallel(bench),
+            "kv_dtype": lambda: run_kv_dtype(bench),
+            "kv_dtype_throughput": lambda: run_kv_dtype_throughput(bench),
         }
         only = [s.strip() for s in args.only.split(",")] if args.only else list(steps)
         unknown = set(only) - set(steps)
@@ -507,7 +580,11 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     k: v
                     for k, v in done.items()
-                    if k not in ("capacity", "serving_latency", "tensor_parallel")
+                    if k
+                    not in (
+                        "capacity", "serving_latency", "tensor_parallel", "kv_dtype",
+                        "kv_dtype_throughput",
+                    )  # fmt: skip
                 },
                 bench.env,
             )

@@ -46,6 +46,24 @@ def test_bad_values_exit_with_usage_error(argv: list[str], capsys: pytest.Captur
     assert argv[0] in capsys.readouterr().err
 
 
+def test_bad_kv_cache_dtype_is_one_line_listing_the_accepted_values(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp4"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --kv-cache-dtype: invalid choice: 'fp4'" in last
+    assert "'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'" in last
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: must be one of .*'int8', got 'fp4'"):
+        EngineConfig(kv_cache_dtype="fp4").validate()
+
+
+def test_kv_cache_dtype_flag_parses() -> None:
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e5m2"])
+    assert engine_config_from_args(args).kv_cache_dtype == "fp8_e5m2"
+
+
 def test_invalid_combination_is_reported_by_validate() -> None:
     args = parser().parse_args(["--max-batch-size", "64", "--max-num-batched-tokens", "8"])
     with pytest.raises(ValueError, match="max_num_batched_tokens"):

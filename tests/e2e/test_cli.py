@@ -22,8 +22,8 @@ pytestmark = pytest.mark.e2e
 
 STARTUP = re.compile(
     r"serving '(?P<model>[^']+)' \(embedded default model\) on (?P<url>http://127\.0\.0\.1:\d+) \| "
-    r"kv_cache_backend=paged attention=ref \| KV capacity (?P<tokens>\d+) tokens in (?P<blocks>\d+) "
-    r"blocks of 16"
+    r"kv_cache_backend=paged attention=ref \| KV cache float32 \(kv_cache_dtype=auto\): "
+    r"capacity (?P<tokens>\d+) tokens in (?P<blocks>\d+) blocks of 16"
 )
 
 

@@ -37,6 +37,14 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 #   tl.dot (the interpreter's bf16 dot is wrong), so loads, stores, casts and
 #   the probability rounding are the GPU's; the GPU's bf16 dot itself is
 #   covered by the compile matrix and the `cuda` tests.
+# - 8-bit caches (int8, fp8_e4m3, fp8_e5m2): the same tolerances, keyed by
+#   the query's dtype. Quantization error itself cancels: both sides read the
+#   same codes and scales (write_kv is compared bit for bit) and dequantize
+#   them exactly (code * float16 scale is exact in float32). What differs is
+#   where the products run: the reference in float32, the kernel in the
+#   query's dtype, so a float16/bfloat16 query adds one rounding of each
+#   dequantized value (rel. 2**-11 / 2**-8) to what the rows above cover.
+#   float32 queries keep float32 products (ieee) and the 2e-5 bound.
 TOLERANCES = {
     torch.float32: dict(atol=2e-5, rtol=2e-5),
     torch.float16: dict(atol=3e-3, rtol=3e-3),
@@ -87,6 +95,25 @@ def random_caches(
     return k, v
 
 
+def random_quantized_caches(
+    num_blocks: int,
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    kv_dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """8-bit K and V caches (codes of N(0, 1) values, noise in unused blocks
+    too) and, for int8, their scales ``[num_blocks, block_size, kv_heads]``."""
+    from paged_ref.kv_quant import quantize
+
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k, k_scales = quantize(torch.randn(shape, generator=gen), kv_dtype)
+    v, v_scales = quantize(torch.randn(shape, generator=gen), kv_dtype)
+    move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return k.to(DEVICE), v.to(DEVICE), move(k_scales), move(v_scales)
+
+
 def blocks_needed(lens: list[int], block_size: int) -> int:
     """Physical blocks for these lengths plus spare noise blocks."""
     return sum(-(-n // block_size) for n in lens) + 4
@@ -106,6 +133,7 @@ def paged() -> types.SimpleNamespace:
         device=DEVICE,
         random_block_tables=random_block_tables,
         random_caches=random_caches,
+        random_quantized_caches=random_quantized_caches,
         blocks_needed=blocks_needed,
         assert_close=assert_close,
     )

@@ -56,9 +56,24 @@ def test_core_matrix_covers_every_kernel_and_option():
     assert any(v.layout.kv_heads == 1 for v in attention)  # MQA (Gemma 3 1B)
 
 
+def test_core_matrix_covers_every_kv_cache_dtype():
+    """Each 8-bit cache compiles its write, decode and prefill kernels for a
+    GPU; only fp8 e4m3 before sm_89 is left out, and says why."""
+    variants = cm.core_variants()
+    for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        kernels = {v.kernel for v in variants if v.kv_dtype == kv}
+        assert {"write_kv", "decode", "prefill", "copy_blocks"} <= kernels, kv
+    e4m3 = cm.Variant("decode", cm.FAMILIES[1], kv_dtype="fp8_e4m3")
+    assert "sm_89" in (cm.unsupported(e4m3, 80) or "")
+    assert cm.unsupported(e4m3, 89) is None and cm.unsupported(e4m3, 90) is None
+    assert cm.unsupported(cm.Variant("decode", cm.FAMILIES[1], kv_dtype="fp8_e5m2"), 80) is None
+
+
 @pytest.mark.parametrize(
     "variant",
     [
+        cm.Variant("decode", cm.FAMILIES[1], kv_dtype="int8"),
+        cm.Variant("prefill", cm.FAMILIES[1], kv_dtype="fp8_e5m2"),
         cm.Variant("decode", cm.FAMILIES[1]),
         cm.Variant("decode", cm.FAMILIES[4], window=True),
         cm.Variant("decode_merge", cm.FAMILIES[1]),

@@ -35,7 +35,7 @@ def test_cpu_share_of_available_ram_holds_what_the_startup_line_claims(
     want_blocks = 50_000 // (TOKEN_BYTES * 4)
     assert engine.capacity.num_blocks == want_blocks
     line = startup_line(engine, ServerSettings(model_name="tiny"), "http://127.0.0.1:1")
-    m = re.search(r"KV capacity (\d+) tokens in (\d+) blocks of 4 \(sized by ([^)]*)\)", line)
+    m = re.search(r"capacity (\d+) tokens in (\d+) blocks of 4 \(sized by ([^)]*)\)", line)
     assert m, line
     assert int(m[1]) == want_blocks * 4 and "--gpu-memory-utilization 0.5" in m[3]
     assert "MemAvailable" in m[3]

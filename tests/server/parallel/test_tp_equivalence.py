@@ -50,9 +50,11 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, [greedy, greedy, greedy, greedy, forked]
 
 
-def _generate(path: Path, tp: int, pool: str, count_comms: bool = False) -> dict[str, Any]:
+def _generate(
+    path: Path, tp: int, pool: str, count_comms: bool = False, **extra: Any
+) -> dict[str, Any]:
     prompts, params = _workload()
-    with LLM(str(path), tensor_parallel_size=tp, **BASE, **POOLS[pool]) as llm:
+    with LLM(str(path), tensor_parallel_size=tp, **BASE, **POOLS[pool], **extra) as llm:
         engine = llm.engine
         calls: Counter[str] = Counter()
         passes = [0]
@@ -127,6 +129,18 @@ def test_tp2_matches_tp1_token_for_token(
             "message.broadcast": passes,
             "device.allreduce": 2 * two["layers"] * passes,
         }
+
+
+@pytest.mark.parametrize("pool", ["paged", "contiguous"])
+def test_tp2_int8_kv_cache_matches_tp1(tp_checkpoints: dict[str, Path], pool: str) -> None:
+    """int8 scales are per kv head, so each rank's shard quantizes its heads
+    exactly as TP=1 does; copy-on-write and contiguous forks replayed on the
+    workers copy the scales with the codes."""
+    path = tp_checkpoints["llama"]
+    one = _generate(path, 1, pool, kv_cache_dtype="int8")
+    two = _generate(path, 2, pool, kv_cache_dtype="int8")
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] == one["preemptions"]
 
 
 def test_a_dead_worker_fails_generate_with_a_clear_error(tp_checkpoints: dict[str, Path]) -> None:

@@ -32,7 +32,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 FLAGS = ["--device", "cpu", "--dtype", "float32", "--attention-backend", "ref",
          "--max-model-len", "256", "--block-size", "4", "--num-gpu-blocks", "256"]  # fmt: skip
-STARTUP = re.compile(r"on (?P<url>http://127\.0\.0\.1:\d+) .*KV capacity (?P<tokens>\d+) tokens")
+STARTUP = re.compile(
+    r"on (?P<url>http://127\.0\.0\.1:\d+) .*KV cache \S+ \(kv_cache_dtype=\w+\): capacity (?P<tokens>\d+) tokens"
+)
 PROMPTS = ["Hello world", "The quick brown fox", "def main():"]
 
 

@@ -26,19 +26,27 @@ import torch
 from torch import Tensor
 
 from paged_ref.attention_metadata import AttentionMetadata
+from paged_ref.kv_quant import scale_keywords
 from paged_ref.ops import gather_context
 
 
 class ViewPool(Protocol):
     """What a view needs from its pool: ``k_cache``/``v_cache``
-    (``[layers, num_blocks, block_size, kv_heads, head_dim]``) and the
-    ``ops`` module that writes and attends."""
+    (``[layers, num_blocks, block_size, kv_heads, head_dim]``), the int8
+    scales beside them (``[layers, num_blocks, block_size, kv_heads]``, None
+    for other dtypes) and the ``ops`` module that writes and attends."""
 
     @property
     def k_cache(self) -> Tensor: ...
 
     @property
     def v_cache(self) -> Tensor: ...
+
+    @property
+    def k_scales(self) -> Tensor | None: ...
+
+    @property
+    def v_scales(self) -> Tensor | None: ...
 
     @property
     def ops(self) -> ModuleType: ...
@@ -105,9 +113,14 @@ class CacheView:
         ``[num_seqs, kv_heads, max_len, head_dim]`` (position ``p`` at index
         ``p``; zeros past a seq_id's length)."""
         meta = self._write(layer_idx, k, v)
+        scales = self._scales(layer_idx)
         return (
-            gather_context(self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens),
-            gather_context(self.pool.v_cache[layer_idx], meta.block_tables, meta.seq_lens),
+            gather_context(
+                self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens, scales.get("k_scales")
+            ),
+            gather_context(
+                self.pool.v_cache[layer_idx], meta.block_tables, meta.seq_lens, scales.get("v_scales")
+            ),
         )
 
     def advance(self, n: int | None = None) -> None:
@@ -142,11 +155,12 @@ class CacheView:
         ops = self.pool.ops
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
         softcap = softcap or None  # 0 means off, as in vLLM
+        scales = self._scales(layer_idx)
         dec, pre = meta.decode, meta.prefill
         if dec is not None and pre is None and dec.rows is None:
             return ops.paged_decode_attention(  # type: ignore[no-any-return]
                 q, k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
-                sliding_window, softcap, memo=meta.memo,
+                sliding_window, softcap, memo=meta.memo, **scales,
             )  # fmt: skip
         out = torch.empty_like(q)
         num_decodes = 0
@@ -155,7 +169,7 @@ class CacheView:
             q_dec = q[:num_decodes] if dec.rows is None else q[dec.rows]
             o = ops.paged_decode_attention(
                 q_dec, k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
-                sliding_window, softcap, memo=meta.memo,
+                sliding_window, softcap, memo=meta.memo, **scales,
             )  # fmt: skip
             if dec.rows is None:
                 out[:num_decodes] = o
@@ -165,7 +179,7 @@ class CacheView:
             q_pre = q[num_decodes:] if pre.rows is None else q[pre.rows]
             o = ops.paged_prefill_attention(
                 q_pre, k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q, pre.seq_lens,
-                scale, sliding_window, softcap, memo=meta.memo,
+                scale, sliding_window, softcap, memo=meta.memo, **scales,
             )  # fmt: skip
             if pre.rows is None:
                 out[num_decodes:] = o
@@ -181,9 +195,18 @@ class CacheView:
                 f"k/v hold {k.shape[0]} tokens but this view's seq_ids bring {meta.num_tokens}"
             )
         self.pool.ops.write_kv(
-            self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx], k, v, meta.slot_mapping
-        )
+            self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx], k, v, meta.slot_mapping,
+            **self._scales(layer_idx),
+        )  # fmt: skip
         return meta
+
+    def _scales(self, layer_idx: int) -> dict[str, Tensor]:
+        """The layer's int8 scales as the ops' keywords; none for other dtypes
+        (so an ops module written before 8-bit caches still serves them)."""
+        k_scales, v_scales = self.pool.k_scales, self.pool.v_scales
+        if k_scales is None or v_scales is None:
+            return {}
+        return scale_keywords(k_scales[layer_idx], v_scales[layer_idx])
 
     def _metadata(self, num_tokens: int) -> AttentionMetadata:
         if self.meta is None:

@@ -23,6 +23,7 @@ from paged_core import OutOfBlocksError
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.cache_view import ViewsMixin
+from paged_ref.kv_quant import cache_dtype_for, check_scales, new_scales, scale_keywords
 
 
 class ContiguousKVPool(ViewsMixin):
@@ -33,14 +34,27 @@ class ContiguousKVPool(ViewsMixin):
     ``append_token`` (always >= ``seq_lens[seq_id]``, at most ``max_model_len``).
     """
 
-    def __init__(self, k_cache: Tensor, v_cache: Tensor, *, ops: ModuleType | None = None) -> None:
+    def __init__(
+        self,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        *,
+        ops: ModuleType | None = None,
+        k_scales: Tensor | None = None,
+        v_scales: Tensor | None = None,
+    ) -> None:
         if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
             raise ValueError(
                 "k_cache and v_cache must both be [layers, max_batch_size, max_model_len, "
                 f"kv_heads, head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
             )
+        check_scales(k_cache, k_scales, "k_scales")
+        check_scales(v_cache, v_scales, "v_scales")
         self.k_cache = k_cache
         self.v_cache = v_cache
+        # int8 only: [layers, max_batch_size, max_model_len, kv_heads] float16.
+        self.k_scales = k_scales
+        self.v_scales = v_scales
         self.num_layers, self.max_batch_size, self.max_model_len, self.num_kv_heads, self.head_dim = (
             k_cache.shape
         )
@@ -62,14 +76,16 @@ class ContiguousKVPool(ViewsMixin):
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         ops: ModuleType | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> ContiguousKVPool:
         """A zeroed pool for a model's shape (pass ``device="meta"`` to size it
-        without allocating memory)."""
+        without allocating memory); ``kv_cache_dtype`` as for the paged pool."""
         shape = (num_layers, max_batch_size, max_model_len, num_kv_heads, head_dim)
+        cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
+        k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         return ContiguousKVPool(
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-            ops=ops,
+            k_cache, v_cache, ops=ops, k_scales=new_scales(k_cache), v_scales=new_scales(v_cache)
         )
 
     # The names the attention ops take for the two tensors.
@@ -82,8 +98,9 @@ class ContiguousKVPool(ViewsMixin):
         return self.v_cache
 
     def kv_bytes(self) -> int:
-        """Bytes held by the K and V tensors together."""
-        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache))
+        """Bytes held by the K and V tensors together, scales included."""
+        tensors = (self.k_cache, self.v_cache, self.k_scales, self.v_scales)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- CachePoolProtocol -------------------------------------------------
     def allocate_seq(self, initial_tokens: int = 0) -> int:
@@ -159,7 +176,10 @@ class ContiguousKVPool(ViewsMixin):
         ``ops.copy_blocks``, so a caller can replay it on other tensors)."""
         self._check_live(seq_id)
         child = self.allocate_seq(self.reserved[seq_id])
-        self.ops.copy_blocks(self.k_cache, self.v_cache, [(seq_id, child)])
+        self.ops.copy_blocks(  # an int8 cache's scales are copied with it
+            self.k_cache, self.v_cache, [(seq_id, child)],
+            **scale_keywords(self.k_scales, self.v_scales),
+        )  # fmt: skip
         self.seq_lens[child] = self.seq_lens[seq_id]
         return child
 

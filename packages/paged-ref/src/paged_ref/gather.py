@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from paged_ref.kv_quant import as_bits
+
 CHUNK_BYTES = 4 << 20  # gathered K+V per chunk: fits the L3 slice of a small CPU
 
 
@@ -119,17 +121,26 @@ def _chunk(
     return GatherChunk(seqs, ids, width, num_keys, key_pos, in_range, stale_rows)
 
 
-def gather(cache: Tensor, chunk: GatherChunk) -> Tensor:
+def gather(cache: Tensor, chunk: GatherChunk, scales: Tensor | None = None) -> Tensor:
     """``[n, num_keys, kv_heads, head_dim]`` float32 copy of the chunk's keys
-    (or values), zero where a position is not the sequence's own."""
-    if chunk.width == 0:
-        out = cache[:, : chunk.num_keys].index_select(0, chunk.block_ids)
-    else:
-        out = cache.index_select(0, chunk.block_ids).view(
-            chunk.size, chunk.num_keys, *cache.shape[2:]
-        )
+    (or values), zero where a position is not the sequence's own. An 8-bit
+    cache is dequantized here (int8 codes times their ``scales``,
+    ``[num_blocks, block_size, kv_heads]``), chunk by chunk like the rest."""
+    out = _select(as_bits(cache), chunk)
+    if cache.dtype != out.dtype:
+        out = out.view(cache.dtype)
     if out.dtype != torch.float32:
         out = out.float()  # float32 softmax and products, as the contract says
+    if scales is not None:
+        out.mul_(_select(scales, chunk).float().unsqueeze(-1))
     if chunk.stale_rows.numel():
         out.view(chunk.size * chunk.num_keys, -1).index_fill_(0, chunk.stale_rows, 0.0)
     return out
+
+
+def _select(cache: Tensor, chunk: GatherChunk) -> Tensor:
+    """The chunk's positions of ``cache`` (``[num_blocks, block_size, ...]``)
+    as ``[n, num_keys, ...]``."""
+    if chunk.width == 0:
+        return cache[:, : chunk.num_keys].index_select(0, chunk.block_ids)
+    return cache.index_select(0, chunk.block_ids).view(chunk.size, chunk.num_keys, *cache.shape[2:])

@@ -28,25 +28,42 @@ from torch import Tensor
 
 from paged_ref.attention import masked_attention
 from paged_ref.gather import GatherChunk, gather, plan_chunks
+from paged_ref.kv_quant import as_bits, check_scales, is_quantized, quantize
 
 __all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
 
-def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+def write_kv(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor,
+    v: Tensor,
+    slot_mapping: Tensor,
+    *,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
+) -> None:
     """Scatter ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``) into the cache.
 
     ``slot_mapping[i] = block_id * block_size + offset`` says where token
     ``i`` goes; slot ``-1`` marks padding and is skipped. The cache viewed
     as ``[num_blocks * block_size, kv_heads, head_dim]`` takes one
-    ``index_copy_`` per tensor.
+    ``index_copy_`` per tensor. An 8-bit cache stores ``kv_quant.quantize``'s
+    codes, and an int8 one its per-token-per-head scales in ``k_scales`` /
+    ``v_scales`` (``[num_blocks, block_size, kv_heads]``).
     """
+    check_scales(k_cache, k_scales, "k_scales")
+    check_scales(v_cache, v_scales, "v_scales")
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
     if slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     rows = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(rows, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(rows, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    for cache, scales, new in ((k_cache, k_scales, k), (v_cache, v_scales, v)):
+        codes, new_scales = quantize(new, cache.dtype)
+        as_bits(cache).view(rows, *cache.shape[2:]).index_copy_(0, slots, as_bits(codes))
+        if scales is not None and new_scales is not None:
+            scales.view(rows, -1).index_copy_(0, slots, new_scales)
 
 
 def _memo_get(memo: dict[Any, Any] | None, key: tuple[Any, ...], build: Any) -> Any:
@@ -111,11 +128,14 @@ def paged_decode_attention(
     softcap: float | None = None,
     *,
     memo: dict[Any, Any] | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Tensor:
     """One query per sequence (``q``: ``[batch, heads, head_dim]``) at position
     ``seq_lens[b] - 1`` over its paged context; ``seq_lens`` includes the new
     token and 0 gives zeros. Returns ``[batch, heads, head_dim]`` in ``q.dtype``.
-    Only the blocks inside each query's window are gathered.
+    Only the blocks inside each query's window are gathered. An 8-bit cache
+    is dequantized as it is gathered (int8 with ``k_scales``/``v_scales``).
     """
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
@@ -131,7 +151,7 @@ def paged_decode_attention(
 
     out = torch.empty_like(q)
     for chunk, mask in _memo_get(memo, ("decode", sliding_window), plan):
-        k, v = gather(k_cache, chunk), gather(v_cache, chunk)
+        k, v = gather(k_cache, chunk, k_scales), gather(v_cache, chunk, v_scales)
         o = _attend(q[chunk.seqs].unsqueeze(2), k, v, mask, scale, softcap)
         out[chunk.seqs] = o.squeeze(2)
     return out
@@ -161,6 +181,8 @@ def paged_prefill_attention(
     softcap: float | None = None,
     *,
     memo: dict[Any, Any] | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Tensor:
     """Packed (varlen) queries over cached + new context, causal per sequence.
 
@@ -208,40 +230,54 @@ def paged_prefill_attention(
     for c in _memo_get(memo, ("prefill", sliding_window), plan):
         q_padded = q.new_zeros(c.keys.size, heads, c.max_q, head_dim)
         q_padded[c.seq_of_row, :, c.row_in_seq] = q[c.rows]
-        k, v = gather(k_cache, c.keys), gather(v_cache, c.keys)
+        k, v = gather(k_cache, c.keys, k_scales), gather(v_cache, c.keys, v_scales)
         o = _attend(q_padded, k, v, c.mask, scale, softcap)
         out[c.rows] = o[c.seq_of_row, :, c.row_in_seq]
     return out
 
 
-def gather_context(cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> Tensor:
+def gather_context(
+    cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scales: Tensor | None = None
+) -> Tensor:
     """Each sequence's cached K or V, ``[batch, kv_heads, max_len, head_dim]``
-    (position ``p`` at index ``p``; zeros past a sequence's length). For
-    views' ``update`` and tests; attention gathers chunk by chunk."""
+    (position ``p`` at index ``p``; zeros past a sequence's length), in the
+    cache's dtype, or dequantized to float32 for an 8-bit cache. For views'
+    ``update`` and tests; attention gathers chunk by chunk."""
     lens = seq_lens.to(device=cache.device, dtype=torch.long)
     max_len = int(lens.max()) if lens.numel() else 0
-    out = cache.new_zeros(lens.shape[0], max_len, *cache.shape[2:])
+    dtype = torch.float32 if is_quantized(cache.dtype) else cache.dtype
+    out = torch.zeros(lens.shape[0], max_len, *cache.shape[2:], dtype=dtype, device=cache.device)
     chunks = plan_chunks(block_tables.to(cache.device), lens, torch.zeros_like(lens), cache)
     for chunk in chunks:
-        part = gather(cache, chunk)[:, :max_len]
-        out[chunk.seqs, : part.shape[1]] = part.to(cache.dtype)
+        part = gather(cache, chunk, scales)[:, :max_len]
+        out[chunk.seqs, : part.shape[1]] = part.to(dtype)
     return out.transpose(1, 2)
 
 
 def copy_blocks(
-    k_caches: Tensor, v_caches: Tensor, src_to_dst: Tensor | Sequence[Sequence[int]]
+    k_caches: Tensor,
+    v_caches: Tensor,
+    src_to_dst: Tensor | Sequence[Sequence[int]],
+    *,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> None:
     """Copy whole blocks ``src -> dst`` in every layer (copy-on-write).
 
     ``k_caches``: ``[layers, num_blocks, block_size, kv_heads, head_dim]``;
     ``src_to_dst``: host pairs, a list of ``(src, dst)`` or an int64 tensor
     ``[n, 2]``, moved to the caches' device in one copy. All sources are
-    read before any destination is written.
+    read before any destination is written. An int8 cache's scales
+    (``[layers, num_blocks, block_size, kv_heads]``) are copied with it.
     """
+    check_scales(k_caches, k_scales, "k_scales")
+    check_scales(v_caches, v_scales, "v_scales")
     pairs = torch.as_tensor(src_to_dst, dtype=torch.long).reshape(-1, 2)
     if pairs.shape[0] == 0:
         return
     pairs = pairs.to(device=k_caches.device, non_blocking=True)
     src, dst = pairs[:, 0], pairs[:, 1]
-    k_caches[:, dst] = k_caches[:, src]
-    v_caches[:, dst] = v_caches[:, src]
+    for tensor in (k_caches, v_caches, k_scales, v_scales):
+        if tensor is not None:
+            bits = as_bits(tensor)
+            bits[:, dst] = bits[:, src]

@@ -24,14 +24,21 @@ from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.block_table_buffer import BlockTableBuffer
 from paged_ref.cache_view import ViewsMixin
+from paged_ref.kv_quant import (
+    cache_dtype_for,
+    check_scales,
+    kv_bytes_per_token,
+    new_scales,
+    scale_keywords,
+)
 
 
 def block_bytes(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> int:
-    """Bytes one block id takes across all layers, K and V together."""
-    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
+    """Bytes one block id takes across all layers, K and V together (an int8
+    cache's scales included); ``dtype`` is the cache's storage dtype."""
+    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
 
 class PagedKVPool(ViewsMixin):
@@ -49,14 +56,21 @@ class PagedKVPool(ViewsMixin):
         *,
         enable_prefix_caching: bool = True,
         ops: ModuleType | None = None,
+        k_scales: Tensor | None = None,
+        v_scales: Tensor | None = None,
     ) -> None:
         if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
             raise ValueError(
                 "k_cache and v_cache must both be [layers, num_blocks, block_size, kv_heads, "
                 f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
             )
+        check_scales(k_cache, k_scales, "k_scales")
+        check_scales(v_cache, v_scales, "v_scales")
         self.k_cache = k_cache
         self.v_cache = v_cache
+        # int8 only: [layers, num_blocks, block_size, kv_heads] float16, one per token and head.
+        self.k_scales = k_scales
+        self.v_scales = v_scales
         self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = (
             k_cache.shape
         )
@@ -79,15 +93,23 @@ class PagedKVPool(ViewsMixin):
         *,
         enable_prefix_caching: bool = True,
         ops: ModuleType | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> PagedKVPool:
         """A zeroed pool of ``num_blocks`` blocks for a model's shape
-        (``device="meta"`` sizes it without allocating memory)."""
+        (``device="meta"`` sizes it without allocating memory). ``dtype`` is
+        the model's; ``kv_cache_dtype`` (``auto``, ``fp8``, ``fp8_e4m3``,
+        ``fp8_e5m2``, ``int8``) picks what the blocks store."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
+        k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         return PagedKVPool(
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
+            k_cache,
+            v_cache,
             enable_prefix_caching=enable_prefix_caching,
             ops=ops,
+            k_scales=new_scales(k_cache),
+            v_scales=new_scales(v_cache),
         )
 
     @staticmethod
@@ -99,12 +121,14 @@ class PagedKVPool(ViewsMixin):
         block_size: int,
         dtype: torch.dtype,
     ) -> int:
-        """How many blocks fit in ``budget_bytes`` of K+V memory."""
+        """How many blocks fit in ``budget_bytes`` of K+V memory (``dtype``:
+        the cache's storage dtype; int8 scales count against the budget)."""
         return budget_bytes // block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
 
     def kv_bytes(self) -> int:
-        """Bytes held by the K and V tensors together."""
-        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache))
+        """Bytes held by the K and V tensors together, scales included."""
+        tensors = (self.k_cache, self.v_cache, self.k_scales, self.v_scales)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- CachePoolProtocol -------------------------------------------------
     def allocate_seq(self, initial_tokens: int = 0) -> int:
@@ -307,7 +331,9 @@ class PagedKVPool(ViewsMixin):
     def _flush_copies(self) -> None:
         if self._pending_copies:
             pairs, self._pending_copies = self._pending_copies, []
-            self.ops.copy_blocks(self.k_cache, self.v_cache, pairs)  # host pairs: one upload
+            self.ops.copy_blocks(  # host pairs: one upload; int8 scales copied too
+                self.k_cache, self.v_cache, pairs, **scale_keywords(self.k_scales, self.v_scales)
+            )
 
     def _new_seq_id(self) -> int:
         seq_id = self._next_seq_id

@@ -15,6 +15,8 @@ import torch
 KV_CACHE_BACKENDS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "ref", "triton")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM's --kv-cache-dtype values (paged_ref.kv_quant.KV_CACHE_DTYPES says what each stores).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(slots=True)
@@ -30,7 +32,10 @@ class EngineConfig:
     instead (default 0.9 on CUDA; on CPU a share of the available RAM, only
     when set; see ``engine/kv_sizing.py``). The contiguous pool always has fixed ``max_model_len`` rows;
     with ``kv_cache_memory_bytes`` it gets as many rows as fit (at most
-    ``max_batch_size``).
+    ``max_batch_size``). ``kv_cache_dtype`` (``auto`` = the model's dtype,
+    ``fp8``/``fp8_e4m3``, ``fp8_e5m2``, ``int8``) is what both pools store;
+    pools are sized in bytes, so an 8-bit cache holds about twice the tokens
+    of a 16-bit one in the same ``kv_cache_memory_bytes``.
     """
 
     model: str | None = None
@@ -47,6 +52,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: never replay decode steps from CUDA graphs
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     max_queue_len: int = 1024
     seed: int = 0
@@ -57,6 +63,7 @@ class EngineConfig:
         _choice("kv_cache_backend", self.kv_cache_backend, KV_CACHE_BACKENDS)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("dtype", self.dtype, ("auto", *DTYPES))
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ValueError(
                 f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"

@@ -19,7 +19,10 @@ from paged_triton.interpreter_bf16 import cast, dot
 def load_kv_tile(
     K,
     V,
+    K_SCALE,
+    V_SCALE,
     bt_row,
+    kv_head,
     kv_off,
     t0,
     end,
@@ -27,21 +30,39 @@ def load_kv_tile(
     d_mask,
     stride_block,
     stride_tok,
+    stride_sb,
+    stride_st,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     """Token positions ``t0 .. t0 + BLOCK_N`` of one KV head (element offset
     ``kv_off``) in caches of shape ``[num_blocks, block_size, kv_heads,
     head_dim]``: block id from the page table row, then the slot inside the
     block. Returns the positions, their mask (``< end``) and the K and V
-    tiles ``[BLOCK_N, BLOCK_D]``, zeros where masked."""
+    tiles ``[BLOCK_N, BLOCK_D]``, zeros where masked. An 8-bit cache
+    (``KV_QUANT`` 1: fp8, 2: int8 with float16 scales ``[num_blocks,
+    block_size, kv_heads]``) is dequantized here, in registers, to ``COMPUTE``
+    (the query's dtype): no dequantized copy of the cache exists."""
     tok = t0 + tl.arange(0, BLOCK_N)
     tok_mask = tok < end
     block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-    rows = block * stride_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_tok + kv_off
+    slot_in_block = (tok % BLOCK_SIZE).to(tl.int64)
+    rows = block * stride_block + slot_in_block * stride_tok + kv_off
     kv_mask = tok_mask[:, None] & d_mask[None, :]
     k = tl.load(K + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if KV_QUANT == 2:
+        scale_rows = block * stride_sb + slot_in_block * stride_st + kv_head
+        k_scale = tl.load(K_SCALE + scale_rows, mask=tok_mask, other=0.0).to(tl.float32)
+        v_scale = tl.load(V_SCALE + scale_rows, mask=tok_mask, other=0.0).to(tl.float32)
+        k = cast(k.to(tl.float32) * k_scale[:, None], COMPUTE, EMULATE_BF16)
+        v = cast(v.to(tl.float32) * v_scale[:, None], COMPUTE, EMULATE_BF16)
+    elif KV_QUANT == 1:
+        k = cast(k.to(tl.float32), COMPUTE, EMULATE_BF16)
+        v = cast(v.to(tl.float32), COMPUTE, EMULATE_BF16)
     return tok, tok_mask, k, v
 
 

@@ -47,6 +47,13 @@ from paged_triton.tile_config import smem_limit
 ARCHS = (80, 89, 90)
 KERNELS = ("write_kv", "decode", "decode_merge", "prefill", "copy_blocks")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# What the cache stores (EngineConfig.kv_cache_dtype); "auto" = the model dtype.
+KV_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +95,13 @@ class Variant:
     block_size: int = 16
     window: bool = False
     softcap: bool = False
+    kv_dtype: str = "auto"
 
     @property
     def label(self) -> str:
         flags = [
             f"bs{self.block_size}",
+            *([f"kv={self.kv_dtype}"] if self.kv_dtype != "auto" else []),
             *(["window"] if self.window else []),
             *(["softcap"] if self.softcap else []),
         ]
@@ -135,7 +144,26 @@ def core_variants() -> list[Variant]:
     for layout in COVERAGE[:2]:  # GQA group 1 (MHA) and 8
         out += [Variant("decode", layout, "bf16"), Variant("prefill", layout, "bf16")]
     out += [Variant("copy_blocks", llama_3b, dtype) for dtype in ("bf16", "fp32")]
+    out += quantized_variants()
     return _unique(out)
+
+
+def quantized_variants() -> list[Variant]:
+    """The 8-bit KV caches (``--kv-cache-dtype``): write_kv, decode and
+    prefill for each kv dtype with a bf16 model at head_dim 128 (and fp16 at
+    head_dim 64 for int8), Gemma's window + soft-cap once, and copy_blocks
+    (an int8 cache copies its scales with the same kernel)."""
+    llama_1b, llama_3b, gemma_4b = FAMILIES[0], FAMILIES[1], FAMILIES[5]
+    out: list[Variant] = []
+    for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        out += [Variant(k, llama_3b, "bf16", kv_dtype=kv) for k in ("write_kv", "decode", "prefill")]
+        out.append(Variant("copy_blocks", llama_3b, "bf16", kv_dtype=kv))
+    out += [Variant(k, llama_1b, "fp16", kv_dtype="int8") for k in ("write_kv", "decode", "prefill")]
+    out += [
+        Variant(k, gemma_4b, "bf16", window=True, softcap=True, kv_dtype="int8")
+        for k in ("decode", "prefill")
+    ]
+    return out
 
 
 def exhaustive_variants() -> list[Variant]:
@@ -153,6 +181,15 @@ def exhaustive_variants() -> list[Variant]:
             out.append(Variant("decode_merge", layout, dtype))
         out += [Variant("copy_blocks", layout, dtype) for dtype in DTYPES]
     return _unique(out)
+
+
+def unsupported(variant: Variant, arch: int) -> str | None:
+    """Why ``variant`` is not compiled for ``arch`` (None: it is). The ops
+    refuse the same combinations with a clear error
+    (``launch_checks.check_quantized_cache``)."""
+    if variant.kv_dtype == "fp8_e4m3" and arch < 89:
+        return "Triton has no fp8 e4m3 (fp8e4nv) conversions before sm_89; use fp8_e5m2 or int8"
+    return None
 
 
 def _unique(variants: Iterable[Variant]) -> list[Variant]:
@@ -187,15 +224,22 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
         return torch.zeros(n + skip, dtype=dt)[skip:].view(shape)
 
     num_blocks = 4096
-    cache = empty(num_blocks, bs, kv_heads, head_dim)
+    kv_dtype = KV_DTYPES[variant.kv_dtype] or dtype
+    cache = empty(num_blocks, bs, kv_heads, head_dim, dt=kv_dtype)
+    scale = None  # int8 only: [num_blocks, block_size, kv_heads] float16
+    if kv_dtype == torch.int8:
+        scale = empty(num_blocks, bs, kv_heads, dt=torch.float16)
     window = (layout.window or 1024) if variant.window else None
     softcap = 30.0 if variant.softcap else None
     tables, lens = step_tensor(batch, width), step_tensor(batch)
     if variant.kernel == "write_kv":
         new = empty(batch, kv_heads, head_dim)
-        return plan_write_kv(cache, cache, new, new, step_tensor(batch, dt=torch.int64))
+        return plan_write_kv(
+            cache, cache, new, new, step_tensor(batch, dt=torch.int64), k_scales=scale,
+            v_scales=scale,
+        )  # fmt: skip
     if variant.kernel == "copy_blocks":
-        caches = empty(4, num_blocks, bs, kv_heads, head_dim)
+        caches = empty(4, num_blocks, bs, kv_heads, head_dim, dt=kv_dtype)
         return plan_copy_blocks(
             caches, caches, caches, caches, step_tensor(batch, 2, dt=torch.int64)
         )
@@ -204,14 +248,14 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
         cu_q = step_tensor(batch + 1)
         return plan_prefill(
             q, cache, cache, tables, cu_q, lens, head_dim**-0.5, window, softcap,
-            torch.empty_like(q), arch, interpret=False,
+            torch.empty_like(q), arch, interpret=False, k_scales=scale, v_scales=scale,
         )  # fmt: skip
     if variant.kernel in ("decode", "decode_merge"):
         q = empty(batch, heads, head_dim)
         policy = SplitPolicy(target_programs=1 << 16)  # splits whenever the context allows
         launches = plan_decode(
             q, cache, cache, tables, lens, head_dim**-0.5, window, softcap, torch.empty_like(q),
-            policy, arch, interpret=False,
+            policy, arch, interpret=False, k_scales=scale, v_scales=scale,
         )  # fmt: skip
         if variant.kernel == "decode":
             return launches[0]
@@ -456,7 +500,8 @@ def run(
     """Compile every variant for every arch (deduplicated: families that share
     a head layout share compiled kernels) in ``workers`` processes; each
     result carries its :func:`check` problems."""
-    jobs = list({j.key: j for j in (job(v, arch) for arch in archs for v in variants)}.values())
+    pairs = [(v, arch) for arch in archs for v in variants if unsupported(v, arch) is None]
+    jobs = list({j.key: j for j in (job(v, arch) for v, arch in pairs)}.values())
     workers = workers or min(len(jobs), os.cpu_count() or 1)
     # Always in fresh processes: kernels imported here may be interpreter stand-ins.
     with ProcessPoolExecutor(workers, get_context("spawn"), initializer=_worker_init) as pool:

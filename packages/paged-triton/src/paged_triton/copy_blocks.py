@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from paged_ref.kv_quant import as_bits
 from paged_triton.launch import Launch
-from paged_triton.launch_checks import check_cache, check_runnable
+from paged_triton.launch_checks import check_cache, check_quantized_cache, check_runnable
 
 CHUNK = 1024  # elements per program
 
@@ -78,16 +79,24 @@ def plan_copy_blocks(
 
 
 def copy_blocks(
-    k_caches: Tensor, v_caches: Tensor, src_to_dst: Tensor | Sequence[Sequence[int]]
+    k_caches: Tensor,
+    v_caches: Tensor,
+    src_to_dst: Tensor | Sequence[Sequence[int]],
+    *,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> None:
     """Copy blocks ``src -> dst`` in all layers of ``k_caches``/``v_caches``
     (``[layers, num_blocks, block_size, kv_heads, head_dim]``). ``src_to_dst``:
     host pairs, a list of ``(src, dst)`` or a CPU int64 tensor ``[n, 2]``
-    (a device tensor works too but is read back first, a sync). Same contract
-    as ``paged_ref.ops.copy_blocks``; one host-to-device copy per call.
+    (a device tensor works too but is read back first, a sync). An int8
+    cache's scales (``[layers, num_blocks, block_size, kv_heads]``) are copied
+    by a second launch of the same kernel. Same contract as
+    ``paged_ref.ops.copy_blocks``; one host-to-device copy per call.
     """
     check_runnable(_copy_blocks_kernel, k_caches, v_caches)
     check_cache(k_caches, v_caches, ndim=5)
+    check_quantized_cache(k_caches, k_scales, v_scales)
     layers, num_blocks = k_caches.shape[:2]
     inner = k_caches.shape[2:]
     if k_caches.stride()[2:] != (inner[1] * inner[2], inner[2], 1):
@@ -100,7 +109,9 @@ def copy_blocks(
         return
     if int(pairs.min()) < 0 or int(pairs.max()) >= num_blocks:
         raise ValueError(f"src_to_dst holds block ids outside [0, {num_blocks}): {pairs.tolist()}")
-    src_k, src_v = k_caches, v_caches
+    tensors = [(k_caches, v_caches)]
+    if k_scales is not None and v_scales is not None:
+        tensors.append((k_scales, v_scales))
     if set(pairs[:, 0].tolist()) & set(pairs[:, 1].tolist()):
         # A destination is also a source: copy from a snapshot of the sources,
         # gathered with the same single upload ((i, dst) pairs, then the sources).
@@ -110,8 +121,13 @@ def copy_blocks(
             k_caches.device, non_blocking=True
         )
         sources = device_ids[2 * n :]
-        src_k, src_v = k_caches[:, sources], v_caches[:, sources]
         device_pairs = device_ids[: 2 * n].view(n, 2)
-    else:
-        device_pairs = pairs.contiguous().to(k_caches.device, non_blocking=True)
-    plan_copy_blocks(src_k, src_v, k_caches, v_caches, device_pairs).run()
+        for k, v in tensors:
+            # (as raw bytes: CPU PyTorch cannot index fp8 tensors)
+            snapshot_k = as_bits(k)[:, sources].view(k.dtype)
+            snapshot_v = as_bits(v)[:, sources].view(v.dtype)
+            plan_copy_blocks(snapshot_k, snapshot_v, k, v, device_pairs).run()
+        return
+    device_pairs = pairs.contiguous().to(k_caches.device, non_blocking=True)
+    for k, v in tensors:
+        plan_copy_blocks(k, v, k, v, device_pairs).run()

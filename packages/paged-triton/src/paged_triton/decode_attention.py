@@ -40,10 +40,14 @@ from paged_triton.launch_checks import (
     as_int32,
     check_cache,
     check_gqa,
+    check_quantized_cache,
     check_runnable,
+    compute_dtype,
     dot_precision,
     interpreted,
+    kv_quant_mode,
     last_dim_contiguous,
+    scale_args,
 )
 from paged_triton.tile_config import (
     TileConfig,
@@ -73,6 +77,8 @@ def _decode_kernel(
     Q,
     K,
     V,
+    K_SCALE,
+    V_SCALE,
     BT,
     LENS,
     OUT,
@@ -83,6 +89,8 @@ def _decode_kernel(
     stride_cb,
     stride_ch,
     stride_ct,
+    stride_sb,
+    stride_st,
     stride_btb,
     stride_ob,
     stride_oh,
@@ -108,6 +116,7 @@ def _decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -153,7 +162,8 @@ def _decode_kernel(
     q = tl.load(
         Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0
     )
-    q = cast(q, K.dtype.element_ty, EMULATE_BF16)
+    if KV_QUANT == 0:  # 8-bit caches are dequantized to q's dtype instead
+        q = cast(q, K.dtype.element_ty, EMULATE_BF16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -162,8 +172,9 @@ def _decode_kernel(
     kv_off = kv_head.to(tl.int64) * stride_ch
     for t0 in range(start, end, BLOCK_N):
         tok, tok_mask, k, v = load_kv_tile(
-            K, V, bt_row, kv_off, t0, end, d, d_mask, stride_cb, stride_ct, BLOCK_SIZE, BLOCK_N
-        )
+            K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, end, d, d_mask, stride_cb,
+            stride_ct, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
+        )  # fmt: skip
         m_i, l_i, acc = attend_tile(
             q, k, v, tok_mask[None, :], m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION,
             EMULATE_BF16,
@@ -195,13 +206,15 @@ def _shape_params(
     arch: int | None,
     emulate_bf16: bool,
     tile: TileConfig | None,
-) -> tuple[int, dict[str, Any], int, int]:
+    kv_quant: int = 0,
+) -> tuple[int, dict[str, Any], TileConfig]:
     """What depends only on the layer's shapes: head programs per sequence,
-    the constexprs (window and softcap flags aside), warps, stages."""
+    the constexprs (window and softcap flags aside), the tile (warps, stages).
+    ``dtype``: what the products run in (``compute_dtype``)."""
     group = check_gqa(heads, kv_heads)
     heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    tile = tile or tile_config("decode", block_d, dtype, arch)
+    tile = tile or tile_config("decode", block_d, dtype, arch, quantized=kv_quant != 0)
     constexprs = dict(
         GROUP=group,
         HEADS_PER_PROG=heads_per_prog,
@@ -213,9 +226,10 @@ def _shape_params(
         BLOCK_B=BLOCK_B,
         PRECISION=dot_precision(dtype),
         EMULATE_BF16=emulate_bf16,
+        KV_QUANT=kv_quant,
     )
     head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
-    return head_programs, constexprs, tile.num_warps, tile.num_stages
+    return head_programs, constexprs, tile
 
 
 def plan_decode(
@@ -234,16 +248,21 @@ def plan_decode(
     memo: dict[Any, Any] | None = None,
     *,
     tile: TileConfig | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> list[Launch]:
     """The decode launch, and the merge launch when contexts may be split.
     ``tables``/``lens`` are int32 on q's device; nothing here reads a tensor.
-    ``tile``: instead of :func:`tile_config`'s choice (autotuning)."""
+    ``tile``: instead of :func:`tile_config`'s choice (autotuning).
+    ``k_scales``/``v_scales``: an int8 cache's ``[num_blocks, block_size, kv_heads]``."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    head_programs, constexprs, num_warps, num_stages = _shape_params(
-        heads, kv_heads, head_dim, block_size, k_cache.dtype, arch,
+    head_programs, constexprs, tile = _shape_params(
+        heads, kv_heads, head_dim, block_size, compute_dtype(q.dtype, k_cache.dtype), arch,
         interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
+        kv_quant_mode(k_cache.dtype),
     )  # fmt: skip
+    k_scale, v_scale, scale_strides = scale_args(k_cache, v_cache, k_scales, v_scales)
     block_d = constexprs["BLOCK_D"]
     max_visible = tables.shape[1] * block_size
     if sliding_window is not None:
@@ -263,6 +282,8 @@ def plan_decode(
             q,
             k_cache,
             v_cache,
+            k_scale,
+            v_scale,
             tables,
             lens,
             out,
@@ -273,6 +294,7 @@ def plan_decode(
             cs[0],  # block
             cs[2],  # kv head
             cs[1],  # token within the block
+            *scale_strides,  # scales: block, token within the block
             tables.stride(0),
             os[0],
             os[1],
@@ -288,8 +310,9 @@ def plan_decode(
             rows,
         ),
         dict(constexprs, USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap)),
-        num_warps,
-        num_stages,
+        tile.num_warps,
+        tile.num_stages,
+        tile.maxnreg,
     )
     if splits == 1:
         return [decode]
@@ -318,7 +341,9 @@ def _partials(
     return buffers
 
 
-def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> TileConfig:
+def _autotuned(
+    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: tuple[Any, Any]
+) -> TileConfig:
     """The fastest candidate tile for this layer's shapes (timed once)."""
     import triton.testing
 
@@ -328,7 +353,7 @@ def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> Ti
            use_window, use_softcap)  # fmt: skip
 
     def time_ms(tile: TileConfig) -> float:
-        launches = plan_decode(*args, tile=tile)
+        launches = plan_decode(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
 
         def step() -> None:
             for launch in launches:
@@ -336,7 +361,8 @@ def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> Ti
 
         return float(triton.testing.do_bench(step))
 
-    options = candidates("decode", block_d, k_cache.dtype, args[10])
+    options = candidates("decode", block_d, compute_dtype(q.dtype, k_cache.dtype), args[10],
+                         kv_quant_mode(k_cache.dtype) != 0)  # fmt: skip
     return tuned(key, options, time_ms)
 
 
@@ -352,6 +378,8 @@ def decode_attention(
     *,
     memo: dict[Any, Any] | None = None,
     policy: SplitPolicy | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Tensor:
     """:func:`paged_decode_attention` with the split policy exposed
     (``None``: :func:`split_policy` for the device; tests force splits).
@@ -359,15 +387,17 @@ def decode_attention(
     key = None
     if memo is not None and q.stride(-1) == 1:
         key = ("paged_triton.decode", id(block_tables), id(seq_lens), tensor_key(q),
-               tensor_key(k_cache), tensor_key(v_cache), scale, sliding_window, softcap,
-               policy)  # fmt: skip
+               tensor_key(k_cache), tensor_key(v_cache), k_scales is None, scale,
+               sliding_window, softcap, policy)  # fmt: skip
         replay = memo.get(key)
         if replay is not None:
             out = torch.empty_like(q)
-            replay.run(q, k_cache, v_cache, out)
+            k_scale, v_scale, _ = scale_args(k_cache, v_cache, k_scales, v_scales)
+            replay.run(q, k_cache, v_cache, k_scale, v_scale, out)
             return out
     check_runnable(_decode_kernel, q, k_cache, v_cache)
     check_cache(k_cache, v_cache)
+    check_quantized_cache(k_cache, k_scales, v_scales)
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     batch, heads, head_dim = q.shape
@@ -388,13 +418,16 @@ def decode_attention(
         device_arch(q.device), _INTERPRETED, memo,
     )  # fmt: skip
     tile = None
+    scales = (k_scales, v_scales)
     if autotune_enabled(q.device):
-        tile = _autotuned(args, sliding_window is not None, bool(softcap))
-    launches = plan_decode(*args, tile=tile)
+        tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
+    launches = plan_decode(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
     for launch in launches:
         launch.run()
-    if key is not None and memo is not None:  # q, k, v, out: arguments 0, 1, 2, 5 of the decode, 3 of the merge
-        memo[key] = Replay(launches, [(0, 1, 2, 5), (-1, -1, -1, 3)][: len(launches)])
+    if key is not None and memo is not None:
+        # q, k, v, k_scale, v_scale, out: arguments 0-4 and 7 of the decode, out 3 of the merge
+        where = [(0, 1, 2, 3, 4, 7), (-1, -1, -1, -1, -1, 3)]
+        memo[key] = Replay(launches, where[: len(launches)])
     return out
 
 
@@ -409,17 +442,21 @@ def paged_decode_attention(
     softcap: float | None = None,
     *,
     memo: dict[Any, Any] | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Tensor:
     """One query per sequence (``q``: ``[batch, heads, head_dim]``) at position
     ``seq_lens[b] - 1`` over its paged context, read straight from the cache
     blocks (no gather copy). ``seq_lens`` includes the new token; 0 gives
     zeros. Same contract as ``paged_ref.ops.paged_decode_attention``; with
     ``memo`` (the caller's per-step dict) the split buffers are allocated
-    once per step instead of once per layer.
+    once per step instead of once per layer. An 8-bit cache is dequantized
+    tile by tile in registers (int8 with ``k_scales``/``v_scales``).
     """
     return decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, memo=memo
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, memo=memo,
+        k_scales=k_scales, v_scales=v_scales,
+    )  # fmt: skip
 
 
 _INTERPRETED = interpreted(_decode_kernel)  # Triton decides once, at import

@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from paged_ref.kv_quant import check_scales, has_scales, is_quantized
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# 8-bit caches (paged_ref.kv_quant): fp8 cast with a per-tensor scale of 1, int8 with scales.
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
 
 def interpreted(kernel: object) -> bool:
@@ -58,10 +62,60 @@ def check_cache(k_cache: Tensor, v_cache: Tensor, ndim: int = 4) -> None:
             f"k_cache and v_cache need equal strides with head_dim contiguous, got "
             f"{k_cache.stride()} and {v_cache.stride()}; allocate them with torch.empty/zeros"
         )
-    if k_cache.dtype not in SUPPORTED_DTYPES:
+    if k_cache.dtype not in SUPPORTED_DTYPES + QUANTIZED_DTYPES:
         raise ValueError(
-            f"cache dtype {k_cache.dtype} is not supported; use one of {SUPPORTED_DTYPES}"
+            f"cache dtype {k_cache.dtype} is not supported; use one of "
+            f"{SUPPORTED_DTYPES + QUANTIZED_DTYPES}"
         )
+
+
+def kv_quant_mode(cache_dtype: torch.dtype) -> int:
+    """The kernels' ``KV_QUANT`` constexpr: 0 the model's dtype, 1 fp8 (a
+    cast), 2 int8 (codes times per-token-per-head scales)."""
+    if has_scales(cache_dtype):
+        return 2
+    return 1 if is_quantized(cache_dtype) else 0
+
+
+def check_quantized_cache(
+    k_cache: Tensor, k_scales: Tensor | None, v_scales: Tensor | None
+) -> None:
+    """int8 caches need contiguous float16 scales shaped like the cache without
+    ``head_dim`` (the kernels index them with the cache's block and token);
+    other dtypes take none. fp8 e4m3 needs an sm_89+ GPU: Triton has no
+    e4m3 (``fp8e4nv``) conversions before Ada (the compile matrix shows it)."""
+    if k_cache.dtype == torch.float8_e4m3fn and k_cache.is_cuda:
+        major, minor = torch.cuda.get_device_capability(k_cache.device)
+        if 10 * major + minor < 89:
+            raise ValueError(
+                f"kv_cache_dtype fp8 / fp8_e4m3 needs compute capability 8.9 or newer for the "
+                f"Triton kernels; this GPU is sm_{major}{minor}. Use --kv-cache-dtype fp8_e5m2 "
+                "or int8, or --attention-backend ref"
+            )
+    check_scales(k_cache, k_scales, "k_scales")
+    check_scales(k_cache, v_scales, "v_scales")
+    for scales in (k_scales, v_scales):
+        if scales is not None and (not scales.is_contiguous() or scales.device != k_cache.device):
+            raise ValueError(
+                "k_scales/v_scales must be contiguous and on the cache's device; allocate them "
+                "with paged_ref.kv_quant.new_scales"
+            )
+
+
+def scale_args(
+    k_cache: Tensor, v_cache: Tensor, k_scales: Tensor | None, v_scales: Tensor | None
+) -> tuple[Tensor, Tensor, tuple[int, int]]:
+    """The kernels' scale pointers and their (block, token) strides; without
+    scales the caches stand in as pointers the kernels never read."""
+    if k_scales is None or v_scales is None:
+        return k_cache, v_cache, (0, 0)
+    return k_scales, v_scales, (k_scales.stride(0), k_scales.stride(1))
+
+
+def compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """What the attention products run in: the cache's dtype, or for an 8-bit
+    cache (dequantized tile by tile in registers) the query's."""
+    return q_dtype if is_quantized(cache_dtype) else cache_dtype
 
 
 def check_gqa(heads: int, kv_heads: int) -> int:

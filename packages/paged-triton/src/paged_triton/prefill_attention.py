@@ -30,10 +30,14 @@ from paged_triton.launch_checks import (
     as_int32,
     check_cache,
     check_gqa,
+    check_quantized_cache,
     check_runnable,
+    compute_dtype,
     dot_precision,
     interpreted,
+    kv_quant_mode,
     last_dim_contiguous,
+    scale_args,
 )
 from paged_triton.tile_config import (
     TileConfig,
@@ -55,6 +59,8 @@ def _prefill_kernel(
     Q,
     K,
     V,
+    K_SCALE,
+    V_SCALE,
     BT,
     CU_Q,
     LENS,
@@ -64,6 +70,8 @@ def _prefill_kernel(
     stride_cb,
     stride_ch,
     stride_ct,
+    stride_sb,
+    stride_st,
     stride_btb,
     stride_ot,
     stride_oh,
@@ -83,6 +91,7 @@ def _prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -122,7 +131,8 @@ def _prefill_kernel(
         mask=qd_mask,
         other=0.0,
     )
-    q = cast(q, K.dtype.element_ty, EMULATE_BF16)
+    if KV_QUANT == 0:  # 8-bit caches are dequantized to q's dtype instead
+        q = cast(q, K.dtype.element_ty, EMULATE_BF16)
 
     # Absolute positions of this tile's queries, and the keys any of them can see.
     seq_len = tl.load(LENS + b)
@@ -141,8 +151,9 @@ def _prefill_kernel(
     kv_off = kv_head.to(tl.int64) * stride_ch
     for t0 in range(lo, hi, BLOCK_N):
         tok, tok_mask, k, v = load_kv_tile(
-            K, V, bt_row, kv_off, t0, hi, d, d_mask, stride_cb, stride_ct, BLOCK_SIZE, BLOCK_N
-        )
+            K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, hi, d, d_mask, stride_cb,
+            stride_ct, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
+        )  # fmt: skip
         visible = row_mask[:, None] & tok_mask[None, :] & (tok[None, :] <= pos[:, None])
         if USE_WINDOW:
             visible = visible & (tok[None, :] > pos[:, None] - window)
@@ -165,6 +176,7 @@ def _shape_params(
     arch: int | None,
     emulate_bf16: bool,
     tile: TileConfig | None,
+    kv_quant: int = 0,
 ) -> tuple[int, int, dict[str, Any], TileConfig]:
     """What depends only on the layer's shapes: queries per program, head
     programs, the constexprs (window and softcap flags aside), warps, stages."""
@@ -172,7 +184,7 @@ def _shape_params(
     heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
     g_pad = triton.next_power_of_2(heads_per_prog)
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    tile = tile or tile_config("prefill", block_d, dtype, arch)
+    tile = tile or tile_config("prefill", block_d, dtype, arch, quantized=kv_quant != 0)
     block_q = max(1, tile.block_m // g_pad)
     constexprs = dict(
         GROUP=group,
@@ -185,6 +197,7 @@ def _shape_params(
         BLOCK_N=tile.block_n,
         PRECISION=dot_precision(dtype),
         EMULATE_BF16=emulate_bf16,
+        KV_QUANT=kv_quant,
     )
     head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
     return block_q, head_programs, constexprs, tile
@@ -205,6 +218,8 @@ def plan_prefill(
     interpret: bool,
     *,
     tile: TileConfig | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Launch:
     """The prefill launch; ``tables``/``cu_q``/``lens`` are int32 on q's
     device. The grid's ``total_q // BLOCK_Q + batch`` query programs bound
@@ -214,9 +229,11 @@ def plan_prefill(
     _, block_size, kv_heads, _ = k_cache.shape
     batch = lens.shape[0]
     block_q, head_programs, constexprs, tile = _shape_params(
-        heads, kv_heads, head_dim, block_size, k_cache.dtype, arch,
+        heads, kv_heads, head_dim, block_size, compute_dtype(q.dtype, k_cache.dtype), arch,
         interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
+        kv_quant_mode(k_cache.dtype),
     )  # fmt: skip
+    k_scale, v_scale, scale_strides = scale_args(k_cache, v_cache, k_scales, v_scales)
     return Launch(
         _prefill_kernel,
         (total_q // block_q + batch, head_programs),
@@ -224,6 +241,8 @@ def plan_prefill(
             q,
             k_cache,
             v_cache,
+            k_scale,
+            v_scale,
             tables,
             cu_q,
             lens,
@@ -233,6 +252,7 @@ def plan_prefill(
             k_cache.stride(0),  # block
             k_cache.stride(2),  # kv head
             k_cache.stride(1),  # token within the block
+            *scale_strides,  # scales: block, token within the block
             tables.stride(0),
             out.stride(0),
             out.stride(1),
@@ -248,7 +268,9 @@ def plan_prefill(
     )
 
 
-def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> TileConfig:
+def _autotuned(
+    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: tuple[Any, Any]
+) -> TileConfig:
     """The fastest candidate tile for this layer's shapes (timed once)."""
     import triton.testing
 
@@ -258,10 +280,11 @@ def _autotuned(args: tuple[Any, ...], use_window: bool, use_softcap: bool) -> Ti
            use_window, use_softcap)  # fmt: skip
 
     def time_ms(tile: TileConfig) -> float:
-        launch = plan_prefill(*args, tile=tile)
+        launch = plan_prefill(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
         return float(triton.testing.do_bench(launch.run))
 
-    options = candidates("prefill", block_d, k_cache.dtype, args[10])
+    options = candidates("prefill", block_d, compute_dtype(q.dtype, k_cache.dtype), args[10],
+                         kv_quant_mode(k_cache.dtype) != 0)  # fmt: skip
     return tuned(key, options, time_ms)
 
 
@@ -277,26 +300,31 @@ def paged_prefill_attention(
     softcap: float | None = None,
     *,
     memo: dict[Any, Any] | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Tensor:
     """Packed queries (``q``: ``[total_q, heads, head_dim]``; sequence ``b``
     owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) attending causally to
     their paged context, whose K/V (new tokens included) are already in the
     cache. Same contract as ``paged_ref.ops.paged_prefill_attention``; rows
     that see no key are zeros. With ``memo`` (the caller's per-step dict)
-    the first layer's checked plan is replayed by the others.
+    the first layer's checked plan is replayed by the others. An 8-bit cache
+    is dequantized tile by tile in registers (int8 with ``k_scales``/``v_scales``).
     """
     key = None
     if memo is not None and q.stride(-1) == 1:
         key = ("paged_triton.prefill", id(block_tables), id(cu_seqlens_q), id(seq_lens),
-               tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), scale, sliding_window,
-               softcap)  # fmt: skip
+               tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), k_scales is None, scale,
+               sliding_window, softcap)  # fmt: skip
         replay = memo.get(key)
         if replay is not None:
             out = torch.zeros_like(q)
-            replay.run(q, k_cache, v_cache, out)
+            k_scale, v_scale, _ = scale_args(k_cache, v_cache, k_scales, v_scales)
+            replay.run(q, k_cache, v_cache, k_scale, v_scale, out)
             return out
     check_runnable(_prefill_kernel, q, k_cache, v_cache)
     check_cache(k_cache, v_cache)
+    check_quantized_cache(k_cache, k_scales, v_scales)
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, heads, head_dim], got shape {tuple(q.shape)}")
     total_q, heads, head_dim = q.shape
@@ -322,12 +350,13 @@ def paged_prefill_attention(
         device_arch(q.device), _INTERPRETED,
     )  # fmt: skip
     tile = None
+    scales = (k_scales, v_scales)
     if autotune_enabled(q.device):
-        tile = _autotuned(args, sliding_window is not None, bool(softcap))
-    launch = plan_prefill(*args, tile=tile)
+        tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
+    launch = plan_prefill(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
     launch.run()
-    if key is not None and memo is not None:  # q, k, v, out: arguments 0, 1, 2, 6
-        memo[key] = Replay([launch], [(0, 1, 2, 6)])
+    if key is not None and memo is not None:  # q, k, v, k_scale, v_scale, out: arguments 0-4, 8
+        memo[key] = Replay([launch], [(0, 1, 2, 3, 4, 8)])
     return out
 
 

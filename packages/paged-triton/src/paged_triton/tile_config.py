@@ -72,11 +72,17 @@ def _large_smem(arch: int | None) -> bool:
     return arch is not None and smem_limit(arch) > SMALL_SMEM
 
 
-def tile_config(kernel: str, block_d: int, dtype: torch.dtype, arch: int | None) -> TileConfig:
+def tile_config(
+    kernel: str, block_d: int, dtype: torch.dtype, arch: int | None, quantized: bool = False
+) -> TileConfig:
     """The launch shape of ``kernel`` ("decode" or "prefill") for head_dim
-    padded to ``block_d``, cache ``dtype``, on compute capability ``arch``
-    (``None``: Triton's interpreter, which ignores warps and stages)."""
+    padded to ``block_d``, compute ``dtype``, on compute capability ``arch``
+    (``None``: Triton's interpreter, which ignores warps and stages).
+    ``quantized``: the cache is 8-bit and each tile is dequantized in
+    registers (see :func:`_quantized_tile`)."""
     row_bytes = block_d * dtype.itemsize  # one token's K (or V) for one head
+    if quantized:
+        return _quantized_tile(kernel, row_bytes, arch)
     if kernel == "decode":
         return TileConfig(0, 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16, 4, 5)
     if kernel == "prefill":
@@ -92,16 +98,37 @@ def tile_config(kernel: str, block_d: int, dtype: torch.dtype, arch: int | None)
     raise ValueError(f"no tile configuration for kernel {kernel!r}; known: {KERNELS}")
 
 
+def _quantized_tile(kernel: str, row_bytes: int, arch: int | None) -> TileConfig:
+    """Tiles for 8-bit caches. Dequantizing a tile holds its codes, their
+    float32 products and the scales at once, so the 16-bit tiles spilled
+    (compile matrix, int8 caches): decode d128 bf16 16 B on sm_90; prefill
+    d64 fp16 72 B on sm_80/sm_89; prefill d256 bf16 with window and soft-cap
+    40-88 B everywhere. Halving the key tile (and 8 warps for d64 prefill)
+    removes every spill; half the keys per tile costs a little pipelining,
+    not bytes read."""
+    if kernel == "decode":
+        return TileConfig(0, 32 if row_bytes <= 256 else 16, 4, 5, maxnreg=255)
+    if kernel == "prefill":
+        if row_bytes <= 256:
+            return TileConfig(64, 32, 8, 5, maxnreg=255)
+        if _large_smem(arch):
+            return TileConfig(64, 16, 8, 5, maxnreg=255)
+        return TileConfig(32, 16, 4, 5)
+    raise ValueError(f"no tile configuration for kernel {kernel!r}; known: {KERNELS}")
+
+
 def autotune_enabled(device: torch.device) -> bool:
     """``PAGED_TRITON_AUTOTUNE=1`` and a CUDA device."""
     return device.type == "cuda" and os.environ.get("PAGED_TRITON_AUTOTUNE") == "1"
 
 
-def candidates(kernel: str, block_d: int, dtype: torch.dtype, arch: int | None) -> list[TileConfig]:
+def candidates(
+    kernel: str, block_d: int, dtype: torch.dtype, arch: int | None, quantized: bool = False
+) -> list[TileConfig]:
     """Configurations worth timing: the table's choice first, then its
     neighbours (tile, warps, stages). Some may not fit a given GPU; the
     tuner skips those that fail to compile or launch."""
-    chosen = tile_config(kernel, block_d, dtype, arch)
+    chosen = tile_config(kernel, block_d, dtype, arch, quantized)
     if kernel == "decode":
         others = [TileConfig(0, n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (3, 4, 5)]
     else:

@@ -71,8 +71,8 @@ def make_paged_pool(shape: KVShape, num_blocks: int, block_size: int) -> Any:
 
 
 def pool_kv_bytes(pool: Any) -> int:
-    """Bytes of the pool's K and V tensors."""
-    return int(sum(t.numel() * t.element_size() for t in (pool.k_cache, pool.v_cache)))
+    """Bytes of the pool's K and V tensors (an int8 cache's scales included)."""
+    return int(pool.kv_bytes())
 
 
 def draw_lengths(

@@ -3,8 +3,10 @@
 stdout carries only JSON lines: one ``environment`` line, then per workload
 one line per configuration (``kind: run``) and one ``kind: ratios`` line
 with paged throughput divided by each other configuration's (same run).
-``--capacity`` adds the measured capacity table as one line. Progress goes
-to stderr.
+``--capacity`` adds the measured capacity tables as two lines (paged vs
+contiguous, and ``kv_cache_dtype`` auto vs fp8 vs int8 at equal KV bytes).
+``--kv-cache-dtype`` runs the engine configurations with an 8-bit cache in
+the same KV bytes as the model-dtype budget. Progress goes to stderr.
 
 Full workloads are slow on CPU: scale them with ``--num-requests``,
 ``--max-new-tokens-scale`` and ``--prompt-scale`` (the draws stay the same,
@@ -22,9 +24,11 @@ from typing import Any
 from paged_server.bench.capacity import capacity_table
 from paged_server.bench.engine_bench import KVBudget
 from paged_server.bench.environment import describe_environment
+from paged_server.bench.kv_dtype_capacity import kv_dtype_capacity_table
 from paged_server.bench.results import RunResult
 from paged_server.bench.suite import ALL_CONFIGS, ModelCache, SuiteOptions, log, ratios, run_suite
 from paged_server.bench.workloads import WORKLOADS, make_workload, token_pool_from_tokenizer
+from paged_server.config import KV_CACHE_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-backend", choices=("auto", "ref", "triton"), default="auto")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="what the engines' KV cache stores; 8-bit caches get the model-dtype budget's bytes "
+        "(so about twice its tokens)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--capacity", action="store_true", help="also print the measured capacity table")
     p.add_argument("--output", help="also append every JSON line to this file")
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             seed=args.seed,
         )
         emit({**describe_environment(), "model": model_name, "model_dir": model_dir})
@@ -128,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     block_size=args.block_size,
                 )
             )
+            emit(kv_dtype_capacity_table(block_size=args.block_size))
         vocab = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8")).get(
             "vocab_size"
         )

@@ -48,13 +48,17 @@ def engine_config(
     attention_backend: str = "auto",
     dtype: str = "auto",
     seed: int = 0,
+    kv_cache_dtype: str = "auto",
+    model_config: Any = None,
 ) -> Any:
     """The ``EngineConfig`` for one backend at the given KV budget.
 
     contiguous: ``budget.slots`` rows of ``budget.slot_len`` (its batch size
     *is* its memory). paged: the same tokens as blocks, and a batch limit of
-    ``max_batch_size`` (default 256) that memory, not slots, bounds."""
-    from paged_server.config import EngineConfig
+    ``max_batch_size`` (default 256) that memory, not slots, bounds. With an
+    8-bit ``kv_cache_dtype`` both get the *bytes* of that budget at the
+    model's dtype (``model_config`` gives the shape), so about twice the tokens."""
+    from paged_server.config import EngineConfig, resolve_device, resolve_dtype
 
     if backend == "contiguous":
         batch = budget.slots if max_batch_size is None else max_batch_size
@@ -64,11 +68,26 @@ def engine_config(
         blocks = budget.num_blocks
     else:
         raise ValueError(f"backend must be 'paged' or 'contiguous', got {backend!r}")
+    memory = None
+    if kv_cache_dtype != "auto":
+        if model_config is None:
+            raise ValueError("an 8-bit kv_cache_dtype needs model_config to size the budget in bytes")
+        from paged_ref.kv_quant import kv_bytes_per_token
+
+        probe = EngineConfig(dtype=dtype, attention_backend=attention_backend)
+        model_dtype = resolve_dtype(probe, resolve_device(probe))
+        shape = (model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
+        memory = budget.tokens * kv_bytes_per_token(*shape, model_dtype)
+        blocks = None
+        if backend == "contiguous" and max_batch_size is None:
+            batch = 4 * budget.slots  # room for the rows the bytes now hold (4x from float32)
     cfg = EngineConfig(
         model=model,
         kv_cache_backend=backend,
         block_size=budget.block_size,
         num_gpu_blocks=blocks,
+        kv_cache_memory_bytes=memory,
+        kv_cache_dtype=kv_cache_dtype,
         max_batch_size=batch,
         max_num_batched_tokens=max(max_num_batched_tokens, batch),
         max_model_len=budget.slot_len,

@@ -34,6 +34,7 @@ class SuiteOptions:
     max_num_batched_tokens: int = 2048
     attention_backend: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # 8-bit: the same bytes as the model-dtype budget
     seed: int = 0
     static_batch_size: int = 8
 
@@ -135,6 +136,8 @@ def run_config(
             attention_backend=options.attention_backend,
             dtype=options.dtype,
             seed=options.seed,
+            kv_cache_dtype=options.kv_cache_dtype,
+            model_config=models.ours().config,
         )
         engine = LLMEngine(cfg, loaded=models.ours())
         try:

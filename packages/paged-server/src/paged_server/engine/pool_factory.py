@@ -30,6 +30,8 @@ class PoolCapacity:
     block_size: int
     num_rows: int | None
     tokens: int
+    kv_dtype: torch.dtype  # what the cache stores (the model dtype, or an 8-bit one)
+    kv_bytes: int  # the pool's K/V tensors (and int8 scales), bytes
     sized_by: str = ""  # how the size was chosen (the start-up line says it)
 
 
@@ -66,11 +68,14 @@ def build_cache_pool(
     With tensor parallelism the pool holds only this rank's ``num_kv_heads``
     (default: all of the model's), so a per-device budget buys more tokens;
     ``wrap_ops`` wraps the attention ops the pool uses (rank 0 records its
-    block copies that way).
+    block copies that way). Bytes are those of ``kv_cache_dtype`` (int8
+    scales included), so an 8-bit cache gets about twice the tokens from
+    the same memory budget.
     The contiguous pool attends with the reference path whatever ``backend``.
     """
     from paged_ref import ContiguousKVPool, PagedKVPool
     from paged_ref import ops as ref_ops
+    from paged_ref.kv_quant import cache_dtype_for, kv_bytes_per_token
 
     layers, kv_heads, head_dim = (
         model_config.num_layers,
@@ -81,8 +86,9 @@ def build_cache_pool(
     def ops_for(module: ModuleType) -> ModuleType:
         return wrap_ops(module) if wrap_ops is not None else module
 
-    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-    token_bytes = 2 * layers * kv_heads * head_dim * itemsize
+    # Bytes per token of what the pool stores (an 8-bit cache's scales included).
+    kv_dtype = cache_dtype_for(config.kv_cache_dtype, dtype)
+    token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
     budget = kv_budget(config, token_bytes, device, model)
     if config.kv_cache_backend == "paged":
         num_blocks = budget.num_blocks
@@ -105,10 +111,13 @@ def build_cache_pool(
             device,
             enable_prefix_caching=config.enable_prefix_caching,
             ops=ops_for(attention_ops(backend)),
+            kv_cache_dtype=config.kv_cache_dtype,
         )
+        tokens = num_blocks * config.block_size
         capacity = PoolCapacity(
-            num_blocks, config.block_size, None, num_blocks * config.block_size, budget.sized_by
-        )
+            num_blocks, config.block_size, None, tokens, kv_dtype, tokens * token_bytes,
+            budget.sized_by,
+        )  # fmt: skip
         return pool, capacity
     rows = config.max_batch_size
     if budget.num_bytes is not None:
@@ -120,17 +129,12 @@ def build_cache_pool(
                 f"{config.max_model_len}); raise it or lower max_model_len"
             )
     pool = ContiguousKVPool.from_model_config(
-        layers,
-        kv_heads,
-        head_dim,
-        config.max_model_len,
-        rows,
-        dtype=dtype,
-        device=device,
-        ops=ops_for(ref_ops),
-    )
+        layers, kv_heads, head_dim, config.max_model_len, rows, dtype=dtype, device=device,
+        ops=ops_for(ref_ops), kv_cache_dtype=config.kv_cache_dtype,
+    )  # fmt: skip
     tokens = rows * config.max_model_len
     sized_by = budget.sized_by if budget.num_bytes is not None else "max_batch_size rows"
     return pool, PoolCapacity(
-        tokens // config.block_size, config.block_size, rows, tokens, sized_by
-    )
+        tokens // config.block_size, config.block_size, rows, tokens, kv_dtype,
+        tokens * token_bytes, sized_by,
+    )  # fmt: skip

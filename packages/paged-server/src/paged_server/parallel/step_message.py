@@ -43,12 +43,16 @@ class RecordingOps:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ops, name)
 
-    def copy_blocks(self, k_caches: torch.Tensor, v_caches: torch.Tensor, src_to_dst: Any) -> None:
+    def copy_blocks(
+        self, k_caches: torch.Tensor, v_caches: torch.Tensor, src_to_dst: Any, **scales: Any
+    ) -> None:
+        """``scales``: an int8 cache's ``k_scales``/``v_scales`` (workers copy
+        their own shard's scales when they replay the pairs)."""
         pairs = torch.as_tensor(src_to_dst, dtype=torch.long).reshape(-1, 2).tolist()
         # Kept per call: a call reads all its sources before writing, so
         # merging two calls could change what a chained copy reads.
         self._copies.append([(int(s), int(d)) for s, d in pairs])
-        self._ops.copy_blocks(k_caches, v_caches, src_to_dst)
+        self._ops.copy_blocks(k_caches, v_caches, src_to_dst, **scales)
 
     def take_copies(self) -> list[list[tuple[int, int]]]:
         copies, self._copies = self._copies, []

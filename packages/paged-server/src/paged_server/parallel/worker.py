@@ -64,6 +64,7 @@ def run_worker(spec: WorkerSpec) -> None:
     """Join the groups, load the shard, then execute steps until stopped."""
     from paged_ref.attention_metadata import build_metadata
     from paged_ref.cache_view import CacheView, ViewPool
+    from paged_ref.kv_quant import scale_keywords
     from paged_server.engine.pool_factory import build_cache_pool
     from paged_server.models import load_model
     from paged_server.models.tensor_parallel import TensorParallel, shard_heads
@@ -98,7 +99,10 @@ def run_worker(spec: WorkerSpec) -> None:
             return
         with torch.inference_mode():
             for pairs in message.copies:
-                view_pool.ops.copy_blocks(view_pool.k_cache, view_pool.v_cache, pairs)
+                view_pool.ops.copy_blocks(
+                    view_pool.k_cache, view_pool.v_cache, pairs,
+                    **scale_keywords(view_pool.k_scales, view_pool.v_scales),
+                )  # fmt: skip
             assert message.block_tables is not None
             meta = build_metadata(
                 torch.from_numpy(message.block_tables), message.starts, message.new_lens,

@@ -64,11 +64,17 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
     return (
         f"paged-server: serving '{settings.model_name}' ({source}) on {url} | "
         f"kv_cache_backend={config.kv_cache_backend} attention={attention} | "
-        f"KV capacity {tokens} tokens in {layout}{sized_by} | "
+        f"KV cache {_dtype_name(engine.capacity.kv_dtype)} "
+        f"(kv_cache_dtype={config.kv_cache_dtype}): capacity {tokens} tokens in {layout}"
+        f"{sized_by} | "
         f"max_model_len={config.max_model_len} max_batch_size={config.max_batch_size} "
         f"api_key={'on' if settings.api_key else 'off'}"
         + (f" | {parallel}" if (parallel := _parallel_summary(engine)) else "")
     )
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _parallel_summary(engine: Any) -> str | None:

@@ -1,0 +1,139 @@
+"""8-bit KV caches: what each ``kv_cache_dtype`` stores, and the quantize / dequantize math.
+
+Two schemes, chosen for what each 8-bit format can hold:
+
+- ``int8``: symmetric, one scale per (token, kv head): ``scale = absmax / 127``
+  over the token's ``head_dim`` values, stored as float16 in tensors shaped
+  like the cache without its last dim (``[..., block_size, kv_heads]``).
+  A token's scale is written with its K/V and never changes, so a block is
+  never requantized, prefix hits and copy-on-write copy scales like values,
+  and one outlier token costs only its own precision. The scale costs 2 bytes
+  per ``head_dim`` bytes (3% at head_dim 64).
+- ``fp8`` (= ``fp8_e4m3``) and ``fp8_e5m2``: a saturating cast with vLLM's
+  uncalibrated per-tensor scale of 1.0, so no scale tensor and exactly half
+  the bytes of a 16-bit cache. Values beyond the format's largest finite
+  number (448 for e4m3, 57344 for e5m2) are clamped to it.
+
+Both backends compute exactly this (``paged_triton`` inside its kernels);
+the round trip bounds are tested in ``tests/ref/test_kv_quant.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# vLLM's names; None = the model's dtype.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+SCALE_DTYPE = torch.float16  # int8 scales: 2 bytes per token per kv head
+INT8_MAX = 127  # symmetric: -127..127, so the scale maps absmax exactly
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def cache_dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype a ``kv_cache_dtype`` name asks for (``auto``: the model's)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"
+        )
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+def is_quantized(cache_dtype: torch.dtype) -> bool:
+    """Whether the cache holds 8-bit codes rather than model-dtype values."""
+    return cache_dtype == torch.int8 or cache_dtype in FP8_MAX
+
+
+def has_scales(cache_dtype: torch.dtype) -> bool:
+    """Whether the cache keeps per-token-per-head scale tensors beside K/V."""
+    return cache_dtype == torch.int8
+
+
+def new_scales(cache: Tensor) -> Tensor | None:
+    """A zeroed scale tensor for ``cache`` (its shape without ``head_dim``),
+    or None when its dtype keeps no scales."""
+    if not has_scales(cache.dtype):
+        return None
+    return torch.zeros(cache.shape[:-1], dtype=SCALE_DTYPE, device=cache.device)
+
+
+def check_scales(cache: Tensor, scales: Tensor | None, name: str) -> None:
+    """Scales must be present (and shaped like ``cache`` minus ``head_dim``) for
+    an int8 cache and absent otherwise."""
+    if not has_scales(cache.dtype):
+        if scales is not None:
+            raise ValueError(f"{name} given for a {cache.dtype} cache, which keeps no scales")
+        return
+    if scales is None:
+        raise ValueError(
+            f"an int8 cache needs {name} (shape {tuple(cache.shape[:-1])}, {SCALE_DTYPE}) "
+            "beside it; build the pool with kv_cache_dtype='int8'"
+        )
+    if scales.shape != cache.shape[:-1] or scales.dtype != SCALE_DTYPE:
+        raise ValueError(
+            f"{name} must be {tuple(cache.shape[:-1])} {SCALE_DTYPE}, got "
+            f"{tuple(scales.shape)} {scales.dtype}"
+        )
+
+
+def scale_keywords(k_scales: Tensor | None, v_scales: Tensor | None) -> dict[str, Tensor]:
+    """The ops' ``k_scales=``/``v_scales=`` keywords for an int8 cache, and
+    none otherwise (so an ops module written before 8-bit caches still
+    serves the other dtypes)."""
+    if k_scales is None or v_scales is None:
+        return {}
+    return {"k_scales": k_scales, "v_scales": v_scales}
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype
+) -> int:
+    """Bytes one token takes across all layers, K and V, scales included."""
+    itemsize = torch.empty((), dtype=cache_dtype, device="meta").element_size()
+    scale = SCALE_DTYPE.itemsize if has_scales(cache_dtype) else 0
+    return 2 * num_layers * num_kv_heads * (head_dim * itemsize + scale)
+
+
+def as_bits(t: Tensor) -> Tensor:
+    """``t`` viewed as uint8 when it is fp8 (CPU PyTorch cannot index_copy or
+    index_select fp8 tensors; moving bytes is the same thing), else ``t``."""
+    return t.view(torch.uint8) if t.dtype in FP8_MAX else t
+
+
+def round_half_away(y: Tensor) -> Tensor:
+    """Round to nearest, ties away from zero (what the Triton kernels do with
+    ``floor``, so both backends pick the same code)."""
+    return torch.where(y >= 0, torch.floor(y + 0.5), -torch.floor(0.5 - y))
+
+
+def quantize(x: Tensor, cache_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """``x`` (``[..., head_dim]``, any float dtype) as ``cache_dtype`` codes,
+    and the int8 scales (``[...]``, float16; None for other dtypes)."""
+    x32 = x.float()
+    if cache_dtype == torch.int8:
+        scale = (x32.abs().amax(dim=-1) / INT8_MAX).to(SCALE_DTYPE)
+        s32 = scale.float().unsqueeze(-1)
+        # A zero scale (an all-zero token, or one whose absmax underflows fp16) stores zeros.
+        y = torch.where(s32 > 0, x32 / torch.where(s32 > 0, s32, 1.0), 0.0)
+        return round_half_away(y).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    if cache_dtype in FP8_MAX:
+        bound = FP8_MAX[cache_dtype]
+        return x32.clamp(-bound, bound).to(cache_dtype), None
+    return x.to(cache_dtype), None
+
+
+def dequantize(
+    codes: Tensor, scales: Tensor | None, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Values of ``codes`` (``[..., head_dim]``) in ``dtype``; int8 codes are
+    multiplied by their ``scales`` (``[...]``)."""
+    out = codes.to(torch.float32)
+    if scales is not None:
+        out = out * scales.float().unsqueeze(-1)
+    return out.to(dtype)

@@ -1,0 +1,77 @@
+"""The kv_cache_dtype benchmarks: capacity at equal KV bytes (2x at 8 bits,
+4x against float32, int8 a little less for its scales), engines run in the
+same bytes, and the accuracy table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from paged_server.bench.kv_accuracy import compare, kv_accuracy_table
+from paged_server.bench.kv_dtype_capacity import KVLayout, kv_dtype_capacity_table
+
+
+def test_capacity_at_equal_bytes_doubles_at_8_bits() -> None:
+    layout = KVLayout("test", num_layers=2, num_kv_heads=2, head_dim=64)
+    table = kv_dtype_capacity_table(budget_bytes=4 << 20, avg_len=100, layout=layout)
+    rows = {(r["model_dtype"], r["kv_cache_dtype"]): r for r in table["rows"]}
+    assert {kv for _, kv in rows} == {"auto", "fp8", "fp8_e5m2", "int8"}
+    for (model_dtype, kv), r in rows.items():
+        assert r["kv_bytes"] <= 4 << 20
+        assert r["sequences"] == r["num_blocks"] // 7  # 100 tokens take 7 blocks of 16
+        want = {"auto": 1.0, "fp8": 2.0, "fp8_e5m2": 2.0, "int8": 2 * 64 / 66}[kv]
+        if model_dtype == "float32" and kv != "auto":
+            want *= 2
+        assert r["tokens_vs_auto"] == pytest.approx(want, rel=3e-3), (model_dtype, kv)  # whole blocks
+    assert rows[("bfloat16", "int8")]["bytes_per_token"] == 2 * 2 * 2 * (64 + 2)
+
+
+def test_compare_counts_agreement_up_to_the_first_difference() -> None:
+    base = [([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4]), ([5, 6], [-1.0, -1.0])]
+    runs = [([1, 2, 9, 4], [-0.1, -0.25, -3.0, -0.4]), ([5, 6], [-1.0, -1.001])]
+    agreement, delta = compare(runs, base)
+    assert agreement == pytest.approx((2 / 4 + 1) / 2)
+    assert delta == pytest.approx(0.05)  # position 2 (different token) is not compared
+
+
+def test_accuracy_table_on_a_tiny_model(tiny_model_dir: Path) -> None:
+    import torch
+
+    from paged_server.models import load_model
+
+    loaded = load_model(tiny_model_dir, torch.float32, "cpu")
+    table = kv_accuracy_table(loaded, "tiny", num_prompts=2, prompt_len=8, max_tokens=4,
+                               text_chars=600)  # fmt: skip
+    rows = {r["kv_cache_dtype"]: r for r in table["rows"]}
+    assert set(rows) == {"auto", "fp8", "fp8_e5m2", "int8"}
+    assert rows["auto"]["greedy_agreement"] == 1.0 and rows["auto"]["max_abs_delta_logprob"] == 0
+    for r in rows.values():
+        assert 0 <= r["greedy_agreement"] <= 1 and math.isfinite(r["perplexity"])
+        assert r["perplexity"] == pytest.approx(rows["auto"]["perplexity"], rel=0.05)
+    assert rows["int8"]["perplexity"] != rows["auto"]["perplexity"]  # the cache is quantized
+
+
+def test_bench_cli_runs_engines_in_the_same_kv_bytes(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from paged_server.bench import main
+
+    runs = {}
+    for kv in ("auto", "int8"):
+        rc = main([
+            "--model", str(tiny_model_dir), "--workload", "seed", "--num-requests", "2",
+            "--prompt-scale", "0.05", "--max-new-tokens-scale", "0.02", "--kv-slots", "2",
+            "--kv-slot-len", "128", "--configs", "paged,contiguous", "--attention-backend", "ref",
+            "--dtype", "float32", "--kv-cache-dtype", kv,
+        ])  # fmt: skip
+        assert rc == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        runs[kv] = {x["config"]: x for x in lines if x["kind"] == "run"}
+    for config in ("paged", "contiguous"):
+        auto, int8 = runs["auto"][config]["settings"], runs["int8"][config]["settings"]
+        assert int8["kv_bytes"] <= auto["kv_bytes"]
+        # float32 model, head_dim 8: int8 + an fp16 scale = 10 bytes per 32.
+        assert int8["kv_bytes"] >= 0.9 * auto["kv_bytes"]
