@@ -207,3 +207,13 @@ def test_contiguous_pool_int8_fork_copies_scales(gen):
     k_child, _ = pool.view([child], [0]).update(0, torch.empty(0, 2, HEAD_DIM), torch.empty(0, 2, HEAD_DIM))
     assert k_child.dtype == torch.float32
     assert torch.equal(k_child, k_parent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_table_gives_every_bit_pattern_its_cast_value(dtype: torch.dtype) -> None:
+    """The CPU gather reads fp8 through a 256-entry table instead of torch's
+    cast; both must agree on all 256 codes (NaN codes stay NaN)."""
+    from paged_ref.gather import _fp8_values
+
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    torch.testing.assert_close(_fp8_values(dtype), codes.float(), rtol=0, atol=0, equal_nan=True)

@@ -19,12 +19,13 @@ would leak through attention.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from paged_ref.kv_quant import as_bits
+from paged_ref.kv_quant import FP8_MAX, as_bits
 
 CHUNK_BYTES = 4 << 20  # gathered K+V per chunk: fits the L3 slice of a small CPU
 
@@ -129,13 +130,23 @@ def gather(cache: Tensor, chunk: GatherChunk, scales: Tensor | None = None) -> T
     out = _select(as_bits(cache), chunk)
     if cache.dtype != out.dtype:
         out = out.view(cache.dtype)
-    if out.dtype != torch.float32:
+    if out.dtype in FP8_MAX and out.device.type == "cpu":
+        # torch's CPU fp8 cast runs element by element; a 256-entry table is ~4x faster
+        codes = out.view(torch.uint8)
+        out = _fp8_values(out.dtype).index_select(0, codes.reshape(-1).int()).view(codes.shape)
+    elif out.dtype != torch.float32:
         out = out.float()  # float32 softmax and products, as the contract says
     if scales is not None:
         out.mul_(_select(scales, chunk).float().unsqueeze(-1))
     if chunk.stale_rows.numel():
         out.view(chunk.size * chunk.num_keys, -1).index_fill_(0, chunk.stale_rows, 0.0)
     return out
+
+
+@functools.cache
+def _fp8_values(dtype: torch.dtype) -> Tensor:
+    """float32 value of each of the 256 bit patterns of an fp8 ``dtype``."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
 
 
 def _select(cache: Tensor, chunk: GatherChunk) -> Tensor:
