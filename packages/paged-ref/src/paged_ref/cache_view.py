@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from paged_ref.attention_metadata import AttentionMetadata
-from paged_ref.kv_quant import scale_keywords
+from paged_ref.kv_quant import check_scales, scale_keywords
 from paged_ref.ops import gather_context
 
 
@@ -221,10 +221,41 @@ class CacheView:
 
 
 class ViewsMixin:
-    """The view constructors both pools offer, written once: the design
+    """What both pools share, written once: their tensors (``_hold``) and the
+    view constructors: the design
     documents' ``prefill_view`` / ``decode_view`` / ``batched_prefill_view``
     (start at each seq_id's committed length, reserve room themselves) and the
     engine's ``step_view`` (positions given, room already reserved)."""
+
+    k_cache: Tensor
+    v_cache: Tensor
+    k_scales: Tensor | None
+    v_scales: Tensor | None
+    ops: ModuleType
+
+    def _hold(
+        self,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        k_scales: Tensor | None,
+        v_scales: Tensor | None,
+        ops: ModuleType,
+        layout: str,
+    ) -> torch.Size:
+        """Check and keep the pool's tensors (both pools hold the same five,
+        ``[layers, <layout>, kv_heads, head_dim]``); returns their shape."""
+        if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
+            raise ValueError(
+                f"k_cache and v_cache must both be [layers, {layout}, kv_heads, head_dim], "
+                f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            )
+        check_scales(k_cache, k_scales, "k_scales")
+        check_scales(v_cache, v_scales, "v_scales")
+        self.k_cache, self.v_cache = k_cache, v_cache
+        # int8 only: float16, one per token and kv head ([layers, <layout>, kv_heads]).
+        self.k_scales, self.v_scales = k_scales, v_scales
+        self.ops = ops
+        return k_cache.shape
 
     def get_num_computed_tokens(self, seq_id: int) -> int:
         raise NotImplementedError

@@ -23,7 +23,7 @@ from paged_core import OutOfBlocksError
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.cache_view import ViewsMixin
-from paged_ref.kv_quant import cache_dtype_for, check_scales, new_scales, scale_keywords
+from paged_ref.kv_quant import cache_dtype_for, new_scales, scale_keywords
 
 
 class ContiguousKVPool(ViewsMixin):
@@ -43,24 +43,13 @@ class ContiguousKVPool(ViewsMixin):
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
     ) -> None:
-        if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
-            raise ValueError(
-                "k_cache and v_cache must both be [layers, max_batch_size, max_model_len, "
-                f"kv_heads, head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-            )
-        check_scales(k_cache, k_scales, "k_scales")
-        check_scales(v_cache, v_scales, "v_scales")
-        self.k_cache = k_cache
-        self.v_cache = v_cache
-        # int8 only: [layers, max_batch_size, max_model_len, kv_heads] float16.
-        self.k_scales = k_scales
-        self.v_scales = v_scales
-        self.num_layers, self.max_batch_size, self.max_model_len, self.num_kv_heads, self.head_dim = (
-            k_cache.shape
-        )
         # The contiguous baseline attends with the reference ops; a caller may
         # wrap them (the tensor-parallel engine records copy_blocks calls).
-        self.ops = ops if ops is not None else ref_ops
+        shape = self._hold(
+            k_cache, v_cache, k_scales, v_scales, ops if ops is not None else ref_ops,
+            "max_batch_size, max_model_len",
+        )  # fmt: skip
+        self.num_layers, self.max_batch_size, self.max_model_len, self.num_kv_heads, self.head_dim = shape
         self.seq_lens: list[int] = [0] * self.max_batch_size
         self.reserved: list[int] = [0] * self.max_batch_size
         self._free: set[int] = set(range(self.max_batch_size))

@@ -26,7 +26,6 @@ from paged_ref.block_table_buffer import BlockTableBuffer
 from paged_ref.cache_view import ViewsMixin
 from paged_ref.kv_quant import (
     cache_dtype_for,
-    check_scales,
     kv_bytes_per_token,
     new_scales,
     scale_keywords,
@@ -59,22 +58,11 @@ class PagedKVPool(ViewsMixin):
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
     ) -> None:
-        if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
-            raise ValueError(
-                "k_cache and v_cache must both be [layers, num_blocks, block_size, kv_heads, "
-                f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-            )
-        check_scales(k_cache, k_scales, "k_scales")
-        check_scales(v_cache, v_scales, "v_scales")
-        self.k_cache = k_cache
-        self.v_cache = v_cache
-        # int8 only: [layers, num_blocks, block_size, kv_heads] float16, one per token and head.
-        self.k_scales = k_scales
-        self.v_scales = v_scales
-        self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = (
-            k_cache.shape
-        )
-        self.ops = ops if ops is not None else ref_ops
+        shape = self._hold(
+            k_cache, v_cache, k_scales, v_scales, ops if ops is not None else ref_ops,
+            "num_blocks, block_size",
+        )  # fmt: skip
+        self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
         self.block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching)
         self._tables = BlockTableBuffer()
         self._pending_copies: list[tuple[int, int]] = []
