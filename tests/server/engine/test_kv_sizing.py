@@ -91,3 +91,17 @@ def test_cuda_default_profiles_and_sizes_from_free_memory(tiny_model_dir) -> Non
     with pytest.raises(ValueError, match="no room for the KV cache"):
         LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=128,
                                max_batch_size=8, gpu_memory_utilization=0.001))
+
+
+def test_tensor_parallel_refuses_memory_share_sizing_before_starting_workers() -> None:
+    """Each rank would size its own pool from its own free memory and their
+    block ids could disagree: refused at once, naming the flags that work."""
+    from paged_server.config import EngineConfig
+    from paged_server.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(device="cpu", tensor_parallel_size=2, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match="--num-gpu-blocks or --kv-cache-memory-bytes"):
+        LLMEngine(config)
+    assert not kv_sizing.sizes_by_memory_share(
+        EngineConfig(device="cpu", gpu_memory_utilization=0.5, num_gpu_blocks=8), torch.device("cpu")
+    )

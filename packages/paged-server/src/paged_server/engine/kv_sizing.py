@@ -44,6 +44,14 @@ class KVBudget:
     sized_by: str
 
 
+def sizes_by_memory_share(config: EngineConfig, device: torch.device) -> bool:
+    """Whether ``kv_budget`` will size the pool from free memory (a share of
+    it), rather than from an explicit size or the CPU default."""
+    if config.num_gpu_blocks is not None or config.kv_cache_memory_bytes is not None:
+        return False
+    return config.gpu_memory_utilization is not None or device.type == "cuda"
+
+
 def kv_budget(
     config: EngineConfig,
     token_bytes: int,
@@ -55,11 +63,11 @@ def kv_budget(
         return KVBudget(None, config.num_gpu_blocks, "--num-gpu-blocks")
     if config.kv_cache_memory_bytes is not None:
         return KVBudget(config.kv_cache_memory_bytes, None, "--kv-cache-memory-bytes")
-    utilization = config.gpu_memory_utilization
-    if utilization is None and device.type == "cuda":
-        utilization = DEFAULT_CUDA_UTILIZATION
-    if utilization is None:
+    if not sizes_by_memory_share(config, device):
         return KVBudget(None, None, "max_batch_size x max_model_len (CPU default)")
+    utilization = config.gpu_memory_utilization
+    if utilization is None:  # CUDA's default share
+        utilization = DEFAULT_CUDA_UTILIZATION
     if device.type == "cuda":
         num_bytes, how = _cuda_budget(config, utilization, device, model)
     else:

@@ -45,6 +45,7 @@ from paged_server.engine.beams import advance_beams, finish_beams, new_beam_sear
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.kv_sizing import sizes_by_memory_share
 from paged_server.engine.logprobs import token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import append_token, finish_early, take_output
@@ -96,8 +97,7 @@ class LLMEngine:
         from paged_server.parallel import TensorParallelExecutor
 
         device = resolve_device(config)
-        by_memory_share = device.type == "cuda" or config.gpu_memory_utilization is not None
-        if by_memory_share and config.num_gpu_blocks is None and config.kv_cache_memory_bytes is None:
+        if sizes_by_memory_share(config, device):
             # Each rank would size its pool from its own free memory; their block ids must agree.
             raise ValueError(
                 "tensor_parallel_size > 1 cannot size the KV cache by memory share yet: set "
