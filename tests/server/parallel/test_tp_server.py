@@ -73,25 +73,43 @@ def _wait_healthy(url: str) -> None:
         time.sleep(0.1)
 
 
-def test_serve_tp2_matches_tp1_then_survives_a_dead_worker(tp_checkpoints: dict[str, Path]) -> None:
-    model = str(tp_checkpoints["llama"])
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    with LLM(model, max_batch_size=8, **_flag_config()) as llm:
-        expected = [r.outputs[0].text for r in llm.generate(PROMPTS, params, use_tqdm=False)]
-
+def _start_tp_server(model: str) -> tuple[subprocess.Popen[str], str]:
+    """``serve --tensor-parallel-size 2`` in a subprocess; returns it and its
+    start-up line (the engine logs before that line)."""
     cmd = [sys.executable, "-m", "paged_server.entrypoints.cli", "serve", "--model", model,
            "--port", "0", "--tensor-parallel-size", "2", "--shutdown-timeout", "1",
            "--served-model-name", "tiny", "--log-level", "warning", *FLAGS]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
+    assert proc.stderr is not None
+    line = ""
+    while "serving" not in line:
+        line = proc.stderr.readline()
+        assert line, "server exited before its start-up line"
+    return proc, line
+
+
+def _reap(proc: subprocess.Popen[str], descendants: list[int]) -> None:
+    """Kill ``proc`` if it is still up, then check none of its children outlived it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in descendants) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in descendants if _alive(p)], "processes left behind"
+
+
+def test_serve_tp2_matches_tp1_then_survives_a_dead_worker(tp_checkpoints: dict[str, Path]) -> None:
+    model = str(tp_checkpoints["llama"])
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(model, max_batch_size=8, **_flag_config()) as llm:
+        expected = [r.outputs[0].text for r in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    proc, line = _start_tp_server(model)
     descendants: list[int] = []
     try:
-        assert proc.stderr is not None
-        line = ""
-        while "serving" not in line:  # the engine logs before the start-up line
-            line = proc.stderr.readline()
-            assert line, "server exited before its start-up line"
         match = STARTUP.search(line)
         assert match, line
         assert "tensor_parallel_size=2: each rank holds 1 of 2 KV heads per layer" in line
@@ -143,27 +161,13 @@ def test_serve_tp2_matches_tp1_then_survives_a_dead_worker(tp_checkpoints: dict[
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in descendants) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in descendants if _alive(p)], "processes left behind"
+        _reap(proc, descendants)
 
 
 def test_sigterm_stops_a_healthy_tp_server_and_its_workers(tp_checkpoints: dict[str, Path]) -> None:
-    cmd = [sys.executable, "-m", "paged_server.entrypoints.cli", "serve",
-           "--model", str(tp_checkpoints["qwen3"]), "--port", "0", "--tensor-parallel-size", "2",
-           "--shutdown-timeout", "1", "--served-model-name", "tiny", "--log-level", "warning",
-           *FLAGS]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    proc, line = _start_tp_server(str(tp_checkpoints["qwen3"]))
+    descendants: list[int] = []
     try:
-        assert proc.stderr is not None
-        line = ""
-        while "serving" not in line:
-            line = proc.stderr.readline()
-            assert line, "server exited before its start-up line"
         match = STARTUP.search(line)
         assert match, line
         _wait_healthy(match["url"])
@@ -172,13 +176,7 @@ def test_sigterm_stops_a_healthy_tp_server_and_its_workers(tp_checkpoints: dict[
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in descendants) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in descendants if _alive(p)], "processes left behind"
+        _reap(proc, descendants)
 
 
 def _flag_config() -> dict[str, Any]:
