@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from paged_ref.attention_metadata import AttentionMetadata
-from paged_ref.kv_quant import check_scales, scale_keywords
+from paged_ref.kv_quant import HEAD_SCALE_DTYPE, check_scales, scale_keywords
 from paged_ref.ops import gather_context
 
 
@@ -34,7 +34,9 @@ class ViewPool(Protocol):
     """What a view needs from its pool: ``k_cache``/``v_cache``
     (``[layers, num_blocks, block_size, kv_heads, head_dim]``), the int8
     scales beside them (``[layers, num_blocks, block_size, kv_heads]``, None
-    for other dtypes) and the ``ops`` module that writes and attends."""
+    for other dtypes), the static scales of an 8-bit cache with calculated
+    scales (``[layers, kv_heads]`` float32, keyed by layer index, else None)
+    and the ``ops`` module that writes and attends."""
 
     @property
     def k_cache(self) -> Tensor: ...
@@ -49,6 +51,12 @@ class ViewPool(Protocol):
     def v_scales(self) -> Tensor | None: ...
 
     @property
+    def k_head_scales(self) -> Tensor | None: ...
+
+    @property
+    def v_head_scales(self) -> Tensor | None: ...
+
+    @property
     def ops(self) -> ModuleType: ...
 
     def is_paged(self) -> bool: ...
@@ -58,6 +66,18 @@ class ViewPool(Protocol):
     ) -> AttentionMetadata: ...
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None: ...
+
+
+def static_scales(cache: Tensor, scales: Tensor, name: str) -> Tensor:
+    """``scales`` (``[layers, kv_heads]``, the calibrated K or V scales) as the
+    pool keeps them: contiguous float32 on the cache's device."""
+    layers, kv_heads = cache.shape[0], cache.shape[-2]
+    if tuple(scales.shape) != (layers, kv_heads):
+        raise ValueError(
+            f"static {name} scales must be [layers, kv_heads] = [{layers}, {kv_heads}], "
+            f"got {tuple(scales.shape)}"
+        )
+    return scales.to(device=cache.device, dtype=HEAD_SCALE_DTYPE).contiguous()
 
 
 class CacheView:
@@ -113,15 +133,13 @@ class CacheView:
         ``[num_seqs, kv_heads, max_len, head_dim]`` (position ``p`` at index
         ``p``; zeros past a seq_id's length)."""
         meta = self._write(layer_idx, k, v)
-        scales = self._scales(layer_idx)
+        s = self._scales(layer_idx)
         return (
-            gather_context(
-                self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens, scales.get("k_scales")
-            ),
-            gather_context(
-                self.pool.v_cache[layer_idx], meta.block_tables, meta.seq_lens, scales.get("v_scales")
-            ),
-        )
+            gather_context(self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens,
+                           s.get("k_scales"), s.get("k_head_scales")),
+            gather_context(self.pool.v_cache[layer_idx], meta.block_tables, meta.seq_lens,
+                           s.get("v_scales"), s.get("v_head_scales")),
+        )  # fmt: skip
 
     def advance(self, n: int | None = None) -> None:
         """Commit this pass: each seq_id now holds ``starts[i] + new_lens[i]``
@@ -201,12 +219,19 @@ class CacheView:
         return meta
 
     def _scales(self, layer_idx: int) -> dict[str, Tensor]:
-        """The layer's int8 scales as the ops' keywords; none for other dtypes
-        (so an ops module written before 8-bit caches still serves them)."""
-        k_scales, v_scales = self.pool.k_scales, self.pool.v_scales
-        if k_scales is None or v_scales is None:
-            return {}
-        return scale_keywords(k_scales[layer_idx], v_scales[layer_idx])
+        """The layer's scales as the ops' keywords: int8 per-token scales, or
+        static per-head ones (indexed by layer, whatever the cache's first
+        axis holds); none for other dtypes (so an ops module written before
+        8-bit caches still serves them)."""
+        pool = self.pool
+        k_scales, v_scales = pool.k_scales, pool.v_scales
+        k_head, v_head = pool.k_head_scales, pool.v_head_scales
+        return scale_keywords(
+            None if k_scales is None else k_scales[layer_idx],
+            None if v_scales is None else v_scales[layer_idx],
+            None if k_head is None else k_head[layer_idx],
+            None if v_head is None else v_head[layer_idx],
+        )
 
     def _metadata(self, num_tokens: int) -> AttentionMetadata:
         if self.meta is None:
@@ -231,6 +256,8 @@ class ViewsMixin:
     v_cache: Tensor
     k_scales: Tensor | None
     v_scales: Tensor | None
+    k_head_scales: Tensor | None
+    v_head_scales: Tensor | None
     ops: ModuleType
 
     def _hold(
@@ -241,16 +268,27 @@ class ViewsMixin:
         v_scales: Tensor | None,
         ops: ModuleType,
         layout: str,
+        kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> torch.Size:
-        """Check and keep the pool's tensors (both pools hold the same five,
-        ``[layers, <layout>, kv_heads, head_dim]``); returns their shape."""
+        """Check and keep the pool's tensors (both pools hold the same ones,
+        ``[layers, <layout>, kv_heads, head_dim]``); returns their shape.
+        ``kv_scales``: static K and V scales ``[layers, kv_heads]``
+        (``calculate_kv_scales``), kept as float32 on the cache's device."""
         if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
             raise ValueError(
                 f"k_cache and v_cache must both be [layers, {layout}, kv_heads, head_dim], "
                 f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
             )
-        check_scales(k_cache, k_scales, "k_scales")
-        check_scales(v_cache, v_scales, "v_scales")
+        self.k_head_scales = self.v_head_scales = None
+        if kv_scales is not None:
+            self.k_head_scales, self.v_head_scales = (
+                static_scales(k_cache, s, name) for s, name in zip(kv_scales, "kv", strict=True)
+            )
+        # (every layer's static scales have layer 0's shape, dtype and device)
+        k_head = None if self.k_head_scales is None else self.k_head_scales[0]
+        v_head = None if self.v_head_scales is None else self.v_head_scales[0]
+        check_scales(k_cache, k_scales, "k_scales", k_head)
+        check_scales(v_cache, v_scales, "v_scales", v_head)
         self.k_cache, self.v_cache = k_cache, v_cache
         # int8 only: float16, one per token and kv head ([layers, <layout>, kv_heads]).
         self.k_scales, self.v_scales = k_scales, v_scales

@@ -42,12 +42,13 @@ class ContiguousKVPool(ViewsMixin):
         ops: ModuleType | None = None,
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
+        kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         # The contiguous baseline attends with the reference ops; a caller may
         # wrap them (the tensor-parallel engine records copy_blocks calls).
         shape = self._hold(
             k_cache, v_cache, k_scales, v_scales, ops if ops is not None else ref_ops,
-            "max_batch_size, max_model_len",
+            "max_batch_size, max_model_len", kv_scales,
         )  # fmt: skip
         self.num_layers, self.max_batch_size, self.max_model_len, self.num_kv_heads, self.head_dim = shape
         self.seq_lens: list[int] = [0] * self.max_batch_size
@@ -66,16 +67,20 @@ class ContiguousKVPool(ViewsMixin):
         device: str | torch.device = "cpu",
         ops: ModuleType | None = None,
         kv_cache_dtype: str = "auto",
+        kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> ContiguousKVPool:
         """A zeroed pool for a model's shape (pass ``device="meta"`` to size it
-        without allocating memory); ``kv_cache_dtype`` as for the paged pool."""
+        without allocating memory); ``kv_cache_dtype`` and ``kv_scales`` as
+        for the paged pool."""
         shape = (num_layers, max_batch_size, max_model_len, num_kv_heads, head_dim)
         cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
         k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        static = kv_scales is not None
         return ContiguousKVPool(
-            k_cache, v_cache, ops=ops, k_scales=new_scales(k_cache), v_scales=new_scales(v_cache)
-        )
+            k_cache, v_cache, ops=ops, k_scales=new_scales(k_cache, static),
+            v_scales=new_scales(v_cache, static), kv_scales=kv_scales,
+        )  # fmt: skip
 
     # The names the attention ops take for the two tensors.
     @property
@@ -87,7 +92,8 @@ class ContiguousKVPool(ViewsMixin):
         return self.v_cache
 
     def kv_bytes(self) -> int:
-        """Bytes held by the K and V tensors together, scales included."""
+        """Bytes held by the K and V tensors together, per-token scales
+        included (static scales are per layer, not token storage)."""
         tensors = (self.k_cache, self.v_cache, self.k_scales, self.v_scales)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -165,7 +171,7 @@ class ContiguousKVPool(ViewsMixin):
         ``ops.copy_blocks``, so a caller can replay it on other tensors)."""
         self._check_live(seq_id)
         child = self.allocate_seq(self.reserved[seq_id])
-        self.ops.copy_blocks(  # an int8 cache's scales are copied with it
+        self.ops.copy_blocks(  # an int8 cache's per-token scales are copied with it
             self.k_cache, self.v_cache, [(seq_id, child)],
             **scale_keywords(self.k_scales, self.v_scales),
         )  # fmt: skip

@@ -122,11 +122,17 @@ def _chunk(
     return GatherChunk(seqs, ids, width, num_keys, key_pos, in_range, stale_rows)
 
 
-def gather(cache: Tensor, chunk: GatherChunk, scales: Tensor | None = None) -> Tensor:
+def gather(
+    cache: Tensor,
+    chunk: GatherChunk,
+    scales: Tensor | None = None,
+    head_scales: Tensor | None = None,
+) -> Tensor:
     """``[n, num_keys, kv_heads, head_dim]`` float32 copy of the chunk's keys
     (or values), zero where a position is not the sequence's own. An 8-bit
     cache is dequantized here (int8 codes times their ``scales``,
-    ``[num_blocks, block_size, kv_heads]``), chunk by chunk like the rest."""
+    ``[num_blocks, block_size, kv_heads]``, or codes times the layer's static
+    ``head_scales``, ``[kv_heads]``), chunk by chunk like the rest."""
     out = _select(as_bits(cache), chunk)
     if cache.dtype != out.dtype:
         out = out.view(cache.dtype)
@@ -138,6 +144,8 @@ def gather(cache: Tensor, chunk: GatherChunk, scales: Tensor | None = None) -> T
         out = out.float()  # float32 softmax and products, as the contract says
     if scales is not None:
         out.mul_(_select(scales, chunk).float().unsqueeze(-1))
+    if head_scales is not None:
+        out.mul_(head_scales.to(device=out.device, dtype=torch.float32).unsqueeze(-1))
     if chunk.stale_rows.numel():
         out.view(chunk.size * chunk.num_keys, -1).index_fill_(0, chunk.stale_rows, 0.0)
     return out

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from paged_ref.attention import masked_attention
 from paged_ref.gather import GatherChunk, gather, plan_chunks
-from paged_ref.kv_quant import as_bits, check_scales, is_quantized, quantize
+from paged_ref.kv_quant import as_bits, check_scales, is_quantized, quantize, quantize_static
 
 __all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
@@ -42,6 +42,8 @@ def write_kv(
     *,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> None:
     """Scatter ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``) into the cache.
 
@@ -50,17 +52,24 @@ def write_kv(
     as ``[num_blocks * block_size, kv_heads, head_dim]`` takes one
     ``index_copy_`` per tensor. An 8-bit cache stores ``kv_quant.quantize``'s
     codes, and an int8 one its per-token-per-head scales in ``k_scales`` /
-    ``v_scales`` (``[num_blocks, block_size, kv_heads]``).
+    ``v_scales`` (``[num_blocks, block_size, kv_heads]``); with static
+    ``k_head_scales``/``v_head_scales`` (``[kv_heads]`` float32, this layer's)
+    it stores ``kv_quant.quantize_static``'s codes and no per-token scales.
     """
-    check_scales(k_cache, k_scales, "k_scales")
-    check_scales(v_cache, v_scales, "v_scales")
+    check_scales(k_cache, k_scales, "k_scales", k_head_scales)
+    check_scales(v_cache, v_scales, "v_scales", v_head_scales)
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
     if slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     rows = k_cache.shape[0] * k_cache.shape[1]
-    for cache, scales, new in ((k_cache, k_scales, k), (v_cache, v_scales, v)):
-        codes, new_scales = quantize(new, cache.dtype)
+    for cache, scales, head_scales, new in (
+        (k_cache, k_scales, k_head_scales, k), (v_cache, v_scales, v_head_scales, v)
+    ):
+        if head_scales is not None:
+            codes, new_scales = quantize_static(new, cache.dtype, head_scales), None
+        else:
+            codes, new_scales = quantize(new, cache.dtype)
         as_bits(cache).view(rows, *cache.shape[2:]).index_copy_(0, slots, as_bits(codes))
         if scales is not None and new_scales is not None:
             scales.view(rows, -1).index_copy_(0, slots, new_scales)
@@ -130,12 +139,15 @@ def paged_decode_attention(
     memo: dict[Any, Any] | None = None,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> Tensor:
     """One query per sequence (``q``: ``[batch, heads, head_dim]``) at position
     ``seq_lens[b] - 1`` over its paged context; ``seq_lens`` includes the new
     token and 0 gives zeros. Returns ``[batch, heads, head_dim]`` in ``q.dtype``.
     Only the blocks inside each query's window are gathered. An 8-bit cache
-    is dequantized as it is gathered (int8 with ``k_scales``/``v_scales``).
+    is dequantized as it is gathered (int8 with ``k_scales``/``v_scales``;
+    static scales: ``k_head_scales``/``v_head_scales``).
     """
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
@@ -151,7 +163,8 @@ def paged_decode_attention(
 
     out = torch.empty_like(q)
     for chunk, mask in _memo_get(memo, ("decode", sliding_window), plan):
-        k, v = gather(k_cache, chunk, k_scales), gather(v_cache, chunk, v_scales)
+        k = gather(k_cache, chunk, k_scales, k_head_scales)
+        v = gather(v_cache, chunk, v_scales, v_head_scales)
         o = _attend(q[chunk.seqs].unsqueeze(2), k, v, mask, scale, softcap)
         out[chunk.seqs] = o.squeeze(2)
     return out
@@ -183,6 +196,8 @@ def paged_prefill_attention(
     memo: dict[Any, Any] | None = None,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> Tensor:
     """Packed (varlen) queries over cached + new context, causal per sequence.
 
@@ -192,6 +207,7 @@ def paged_prefill_attention(
     already be in the cache (``write_kv`` first). Returns
     ``[total_q, heads, head_dim]`` in ``q.dtype``. A chunk's sequences are
     padded to its longest query run for one SDPA call; padding rows are dropped.
+    8-bit caches are read as for ``paged_decode_attention``.
     """
     total_q, heads, head_dim = q.shape
     batch = seq_lens.shape[0]
@@ -230,14 +246,19 @@ def paged_prefill_attention(
     for c in _memo_get(memo, ("prefill", sliding_window), plan):
         q_padded = q.new_zeros(c.keys.size, heads, c.max_q, head_dim)
         q_padded[c.seq_of_row, :, c.row_in_seq] = q[c.rows]
-        k, v = gather(k_cache, c.keys, k_scales), gather(v_cache, c.keys, v_scales)
+        k = gather(k_cache, c.keys, k_scales, k_head_scales)
+        v = gather(v_cache, c.keys, v_scales, v_head_scales)
         o = _attend(q_padded, k, v, c.mask, scale, softcap)
         out[c.rows] = o[c.seq_of_row, :, c.row_in_seq]
     return out
 
 
 def gather_context(
-    cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scales: Tensor | None = None
+    cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scales: Tensor | None = None,
+    head_scales: Tensor | None = None,
 ) -> Tensor:
     """Each sequence's cached K or V, ``[batch, kv_heads, max_len, head_dim]``
     (position ``p`` at index ``p``; zeros past a sequence's length), in the
@@ -249,7 +270,7 @@ def gather_context(
     out = torch.zeros(lens.shape[0], max_len, *cache.shape[2:], dtype=dtype, device=cache.device)
     chunks = plan_chunks(block_tables.to(cache.device), lens, torch.zeros_like(lens), cache)
     for chunk in chunks:
-        part = gather(cache, chunk, scales)[:, :max_len]
+        part = gather(cache, chunk, scales, head_scales)[:, :max_len]
         out[chunk.seqs, : part.shape[1]] = part.to(dtype)
     return out.transpose(1, 2)
 
@@ -267,11 +288,13 @@ def copy_blocks(
     ``k_caches``: ``[layers, num_blocks, block_size, kv_heads, head_dim]``;
     ``src_to_dst``: host pairs, a list of ``(src, dst)`` or an int64 tensor
     ``[n, 2]``, moved to the caches' device in one copy. All sources are
-    read before any destination is written. An int8 cache's scales
-    (``[layers, num_blocks, block_size, kv_heads]``) are copied with it.
+    read before any destination is written. An int8 cache's per-token scales
+    (``[layers, num_blocks, block_size, kv_heads]``) are copied with it; a
+    cache with static scales (per layer, not per block) passes none.
     """
-    check_scales(k_caches, k_scales, "k_scales")
-    check_scales(v_caches, v_scales, "v_scales")
+    if k_scales is not None or v_scales is not None:
+        check_scales(k_caches, k_scales, "k_scales")
+        check_scales(v_caches, v_scales, "v_scales")
     pairs = torch.as_tensor(src_to_dst, dtype=torch.long).reshape(-1, 2)
     if pairs.shape[0] == 0:
         return

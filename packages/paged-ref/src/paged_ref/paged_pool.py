@@ -33,11 +33,17 @@ from paged_ref.kv_quant import (
 
 
 def block_bytes(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    static_scales: bool = False,
 ) -> int:
     """Bytes one block id takes across all layers, K and V together (an int8
-    cache's scales included); ``dtype`` is the cache's storage dtype."""
-    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    cache's per-token scales included, none with ``static_scales``);
+    ``dtype`` is the cache's storage dtype."""
+    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, static_scales)
 
 
 class PagedKVPool(ViewsMixin):
@@ -57,10 +63,11 @@ class PagedKVPool(ViewsMixin):
         ops: ModuleType | None = None,
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
+        kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         shape = self._hold(
             k_cache, v_cache, k_scales, v_scales, ops if ops is not None else ref_ops,
-            "num_blocks, block_size",
+            "num_blocks, block_size", kv_scales,
         )  # fmt: skip
         self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
         self.block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching)
@@ -82,22 +89,28 @@ class PagedKVPool(ViewsMixin):
         enable_prefix_caching: bool = True,
         ops: ModuleType | None = None,
         kv_cache_dtype: str = "auto",
+        kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> PagedKVPool:
         """A zeroed pool of ``num_blocks`` blocks for a model's shape
         (``device="meta"`` sizes it without allocating memory). ``dtype`` is
         the model's; ``kv_cache_dtype`` (``auto``, ``fp8``, ``fp8_e4m3``,
-        ``fp8_e5m2``, ``int8``) picks what the blocks store."""
+        ``fp8_e5m2``, ``int8``) picks what the blocks store; ``kv_scales``
+        (static K and V scales, ``[num_layers, num_kv_heads]``, from
+        ``calculate_kv_scales``) replaces int8's per-token scales and fp8's
+        scale of 1."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
         k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        static = kv_scales is not None
         return PagedKVPool(
             k_cache,
             v_cache,
             enable_prefix_caching=enable_prefix_caching,
             ops=ops,
-            k_scales=new_scales(k_cache),
-            v_scales=new_scales(v_cache),
+            k_scales=new_scales(k_cache, static),
+            v_scales=new_scales(v_cache, static),
+            kv_scales=kv_scales,
         )
 
     @staticmethod
@@ -108,13 +121,19 @@ class PagedKVPool(ViewsMixin):
         head_dim: int,
         block_size: int,
         dtype: torch.dtype,
+        static_scales: bool = False,
     ) -> int:
         """How many blocks fit in ``budget_bytes`` of K+V memory (``dtype``:
-        the cache's storage dtype; int8 scales count against the budget)."""
-        return budget_bytes // block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        the cache's storage dtype; int8 per-token scales count against the
+        budget, static ones are per layer and do not)."""
+        return budget_bytes // block_bytes(
+            num_layers, num_kv_heads, head_dim, block_size, dtype, static_scales
+        )
 
     def kv_bytes(self) -> int:
-        """Bytes held by the K and V tensors together, scales included."""
+        """Bytes held by the K and V tensors together, per-token scales
+        included (static scales, 8 bytes per layer and kv head, are not
+        token storage)."""
         tensors = (self.k_cache, self.v_cache, self.k_scales, self.v_scales)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -319,7 +338,7 @@ class PagedKVPool(ViewsMixin):
     def _flush_copies(self) -> None:
         if self._pending_copies:
             pairs, self._pending_copies = self._pending_copies, []
-            self.ops.copy_blocks(  # host pairs: one upload; int8 scales copied too
+            self.ops.copy_blocks(  # host pairs: one upload; int8 per-token scales copied too
                 self.k_cache, self.v_cache, pairs, **scale_keywords(self.k_scales, self.v_scales)
             )
 

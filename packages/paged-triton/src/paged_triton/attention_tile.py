@@ -37,6 +37,7 @@ def load_kv_tile(
     KV_QUANT: tl.constexpr,
     COMPUTE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
 ):
     """Token positions ``t0 .. t0 + BLOCK_N`` of one KV head (element offset
     ``kv_off``) in caches of shape ``[num_blocks, block_size, kv_heads,
@@ -45,7 +46,9 @@ def load_kv_tile(
     tiles ``[BLOCK_N, BLOCK_D]``, zeros where masked. An 8-bit cache
     (``KV_QUANT`` 1: fp8, 2: int8 with float16 scales ``[num_blocks,
     block_size, kv_heads]``) is dequantized here, in registers, to ``COMPUTE``
-    (the query's dtype): no dequantized copy of the cache exists."""
+    (the query's dtype): no dequantized copy of the cache exists. With
+    ``HEAD_SCALES`` (int8 or fp8 with static scales) ``K_SCALE``/``V_SCALE``
+    hold one float32 per kv head and every code is multiplied by its head's."""
     tok = t0 + tl.arange(0, BLOCK_N)
     tok_mask = tok < end
     block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
@@ -54,7 +57,12 @@ def load_kv_tile(
     kv_mask = tok_mask[:, None] & d_mask[None, :]
     k = tl.load(K + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if KV_QUANT == 2:
+    if HEAD_SCALES:
+        k_scale = tl.load(K_SCALE + kv_head)
+        v_scale = tl.load(V_SCALE + kv_head)
+        k = cast(k.to(tl.float32) * k_scale, COMPUTE, EMULATE_BF16)
+        v = cast(v.to(tl.float32) * v_scale, COMPUTE, EMULATE_BF16)
+    elif KV_QUANT == 2:
         scale_rows = block * stride_sb + slot_in_block * stride_st + kv_head
         k_scale = tl.load(K_SCALE + scale_rows, mask=tok_mask, other=0.0).to(tl.float32)
         v_scale = tl.load(V_SCALE + scale_rows, mask=tok_mask, other=0.0).to(tl.float32)

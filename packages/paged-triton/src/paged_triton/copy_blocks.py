@@ -90,13 +90,14 @@ def copy_blocks(
     (``[layers, num_blocks, block_size, kv_heads, head_dim]``). ``src_to_dst``:
     host pairs, a list of ``(src, dst)`` or a CPU int64 tensor ``[n, 2]``
     (a device tensor works too but is read back first, a sync). An int8
-    cache's scales (``[layers, num_blocks, block_size, kv_heads]``) are copied
-    by a second launch of the same kernel. Same contract as
+    cache's per-token scales (``[layers, num_blocks, block_size, kv_heads]``)
+    are copied by a second launch of the same kernel; static scales are per
+    layer, so a cache with them passes none. Same contract as
     ``paged_ref.ops.copy_blocks``; one host-to-device copy per call.
     """
     check_runnable(_copy_blocks_kernel, k_caches, v_caches)
     check_cache(k_caches, v_caches, ndim=5)
-    check_quantized_cache(k_caches, k_scales, v_scales)
+    check_quantized_cache(k_caches, k_scales, v_scales, copy=True)
     layers, num_blocks = k_caches.shape[:2]
     inner = k_caches.shape[2:]
     if k_caches.stride()[2:] != (inner[1] * inner[2], inner[2], 1):

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from paged_ref.kv_quant import scale_keywords
 from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.decode_splits import (
     BLOCK_B,
@@ -117,6 +118,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -174,6 +176,7 @@ def _decode_kernel(
         tok, tok_mask, k, v = load_kv_tile(
             K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, end, d, d_mask, stride_cb,
             stride_ct, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
+            HEAD_SCALES,
         )  # fmt: skip
         m_i, l_i, acc = attend_tile(
             q, k, v, tok_mask[None, :], m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION,
@@ -207,6 +210,7 @@ def _shape_params(
     emulate_bf16: bool,
     tile: TileConfig | None,
     kv_quant: int = 0,
+    head_scales: bool = False,
 ) -> tuple[int, dict[str, Any], TileConfig]:
     """What depends only on the layer's shapes: head programs per sequence,
     the constexprs (window and softcap flags aside), the tile (warps, stages).
@@ -227,6 +231,7 @@ def _shape_params(
         PRECISION=dot_precision(dtype),
         EMULATE_BF16=emulate_bf16,
         KV_QUANT=kv_quant,
+        HEAD_SCALES=head_scales,
     )
     head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
     return head_programs, constexprs, tile
@@ -250,19 +255,24 @@ def plan_decode(
     tile: TileConfig | None = None,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> list[Launch]:
     """The decode launch, and the merge launch when contexts may be split.
     ``tables``/``lens`` are int32 on q's device; nothing here reads a tensor.
     ``tile``: instead of :func:`tile_config`'s choice (autotuning).
-    ``k_scales``/``v_scales``: an int8 cache's ``[num_blocks, block_size, kv_heads]``."""
+    ``k_scales``/``v_scales``: an int8 cache's ``[num_blocks, block_size, kv_heads]``;
+    ``k_head_scales``/``v_head_scales``: static scales, ``[kv_heads]`` float32."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     head_programs, constexprs, tile = _shape_params(
         heads, kv_heads, head_dim, block_size, compute_dtype(q.dtype, k_cache.dtype), arch,
         interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
-        kv_quant_mode(k_cache.dtype),
+        kv_quant_mode(k_cache.dtype), k_head_scales is not None,
     )  # fmt: skip
-    k_scale, v_scale, scale_strides = scale_args(k_cache, v_cache, k_scales, v_scales)
+    k_scale, v_scale, scale_strides = scale_args(
+        k_cache, v_cache, k_scales, v_scales, k_head_scales, v_head_scales
+    )
     block_d = constexprs["BLOCK_D"]
     max_visible = tables.shape[1] * block_size
     if sliding_window is not None:
@@ -342,7 +352,7 @@ def _partials(
 
 
 def _autotuned(
-    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: tuple[Any, Any]
+    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Tensor]
 ) -> TileConfig:
     """The fastest candidate tile for this layer's shapes (timed once)."""
     import triton.testing
@@ -353,7 +363,7 @@ def _autotuned(
            use_window, use_softcap)  # fmt: skip
 
     def time_ms(tile: TileConfig) -> float:
-        launches = plan_decode(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
+        launches = plan_decode(*args, tile=tile, **scales)
 
         def step() -> None:
             for launch in launches:
@@ -380,6 +390,8 @@ def decode_attention(
     policy: SplitPolicy | None = None,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> Tensor:
     """:func:`paged_decode_attention` with the split policy exposed
     (``None``: :func:`split_policy` for the device; tests force splits).
@@ -387,17 +399,19 @@ def decode_attention(
     key = None
     if memo is not None and q.stride(-1) == 1:
         key = ("paged_triton.decode", id(block_tables), id(seq_lens), tensor_key(q),
-               tensor_key(k_cache), tensor_key(v_cache), k_scales is None, scale,
-               sliding_window, softcap, policy)  # fmt: skip
+               tensor_key(k_cache), tensor_key(v_cache), k_scales is None, k_head_scales is None,
+               scale, sliding_window, softcap, policy)  # fmt: skip
         replay = memo.get(key)
         if replay is not None:
             out = torch.empty_like(q)
-            k_scale, v_scale, _ = scale_args(k_cache, v_cache, k_scales, v_scales)
+            k_scale, v_scale, _ = scale_args(
+                k_cache, v_cache, k_scales, v_scales, k_head_scales, v_head_scales
+            )
             replay.run(q, k_cache, v_cache, k_scale, v_scale, out)
             return out
     check_runnable(_decode_kernel, q, k_cache, v_cache)
     check_cache(k_cache, v_cache)
-    check_quantized_cache(k_cache, k_scales, v_scales)
+    check_quantized_cache(k_cache, k_scales, v_scales, k_head_scales, v_head_scales)
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     batch, heads, head_dim = q.shape
@@ -418,10 +432,10 @@ def decode_attention(
         device_arch(q.device), _INTERPRETED, memo,
     )  # fmt: skip
     tile = None
-    scales = (k_scales, v_scales)
+    scales = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
     if autotune_enabled(q.device):
         tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
-    launches = plan_decode(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
+    launches = plan_decode(*args, tile=tile, **scales)
     for launch in launches:
         launch.run()
     if key is not None and memo is not None:
@@ -444,6 +458,8 @@ def paged_decode_attention(
     memo: dict[Any, Any] | None = None,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> Tensor:
     """One query per sequence (``q``: ``[batch, heads, head_dim]``) at position
     ``seq_lens[b] - 1`` over its paged context, read straight from the cache
@@ -451,11 +467,13 @@ def paged_decode_attention(
     zeros. Same contract as ``paged_ref.ops.paged_decode_attention``; with
     ``memo`` (the caller's per-step dict) the split buffers are allocated
     once per step instead of once per layer. An 8-bit cache is dequantized
-    tile by tile in registers (int8 with ``k_scales``/``v_scales``).
+    tile by tile in registers (int8 with ``k_scales``/``v_scales``; static
+    per-head scales with ``k_head_scales``/``v_head_scales``, ``[kv_heads]``).
     """
     return decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, memo=memo,
-        k_scales=k_scales, v_scales=v_scales,
+        k_scales=k_scales, v_scales=v_scales, k_head_scales=k_head_scales,
+        v_head_scales=v_head_scales,
     )  # fmt: skip
 
 

@@ -78,12 +78,21 @@ def kv_quant_mode(cache_dtype: torch.dtype) -> int:
 
 
 def check_quantized_cache(
-    k_cache: Tensor, k_scales: Tensor | None, v_scales: Tensor | None
+    k_cache: Tensor,
+    k_scales: Tensor | None,
+    v_scales: Tensor | None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
+    *,
+    copy: bool = False,
 ) -> None:
-    """int8 caches need contiguous float16 scales shaped like the cache without
-    ``head_dim`` (the kernels index them with the cache's block and token);
-    other dtypes take none. fp8 e4m3 needs an sm_89+ GPU: Triton has no
-    e4m3 (``fp8e4nv``) conversions before Ada (the compile matrix shows it)."""
+    """int8 caches need contiguous float16 per-token scales shaped like the
+    cache without ``head_dim`` (the kernels index them with the cache's block
+    and token), or static ``k_head_scales``/``v_head_scales`` (``[kv_heads]``
+    float32); other dtypes take none. ``copy``: a block copy, which needs no
+    scales when the cache keeps none per token. fp8 e4m3 needs an sm_89+
+    GPU: Triton has no e4m3 (``fp8e4nv``) conversions before Ada (the
+    compile matrix shows it)."""
     if k_cache.dtype == torch.float8_e4m3fn and k_cache.is_cuda:
         major, minor = torch.cuda.get_device_capability(k_cache.device)
         if 10 * major + minor < 89:
@@ -92,8 +101,12 @@ def check_quantized_cache(
                 f"Triton kernels; this GPU is sm_{major}{minor}. Use --kv-cache-dtype fp8_e5m2 "
                 "or int8, or --attention-backend ref"
             )
-    check_scales(k_cache, k_scales, "k_scales")
-    check_scales(k_cache, v_scales, "v_scales")
+    if (k_head_scales is None) != (v_head_scales is None):
+        raise ValueError("give both k_head_scales and v_head_scales, or neither")
+    if copy and k_scales is None and v_scales is None:
+        return
+    check_scales(k_cache, k_scales, "k_scales", k_head_scales)
+    check_scales(k_cache, v_scales, "v_scales", v_head_scales)
     for scales in (k_scales, v_scales):
         if scales is not None and (not scales.is_contiguous() or scales.device != k_cache.device):
             raise ValueError(
@@ -103,10 +116,18 @@ def check_quantized_cache(
 
 
 def scale_args(
-    k_cache: Tensor, v_cache: Tensor, k_scales: Tensor | None, v_scales: Tensor | None
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_scales: Tensor | None,
+    v_scales: Tensor | None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, tuple[int, int]]:
-    """The kernels' scale pointers and their (block, token) strides; without
-    scales the caches stand in as pointers the kernels never read."""
+    """The kernels' scale pointers and their (block, token) strides: per-token
+    scales, or static per-head ones (strides 0: the kernels add the kv head);
+    without scales the caches stand in as pointers the kernels never read."""
+    if k_head_scales is not None and v_head_scales is not None:
+        return k_head_scales, v_head_scales, (0, 0)
     if k_scales is None or v_scales is None:
         return k_cache, v_cache, (0, 0)
     return k_scales, v_scales, (k_scales.stride(0), k_scales.stride(1))

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from paged_ref.kv_quant import scale_keywords
 from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.interpreter_bf16 import cast
 from paged_triton.launch import Launch, Replay, device_arch, tensor_key
@@ -92,6 +93,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -153,6 +155,7 @@ def _prefill_kernel(
         tok, tok_mask, k, v = load_kv_tile(
             K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, hi, d, d_mask, stride_cb,
             stride_ct, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
+            HEAD_SCALES,
         )  # fmt: skip
         visible = row_mask[:, None] & tok_mask[None, :] & (tok[None, :] <= pos[:, None])
         if USE_WINDOW:
@@ -177,6 +180,7 @@ def _shape_params(
     emulate_bf16: bool,
     tile: TileConfig | None,
     kv_quant: int = 0,
+    head_scales: bool = False,
 ) -> tuple[int, int, dict[str, Any], TileConfig]:
     """What depends only on the layer's shapes: queries per program, head
     programs, the constexprs (window and softcap flags aside), warps, stages."""
@@ -198,6 +202,7 @@ def _shape_params(
         PRECISION=dot_precision(dtype),
         EMULATE_BF16=emulate_bf16,
         KV_QUANT=kv_quant,
+        HEAD_SCALES=head_scales,
     )
     head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
     return block_q, head_programs, constexprs, tile
@@ -220,6 +225,8 @@ def plan_prefill(
     tile: TileConfig | None = None,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> Launch:
     """The prefill launch; ``tables``/``cu_q``/``lens`` are int32 on q's
     device. The grid's ``total_q // BLOCK_Q + batch`` query programs bound
@@ -231,9 +238,11 @@ def plan_prefill(
     block_q, head_programs, constexprs, tile = _shape_params(
         heads, kv_heads, head_dim, block_size, compute_dtype(q.dtype, k_cache.dtype), arch,
         interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
-        kv_quant_mode(k_cache.dtype),
+        kv_quant_mode(k_cache.dtype), k_head_scales is not None,
     )  # fmt: skip
-    k_scale, v_scale, scale_strides = scale_args(k_cache, v_cache, k_scales, v_scales)
+    k_scale, v_scale, scale_strides = scale_args(
+        k_cache, v_cache, k_scales, v_scales, k_head_scales, v_head_scales
+    )
     return Launch(
         _prefill_kernel,
         (total_q // block_q + batch, head_programs),
@@ -269,7 +278,7 @@ def plan_prefill(
 
 
 def _autotuned(
-    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: tuple[Any, Any]
+    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Tensor]
 ) -> TileConfig:
     """The fastest candidate tile for this layer's shapes (timed once)."""
     import triton.testing
@@ -280,7 +289,7 @@ def _autotuned(
            use_window, use_softcap)  # fmt: skip
 
     def time_ms(tile: TileConfig) -> float:
-        launch = plan_prefill(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
+        launch = plan_prefill(*args, tile=tile, **scales)
         return float(triton.testing.do_bench(launch.run))
 
     options = candidates("prefill", block_d, compute_dtype(q.dtype, k_cache.dtype), args[10],
@@ -302,6 +311,8 @@ def paged_prefill_attention(
     memo: dict[Any, Any] | None = None,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> Tensor:
     """Packed queries (``q``: ``[total_q, heads, head_dim]``; sequence ``b``
     owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) attending causally to
@@ -309,22 +320,25 @@ def paged_prefill_attention(
     cache. Same contract as ``paged_ref.ops.paged_prefill_attention``; rows
     that see no key are zeros. With ``memo`` (the caller's per-step dict)
     the first layer's checked plan is replayed by the others. An 8-bit cache
-    is dequantized tile by tile in registers (int8 with ``k_scales``/``v_scales``).
+    is dequantized tile by tile in registers (int8 with ``k_scales``/``v_scales``;
+    static per-head scales with ``k_head_scales``/``v_head_scales``, ``[kv_heads]``).
     """
     key = None
     if memo is not None and q.stride(-1) == 1:
         key = ("paged_triton.prefill", id(block_tables), id(cu_seqlens_q), id(seq_lens),
-               tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), k_scales is None, scale,
-               sliding_window, softcap)  # fmt: skip
+               tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), k_scales is None,
+               k_head_scales is None, scale, sliding_window, softcap)  # fmt: skip
         replay = memo.get(key)
         if replay is not None:
             out = torch.zeros_like(q)
-            k_scale, v_scale, _ = scale_args(k_cache, v_cache, k_scales, v_scales)
+            k_scale, v_scale, _ = scale_args(
+                k_cache, v_cache, k_scales, v_scales, k_head_scales, v_head_scales
+            )
             replay.run(q, k_cache, v_cache, k_scale, v_scale, out)
             return out
     check_runnable(_prefill_kernel, q, k_cache, v_cache)
     check_cache(k_cache, v_cache)
-    check_quantized_cache(k_cache, k_scales, v_scales)
+    check_quantized_cache(k_cache, k_scales, v_scales, k_head_scales, v_head_scales)
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, heads, head_dim], got shape {tuple(q.shape)}")
     total_q, heads, head_dim = q.shape
@@ -350,10 +364,10 @@ def paged_prefill_attention(
         device_arch(q.device), _INTERPRETED,
     )  # fmt: skip
     tile = None
-    scales = (k_scales, v_scales)
+    scales = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
     if autotune_enabled(q.device):
         tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
-    launch = plan_prefill(*args, tile=tile, k_scales=scales[0], v_scales=scales[1])
+    launch = plan_prefill(*args, tile=tile, **scales)
     launch.run()
     if key is not None and memo is not None:  # q, k, v, k_scale, v_scale, out: arguments 0-4, 8
         memo[key] = Replay([launch], [(0, 1, 2, 3, 4, 8)])

@@ -5,7 +5,10 @@ slot mapping (``block_id * block_size + offset``) says where, and slot ``-1``
 (padding in a right-padded batch) writes nothing. An 8-bit cache is
 quantized here, in registers (``paged_ref.kv_quant`` says how): int8 takes
 each head's absmax over ``head_dim`` (the program holds the whole row) and
-writes the float16 scale beside the codes; fp8 is a saturating cast.
+writes the float16 scale beside the codes; fp8 is a saturating cast. With
+static per-head scales (``HEAD_SCALES``, from ``calculate_kv_scales``) both
+store ``value / scale``, rounded and clamped (int8) or cast saturating (fp8),
+and write no scale.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from paged_triton.launch_checks import (
     interpreted,
     kv_quant_mode,
     last_dim_contiguous,
+    scale_args,
 )
 
 # fp8 formats: mantissa bits and the exponent of the smallest normal number.
@@ -65,6 +69,7 @@ def _write_kv_kernel(
     FP8_MANTISSA: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t)
@@ -79,10 +84,10 @@ def _write_kv_kernel(
     scale_dst = block * stride_sb + offset * stride_st + h
     k = tl.load(K_NEW + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
     _store_row(K_CACHE, K_SCALE, dst, scale_dst, k, mask, h < KV_HEADS, KV_QUANT, FP8_MAX,
-               FP8_MANTISSA, FP8_MIN_EXP, EMULATE_FP8, EMULATE_BF16)  # fmt: skip
+               FP8_MANTISSA, FP8_MIN_EXP, EMULATE_FP8, EMULATE_BF16, HEAD_SCALES)  # fmt: skip
     v = tl.load(V_NEW + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
     _store_row(V_CACHE, V_SCALE, dst, scale_dst, v, mask, h < KV_HEADS, KV_QUANT, FP8_MAX,
-               FP8_MANTISSA, FP8_MIN_EXP, EMULATE_FP8, EMULATE_BF16)  # fmt: skip
+               FP8_MANTISSA, FP8_MIN_EXP, EMULATE_FP8, EMULATE_BF16, HEAD_SCALES)  # fmt: skip
 
 
 @triton.jit
@@ -100,12 +105,27 @@ def _store_row(
     FP8_MIN_EXP: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
 ):
     """Store one token's ``[heads, head_dim]`` row as the cache stores it.
     ``KV_QUANT``: 0 the cache's own dtype, 1 fp8 (saturating cast), 2 int8
-    with one scale per head. Divisions round to nearest (``div_rn``), as
-    torch's do, so both backends pick the same codes."""
-    if KV_QUANT == 2:
+    with one scale per head. ``HEAD_SCALES``: divide by the static per-head
+    scales at ``SCALE`` (``scale_dst`` is then the head index) instead.
+    Divisions round to nearest (``div_rn``), as torch's do, so both backends
+    pick the same codes."""
+    if HEAD_SCALES:
+        s = tl.load(SCALE + scale_dst, mask=head_mask, other=1.0)
+        y = tl.math.div_rn(x.to(tl.float32), s[:, None])
+        if KV_QUANT == 2:
+            codes = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))  # ties away from 0
+            codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
+            tl.store(CACHE + dst, codes.to(tl.int8), mask=mask)
+        else:
+            y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+            if EMULATE_FP8:
+                y = round_to_fp8(y, FP8_MANTISSA, FP8_MIN_EXP)
+            tl.store(CACHE + dst, y.to(CACHE.dtype.element_ty), mask=mask)
+    elif KV_QUANT == 2:
         x = x.to(tl.float32)
         scale = tl.math.div_rn(tl.max(tl.abs(x), 1), 127.0).to(tl.float16)
         s = scale.to(tl.float32)
@@ -132,6 +152,7 @@ def _constexprs(
     emulate_bf16: bool,
     cache_dtype: torch.dtype,
     interpret: bool = False,
+    head_scales: bool = False,
 ) -> dict[str, Any]:
     mantissa, min_exp = FP8_FORMATS.get(cache_dtype, (0, 0))
     return dict(
@@ -146,6 +167,7 @@ def _constexprs(
         FP8_MANTISSA=mantissa,
         FP8_MIN_EXP=min_exp,
         EMULATE_FP8=interpret and cache_dtype in FP8_FORMATS,
+        HEAD_SCALES=head_scales,
     )
 
 
@@ -158,14 +180,16 @@ def plan_write_kv(
     interpret: bool = False,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> Launch:
     """One program per token; ``slots`` is int64 on the cache's device;
-    ``k_scales``/``v_scales`` (int8 only) ``[num_blocks, block_size, kv_heads]``."""
+    ``k_scales``/``v_scales`` (int8 only) ``[num_blocks, block_size, kv_heads]``,
+    or static ``k_head_scales``/``v_head_scales`` ``[kv_heads]``."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     ks, vs, cs = k.stride(), v.stride(), k_cache.stride()
-    k_scale = k_cache if k_scales is None else k_scales  # unused pointer when there are no scales
-    v_scale = v_cache if v_scales is None else v_scales
-    ss = k_scale.stride() if k_scales is not None else (0, 0)
+    k_scale, v_scale, ss = scale_args(k_cache, v_cache, k_scales, v_scales, k_head_scales,
+                                      v_head_scales)  # fmt: skip
     return Launch(
         _write_kv_kernel,
         (k.shape[0],),
@@ -190,6 +214,7 @@ def plan_write_kv(
         _constexprs(
             kv_heads, head_dim, block_size,
             interpret and torch.bfloat16 in (k_cache.dtype, k.dtype), k_cache.dtype, interpret,
+            k_head_scales is not None,
         ),  # fmt: skip
         num_warps=4,
         num_stages=1,
@@ -205,16 +230,19 @@ def write_kv(
     *,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    k_head_scales: Tensor | None = None,
+    v_head_scales: Tensor | None = None,
 ) -> None:
     """Write ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``, any dtype,
     e.g. views into a fused QKV output) into the cache at
     ``slot_mapping[i] = block_id * block_size + offset``; slot ``-1`` is skipped.
-    An 8-bit cache gets codes (int8: and scales in ``k_scales``/``v_scales``).
+    An 8-bit cache gets codes (int8: and scales in ``k_scales``/``v_scales``;
+    with static ``k_head_scales``/``v_head_scales``, codes of value / scale).
     Same contract as ``paged_ref.ops.write_kv``.
     """
     check_runnable(_write_kv_kernel, k_cache, v_cache, k, v)
     check_cache(k_cache, v_cache)
-    check_quantized_cache(k_cache, k_scales, v_scales)
+    check_quantized_cache(k_cache, k_scales, v_scales, k_head_scales, v_head_scales)
     _, _, kv_heads, head_dim = k_cache.shape
     expected = (slot_mapping.shape[0], kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
@@ -226,7 +254,10 @@ def write_kv(
         return
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     slots = as_int64(slot_mapping, k_cache)
-    plan_write_kv(k_cache, v_cache, k, v, slots, _INTERPRETED, k_scales, v_scales).run()
+    plan_write_kv(
+        k_cache, v_cache, k, v, slots, _INTERPRETED, k_scales, v_scales, k_head_scales,
+        v_head_scales,
+    ).run()  # fmt: skip
 
 
 _INTERPRETED = interpreted(_write_kv_kernel)
