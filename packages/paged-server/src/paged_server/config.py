@@ -36,6 +36,10 @@ class EngineConfig:
     ``fp8``/``fp8_e4m3``, ``fp8_e5m2``, ``int8``) is what both pools store;
     pools are sized in bytes, so an 8-bit cache holds about twice the tokens
     of a 16-bit one in the same ``kv_cache_memory_bytes``.
+    ``calculate_kv_scales`` (8-bit ``kv_cache_dtype`` only, as vLLM's) gives
+    the cache static scales per (layer, kv head) from one calibration pass
+    at start-up: int8 then keeps no per-token scales (exactly 2x the tokens
+    of 16 bits) and fp8 uses its range instead of a scale of 1.
     """
 
     model: str | None = None
@@ -53,6 +57,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: never replay decode steps from CUDA graphs
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     device: str = "auto"
     max_queue_len: int = 1024
     seed: int = 0
@@ -64,6 +69,7 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("dtype", self.dtype, ("auto", *DTYPES))
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        self._check_kv_scales()
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ValueError(
                 f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
@@ -100,6 +106,25 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False, "
                 "or long prompts could never be scheduled; enable chunked prefill or raise it"
+            )
+
+    def _check_kv_scales(self) -> None:
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(
+                f"calculate_kv_scales: must be True or False, got {self.calculate_kv_scales!r}"
+            )
+        if not self.calculate_kv_scales:
+            return
+        if self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "calculate_kv_scales: applies to kv_cache_dtype "
+                f"{', '.join(d for d in KV_CACHE_DTYPES if d != 'auto')}, not 'auto' "
+                "(the model dtype needs no scales); set --kv-cache-dtype or drop the flag"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "calculate_kv_scales: not supported with tensor_parallel_size > 1 yet (the "
+                "calibration pass runs on one rank); drop the flag or use one device"
             )
 
 

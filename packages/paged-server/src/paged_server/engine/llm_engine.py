@@ -49,7 +49,7 @@ from paged_server.engine.kv_sizing import sizes_by_memory_share
 from paged_server.engine.logprobs import token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import append_token, finish_early, take_output
-from paged_server.engine.pool_factory import build_cache_pool
+from paged_server.engine.pool_factory import build_cache_pool, calibrated_kv_scales
 from paged_server.engine.runner import ModelRunner, PromptScores
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
@@ -133,6 +133,10 @@ class LLMEngine:
             )
         mc, executor = loaded.config, self.executor
         self.kv_heads_per_rank = shard_heads(mc.num_heads, mc.num_kv_heads, loaded.model.tp).num_kv_heads
+        kv_scales = None
+        if config.calculate_kv_scales:  # before the serving pool exists (config refuses TP)
+            kv_scales = calibrated_kv_scales(config, loaded, self.kv_heads_per_rank)
+            log.info("calculate_kv_scales (%s): %s", config.kv_cache_dtype, kv_scales.summary())
         self.pool, self.capacity = build_cache_pool(
             config,
             mc,
@@ -143,6 +147,7 @@ class LLMEngine:
             model=loaded.model if executor is None else None,
             num_kv_heads=self.kv_heads_per_rank,
             wrap_ops=executor.wrap_ops if executor is not None else None,
+            kv_scales=kv_scales,
         )
         log.info(
             "KV cache: %d tokens (%d blocks of %d), sized by %s",

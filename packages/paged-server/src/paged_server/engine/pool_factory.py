@@ -16,8 +16,13 @@ from torch import nn
 
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.config import EngineConfig
+from paged_server.engine.kv_calibration import (
+    KVScales,
+    calculate_kv_scales,
+    calibration_token_ids,
+)
 from paged_server.engine.kv_sizing import blocks_in, kv_budget
-from paged_server.models import ModelConfig
+from paged_server.models import LoadedModel, ModelConfig
 
 
 @dataclass(slots=True)
@@ -31,8 +36,9 @@ class PoolCapacity:
     num_rows: int | None
     tokens: int
     kv_dtype: torch.dtype  # what the cache stores (the model dtype, or an 8-bit one)
-    kv_bytes: int  # the pool's K/V tensors (and int8 scales), bytes
+    kv_bytes: int  # the pool's K/V tensors (and int8 per-token scales), bytes
     sized_by: str = ""  # how the size was chosen (the start-up line says it)
+    kv_scales: KVScales | None = None  # static scales (calculate_kv_scales), else None
 
 
 def attention_ops(backend: str) -> ModuleType:
@@ -56,6 +62,7 @@ def build_cache_pool(
     *,
     num_kv_heads: int | None = None,
     wrap_ops: Callable[[ModuleType], ModuleType] | None = None,
+    kv_scales: KVScales | None = None,
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:
     """A zeroed pool for ``model_config`` and its capacity.
 
@@ -69,8 +76,10 @@ def build_cache_pool(
     (default: all of the model's), so a per-device budget buys more tokens;
     ``wrap_ops`` wraps the attention ops the pool uses (rank 0 records its
     block copies that way). Bytes are those of ``kv_cache_dtype`` (int8
-    scales included), so an 8-bit cache gets about twice the tokens from
-    the same memory budget.
+    per-token scales included), so an 8-bit cache gets about twice the
+    tokens from the same memory budget; with ``kv_scales`` (from
+    :func:`calibrated_kv_scales`) the pool keeps static scales instead and
+    int8 gets exactly twice.
     The contiguous pool attends with the reference path whatever ``backend``.
     """
     from paged_ref import ContiguousKVPool, PagedKVPool
@@ -86,9 +95,12 @@ def build_cache_pool(
     def ops_for(module: ModuleType) -> ModuleType:
         return wrap_ops(module) if wrap_ops is not None else module
 
-    # Bytes per token of what the pool stores (an 8-bit cache's scales included).
+    if config.calculate_kv_scales and kv_scales is None:
+        raise ValueError("calculate_kv_scales: pass kv_scales=calibrated_kv_scales(...) to build the pool")
+    static = (kv_scales.k, kv_scales.v) if kv_scales is not None else None
+    # Bytes per token of what the pool stores (int8 per-token scales included).
     kv_dtype = cache_dtype_for(config.kv_cache_dtype, dtype)
-    token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
+    token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype, static is not None)
     budget = kv_budget(config, token_bytes, device, model)
     if config.kv_cache_backend == "paged":
         num_blocks = budget.num_blocks
@@ -112,11 +124,12 @@ def build_cache_pool(
             enable_prefix_caching=config.enable_prefix_caching,
             ops=ops_for(attention_ops(backend)),
             kv_cache_dtype=config.kv_cache_dtype,
+            kv_scales=static,
         )
         tokens = num_blocks * config.block_size
         capacity = PoolCapacity(
             num_blocks, config.block_size, None, tokens, kv_dtype, tokens * token_bytes,
-            budget.sized_by,
+            budget.sized_by, kv_scales,
         )  # fmt: skip
         return pool, capacity
     rows = config.max_batch_size
@@ -130,11 +143,36 @@ def build_cache_pool(
             )
     pool = ContiguousKVPool.from_model_config(
         layers, kv_heads, head_dim, config.max_model_len, rows, dtype=dtype, device=device,
-        ops=ops_for(ref_ops), kv_cache_dtype=config.kv_cache_dtype,
+        ops=ops_for(ref_ops), kv_cache_dtype=config.kv_cache_dtype, kv_scales=static,
     )  # fmt: skip
     tokens = rows * config.max_model_len
     sized_by = budget.sized_by if budget.num_bytes is not None else "max_batch_size rows"
     return pool, PoolCapacity(
         tokens // config.block_size, config.block_size, rows, tokens, kv_dtype,
-        tokens * token_bytes, sized_by,
+        tokens * token_bytes, sized_by, kv_scales,
+    )  # fmt: skip
+
+
+def calibrated_kv_scales(
+    config: EngineConfig, loaded: LoadedModel, num_kv_heads: int | None = None
+) -> KVScales:
+    """``calculate_kv_scales``: one pass of ``loaded``'s model over the
+    calibration text through a small reference pool in the model's dtype
+    (freed afterwards), recording each layer's K/V absmax per kv head
+    (``engine/kv_calibration.py``). Runs before the serving pool is built."""
+    from paged_ref import PagedKVPool
+    from paged_ref.kv_quant import cache_dtype_for
+
+    mc = loaded.config
+    kv_heads = num_kv_heads or mc.num_kv_heads
+    device = next(loaded.model.parameters()).device
+    token_ids = calibration_token_ids(loaded.tokenizer.encode, config.max_model_len)
+    block_size = 16
+    pool = PagedKVPool.from_model_config(
+        mc.num_layers, kv_heads, mc.head_dim, -(-len(token_ids) // block_size), block_size,
+        loaded.dtype, device, enable_prefix_caching=False,
+    )  # fmt: skip
+    return calculate_kv_scales(
+        loaded.model, token_ids, pool, mc.num_layers, kv_heads,
+        cache_dtype_for(config.kv_cache_dtype, loaded.dtype),
     )  # fmt: skip

@@ -66,6 +66,10 @@ _HELP = {
     "kv_cache_dtype": "what the KV cache stores: auto = the model dtype; fp8 (= fp8_e4m3) and "
     "fp8_e5m2 with a per-tensor scale of 1.0; int8 with a scale per token and kv head. "
     "8 bits hold ~2x the tokens of 16 in the same --kv-cache-memory-bytes",
+    "calculate_kv_scales": "with an 8-bit --kv-cache-dtype: static K/V scales per layer and kv "
+    "head from one calibration pass at start-up (int8: no per-token scales, exactly 2x the "
+    "tokens of 16 bits; fp8: its full range instead of a scale of 1). Values beyond the "
+    "calibration text's range saturate",
     "device": "auto, cpu, cuda or cuda:N",
     "max_queue_len": "waiting requests beyond which new ones get HTTP 503",
     "seed": "engine seed for sampling without a per-request seed",
