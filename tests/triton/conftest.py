@@ -45,6 +45,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 #   query's dtype, so a float16/bfloat16 query adds one rounding of each
 #   dequantized value (rel. 2**-11 / 2**-8) to what the rows above cover.
 #   float32 queries keep float32 products (ieee) and the 2e-5 bound.
+#   With static per-head scales (calculate_kv_scales) the same holds: both
+#   sides compute code * float32 scale as one IEEE float32 product (one
+#   rounding, the same on both), and write_kv is again compared bit for bit.
 TOLERANCES = {
     torch.float32: dict(atol=2e-5, rtol=2e-5),
     torch.float16: dict(atol=3e-3, rtol=3e-3),
@@ -114,6 +117,30 @@ def random_quantized_caches(
     return k.to(DEVICE), v.to(DEVICE), move(k_scales), move(v_scales)
 
 
+def random_static_quantized_caches(
+    num_blocks: int,
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    kv_dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """8-bit K and V caches holding codes of N(0, s_h) values under static
+    per-head scales (each head its own magnitude, as calibration gives), and
+    those scales ``[kv_heads]`` float32 for K and V."""
+    from paged_ref.kv_quant import head_scales_from_absmax, quantize_static
+
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    out = []
+    for _ in range(2):
+        spread = torch.linspace(0.5, 1.5, kv_heads).view(1, 1, kv_heads, 1)  # ~N(0, 1) outputs
+        x = torch.randn(shape, generator=gen) * spread
+        scales = head_scales_from_absmax(x.abs().amax(dim=(0, 1, 3)), kv_dtype)
+        out.append((quantize_static(x, kv_dtype, scales).to(DEVICE), scales.to(DEVICE)))
+    (k, k_scales), (v, v_scales) = out
+    return k, v, k_scales, v_scales
+
+
 def blocks_needed(lens: list[int], block_size: int) -> int:
     """Physical blocks for these lengths plus spare noise blocks."""
     return sum(-(-n // block_size) for n in lens) + 4
@@ -134,6 +161,7 @@ def paged() -> types.SimpleNamespace:
         random_block_tables=random_block_tables,
         random_caches=random_caches,
         random_quantized_caches=random_quantized_caches,
+        random_static_quantized_caches=random_static_quantized_caches,
         blocks_needed=blocks_needed,
         assert_close=assert_close,
     )

@@ -1,6 +1,7 @@
 """Triton ops on 8-bit KV caches (int8 with per-token-per-head scales, fp8
-e4m3 and e5m2 with a per-tensor scale of 1) against paged_ref.ops, on
-randomized page tables. The interpreter handles fp8 loads, stores and casts,
+e4m3 and e5m2 with a per-tensor scale of 1, and both with static per-head
+scales from calculate_kv_scales) against paged_ref.ops, on randomized page
+tables. The interpreter handles fp8 loads, stores and casts,
 so every kv dtype runs here; the GPU code of the fp8 variants is compiled by
 the compile matrix. Tolerances: see conftest.py."""
 
@@ -78,6 +79,66 @@ def decode_inputs(lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype
     return (q, k_cache, v_cache, tables, seq_lens), scales_of(k_scales, v_scales)
 
 
+def static_inputs(lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype, gen, paged):
+    """``decode_inputs`` with static per-head scales instead of per-token ones."""
+    num_blocks = paged.blocks_needed(lens, block_size)
+    k_cache, v_cache, k_head, v_head = paged.random_static_quantized_caches(
+        num_blocks, kv_heads, block_size, head_dim, kv_dtype, gen
+    )
+    tables = paged.random_block_tables(lens, block_size, num_blocks, gen).to(paged.device)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(paged.device, q_dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=paged.device)
+    return (q, k_cache, v_cache, tables, seq_lens), {"k_head_scales": k_head, "v_head_scales": v_head}
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("new_dtype", [torch.float32, torch.float16], ids=["new-fp32", "new-fp16"])
+def test_write_kv_with_head_scales_is_bit_identical(kv_dtype, new_dtype, gen, paged):
+    """value / scale, rounded (int8) or cast (fp8), saturating beyond the range."""
+    kv_heads, head_dim, block_size, num_blocks, tokens = 3, 80, 8, 10, 20
+    k_cache, v_cache, k_head, v_head = paged.random_static_quantized_caches(
+        num_blocks, kv_heads, block_size, head_dim, kv_dtype, gen
+    )
+    fused = torch.randn(tokens, 3 * kv_heads, head_dim, generator=gen) * 4
+    fused[3] = 0.0
+    fused[5, :, 7] = 1e4  # far beyond every head's calibrated range: saturates
+    fused[6, :, 9] = -1e4
+    fused = fused.to(paged.device, new_dtype)
+    k, v = fused[:, kv_heads : 2 * kv_heads], fused[:, 2 * kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[0, 11]] = -1
+    slots = slots.to(paged.device)
+    heads = {"k_head_scales": k_head, "v_head_scales": v_head}
+    expected = (k_cache.clone(), v_cache.clone())
+    ref_ops.write_kv(*expected, k, v, slots, **heads)
+    ops.write_kv(k_cache, v_cache, k, v, slots, **heads)
+    assert bits_equal(k_cache, expected[0]) and bits_equal(v_cache, expected[1])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("q_dtype", Q_DTYPES)
+@pytest.mark.parametrize(ARGS, CASES)
+def test_head_scale_decode_and_prefill_match_reference(
+    heads, kv_heads, head_dim, block_size, window, softcap, q_dtype, kv_dtype, gen, paged
+):
+    lens = [200, 3 * block_size, 1, block_size - 1, 130]
+    args, scales = static_inputs(
+        lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype, gen, paged
+    )
+    scale = head_dim**-0.5
+    out = decode_attention(*args, scale, window, softcap, policy=SPLIT, **scales)
+    expected = ref_ops.paged_decode_attention(*args, scale, window, softcap, **scales)
+    paged.assert_close(out, expected, q_dtype)
+    q_lens = [60, 2 * block_size, 1, 0, 7]
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(cu[-1]), heads, head_dim, generator=gen).to(paged.device, q_dtype)
+    pre = (q, args[1], args[2], args[3], cu.to(paged.device), args[4])
+    out = ops.paged_prefill_attention(*pre, scale, window, softcap, **scales)
+    expected = ref_ops.paged_prefill_attention(*pre, scale, window, softcap, **scales)
+    paged.assert_close(out, expected, q_dtype)
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("q_dtype", Q_DTYPES)
 @pytest.mark.parametrize("policy", [None, SPLIT], ids=["auto-split", "split"])
@@ -116,11 +177,15 @@ def test_quantized_prefill_matches_reference(
     paged.assert_close(out, expected, q_dtype)
 
 
-def test_step_memo_replays_with_each_layers_scales(gen, paged):
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "head-scales"])
+def test_step_memo_replays_with_each_layers_scales(static, gen, paged):
     """Replayed layers must read their own int8 scales, not the first layer's."""
     lens, memo, step = [130, 16, 5], {}, None
     for _ in range(3):
-        args, scales = decode_inputs(lens, 8, 2, 64, 16, torch.int8, torch.float32, gen, paged)
+        if static:
+            args, scales = static_inputs(lens, 8, 2, 64, 16, torch.int8, torch.float32, gen, paged)
+        else:
+            args, scales = decode_inputs(lens, 8, 2, 64, 16, torch.int8, torch.float32, gen, paged)
         if step is not None:
             args = (*args[:3], *step)
         step = args[3:]
@@ -162,15 +227,24 @@ def test_e4m3_before_sm89_is_refused_with_the_alternatives(paged):
 
 
 @pytest.mark.backend
-def test_int8_pool_on_triton_ops_matches_reference_pool(gen, paged):
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "static"), [("int8", False), ("int8", True), ("fp8_e5m2", True)],
+    ids=["int8", "int8-head-scales", "fp8_e5m2-head-scales"],
+)  # fmt: skip
+def test_8bit_pool_on_triton_ops_matches_reference_pool(kv_cache_dtype, static, gen, paged):
     """A whole view (write, prefill, fork with copy-on-write, decode) on an
-    int8 pool: the Triton ops and the reference ops agree."""
+    8-bit pool: the Triton ops and the reference ops agree (static scales:
+    each layer its own, copy_blocks with no scales to copy)."""
     outs = []
+    kv_scales = None
+    if static:
+        kv_scales = (torch.tensor([[0.02, 0.05], [0.01, 0.03]]), torch.tensor([[0.03, 0.02], [0.04, 0.01]]))
     for backend in (ref_ops, ops):
         g = torch.Generator().manual_seed(1)
         pool = PagedKVPool.from_model_config(2, 2, 32, num_blocks=12, block_size=4,
                                              dtype=torch.float32, device=paged.device,
-                                             ops=backend, kv_cache_dtype="int8")  # fmt: skip
+                                             ops=backend, kv_cache_dtype=kv_cache_dtype,
+                                             kv_scales=kv_scales)  # fmt: skip
         seq = pool.allocate_seq(0)
         def rand(*shape, g=g):
             return torch.randn(*shape, generator=g).to(paged.device)
