@@ -67,6 +67,9 @@ def test_core_matrix_covers_every_kv_cache_dtype():
     assert "sm_89" in (cm.unsupported(e4m3, 80) or "")
     assert cm.unsupported(e4m3, 89) is None and cm.unsupported(e4m3, 90) is None
     assert cm.unsupported(cm.Variant("decode", cm.FAMILIES[1], kv_dtype="fp8_e5m2"), 80) is None
+    for kv in ("int8", "fp8_e4m3"):  # static per-head scales (calculate_kv_scales)
+        kernels = {v.kernel for v in variants if v.kv_dtype == kv and v.head_scales}
+        assert {"write_kv", "decode", "prefill"} <= kernels, kv
 
 
 @pytest.mark.parametrize(
@@ -74,6 +77,7 @@ def test_core_matrix_covers_every_kv_cache_dtype():
     [
         cm.Variant("decode", cm.FAMILIES[1], kv_dtype="int8"),
         cm.Variant("prefill", cm.FAMILIES[1], kv_dtype="fp8_e5m2"),
+        cm.Variant("decode", cm.FAMILIES[1], kv_dtype="int8", head_scales=True),
         cm.Variant("decode", cm.FAMILIES[1]),
         cm.Variant("decode", cm.FAMILIES[4], window=True),
         cm.Variant("decode_merge", cm.FAMILIES[1]),

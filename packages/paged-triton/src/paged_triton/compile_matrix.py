@@ -96,12 +96,14 @@ class Variant:
     window: bool = False
     softcap: bool = False
     kv_dtype: str = "auto"
+    head_scales: bool = False  # static per-head scales (calculate_kv_scales); 8-bit kv_dtype only
 
     @property
     def label(self) -> str:
         flags = [
             f"bs{self.block_size}",
             *([f"kv={self.kv_dtype}"] if self.kv_dtype != "auto" else []),
+            *(["head-scales"] if self.head_scales else []),
             *(["window"] if self.window else []),
             *(["softcap"] if self.softcap else []),
         ]
@@ -163,6 +165,12 @@ def quantized_variants() -> list[Variant]:
         Variant(k, gemma_4b, "bf16", window=True, softcap=True, kv_dtype="int8")
         for k in ("decode", "prefill")
     ]
+    # Static per-head scales (calculate_kv_scales): the HEAD_SCALES constexpr for int8 and fp8.
+    for kv in ("int8", "fp8_e4m3"):
+        out += [
+            Variant(k, llama_3b, "bf16", kv_dtype=kv, head_scales=True)
+            for k in ("write_kv", "decode", "prefill")
+        ]
     return out
 
 
@@ -227,17 +235,18 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
     kv_dtype = KV_DTYPES[variant.kv_dtype] or dtype
     cache = empty(num_blocks, bs, kv_heads, head_dim, dt=kv_dtype)
     scale = None  # int8 only: [num_blocks, block_size, kv_heads] float16
-    if kv_dtype == torch.int8:
+    if kv_dtype == torch.int8 and not variant.head_scales:
         scale = empty(num_blocks, bs, kv_heads, dt=torch.float16)
+    head = empty(kv_heads, dt=torch.float32) if variant.head_scales else None  # static scales
+    scales: dict[str, Any] = {"k_scales": scale, "v_scales": scale}
+    if head is not None:
+        scales = {"k_head_scales": head, "v_head_scales": head}
     window = (layout.window or 1024) if variant.window else None
     softcap = 30.0 if variant.softcap else None
     tables, lens = step_tensor(batch, width), step_tensor(batch)
     if variant.kernel == "write_kv":
         new = empty(batch, kv_heads, head_dim)
-        return plan_write_kv(
-            cache, cache, new, new, step_tensor(batch, dt=torch.int64), k_scales=scale,
-            v_scales=scale,
-        )  # fmt: skip
+        return plan_write_kv(cache, cache, new, new, step_tensor(batch, dt=torch.int64), **scales)
     if variant.kernel == "copy_blocks":
         caches = empty(4, num_blocks, bs, kv_heads, head_dim, dt=kv_dtype)
         return plan_copy_blocks(
@@ -248,14 +257,14 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
         cu_q = step_tensor(batch + 1)
         return plan_prefill(
             q, cache, cache, tables, cu_q, lens, head_dim**-0.5, window, softcap,
-            torch.empty_like(q), arch, interpret=False, k_scales=scale, v_scales=scale,
+            torch.empty_like(q), arch, interpret=False, **scales,
         )  # fmt: skip
     if variant.kernel in ("decode", "decode_merge"):
         q = empty(batch, heads, head_dim)
         policy = SplitPolicy(target_programs=1 << 16)  # splits whenever the context allows
         launches = plan_decode(
             q, cache, cache, tables, lens, head_dim**-0.5, window, softcap, torch.empty_like(q),
-            policy, arch, interpret=False, k_scales=scale, v_scales=scale,
+            policy, arch, interpret=False, **scales,
         )  # fmt: skip
         if variant.kernel == "decode":
             return launches[0]
