@@ -64,6 +64,15 @@ def test_kv_cache_dtype_flag_parses() -> None:
     assert engine_config_from_args(args).kv_cache_dtype == "fp8_e5m2"
 
 
+def test_calculate_kv_scales_flag_parses_and_needs_an_8_bit_cache() -> None:
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8", "--calculate-kv-scales"])
+    assert engine_config_from_args(args).calculate_kv_scales is True
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).calculate_kv_scales is False
+    args = build_parser().parse_args(["serve", "--calculate-kv-scales"])
+    with pytest.raises(ValueError, match="applies to kv_cache_dtype fp8, .*int8, not 'auto'"):
+        engine_config_from_args(args)
+
+
 def test_invalid_combination_is_reported_by_validate() -> None:
     args = parser().parse_args(["--max-batch-size", "64", "--max-num-batched-tokens", "8"])
     with pytest.raises(ValueError, match="max_num_batched_tokens"):

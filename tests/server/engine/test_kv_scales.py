@@ -1,0 +1,195 @@
+"""``calculate_kv_scales``: static K/V scales per (layer, kv head) from one
+calibration pass at start-up. The calibration is deterministic and per head;
+an engine with calculated scales is still a cache (paged = contiguous, and
+prefix caching, chunked prefill, forced preemption and n > 1 forks change
+nothing); int8 then holds exactly 4x the tokens of a float32 cache; bad
+combinations are one-line errors."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from paged_server.config import EngineConfig
+from paged_server.engine.pool_factory import calibrated_kv_scales
+from paged_server.entrypoints.openai.app import ServerSettings
+from paged_server.entrypoints.openai.server import startup_line
+from paged_server.sampling_params import SamplingParams
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request uses seed + i * this
+STATIC = dict(calculate_kv_scales=True)
+
+
+def workload(prompt_of, greedy):
+    shared = prompt_of(9, 100)
+    return [
+        (f"r{i}", (shared if i % 2 else []) + prompt_of(3 + 5 * i, i), greedy(10, logprobs=0))
+        for i in range(6)
+    ]
+
+
+def assert_same(run, ref, requests, logprob_tol: float = 1e-4) -> None:
+    for request_id, _, _ in requests:
+        got, want = run.choices[(request_id, 0)], ref.choices[(request_id, 0)]
+        assert got.token_ids == want.token_ids, request_id
+        assert got.error is None and got.finish_reason == want.finish_reason == "length"
+        assert got.logprobs == pytest.approx(want.logprobs, abs=logprob_tol)
+
+
+def test_calibration_is_deterministic_and_per_head(tiny_loaded) -> None:
+    config = EngineConfig(kv_cache_dtype="int8", calculate_kv_scales=True, max_model_len=128)
+    first, again = calibrated_kv_scales(config, tiny_loaded), calibrated_kv_scales(config, tiny_loaded)
+    layers, kv_heads = tiny_loaded.config.num_layers, tiny_loaded.config.num_kv_heads
+    assert first.k.shape == first.v.shape == (layers, kv_heads)
+    assert first.k.dtype == torch.float32 and (first.k > 0).all() and (first.v > 0).all()
+    assert torch.equal(first.k, again.k) and torch.equal(first.v, again.v)
+    assert first.num_tokens == 128  # the calibration text, cut to max_model_len
+    # K of the last layer's kv head 1 made 4x larger: only that head's K scale grows, 4x.
+    model = copy.deepcopy(tiny_loaded.model)
+    last = model.model.layers[-1].self_attn
+    head_dim = tiny_loaded.config.head_dim
+    with torch.no_grad():
+        last.k_proj.weight[head_dim : 2 * head_dim] *= 4
+    scaled = calibrated_kv_scales(config, dataclasses.replace(tiny_loaded, model=model))
+    torch.testing.assert_close(scaled.k[-1, 1], 4 * first.k[-1, 1], rtol=1e-5, atol=0)
+    assert torch.equal(scaled.k[-1, 0], first.k[-1, 0])
+    assert torch.equal(scaled.k[:-1], first.k[:-1]) and torch.equal(scaled.v, first.v)
+    fp8 = calibrated_kv_scales(dataclasses.replace(config, kv_cache_dtype="fp8"), tiny_loaded)
+    torch.testing.assert_close(fp8.k * 448, first.k * 127)  # same absmax, e4m3's qmax
+
+
+@pytest.fixture
+def static_reference(make_engine, run_engine, prompt_of, greedy):
+    """Contiguous pool with calculated int8 scales, no prefix cache, whole prompts."""
+    requests = workload(prompt_of, greedy)
+    engine = make_engine(kv_cache_backend="contiguous", max_batch_size=4, kv_cache_dtype="int8",
+                         **STATIC)  # fmt: skip
+    assert engine.pool.k_scales is None and engine.pool.k_head_scales is not None
+    return requests, run_engine(engine, requests)
+
+
+@pytest.mark.backend
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_static_int8_paged_matches_contiguous(
+    static_reference, make_engine, run_engine, attention_backend, prefix_caching
+) -> None:
+    requests, ref = static_reference
+    engine = make_engine(
+        max_batch_size=4, kv_cache_dtype="int8", attention_backend=attention_backend,
+        enable_prefix_caching=prefix_caching, **STATIC,
+    )  # fmt: skip
+    assert_same(run_engine(engine, requests), ref, requests)
+    if prefix_caching:
+        assert engine.metrics()["prefix_cache_hits_total"] > 0
+    assert engine.audit() == []
+
+
+def test_static_int8_chunked_prefill_under_block_pressure_matches(
+    static_reference, make_engine, run_engine
+) -> None:
+    requests, ref = static_reference
+    engine = make_engine(max_batch_size=4, kv_cache_dtype="int8", max_num_batched_tokens=8,
+                         num_gpu_blocks=14, **STATIC)  # fmt: skip
+    assert_same(run_engine(engine, requests), ref, requests)
+    assert engine.audit() == []
+
+
+@pytest.mark.backend
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e5m2"])
+def test_static_forced_preemption_matches_unpressured_run(
+    make_engine, run_engine, prompt_of, greedy, attention_backend, kv_cache_dtype
+) -> None:
+    requests = [(f"g{i}", prompt_of(4 + i, 50 + i), greedy(16, logprobs=0)) for i in range(3)]
+    roomy = run_engine(make_engine(kv_cache_dtype=kv_cache_dtype, **STATIC), requests)
+    engine = make_engine(kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
+                         num_gpu_blocks=7, **STATIC)  # fmt: skip
+    assert_same(run_engine(engine, requests), roomy, requests)
+    assert engine.metrics()["num_preemptions_total"] > 0
+    assert engine.audit() == []
+
+
+@pytest.mark.backend
+@pytest.mark.parametrize("prompt_len", [12, 10])  # full last block / shared partial block (CoW)
+def test_static_forks_match_separate_requests(
+    make_engine, run_engine, prompt_of, attention_backend, prompt_len
+) -> None:
+    prompt = prompt_of(prompt_len, 9)
+    kw = dict(kv_cache_dtype="int8", attention_backend=attention_backend,
+              enable_prefix_caching=False, **STATIC)  # fmt: skip
+    forked = make_engine(**kw)
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True,
+                            logprobs=0)  # fmt: skip
+    run = run_engine(forked, [("n3", prompt, params)])
+    assert (forked.pool.stats()["cow_copies"] > 0) == bool(prompt_len % 4)
+    separate = make_engine(**kw)
+    singles = [
+        (f"s{i}", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=(123 + i * SEED_STRIDE) % 2**64,
+                                         ignore_eos=True, logprobs=0))  # fmt: skip
+        for i in range(3)
+    ]
+    ref = run_engine(separate, singles)
+    for i in range(3):
+        assert run.tokens("n3", i) == ref.tokens(f"s{i}")
+        assert run.choices[("n3", i)].logprobs == pytest.approx(
+            ref.choices[(f"s{i}", 0)].logprobs, abs=1e-4
+        )
+    assert forked.audit() == [] and separate.audit() == []
+
+
+def test_static_scales_change_outputs_only_slightly(
+    static_reference, make_engine, run_engine
+) -> None:
+    requests, static_run = static_reference
+    full = run_engine(make_engine(kv_cache_backend="contiguous", max_batch_size=4), requests)
+    per_token = run_engine(make_engine(kv_cache_backend="contiguous", max_batch_size=4,
+                                       kv_cache_dtype="int8"), requests)  # fmt: skip
+    assert any(static_run.choices[(r, 0)].logprobs != per_token.choices[(r, 0)].logprobs
+               for r, _, _ in requests)  # fmt: skip  # a different scheme really ran
+    agree = sum(static_run.tokens(r) == full.tokens(r) for r, _, _ in requests)
+    assert agree >= len(requests) // 2
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_static_int8_holds_exactly_four_times_a_float32_cache(make_engine, backend) -> None:
+    """The tiny model is float32: one byte per value instead of four, with no
+    per-token scale bytes (a 16-bit model's pool would hold exactly 2x)."""
+    budget = 1 << 20
+    tokens = {}
+    for name, kw in {
+        "auto": {},
+        "int8": dict(kv_cache_dtype="int8"),
+        "int8+calc": dict(kv_cache_dtype="int8", **STATIC),
+        "fp8+calc": dict(kv_cache_dtype="fp8", **STATIC),
+    }.items():
+        engine = make_engine(kv_cache_backend=backend, kv_cache_memory_bytes=budget,
+                             max_batch_size=256, max_model_len=64, max_num_batched_tokens=256,
+                             **kw)  # fmt: skip
+        tokens[name] = engine.capacity.tokens
+        assert engine.capacity.kv_bytes <= budget
+    assert tokens["int8+calc"] == tokens["fp8+calc"] == 4 * tokens["auto"]
+    assert tokens["int8"] < tokens["int8+calc"]
+
+
+def test_startup_line_says_scales_are_calculated(make_engine) -> None:
+    engine = make_engine(kv_cache_dtype="int8", num_gpu_blocks=10, **STATIC)
+    line = startup_line(engine, ServerSettings(model_name="tiny"), "http://127.0.0.1:1")
+    assert "KV cache int8 (kv_cache_dtype=int8, calculated scales): capacity 40 tokens" in line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(calculate_kv_scales=True),
+         "calculate_kv_scales: applies to kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2, int8, not 'auto'"),
+        (dict(calculate_kv_scales=True, kv_cache_dtype="int8", tensor_parallel_size=2),
+         "not supported with tensor_parallel_size > 1"),
+        (dict(calculate_kv_scales="yes", kv_cache_dtype="int8"), "must be True or False"),
+    ],
+)  # fmt: skip
+def test_bad_combinations_are_one_line_errors(overrides, message) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        EngineConfig(**overrides).validate()
+    assert "\n" not in str(err.value)
