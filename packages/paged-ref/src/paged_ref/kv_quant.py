@@ -148,7 +148,7 @@ def scale_keywords(
     with per-token scales, ``k_head_scales=``/``v_head_scales=`` for static
     ones, and none otherwise (so an ops module written before 8-bit caches
     still serves the other dtypes)."""
-    out = {}
+    out: dict[str, Tensor] = {}
     if k_scales is not None and v_scales is not None:
         out.update(k_scales=k_scales, v_scales=v_scales)
     if k_head_scales is not None and v_head_scales is not None:

@@ -352,7 +352,7 @@ def _partials(
 
 
 def _autotuned(
-    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Tensor]
+    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Any]
 ) -> TileConfig:
     """The fastest candidate tile for this layer's shapes (timed once)."""
     import triton.testing
@@ -432,7 +432,7 @@ def decode_attention(
         device_arch(q.device), _INTERPRETED, memo,
     )  # fmt: skip
     tile = None
-    scales = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
+    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
     if autotune_enabled(q.device):
         tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
     launches = plan_decode(*args, tile=tile, **scales)

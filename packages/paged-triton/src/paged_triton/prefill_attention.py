@@ -278,7 +278,7 @@ def plan_prefill(
 
 
 def _autotuned(
-    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Tensor]
+    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Any]
 ) -> TileConfig:
     """The fastest candidate tile for this layer's shapes (timed once)."""
     import triton.testing
@@ -364,7 +364,7 @@ def paged_prefill_attention(
         device_arch(q.device), _INTERPRETED,
     )  # fmt: skip
     tile = None
-    scales = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
+    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
     if autotune_enabled(q.device):
         tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
     launch = plan_prefill(*args, tile=tile, **scales)
