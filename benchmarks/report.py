@@ -211,6 +211,13 @@ def _capacity_section(cap: dict[str, Any] | None, images: Path, docs: Path) -> l
     return out + [""]
 
 
+def _kv_label(row: dict[str, Any]) -> str:
+    """`int8`, or `int8` + calculate_kv_scales (rows from before that flag have no key)."""
+    return f"`{row['kv_cache_dtype']}`" + (
+        " + calculate_kv_scales" if row.get("calculate_kv_scales") else ""
+    )
+
+
 def _kv_dtype_section(kv: dict[str, Any] | None, tput: dict[str, Any] | None) -> list[str]:
     out = ["## KV cache dtype: 8-bit caches at equal KV bytes", ""]
     if kv is None and tput is None:
@@ -224,14 +231,16 @@ def _kv_dtype_section(kv: dict[str, Any] | None, tput: dict[str, Any] | None) ->
             f"({s['budget_bytes'] / 2**30:.0f} GiB of KV, {lay['name']} layout: {lay['num_layers']} layers, "
             f"{lay['num_kv_heads']} kv heads x {lay['head_dim']}, blocks of {s['block_size']}), sequences of "
             f"{s['avg_len']} tokens admitted until the pool refuses. int8 stores a float16 scale per token and "
-            "kv head beside the codes (counted here); fp8 uses a per-tensor scale of 1.0 (nothing stored).",
+            "kv head beside the codes (counted here); fp8 uses a per-tensor scale of 1.0 (nothing stored). "
+            "With `calculate_kv_scales` both keep one float32 scale per layer and kv head, calibrated at "
+            "start-up (nothing per token).",
             "",
         ]
         out += _table(
             ["model dtype", "kv_cache_dtype", "stored as", "bytes / token", "blocks", "tokens",
              "sequences", "tokens vs auto"],  # fmt: skip
             [
-                [r["model_dtype"], f"`{r['kv_cache_dtype']}`", r["stored_as"], _f(r["bytes_per_token"]),
+                [r["model_dtype"], _kv_label(r), r["stored_as"], _f(r["bytes_per_token"]),
                  _f(r["num_blocks"]), _f(r["tokens"]), _f(r["sequences"]),
                  f"{r['tokens_vs_auto']:.3f}x"]  # fmt: skip
                 for r in cap["rows"]
@@ -255,7 +264,7 @@ def _kv_dtype_section(kv: dict[str, Any] | None, tput: dict[str, Any] | None) ->
             st = table["settings"]
             for r in table["rows"]:
                 rows.append([
-                    table["model"], f"`{r['kv_cache_dtype']}`", _pct(r["greedy_agreement"]),
+                    table["model"], _kv_label(r), _pct(r["greedy_agreement"]),
                     f"{r['max_abs_delta_logprob']:.4f}", f"{r['perplexity']:,.2f}",
                     f"{st['num_prompts']} x {st['max_tokens']} tokens, text {st['text_tokens']} tokens",
                 ])  # fmt: skip
@@ -597,12 +606,17 @@ def _summary(results: Path) -> list[str]:
         )
     kv = _load(results, "kv_dtype")
     if kv is not None:
-        rows = {(r["model_dtype"], r["kv_cache_dtype"]): r for r in kv["capacity"]["rows"]}
-        fp8, int8 = rows.get(("bfloat16", "fp8")), rows.get(("bfloat16", "int8"))
+        rows = {
+            (r["model_dtype"], r["kv_cache_dtype"], bool(r.get("calculate_kv_scales"))): r
+            for r in kv["capacity"]["rows"]
+        }
+        fp8, int8 = rows.get(("bfloat16", "fp8", False)), rows.get(("bfloat16", "int8", False))
+        static = rows.get(("bfloat16", "int8", True))
         if fp8 and int8:
             out.append(
                 f"- KV cache dtype at equal KV bytes (bf16 model): `fp8` holds **{fp8['tokens_vs_auto']:.2f}x** "
-                f"the tokens of `auto`, `int8` **{int8['tokens_vs_auto']:.2f}x** (its per-token scales cost the rest)."
+                f"the tokens of `auto`, `int8` **{int8['tokens_vs_auto']:.2f}x** (its per-token scales cost the rest)"
+                + (f", `int8` with `calculate_kv_scales` **{static['tokens_vs_auto']:.3f}x**." if static else ".")
             )
     out += [
         "",

@@ -1,7 +1,9 @@
 """KV cache dtype accuracy: what an 8-bit cache changes in a model's outputs.
 
-For each ``kv_cache_dtype``, against ``auto`` (the model dtype) on the same
-model, weights and prompts:
+For each ``kv_cache_dtype`` (and ``int8`` / ``fp8`` with
+``calculate_kv_scales``: static scales from the engine's calibration text,
+which is not the perplexity text), against ``auto`` (the model dtype) on
+the same model, weights and prompts:
 
 - greedy agreement: share of ``max_tokens`` greedy tokens generated before
   the first token that differs from ``auto``'s (averaged over prompts);
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from paged_server.config import KV_CACHE_DTYPES
+from paged_server.bench.kv_dtype_capacity import VARIANTS
 
 CHUNK = 64
 
@@ -36,18 +38,28 @@ def fixed_text(num_chars: int = 3000) -> str:
 
 
 @torch.inference_mode()
-def perplexity(loaded: Any, token_ids: list[int], kv_cache_dtype: str) -> float:
+def perplexity(
+    loaded: Any, token_ids: list[int], kv_cache_dtype: str, calculate_kv_scales: bool = False
+) -> float:
     """exp(mean negative log-likelihood) of ``token_ids[1:]``, computed
-    through a paged pool storing ``kv_cache_dtype``."""
+    through a paged pool storing ``kv_cache_dtype`` (with the engine's
+    calibrated static scales when ``calculate_kv_scales``)."""
     from paged_ref import PagedKVPool
+    from paged_server.config import EngineConfig
+    from paged_server.engine.pool_factory import calibrated_kv_scales
 
     cfg = loaded.config
     device = next(loaded.model.parameters()).device
     block_size = 16
+    kv_scales = None
+    if calculate_kv_scales:
+        config = EngineConfig(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=True)
+        scales = calibrated_kv_scales(config, loaded)
+        kv_scales = (scales.k, scales.v)
     pool = PagedKVPool.from_model_config(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-len(token_ids) // block_size),
         block_size, loaded.dtype, device, enable_prefix_caching=False,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
     )  # fmt: skip
     seq = pool.allocate_seq(0)
     nll, count = 0.0, 0
@@ -66,7 +78,11 @@ def perplexity(loaded: Any, token_ids: list[int], kv_cache_dtype: str) -> float:
 
 
 def greedy_runs(
-    loaded: Any, prompts: list[list[int]], kv_cache_dtype: str, max_tokens: int
+    loaded: Any,
+    prompts: list[list[int]],
+    kv_cache_dtype: str,
+    max_tokens: int,
+    calculate_kv_scales: bool = False,
 ) -> list[tuple[list[int], list[float]]]:
     """(tokens, logprobs) of each prompt's greedy continuation."""
     from paged_server.entrypoints.llm import LLM
@@ -74,6 +90,7 @@ def greedy_runs(
 
     longest = max(len(p) for p in prompts) + max_tokens
     llm = LLM(loaded=loaded, kv_cache_dtype=kv_cache_dtype, max_model_len=longest + 1,
+              calculate_kv_scales=calculate_kv_scales,
               max_batch_size=len(prompts), max_num_batched_tokens=max(256, longest),
               attention_backend="ref", device=str(next(loaded.model.parameters()).device))  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -100,20 +117,20 @@ def kv_accuracy_table(
     loaded: Any, model_name: str, *, num_prompts: int = 8, prompt_len: int = 32,
     max_tokens: int = 64, text_chars: int = 3000,
 ) -> dict[str, Any]:  # fmt: skip
-    """The accuracy rows of one model, every ``kv_cache_dtype`` (``fp8_e4m3`` is ``fp8``)."""
+    """The accuracy rows of one model, every ``VARIANTS`` row (``fp8_e4m3`` is ``fp8``)."""
     text_ids = loaded.tokenizer.encode(fixed_text(text_chars))
     prompts = [text_ids[i * prompt_len : (i + 1) * prompt_len] for i in range(num_prompts)]
-    dtypes = [kv for kv in KV_CACHE_DTYPES if kv != "fp8_e4m3"]
     base = greedy_runs(loaded, prompts, "auto", max_tokens)
     rows = []
-    for kv in dtypes:
-        runs = base if kv == "auto" else greedy_runs(loaded, prompts, kv, max_tokens)
+    for kv, calc in VARIANTS:
+        runs = base if kv == "auto" else greedy_runs(loaded, prompts, kv, max_tokens, calc)
         agreement, delta = compare(runs, base)
         rows.append({
             "kv_cache_dtype": kv,
+            "calculate_kv_scales": calc,
             "greedy_agreement": round(agreement, 4),
             "max_abs_delta_logprob": round(delta, 5),
-            "perplexity": round(perplexity(loaded, text_ids, kv), 4),
+            "perplexity": round(perplexity(loaded, text_ids, kv, calc), 4),
         })  # fmt: skip
     return {
         "kind": "kv_accuracy",

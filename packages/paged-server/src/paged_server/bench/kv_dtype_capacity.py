@@ -1,12 +1,15 @@
 """KV cache dtype capacity: tokens and sequences that fit in equal KV bytes,
-``auto`` (the model dtype) vs ``fp8`` vs ``fp8_e5m2`` vs ``int8``.
+``auto`` (the model dtype) vs ``fp8`` vs ``fp8_e5m2`` vs ``int8``, and
+``int8`` / ``fp8`` with ``calculate_kv_scales`` (static scales per layer and
+kv head: no per-token scale bytes).
 
 Measured on real paged pools (``device="meta"``: sized, never allocated):
 each dtype's pool gets as many blocks as ``budget_bytes`` holds
-(``PagedKVPool.num_blocks_for_memory``, int8 scales counted), then
+(``PagedKVPool.num_blocks_for_memory``, int8 per-token scales counted), then
 sequences of ``avg_len`` tokens are admitted with ``allocate_sequence``
 until the pool refuses one. The layout defaults to Llama 3.2 1B's
-(16 layers, 8 kv heads x 64), where an int8 scale costs 2 bytes per 64.
+(16 layers, 8 kv heads x 64), where an int8 per-token scale costs 2 bytes
+per 64; with calculated scales int8 holds exactly 2x a 16-bit cache.
 """
 
 from __future__ import annotations
@@ -21,6 +24,17 @@ from paged_server.bench.capacity import admit_until_full
 from paged_server.config import KV_CACHE_DTYPES
 
 MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# (kv_cache_dtype, calculate_kv_scales) rows; fp8_e4m3 is the same format as fp8.
+VARIANTS = [
+    *((kv, False) for kv in KV_CACHE_DTYPES if kv != "fp8_e4m3"),
+    ("int8", True),
+    ("fp8", True),
+]
+
+
+def variant_label(kv_cache_dtype: str, calculate_kv_scales: bool) -> str:
+    """``int8``, or ``int8 + calculate_kv_scales``: how the tables name a row."""
+    return kv_cache_dtype + (" + calculate_kv_scales" if calculate_kv_scales else "")
 
 
 @dataclass(slots=True)
@@ -42,27 +56,34 @@ def kv_dtype_capacity_row(
     layout: KVLayout,
     block_size: int = 16,
     seed: int = 0,
+    calculate_kv_scales: bool = False,
 ) -> dict[str, Any]:
-    """One dtype's blocks, tokens and admitted sequences in ``budget_bytes``."""
+    """One dtype's blocks, tokens and admitted sequences in ``budget_bytes``
+    (``calculate_kv_scales``: the pool keeps static scales, whatever their values)."""
     from paged_ref import PagedKVPool
     from paged_ref.kv_quant import cache_dtype_for, kv_bytes_per_token
 
     dtype = MODEL_DTYPES[model_dtype]
     cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
     shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
-    num_blocks = PagedKVPool.num_blocks_for_memory(budget_bytes, *shape, block_size, cache_dtype)
+    static = calculate_kv_scales
+    num_blocks = PagedKVPool.num_blocks_for_memory(
+        budget_bytes, *shape, block_size, cache_dtype, static
+    )
+    ones = torch.ones(layout.num_layers, layout.num_kv_heads)
     pool = PagedKVPool.from_model_config(
         *shape, num_blocks, block_size, dtype, "meta", enable_prefix_caching=False,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, kv_scales=(ones, ones) if static else None,
     )  # fmt: skip
     tokens = num_blocks * block_size
     lengths = [avg_len] * (tokens // avg_len + 2)
     admitted = admit_until_full(pool, lengths, random.Random(seed))
     return {
         "kv_cache_dtype": kv_cache_dtype,
+        "calculate_kv_scales": static,
         "model_dtype": model_dtype,
         "stored_as": str(cache_dtype).removeprefix("torch."),
-        "bytes_per_token": kv_bytes_per_token(*shape, cache_dtype),
+        "bytes_per_token": kv_bytes_per_token(*shape, cache_dtype, static),
         "num_blocks": num_blocks,
         "tokens": tokens,
         "kv_bytes": pool.kv_bytes(),
@@ -77,18 +98,17 @@ def kv_dtype_capacity_table(
     layout: KVLayout | None = None,
     block_size: int = 16,
 ) -> dict[str, Any]:
-    """Every ``kv_cache_dtype`` for a 16-bit and a float32 model, with each
+    """Every ``VARIANTS`` row for a 16-bit and a float32 model, with each
     row's tokens and sequences relative to ``auto`` of the same model dtype."""
     layout = layout or KVLayout()
     rows = []
     for model_dtype in MODEL_DTYPES:
         base = None
-        for kv in KV_CACHE_DTYPES:
-            if kv == "fp8_e4m3":  # the same format as "fp8"
-                continue
+        for kv, calc in VARIANTS:
             row = kv_dtype_capacity_row(
-                kv, model_dtype, budget_bytes, avg_len, layout=layout, block_size=block_size
-            )
+                kv, model_dtype, budget_bytes, avg_len, layout=layout, block_size=block_size,
+                calculate_kv_scales=calc,
+            )  # fmt: skip
             base = base or row
             row["tokens_vs_auto"] = round(row["tokens"] / base["tokens"], 3)
             row["sequences_vs_auto"] = round(row["sequences"] / max(1, base["sequences"]), 3)
