@@ -11,6 +11,8 @@ CUDA list (split decode and its merge included)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,7 @@ def test_warmup_lists_exactly_what_serving_launches(
     config = EngineConfig(
         max_batch_size=4, max_model_len=128, max_num_batched_tokens=16, block_size=4,
         device=DEVICE.type, attention_backend="triton", kv_cache_dtype=kv_cache_dtype,
+        enforce_eager=True,  # on a GPU: decode launches run eagerly, where they can be recorded
     )  # fmt: skip
     engine = LLMEngine(config, loaded)
     recorder = LaunchRecorder(monkeypatch)
@@ -141,3 +144,19 @@ def test_warmup_lists_exactly_what_serving_launches(
         )
         keys = {v.key() for v in kernel_variants(capless, DEVICE)}
         assert launched.keys() - keys
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_start_compiles_every_variant_and_says_so(checkpoint_dirs, caplog) -> None:
+    loaded = load_model(checkpoint_dirs["gemma3"], torch.bfloat16, "cuda")
+    config = EngineConfig(max_batch_size=4, max_model_len=2048, device="cuda",
+                          attention_backend="triton")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="paged_server.engine.kernel_warmup"):
+        engine = LLMEngine(config, loaded)
+    lines = [r.getMessage() for r in caplog.records if "Triton kernel variants" in r.getMessage()]
+    assert len(lines) == 1 and re.fullmatch(r"compiled \d+ Triton kernel variants in \d+\.\d s", lines[0])
+    layout = attention_layout(loaded.model, loaded.dtype, engine.capacity, config.max_model_len)
+    names = [v.name for v in kernel_variants(layout, DEVICE)]
+    assert int(lines[0].split()[1]) == len(names)
+    assert "decode_merge" in names  # 2048-token contexts split on a GPU
