@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from paged_triton.launch import Launch, device_arch
+from paged_triton.launch_checks import check_quantized_cache
 
 # Planning for a GPU from a machine without one (the compile matrix) uses this arch.
 SPECIALISE_FOR = 90
@@ -170,6 +171,8 @@ class _Planner:
         if has_scales(lo.kv_cache_dtype):
             self.k_scales = self._zeros(*cache_shape[:-1], dtype=torch.float16)
             self.v_scales = self._zeros(*cache_shape[:-1], dtype=torch.float16)
+        # A cache the kernels cannot serve here (fp8 e4m3 before sm_89) fails now, clearly.
+        check_quantized_cache(self.k_cache, self.k_scales, self.v_scales)
         self.q = self._zeros(1, lo.num_heads, lo.head_dim, dtype=lo.dtype)
         self.lens = torch.ones(1, dtype=torch.int32, device=device)
 
