@@ -17,7 +17,8 @@ Each result records registers, stack and local memory per thread
 shared memory (must fit the target), and for the attention kernels how
 many shared-memory buffers the pipeliner gave the K/V tiles.
 
-Used by ``tests/triton/test_compile_matrix.py`` (``nox -s test``) and the
+Used by ``tests/triton/test_compile_matrix.py`` (``nox -s test``; it also
+compiles one model's start-up warm-up list, :func:`warmup_jobs`) and the
 GPU report (``nox -s gpu``); ``python -m paged_triton.compile_matrix``
 prints the table. Compiles run in worker processes with the interpreter
 off; Triton's cache (``TRITON_CACHE_DIR``) makes reruns fast.
