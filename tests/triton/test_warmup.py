@@ -54,6 +54,19 @@ def test_int8_cache_copies_its_scales_too():
     assert names(lo)[:3] == ["write_kv", "copy_blocks", "copy_blocks scales"]
 
 
+def test_static_kv_scales_plan_the_head_scales_variants():
+    """calculate_kv_scales: no per-token scales to copy, and write_kv /
+    decode / prefill planned with the HEAD_SCALES constexpr the engine launches."""
+    import dataclasses
+
+    lo = dataclasses.replace(layout(256, LayerAttention(), kv=torch.int8), static_kv_scales=True)
+    variants = kernel_variants(lo, CPU, arch=90, policy=H100)
+    assert [v.name for v in variants] == ["write_kv", "copy_blocks", "decode", "prefill"]
+    for v in variants:
+        if v.name != "copy_blocks":
+            assert v.launch.constexprs["HEAD_SCALES"] is True, v.name
+
+
 def test_interpreter_lists_without_compiling():
     lo = layout(256, LayerAttention(None, 30.0))
     done = warm_up(lo, CPU)

@@ -101,22 +101,25 @@ def workload(prompt_of) -> tuple[list, list]:
 
 
 CASES = [
-    ("llama", torch.float32, "auto"),
-    ("qwen3", torch.float16, "fp8_e5m2"),
-    ("gemma3", torch.float32, "int8"),
+    ("llama", torch.float32, "auto", False),
+    ("qwen3", torch.float16, "fp8_e5m2", False),
+    ("gemma3", torch.float32, "int8", False),
+    ("llama", torch.float16, "int8", True),  # calculate_kv_scales: the HEAD_SCALES variants
 ]
 
 
 @pytest.mark.parametrize(
-    "family,dtype,kv_cache_dtype", CASES, ids=[f"{f}-{str(d)[6:]}-kv_{k}" for f, d, k in CASES]
-)
+    "family,dtype,kv_cache_dtype,calculate_kv_scales", CASES,
+    ids=[f"{f}-{str(d)[6:]}-kv_{k}" + ("-calc" if c else "") for f, d, k, c in CASES],
+)  # fmt: skip
 def test_warmup_lists_exactly_what_serving_launches(
-    checkpoint_dirs, family, dtype, kv_cache_dtype, prompt_of, monkeypatch
+    checkpoint_dirs, family, dtype, kv_cache_dtype, calculate_kv_scales, prompt_of, monkeypatch
 ) -> None:
     loaded = load_model(checkpoint_dirs[family], dtype, DEVICE)
     config = EngineConfig(
         max_batch_size=4, max_model_len=128, max_num_batched_tokens=16, block_size=4,
         device=DEVICE.type, attention_backend="triton", kv_cache_dtype=kv_cache_dtype,
+        calculate_kv_scales=calculate_kv_scales,
         enforce_eager=True,  # on a GPU: decode launches run eagerly, where they can be recorded
     )  # fmt: skip
     engine = LLMEngine(config, loaded)

@@ -70,14 +70,19 @@ class ViewPool(Protocol):
 
 def static_scales(cache: Tensor, scales: Tensor, name: str) -> Tensor:
     """``scales`` (``[layers, kv_heads]``, the calibrated K or V scales) as the
-    pool keeps them: contiguous float32 on the cache's device."""
+    pool keeps them: float32 on the cache's device, each layer's row starting
+    16 bytes after the previous one's at least (rows padded to 4 floats), so
+    every layer's ``[kv_heads]`` slice has the alignment the Triton kernels
+    were specialised (and warmed up) for."""
     layers, kv_heads = cache.shape[0], cache.shape[-2]
     if tuple(scales.shape) != (layers, kv_heads):
         raise ValueError(
             f"static {name} scales must be [layers, kv_heads] = [{layers}, {kv_heads}], "
             f"got {tuple(scales.shape)}"
         )
-    return scales.to(device=cache.device, dtype=HEAD_SCALE_DTYPE).contiguous()
+    padded = torch.ones(layers, -(-kv_heads // 4) * 4, dtype=HEAD_SCALE_DTYPE, device=cache.device)
+    padded[:, :kv_heads] = scales.to(device=cache.device, dtype=HEAD_SCALE_DTYPE)
+    return padded[:, :kv_heads]
 
 
 class CacheView:

@@ -50,7 +50,8 @@ class AttentionLayout:
     cache stores; ``num_blocks``: the pool's (``copy_blocks`` is
     specialised on its per-layer stride); ``max_model_len`` decides whether
     a decode context can be long enough to split; ``layers``: one entry per
-    layer (duplicates are fine)."""
+    layer (duplicates are fine); ``static_kv_scales``: the 8-bit cache keeps
+    static per-head scales (``calculate_kv_scales``) instead of per-token ones."""
 
     num_heads: int
     num_kv_heads: int
@@ -61,6 +62,7 @@ class AttentionLayout:
     num_blocks: int
     max_model_len: int
     layers: tuple[LayerAttention, ...]
+    static_kv_scales: bool = False
 
 
 @dataclass(slots=True)
@@ -159,7 +161,7 @@ class _Planner:
     def __init__(
         self, layout: AttentionLayout, device: torch.device, arch: int | None, policy: Any
     ) -> None:
-        from paged_ref.kv_quant import has_scales
+        from paged_ref.kv_quant import has_scales, scale_keywords
 
         self.layout, self.device, self.arch, self.policy = layout, device, arch, policy
         self.interpret = arch is None  # no GPU to plan for: Triton's interpreter
@@ -168,11 +170,15 @@ class _Planner:
         self.k_cache = self._zeros(*cache_shape, dtype=lo.kv_cache_dtype)
         self.v_cache = self._zeros(*cache_shape, dtype=lo.kv_cache_dtype)
         self.k_scales = self.v_scales = None
-        if has_scales(lo.kv_cache_dtype):
+        if has_scales(lo.kv_cache_dtype, lo.static_kv_scales):
             self.k_scales = self._zeros(*cache_shape[:-1], dtype=torch.float16)
             self.v_scales = self._zeros(*cache_shape[:-1], dtype=torch.float16)
+        head = None
+        if lo.static_kv_scales:
+            head = torch.ones(lo.num_kv_heads, dtype=torch.float32, device=device)
+        self.scales = scale_keywords(self.k_scales, self.v_scales, head, head)
         # A cache the kernels cannot serve here (fp8 e4m3 before sm_89) fails now, clearly.
-        check_quantized_cache(self.k_cache, self.k_scales, self.v_scales)
+        check_quantized_cache(self.k_cache, self.k_scales, self.v_scales, head, head)
         self.q = self._zeros(1, lo.num_heads, lo.head_dim, dtype=lo.dtype)
         self.lens = torch.ones(1, dtype=torch.int32, device=device)
 
@@ -185,7 +191,7 @@ class _Planner:
         kv = self._zeros(1, self.layout.num_kv_heads, self.layout.head_dim, dtype=self.layout.dtype)
         slots = torch.zeros(1, dtype=torch.int64, device=self.device)
         return plan_write_kv(
-            self.k_cache, self.v_cache, kv, kv, slots, self.interpret, self.k_scales, self.v_scales
+            self.k_cache, self.v_cache, kv, kv, slots, self.interpret, **self.scales
         )
 
     def copy_blocks(self) -> list[tuple[str, Launch]]:
@@ -220,7 +226,7 @@ class _Planner:
         return plan_decode(
             self.q, self.k_cache, self.v_cache, tables, self.lens, lo.head_dim**-0.5,
             layer.sliding_window, layer.softcap, torch.empty_like(self.q), self.policy,
-            self.arch, self.interpret, k_scales=self.k_scales, v_scales=self.v_scales,
+            self.arch, self.interpret, **self.scales,
         )  # fmt: skip
 
     def prefill(self, layer: LayerAttention) -> Launch:
@@ -231,6 +237,5 @@ class _Planner:
         return plan_prefill(
             self.q, self.k_cache, self.v_cache, tables, cu_q, self.lens,
             self.layout.head_dim**-0.5, layer.sliding_window, layer.softcap,
-            torch.zeros_like(self.q), self.arch, self.interpret, k_scales=self.k_scales,
-            v_scales=self.v_scales,
+            torch.zeros_like(self.q), self.arch, self.interpret, **self.scales,
         )  # fmt: skip

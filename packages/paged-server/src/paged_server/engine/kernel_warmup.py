@@ -42,6 +42,7 @@ def attention_layout(
         num_blocks=capacity.num_blocks,
         max_model_len=max_model_len,
         layers=tuple(LayerAttention(m.sliding_window, m.softcap or None) for m in layers),
+        static_kv_scales=capacity.kv_scales is not None,
     )
 
 
