@@ -176,7 +176,7 @@ class _Planner:
         head = None
         if lo.static_kv_scales:
             head = torch.ones(lo.num_kv_heads, dtype=torch.float32, device=device)
-        self.scales = scale_keywords(self.k_scales, self.v_scales, head, head)
+        self.scales: dict[str, Any] = scale_keywords(self.k_scales, self.v_scales, head, head)
         # A cache the kernels cannot serve here (fp8 e4m3 before sm_89) fails now, clearly.
         check_quantized_cache(self.k_cache, self.k_scales, self.v_scales, head, head)
         self.q = self._zeros(1, lo.num_heads, lo.head_dim, dtype=lo.dtype)
