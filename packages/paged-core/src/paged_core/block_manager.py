@@ -1,10 +1,10 @@
-"""Block manager: per-sequence page tables over a ``BlockPool``, and its counters.
+"""Block manager: per-sequence page tables over a ``BlockPool``.
 
 It answers the scheduler's questions (can this prompt be admitted, can every
 running sequence grow by one token) and does the bookkeeping behind them:
 eager allocation of a prompt's blocks, prefix-cache hits on full blocks whose
 KV is already computed, copy-on-write when a sequence writes into a block it
-shares, and an audit. Pure Python, no tensors: the pool that owns the KV
+shares, and an audit; its counters are a ``PrefixCounters``. Pure Python, no tensors: the pool that owns the KV
 tensors copies blocks when ``append`` says so. Preemptions are the engine's
 to count (once, in the scheduler): here a preemption is a ``free``.
 """
@@ -12,59 +12,17 @@ to count (once, in the scheduler): here a preemption is a ``free``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from paged_core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from paged_core.block_stats import BlockManagerStats, PrefixCounters
 from paged_core.errors import OutOfBlocksError, UnknownSequenceError
 
-__all__ = ["MISS_REASONS", "BlockManager", "BlockManagerStats"]
-
-# Why prompt tokens were not served from the prefix cache (see BlockManagerStats).
-MISS_REASONS = ("too_short", "evicted", "never_seen")
+__all__ = ["BlockManager"]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass(slots=True)
-class BlockManagerStats:
-    """A snapshot of the block manager's counters.
-
-    ``blocks_free`` includes ``blocks_cached_free`` (free blocks still holding
-    prefix-cache content, evicted least recently freed first). ``tokens_used``
-    sums every live sequence's reserved length, so tokens in shared blocks
-    count once per sequence. ``usage`` is ``blocks_used / num_blocks``.
-    ``prefix_*`` count prompt tokens looked up and served from the cache;
-    the tokens not served are split by why (``queries = hits + the three
-    misses``): ``prefix_miss_too_short_tokens`` are those of the block
-    holding the last prompt token, which is never matched (its logits must
-    be computed), so a prompt of at most one block can never hit;
-    ``prefix_miss_evicted_tokens`` are full blocks whose content was cached
-    and evicted (or whose cached prefix was); ``prefix_miss_never_seen_tokens``
-    full blocks no earlier prompt computed."""
-
-    num_blocks: int
-    block_size: int
-    blocks_used: int
-    blocks_free: int
-    blocks_cached_free: int
-    tokens_used: int
-    tokens_capacity_free: int
-    usage: float
-    prefix_queries_tokens: int
-    prefix_hits_tokens: int
-    prefix_miss_too_short_tokens: int
-    prefix_miss_evicted_tokens: int
-    prefix_miss_never_seen_tokens: int
-    hit_rate: float
-    evictions: int
-    forks: int
-    cow_copies: int
-
-    def as_dict(self) -> dict[str, float]:
-        """Flat name -> number map, as pools' ``stats()`` and metrics endpoints report it."""
-        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -91,11 +49,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._seqs: dict[int, _SeqBlocks] = {}
-        self._prefix_queries_tokens = 0
-        self._prefix_hits_tokens = 0
-        self._miss_tokens = dict.fromkeys(MISS_REASONS, 0)
-        self._forks = 0
-        self._cow_copies = 0
+        self.counters = PrefixCounters()
 
     # -- admission -------------------------------------------------------
     def num_blocks_needed(
@@ -158,9 +112,10 @@ class BlockManager:
             seq.hashes = [block_hash for _, block_hash in hits]
             seq.tokens = list(token_ids) if token_ids is not None else []
             if not skip_prefix_cache:
-                self._prefix_queries_tokens += num_tokens
-                self._prefix_hits_tokens += num_cached
-                self._count_misses(num_tokens, token_ids, len(hits), hits[-1][1] if hits else None)
+                last_hit = hits[-1][1] if hits else None
+                self.counters.count_prompt(
+                    self.block_pool, self.block_size, num_tokens, token_ids, len(hits), last_hit
+                )
         self._seqs[seq_id] = seq
         return num_cached
 
@@ -206,7 +161,7 @@ class BlockManager:
             self.block_pool.free([last])  # stays in use by the others
             seq.table[-1] = copy
             copies.append((last.block_id, copy.block_id))
-            self._cow_copies += 1
+            self.counters.cow_copies += 1
         if (
             self.enable_prefix_caching
             and token_id is not None
@@ -258,7 +213,7 @@ class BlockManager:
             list(src.table), src.num_tokens, src.num_computed,
             list(src.tokens), list(src.hashes),
         )  # fmt: skip
-        self._forks += 1
+        self.counters.forks += 1
 
     # -- queries ---------------------------------------------------------
     def block_table(self, seq_id: int) -> list[int]:
@@ -295,28 +250,8 @@ class BlockManager:
 
     def stats(self) -> BlockManagerStats:
         """Operator counters (see ``BlockManagerStats``)."""
-        free = self.num_free_blocks()
-        used = self.num_blocks - free
-        queries, hits = self._prefix_queries_tokens, self._prefix_hits_tokens
-        return BlockManagerStats(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            blocks_used=used,
-            blocks_free=free,
-            blocks_cached_free=self.block_pool.num_cached_free(),
-            tokens_used=sum(seq.num_tokens for seq in self._seqs.values()),
-            tokens_capacity_free=free * self.block_size,
-            usage=used / self.num_blocks if self.num_blocks else 0.0,
-            prefix_queries_tokens=queries,
-            prefix_hits_tokens=hits,
-            prefix_miss_too_short_tokens=self._miss_tokens["too_short"],
-            prefix_miss_evicted_tokens=self._miss_tokens["evicted"],
-            prefix_miss_never_seen_tokens=self._miss_tokens["never_seen"],
-            hit_rate=hits / queries if queries else 0.0,
-            evictions=self.block_pool.evictions,
-            forks=self._forks,
-            cow_copies=self._cow_copies,
-        )
+        tokens_used = sum(seq.num_tokens for seq in self._seqs.values())
+        return self.counters.snapshot(self.block_pool, self.block_size, tokens_used)
 
     # -- health ----------------------------------------------------------
     def audit(self) -> list[str]:
@@ -392,28 +327,6 @@ class BlockManager:
                 hits.append((block, parent))
         free_hits = sum(1 for block, _ in hits if block.ref_count == 0)
         return hits, _cdiv(num_tokens, bs) - len(hits) + free_hits
-
-    def _count_misses(
-        self,
-        num_tokens: int,
-        token_ids: Sequence[int] | None,
-        num_hits: int,
-        parent: BlockHash | None,
-    ) -> None:
-        """Split the prompt's unserved tokens by reason (``BlockManagerStats``).
-        A matchable block after the first miss is "evicted" when its key is
-        still cached or was evicted (its prefix went), else "never seen"."""
-        bs = self.block_size
-        matchable = (num_tokens - 1) // bs
-        self._miss_tokens["too_short"] += num_tokens - matchable * bs
-        pool = self.block_pool
-        for i in range(num_hits, matchable):
-            if token_ids is None:  # no ids: nothing could ever match
-                self._miss_tokens["never_seen"] += (matchable - i) * bs
-                return
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
-            seen = parent in pool.prefix_index or pool.was_evicted(parent)
-            self._miss_tokens["evicted" if seen else "never_seen"] += bs
 
     def _require_free(self, why: str) -> None:
         if not self.block_pool.free_queue:
