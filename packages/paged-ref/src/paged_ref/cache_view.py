@@ -32,9 +32,11 @@ from paged_ref.ops import gather_context
 
 class ViewPool(Protocol):
     """What a view needs from its pool: ``k_cache``/``v_cache``
-    (``[layers, num_blocks, block_size, kv_heads, head_dim]``), the int8
-    scales beside them (``[layers, num_blocks, block_size, kv_heads]``, None
-    for other dtypes) and the ``ops`` module that writes and attends."""
+    (``[layer_slots, num_blocks, block_size, kv_heads, head_dim]``), the int8
+    scales beside them (``[layer_slots, num_blocks, block_size, kv_heads]``,
+    None for other dtypes), the ``ops`` module that writes and attends, and
+    where each layer lives (``layer_slot``: its KV cache group, its slot in
+    the tensors, the group's sliding window)."""
 
     @property
     def k_cache(self) -> Tensor: ...
@@ -52,6 +54,8 @@ class ViewPool(Protocol):
     def ops(self) -> ModuleType: ...
 
     def is_paged(self) -> bool: ...
+
+    def layer_slot(self, layer_idx: int) -> tuple[int, int, int | None]: ...
 
     def build_metadata(
         self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
@@ -112,14 +116,14 @@ class CacheView:
         tokens in seq_id order) and return each seq_id's whole context,
         ``[num_seqs, kv_heads, max_len, head_dim]`` (position ``p`` at index
         ``p``; zeros past a seq_id's length)."""
-        meta = self._write(layer_idx, k, v)
-        scales = self._scales(layer_idx)
+        meta, slot = self._write(layer_idx, k, v)
+        scales = self._scales(slot)
         return (
             gather_context(
-                self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens, scales.get("k_scales")
+                self.pool.k_cache[slot], meta.block_tables, meta.seq_lens, scales.get("k_scales")
             ),
             gather_context(
-                self.pool.v_cache[layer_idx], meta.block_tables, meta.seq_lens, scales.get("v_scales")
+                self.pool.v_cache[slot], meta.block_tables, meta.seq_lens, scales.get("v_scales")
             ),
         )
 
@@ -150,12 +154,21 @@ class CacheView:
         softcap: float | None = None,
     ) -> Tensor:
         """``write_kv`` then the decode and prefill attention ops.
-        ``q``: ``[num_tokens, heads, head_dim]``; returns the same shape."""
-        meta = self._write(layer_idx, k, v)
+        ``q``: ``[num_tokens, heads, head_dim]``; returns the same shape.
+        A layer in a sliding KV cache group must attend with that window:
+        its group frees blocks a wider window would still read."""
+        group, _, window = self.pool.layer_slot(layer_idx)
+        if window is not None and sliding_window != window:
+            raise ValueError(
+                f"layer {layer_idx} attends with sliding_window={sliding_window} but its KV "
+                f"cache group {group} frees blocks outside a window of {window} tokens; "
+                "build the pool with this layer's window (layer_windows)"
+            )
+        meta, slot = self._write(layer_idx, k, v)
         ops = self.pool.ops
-        k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+        k_cache, v_cache = self.pool.k_cache[slot], self.pool.v_cache[slot]
         softcap = softcap or None  # 0 means off, as in vLLM
-        scales = self._scales(layer_idx)
+        scales = self._scales(slot)
         dec, pre = meta.decode, meta.prefill
         if dec is not None and pre is None and dec.rows is None:
             return ops.paged_decode_attention(  # type: ignore[no-any-return]
@@ -188,25 +201,27 @@ class CacheView:
         return out
 
     # -- internals ---------------------------------------------------------------
-    def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> AttentionMetadata:
-        meta = self._metadata(k.shape[0])
+    def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[AttentionMetadata, int]:
+        """Write the layer's new K/V; returns its group's metadata and its slot."""
+        group, slot, _ = self.pool.layer_slot(layer_idx)
+        meta = self._metadata(k.shape[0]).for_group(group)
         if k.shape[0] != meta.num_tokens:
             raise ValueError(
                 f"k/v hold {k.shape[0]} tokens but this view's seq_ids bring {meta.num_tokens}"
             )
         self.pool.ops.write_kv(
-            self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx], k, v, meta.slot_mapping,
-            **self._scales(layer_idx),
+            self.pool.k_cache[slot], self.pool.v_cache[slot], k, v, meta.slot_mapping,
+            **self._scales(slot),
         )  # fmt: skip
-        return meta
+        return meta, slot
 
-    def _scales(self, layer_idx: int) -> dict[str, Tensor]:
-        """The layer's int8 scales as the ops' keywords; none for other dtypes
-        (so an ops module written before 8-bit caches still serves them)."""
+    def _scales(self, slot: int) -> dict[str, Tensor]:
+        """The layer slot's int8 scales as the ops' keywords; none for other
+        dtypes (so an ops module written before 8-bit caches still serves them)."""
         k_scales, v_scales = self.pool.k_scales, self.pool.v_scales
         if k_scales is None or v_scales is None:
             return {}
-        return scale_keywords(k_scales[layer_idx], v_scales[layer_idx])
+        return scale_keywords(k_scales[slot], v_scales[slot])
 
     def _metadata(self, num_tokens: int) -> AttentionMetadata:
         if self.meta is None:
@@ -259,6 +274,14 @@ class ViewsMixin:
 
     def get_num_computed_tokens(self, seq_id: int) -> int:
         raise NotImplementedError
+
+    def layer_slot(self, layer_idx: int) -> tuple[int, int, int | None]:
+        """``(KV cache group, slot in the tensors, group window)`` of a layer:
+        one group of every layer, layer ``l`` at slot ``l``, unless the pool
+        says otherwise (the paged pool's hybrid groups)."""
+        if not 0 <= layer_idx < self.k_cache.shape[0]:
+            raise IndexError(f"layer {layer_idx} is not one of this pool's {self.k_cache.shape[0]} layers")
+        return 0, layer_idx, None
 
     def prefill_view(self, seq_id: int) -> CacheView:
         """One seq_id; the pass's token count comes from ``k`` (room reserved then)."""
