@@ -3,7 +3,6 @@ and on engine + pool bookkeeping when asked for an audit."""
 
 from __future__ import annotations
 
-import math
 
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.engine.pool_factory import PoolCapacity
@@ -54,9 +53,8 @@ def check_prompt(
         )
     if capacity.num_rows is None:  # paged: must fit the pool on its own
         kv_tokens = min(n + params.max_tokens, max_model_len) - 1  # the last token is never written
-        blocks = math.ceil(kv_tokens / capacity.block_size)
-        # Per KV cache group: a prompt takes its blocks in every group at once.
-        total = capacity.tokens // capacity.block_size
+        blocks = capacity.blocks_for(n, kv_tokens)  # over every KV cache group
+        total = capacity.num_blocks
         if blocks > total:
             raise ValueError(
                 f"prompt has {n} tokens and max_tokens is {params.max_tokens}: the sequence "

@@ -42,6 +42,18 @@ class PoolCapacity:
     sized_by: str = ""  # how the size was chosen (the start-up line says it)
     num_groups: int = 1  # KV cache groups sharing the blocks (paged)
     groups: str = ""  # the groups in words, for the start-up line
+    group_windows: tuple[int | None, ...] = (None,)  # each group's sliding window
+
+    def blocks_for(self, prompt_len: int, kv_tokens: int) -> int:
+        """Blocks one sequence needs at its peak: its prompt in every group
+        (taken at admission), or ``kv_tokens`` in full groups and at most a
+        window + 1 block in sliding ones, whichever is more."""
+        bs = self.block_size
+        blocks = -(-kv_tokens // bs)
+        peak = sum(
+            blocks if w is None else min(blocks, -(-w // bs) + 1) for w in self.group_windows
+        )
+        return max(peak, self.num_groups * -(-prompt_len // bs))
 
 
 def describe_groups(groups: list[KVCacheGroup]) -> str:
@@ -147,7 +159,7 @@ def build_cache_pool(
         capacity = PoolCapacity(
             usable, config.block_size, None, usable * config.block_size // len(groups), kv_dtype,
             num_blocks * config.block_size * slot_bytes, budget.sized_by, len(groups),
-            describe_groups(groups),
+            describe_groups(groups), tuple(g.sliding_window for g in groups),
         )  # fmt: skip
         return pool, capacity
     budget = kv_budget(config, token_bytes, device, model)
