@@ -14,7 +14,9 @@ W, BS = 8, 4
 LAYERS = [W, W, W, W, W, None]
 
 
-def coordinator(num_blocks: int = 200, layers: list[int | None] = LAYERS, **kw: bool) -> KVCacheCoordinator:
+def coordinator(
+    num_blocks: int = 200, layers: list[int | None] = LAYERS, **kw: bool
+) -> KVCacheCoordinator:
     hybrid = kw.pop("hybrid", True)
     return KVCacheCoordinator(kv_cache_groups(layers, hybrid=hybrid), num_blocks, BS, **kw)
 

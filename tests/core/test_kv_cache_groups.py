@@ -39,7 +39,9 @@ def test_coprime_counts_give_groups_of_one_layer() -> None:
 def test_two_windows_and_slots() -> None:
     groups = kv_cache_groups([4, 4, 8, 8, None, None])
     assert [(g.layers, g.sliding_window) for g in groups] == [
-        ((4, 5), None), ((0, 1), 4), ((2, 3), 8),
+        ((4, 5), None),
+        ((0, 1), 4),
+        ((2, 3), 8),
     ]
     assert layer_slots(groups) == {4: (0, 0), 5: (0, 1), 0: (1, 0), 1: (1, 1), 2: (2, 0), 3: (2, 1)}
 

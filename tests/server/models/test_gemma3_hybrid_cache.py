@@ -14,9 +14,9 @@ from paged_server.models import load_model
 WINDOW, BLOCK = 8, 4
 STEPS = 40  # five windows past the prompt
 # 4 sliding + 2 global layers: groups of 2 layers (1 full group, 2 sliding).
-LAYER_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + [
-    "full_attention"
-]
+LAYER_TYPES = (
+    ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +84,36 @@ def test_hybrid_and_one_group_agree_and_hybrid_holds_fewer_blocks(gemma3, prompt
     # one group holds 6 layers x 17 blocks; hybrid 2 x 17 + 4 x (<= 3).
     for llm, bound in ((hybrid, 2 * 17 + 4 * 3), (one, 6 * 17)):
         engine = llm.engine
-        engine.add_request("long", prompts[0], SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            "long", prompts[0], SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+        )
         layers_per_block = 6 // engine.capacity.num_groups
         peak = 0
         while engine.has_unfinished():
             engine.step()
             used = engine.capacity.num_blocks - engine.pool.free_seq_count()
             peak = max(peak, used * layers_per_block)
-        assert peak <= bound + layers_per_block * engine.capacity.num_groups  # one block reserved ahead
+        assert (
+            peak <= bound + layers_per_block * engine.capacity.num_groups
+        )  # one block reserved ahead
         assert peak >= bound - layers_per_block * engine.capacity.num_groups
+
+
+def test_padded_decode_graph_buffers_carry_every_groups_tables(gemma3, prompt_of):
+    """The CUDA-graph static path (run eagerly on the CPU) with per-group page
+    tables and slot mappings gives the plain path's tokens on a hybrid pool."""
+    from paged_server.engine.decode_graphs import DecodeGraphs
+
+    _, loaded = gemma3
+    prompts = [prompt_of(5 + 6 * i, 10 + i) for i in range(3)]
+    plain = run(make_llm(loaded, "ref", num_gpu_blocks=200), prompts)
+    llm = make_llm(loaded, "ref", num_gpu_blocks=200)
+    engine, config = llm.engine, llm.engine.config
+    graphs = DecodeGraphs(
+        loaded.model, engine.pool, torch.device("cpu"), config.max_batch_size,
+        -(-config.max_model_len // config.block_size), capture=False,
+        num_groups=engine.capacity.num_groups,
+    )  # fmt: skip
+    engine.runner.decode_graphs = graphs
+    assert len(graphs.block_tables) == 3
+    assert run(llm, prompts) == plain

@@ -150,7 +150,9 @@ class KVCacheCoordinator:
         copies the pool must make (copy-on-write), all groups together."""
         return [pair for copies in self.append_per_group(seq_id, token_id) for pair in copies]
 
-    def append_per_group(self, seq_id: int, token_id: int | None = None) -> list[list[tuple[int, int]]]:
+    def append_per_group(
+        self, seq_id: int, token_id: int | None = None
+    ) -> list[list[tuple[int, int]]]:
         """``append``, with each group's copies apart (the pool mirrors tables per group).
         All or nothing: the blocks every group needs are checked first."""
         if len(self.managers) > 1 and not self.can_append([seq_id]):

@@ -28,9 +28,7 @@ class KVCacheGroup:
     sliding_window: int | None
 
 
-def kv_cache_groups(
-    layer_windows: list[int | None], *, hybrid: bool = True
-) -> list[KVCacheGroup]:
+def kv_cache_groups(layer_windows: list[int | None], *, hybrid: bool = True) -> list[KVCacheGroup]:
     """The groups of a model whose layer ``i`` attends with window
     ``layer_windows[i]`` (None = full). Full-attention groups come first,
     then sliding ones by window; within a type, layers in order. With

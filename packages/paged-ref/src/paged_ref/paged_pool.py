@@ -114,7 +114,7 @@ class PagedKVPool(ViewsMixin):
         mixed windows make KV cache groups (sliding ones free old blocks)
         unless ``disable_hybrid_kv_cache_manager``. A block then holds one
         group's layers (``slots_per_block``), so it costs fewer bytes."""
-        windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
+        windows: list[int | None] = list(layer_windows or [None] * num_layers)
         if len(windows) != num_layers:
             raise ValueError(f"got {len(windows)} layer_windows for {num_layers} layers")
         groups = kv_cache_groups(windows, hybrid=not disable_hybrid_kv_cache_manager)

@@ -25,8 +25,8 @@ from paged_server.bench.capacity import capacity_table
 from paged_server.bench.engine_bench import KVBudget
 from paged_server.bench.environment import describe_environment
 from paged_server.bench.kv_dtype_capacity import kv_dtype_capacity_table
-from paged_server.bench.sliding_window_capacity import sliding_window_capacity_table
 from paged_server.bench.results import RunResult
+from paged_server.bench.sliding_window_capacity import sliding_window_capacity_table
 from paged_server.bench.suite import ALL_CONFIGS, ModelCache, SuiteOptions, log, ratios, run_suite
 from paged_server.bench.workloads import WORKLOADS, make_workload, token_pool_from_tokenizer
 from paged_server.config import KV_CACHE_DTYPES

@@ -27,7 +27,9 @@ def _pool(budget_bytes: int, hybrid: bool, block_size: int) -> Any:
     from paged_ref import PagedKVPool
 
     slots = len(kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid)[0].layers)
-    num_blocks = PagedKVPool.num_blocks_for_memory(budget_bytes, slots, 1, 256, block_size, torch.bfloat16)
+    num_blocks = PagedKVPool.num_blocks_for_memory(
+        budget_bytes, slots, 1, 256, block_size, torch.bfloat16
+    )
     return PagedKVPool.from_model_config(
         26, 1, 256, num_blocks, block_size, torch.bfloat16, "meta",
         enable_prefix_caching=False, layer_windows=GEMMA3_1B_WINDOWS,
@@ -45,7 +47,9 @@ def _admit(pool: Any, length: int) -> int:
     return n
 
 
-def sliding_window_capacity_row(length: int, budget_bytes: int, block_size: int = 16) -> dict[str, Any]:
+def sliding_window_capacity_row(
+    length: int, budget_bytes: int, block_size: int = 16
+) -> dict[str, Any]:
     """One length: layer-blocks and bytes held per sequence, and sequences
     that fit ``budget_bytes``, hybrid vs one group."""
     row: dict[str, Any] = {"tokens": length}

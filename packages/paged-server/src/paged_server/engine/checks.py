@@ -3,7 +3,6 @@ and on engine + pool bookkeeping when asked for an audit."""
 
 from __future__ import annotations
 
-
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.engine.pool_factory import PoolCapacity
 from paged_server.engine.scheduler import Scheduler
