@@ -15,6 +15,7 @@ import os
 from collections import Counter
 
 import pytest
+import torch
 
 from paged_triton import compile_matrix as cm
 
@@ -109,4 +110,19 @@ def test_step_sizes_never_need_a_new_variant(variant):
 )
 def test_exhaustive_matrix():
     results = cm.run(cm.exhaustive_variants())
+    assert not describe(results), "\n".join(describe(results))
+
+
+@needs_ptxas
+def test_warmup_list_compiles_for_sm90():
+    """The start-up warm-up's list for a Gemma 3 4B layout (windowed and
+    global layers, soft-cap, bf16, 8k contexts: so the split merge too),
+    planned for an H100 and compiled for sm_90: no errors, no spills."""
+    from paged_triton.warmup import AttentionLayout, LayerAttention
+
+    layers = (LayerAttention(1024, 50.0), LayerAttention(None, 50.0))
+    layout = AttentionLayout(8, 4, 256, torch.bfloat16, torch.bfloat16, 16, 4096, 8192, layers)
+    jobs = cm.warmup_jobs(layout, 90)
+    assert len(jobs) == 8 and {j.arch for j in jobs} == {90}
+    results = cm.run_jobs(jobs)
     assert not describe(results), "\n".join(describe(results))

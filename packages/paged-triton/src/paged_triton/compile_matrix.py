@@ -17,7 +17,8 @@ Each result records registers, stack and local memory per thread
 shared memory (must fit the target), and for the attention kernels how
 many shared-memory buffers the pipeliner gave the K/V tiles.
 
-Used by ``tests/triton/test_compile_matrix.py`` (``nox -s test``) and the
+Used by ``tests/triton/test_compile_matrix.py`` (``nox -s test``; it also
+compiles one model's start-up warm-up list, :func:`warmup_jobs`) and the
 GPU report (``nox -s gpu``); ``python -m paged_triton.compile_matrix``
 prints the table. Compiles run in worker processes with the interpreter
 off; Triton's cache (``TRITON_CACHE_DIR``) makes reruns fast.
@@ -37,12 +38,15 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from paged_triton.launch import Launch
 from paged_triton.tile_config import smem_limit
+
+if TYPE_CHECKING:
+    from paged_triton.warmup import AttentionLayout
 
 ARCHS = (80, 89, 90)
 KERNELS = ("write_kv", "decode", "decode_merge", "prefill", "copy_blocks")
@@ -351,23 +355,45 @@ def specialize(launch: Launch, arch: int) -> tuple[dict[str, str], dict[str, Any
 
 def job(variant: Variant, arch: int, **step: int) -> CompileJob:
     """What Triton's JIT would compile for ``variant`` (``step``: see :func:`plan`)."""
-    launch = plan(variant, arch, **step)
+    block_n = variant.kernel in ("decode", "prefill")
+    return launch_job(variant.label, variant.dtype, plan(variant, arch, **step), arch, block_n)
+
+
+def launch_job(label: str, dtype: str, launch: Launch, arch: int, block_n: bool) -> CompileJob:
+    """What Triton's JIT would compile for ``launch`` on ``arch``; ``dtype``:
+    the model's ("fp32" is exempt from the spill check); ``block_n``: an
+    attention kernel, whose K/V buffering is checked."""
     signature, constexprs, attrs = specialize(launch, arch)
     fn = launch.kernel
     module = fn.fn.__module__  # the Python function under the JIT or interpreter wrapper
     return CompileJob(
-        label=variant.label,
-        dtype=variant.dtype,
+        label=label,
+        dtype=dtype,
         kernel=f"{module}:{fn.__name__}",
         signature=signature,
         constexprs=constexprs,
         attrs=attrs,
         options=launch.options,
         arch=arch,
-        block_n=launch.constexprs.get("BLOCK_N")
-        if variant.kernel in ("decode", "prefill")
-        else None,
+        block_n=launch.constexprs.get("BLOCK_N") if block_n else None,
     )
+
+
+def warmup_jobs(layout: AttentionLayout, arch: int, sms: int = 132) -> list[CompileJob]:
+    """The start-up warm-up's variants (``paged_triton.warmup``) for a model
+    of ``layout`` on a GPU of ``arch`` with ``sms`` SMs (which decides
+    whether decode splits), as compile jobs."""
+    from paged_triton.decode_splits import WAVES_PER_SM, SplitPolicy
+    from paged_triton.warmup import kernel_variants
+
+    policy = SplitPolicy(target_programs=WAVES_PER_SM * sms)
+    variants = kernel_variants(layout, torch.device("cpu"), arch=arch, policy=policy)
+    dtype = next(name for name, dt in DTYPES.items() if dt == layout.dtype)
+    attention = ("_decode_kernel", "_prefill_kernel")
+    return [
+        launch_job(f"warm-up: {v.name}", dtype, v.launch, arch, v.launch.kernel.__name__ in attention)
+        for v in variants
+    ]
 
 
 # -- compiling (worker side) ------------------------------------------------------------
@@ -501,11 +527,17 @@ def run(
     a head layout share compiled kernels) in ``workers`` processes; each
     result carries its :func:`check` problems."""
     pairs = [(v, arch) for arch in archs for v in variants if unsupported(v, arch) is None]
-    jobs = list({j.key: j for j in (job(v, arch) for v, arch in pairs)}.values())
-    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    return run_jobs([job(v, arch) for v, arch in pairs], workers)
+
+
+def run_jobs(jobs: Sequence[CompileJob], workers: int | None = None) -> list[CompileResult]:
+    """Compile ``jobs`` (deduplicated) in ``workers`` processes, each result
+    with its :func:`check` problems."""
+    unique = list({j.key: j for j in jobs}.values())
+    workers = workers or min(len(unique), os.cpu_count() or 1)
     # Always in fresh processes: kernels imported here may be interpreter stand-ins.
     with ProcessPoolExecutor(workers, get_context("spawn"), initializer=_worker_init) as pool:
-        results = list(pool.map(compile_job, jobs, chunksize=1))
+        results = list(pool.map(compile_job, unique, chunksize=1))
     for result in results:
         result.problems = check(result)
     return results

@@ -45,6 +45,7 @@ from paged_server.engine.beams import advance_beams, finish_beams, new_beam_sear
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.kernel_warmup import warm_up_kernels
 from paged_server.engine.kv_sizing import sizes_by_memory_share
 from paged_server.engine.logprobs import token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
@@ -167,6 +168,8 @@ class LLMEngine:
         if executor is not None:
             log.info("%s", self.parallel_summary())
         if device.type == "cuda":  # compile (and capture) before the first request
+            if self.attention_backend == "triton" and config.kv_cache_backend == "paged":
+                warm_up_kernels(loaded.model, loaded.dtype, self.capacity, config.max_model_len, device)
             seconds = self.runner.warm_up(min(config.max_model_len - 1, 256))
             log.info("warm-up done in %.1f s", seconds)
         self.scheduler = Scheduler(
