@@ -44,6 +44,12 @@ class PoolCapacity:
     groups: str = ""  # the groups in words, for the start-up line
     group_windows: tuple[int | None, ...] = (None,)  # each group's sliding window
 
+    @property
+    def num_tensor_blocks(self) -> int:
+        """Blocks of the cache tensors: ``num_blocks`` plus the null block
+        a pool with sliding groups reserves."""
+        return self.num_blocks + any(w is not None for w in self.group_windows)
+
     def blocks_for(self, prompt_len: int, kv_tokens: int) -> int:
         """Blocks one sequence needs at its peak: its prompt in every group
         (taken at admission), or ``kv_tokens`` in full groups and at most a
