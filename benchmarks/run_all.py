@@ -434,6 +434,18 @@ def run_capacity(bench: Bench) -> dict[str, Any]:
     return table
 
 
+def run_sliding_window(bench: Bench) -> dict[str, Any]:
+    """Hybrid KV cache groups, correctness only: blocks a Gemma 3 1B-shaped
+    sequence holds at 1k-8k tokens, and sequences that fit 1 GiB, hybrid vs
+    one group (meta-device pools)."""
+    from paged_server.bench.sliding_window_capacity import sliding_window_capacity_table
+
+    table = sliding_window_capacity_table(block_size=bench.options.budget.block_size)
+    emit(table)
+    save("sliding_window", {"environment": bench.env, **table})
+    return table
+
+
 def run_kv_dtype(bench: Bench) -> dict[str, Any]:
     """8-bit KV caches, correctness only: tokens and sequences at equal KV
     bytes per kv_cache_dtype, and the accuracy table on each test model."""
@@ -561,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             "serving_latency": lambda: run_serving_latency(bench),
             "tensor_parallel": lambda: run_tensor_parallel(bench),
             "kv_dtype": lambda: run_kv_dtype(bench),
+            "sliding_window": lambda: run_sliding_window(bench),
             "kv_dtype_throughput": lambda: run_kv_dtype_throughput(bench),
         }
         only = [s.strip() for s in args.only.split(",")] if args.only else list(steps)
@@ -583,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
                     if k
                     not in (
                         "capacity", "serving_latency", "tensor_parallel", "kv_dtype",
-                        "kv_dtype_throughput",
+                        "kv_dtype_throughput", "sliding_window",
                     )  # fmt: skip
                 },
                 bench.env,

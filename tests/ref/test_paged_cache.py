@@ -120,7 +120,7 @@ def test_audit_reports_a_page_table_mirror_that_differs():
     seq_id = pool.allocate_seq(40)
     assert pool.audit() == []
     # Corrupt the mirror only: the block manager still holds the right table.
-    pool._tables.set(seq_id, 1, pool.block_table(seq_id)[0])
+    pool._tables[0].set(seq_id, 1, pool.block_table(seq_id)[0])
     assert any("page-table row" in p for p in pool.audit())
 
 

@@ -228,6 +228,7 @@ def test_metrics_report_the_contract_keys(make_engine, run_engine, prompt_of, gr
         "generation_tokens_total",
         "kv_capacity_tokens",
         "kv_capacity_blocks",
+        "kv_cache_groups",
         "kv_audit_problems",
         "kv_audits_total",
         "prefix_cache_misses_too_short_total",

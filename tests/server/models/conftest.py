@@ -147,6 +147,7 @@ def make_pool(kind: str, loaded: LoadedModel, ops: ModuleType | None = None, **k
         dtype=torch.float32,
         ops=ops,
         enable_prefix_caching=kw.get("enable_prefix_caching", True),
+        layer_windows=c.layer_sliding_windows,  # Gemma 3: hybrid KV cache groups
     )
 
 

@@ -113,8 +113,10 @@ def test_tp2_matches_tp1_token_for_token(
 ) -> None:
     path = tp_checkpoints[family]
     count = family == "llama" and pool == "paged"
-    one = _generate(path, 1, pool)
-    two = _generate(path, 2, pool, count_comms=count)
+    # Tensor parallelism refuses a hybrid KV cache (one page table per step message).
+    extra = {"disable_hybrid_kv_cache_manager": True} if family == "gemma3" else {}
+    one = _generate(path, 1, pool, **extra)
+    two = _generate(path, 2, pool, count_comms=count, **extra)
     assert two["tokens"] == one["tokens"]
     assert two["preemptions"] == one["preemptions"]
     assert two["prefix_hits"] == one["prefix_hits"]

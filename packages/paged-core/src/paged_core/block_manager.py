@@ -34,18 +34,34 @@ class _SeqBlocks:
     num_computed: int = 0  # tokens whose KV the pool reported written
     tokens: list[int] = field(default_factory=list)  # known ids; stop growing at the first unknown
     hashes: list[BlockHash] = field(default_factory=list)  # chained keys of leading full blocks
+    num_released: int = 0  # leading entries that are the null block (out of a sliding window)
 
 
 class BlockManager:
     """Page tables, prefix caching, copy-on-write forks, audits and counters."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        *,
+        block_pool: BlockPool | None = None,
+        sliding_window: int | None = None,
+        null_block: Block | None = None,
+        hash_salt: BlockHash | None = None,
+        count_prompts: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_pool = BlockPool(num_blocks)
-        self.num_blocks = num_blocks
+        if sliding_window is not None and null_block is None:
+            raise ValueError("a sliding-window block manager needs a null_block for freed entries")
+        # One KV cache group of several share block_pool (see KVCacheCoordinator):
+        # out-of-window entries become null_block; keys chain from hash_salt.
+        self.block_pool = block_pool if block_pool is not None else BlockPool(num_blocks)
+        self.sliding_window, self.null_block = sliding_window, null_block
+        self.hash_salt, self.count_prompts = hash_salt, count_prompts
+        self.num_blocks = len(self.block_pool.blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._seqs: dict[int, _SeqBlocks] = {}
@@ -82,6 +98,7 @@ class BlockManager:
         token_ids: Sequence[int] | None = None,
         *,
         skip_prefix_cache: bool = False,
+        hits: list[tuple[Block, BlockHash]] | None = None,
     ) -> int:
         """Reserve blocks for a prompt of ``num_tokens`` tokens, reusing cached
         full blocks of its prefix. Returns the number of prompt tokens whose KV
@@ -90,29 +107,32 @@ class BlockManager:
         ``skip_prefix_cache`` looks nothing up (every prompt token is computed,
         e.g. to score it) but still registers the blocks it computes.
 
+        ``hits`` (the coordinator's) replaces this manager's own lookup.
+
         All or nothing: ``OutOfBlocksError`` leaves no state behind."""
         if seq_id in self._seqs:
             raise ValueError(
                 f"sequence {seq_id} already has blocks; free it before allocating again"
             )
-        hits, needed = self._plan(num_tokens, token_ids, skip_prefix_cache)
+        hits, needed = self._plan(num_tokens, token_ids, skip_prefix_cache, hits)
         if needed > self.num_free_blocks():
             raise OutOfBlocksError(
                 f"sequence {seq_id} needs {needed} free blocks for {num_tokens} tokens "
                 f"({len(hits)} prefix-cache hit blocks) but only {self.num_free_blocks()} of "
                 f"{self.num_blocks} are free; wait for sequences to finish or preempt one"
             )
-        for block, _ in hits:
-            self.block_pool.acquire(block)
         table = [block for block, _ in hits]
+        released = sum(1 for block in table if block is self.null_block)
+        for block in table[released:]:
+            self.block_pool.acquire(block)
         table += self.block_pool.get_new_blocks(_cdiv(num_tokens, self.block_size) - len(hits))
         num_cached = len(hits) * self.block_size
-        seq = _SeqBlocks(table, num_tokens, num_cached)
+        seq = _SeqBlocks(table, num_tokens, num_cached, num_released=released)
         if self.enable_prefix_caching:
             seq.hashes = [block_hash for _, block_hash in hits]
             seq.tokens = list(token_ids) if token_ids is not None else []
-            if not skip_prefix_cache:
-                last_hit = hits[-1][1] if hits else None
+            if not skip_prefix_cache and self.count_prompts:
+                last_hit = hits[-1][1] if hits else self.hash_salt
                 self.counters.count_prompt(
                     self.block_pool, self.block_size, num_tokens, token_ids, len(hits), last_hit
                 )
@@ -125,6 +145,10 @@ class BlockManager:
         new blocks at block boundaries plus private copies of shared last
         blocks. Exact: when several of the listed sequences share one last
         block, the last of them to append keeps the original."""
+        return self.num_blocks_to_append(seq_ids, num_tokens) <= self.num_free_blocks()
+
+    def num_blocks_to_append(self, seq_ids: Sequence[int], num_tokens: int = 1) -> int:
+        """Free blocks ``can_append`` asks for (see there)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         bs = self.block_size
@@ -138,7 +162,7 @@ class BlockManager:
                 shared_last[seq.table[-1]] = shared_last.get(seq.table[-1], 0) + 1
         for block, writers in shared_last.items():
             needed += min(writers, block.ref_count - 1)
-        return needed <= self.num_free_blocks()
+        return needed
 
     def append(self, seq_id: int, token_id: int | None = None) -> list[tuple[int, int]]:
         """Reserve room for one more token (``token_id`` is recorded for prefix
@@ -174,7 +198,8 @@ class BlockManager:
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
         """Record that the KV of the first ``num_computed_tokens`` tokens is
         written. Full blocks that are now computed (and whose tokens are all
-        known) enter the prefix index; only then can other prompts hit them."""
+        known) enter the prefix index; only then can other prompts hit them.
+        With a sliding window, blocks no later query can see are freed then."""
         seq = self._seq(seq_id)
         if not 0 <= num_computed_tokens <= seq.num_tokens:
             raise ValueError(
@@ -182,23 +207,32 @@ class BlockManager:
                 f"{num_computed_tokens} as computed"
             )
         seq.num_computed = max(seq.num_computed, num_computed_tokens)
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
         num_hashable = min(seq.num_computed, len(seq.tokens)) // bs
-        while len(seq.hashes) < num_hashable:
+        while self.enable_prefix_caching and len(seq.hashes) < num_hashable:
             i = len(seq.hashes)
             tokens = seq.tokens[i * bs : (i + 1) * bs]
-            block_hash = hash_block_tokens(seq.hashes[-1] if seq.hashes else None, tokens)
+            block_hash = hash_block_tokens(seq.hashes[-1] if seq.hashes else self.hash_salt, tokens)
             seq.hashes.append(block_hash)
-            self.block_pool.register(seq.table[i], block_hash, tokens)
+            if i >= seq.num_released:
+                self.block_pool.register(seq.table[i], block_hash, tokens)
+        if self.sliding_window is not None:  # after registering: freed blocks stay cached
+            dead = max(0, seq.num_computed - self.sliding_window + 1) // bs
+            if dead > seq.num_released:
+                self.block_pool.free(seq.table[seq.num_released : dead])
+                seq.table[seq.num_released : dead] = [self.null_block] * (dead - seq.num_released)  # type: ignore[list-item]
+                seq.num_released = dead
+
+    def num_released(self, seq_id: int) -> int:
+        """Leading page-table entries freed as out of the window (null block)."""
+        return self._seq(seq_id).num_released
 
     # -- release ---------------------------------------------------------
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks, tail first, so that its tail is evicted
         before its head. Blocks with cached content stay evictable."""
         seq = self._seq(seq_id)
-        self.block_pool.free(reversed(seq.table))
+        self.block_pool.free(reversed(seq.table[seq.num_released :]))
         del self._seqs[seq_id]
 
     def fork(self, parent: int, child: int) -> None:
@@ -207,11 +241,11 @@ class BlockManager:
         if child in self._seqs:
             raise ValueError(f"cannot fork into sequence {child}: it already exists")
         src = self._seq(parent)
-        for block in src.table:
+        for block in src.table[src.num_released :]:
             self.block_pool.acquire(block)
         self._seqs[child] = _SeqBlocks(
             list(src.table), src.num_tokens, src.num_computed,
-            list(src.tokens), list(src.hashes),
+            list(src.tokens), list(src.hashes), src.num_released,
         )  # fmt: skip
         self.counters.forks += 1
 
@@ -259,6 +293,14 @@ class BlockManager:
         at (each sequence's lengths and prefix keys here; ref counts, the free
         queue and the prefix index in ``BlockPool.audit``); empty when healthy.
         O(num_blocks + total table length): for tests and health checks."""
+        return self.audit_tables() + self.block_pool.audit(self.live_tables(), self.block_size)
+
+    def live_tables(self) -> list[list[Block]]:
+        """Each sequence's page table without its released (null) entries."""
+        return [s.table[s.num_released :] for s in self._seqs.values()]
+
+    def audit_tables(self) -> list[str]:
+        """``audit`` without the pool's side: lengths, keys, released entries."""
         problems: list[str] = []
         bs = self.block_size
         for seq_id, seq in self._seqs.items():
@@ -270,6 +312,8 @@ class BlockManager:
                     f"{where} has {n} tokens but {seq.num_computed} computed, "
                     f"{len(seq.tokens)} token ids, {len(seq.hashes)} block keys"
                 )
+            if any(b is not self.null_block for b in seq.table[: seq.num_released]):
+                problems.append(f"{where}: a released page-table entry is not the null block")
             for i, block in enumerate(seq.table):
                 if block.block_hash is None:
                     continue
@@ -280,7 +324,7 @@ class BlockManager:
                     problems.append(f"{where}: block {block.block_id} caches another prefix")
         if not self.enable_prefix_caching and self.block_pool.prefix_index:
             problems.append("prefix caching is off but the prefix index is not empty")
-        return problems + self.block_pool.audit([s.table for s in self._seqs.values()], bs)
+        return problems
 
     def reclaim_leaked(self) -> list[int]:
         """Free every block in use that no page table points at (a leak left by
@@ -301,7 +345,11 @@ class BlockManager:
         return seq
 
     def _plan(
-        self, num_tokens: int, token_ids: Sequence[int] | None, skip_prefix_cache: bool = False
+        self,
+        num_tokens: int,
+        token_ids: Sequence[int] | None,
+        skip_prefix_cache: bool = False,
+        given: list[tuple[Block, BlockHash]] | None = None,
     ) -> tuple[list[tuple[Block, BlockHash]], int]:
         """The prompt's leading full blocks found in the prefix index, with
         their keys (up to the first miss; never the block holding the last
@@ -314,9 +362,9 @@ class BlockManager:
                 f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given"
             )
         bs = self.block_size
-        hits: list[tuple[Block, BlockHash]] = []
-        parent: BlockHash | None = None
-        lookup = self.enable_prefix_caching and not skip_prefix_cache
+        hits: list[tuple[Block, BlockHash]] = [] if given is None else given
+        parent = self.hash_salt
+        lookup = self.enable_prefix_caching and not skip_prefix_cache and given is None
         if lookup and token_ids is not None and self.block_pool.prefix_index:
             for i in range((num_tokens - 1) // bs):
                 tokens = token_ids[i * bs : (i + 1) * bs]
@@ -325,7 +373,7 @@ class BlockManager:
                 if block is None:
                     break
                 hits.append((block, parent))
-        free_hits = sum(1 for block, _ in hits if block.ref_count == 0)
+        free_hits = sum(1 for b, _ in hits if b.ref_count == 0 and b is not self.null_block)
         return hits, _cdiv(num_tokens, bs) - len(hits) + free_hits
 
     def _require_free(self, why: str) -> None:

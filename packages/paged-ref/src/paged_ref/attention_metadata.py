@@ -57,6 +57,17 @@ class AttentionMetadata:
     prefill: PrefillPart | None
     # Derived tensors the attention ops reuse across layers (gather plans, masks).
     memo: dict[Any, Any] = field(default_factory=dict)
+    # KV cache groups 1.. of a hybrid pool (this object is group 0's): each
+    # has its own page tables and slot mapping. Empty with one group.
+    groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata layers of KV cache group ``group`` read."""
+        return self.groups[group - 1] if group else self
+
+    def all_groups(self) -> list[AttentionMetadata]:
+        """Every group's metadata, group 0 first."""
+        return [self, *self.groups]
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +154,13 @@ def build_metadata(
         decode=decode,
         prefill=prefill,
     )
+
+
+def with_groups(metas: list[AttentionMetadata]) -> AttentionMetadata:
+    """One step's metadata for every KV cache group: the first group's,
+    carrying all of them (just it when there is one group)."""
+    metas[0].groups = metas[1:]
+    return metas[0]
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, Tensor]:

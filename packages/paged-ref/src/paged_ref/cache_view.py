@@ -32,11 +32,13 @@ from paged_ref.ops import gather_context
 
 class ViewPool(Protocol):
     """What a view needs from its pool: ``k_cache``/``v_cache``
-    (``[layers, num_blocks, block_size, kv_heads, head_dim]``), the int8
-    scales beside them (``[layers, num_blocks, block_size, kv_heads]``, None
-    for other dtypes), the static scales of an 8-bit cache with calculated
-    scales (``[layers, kv_heads]`` float32, keyed by layer index, else None)
-    and the ``ops`` module that writes and attends."""
+    (``[layer_slots, num_blocks, block_size, kv_heads, head_dim]``), the int8
+    scales beside them (``[layer_slots, num_blocks, block_size, kv_heads]``,
+    None for other dtypes), the static scales of an 8-bit cache with
+    calculated scales (``[layers, kv_heads]`` float32, keyed by layer index,
+    else None), the ``ops`` module that writes and attends, and where each
+    layer lives (``layer_slot``: its KV cache group, its slot in the tensors,
+    the group's sliding window)."""
 
     @property
     def k_cache(self) -> Tensor: ...
@@ -61,6 +63,8 @@ class ViewPool(Protocol):
 
     def is_paged(self) -> bool: ...
 
+    def layer_slot(self, layer_idx: int) -> tuple[int, int, int | None]: ...
+
     def build_metadata(
         self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
     ) -> AttentionMetadata: ...
@@ -68,13 +72,13 @@ class ViewPool(Protocol):
     def mark_computed(self, seq_id: int, num_tokens: int) -> None: ...
 
 
-def static_scales(cache: Tensor, scales: Tensor, name: str) -> Tensor:
+def static_scales(cache: Tensor, scales: Tensor, name: str, num_layers: int) -> Tensor:
     """``scales`` (``[layers, kv_heads]``, the calibrated K or V scales) as the
     pool keeps them: float32 on the cache's device, each layer's row starting
     16 bytes after the previous one's at least (rows padded to 4 floats), so
     every layer's ``[kv_heads]`` slice has the alignment the Triton kernels
     were specialised (and warmed up) for."""
-    layers, kv_heads = cache.shape[0], cache.shape[-2]
+    layers, kv_heads = num_layers, cache.shape[-2]
     if tuple(scales.shape) != (layers, kv_heads):
         raise ValueError(
             f"static {name} scales must be [layers, kv_heads] = [{layers}, {kv_heads}], "
@@ -137,12 +141,12 @@ class CacheView:
         tokens in seq_id order) and return each seq_id's whole context,
         ``[num_seqs, kv_heads, max_len, head_dim]`` (position ``p`` at index
         ``p``; zeros past a seq_id's length)."""
-        meta = self._write(layer_idx, k, v)
-        s = self._scales(layer_idx)
+        meta, slot = self._write(layer_idx, k, v)
+        s = self._scales(layer_idx, slot)
         return (
-            gather_context(self.pool.k_cache[layer_idx], meta.block_tables, meta.seq_lens,
+            gather_context(self.pool.k_cache[slot], meta.block_tables, meta.seq_lens,
                            s.get("k_scales"), s.get("k_head_scales")),
-            gather_context(self.pool.v_cache[layer_idx], meta.block_tables, meta.seq_lens,
+            gather_context(self.pool.v_cache[slot], meta.block_tables, meta.seq_lens,
                            s.get("v_scales"), s.get("v_head_scales")),
         )  # fmt: skip
 
@@ -173,12 +177,21 @@ class CacheView:
         softcap: float | None = None,
     ) -> Tensor:
         """``write_kv`` then the decode and prefill attention ops.
-        ``q``: ``[num_tokens, heads, head_dim]``; returns the same shape."""
-        meta = self._write(layer_idx, k, v)
+        ``q``: ``[num_tokens, heads, head_dim]``; returns the same shape.
+        A layer in a sliding KV cache group must attend with that window:
+        its group frees blocks a wider window would still read."""
+        group, _, window = self.pool.layer_slot(layer_idx)
+        if window is not None and sliding_window != window:
+            raise ValueError(
+                f"layer {layer_idx} attends with sliding_window={sliding_window} but its KV "
+                f"cache group {group} frees blocks outside a window of {window} tokens; "
+                "build the pool with this layer's window (layer_windows)"
+            )
+        meta, slot = self._write(layer_idx, k, v)
         ops = self.pool.ops
-        k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+        k_cache, v_cache = self.pool.k_cache[slot], self.pool.v_cache[slot]
         softcap = softcap or None  # 0 means off, as in vLLM
-        scales = self._scales(layer_idx)
+        scales = self._scales(layer_idx, slot)
         dec, pre = meta.decode, meta.prefill
         if dec is not None and pre is None and dec.rows is None:
             return ops.paged_decode_attention(  # type: ignore[no-any-return]
@@ -211,29 +224,31 @@ class CacheView:
         return out
 
     # -- internals ---------------------------------------------------------------
-    def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> AttentionMetadata:
-        meta = self._metadata(k.shape[0])
+    def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[AttentionMetadata, int]:
+        """Write the layer's new K/V; returns its group's metadata and its slot."""
+        group, slot, _ = self.pool.layer_slot(layer_idx)
+        meta = self._metadata(k.shape[0]).for_group(group)
         if k.shape[0] != meta.num_tokens:
             raise ValueError(
                 f"k/v hold {k.shape[0]} tokens but this view's seq_ids bring {meta.num_tokens}"
             )
         self.pool.ops.write_kv(
-            self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx], k, v, meta.slot_mapping,
-            **self._scales(layer_idx),
+            self.pool.k_cache[slot], self.pool.v_cache[slot], k, v, meta.slot_mapping,
+            **self._scales(layer_idx, slot),
         )  # fmt: skip
-        return meta
+        return meta, slot
 
-    def _scales(self, layer_idx: int) -> dict[str, Tensor]:
-        """The layer's scales as the ops' keywords: int8 per-token scales, or
-        static per-head ones (indexed by layer, whatever the cache's first
-        axis holds); none for other dtypes (so an ops module written before
-        8-bit caches still serves them)."""
+    def _scales(self, layer_idx: int, slot: int) -> dict[str, Tensor]:
+        """The layer's scales as the ops' keywords: int8 per-token scales (in
+        the layer's slot of the tensors), or static per-head ones (indexed by
+        layer); none for other dtypes (so an ops module written before 8-bit
+        caches still serves them)."""
         pool = self.pool
         k_scales, v_scales = pool.k_scales, pool.v_scales
         k_head, v_head = pool.k_head_scales, pool.v_head_scales
         return scale_keywords(
-            None if k_scales is None else k_scales[layer_idx],
-            None if v_scales is None else v_scales[layer_idx],
+            None if k_scales is None else k_scales[slot],
+            None if v_scales is None else v_scales[slot],
             None if k_head is None else k_head[layer_idx],
             None if v_head is None else v_head[layer_idx],
         )
@@ -274,11 +289,14 @@ class ViewsMixin:
         ops: ModuleType,
         layout: str,
         kv_scales: tuple[Tensor, Tensor] | None = None,
+        num_layers: int | None = None,
     ) -> torch.Size:
         """Check and keep the pool's tensors (both pools hold the same ones,
         ``[layers, <layout>, kv_heads, head_dim]``); returns their shape.
         ``kv_scales``: static K and V scales ``[layers, kv_heads]``
-        (``calculate_kv_scales``), kept as float32 on the cache's device."""
+        (``calculate_kv_scales``), kept as float32 on the cache's device;
+        ``num_layers``: the model's layers when the tensors hold fewer layer
+        slots (hybrid KV cache groups)."""
         if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
             raise ValueError(
                 f"k_cache and v_cache must both be [layers, {layout}, kv_heads, head_dim], "
@@ -287,7 +305,8 @@ class ViewsMixin:
         self.k_head_scales = self.v_head_scales = None
         if kv_scales is not None:
             self.k_head_scales, self.v_head_scales = (
-                static_scales(k_cache, s, name) for s, name in zip(kv_scales, "kv", strict=True)
+                static_scales(k_cache, s, name, num_layers or k_cache.shape[0])
+                for s, name in zip(kv_scales, "kv", strict=True)
             )
         # (every layer's static scales have layer 0's shape, dtype and device)
         k_head = None if self.k_head_scales is None else self.k_head_scales[0]
@@ -302,6 +321,14 @@ class ViewsMixin:
 
     def get_num_computed_tokens(self, seq_id: int) -> int:
         raise NotImplementedError
+
+    def layer_slot(self, layer_idx: int) -> tuple[int, int, int | None]:
+        """``(KV cache group, slot in the tensors, group window)`` of a layer:
+        one group of every layer, layer ``l`` at slot ``l``, unless the pool
+        says otherwise (the paged pool's hybrid groups)."""
+        if not 0 <= layer_idx < self.k_cache.shape[0]:
+            raise IndexError(f"layer {layer_idx} is not one of this pool's {self.k_cache.shape[0]} layers")
+        return 0, layer_idx, None
 
     def prefill_view(self, seq_id: int) -> CacheView:
         """One seq_id; the pass's token count comes from ``k`` (room reserved then)."""

@@ -1,14 +1,18 @@
 """Block-paged KV cache pool: tensors here, page tables in ``BlockManager``.
 
-``k_cache``/``v_cache`` are ``[layers, num_blocks, block_size, kv_heads,
+``k_cache``/``v_cache`` are ``[layer_slots, num_blocks, block_size, kv_heads,
 head_dim]`` (a token's K for all heads is one contiguous row, so writes are
 row copies and a gathered context is a strided view, not a permute); a seq_id
-is a sequence id of the block manager. The pool adds what the block manager
-cannot do without tensors: page tables mirrored into a host tensor
-(``BlockTableBuffer``), copy-on-write block copies batched until the next
-view, and views that write and attend through an ``ops`` module
-(``paged_ref.ops`` by default; the server passes ``paged_triton.ops``, so
-this package never imports triton).
+is a sequence id of the block manager. The layers form KV cache groups
+(``paged_core.kv_cache_groups``): one group of every layer unless sliding
+windows make the model hybrid; then each group of ``k`` layers has its own
+page tables over the shared blocks and layer ``l`` lives at layer slot ``j``
+of the tensors (``layer_slot``). The pool adds what the block managers
+cannot do without tensors: page tables mirrored into host tensors
+(``BlockTableBuffer``, one per group), copy-on-write block copies batched
+until the next view, and views that write and attend through an ``ops``
+module (``paged_ref.ops`` by default; the server passes ``paged_triton.ops``,
+so this package never imports triton).
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from paged_core.block_manager import BlockManager
+from paged_core.kv_cache_coordinator import KVCacheCoordinator
+from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from paged_ref import ops as ref_ops
-from paged_ref.attention_metadata import AttentionMetadata, build_metadata
+from paged_ref.attention_metadata import AttentionMetadata, build_metadata, with_groups
 from paged_ref.block_table_buffer import BlockTableBuffer
 from paged_ref.cache_view import ViewsMixin
 from paged_ref.kv_quant import (
@@ -40,9 +45,10 @@ def block_bytes(
     dtype: torch.dtype,
     static_scales: bool = False,
 ) -> int:
-    """Bytes one block id takes across all layers, K and V together (an int8
-    cache's per-token scales included, none with ``static_scales``);
-    ``dtype`` is the cache's storage dtype."""
+    """Bytes one block id takes across ``num_layers`` layers (a KV cache
+    group's layer slots), K and V together (an int8 cache's per-token scales
+    included, none with ``static_scales``); ``dtype`` is the cache's storage
+    dtype."""
     return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, static_scales)
 
 
@@ -64,14 +70,30 @@ class PagedKVPool(ViewsMixin):
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
         kv_scales: tuple[Tensor, Tensor] | None = None,
+        groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
+        num_layers = sum(len(g.layers) for g in groups) if groups else None
         shape = self._hold(
             k_cache, v_cache, k_scales, v_scales, ops if ops is not None else ref_ops,
-            "num_blocks, block_size", kv_scales,
+            "num_blocks, block_size", kv_scales, num_layers,
         )  # fmt: skip
-        self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
-        self.block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching)
-        self._tables = BlockTableBuffer()
+        self.num_slots, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
+        self.groups = list(groups or [KVCacheGroup(tuple(range(self.num_slots)), None)])
+        if any(len(g.layers) != self.num_slots for g in self.groups):
+            raise ValueError(
+                f"the cache tensors have {self.num_slots} layer slots but the KV cache groups "
+                f"hold {[len(g.layers) for g in self.groups]} layers; build the tensors with "
+                "one slot per layer of a group"
+            )
+        self.num_layers = sum(len(g.layers) for g in self.groups)
+        self._slots = layer_slots(self.groups)
+        # The coordinator reserves the last block as the null block when a group slides.
+        self.block_manager = KVCacheCoordinator(
+            self.groups, self.num_blocks, self.block_size, enable_prefix_caching
+        )
+        self._null = self.block_manager.null_block_id
+        self._tables = [BlockTableBuffer() for _ in self.groups]
+        self._released = [dict[int, int]() for _ in self.groups]  # mirrored null entries
         self._pending_copies: list[tuple[int, int]] = []
         self._live: set[int] = set()  # live seq_ids, including ones with no block yet
         self._next_seq_id = 0
@@ -90,6 +112,8 @@ class PagedKVPool(ViewsMixin):
         ops: ModuleType | None = None,
         kv_cache_dtype: str = "auto",
         kv_scales: tuple[Tensor, Tensor] | None = None,
+        layer_windows: Sequence[int | None] | None = None,
+        disable_hybrid_kv_cache_manager: bool = False,
     ) -> PagedKVPool:
         """A zeroed pool of ``num_blocks`` blocks for a model's shape
         (``device="meta"`` sizes it without allocating memory). ``dtype`` is
@@ -97,8 +121,16 @@ class PagedKVPool(ViewsMixin):
         ``fp8_e5m2``, ``int8``) picks what the blocks store; ``kv_scales``
         (static K and V scales, ``[num_layers, num_kv_heads]``, from
         ``calculate_kv_scales``) replaces int8's per-token scales and fp8's
-        scale of 1."""
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        scale of 1. ``layer_windows[i]``: layer ``i``'s sliding window (None
+        = full); mixed windows make KV cache groups (sliding ones free old
+        blocks) unless ``disable_hybrid_kv_cache_manager``. A block then
+        holds one group's layers (``slots_per_block``), so it costs fewer
+        bytes."""
+        windows: list[int | None] = list(layer_windows or [None] * num_layers)
+        if len(windows) != num_layers:
+            raise ValueError(f"got {len(windows)} layer_windows for {num_layers} layers")
+        groups = kv_cache_groups(windows, hybrid=not disable_hybrid_kv_cache_manager)
+        shape = (len(groups[0].layers), num_blocks, block_size, num_kv_heads, head_dim)
         cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
         k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
         v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
@@ -111,6 +143,7 @@ class PagedKVPool(ViewsMixin):
             k_scales=new_scales(k_cache, static),
             v_scales=new_scales(v_cache, static),
             kv_scales=kv_scales,
+            groups=groups,
         )
 
     @staticmethod
@@ -155,7 +188,9 @@ class PagedKVPool(ViewsMixin):
         self._check_live(seq_id)
         if self.block_manager.has_seq(seq_id):
             self.block_manager.free(seq_id)
-            self._tables.remove(seq_id)
+            for tables, released in zip(self._tables, self._released, strict=True):
+                tables.remove(seq_id)
+                released.pop(seq_id, None)
         self._live.remove(seq_id)
 
     def get_num_computed_tokens(self, seq_id: int) -> int:
@@ -216,9 +251,9 @@ class PagedKVPool(ViewsMixin):
             self._sync_table(seq_id)
             return
         at_boundary = bm.num_tokens(seq_id) % self.block_size == 0
-        copies = bm.append(seq_id, token_id)
-        if copies or at_boundary:  # else the token fits the seq_id's own last block
-            self._sync_table(seq_id, copies)
+        for g, copies in enumerate(bm.append_per_group(seq_id, token_id)):
+            if copies or at_boundary:  # else the token fits the seq_id's own last block
+                self._sync_table(seq_id, copies, g)
 
     def get_num_reserved(self, seq_id: int) -> int:
         """Tokens the seq_id has room for (committed + reserved ahead)."""
@@ -232,7 +267,9 @@ class PagedKVPool(ViewsMixin):
         child = self._new_seq_id()
         if self.block_manager.has_seq(seq_id):
             self.block_manager.fork(seq_id, child)
-            self._tables.fork(seq_id, child)
+            for tables, released in zip(self._tables, self._released, strict=True):
+                tables.fork(seq_id, child)
+                released[child] = released.get(seq_id, 0)
         self._live.add(child)
         return child
 
@@ -241,6 +278,8 @@ class PagedKVPool(ViewsMixin):
         full blocks may enter the prefix cache."""
         if num_tokens or self.block_manager.has_seq(seq_id):
             self.block_manager.mark_computed(seq_id, num_tokens)
+            if self._null is not None:
+                self._mirror_released(seq_id)
 
     def audit(self) -> list[str]:
         """The block manager's audit, the pool's own seq_id bookkeeping, and the
@@ -250,20 +289,22 @@ class PagedKVPool(ViewsMixin):
         for seq_id in bm.seq_ids():
             if seq_id not in self._live:
                 problems.append(f"block manager holds sequence {seq_id} that is no live seq_id")
-            if seq_id not in self._tables:
-                problems.append(f"sequence {seq_id} has no page-table row")
-            elif self._tables.blocks(seq_id) != bm.block_table(seq_id):
-                problems.append(
-                    f"sequence {seq_id}: page-table row {self._tables.blocks(seq_id)} differs "
-                    f"from the block manager's {bm.block_table(seq_id)}"
-                )
-        for handle in self._tables.handles():
-            if not bm.has_seq(handle):
-                problems.append(f"page-table row kept for sequence {handle} without blocks")
-        if bm.num_blocks != self.num_blocks:
-            problems.append(
-                f"block manager has {bm.num_blocks} blocks, tensors have {self.num_blocks}"
-            )
+        for g, tables in enumerate(self._tables):
+            where = f" (KV cache group {g})" if len(self._tables) > 1 else ""
+            for seq_id in bm.seq_ids():
+                if seq_id not in tables:
+                    problems.append(f"sequence {seq_id} has no page-table row{where}")
+                elif tables.blocks(seq_id) != bm.block_table(seq_id, g):
+                    problems.append(
+                        f"sequence {seq_id}: page-table row {tables.blocks(seq_id)} differs "
+                        f"from the block manager's {bm.block_table(seq_id, g)}{where}"
+                    )
+            for handle in tables.handles():
+                if not bm.has_seq(handle):
+                    problems.append(f"page-table row kept for sequence {handle} without blocks")
+        usable = self.num_blocks - (self._null is not None)
+        if bm.num_blocks != usable:
+            problems.append(f"block manager has {bm.num_blocks} blocks, tensors have {usable}")
         return problems
 
     def reclaim_leaked(self) -> list[int]:
@@ -271,14 +312,28 @@ class PagedKVPool(ViewsMixin):
         return self.block_manager.reclaim_leaked()
 
     def stats(self) -> dict[str, float]:
-        return self.block_manager.stats().as_dict()
+        """The block counters; with several KV cache groups also each group's
+        blocks in use (``group_<g>_blocks_used``)."""
+        out = self.block_manager.stats().as_dict()
+        if len(self.groups) > 1:
+            for g, used in enumerate(self.block_manager.group_blocks_used()):
+                out[f"group_{g}_blocks_used"] = used
+        return out
+
+    def layer_slot(self, layer_idx: int) -> tuple[int, int, int | None]:
+        """``(group, slot, group window)`` of model layer ``layer_idx``."""
+        where = self._slots.get(layer_idx)
+        if where is None:
+            raise IndexError(f"layer {layer_idx} is not one of this pool's {self.num_layers} layers")
+        group, slot = where
+        return group, slot, self.groups[group].sliding_window
 
     # -- used by the views -----------------------------------------------------
-    def block_table(self, seq_id: int) -> list[int]:
+    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
         """The seq_id's block ids in token order (empty before its first block)."""
         self._check_live(seq_id)
         bm = self.block_manager
-        return bm.block_table(seq_id) if bm.has_seq(seq_id) else []
+        return bm.block_table(seq_id, group) if bm.has_seq(seq_id) else []
 
     def ensure_reserved(self, seq_id: int, num_tokens: int) -> None:
         """Grow the seq_id's reservation to ``num_tokens`` (a design-document view
@@ -293,7 +348,8 @@ class PagedKVPool(ViewsMixin):
             self._sync_table(seq_id)
             return
         while bm.num_tokens(seq_id) < num_tokens:
-            self._sync_table(seq_id, bm.append(seq_id))
+            for g, copies in enumerate(bm.append_per_group(seq_id)):
+                self._sync_table(seq_id, copies, g)
 
     def build_metadata(
         self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
@@ -316,24 +372,43 @@ class PagedKVPool(ViewsMixin):
             )
         width = -(-max(ends, default=1) // bs) or 1
         self._flush_copies()
-        if all(rooms):
-            tables = self._tables.gather(self._tables.rows(seq_ids)[0], width)
-        else:  # only seq_ids with nothing to compute lack a row
-            tables = torch.zeros(len(seq_ids), width, dtype=torch.int32)
-        return build_metadata(tables, starts, new_lens, bs, self.k_cache.device)
+        metas = []
+        for buffer in self._tables:  # positions and lengths are built per group too (cheap)
+            if all(rooms):
+                tables = buffer.gather(buffer.rows(seq_ids)[0], width)
+            else:  # only seq_ids with nothing to compute lack a row
+                tables = torch.zeros(len(seq_ids), width, dtype=torch.int32)
+            metas.append(build_metadata(tables, starts, new_lens, bs, self.k_cache.device))
+        return with_groups(metas)
 
     # -- internals -----------------------------------------------------------
-    def _sync_table(self, seq_id: int, copies: Sequence[tuple[int, int]] = ()) -> None:
-        """Mirror the block manager's table change for ``seq_id`` into the buffer:
-        a copy-on-write swaps the last block, an append adds blocks."""
-        if seq_id not in self._tables:
-            self._tables.add(seq_id, self.block_manager.block_table(seq_id))
-            return
-        for _, dst in copies:
-            self._tables.set(seq_id, self._tables.num_blocks(seq_id) - 1, dst)
-        self._pending_copies.extend(copies)
-        new = self.block_manager.blocks_from(seq_id, self._tables.num_blocks(seq_id))
-        self._tables.extend(seq_id, new)
+    def _sync_table(
+        self, seq_id: int, copies: Sequence[tuple[int, int]] = (), group: int | None = None
+    ) -> None:
+        """Mirror the block manager's table change for ``seq_id`` into the
+        buffers (one ``group``'s, or every group's): a copy-on-write swaps the
+        last block, an append adds blocks."""
+        for g in range(len(self._tables)) if group is None else (group,):
+            buffer, bm = self._tables[g], self.block_manager
+            if seq_id not in buffer:
+                buffer.add(seq_id, bm.block_table(seq_id, g))
+                self._released[g][seq_id] = bm.num_released(seq_id, g)
+                continue
+            for _, dst in copies:
+                buffer.set(seq_id, buffer.num_blocks(seq_id) - 1, dst)
+            self._pending_copies.extend(copies)
+            buffer.extend(seq_id, bm.blocks_from(seq_id, buffer.num_blocks(seq_id), g))
+
+    def _mirror_released(self, seq_id: int) -> None:
+        """Entries a sliding group just freed point at the null block in the
+        mirror too, so no kernel can read a block another sequence now owns."""
+        for g, (buffer, released) in enumerate(zip(self._tables, self._released, strict=True)):
+            if self.groups[g].sliding_window is None:
+                continue
+            old, new = released.get(seq_id, 0), self.block_manager.num_released(seq_id, g)
+            for i in range(old, new):
+                buffer.set(seq_id, i, self._null)  # type: ignore[arg-type]
+            released[seq_id] = new
 
     def _flush_copies(self) -> None:
         if self._pending_copies:

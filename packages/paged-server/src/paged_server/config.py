@@ -52,6 +52,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: by device, see resolve_max_num_batched_tokens
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
+    # True: one page table for every layer even when some slide (no block freed early).
+    disable_hybrid_kv_cache_manager: bool = False
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: never replay decode steps from CUDA graphs

@@ -26,6 +26,7 @@ from paged_server.bench.engine_bench import KVBudget
 from paged_server.bench.environment import describe_environment
 from paged_server.bench.kv_dtype_capacity import kv_dtype_capacity_table
 from paged_server.bench.results import RunResult
+from paged_server.bench.sliding_window_capacity import sliding_window_capacity_table
 from paged_server.bench.suite import ALL_CONFIGS, ModelCache, SuiteOptions, log, ratios, run_suite
 from paged_server.bench.workloads import WORKLOADS, make_workload, token_pool_from_tokenizer
 from paged_server.config import KV_CACHE_DTYPES
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             emit(kv_dtype_capacity_table(block_size=args.block_size))
+            emit(sliding_window_capacity_table(block_size=args.block_size))
         vocab = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8")).get(
             "vocab_size"
         )

@@ -3,8 +3,6 @@ and on engine + pool bookkeeping when asked for an audit."""
 
 from __future__ import annotations
 
-import math
-
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.engine.pool_factory import PoolCapacity
 from paged_server.engine.scheduler import Scheduler
@@ -54,20 +52,21 @@ def check_prompt(
         )
     if capacity.num_rows is None:  # paged: must fit the pool on its own
         kv_tokens = min(n + params.max_tokens, max_model_len) - 1  # the last token is never written
-        blocks = math.ceil(kv_tokens / capacity.block_size)
-        if blocks > capacity.num_blocks:
+        blocks = capacity.blocks_for(n, kv_tokens)  # over every KV cache group
+        total = capacity.num_blocks
+        if blocks > total:
             raise ValueError(
                 f"prompt has {n} tokens and max_tokens is {params.max_tokens}: the sequence "
-                f"needs {blocks} KV blocks but the cache has {capacity.num_blocks} in total; "
+                f"needs {blocks} KV blocks but the cache has {total} in total; "
                 "lower max_tokens or raise num_gpu_blocks / kv_cache_memory_bytes"
             )
         # Beams wait for each other, so all of them must fit at once (sharing
         # usually makes it far less, but a preempted beam must always fit).
         beams = params.beam_width
-        if beams > 1 and beams * blocks > capacity.num_blocks:
+        if beams > 1 and beams * blocks > total:
             raise ValueError(
                 f"beam search of width {beams} over {blocks} KV blocks per beam needs up to "
-                f"{beams * blocks} blocks but the cache has {capacity.num_blocks}; lower "
+                f"{beams * blocks} blocks but the cache has {total}; lower "
                 "best_of or max_tokens, or raise num_gpu_blocks / kv_cache_memory_bytes"
             )
 

@@ -4,7 +4,8 @@ On a GPU a decode step of a small model is bound by launching kernels (a few
 per layer) from Python, not by the kernels. A CUDA graph records the whole
 forward pass once and replays it with one launch. A graph reads fixed
 addresses, so a pure-decode step's inputs (token ids, positions, slot
-mapping, page tables, lengths) are copied into persistent device buffers,
+mapping and page tables of every KV cache group, lengths) are copied into
+persistent device buffers,
 and the batch is padded to the next captured size: padding rows write no KV
 (slot -1) and attend to nothing (length 0), and their outputs are dropped.
 
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from paged_ref.attention_metadata import AttentionMetadata, DecodePart
+from paged_ref.attention_metadata import AttentionMetadata, DecodePart, with_groups
 from paged_ref.cache_view import CacheView, ViewPool
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         *,
         capture: bool,
+        num_groups: int = 1,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -58,8 +60,14 @@ class DecodeGraphs:
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # One slot mapping and one set of page tables per KV cache group.
+        self.slot_mappings = [
+            torch.full((n,), -1, dtype=torch.long, device=device) for _ in range(num_groups)
+        ]
+        self.block_tables = [
+            torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+            for _ in range(num_groups)
+        ]
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self._views = {size: self._static_view(size) for size in self.sizes}
         self._graphs: dict[int, Any] = {}
@@ -117,24 +125,28 @@ class DecodeGraphs:
     def _forward(self, size: int) -> Tensor:
         view = self._views[size]
         assert view.meta is not None
-        view.meta.memo.clear()  # what the reference ops derived last step is stale now
+        for meta in view.meta.all_groups():
+            meta.memo.clear()  # what the reference ops derived last step is stale now
         return self.model.hidden_states(  # type: ignore[operator, no-any-return]
             self.input_ids[:size], self.positions[:size], view
         )
 
     def _static_view(self, size: int) -> CacheView:
-        tables, lens = self.block_tables[:size], self.seq_lens[:size]
-        meta = AttentionMetadata(
-            starts=[0] * size,
-            new_lens=[1] * size,
-            positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=tables,
-            seq_lens=lens,
-            decode=DecodePart(rows=None, block_tables=tables, seq_lens=lens),
-            prefill=None,
-        )
-        return CacheView.over(self.pool, meta)
+        lens = self.seq_lens[:size]
+        metas = [
+            AttentionMetadata(
+                starts=[0] * size,
+                new_lens=[1] * size,
+                positions=self.positions[:size],
+                slot_mapping=slots[:size],
+                block_tables=tables[:size],
+                seq_lens=lens,
+                decode=DecodePart(rows=None, block_tables=tables[:size], seq_lens=lens),
+                prefill=None,
+            )
+            for slots, tables in zip(self.slot_mappings, self.block_tables, strict=True)
+        ]
+        return CacheView.over(self.pool, with_groups(metas))
 
     def _load(self, meta: AttentionMetadata, input_ids: Tensor, size: int) -> None:
         """Device-to-device copies of this step into the static buffers, then padding."""
@@ -142,15 +154,22 @@ class DecodeGraphs:
         dec = meta.decode
         assert dec is not None and meta.prefill is None, "graphs replay pure-decode steps"
         width = dec.block_tables.shape[1]
-        if width > self.block_tables.shape[1]:
+        if width > self.block_tables[0].shape[1]:
             raise ValueError(
-                f"a sequence uses {width} blocks, more than the {self.block_tables.shape[1]} "
+                f"a sequence uses {width} blocks, more than the {self.block_tables[0].shape[1]} "
                 "the graphs were built for (max_model_len / block_size)"
+            )
+        groups = meta.all_groups()
+        if len(groups) != len(self.block_tables):
+            raise ValueError(
+                f"the step has {len(groups)} KV cache groups but the graphs were built for "
+                f"{len(self.block_tables)}"
             )
         self.input_ids[:batch].copy_(input_ids, non_blocking=True)
         self.positions[:batch].copy_(meta.positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping, non_blocking=True)
-        self.block_tables[:batch, :width].copy_(dec.block_tables, non_blocking=True)
+        for group, slots, tables in zip(groups, self.slot_mappings, self.block_tables, strict=True):
+            slots[:batch].copy_(group.slot_mapping, non_blocking=True)
+            tables[:batch, :width].copy_(group.block_tables, non_blocking=True)
         self.seq_lens[:batch].copy_(dec.seq_lens, non_blocking=True)
         self._reset(size, start=batch)
 
@@ -159,5 +178,6 @@ class DecodeGraphs:
         if start < size:
             self.input_ids[start:size].zero_()
             self.positions[start:size].zero_()
-            self.slot_mapping[start:size].fill_(-1)
+            for slots in self.slot_mappings:
+                slots[start:size].fill_(-1)
             self.seq_lens[start:size].zero_()

@@ -39,7 +39,7 @@ def attention_layout(
         dtype=dtype,
         kv_cache_dtype=capacity.kv_dtype,
         block_size=capacity.block_size,
-        num_blocks=capacity.num_blocks,
+        num_blocks=capacity.num_tensor_blocks,  # copy_blocks' layer stride
         max_model_len=max_model_len,
         layers=tuple(LayerAttention(m.sliding_window, m.softcap or None) for m in layers),
         static_kv_scales=capacity.kv_scales is not None,

@@ -151,12 +151,18 @@ class LLMEngine:
             kv_scales=kv_scales,
         )
         log.info(
-            "KV cache: %d tokens (%d blocks of %d), sized by %s",
+            "KV cache: %d tokens (%d blocks of %d), sized by %s%s",
             self.capacity.tokens,
             self.capacity.num_blocks,
             self.capacity.block_size,
             self.capacity.sized_by,
+            f"; {self.capacity.groups}" if self.capacity.groups else "",
         )
+        if executor is not None and self.capacity.num_groups > 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 does not support a hybrid KV cache (sliding-window "
+                "layers in their own KV cache groups) yet; pass --disable-hybrid-kv-cache-manager"
+            )
         self.runner = ModelRunner(
             loaded.model,
             self.pool,
@@ -206,6 +212,7 @@ class LLMEngine:
             device,
             config.max_batch_size,
             -(-config.max_model_len // config.block_size),
+            num_groups=self.capacity.num_groups,
             capture=True,
         )
 

@@ -53,12 +53,15 @@ class EngineCounters:
             "generation_tokens_total": float(self.generation_tokens),
             "kv_capacity_tokens": float(capacity.tokens),
             "kv_capacity_blocks": float(capacity.num_blocks),
+            "kv_cache_groups": float(capacity.num_groups),
             "kv_audit_problems": float(self.audit_problems),
             "kv_audits_total": float(self.audits),
         }
         for reason in MISS_REASONS:
             key = f"prefix_miss_{reason}_tokens"
             out[f"prefix_cache_misses_{reason}_total"] = float(stats.get(key, 0))
+        for g in range(capacity.num_groups if capacity.num_groups > 1 else 0):
+            out[f"kv_group_{g}_blocks_used"] = float(stats.get(f"group_{g}_blocks_used", 0))
         return out
 
 

@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from paged_core.kv_cache_groups import KVCacheGroup
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.config import EngineConfig
 from paged_server.engine.kv_calibration import (
@@ -29,7 +30,13 @@ from paged_server.models import LoadedModel, ModelConfig
 class PoolCapacity:
     """Total KV capacity: ``num_blocks`` of ``block_size`` tokens (paged), or
     ``num_rows`` rows of ``max_model_len`` tokens (contiguous; ``num_blocks``
-    is then its size in block-equivalents, for comparisons)."""
+    is then its size in block-equivalents, for comparisons).
+
+    With ``num_groups`` KV cache groups (a hybrid model: sliding-window
+    layers apart from global ones) a block holds one group's layers, and
+    ``tokens`` is ``num_blocks * block_size / num_groups``: what fits when
+    every group holds every token, i.e. sequences no longer than the window.
+    Longer sequences fit more, their sliding groups holding only a window."""
 
     num_blocks: int
     block_size: int
@@ -39,6 +46,38 @@ class PoolCapacity:
     kv_bytes: int  # the pool's K/V tensors (and int8 per-token scales), bytes
     sized_by: str = ""  # how the size was chosen (the start-up line says it)
     kv_scales: KVScales | None = None  # static scales (calculate_kv_scales), else None
+    num_groups: int = 1  # KV cache groups sharing the blocks (paged)
+    groups: str = ""  # the groups in words, for the start-up line
+    group_windows: tuple[int | None, ...] = (None,)  # each group's sliding window
+
+    @property
+    def num_tensor_blocks(self) -> int:
+        """Blocks of the cache tensors: ``num_blocks`` plus the null block
+        a pool with sliding groups reserves."""
+        return self.num_blocks + any(w is not None for w in self.group_windows)
+
+    def blocks_for(self, prompt_len: int, kv_tokens: int) -> int:
+        """Blocks one sequence needs at its peak: its prompt in every group
+        (taken at admission), or ``kv_tokens`` in full groups and at most a
+        window + 1 block in sliding ones, whichever is more."""
+        bs = self.block_size
+        blocks = -(-kv_tokens // bs)
+        peak = sum(
+            blocks if w is None else min(blocks, -(-w // bs) + 1) for w in self.group_windows
+        )
+        return max(peak, self.num_groups * -(-prompt_len // bs))
+
+
+def describe_groups(groups: list[KVCacheGroup]) -> str:
+    """``"13 KV cache groups of 2 layers: 2 full, 11 sliding (window 512)"``."""
+    if len(groups) == 1:
+        return ""
+    windows = sorted({g.sliding_window for g in groups if g.sliding_window is not None})
+    full = sum(1 for g in groups if g.sliding_window is None)
+    return (
+        f"{len(groups)} KV cache groups of {len(groups[0].layers)} layers: {full} full, "
+        f"{len(groups) - full} sliding (window {', '.join(map(str, windows))})"
+    )
 
 
 def attention_ops(backend: str) -> ModuleType:
@@ -82,6 +121,7 @@ def build_cache_pool(
     int8 gets exactly twice.
     The contiguous pool attends with the reference path whatever ``backend``.
     """
+    from paged_core.kv_cache_groups import kv_cache_groups
     from paged_ref import ContiguousKVPool, PagedKVPool
     from paged_ref import ops as ref_ops
     from paged_ref.kv_quant import cache_dtype_for, kv_bytes_per_token
@@ -100,19 +140,28 @@ def build_cache_pool(
     static = (kv_scales.k, kv_scales.v) if kv_scales is not None else None
     # Bytes per token of what the pool stores (int8 per-token scales included).
     kv_dtype = cache_dtype_for(config.kv_cache_dtype, dtype)
-    token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype, static is not None)
-    budget = kv_budget(config, token_bytes, device, model)
+    static_scales = static is not None
+    token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype, static_scales)
     if config.kv_cache_backend == "paged":
+        windows = model_config.layer_sliding_windows
+        groups = kv_cache_groups(windows, hybrid=not config.disable_hybrid_kv_cache_manager)
+        sliding = any(g.sliding_window is not None for g in groups)
+        # A block holds one group's layers: fewer bytes when the model is hybrid.
+        slot_bytes = kv_bytes_per_token(
+            len(groups[0].layers), kv_heads, head_dim, kv_dtype, static_scales
+        )
+        budget = kv_budget(config, slot_bytes, device, model)
         num_blocks = budget.num_blocks
         if num_blocks is None and budget.num_bytes is not None:
-            num_blocks = blocks_in(budget.num_bytes, token_bytes, config.block_size)
-            if num_blocks < 1:
+            num_blocks = blocks_in(budget.num_bytes, slot_bytes, config.block_size)
+            if num_blocks < 1 + sliding:
                 raise ValueError(
                     f"kv_cache_memory_bytes ({budget.num_bytes}) holds no KV block "
-                    f"of {token_bytes * config.block_size} bytes; raise it or lower block_size"
+                    f"of {slot_bytes * config.block_size} bytes; raise it or lower block_size"
                 )
-        if num_blocks is None:
-            num_blocks = math.ceil(config.max_batch_size * config.max_model_len / config.block_size)
+        if num_blocks is None:  # the contiguous pool's tokens, in every group (+ the null block)
+            per_group = math.ceil(config.max_batch_size * config.max_model_len / config.block_size)
+            num_blocks = per_group * len(groups) + sliding
         pool: ServingPoolProtocol = PagedKVPool.from_model_config(
             layers,
             kv_heads,
@@ -125,13 +174,17 @@ def build_cache_pool(
             ops=ops_for(attention_ops(backend)),
             kv_cache_dtype=config.kv_cache_dtype,
             kv_scales=static,
+            layer_windows=windows,
+            disable_hybrid_kv_cache_manager=config.disable_hybrid_kv_cache_manager,
         )
-        tokens = num_blocks * config.block_size
+        usable = num_blocks - sliding  # a sliding group's null block is never handed out
         capacity = PoolCapacity(
-            num_blocks, config.block_size, None, tokens, kv_dtype, tokens * token_bytes,
-            budget.sized_by, kv_scales,
+            usable, config.block_size, None, usable * config.block_size // len(groups), kv_dtype,
+            num_blocks * config.block_size * slot_bytes, budget.sized_by, kv_scales, len(groups),
+            describe_groups(groups), tuple(g.sliding_window for g in groups),
         )  # fmt: skip
         return pool, capacity
+    budget = kv_budget(config, token_bytes, device, model)
     rows = config.max_batch_size
     if budget.num_bytes is not None:
         rows = min(rows, budget.num_bytes // (token_bytes * config.max_model_len))

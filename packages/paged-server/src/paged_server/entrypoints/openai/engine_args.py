@@ -58,6 +58,9 @@ _HELP = {
     "none: 2048 on CUDA, 256 on CPU (where a step costs in proportion to its tokens)",
     "max_model_len": "most tokens per sequence, prompt + generated",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
+    "disable_hybrid_kv_cache_manager": "one page table for all layers even when some use a "
+    "sliding window (otherwise sliding-window layers get their own KV cache groups and give "
+    "back blocks that leave the window)",
     "enable_chunked_prefill": "split long prompts into chunks interleaved with decode",
     "attention_backend": "attention kernels: auto = triton on CUDA, ref on CPU",
     "enforce_eager": "run every step eagerly; otherwise, on CUDA with the triton backend, "

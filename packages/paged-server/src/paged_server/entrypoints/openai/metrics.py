@@ -51,6 +51,7 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "kv_cache_usage_perc": ("gauge", "Fraction of KV cache in use (1 = full)."),
     "kv_capacity_tokens": ("gauge", "KV cache capacity in tokens."),
     "kv_capacity_blocks": ("gauge", "KV cache capacity in blocks."),
+    "kv_cache_groups": ("gauge", "KV cache groups sharing the blocks (>1: sliding-window layers apart)."),
     "kv_audit_problems": ("gauge", "Problems the last KV block audit found (0 = clean)."),
     "kv_audits_total": ("counter", "KV block audits run (periodic, /health, admin)."),
     "num_preemptions_total": ("counter", "Sequences preempted (freed and requeued)."),

@@ -1,0 +1,82 @@
+"""Sliding-window capacity: KV blocks a Gemma 3 sequence holds, hybrid KV cache groups vs one group.
+
+Measured on real paged pools (``device="meta"``: sized, never allocated)
+with the real Gemma 3 1B layout: 26 layers, 5 local (window 512) per global
+one (global at layers 5, 11, 17, 23), 1 kv head x 256, bf16, block 16. For
+each length L a sequence's prompt of L tokens is admitted and committed
+(``mark_computed``), then the layer-blocks it holds are counted: one group
+holds all 26 layers x L/16; the hybrid pool holds 4 x L/16 in its full
+groups and 22 x min(L, W)/16 in its sliding ones (the formula column). The
+sequences that fit a ``budget_bytes`` pool are admitted the same way until
+the pool refuses the next prompt (its blocks are taken in every group before
+its window is freed, so the last one needs L tokens' worth in every group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+GEMMA3_1B_WINDOWS = [None if (i + 1) % 6 == 0 else 512 for i in range(26)]
+LENGTHS = (1024, 2048, 4096, 8192)
+
+
+def _pool(budget_bytes: int, hybrid: bool, block_size: int) -> Any:
+    from paged_core.kv_cache_groups import kv_cache_groups
+    from paged_ref import PagedKVPool
+
+    slots = len(kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid)[0].layers)
+    num_blocks = PagedKVPool.num_blocks_for_memory(
+        budget_bytes, slots, 1, 256, block_size, torch.bfloat16
+    )
+    return PagedKVPool.from_model_config(
+        26, 1, 256, num_blocks, block_size, torch.bfloat16, "meta",
+        enable_prefix_caching=False, layer_windows=GEMMA3_1B_WINDOWS,
+        disable_hybrid_kv_cache_manager=not hybrid,
+    )  # fmt: skip
+
+
+def _admit(pool: Any, length: int) -> int:
+    """Admit and commit prompts of ``length`` tokens until one does not fit."""
+    n = 0
+    while pool.can_allocate_sequence([0] * length):
+        seq_id, _ = pool.allocate_sequence([0] * length)
+        pool.mark_computed(seq_id, length)
+        n += 1
+    return n
+
+
+def sliding_window_capacity_row(
+    length: int, budget_bytes: int, block_size: int = 16
+) -> dict[str, Any]:
+    """One length: layer-blocks and bytes held per sequence, and sequences
+    that fit ``budget_bytes``, hybrid vs one group."""
+    row: dict[str, Any] = {"tokens": length}
+    window = 512
+    globals_, locals_ = GEMMA3_1B_WINDOWS.count(None), 26 - GEMMA3_1B_WINDOWS.count(None)
+    row["formula_layer_blocks"] = (globals_ * length + locals_ * min(length, window)) // block_size
+    for name, hybrid in (("hybrid", True), ("one_group", False)):
+        pool = _pool(budget_bytes, hybrid, block_size)
+        seq_id, _ = pool.allocate_sequence([0] * length)
+        pool.mark_computed(seq_id, length)
+        blocks = pool.block_manager.num_blocks - pool.free_seq_count()
+        row[f"{name}_layer_blocks"] = blocks * pool.num_slots
+        row[f"{name}_bytes"] = blocks * pool.kv_bytes() // pool.num_blocks
+        pool.free_seq(seq_id)
+        row[f"{name}_sequences"] = _admit(pool, length)
+    row["saving"] = round(row["one_group_bytes"] / row["hybrid_bytes"], 2)
+    return row
+
+
+def sliding_window_capacity_table(
+    budget_bytes: int = 1 << 30, block_size: int = 16, lengths: tuple[int, ...] = LENGTHS
+) -> dict[str, Any]:
+    """Every length in ``lengths`` for the Gemma 3 1B layout (module doc)."""
+    return {
+        "table": "sliding_window_capacity",
+        "layout": "Gemma 3 1B: 26 layers (22 local window 512, 4 global), 1 kv head x 256, bf16",
+        "budget_bytes": budget_bytes,
+        "block_size": block_size,
+        "rows": [sliding_window_capacity_row(n, budget_bytes, block_size) for n in lengths],
+    }
