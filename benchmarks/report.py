@@ -218,6 +218,35 @@ def _kv_label(row: dict[str, Any]) -> str:
     )
 
 
+def _sliding_window_section(sw: dict[str, Any] | None) -> list[str]:
+    out = ["## Sliding-window layers: blocks given back (hybrid KV cache)", ""]
+    if sw is None:
+        return out + ["_Not run yet._", ""]
+    out += [
+        f"KV blocks one sequence holds once computed, {sw['layout']}, blocks of {sw['block_size']}, "
+        "measured on `device=\"meta\"` pools: the hybrid KV cache manager (sliding layers in their own "
+        "KV cache groups, freeing blocks that leave the window) against one group for every layer "
+        "(`--disable-hybrid-kv-cache-manager`). Layer-blocks = blocks x layers per block; the formula is "
+        "(global layers x L + local layers x min(L, W)) / block size. "
+        f"Sequences = how many prompts of that length are admitted into {sw['budget_bytes'] / 2**30:.0f} GiB "
+        "of KV until the pool refuses one (a prompt's blocks are taken in every group at admission and the "
+        "sliding groups' ones freed as it is computed, so the last admission needs L tokens in every group). "
+        "`python benchmarks/run_all.py --only sliding_window` (or `paged-server bench --capacity`) reruns it.",
+        "",
+    ]
+    out += _table(
+        ["tokens", "formula (layer-blocks)", "hybrid", "one group", "bytes saved",
+         "sequences: hybrid", "sequences: one group"],  # fmt: skip
+        [
+            [_f(r["tokens"]), _f(r["formula_layer_blocks"]), _f(r["hybrid_layer_blocks"]),
+             _f(r["one_group_layer_blocks"]), f"{r['saving']:.2f}x", _f(r["hybrid_sequences"]),
+             _f(r["one_group_sequences"])]  # fmt: skip
+            for r in sw["rows"]
+        ],
+    )
+    return out + [""]
+
+
 def _kv_dtype_section(kv: dict[str, Any] | None, tput: dict[str, Any] | None) -> list[str]:
     out = ["## KV cache dtype: 8-bit caches at equal KV bytes", ""]
     if kv is None and tput is None:
@@ -618,6 +647,14 @@ def _summary(results: Path) -> list[str]:
                 f"the tokens of `auto`, `int8` **{int8['tokens_vs_auto']:.2f}x** (its per-token scales cost the rest)"
                 + (f", `int8` with `calculate_kv_scales` **{static['tokens_vs_auto']:.3f}x**." if static else ".")
             )
+    sw = _load(results, "sliding_window")
+    if sw is not None and sw["rows"]:
+        r = max(sw["rows"], key=lambda r: r["tokens"])
+        out.append(
+            f"- Sliding-window layers (Gemma 3 1B layout, {r['tokens']:,} tokens): the hybrid KV cache holds "
+            f"**{r['saving']:.2f}x** fewer KV bytes per sequence than one group for all layers "
+            f"({r['hybrid_sequences']} vs {r['one_group_sequences']} sequences in the same memory)."
+        )
     out += [
         "",
         "Reading these numbers: on a CPU a forward pass costs roughly in proportion to the tokens in it, so running "
@@ -683,6 +720,7 @@ def write_page(results: Path, docs: Path) -> Path:
     )
     lines += _capacity_section(_load(results, "capacity"), images, docs)
     lines += _kv_dtype_section(_load(results, "kv_dtype"), _load(results, "kv_dtype_throughput"))
+    lines += _sliding_window_section(_load(results, "sliding_window"))
     lines += _sweep_section(_load(results, "batch_sweep"), images, docs)
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)
     lines += _serving_section(_load(results, "serving_latency"))
