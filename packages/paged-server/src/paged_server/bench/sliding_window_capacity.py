@@ -74,7 +74,7 @@ def sliding_window_capacity_table(
 ) -> dict[str, Any]:
     """Every length in ``lengths`` for the Gemma 3 1B layout (module doc)."""
     return {
-        "table": "sliding_window_capacity",
+        "kind": "sliding_window_capacity",
         "layout": "Gemma 3 1B: 26 layers (22 local window 512, 4 global), 1 kv head x 256, bf16",
         "budget_bytes": budget_bytes,
         "block_size": block_size,
