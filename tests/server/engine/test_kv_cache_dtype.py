@@ -79,15 +79,16 @@ def test_int8_forced_preemption_matches_unpressured_run(
 
 @pytest.mark.backend
 @pytest.mark.parametrize("prompt_len", [12, 10])  # full last block / shared partial block (CoW)
+@pytest.mark.parametrize("calculate_kv_scales", [False, True])  # per-token / static scales
 def test_int8_forks_match_separate_requests(
-    make_engine, run_engine, prompt_of, attention_backend, prompt_len
+    make_engine, run_engine, prompt_of, attention_backend, prompt_len, calculate_kv_scales
 ) -> None:
     """n=3 choices share the prompt's int8 blocks (a partial last block is
     copied on write, scales included) and sample exactly as three n=1
     requests with the choices' seeds, each with its own blocks."""
     prompt = prompt_of(prompt_len, 9)
     kw = dict(kv_cache_dtype="int8", attention_backend=attention_backend,
-              enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, calculate_kv_scales=calculate_kv_scales)  # fmt: skip
     forked = make_engine(**kw)
     params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True,
                             logprobs=0)  # fmt: skip

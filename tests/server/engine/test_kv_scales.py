@@ -17,9 +17,7 @@ from paged_server.config import EngineConfig
 from paged_server.engine.pool_factory import calibrated_kv_scales
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.server import startup_line
-from paged_server.sampling_params import SamplingParams
 
-SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request uses seed + i * this
 STATIC = dict(calculate_kv_scales=True)
 
 
@@ -112,33 +110,6 @@ def test_static_forced_preemption_matches_unpressured_run(
 
 
 @pytest.mark.backend
-@pytest.mark.parametrize("prompt_len", [12, 10])  # full last block / shared partial block (CoW)
-def test_static_forks_match_separate_requests(
-    make_engine, run_engine, prompt_of, attention_backend, prompt_len
-) -> None:
-    prompt = prompt_of(prompt_len, 9)
-    kw = dict(kv_cache_dtype="int8", attention_backend=attention_backend,
-              enable_prefix_caching=False, **STATIC)  # fmt: skip
-    forked = make_engine(**kw)
-    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True,
-                            logprobs=0)  # fmt: skip
-    run = run_engine(forked, [("n3", prompt, params)])
-    assert (forked.pool.stats()["cow_copies"] > 0) == bool(prompt_len % 4)
-    separate = make_engine(**kw)
-    singles = [
-        (f"s{i}", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=(123 + i * SEED_STRIDE) % 2**64,
-                                         ignore_eos=True, logprobs=0))  # fmt: skip
-        for i in range(3)
-    ]
-    ref = run_engine(separate, singles)
-    for i in range(3):
-        assert run.tokens("n3", i) == ref.tokens(f"s{i}")
-        assert run.choices[("n3", i)].logprobs == pytest.approx(
-            ref.choices[(f"s{i}", 0)].logprobs, abs=1e-4
-        )
-    assert forked.audit() == [] and separate.audit() == []
-
-
 def test_static_scales_change_outputs_only_slightly(
     static_reference, make_engine, run_engine
 ) -> None:

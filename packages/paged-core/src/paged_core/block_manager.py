@@ -18,11 +18,19 @@ from paged_core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 from paged_core.block_stats import BlockManagerStats, PrefixCounters
 from paged_core.errors import OutOfBlocksError, UnknownSequenceError
 
-__all__ = ["BlockManager"]
+__all__ = ["BlockManager", "check_prompt"]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def check_prompt(num_tokens: int, token_ids: Sequence[int] | None) -> None:
+    """A prompt has at least one token, and ``num_tokens`` ids when ids are given."""
+    if num_tokens <= 0:
+        raise ValueError(f"a sequence needs at least 1 token, got num_tokens={num_tokens}")
+    if token_ids is not None and len(token_ids) != num_tokens:
+        raise ValueError(f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given")
 
 
 @dataclass(slots=True)
@@ -355,12 +363,7 @@ class BlockManager:
         their keys (up to the first miss; never the block holding the last
         prompt token, whose logits must be computed), and the free blocks the
         prompt needs: fresh ones plus hits that are free now."""
-        if num_tokens <= 0:
-            raise ValueError(f"a sequence needs at least 1 token, got num_tokens={num_tokens}")
-        if token_ids is not None and len(token_ids) != num_tokens:
-            raise ValueError(
-                f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given"
-            )
+        check_prompt(num_tokens, token_ids)
         bs = self.block_size
         hits: list[tuple[Block, BlockHash]] = [] if given is None else given
         parent = self.hash_salt

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from paged_core.block_manager import BlockManager
+from paged_core.block_manager import BlockManager, check_prompt
 from paged_core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 from paged_core.block_stats import BlockManagerStats
 from paged_core.errors import OutOfBlocksError
@@ -263,12 +263,7 @@ class KVCacheCoordinator:
         those covering positions ``[h - W + 1, h)`` (earlier entries are the
         null block): ``h`` starts at the full groups' run and drops a block
         at a time until every sliding group has its window cached."""
-        if num_tokens <= 0:
-            raise ValueError(f"a sequence needs at least 1 token, got num_tokens={num_tokens}")
-        if token_ids is not None and len(token_ids) != num_tokens:
-            raise ValueError(
-                f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given"
-            )
+        check_prompt(num_tokens, token_ids)
         bs = self.block_size
         lookup = self.enable_prefix_caching and not skip_prefix_cache
         found: list[list[tuple[Block | None, BlockHash]]] = [[] for _ in self.groups]
