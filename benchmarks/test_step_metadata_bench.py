@@ -77,3 +77,34 @@ def test_decode_step_host_work(benchmark, context: int) -> None:
 
     benchmark.pedantic(step, rounds=64, warmup_rounds=2)
     benchmark.extra_info.update({"sequences": NUM_SEQS, "context_tokens": context})
+
+
+# Gemma 3 1B's layer pattern: 5 sliding (window 512) then 1 global, 26 layers.
+GEMMA3_1B_WINDOWS = [None if i % 6 == 5 else 512 for i in range(26)]
+HYBRID_SEQS, HYBRID_CONTEXT = 64, 4096
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one_group", "hybrid_13_groups"])
+def test_decode_step_host_work_hybrid(benchmark, hybrid: bool) -> None:
+    """The same host work on the Gemma 3 1B layout, with KV cache groups
+    (13: each a page table to grow, commit and gather) or one group: what
+    sliding-window freeing costs the host per decode step."""
+    per_group = HYBRID_SEQS * (HYBRID_CONTEXT // BLOCK_SIZE + 8)
+    pool = PagedKVPool.from_model_config(
+        26, 1, 1, per_group * 13 + 1, BLOCK_SIZE, torch.float32, enable_prefix_caching=False,
+        layer_windows=GEMMA3_1B_WINDOWS, disable_hybrid_kv_cache_manager=not hybrid,
+    )  # fmt: skip
+    seq_ids = [pool.allocate_sequence([1] * HYBRID_CONTEXT)[0] for _ in range(HYBRID_SEQS)]
+    for seq_id in seq_ids:
+        pool.mark_computed(seq_id, HYBRID_CONTEXT - 1)
+    starts = [HYBRID_CONTEXT - 2] * HYBRID_SEQS
+    ones = [1] * HYBRID_SEQS
+
+    def step() -> None:
+        advance(pool, seq_ids, starts)
+        pool.step_view(seq_ids, starts, ones)
+
+    benchmark.pedantic(step, rounds=64, warmup_rounds=2)
+    benchmark.extra_info.update(
+        {"sequences": HYBRID_SEQS, "context_tokens": HYBRID_CONTEXT, "kv_cache_groups": len(pool.groups)}
+    )

@@ -172,6 +172,12 @@ class BlockManager:
             needed += min(writers, block.ref_count - 1)
         return needed
 
+    def blocks_to_append(self, seq_id: int) -> int:
+        """Free blocks ``append`` takes now: 1 at a block boundary or for a
+        copy of a shared last block, else 0."""
+        seq = self._seq(seq_id)
+        return int(seq.num_tokens % self.block_size == 0 or seq.table[-1].ref_count > 1)
+
     def append(self, seq_id: int, token_id: int | None = None) -> list[tuple[int, int]]:
         """Reserve room for one more token (``token_id`` is recorded for prefix
         hashing). Takes a new block at a block boundary. If the token lands in
@@ -203,11 +209,12 @@ class BlockManager:
         seq.num_tokens += 1
         return copies
 
-    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
+    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
         """Record that the KV of the first ``num_computed_tokens`` tokens is
         written. Full blocks that are now computed (and whose tokens are all
         known) enter the prefix index; only then can other prompts hit them.
-        With a sliding window, blocks no later query can see are freed then."""
+        With a sliding window, blocks no later query can see are freed then
+        (returns whether any were)."""
         seq = self._seq(seq_id)
         if not 0 <= num_computed_tokens <= seq.num_tokens:
             raise ValueError(
@@ -230,6 +237,8 @@ class BlockManager:
                 self.block_pool.free(seq.table[seq.num_released : dead])
                 seq.table[seq.num_released : dead] = [self.null_block] * (dead - seq.num_released)  # type: ignore[list-item]
                 seq.num_released = dead
+                return True
+        return False
 
     def num_released(self, seq_id: int) -> int:
         """Leading page-table entries freed as out of the window (null block)."""

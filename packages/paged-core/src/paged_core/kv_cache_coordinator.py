@@ -155,17 +155,23 @@ class KVCacheCoordinator:
     ) -> list[list[tuple[int, int]]]:
         """``append``, with each group's copies apart (the pool mirrors tables per group).
         All or nothing: the blocks every group needs are checked first."""
-        if len(self.managers) > 1 and not self.can_append([seq_id]):
+        if len(self.managers) == 1:
+            return [self._first.append(seq_id, token_id)]
+        needed = sum(m.blocks_to_append(seq_id) for m in self.managers)
+        if needed > self.num_free_blocks():
             raise OutOfBlocksError(
                 f"sequence {seq_id} needs a block in each of {self.num_groups} KV cache groups "
                 f"but only {self.num_free_blocks()} are free; preempt a sequence first"
             )
         return [manager.append(seq_id, token_id) for manager in self.managers]
 
-    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
-        """Commit in every group (sliding groups free what left the window)."""
+    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
+        """Commit in every group (sliding groups free what left the window);
+        returns whether some group freed blocks just now."""
+        released = False
         for manager in self.managers:
-            manager.mark_computed(seq_id, num_computed_tokens)
+            released |= manager.mark_computed(seq_id, num_computed_tokens)
+        return released
 
     # -- release ---------------------------------------------------------
     def free(self, seq_id: int) -> None:

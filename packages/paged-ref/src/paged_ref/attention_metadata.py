@@ -82,11 +82,15 @@ def build_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """Metadata for sequences whose page tables are the rows of ``block_tables``
-    (``[batch, width]`` int32 on the host, covering every token of this step).
+    (``[batch, width]`` int32 on the host, covering every token of this step;
+    ``[groups, batch, width]`` for a hybrid pool's KV cache groups, which
+    share everything but their tables and slot mappings).
 
     Built with numpy on the host (a small array op costs ~1 us there, ~10 us
-    as a torch op) and moved to ``device`` in one copy."""
+    as a torch op) and moved to ``device`` in one copy, every group at once."""
     tables = block_tables.numpy()
+    if tables.ndim == 2:
+        tables = tables[None]
     batch = len(starts)
     start_a = np.asarray(starts, dtype=np.int64)
     new_a = np.asarray(new_lens, dtype=np.int64)
@@ -103,7 +107,7 @@ def build_metadata(
         positions = start_a[seq_of_token] + np.arange(int(cu[-1])) - token_start[seq_of_token]
     host["positions"] = positions
     host["slot_mapping"] = (
-        tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
+        tables[:, seq_of_token, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
     seq_lens = (start_a + new_a).astype(np.int32)
@@ -118,7 +122,7 @@ def build_metadata(
     dec_idx = slice(0, num_decodes) if in_order else decodes
     pre_idx = slice(num_decodes, num_decodes + len(prefills)) if in_order else prefills
     if num_decodes:
-        host["decode_block_tables"] = tables[dec_idx]
+        host["decode_block_tables"] = tables[:, dec_idx]
         host["decode_seq_lens"] = seq_lens[dec_idx]
         if not in_order:
             host["decode_rows"] = token_start[decodes]
@@ -126,7 +130,7 @@ def build_metadata(
         q_lens = new_a[pre_idx]
         cu_q = np.zeros(len(prefills) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu_q[1:])
-        host["prefill_block_tables"] = tables[pre_idx]
+        host["prefill_block_tables"] = tables[:, pre_idx]
         host["prefill_cu_seqlens_q"] = cu_q
         host["prefill_seq_lens"] = seq_lens[pre_idx]
         if not in_order:
@@ -134,26 +138,31 @@ def build_metadata(
                 np.arange(int(cu_q[-1])) - np.repeat(cu_q[:-1].astype(np.int64), q_lens)
             )
     t = to_device(host, device)
-    decode = prefill = None
-    if num_decodes:
-        decode = DecodePart(t.get("decode_rows"), t["decode_block_tables"], t["decode_seq_lens"])
-    if len(prefills):
-        prefill = PrefillPart(
-            t.get("prefill_rows"),
-            t["prefill_block_tables"],
-            t["prefill_cu_seqlens_q"],
-            t["prefill_seq_lens"],
+    metas = []
+    for g in range(tables.shape[0]):  # what differs by group: tables and slot mapping
+        decode = prefill = None
+        if num_decodes:
+            decode = DecodePart(t.get("decode_rows"), t["decode_block_tables"][g], t["decode_seq_lens"])
+        if len(prefills):
+            prefill = PrefillPart(
+                t.get("prefill_rows"),
+                t["prefill_block_tables"][g],
+                t["prefill_cu_seqlens_q"],
+                t["prefill_seq_lens"],
+            )
+        metas.append(
+            AttentionMetadata(
+                starts=list(starts),
+                new_lens=list(new_lens),
+                positions=t["positions"],
+                slot_mapping=t["slot_mapping"][g],
+                block_tables=t["block_tables"][g],
+                seq_lens=t["seq_lens"],
+                decode=decode,
+                prefill=prefill,
+            )
         )
-    return AttentionMetadata(
-        starts=list(starts),
-        new_lens=list(new_lens),
-        positions=t["positions"],
-        slot_mapping=t["slot_mapping"],
-        block_tables=t["block_tables"],
-        seq_lens=t["seq_lens"],
-        decode=decode,
-        prefill=prefill,
-    )
+    return with_groups(metas)
 
 
 def with_groups(metas: list[AttentionMetadata]) -> AttentionMetadata:

@@ -26,7 +26,7 @@ from torch import Tensor
 from paged_core.kv_cache_coordinator import KVCacheCoordinator
 from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from paged_ref import ops as ref_ops
-from paged_ref.attention_metadata import AttentionMetadata, build_metadata, with_groups
+from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.block_table_buffer import BlockTableBuffer
 from paged_ref.cache_view import ViewsMixin
 from paged_ref.kv_quant import (
@@ -277,8 +277,8 @@ class PagedKVPool(ViewsMixin):
         """Commit: the seq_id's first ``num_tokens`` tokens are written, so their
         full blocks may enter the prefix cache."""
         if num_tokens or self.block_manager.has_seq(seq_id):
-            self.block_manager.mark_computed(seq_id, num_tokens)
-            if self._null is not None:
+            released = self.block_manager.mark_computed(seq_id, num_tokens)
+            if released and self._null is not None:
                 self._mirror_released(seq_id)
 
     def audit(self) -> list[str]:
@@ -372,14 +372,14 @@ class PagedKVPool(ViewsMixin):
             )
         width = -(-max(ends, default=1) // bs) or 1
         self._flush_copies()
-        metas = []
-        for buffer in self._tables:  # positions and lengths are built per group too (cheap)
-            if all(rooms):
-                tables = buffer.gather(buffer.rows(seq_ids)[0], width)
-            else:  # only seq_ids with nothing to compute lack a row
-                tables = torch.zeros(len(seq_ids), width, dtype=torch.int32)
-            metas.append(build_metadata(tables, starts, new_lens, bs, self.k_cache.device))
-        return with_groups(metas)
+        if not all(rooms):  # only seq_ids with nothing to compute lack a row
+            tables = torch.zeros(len(self._tables), len(seq_ids), width, dtype=torch.int32)
+        elif len(self._tables) == 1:
+            buffer = self._tables[0]
+            tables = buffer.gather(buffer.rows(seq_ids)[0], width)
+        else:  # [groups, batch, width]: one metadata build and device copy for all groups
+            tables = torch.stack([b.gather(b.rows(seq_ids)[0], width) for b in self._tables])
+        return build_metadata(tables, starts, new_lens, bs, self.k_cache.device)
 
     # -- internals -----------------------------------------------------------
     def _sync_table(
