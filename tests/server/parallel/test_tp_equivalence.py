@@ -80,6 +80,7 @@ def _generate(
             "calls": dict(calls),
             "passes": passes[0],
             "layers": engine.model_config.num_layers,
+            "kv_cache_groups": engine.capacity.num_groups,
         }
         workers = list(engine.executor.workers) if engine.executor else []
     assert all(not w.is_alive() for w in workers), "workers must exit with the LLM"
@@ -113,10 +114,12 @@ def test_tp2_matches_tp1_token_for_token(
 ) -> None:
     path = tp_checkpoints[family]
     count = family == "llama" and pool == "paged"
-    # Tensor parallelism refuses a hybrid KV cache (one page table per step message).
-    extra = {"disable_hybrid_kv_cache_manager": True} if family == "gemma3" else {}
-    one = _generate(path, 1, pool, **extra)
-    two = _generate(path, 2, pool, count_comms=count, **extra)
+    # Gemma 3 (one sliding, one global layer) runs with a hybrid KV cache: two
+    # KV cache groups, each page table in the step message.
+    one = _generate(path, 1, pool)
+    two = _generate(path, 2, pool, count_comms=count)
+    if family == "gemma3":
+        assert one["kv_cache_groups"] == two["kv_cache_groups"] == 2
     assert two["tokens"] == one["tokens"]
     assert two["preemptions"] == one["preemptions"]
     assert two["prefix_hits"] == one["prefix_hits"]

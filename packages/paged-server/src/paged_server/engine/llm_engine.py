@@ -158,11 +158,6 @@ class LLMEngine:
             self.capacity.sized_by,
             f"; {self.capacity.groups}" if self.capacity.groups else "",
         )
-        if executor is not None and self.capacity.num_groups > 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 does not support a hybrid KV cache (sliding-window "
-                "layers in their own KV cache groups) yet; pass --disable-hybrid-kv-cache-manager"
-            )
         self.runner = ModelRunner(
             loaded.model,
             self.pool,

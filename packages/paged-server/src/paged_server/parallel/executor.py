@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -143,9 +144,11 @@ class TensorParallelExecutor:
         if self.dead is not None:
             raise RuntimeError(self.dead)
         meta = view.meta
+        groups = meta.all_groups()  # a hybrid pool: one page table per KV cache group
+        tables = [m.block_tables.cpu().numpy() for m in groups]
         message = StepMessage(
             input_ids=list(input_ids),
-            block_tables=meta.block_tables.cpu().numpy(),
+            block_tables=tables[0] if len(tables) == 1 else np.stack(tables),
             starts=list(meta.starts),
             new_lens=list(meta.new_lens),
             copies=self.recorder.take_copies() if self.recorder is not None else [],

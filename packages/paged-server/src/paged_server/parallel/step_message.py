@@ -24,7 +24,8 @@ class StepMessage:
     """One forward pass, or ``stop`` (the engine is shutting down)."""
 
     input_ids: list[int] = field(default_factory=list)
-    block_tables: np.ndarray | None = None  # [batch, width] int32, the view's rows
+    # [batch, width] int32, the view's rows; [groups, batch, width] for a hybrid pool
+    block_tables: np.ndarray | None = None
     starts: list[int] = field(default_factory=list)
     new_lens: list[int] = field(default_factory=list)
     copies: list[list[tuple[int, int]]] = field(default_factory=list)  # copy_blocks calls, in order
