@@ -131,3 +131,27 @@ def test_calculated_kv_scales_follow_layers_not_slots(gemma3, prompt_of):
     assert hybrid.engine.capacity.num_groups == 3
     assert hybrid.engine.pool.k_head_scales.shape[0] == 6  # type: ignore[attr-defined]
     assert run(hybrid, prompts) == run(one, prompts)
+
+
+def test_prometheus_reports_each_groups_blocks(gemma3, prompt_of):
+    """/metrics exports the blocks each KV cache group holds, read from the
+    engine's snapshot: they add up to the pool's blocks in use, and the
+    sliding groups hold fewer than the global one on a long sequence."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from paged_server.entrypoints.openai.metrics import ServerMetrics
+
+    _, loaded = gemma3
+    engine = make_llm(loaded, "ref", num_gpu_blocks=200).engine
+    engine.add_request(
+        "long", prompt_of(30, 8), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    )
+    for _ in range(12):
+        engine.step()
+    metrics = ServerMetrics("gemma")
+    metrics.read_engine_from(engine.metrics)
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    used = {s.labels["group"]: s.value for s in fams["paged:kv_cache_group_blocks_used"].samples}
+    assert set(used) == {"0", "1", "2"}
+    assert sum(used.values()) == engine.capacity.num_blocks - engine.pool.free_seq_count()
+    assert used["1"] < used["0"] and used["2"] < used["0"]  # group 0 is the full one

@@ -108,6 +108,18 @@ class _EngineCollector(Collector):
                 misses.add_metric([self.model_name, reason], float(snapshot[key]))
         if misses.samples:
             yield misses
+        groups = GaugeMetricFamily(
+            PREFIX + "kv_cache_group_blocks_used",
+            "KV blocks each KV cache group's page tables hold (a hybrid pool's groups "
+            "share one pool of blocks; sliding-window groups give theirs back).",
+            labels=["model_name", "group"],
+        )
+        for g in range(int(snapshot.get("kv_cache_groups", 1))):
+            key = f"kv_group_{g}_blocks_used"
+            if key in snapshot:
+                groups.add_metric([self.model_name, str(g)], float(snapshot[key]))
+        if groups.samples:
+            yield groups
 
 
 class ServerMetrics:
