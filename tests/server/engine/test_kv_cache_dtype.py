@@ -30,12 +30,17 @@ def assert_same(run, ref, requests, logprob_tol: float = 1e-4) -> None:
         assert got.logprobs == pytest.approx(want.logprobs, abs=logprob_tol)
 
 
-@pytest.fixture
-def int8_reference(make_engine, run_engine, prompt_of, greedy):
-    """Contiguous int8 pool, no prefix cache, whole prompts: the plainest path."""
+@pytest.fixture(params=[False, True], ids=["per_token_scales", "calculated_scales"])
+def int8_reference(request, make_engine, run_engine, prompt_of, greedy):
+    """Contiguous int8 pool, no prefix cache, whole prompts: the plainest path;
+    with per-token scales, or static ones from ``calculate_kv_scales``."""
+    calculated = request.param
     requests = workload(prompt_of, greedy)
-    engine = make_engine(kv_cache_backend="contiguous", max_batch_size=4, kv_cache_dtype="int8")
-    return requests, run_engine(engine, requests)
+    engine = make_engine(kv_cache_backend="contiguous", max_batch_size=4, kv_cache_dtype="int8",
+                         calculate_kv_scales=calculated)  # fmt: skip
+    if calculated:  # static scales replace the per-token ones
+        assert engine.pool.k_scales is None and engine.pool.k_head_scales is not None
+    return requests, run_engine(engine, requests), calculated
 
 
 @pytest.mark.backend
@@ -43,10 +48,10 @@ def int8_reference(make_engine, run_engine, prompt_of, greedy):
 def test_int8_paged_matches_int8_contiguous(
     int8_reference, make_engine, run_engine, attention_backend, prefix_caching
 ) -> None:
-    requests, ref = int8_reference
+    requests, ref, calculated = int8_reference
     engine = make_engine(
         max_batch_size=4, kv_cache_dtype="int8", attention_backend=attention_backend,
-        enable_prefix_caching=prefix_caching,
+        enable_prefix_caching=prefix_caching, calculate_kv_scales=calculated,
     )  # fmt: skip
     assert_same(run_engine(engine, requests), ref, requests)
     if prefix_caching:
@@ -57,21 +62,26 @@ def test_int8_paged_matches_int8_contiguous(
 def test_int8_chunked_prefill_under_block_pressure_matches(
     int8_reference, make_engine, run_engine
 ) -> None:
-    requests, ref = int8_reference
+    requests, ref, calculated = int8_reference
     engine = make_engine(
-        max_batch_size=4, kv_cache_dtype="int8", max_num_batched_tokens=8, num_gpu_blocks=14
-    )
+        max_batch_size=4, kv_cache_dtype="int8", max_num_batched_tokens=8, num_gpu_blocks=14,
+        calculate_kv_scales=calculated,
+    )  # fmt: skip
     assert_same(run_engine(engine, requests), ref, requests)
     assert engine.audit() == []
 
 
 @pytest.mark.backend
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "calculated"), [("int8", False), ("int8", True), ("fp8_e5m2", True)]
+)
 def test_int8_forced_preemption_matches_unpressured_run(
-    make_engine, run_engine, prompt_of, greedy, attention_backend
+    make_engine, run_engine, prompt_of, greedy, attention_backend, kv_cache_dtype, calculated
 ) -> None:
     requests = [(f"g{i}", prompt_of(4 + i, 50 + i), greedy(16, logprobs=0)) for i in range(3)]
-    roomy = run_engine(make_engine(kv_cache_dtype="int8"), requests)
-    engine = make_engine(kv_cache_dtype="int8", attention_backend=attention_backend, num_gpu_blocks=7)
+    kw = dict(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculated)
+    roomy = run_engine(make_engine(**kw), requests)
+    engine = make_engine(attention_backend=attention_backend, num_gpu_blocks=7, **kw)
     assert_same(run_engine(engine, requests), roomy, requests)
     assert engine.metrics()["num_preemptions_total"] > 0
     assert engine.audit() == []
@@ -113,8 +123,9 @@ def test_int8_cache_changes_outputs_only_slightly(
     int8_reference, make_engine, run_engine
 ) -> None:
     """The cache really is quantized (logprobs move) but a wide-init model
-    still mostly agrees with float32 KV."""
-    requests, int8_run = int8_reference
+    still mostly agrees with float32 KV; calculated scales are really another
+    scheme than per-token ones."""
+    requests, int8_run, calculated = int8_reference
     full = run_engine(make_engine(kv_cache_backend="contiguous", max_batch_size=4), requests)
     deltas = [
         abs(a - b)
@@ -126,6 +137,11 @@ def test_int8_cache_changes_outputs_only_slightly(
     assert max(deltas) > 0  # not silently float32
     agree = sum(int8_run.tokens(r) == full.tokens(r) for r, _, _ in requests)
     assert agree >= len(requests) // 2
+    if calculated:
+        per_token = run_engine(make_engine(kv_cache_backend="contiguous", max_batch_size=4,
+                                           kv_cache_dtype="int8"), requests)  # fmt: skip
+        assert any(int8_run.choices[(r, 0)].logprobs != per_token.choices[(r, 0)].logprobs
+                   for r, _, _ in requests)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])

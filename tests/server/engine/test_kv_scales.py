@@ -1,9 +1,10 @@
 """``calculate_kv_scales``: static K/V scales per (layer, kv head) from one
 calibration pass at start-up. The calibration is deterministic and per head;
-an engine with calculated scales is still a cache (paged = contiguous, and
-prefix caching, chunked prefill, forced preemption and n > 1 forks change
-nothing); int8 then holds exactly 4x the tokens of a float32 cache; bad
-combinations are one-line errors."""
+int8 then holds exactly 4x the tokens of a float32 cache; bad combinations
+are one-line errors. That an engine with calculated scales is still a cache
+(paged = contiguous, prefix caching, chunked prefill, forced preemption and
+n > 1 forks change nothing) is tested beside per-token int8, in
+test_kv_cache_dtype.py."""
 
 from __future__ import annotations
 
@@ -19,22 +20,6 @@ from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.server import startup_line
 
 STATIC = dict(calculate_kv_scales=True)
-
-
-def workload(prompt_of, greedy):
-    shared = prompt_of(9, 100)
-    return [
-        (f"r{i}", (shared if i % 2 else []) + prompt_of(3 + 5 * i, i), greedy(10, logprobs=0))
-        for i in range(6)
-    ]
-
-
-def assert_same(run, ref, requests, logprob_tol: float = 1e-4) -> None:
-    for request_id, _, _ in requests:
-        got, want = run.choices[(request_id, 0)], ref.choices[(request_id, 0)]
-        assert got.token_ids == want.token_ids, request_id
-        assert got.error is None and got.finish_reason == want.finish_reason == "length"
-        assert got.logprobs == pytest.approx(want.logprobs, abs=logprob_tol)
 
 
 def test_calibration_is_deterministic_and_per_head(tiny_loaded) -> None:
@@ -57,70 +42,6 @@ def test_calibration_is_deterministic_and_per_head(tiny_loaded) -> None:
     assert torch.equal(scaled.k[:-1], first.k[:-1]) and torch.equal(scaled.v, first.v)
     fp8 = calibrated_kv_scales(dataclasses.replace(config, kv_cache_dtype="fp8"), tiny_loaded)
     torch.testing.assert_close(fp8.k * 448, first.k * 127)  # same absmax, e4m3's qmax
-
-
-@pytest.fixture
-def static_reference(make_engine, run_engine, prompt_of, greedy):
-    """Contiguous pool with calculated int8 scales, no prefix cache, whole prompts."""
-    requests = workload(prompt_of, greedy)
-    engine = make_engine(kv_cache_backend="contiguous", max_batch_size=4, kv_cache_dtype="int8",
-                         **STATIC)  # fmt: skip
-    assert engine.pool.k_scales is None and engine.pool.k_head_scales is not None
-    return requests, run_engine(engine, requests)
-
-
-@pytest.mark.backend
-@pytest.mark.parametrize("prefix_caching", [False, True])
-def test_static_int8_paged_matches_contiguous(
-    static_reference, make_engine, run_engine, attention_backend, prefix_caching
-) -> None:
-    requests, ref = static_reference
-    engine = make_engine(
-        max_batch_size=4, kv_cache_dtype="int8", attention_backend=attention_backend,
-        enable_prefix_caching=prefix_caching, **STATIC,
-    )  # fmt: skip
-    assert_same(run_engine(engine, requests), ref, requests)
-    if prefix_caching:
-        assert engine.metrics()["prefix_cache_hits_total"] > 0
-    assert engine.audit() == []
-
-
-def test_static_int8_chunked_prefill_under_block_pressure_matches(
-    static_reference, make_engine, run_engine
-) -> None:
-    requests, ref = static_reference
-    engine = make_engine(max_batch_size=4, kv_cache_dtype="int8", max_num_batched_tokens=8,
-                         num_gpu_blocks=14, **STATIC)  # fmt: skip
-    assert_same(run_engine(engine, requests), ref, requests)
-    assert engine.audit() == []
-
-
-@pytest.mark.backend
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e5m2"])
-def test_static_forced_preemption_matches_unpressured_run(
-    make_engine, run_engine, prompt_of, greedy, attention_backend, kv_cache_dtype
-) -> None:
-    requests = [(f"g{i}", prompt_of(4 + i, 50 + i), greedy(16, logprobs=0)) for i in range(3)]
-    roomy = run_engine(make_engine(kv_cache_dtype=kv_cache_dtype, **STATIC), requests)
-    engine = make_engine(kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
-                         num_gpu_blocks=7, **STATIC)  # fmt: skip
-    assert_same(run_engine(engine, requests), roomy, requests)
-    assert engine.metrics()["num_preemptions_total"] > 0
-    assert engine.audit() == []
-
-
-@pytest.mark.backend
-def test_static_scales_change_outputs_only_slightly(
-    static_reference, make_engine, run_engine
-) -> None:
-    requests, static_run = static_reference
-    full = run_engine(make_engine(kv_cache_backend="contiguous", max_batch_size=4), requests)
-    per_token = run_engine(make_engine(kv_cache_backend="contiguous", max_batch_size=4,
-                                       kv_cache_dtype="int8"), requests)  # fmt: skip
-    assert any(static_run.choices[(r, 0)].logprobs != per_token.choices[(r, 0)].logprobs
-               for r, _, _ in requests)  # fmt: skip  # a different scheme really ran
-    agree = sum(static_run.tokens(r) == full.tokens(r) for r, _, _ in requests)
-    assert agree >= len(requests) // 2
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
