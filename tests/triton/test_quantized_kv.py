@@ -68,27 +68,24 @@ def test_write_kv_codes_and_scales_are_bit_identical(kv_dtype, new_dtype, gen, p
         assert torch.equal(k_scales, expected[2]) and torch.equal(v_scales, expected[3])
 
 
-def decode_inputs(lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype, gen, paged):
+def decode_inputs(
+    lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype, gen, paged, static=False
+):
+    """Decode arguments over random 8-bit caches, and the scales as the ops'
+    keywords: per-token ones, or static per-head ones when ``static``."""
     num_blocks = paged.blocks_needed(lens, block_size)
-    k_cache, v_cache, k_scales, v_scales = paged.random_quantized_caches(
+    caches = paged.random_static_quantized_caches if static else paged.random_quantized_caches
+    k_cache, v_cache, k_scales, v_scales = caches(
         num_blocks, kv_heads, block_size, head_dim, kv_dtype, gen
     )
     tables = paged.random_block_tables(lens, block_size, num_blocks, gen).to(paged.device)
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(paged.device, q_dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=paged.device)
+    if static:
+        return (q, k_cache, v_cache, tables, seq_lens), {
+            "k_head_scales": k_scales, "v_head_scales": v_scales,
+        }  # fmt: skip
     return (q, k_cache, v_cache, tables, seq_lens), scales_of(k_scales, v_scales)
-
-
-def static_inputs(lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype, gen, paged):
-    """``decode_inputs`` with static per-head scales instead of per-token ones."""
-    num_blocks = paged.blocks_needed(lens, block_size)
-    k_cache, v_cache, k_head, v_head = paged.random_static_quantized_caches(
-        num_blocks, kv_heads, block_size, head_dim, kv_dtype, gen
-    )
-    tables = paged.random_block_tables(lens, block_size, num_blocks, gen).to(paged.device)
-    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(paged.device, q_dtype)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=paged.device)
-    return (q, k_cache, v_cache, tables, seq_lens), {"k_head_scales": k_head, "v_head_scales": v_head}
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -122,8 +119,8 @@ def test_head_scale_decode_and_prefill_match_reference(
     heads, kv_heads, head_dim, block_size, window, softcap, q_dtype, kv_dtype, gen, paged
 ):
     lens = [200, 3 * block_size, 1, block_size - 1, 130]
-    args, scales = static_inputs(
-        lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype, gen, paged
+    args, scales = decode_inputs(
+        lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype, gen, paged, static=True
     )
     scale = head_dim**-0.5
     out = decode_attention(*args, scale, window, softcap, policy=SPLIT, **scales)
@@ -182,10 +179,9 @@ def test_step_memo_replays_with_each_layers_scales(static, gen, paged):
     """Replayed layers must read their own int8 scales, not the first layer's."""
     lens, memo, step = [130, 16, 5], {}, None
     for _ in range(3):
-        if static:
-            args, scales = static_inputs(lens, 8, 2, 64, 16, torch.int8, torch.float32, gen, paged)
-        else:
-            args, scales = decode_inputs(lens, 8, 2, 64, 16, torch.int8, torch.float32, gen, paged)
+        args, scales = decode_inputs(
+            lens, 8, 2, 64, 16, torch.int8, torch.float32, gen, paged, static=static
+        )
         if step is not None:
             args = (*args[:3], *step)
         step = args[3:]
