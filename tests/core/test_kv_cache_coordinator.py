@@ -111,6 +111,15 @@ def test_prefix_hit_after_the_sequence_left_keeps_cached_windows() -> None:
     assert c.audit() == []
 
 
+def assert_group_usage_counted(c: KVCacheCoordinator) -> None:
+    """The pool's per-group count equals the distinct blocks each group's tables hold."""
+    held = [
+        len({b for s in c.seq_ids() for b in c.block_table(s, g)[c.num_released(s, g) :]})
+        for g in range(c.num_groups)
+    ]
+    assert c.group_blocks_used() == held
+
+
 def test_audit_clean_through_fork_cow_free_and_preempt_in_every_group() -> None:
     c = coordinator(120)
     prompt = list(range(50, 63))  # 13 tokens: a shared partial last block
@@ -124,14 +133,18 @@ def test_audit_clean_through_fork_cow_free_and_preempt_in_every_group() -> None:
     grow(c, 0, prompt + list(range(40)), 30)
     grow(c, 1, prompt + [7] + list(range(40)), 30)
     assert c.audit() == []
+    assert_group_usage_counted(c)
     c.fork(1, 2)  # a fork of a sequence with released (null) entries
     grow(c, 2, prompt + [7] + list(range(60)), 40)
     assert c.audit() == []
+    assert_group_usage_counted(c)
     c.free(1)  # a preemption is a free of every group
     assert c.audit() == []
+    assert_group_usage_counted(c)
     for s in (0, 2):
         c.free(s)
     assert c.audit() == [] and c.num_free_blocks() == c.num_blocks
+    assert c.group_blocks_used() == [0] * c.num_groups
     assert c.stats().cow_copies == 2 * 6 and c.stats().forks == 2  # both forks split a block
 
 

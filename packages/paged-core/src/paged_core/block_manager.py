@@ -58,17 +58,18 @@ class BlockManager:
         sliding_window: int | None = None,
         null_block: Block | None = None,
         hash_salt: BlockHash | None = None,
-        count_prompts: bool = True,
+        group: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and null_block is None:
             raise ValueError("a sliding-window block manager needs a null_block for freed entries")
         # One KV cache group of several share block_pool (see KVCacheCoordinator):
-        # out-of-window entries become null_block; keys chain from hash_salt.
+        # out-of-window entries become null_block; keys chain from hash_salt;
+        # the pool counts blocks in use per group; group 0 counts the prompts.
         self.block_pool = block_pool if block_pool is not None else BlockPool(num_blocks)
         self.sliding_window, self.null_block = sliding_window, null_block
-        self.hash_salt, self.count_prompts = hash_salt, count_prompts
+        self.hash_salt, self.group = hash_salt, group
         self.num_blocks = len(self.block_pool.blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -133,13 +134,15 @@ class BlockManager:
         released = sum(1 for block in table if block is self.null_block)
         for block in table[released:]:
             self.block_pool.acquire(block)
-        table += self.block_pool.get_new_blocks(_cdiv(num_tokens, self.block_size) - len(hits))
+        table += self.block_pool.get_new_blocks(
+            _cdiv(num_tokens, self.block_size) - len(hits), self.group
+        )
         num_cached = len(hits) * self.block_size
         seq = _SeqBlocks(table, num_tokens, num_cached, num_released=released)
         if self.enable_prefix_caching:
             seq.hashes = [block_hash for _, block_hash in hits]
             seq.tokens = list(token_ids) if token_ids is not None else []
-            if not skip_prefix_cache and self.count_prompts:
+            if not skip_prefix_cache and self.group == 0:
                 last_hit = hits[-1][1] if hits else self.hash_salt
                 self.counters.count_prompt(
                     self.block_pool, self.block_size, num_tokens, token_ids, len(hits), last_hit
@@ -190,12 +193,12 @@ class BlockManager:
         copies: list[tuple[int, int]] = []
         if seq.num_tokens % self.block_size == 0:
             self._require_free(f"sequence {seq_id} needs a new block for token {seq.num_tokens}")
-            seq.table += self.block_pool.get_new_blocks(1)
+            seq.table += self.block_pool.get_new_blocks(1, self.group)
         elif (last := seq.table[-1]).ref_count > 1:
             self._require_free(
                 f"sequence {seq_id} needs a private copy of shared block {last.block_id}"
             )
-            (copy,) = self.block_pool.get_new_blocks(1)
+            (copy,) = self.block_pool.get_new_blocks(1, self.group)
             self.block_pool.free([last])  # stays in use by the others
             seq.table[-1] = copy
             copies.append((last.block_id, copy.block_id))

@@ -41,12 +41,14 @@ def hash_block_tokens(parent: BlockHash | None, tokens: Sequence[int]) -> BlockH
 @dataclass(slots=True, eq=False)  # eq=False: blocks compare and hash by identity
 class Block:
     """One physical KV block. ``block_hash`` is set while the block holds
-    registered prefix content (``token_ids``), whether it is free or not."""
+    registered prefix content (``token_ids``), whether it is free or not;
+    ``group`` is the KV cache group that last took it (hybrid pools)."""
 
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()
+    group: int = 0
 
 
 class BlockPool:
@@ -63,6 +65,8 @@ class BlockPool:
         # front = next handed out; a fresh pool hands out 0, 1, 2, ...
         self.free_queue: OrderedDict[Block, None] = OrderedDict.fromkeys(self.blocks)
         self.prefix_index: dict[BlockHash, Block] = {}
+        # Blocks in use per KV cache group, kept at each 0 <-> 1 ref-count step.
+        self.used_per_group: dict[int, int] = {}
         self.evictions = 0
         self._num_cached_free = 0
         # Keys evicted recently (bounded), so a prefix miss can say "evicted"
@@ -74,10 +78,11 @@ class BlockPool:
         """Free blocks that still hold cached KV (evictable)."""
         return self._num_cached_free
 
-    def get_new_blocks(self, n: int) -> list[Block]:
-        """Take ``n`` blocks off the front of the free queue (ref count 1) to
-        write new KV into, evicting the cached content of those that hold
-        some. ``OutOfBlocksError`` when fewer are free; nothing changes then."""
+    def get_new_blocks(self, n: int, group: int = 0) -> list[Block]:
+        """Take ``n`` blocks off the front of the free queue (ref count 1) for
+        KV cache ``group`` to write new KV into, evicting the cached content
+        of those that hold some. ``OutOfBlocksError`` when fewer are free;
+        nothing changes then."""
         assert n >= 0, f"cannot take a negative number of blocks ({n})"
         if n > len(self.free_queue):
             raise OutOfBlocksError(
@@ -93,8 +98,9 @@ class BlockPool:
                 self._uncache(block)
                 self._num_cached_free -= 1
                 self.evictions += 1
-            block.ref_count = 1
+            block.ref_count, block.group = 1, group
             out.append(block)
+        self._count_used(group, n)
         return out
 
     def acquire(self, block: Block) -> None:
@@ -104,6 +110,7 @@ class BlockPool:
             del self.free_queue[block]
             if block.block_hash is not None:
                 self._num_cached_free -= 1
+            self._count_used(block.group, 1)
         block.ref_count += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -126,6 +133,7 @@ class BlockPool:
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
+                self._count_used(block.group, -1)
                 self.free_queue[block] = None
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block, last=False)
@@ -137,6 +145,7 @@ class BlockPool:
         self._check_own(block)
         if block.ref_count:
             block.ref_count = 0
+            self._count_used(block.group, -1)
             self._uncache(block)
             self.free_queue[block] = None
             self.free_queue.move_to_end(block, last=False)
@@ -197,6 +206,10 @@ class BlockPool:
                 problems.append(
                     f"cached block {b} is not indexed under its key with {block_size} tokens"
                 )
+        in_use = [b.group for b in self.blocks if b.ref_count]
+        counted = {g: n for g, n in self.used_per_group.items() if n}
+        if counted != {g: in_use.count(g) for g in set(in_use)}:
+            problems.append(f"blocks in use per group counted as {counted}, not as the blocks say")
         for key, block in self.prefix_index.items():
             if not self._owns(block) or block.block_hash != key:
                 problems.append(
@@ -214,6 +227,9 @@ class BlockPool:
         self.evicted_keys.move_to_end(block_hash)
         if len(self.evicted_keys) > self.evicted_keys_limit:
             self.evicted_keys.popitem(last=False)
+
+    def _count_used(self, group: int, n: int) -> None:
+        self.used_per_group[group] = self.used_per_group.get(group, 0) + n
 
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None:

@@ -70,7 +70,7 @@ class KVCacheCoordinator:
                 usable, block_size, enable_prefix_caching, block_pool=self.block_pool,
                 sliding_window=group.sliding_window,
                 null_block=self.null_block if group.sliding_window is not None else None,
-                hash_salt=_salt(g), count_prompts=g == 0,
+                hash_salt=_salt(g), group=g,
             )
             for g, group in enumerate(self.groups)
         ]  # fmt: skip
@@ -220,8 +220,9 @@ class KVCacheCoordinator:
         return self.num_free_blocks() * self.block_size // self.num_groups
 
     def group_blocks_used(self) -> list[int]:
-        """Distinct blocks each group's page tables hold."""
-        return [len({b for t in m.live_tables() for b in t}) for m in self.managers]
+        """Blocks each group holds (the pool counts them as they are taken
+        and given back, so this costs nothing per step)."""
+        return [self.block_pool.used_per_group.get(g, 0) for g in range(self.num_groups)]
 
     def stats(self) -> BlockManagerStats:
         """The shared pool's occupancy and group 0's prompt counters (each
