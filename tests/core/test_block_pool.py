@@ -189,6 +189,6 @@ def test_audit_checks_holders_free_queue_and_index():
     assert "block 1 (leaked) has ref count 1 but 0 page tables hold it" in problems
     problems = " | ".join(pool.audit([[a, b], [a]], BS))
     assert "block 0 (miscounted) has ref count 1 but 2 page tables hold it" in problems
-    pool.prefix_index[hash_block_tokens(None, [5, 5])] = b  # deliberate corruption
+    pool.prefix_index[(0, hash_block_tokens(None, [5, 5]))] = b  # deliberate corruption
     problems = " | ".join(pool.audit([[a, b]], BS))
     assert "prefix index maps a key to block 1" in problems

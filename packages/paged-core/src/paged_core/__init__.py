@@ -2,9 +2,8 @@
 
 from paged_core.block_manager import BlockManager
 from paged_core.block_pool import Block, BlockPool
-from paged_core.block_stats import MISS_REASONS, BlockManagerStats, PrefixCounters
+from paged_core.block_stats import MISS_REASONS, BlockManagerStats
 from paged_core.errors import OutOfBlocksError, UnknownSequenceError
-from paged_core.kv_cache_coordinator import KVCacheCoordinator
 from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from paged_core.protocols import (
     AttentionViewProtocol,
@@ -21,11 +20,9 @@ __all__ = [
     "BlockManagerStats",
     "BlockPool",
     "CachePoolProtocol",
-    "KVCacheCoordinator",
     "KVCacheGroup",
     "KVCacheProtocol",
     "OutOfBlocksError",
-    "PrefixCounters",
     "ServingPoolProtocol",
     "UnknownSequenceError",
     "kv_cache_groups",

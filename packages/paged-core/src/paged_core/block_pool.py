@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -52,7 +52,8 @@ class Block:
 
 
 class BlockPool:
-    """``num_blocks`` blocks, the free queue and the prefix index (key -> block).
+    """``num_blocks`` blocks, the free queue and the prefix index
+    (``(group, key)`` -> block: KV cache groups never share a block).
 
     A key maps to at most one block and a block holds at most one key: when
     two sequences compute the same content into different blocks, the first
@@ -64,14 +65,14 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # front = next handed out; a fresh pool hands out 0, 1, 2, ...
         self.free_queue: OrderedDict[Block, None] = OrderedDict.fromkeys(self.blocks)
-        self.prefix_index: dict[BlockHash, Block] = {}
+        self.prefix_index: dict[tuple[int, BlockHash], Block] = {}
         # Blocks in use per KV cache group, kept at each 0 <-> 1 ref-count step.
-        self.used_per_group: dict[int, int] = {}
+        self.used_per_group: Counter[int] = Counter()
         self.evictions = 0
         self._num_cached_free = 0
         # Keys evicted recently (bounded), so a prefix miss can say "evicted"
         # rather than "never seen".
-        self.evicted_keys: OrderedDict[BlockHash, None] = OrderedDict()
+        self.evicted_keys: OrderedDict[tuple[int, BlockHash], None] = OrderedDict()
         self.evicted_keys_limit = max(1024, 4 * num_blocks)
 
     def num_cached_free(self) -> int:
@@ -94,13 +95,13 @@ class BlockPool:
             block, _ = self.free_queue.popitem(last=False)
             assert block.ref_count == 0, "a free block must have no references"
             if block.block_hash is not None:
-                self._remember_evicted(block.block_hash)
+                self._remember_evicted((block.group, block.block_hash))
                 self._uncache(block)
                 self._num_cached_free -= 1
                 self.evictions += 1
             block.ref_count, block.group = 1, group
             out.append(block)
-        self._count_used(group, n)
+        self.used_per_group[group] += n
         return out
 
     def acquire(self, block: Block) -> None:
@@ -110,7 +111,7 @@ class BlockPool:
             del self.free_queue[block]
             if block.block_hash is not None:
                 self._num_cached_free -= 1
-            self._count_used(block.group, 1)
+            self.used_per_group[block.group] += 1
         block.ref_count += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -133,7 +134,7 @@ class BlockPool:
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._count_used(block.group, -1)
+                self.used_per_group[block.group] -= 1
                 self.free_queue[block] = None
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block, last=False)
@@ -145,25 +146,27 @@ class BlockPool:
         self._check_own(block)
         if block.ref_count:
             block.ref_count = 0
-            self._count_used(block.group, -1)
+            self.used_per_group[block.group] -= 1
             self._uncache(block)
             self.free_queue[block] = None
             self.free_queue.move_to_end(block, last=False)
 
-    def lookup(self, block_hash: BlockHash, tokens: Sequence[int]) -> Block | None:
-        """The block holding ``tokens`` under ``block_hash``, or ``None``. The
-        tokens are compared too, so a hash collision never serves wrong KV."""
-        block = self.prefix_index.get(block_hash)
+    def lookup(self, block_hash: BlockHash, tokens: Sequence[int], group: int = 0) -> Block | None:
+        """Group ``group``'s block holding ``tokens`` under ``block_hash``, or
+        ``None``. The tokens are compared too, so a hash collision never
+        serves wrong KV."""
+        block = self.prefix_index.get((group, block_hash))
         return block if block is not None and block.token_ids == tuple(tokens) else None
 
     def register(self, block: Block, block_hash: BlockHash, tokens: Sequence[int]) -> bool:
         """Record that ``block`` (in use, its KV now computed) holds ``tokens``
-        under ``block_hash``. Returns whether the block became cached."""
+        under ``block_hash`` for its group. Returns whether it became cached."""
         assert block.ref_count > 0, "only a block in use is registered"
-        if block.block_hash is not None or block_hash in self.prefix_index:
+        key = (block.group, block_hash)
+        if block.block_hash is not None or key in self.prefix_index:
             return False
         block.block_hash, block.token_ids = block_hash, tuple(tokens)
-        self.prefix_index[block_hash] = block
+        self.prefix_index[key] = block
         return True
 
     def audit(self, page_tables: Iterable[Sequence[Block]], block_size: int) -> list[str]:
@@ -191,49 +194,42 @@ class BlockPool:
                 problems.append(
                     f"block {b} ({kind}) has ref count {refs} but {holds} page tables hold it"
                 )
-            if refs and block in self.free_queue:
-                problems.append(
-                    f"block {b} has ref count {refs} but is on the free list (it can be handed out while in use)"
+            if bool(refs) == (block in self.free_queue):
+                where = "on the free list (it can be handed out while in use)" if refs else (
+                    "on no free list (lost: it can never be handed out)"
                 )
-            elif not refs and block not in self.free_queue:
-                problems.append(
-                    f"block {b} has ref count 0 but is on no free list (lost: it can never be handed out)"
-                )
+                problems.append(f"block {b} has ref count {refs} but is {where}")
             if block.block_hash is not None and (
-                self.prefix_index.get(block.block_hash) is not block
+                self.prefix_index.get((block.group, block.block_hash)) is not block
                 or len(block.token_ids) != block_size
             ):
                 problems.append(
                     f"cached block {b} is not indexed under its key with {block_size} tokens"
                 )
-        in_use = [b.group for b in self.blocks if b.ref_count]
         counted = {g: n for g, n in self.used_per_group.items() if n}
-        if counted != {g: in_use.count(g) for g in set(in_use)}:
+        if counted != Counter(b.group for b in self.blocks if b.ref_count):
             problems.append(f"blocks in use per group counted as {counted}, not as the blocks say")
-        for key, block in self.prefix_index.items():
-            if not self._owns(block) or block.block_hash != key:
+        for (group, key), block in self.prefix_index.items():
+            if not self._owns(block) or (block.group, block.block_hash) != (group, key):
                 problems.append(
                     f"prefix index maps a key to block {block.block_id}, cached under another"
                 )
         return problems
 
-    def was_evicted(self, block_hash: BlockHash) -> bool:
-        """Whether ``block_hash`` was evicted recently (the last
-        ``evicted_keys_limit`` evictions are remembered)."""
-        return block_hash in self.evicted_keys
+    def was_evicted(self, block_hash: BlockHash, group: int = 0) -> bool:
+        """Whether ``block_hash`` was evicted recently from ``group`` (the
+        last ``evicted_keys_limit`` evictions are remembered)."""
+        return (group, block_hash) in self.evicted_keys
 
-    def _remember_evicted(self, block_hash: BlockHash) -> None:
-        self.evicted_keys[block_hash] = None
-        self.evicted_keys.move_to_end(block_hash)
+    def _remember_evicted(self, key: tuple[int, BlockHash]) -> None:
+        self.evicted_keys[key] = None
+        self.evicted_keys.move_to_end(key)
         if len(self.evicted_keys) > self.evicted_keys_limit:
             self.evicted_keys.popitem(last=False)
 
-    def _count_used(self, group: int, n: int) -> None:
-        self.used_per_group[group] = self.used_per_group.get(group, 0) + n
-
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None:
-            del self.prefix_index[block.block_hash]
+            del self.prefix_index[(block.group, block.block_hash)]
             block.block_hash, block.token_ids = None, ()
 
     def _owns(self, block: Block) -> bool:

@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from paged_core.kv_cache_coordinator import KVCacheCoordinator
+from paged_core.block_manager import BlockManager
 from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
@@ -87,10 +87,11 @@ class PagedKVPool(ViewsMixin):
             )
         self.num_layers = sum(len(g.layers) for g in self.groups)
         self._slots = layer_slots(self.groups)
-        # The coordinator reserves the last block as the null block when a group slides.
-        self.block_manager = KVCacheCoordinator(
-            self.groups, self.num_blocks, self.block_size, enable_prefix_caching
-        )
+        # The block manager reserves the last block as the null block when a group slides.
+        self.block_manager = BlockManager(
+            self.num_blocks, self.block_size, enable_prefix_caching,
+            sliding_windows=[g.sliding_window for g in self.groups],
+        )  # fmt: skip
         self._null = self.block_manager.null_block_id
         self._tables = [BlockTableBuffer() for _ in self.groups]
         self._released = [dict[int, int]() for _ in self.groups]  # mirrored null entries
@@ -251,7 +252,7 @@ class PagedKVPool(ViewsMixin):
             self._sync_table(seq_id)
             return
         at_boundary = bm.num_tokens(seq_id) % self.block_size == 0
-        for g, copies in enumerate(bm.append_per_group(seq_id, token_id)):
+        for g, copies in enumerate(bm.append(seq_id, token_id)):
             if copies or at_boundary:  # else the token fits the seq_id's own last block
                 self._sync_table(seq_id, copies, g)
 
@@ -348,7 +349,7 @@ class PagedKVPool(ViewsMixin):
             self._sync_table(seq_id)
             return
         while bm.num_tokens(seq_id) < num_tokens:
-            for g, copies in enumerate(bm.append_per_group(seq_id)):
+            for g, copies in enumerate(bm.append(seq_id)):
                 self._sync_table(seq_id, copies, g)
 
     def build_metadata(

@@ -1,5 +1,6 @@
-"""The KV cache coordinator: sliding groups give blocks back, prefix hits need
-the window's blocks, and the audit stays clean in every group."""
+"""The block manager with KV cache groups (hybrid models): sliding groups give
+blocks back, prefix hits need the window's blocks, and the audit stays clean
+in every group."""
 
 from __future__ import annotations
 
@@ -7,21 +8,21 @@ import math
 
 import pytest
 
-from paged_core import KVCacheCoordinator, OutOfBlocksError, kv_cache_groups
+from paged_core import BlockManager, OutOfBlocksError, kv_cache_groups
 
 W, BS = 8, 4
 # A tiny Gemma 3: 5 local layers per global one -> 6 groups of one layer.
 LAYERS = [W, W, W, W, W, None]
 
 
-def coordinator(
+def manager(
     num_blocks: int = 200, layers: list[int | None] = LAYERS, **kw: bool
-) -> KVCacheCoordinator:
-    hybrid = kw.pop("hybrid", True)
-    return KVCacheCoordinator(kv_cache_groups(layers, hybrid=hybrid), num_blocks, BS, **kw)
+) -> BlockManager:
+    groups = kv_cache_groups(layers, hybrid=kw.pop("hybrid", True))
+    return BlockManager(num_blocks, BS, sliding_windows=[g.sliding_window for g in groups], **kw)
 
 
-def grow(c: KVCacheCoordinator, seq_id: int, tokens: list[int], upto: int) -> None:
+def grow(c: BlockManager, seq_id: int, tokens: list[int], upto: int) -> None:
     """Decode: append and commit one token at a time until ``upto`` tokens;
     between the two, no sliding group holds more than ceil(W / bs) + 1 blocks."""
     while c.num_tokens(seq_id) < upto:
@@ -34,7 +35,7 @@ def grow(c: KVCacheCoordinator, seq_id: int, tokens: list[int], upto: int) -> No
 
 def test_sliding_groups_hold_a_bounded_window_as_tokens_grow() -> None:
     tokens = list(range(100, 180))
-    hybrid, one = coordinator(), coordinator(hybrid=False)
+    hybrid, one = manager(), manager(hybrid=False)
     held: dict[str, list[int]] = {"hybrid": [], "one": []}
     for name, c in (("hybrid", hybrid), ("one", one)):
         c.allocate(0, 20, tokens[:20])
@@ -56,17 +57,17 @@ def test_sliding_groups_hold_a_bounded_window_as_tokens_grow() -> None:
     assert 6 * held["one"][-1] == 120
 
 
-def test_one_group_is_a_pass_through_without_a_null_block() -> None:
-    c = coordinator(10, [None, None])
+def test_one_group_has_no_null_block() -> None:
+    c = manager(10, [None, None])
     assert c.num_groups == 1 and c.null_block_id is None and c.num_blocks == 10
     c.allocate(0, 9, list(range(9)))
     assert c.block_table(0) == [0, 1, 2]
     # A pool with a sliding group reserves its last block as the null block.
-    assert coordinator(10).num_blocks == 9 and coordinator(10).null_block_id == 9
+    assert manager(10).num_blocks == 9 and manager(10).null_block_id == 9
 
 
 def test_prefix_hit_needs_the_sliding_groups_window() -> None:
-    c = coordinator(60)
+    c = manager(60)
     prompt = list(range(24))  # 6 blocks
     c.allocate(0, 24, prompt)
     c.mark_computed(0, 24)  # sliding groups release blocks 0..3 (cached, free)
@@ -98,7 +99,7 @@ def test_prefix_hit_needs_the_sliding_groups_window() -> None:
 
 
 def test_prefix_hit_after_the_sequence_left_keeps_cached_windows() -> None:
-    c = coordinator(80)
+    c = manager(80)
     prompt = list(range(40))
     c.allocate(0, 40, prompt)
     c.mark_computed(0, 40)
@@ -111,7 +112,7 @@ def test_prefix_hit_after_the_sequence_left_keeps_cached_windows() -> None:
     assert c.audit() == []
 
 
-def assert_group_usage_counted(c: KVCacheCoordinator) -> None:
+def assert_group_usage_counted(c: BlockManager) -> None:
     """The pool's per-group count equals the distinct blocks each group's tables hold."""
     held = [
         len({b for s in c.seq_ids() for b in c.block_table(s, g)[c.num_released(s, g) :]})
@@ -121,13 +122,13 @@ def assert_group_usage_counted(c: KVCacheCoordinator) -> None:
 
 
 def test_audit_clean_through_fork_cow_free_and_preempt_in_every_group() -> None:
-    c = coordinator(120)
+    c = manager(120)
     prompt = list(range(50, 63))  # 13 tokens: a shared partial last block
     c.allocate(0, 13, prompt)
     c.mark_computed(0, 13)
     c.fork(0, 1)
     assert c.audit() == []
-    copies = c.append(1, 7)  # CoW of the shared last block, in all 6 groups
+    copies = [pair for group in c.append(1, 7) for pair in group]  # CoW in all 6 groups
     assert len(copies) == 6 and len({dst for _, dst in copies}) == 6
     c.mark_computed(1, 14)
     grow(c, 0, prompt + list(range(40)), 30)
@@ -149,7 +150,7 @@ def test_audit_clean_through_fork_cow_free_and_preempt_in_every_group() -> None:
 
 
 def test_exhaustion_is_all_or_nothing_over_groups() -> None:
-    c = coordinator(13)  # 12 usable blocks: 2 per group
+    c = manager(13)  # 12 usable blocks: 2 per group
     assert not c.can_allocate(9, list(range(9)))  # 3 blocks x 6 groups
     with pytest.raises(OutOfBlocksError, match="6 KV cache groups"):
         c.allocate(0, 9, list(range(9)))
@@ -161,7 +162,7 @@ def test_exhaustion_is_all_or_nothing_over_groups() -> None:
 
 
 def test_leaked_blocks_are_found_and_reclaimed_across_groups() -> None:
-    c = coordinator(40)
+    c = manager(40)
     c.allocate(0, 9, list(range(9)))
     leaked = c.block_pool.get_new_blocks(2)
     assert any("leaked" in p for p in c.audit())
