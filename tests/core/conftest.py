@@ -53,7 +53,7 @@ class FakePool:
         self.m.mark_computed(seq_id, end)
 
     def append(self, seq_id: int, token: int, give_id: bool = True) -> list[tuple[int, int]]:
-        copies = [pair for group in self.m.append(seq_id, token if give_id else None) for pair in group]
+        copies = [(src, dst) for _, src, dst in self.m.append(seq_id, token if give_id else None)]
         for src, dst in copies:
             self.kv[dst] = list(self.kv[src])
         self.tokens[seq_id].append(token)

@@ -20,7 +20,7 @@ def test_prompt_then_one_append_at_block_boundaries(bs, prompt, blocks_before, b
     assert len(m.block_table(1)) == blocks_before
     assert m.num_free_blocks() == 8 - blocks_before
     assert m.can_append([1])
-    assert m.append(1, 7) == [[]]
+    assert m.append(1, 7) == ()
     assert len(m.block_table(1)) == blocks_after
     assert m.num_tokens(1) == n + 1
     assert m.num_free_blocks() == 8 - blocks_after

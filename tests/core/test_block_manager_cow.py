@@ -87,13 +87,13 @@ def test_can_append_counts_copies_exactly():
     assert not m.can_append([1, 2, 3])
     assert not m.can_append([1, 2])
     assert m.can_append([3])
-    assert m.append(3, None) != [[]]  # takes the last free block for its copy
+    assert m.append(3, None) != ()  # takes the last free block for its copy
     assert not m.can_append([1, 2])
     m.free(4)  # 1 block free again
     assert m.can_append([1, 2])  # one copy, then the other owns the original
     m.append(1, None)
     assert m.num_free_blocks() == 0
-    assert m.append(2, None) == [[]]
+    assert m.append(2, None) == ()
     assert m.audit() == []
 
 

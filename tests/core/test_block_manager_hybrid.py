@@ -128,7 +128,7 @@ def test_audit_clean_through_fork_cow_free_and_preempt_in_every_group() -> None:
     c.mark_computed(0, 13)
     c.fork(0, 1)
     assert c.audit() == []
-    copies = [pair for group in c.append(1, 7) for pair in group]  # CoW in all 6 groups
+    copies = [(src, dst) for _, src, dst in c.append(1, 7)]  # CoW in all 6 groups
     assert len(copies) == 6 and len({dst for _, dst in copies}) == 6
     c.mark_computed(1, 14)
     grow(c, 0, prompt + list(range(40)), 30)

@@ -65,7 +65,8 @@ class BlockManager:
         if not sliding_windows or any(w is not None and w < 1 for w in sliding_windows):
             raise ValueError(f"need one window (None or >= 1) per group, got {sliding_windows}")
         self.windows = list(sliding_windows)
-        slides = any(w is not None for w in self.windows)
+        self._sliding = [(g, w) for g, w in enumerate(self.windows) if w is not None]
+        slides, self._hybrid = bool(self._sliding), len(self.windows) > 1
         if slides and num_blocks < 1:
             raise ValueError("a pool with sliding-window groups needs a block for the null block")
         self.num_blocks = num_blocks - 1 if slides else num_blocks
@@ -164,36 +165,23 @@ class BlockManager:
             needed += min(writers, block.ref_count - 1)
         return needed <= self.num_free_blocks()
 
-    def append(self, seq_id: int, token_id: int | None = None) -> list[list[tuple[int, int]]]:
+    def append(self, seq_id: int, token_id: int | None = None) -> tuple[tuple[int, int, int], ...]:
         """Reserve room for one more token in every group (``token_id`` is
         recorded for prefix hashing). Takes a new block at a block boundary.
         If the token lands in a block other sequences share, the sequence
-        first gets a private copy: per group, the ``(src, dst)`` blocks the
-        pool must copy. ``OutOfBlocksError`` (no state change) when the blocks
-        it needs are not free."""
-        seq = self._seq(seq_id)
-        pool, boundary = self.block_pool, seq.num_tokens % self.block_size == 0
-        needed = len(seq.tables) if boundary else sum(t[-1].ref_count > 1 for t in seq.tables)
-        if needed > len(pool.free_queue):
-            why = "a new block" if boundary else "a private copy of a shared block"
-            groups = f" in each of {self.num_groups} KV cache groups" if self.num_groups > 1 else ""
-            raise OutOfBlocksError(
-                f"sequence {seq_id} needs {why} for token {seq.num_tokens}{groups} but only "
-                f"{len(pool.free_queue)} of {self.num_blocks} blocks are free; preempt a sequence first"
-            )
-        copies: list[list[tuple[int, int]]] = []
-        for g, table in enumerate(seq.tables):
-            if boundary:
-                table += pool.get_new_blocks(1, g)
-                copies.append([])
-            elif (last := table[-1]).ref_count > 1:
-                (copy,) = pool.get_new_blocks(1, g)
-                pool.free([last])  # stays in use by the others
-                table[-1] = copy
-                copies.append([(last.block_id, copy.block_id)])
-                self.counters.cow_copies += 1
-            else:
-                copies.append([])
+        first gets a private copy: the returned ``(group, src, dst)`` are the
+        blocks the pool must copy. ``OutOfBlocksError`` (no state change)
+        when the blocks it needs are not free."""
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)  # (get: the hot path, per token)
+        copies: tuple[tuple[int, int, int], ...] = ()
+        if seq.num_tokens % self.block_size == 0:
+            self._require_free(len(seq.tables), seq_id, "a new block", seq.num_tokens)
+            for g, table in enumerate(seq.tables):
+                table += self.block_pool.get_new_blocks(1, g)
+        elif seq.tables[0][-1].ref_count > 1 or (
+            self._hybrid and any(table[-1].ref_count > 1 for table in seq.tables)
+        ):  # else (most tokens) the token fits the sequence's own last blocks
+            copies = self._copy_shared_last(seq, seq_id)
         if self.enable_prefix_caching and token_id is not None and len(seq.tokens) == seq.num_tokens:
             seq.tokens.append(token_id)  # ids are kept while every id so far is known
         seq.num_tokens += 1
@@ -206,7 +194,7 @@ class BlockManager:
         Then sliding groups free the blocks no later query can see (returns
         whether any were): block ``i`` once ``(i + 1) * block_size <=
         num_computed - window + 1``. They stay cached, hence evictable."""
-        seq = self._seq(seq_id)
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)
         if not 0 <= num_computed_tokens <= seq.num_tokens:
             raise ValueError(
                 f"sequence {seq_id} has {seq.num_tokens} tokens; cannot mark "
@@ -223,9 +211,13 @@ class BlockManager:
             for table, first in zip(seq.tables, seq.released, strict=True):
                 if i >= first:
                     self.block_pool.register(table[i], block_hash, tokens)
+        return bool(self._sliding) and self._release_out_of_window(seq)
+
+    def _release_out_of_window(self, seq: _SeqBlocks) -> bool:
+        """Free each sliding group's blocks that left its window; whether any did."""
         freed = False
-        for g, window in enumerate(self.windows):
-            dead = 0 if window is None else max(0, seq.num_computed - window + 1) // bs
+        for g, window in self._sliding:
+            dead = max(0, seq.num_computed - window + 1) // self.block_size
             if dead > (first := seq.released[g]):
                 self.block_pool.free(seq.tables[g][first:dead])
                 seq.tables[g][first:dead] = [self.null_block] * (dead - first)  # type: ignore[list-item]
@@ -299,7 +291,7 @@ class BlockManager:
     def group_blocks_used(self) -> list[int]:
         """Blocks each group holds (counted by the pool as they are taken and
         given back, so this costs nothing per step)."""
-        return [self.block_pool.used_per_group[g] for g in range(self.num_groups)]
+        return [self.block_pool.used_per_group.get(g, 0) for g in range(self.num_groups)]
 
     def stats(self) -> BlockManagerStats:
         """The counters with the pool's occupancy now (see ``BlockManagerStats``)."""
@@ -366,6 +358,28 @@ class BlockManager:
             )
         return seq
 
+    def _copy_shared_last(self, seq: _SeqBlocks, seq_id: int) -> tuple[tuple[int, int, int], ...]:
+        """Give ``seq`` a private copy of each last block it shares (copy-on-write)."""
+        shared = [g for g, table in enumerate(seq.tables) if table[-1].ref_count > 1]
+        self._require_free(len(shared), seq_id, "a private copy of a shared block", seq.num_tokens)
+        copies = []
+        for g in shared:
+            last, (copy,) = seq.tables[g][-1], self.block_pool.get_new_blocks(1, g)
+            self.block_pool.free([last])  # stays in use by the others
+            seq.tables[g][-1] = copy
+            copies.append((g, last.block_id, copy.block_id))
+        self.counters.cow_copies += len(shared)
+        return tuple(copies)
+
+    def _require_free(self, n: int, seq_id: int, what: str, token: int) -> None:
+        if n > len(self.block_pool.free_queue):
+            groups = f" in each of {n} KV cache groups" if n > 1 else ""
+            raise OutOfBlocksError(
+                f"sequence {seq_id} needs {what} for token {token}{groups} but only "
+                f"{len(self.block_pool.free_queue)} of {self.num_blocks} blocks are free; "
+                "preempt a sequence first"
+            )
+
     def _plan(
         self, num_tokens: int, token_ids: Sequence[int] | None, skip_prefix_cache: bool
     ) -> tuple[list[list[Block]], list[BlockHash], int]:
@@ -393,19 +407,19 @@ class BlockManager:
             tokens = token_ids[i * bs : (i + 1) * bs]  # type: ignore[index]
             key = hash_block_tokens(keys[-1] if keys else None, tokens)
             row = [self.block_pool.lookup(key, tokens, g) for g in range(len(windows))]
-            if any(b is None and w is None for b, w in zip(row, windows, strict=True)):
+            if None in row and any(b is None and w is None for b, w in zip(row, windows, strict=True)):
                 break
             keys.append(key)
             found.append(row)
         h = len(keys)
-        while h and any(
+        while self._sliding and h and any(
             found[i][g] is None for g in range(len(windows)) for i in range(self._first(g, h), h)
         ):
             h -= 1
-        hits: list[list[Block]] = [
-            [self.null_block if i < self._first(g, h) else found[i][g] for i in range(h)]  # type: ignore[misc]
-            for g in range(len(windows))
-        ]
+        hits: list[list[Block]] = []
+        for g in range(len(windows)):
+            first = self._first(g, h)
+            hits.append([self.null_block] * first + [found[i][g] for i in range(first, h)])  # type: ignore[arg-type]
         free_hits = sum(1 for t in hits for b in t if b is not self.null_block and b.ref_count == 0)
         return hits, keys[:h], (_cdiv(num_tokens, bs) - h) * len(windows) + free_hits
 

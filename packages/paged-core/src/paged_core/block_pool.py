@@ -67,7 +67,7 @@ class BlockPool:
         self.free_queue: OrderedDict[Block, None] = OrderedDict.fromkeys(self.blocks)
         self.prefix_index: dict[tuple[int, BlockHash], Block] = {}
         # Blocks in use per KV cache group, kept at each 0 <-> 1 ref-count step.
-        self.used_per_group: Counter[int] = Counter()
+        self.used_per_group: dict[int, int] = {}  # a plain dict: Counter is slower here
         self.evictions = 0
         self._num_cached_free = 0
         # Keys evicted recently (bounded), so a prefix miss can say "evicted"
@@ -101,7 +101,7 @@ class BlockPool:
                 self.evictions += 1
             block.ref_count, block.group = 1, group
             out.append(block)
-        self.used_per_group[group] += n
+        self._count_used(group, n)
         return out
 
     def acquire(self, block: Block) -> None:
@@ -111,7 +111,7 @@ class BlockPool:
             del self.free_queue[block]
             if block.block_hash is not None:
                 self._num_cached_free -= 1
-            self.used_per_group[block.group] += 1
+            self._count_used(block.group, 1)
         block.ref_count += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -134,7 +134,7 @@ class BlockPool:
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.used_per_group[block.group] -= 1
+                self._count_used(block.group, -1)
                 self.free_queue[block] = None
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block, last=False)
@@ -146,7 +146,7 @@ class BlockPool:
         self._check_own(block)
         if block.ref_count:
             block.ref_count = 0
-            self.used_per_group[block.group] -= 1
+            self._count_used(block.group, -1)
             self._uncache(block)
             self.free_queue[block] = None
             self.free_queue.move_to_end(block, last=False)
@@ -226,6 +226,9 @@ class BlockPool:
         self.evicted_keys.move_to_end(key)
         if len(self.evicted_keys) > self.evicted_keys_limit:
             self.evicted_keys.popitem(last=False)
+
+    def _count_used(self, group: int, n: int) -> None:
+        self.used_per_group[group] = self.used_per_group.get(group, 0) + n
 
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None:

@@ -252,9 +252,11 @@ class PagedKVPool(ViewsMixin):
             self._sync_table(seq_id)
             return
         at_boundary = bm.num_tokens(seq_id) % self.block_size == 0
-        for g, copies in enumerate(bm.append(seq_id, token_id)):
-            if copies or at_boundary:  # else the token fits the seq_id's own last block
-                self._sync_table(seq_id, copies, g)
+        copies = bm.append(seq_id, token_id)
+        if at_boundary:
+            self._sync_table(seq_id)
+        for g, src, dst in copies:  # else the token fits the seq_id's own last block
+            self._sync_table(seq_id, [(src, dst)], g)
 
     def get_num_reserved(self, seq_id: int) -> int:
         """Tokens the seq_id has room for (committed + reserved ahead)."""
@@ -349,8 +351,10 @@ class PagedKVPool(ViewsMixin):
             self._sync_table(seq_id)
             return
         while bm.num_tokens(seq_id) < num_tokens:
-            for g, copies in enumerate(bm.append(seq_id)):
-                self._sync_table(seq_id, copies, g)
+            copies = bm.append(seq_id)
+            self._sync_table(seq_id)
+            for g, src, dst in copies:
+                self._sync_table(seq_id, [(src, dst)], g)
 
     def build_metadata(
         self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
