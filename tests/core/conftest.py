@@ -1,10 +1,12 @@
 """Shared helpers for the block-manager tests.
 
 ``FakePool`` plays the KV pool around a ``BlockManager``: it "writes" each
-token id into the seq_id its page table gives, copies blocks when ``append``
-asks for copy-on-write, and checks that every sequence reads back exactly its
-own tokens. That turns block-table bugs (a hit on wrong or unwritten KV, a
-write into a shared block) into visible wrong "KV".
+token id into the block its page table gives (in every KV cache group),
+copies blocks when ``append`` asks for copy-on-write, and checks that every
+sequence reads back exactly its own tokens: all of them in a full-attention
+group, the last ``window`` in a sliding one. That turns block-table bugs (a
+hit on wrong or unwritten KV, a write into a shared block, a block freed
+while still in the window) into visible wrong "KV".
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class FakePool:
     def __init__(self, manager: BlockManager) -> None:
         self.m = manager
         bs = manager.block_size
-        self.kv: list[list[int | None]] = [[None] * bs for _ in range(manager.num_blocks)]
+        # + 1: the null block (hybrid), never written, so reading it reads wrong KV
+        self.kv: list[list[int | None]] = [[None] * bs for _ in range(manager.num_blocks + 1)]
         self.tokens: dict[int, list[int]] = {}
 
     def allocate(self, seq_id: int, tokens: Sequence[int], give_ids: bool = True) -> int:
@@ -36,20 +39,22 @@ class FakePool:
     def compute(self, seq_id: int, upto: int | None = None) -> None:
         """Write the KV of positions [computed, upto) and tell the manager."""
         end = self.m.num_tokens(seq_id) if upto is None else upto
-        table = self.m.block_table(seq_id)
         bs = self.m.block_size
-        for pos in range(self.m.num_computed_tokens(seq_id), end):
-            block, off = table[pos // bs], pos % bs
-            token = self.tokens[seq_id][pos]
-            # a block shared with another sequence may only be written with a token
-            # every sharer agrees on (one shared prefix); anything else is a missed CoW
-            if self.m.block_pool.blocks[block].ref_count > 1:
-                for other, toks in self.tokens.items():
-                    if other != seq_id and pos < len(toks) and block in self.m.block_table(other):
-                        assert toks[pos] == token, (
-                            f"sequence {seq_id} writes into block {block} shared with {other}"
-                        )
-            self.kv[block][off] = token
+        for g in range(self.m.num_groups):
+            table = self.m.block_table(seq_id, g)
+            for pos in range(self.m.num_computed_tokens(seq_id), end):
+                block, off = table[pos // bs], pos % bs
+                token = self.tokens[seq_id][pos]
+                # a block shared with another sequence may only be written with a token
+                # every sharer agrees on (one shared prefix); anything else is a missed CoW
+                if self.m.block_pool.blocks[block].ref_count > 1:
+                    for other, toks in self.tokens.items():
+                        shared = block in self.m.block_table(other, g)
+                        if other != seq_id and pos < len(toks) and shared:
+                            assert toks[pos] == token, (
+                                f"sequence {seq_id} writes into block {block} shared with {other}"
+                            )
+                self.kv[block][off] = token
         self.m.mark_computed(seq_id, end)
 
     def append(self, seq_id: int, token: int, give_id: bool = True) -> list[tuple[int, int]]:
@@ -75,12 +80,16 @@ class FakePool:
         return n
 
     def check_reads(self, seq_id: int, upto: int | None = None) -> None:
-        """Every computed position of ``seq_id`` reads back its own token."""
+        """Every computed position of ``seq_id`` the next query can see reads
+        back its own token, in every group."""
         end = self.m.num_computed_tokens(seq_id) if upto is None else upto
-        table = self.m.block_table(seq_id)
         bs = self.m.block_size
-        got = [self.kv[table[p // bs]][p % bs] for p in range(end)]
-        assert got == self.tokens[seq_id][:end], f"sequence {seq_id} reads wrong KV"
+        for g, window in enumerate(self.m.windows):
+            table = self.m.block_table(seq_id, g)
+            start = 0 if window is None else max(0, end - window + 1)
+            got = [self.kv[table[p // bs]][p % bs] for p in range(start, end)]
+            want = self.tokens[seq_id][start:end]
+            assert got == want, f"sequence {seq_id} reads wrong KV in group {g}"
 
     def check_all(self) -> None:
         assert self.m.audit() == []
@@ -92,9 +101,18 @@ class FakePool:
 
 @pytest.fixture(scope="session")
 def fake_pool():
-    """Factory: ``fake_pool(num_blocks, block_size, enable_prefix_caching=True)``."""
+    """Factory: ``fake_pool(num_blocks, block_size, enable_prefix_caching=True,
+    sliding_windows=(None,))``."""
 
-    def make(num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> FakePool:
-        return FakePool(BlockManager(num_blocks, block_size, enable_prefix_caching))
+    def make(
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_windows: Sequence[int | None] = (None,),
+    ) -> FakePool:
+        manager = BlockManager(
+            num_blocks, block_size, enable_prefix_caching, sliding_windows=sliding_windows
+        )
+        return FakePool(manager)
 
     return make

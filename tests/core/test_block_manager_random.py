@@ -5,6 +5,9 @@ token), so hits, partial hits, evictions and copy-on-write all happen. After
 every operation: ``audit()`` is empty, every sequence reads back its own
 tokens from the fake KV, and ``can_allocate`` / ``can_append`` agreed with
 what the operation then did. At the end, freeing everything frees every block.
+The hybrid variant runs the same operations with KV cache groups (a full one
+beside sliding windows smaller and larger than a block), where sliding groups
+release blocks and prefix hits need each window's blocks.
 """
 
 from __future__ import annotations
@@ -88,11 +91,18 @@ def check_can_append_all(pool, num_tokens):
     assert promised == fits
 
 
+@pytest.mark.parametrize(
+    "windows", [(None,), (None, 3, 6)], ids=["one_group", "hybrid"]
+)  # fmt: skip
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=config, ops=st.lists(op, min_size=MIN_OPS, max_size=60))
-def test_random_interleavings_keep_the_manager_consistent(fake_pool, cfg, ops):
+def test_random_interleavings_keep_the_manager_consistent(fake_pool, windows, cfg, ops):
     num_blocks, block_size, caching = cfg
-    pool = fake_pool(num_blocks, block_size, enable_prefix_caching=caching)
+    pool = fake_pool(
+        num_blocks * len(windows), block_size, enable_prefix_caching=caching,
+        sliding_windows=windows,
+    )  # fmt: skip
+    num_blocks = pool.m.num_blocks  # a sliding group keeps one block as the null block
     next_id = 0
     for name, *args in ops:
         live = sorted(pool.tokens)
