@@ -250,14 +250,10 @@ class BlockManager:
         self.counters.forks += 1
 
     # -- queries ---------------------------------------------------------
-    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
+    def block_table(self, seq_id: int, group: int = 0, start: int = 0) -> list[int]:
         """The sequence's block ids in ``group``, in token order (released
-        entries are the null block id)."""
-        return [block.block_id for block in self._seq(seq_id).tables[group]]
-
-    def blocks_from(self, seq_id: int, start: int, group: int = 0) -> list[int]:
-        """``block_table`` from index ``start`` on: what changed since a caller
-        that mirrors the table last looked (O(new blocks))."""
+        entries are the null block id), from index ``start`` on: a caller that
+        mirrors the table reads only what changed since it last looked."""
         return [block.block_id for block in self._seq(seq_id).tables[group][start:]]
 
     def num_released(self, seq_id: int, group: int = 0) -> int:

@@ -402,7 +402,7 @@ class PagedKVPool(ViewsMixin):
             for _, dst in copies:
                 buffer.set(seq_id, buffer.num_blocks(seq_id) - 1, dst)
             self._pending_copies.extend(copies)
-            buffer.extend(seq_id, bm.blocks_from(seq_id, buffer.num_blocks(seq_id), g))
+            buffer.extend(seq_id, bm.block_table(seq_id, g, buffer.num_blocks(seq_id)))
 
     def _mirror_released(self, seq_id: int) -> None:
         """Entries a sliding group just freed point at the null block in the
