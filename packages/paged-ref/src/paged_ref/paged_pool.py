@@ -253,10 +253,8 @@ class PagedKVPool(ViewsMixin):
             return
         at_boundary = bm.num_tokens(seq_id) % self.block_size == 0
         copies = bm.append(seq_id, token_id)
-        if at_boundary:
-            self._sync_table(seq_id)
-        for g, src, dst in copies:  # else the token fits the seq_id's own last block
-            self._sync_table(seq_id, [(src, dst)], g)
+        if copies or at_boundary:  # else the token fits the seq_id's own last blocks
+            self._sync_table(seq_id, copies)
 
     def get_num_reserved(self, seq_id: int) -> int:
         """Tokens the seq_id has room for (committed + reserved ahead)."""
@@ -351,10 +349,7 @@ class PagedKVPool(ViewsMixin):
             self._sync_table(seq_id)
             return
         while bm.num_tokens(seq_id) < num_tokens:
-            copies = bm.append(seq_id)
-            self._sync_table(seq_id)
-            for g, src, dst in copies:
-                self._sync_table(seq_id, [(src, dst)], g)
+            self._sync_table(seq_id, bm.append(seq_id))
 
     def build_metadata(
         self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
@@ -387,22 +382,20 @@ class PagedKVPool(ViewsMixin):
         return build_metadata(tables, starts, new_lens, bs, self.k_cache.device)
 
     # -- internals -----------------------------------------------------------
-    def _sync_table(
-        self, seq_id: int, copies: Sequence[tuple[int, int]] = (), group: int | None = None
-    ) -> None:
-        """Mirror the block manager's table change for ``seq_id`` into the
-        buffers (one ``group``'s, or every group's): a copy-on-write swaps the
-        last block, an append adds blocks."""
-        for g in range(len(self._tables)) if group is None else (group,):
-            buffer, bm = self._tables[g], self.block_manager
+    def _sync_table(self, seq_id: int, copies: Sequence[tuple[int, int, int]] = ()) -> None:
+        """Mirror the block manager's table change for ``seq_id`` into every
+        group's buffer: a copy-on-write (``(group, src, dst)``) swaps that
+        group's last block, an append adds blocks."""
+        bm = self.block_manager
+        for g, buffer in enumerate(self._tables):
             if seq_id not in buffer:
                 buffer.add(seq_id, bm.block_table(seq_id, g))
                 self._released[g][seq_id] = bm.num_released(seq_id, g)
                 continue
-            for _, dst in copies:
+            for _, _, dst in (c for c in copies if c[0] == g):
                 buffer.set(seq_id, buffer.num_blocks(seq_id) - 1, dst)
-            self._pending_copies.extend(copies)
             buffer.extend(seq_id, bm.block_table(seq_id, g, buffer.num_blocks(seq_id)))
+        self._pending_copies.extend((src, dst) for _, src, dst in copies)
 
     def _mirror_released(self, seq_id: int) -> None:
         """Entries a sliding group just freed point at the null block in the
