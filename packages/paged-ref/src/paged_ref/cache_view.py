@@ -141,8 +141,7 @@ class CacheView:
         tokens in seq_id order) and return each seq_id's whole context,
         ``[num_seqs, kv_heads, max_len, head_dim]`` (position ``p`` at index
         ``p``; zeros past a seq_id's length)."""
-        meta, slot = self._write(layer_idx, k, v)
-        s = self._scales(layer_idx, slot)
+        meta, slot, s = self._write(layer_idx, k, v)
         return (
             gather_context(self.pool.k_cache[slot], meta.block_tables, meta.seq_lens,
                            s.get("k_scales"), s.get("k_head_scales")),
@@ -180,18 +179,18 @@ class CacheView:
         ``q``: ``[num_tokens, heads, head_dim]``; returns the same shape.
         A layer in a sliding KV cache group must attend with that window:
         its group frees blocks a wider window would still read."""
-        group, _, window = self.pool.layer_slot(layer_idx)
+        where = self.pool.layer_slot(layer_idx)
+        group, _, window = where
         if window is not None and sliding_window != window:
             raise ValueError(
                 f"layer {layer_idx} attends with sliding_window={sliding_window} but its KV "
                 f"cache group {group} frees blocks outside a window of {window} tokens; "
                 "build the pool with this layer's window (layer_windows)"
             )
-        meta, slot = self._write(layer_idx, k, v)
+        meta, slot, scales = self._write(layer_idx, k, v, where)
         ops = self.pool.ops
         k_cache, v_cache = self.pool.k_cache[slot], self.pool.v_cache[slot]
         softcap = softcap or None  # 0 means off, as in vLLM
-        scales = self._scales(layer_idx, slot)
         dec, pre = meta.decode, meta.prefill
         if dec is not None and pre is None and dec.rows is None:
             return ops.paged_decode_attention(  # type: ignore[no-any-return]
@@ -224,19 +223,23 @@ class CacheView:
         return out
 
     # -- internals ---------------------------------------------------------------
-    def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[AttentionMetadata, int]:
-        """Write the layer's new K/V; returns its group's metadata and its slot."""
-        group, slot, _ = self.pool.layer_slot(layer_idx)
+    def _write(
+        self, layer_idx: int, k: Tensor, v: Tensor, where: tuple[int, int, int | None] | None = None
+    ) -> tuple[AttentionMetadata, int, dict[str, Tensor]]:
+        """Write the layer's new K/V (``where``: its ``layer_slot``, if the
+        caller has it); returns its group's metadata, its slot in the tensors
+        and its scales as the ops' keywords."""
+        group, slot, _ = where if where is not None else self.pool.layer_slot(layer_idx)
+        scales = self._scales(layer_idx, slot)
         meta = self._metadata(k.shape[0]).for_group(group)
         if k.shape[0] != meta.num_tokens:
             raise ValueError(
                 f"k/v hold {k.shape[0]} tokens but this view's seq_ids bring {meta.num_tokens}"
             )
         self.pool.ops.write_kv(
-            self.pool.k_cache[slot], self.pool.v_cache[slot], k, v, meta.slot_mapping,
-            **self._scales(layer_idx, slot),
-        )  # fmt: skip
-        return meta, slot
+            self.pool.k_cache[slot], self.pool.v_cache[slot], k, v, meta.slot_mapping, **scales
+        )
+        return meta, slot, scales
 
     def _scales(self, layer_idx: int, slot: int) -> dict[str, Tensor]:
         """The layer's scales as the ops' keywords: int8 per-token scales (in
