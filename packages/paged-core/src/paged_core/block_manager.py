@@ -128,7 +128,7 @@ class BlockManager:
                 f"{self.num_blocks} are free; wait for sequences to finish or preempt one"
             )
         # Every group's hits are taken before any fresh block, which could evict them.
-        released = [sum(1 for b in table if b is self.null_block) for table in hits]
+        released = [self._first(g, len(keys)) for g in range(len(hits))]  # null entries
         for table, first in zip(hits, released, strict=True):
             for block in table[first:]:
                 self.block_pool.acquire(block)

@@ -161,7 +161,7 @@ class _Planner:
     def __init__(
         self, layout: AttentionLayout, device: torch.device, arch: int | None, policy: Any
     ) -> None:
-        from paged_ref.kv_quant import has_scales, scale_keywords
+        from paged_ref.kv_quant import HEAD_SCALE_DTYPE, new_scales, scale_keywords
 
         self.layout, self.device, self.arch, self.policy = layout, device, arch, policy
         self.interpret = arch is None  # no GPU to plan for: Triton's interpreter
@@ -169,13 +169,11 @@ class _Planner:
         cache_shape = (2, lo.block_size, lo.num_kv_heads, lo.head_dim)
         self.k_cache = self._zeros(*cache_shape, dtype=lo.kv_cache_dtype)
         self.v_cache = self._zeros(*cache_shape, dtype=lo.kv_cache_dtype)
-        self.k_scales = self.v_scales = None
-        if has_scales(lo.kv_cache_dtype, lo.static_kv_scales):
-            self.k_scales = self._zeros(*cache_shape[:-1], dtype=torch.float16)
-            self.v_scales = self._zeros(*cache_shape[:-1], dtype=torch.float16)
+        self.k_scales = new_scales(self.k_cache, lo.static_kv_scales)
+        self.v_scales = new_scales(self.v_cache, lo.static_kv_scales)
         head = None
         if lo.static_kv_scales:
-            head = torch.ones(lo.num_kv_heads, dtype=torch.float32, device=device)
+            head = torch.ones(lo.num_kv_heads, dtype=HEAD_SCALE_DTYPE, device=device)
         self.scales: dict[str, Any] = scale_keywords(self.k_scales, self.v_scales, head, head)
         # A cache the kernels cannot serve here (fp8 e4m3 before sm_89) fails now, clearly.
         check_quantized_cache(self.k_cache, self.k_scales, self.v_scales, head, head)

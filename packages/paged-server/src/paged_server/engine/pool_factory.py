@@ -46,9 +46,13 @@ class PoolCapacity:
     kv_bytes: int  # the pool's K/V tensors (and int8 per-token scales), bytes
     sized_by: str = ""  # how the size was chosen (the start-up line says it)
     kv_scales: KVScales | None = None  # static scales (calculate_kv_scales), else None
-    num_groups: int = 1  # KV cache groups sharing the blocks (paged)
     groups: str = ""  # the groups in words, for the start-up line
-    group_windows: tuple[int | None, ...] = (None,)  # each group's sliding window
+    group_windows: tuple[int | None, ...] = (None,)  # each KV cache group's sliding window
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups sharing the blocks (1 unless a paged pool is hybrid)."""
+        return len(self.group_windows)
 
     @property
     def num_tensor_blocks(self) -> int:
@@ -180,7 +184,7 @@ def build_cache_pool(
         usable = num_blocks - sliding  # a sliding group's null block is never handed out
         capacity = PoolCapacity(
             usable, config.block_size, None, usable * config.block_size // len(groups), kv_dtype,
-            num_blocks * config.block_size * slot_bytes, budget.sized_by, kv_scales, len(groups),
+            num_blocks * config.block_size * slot_bytes, budget.sized_by, kv_scales,
             describe_groups(groups), tuple(g.sliding_window for g in groups),
         )  # fmt: skip
         return pool, capacity
