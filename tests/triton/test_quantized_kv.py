@@ -45,21 +45,33 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(as_bits(a), as_bits(b))
 
 
+def write_inputs(kv_heads, head_dim, num_slots, new_dtype, outliers, gen, paged, tokens=20):
+    """New K and V, ``[tokens, kv_heads, head_dim]`` views into one fused QKV
+    tensor (token 3 all zero; ``outliers``: ``(token, dim) -> value`` in every
+    head), and random slots of which two are padding (-1)."""
+    fused = torch.randn(tokens, 3 * kv_heads, head_dim, generator=gen) * 4
+    fused[3] = 0.0  # an all-zero token
+    for (token, dim), value in outliers.items():
+        fused[token, :, dim] = value
+    fused = fused.to(paged.device, new_dtype)
+    k, v = fused[:, kv_heads : 2 * kv_heads], fused[:, 2 * kv_heads :]
+    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    slots[[0, 11]] = -1
+    return k, v, slots.to(paged.device)
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("new_dtype", [torch.float32, torch.float16], ids=["new-fp32", "new-fp16"])
 def test_write_kv_codes_and_scales_are_bit_identical(kv_dtype, new_dtype, gen, paged):
-    kv_heads, head_dim, block_size, num_blocks, tokens = 3, 80, 8, 10, 20
+    kv_heads, head_dim, block_size, num_blocks = 3, 80, 8, 10
     k_cache, v_cache, k_scales, v_scales = paged.random_quantized_caches(
         num_blocks, kv_heads, block_size, head_dim, kv_dtype, gen
     )
-    fused = torch.randn(tokens, 3 * kv_heads, head_dim, generator=gen) * 4
-    fused[3] = 0.0  # an all-zero token: scale 0, codes 0
-    fused[5, :, 7] = 900.0  # outliers: int8 coarse for this token only, fp8 e4m3 saturates
-    fused = fused.to(paged.device, new_dtype)
-    k, v = fused[:, kv_heads : 2 * kv_heads], fused[:, 2 * kv_heads :]
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-    slots[[0, 11]] = -1
-    slots = slots.to(paged.device)
+    # token 3 (all zero): scale 0, codes 0; outliers: int8 coarse for this token
+    # only, fp8 e4m3 saturates
+    k, v, slots = write_inputs(
+        kv_heads, head_dim, num_blocks * block_size, new_dtype, {(5, 7): 900.0}, gen, paged
+    )
     expected = [t.clone() if t is not None else None for t in (k_cache, v_cache, k_scales, v_scales)]
     ref_ops.write_kv(expected[0], expected[1], k, v, slots, **scales_of(expected[2], expected[3]))
     ops.write_kv(k_cache, v_cache, k, v, slots, **scales_of(k_scales, v_scales))
@@ -92,19 +104,14 @@ def decode_inputs(
 @pytest.mark.parametrize("new_dtype", [torch.float32, torch.float16], ids=["new-fp32", "new-fp16"])
 def test_write_kv_with_head_scales_is_bit_identical(kv_dtype, new_dtype, gen, paged):
     """value / scale, rounded (int8) or cast (fp8), saturating beyond the range."""
-    kv_heads, head_dim, block_size, num_blocks, tokens = 3, 80, 8, 10, 20
+    kv_heads, head_dim, block_size, num_blocks = 3, 80, 8, 10
     k_cache, v_cache, k_head, v_head = paged.random_static_quantized_caches(
         num_blocks, kv_heads, block_size, head_dim, kv_dtype, gen
     )
-    fused = torch.randn(tokens, 3 * kv_heads, head_dim, generator=gen) * 4
-    fused[3] = 0.0
-    fused[5, :, 7] = 1e4  # far beyond every head's calibrated range: saturates
-    fused[6, :, 9] = -1e4
-    fused = fused.to(paged.device, new_dtype)
-    k, v = fused[:, kv_heads : 2 * kv_heads], fused[:, 2 * kv_heads :]
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-    slots[[0, 11]] = -1
-    slots = slots.to(paged.device)
+    outliers = {(5, 7): 1e4, (6, 9): -1e4}  # far beyond every head's calibrated range: saturate
+    k, v, slots = write_inputs(
+        kv_heads, head_dim, num_blocks * block_size, new_dtype, outliers, gen, paged
+    )
     heads = {"k_head_scales": k_head, "v_head_scales": v_head}
     expected = (k_cache.clone(), v_cache.clone())
     ref_ops.write_kv(*expected, k, v, slots, **heads)
