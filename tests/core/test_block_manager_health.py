@@ -16,7 +16,7 @@ def test_stats_track_usage_and_tokens():
     assert (st.num_blocks, st.block_size) == (10, 4)
     assert (st.blocks_used, st.blocks_free) == (5, 5)
     assert st.tokens_used == 16
-    assert st.tokens_capacity_free == 20
+    assert m.free_token_capacity() == 20
     assert st.usage == 0.5
     m.fork(1, 3)
     assert m.stats().tokens_used == 22 and m.stats().blocks_used == 5  # shared blocks count once
@@ -103,7 +103,7 @@ def test_audit_is_clean_with_cached_and_plain_free_blocks():
     m.mark_computed(1, 9)
     m.allocate(2, 5)
     m.free(1)  # two full blocks stay cached on the free queue, one holds no cached KV
-    assert m.block_pool.num_cached_free() > 0
+    assert m.block_pool.num_cached_free > 0
     assert m.audit() == []
 
 

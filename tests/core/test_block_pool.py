@@ -66,9 +66,9 @@ def test_cached_blocks_are_evicted_least_recently_freed_first_after_the_rest():
     pool.free([blocks[2], blocks[0], blocks[1], blocks[3]])
     # block 3 holds nothing worth keeping: front; cached ones behind it, in the order freed
     assert ids(list(pool.free_queue)) == [3, 2, 0, 1]
-    assert pool.num_cached_free() == 3
+    assert pool.num_cached_free == 3
     assert ids(pool.get_new_blocks(3)) == [3, 2, 0]
-    assert pool.evictions == 2 and pool.num_cached_free() == 1
+    assert pool.evictions == 2 and pool.num_cached_free == 1
     assert blocks[2].block_hash is None and blocks[0].block_hash is None
     assert len(pool.prefix_index) == 1 and blocks[1].block_hash is not None
 
@@ -86,7 +86,7 @@ def test_a_hit_takes_a_cached_block_out_of_the_middle_of_the_free_queue():
     pool.acquire(hit)
     assert hit.ref_count == 1 and hit.block_hash is not None  # content kept, no eviction
     assert ids(list(pool.free_queue)) == [5, 4, 3, 0, 2]
-    assert pool.num_cached_free() == 2 and pool.evictions == 0
+    assert pool.num_cached_free == 2 and pool.evictions == 0
     # the rest keep their order; the hit is never handed out while in use
     assert ids(pool.get_new_blocks(5)) == [5, 4, 3, 0, 2]
 
@@ -175,7 +175,7 @@ def test_reclaim_frees_whatever_the_ref_count_and_drops_content():
     pool.reclaim(a)
     pool.reclaim(b)
     assert a.ref_count == 0 and a.block_hash is None and not pool.prefix_index
-    assert len(pool.free_queue) == 4 and pool.num_cached_free() == 0
+    assert len(pool.free_queue) == 4 and pool.num_cached_free == 0
     pool.reclaim(a)  # already free: no error, no change
     assert len(pool.free_queue) == 4 and pool.audit([], BS) == []
 

@@ -59,7 +59,7 @@ def check(pool: BlockPool, model: PoolModel) -> None:
     for block in pool.blocks:
         assert block.ref_count == model.refs.get(block.block_id, 0)
     assert {k: b.block_id for (_, k), b in pool.prefix_index.items()} == model.index
-    assert pool.num_cached_free() == sum(1 for b in model.queue if b in model.index.values())
+    assert pool.num_cached_free == sum(1 for b in model.queue if b in model.index.values())
     assert pool.evictions == model.evictions
     tables = [[pool.blocks[b]] * n for b, n in model.refs.items()]
     assert pool.audit(tables, 2) == []

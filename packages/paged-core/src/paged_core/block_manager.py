@@ -1,20 +1,15 @@
 """Block manager: each sequence's page tables over one ``BlockPool``.
 
-It answers the scheduler's questions (can this prompt be admitted, can every
-running sequence grow by one token) and does the bookkeeping behind them:
-eager allocation of a prompt's blocks, prefix-cache hits on full blocks whose
-KV is already computed, copy-on-write when a sequence writes into a block it
-shares, and an audit. Pure Python, no tensors: the pool that owns the KV
-tensors copies blocks when ``append`` says so.
+It answers the scheduler (can this prompt be admitted, can every running
+sequence grow) and keeps the books behind the answers: a prompt's blocks taken
+at admission, prefix-cache hits on computed full blocks, copy-on-write of
+shared blocks, counters and an audit. No tensors: the pool that owns them
+copies blocks when ``append`` says so.
 
-A hybrid model (Gemma 3: sliding-window layers beside global ones) has
-several *KV cache groups* (``kv_cache_groups``), one window each; every
-sequence then has one page table per group, all taking blocks from the one
-pool. A sliding group frees blocks that fall wholly out of its window; their
-page-table entries become the *null block* (the tensors' last block, kept
-out of the pool: never handed out, written or counted), so tables keep one
-entry per block position. One group of full attention (the default) is the
-plain paged cache: no null block.
+A hybrid model (Gemma 3) has several KV cache groups, one window each, and a
+sequence one page table per group, all drawing on the one pool. A sliding
+group frees the blocks that leave its window; their entries become the *null
+block* (the tensors' last block: never handed out, written or counted).
 """
 
 from __future__ import annotations
@@ -28,6 +23,9 @@ from paged_core.errors import OutOfBlocksError, UnknownSequenceError
 
 __all__ = ["BlockManager"]
 
+TokenIds = Sequence[int] | None
+Copies = tuple[tuple[int, int, int], ...]  # (group, src, dst) blocks to copy
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -35,22 +33,19 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(slots=True)
 class _SeqBlocks:
-    """One sequence's page tables and what prefix caching needs to know of it."""
-
-    tables: list[list[Block]]  # one per KV cache group, in token order
+    tables: list[list[Block]]  # one page table per KV cache group, in token order
     released: list[int]  # per group: leading entries that are the null block
     num_tokens: int  # reserved: prompt + appended
-    num_computed: int = 0  # tokens whose KV the pool reported written
-    tokens: list[int] = field(default_factory=list)  # known ids; stop growing at the first unknown
-    hashes: list[BlockHash] = field(default_factory=list)  # chained keys of leading full blocks
+    num_computed: int = 0  # tokens whose KV is written
+    tokens: list[int] = field(default_factory=list)  # known ids, up to the first unknown
+    hashes: list[BlockHash] = field(default_factory=list)  # keys of the leading full blocks
 
 
 class BlockManager:
-    """Page tables, prefix caching, copy-on-write forks, audits and counters.
+    """Page tables, prefix caching, copy-on-write forks, counters and audits.
 
-    ``sliding_windows[g]`` is KV cache group ``g``'s window in tokens (None:
-    full attention). When some group slides, the last of the ``num_blocks``
-    is the null block and ``num_blocks - 1`` are usable."""
+    ``sliding_windows[g]`` is group ``g``'s window in tokens (None: full
+    attention); when one slides, the last of ``num_blocks`` is the null block."""
 
     def __init__(
         self,
@@ -65,70 +60,52 @@ class BlockManager:
         if not sliding_windows or any(w is not None and w < 1 for w in sliding_windows):
             raise ValueError(f"need one window (None or >= 1) per group, got {sliding_windows}")
         self.windows = list(sliding_windows)
+        self.num_groups, self._hybrid = len(self.windows), len(self.windows) > 1
         self._sliding = [(g, w) for g, w in enumerate(self.windows) if w is not None]
-        slides, self._hybrid = bool(self._sliding), len(self.windows) > 1
-        if slides and num_blocks < 1:
+        if self._sliding and num_blocks < 1:
             raise ValueError("a pool with sliding-window groups needs a block for the null block")
-        self.num_blocks = num_blocks - 1 if slides else num_blocks
+        self.num_blocks = num_blocks - bool(self._sliding)
         self.block_pool = BlockPool(self.num_blocks)
-        self.null_block = Block(self.num_blocks) if slides else None  # outside the pool
+        self.null_block = Block(self.num_blocks) if self._sliding else None  # outside the pool
+        self.null_block_id = self.num_blocks if self._sliding else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._seqs: dict[int, _SeqBlocks] = {}
-        self.counters = BlockManagerStats()  # the counters; stats() adds occupancy
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.windows)
-
-    @property
-    def null_block_id(self) -> int | None:
-        """The block id released entries point at (None: no group slides)."""
-        return None if self.null_block is None else self.null_block.block_id
+        self.counters = BlockManagerStats()  # stats() adds the occupancy
 
     # -- admission -------------------------------------------------------
     def num_blocks_needed(
-        self, num_tokens: int, token_ids: Sequence[int] | None = None, *,
-        skip_prefix_cache: bool = False,
-    ) -> int:  # fmt: skip
-        """Free blocks that ``allocate`` would take for this prompt, over every
-        group: fresh blocks beyond the prefix hits, plus hits on cached blocks
-        that are free now (taking them off the free queue uses capacity too)."""
+        self, num_tokens: int, token_ids: TokenIds = None, *, skip_prefix_cache: bool = False
+    ) -> int:
+        """Free blocks ``allocate`` would take over every group: fresh ones plus
+        prefix hits on free cached blocks (leaving the free queue uses capacity)."""
         return self._plan(num_tokens, token_ids, skip_prefix_cache)[2]
 
     def can_allocate(
-        self, num_tokens: int, token_ids: Sequence[int] | None = None, *,
-        skip_prefix_cache: bool = False,
-    ) -> bool:  # fmt: skip
+        self, num_tokens: int, token_ids: TokenIds = None, *, skip_prefix_cache: bool = False
+    ) -> bool:
         """Whether ``allocate`` would succeed now (exact, never optimistic)."""
-        needed = self.num_blocks_needed(num_tokens, token_ids, skip_prefix_cache=skip_prefix_cache)
-        return needed <= self.num_free_blocks()
+        needed = self._plan(num_tokens, token_ids, skip_prefix_cache)[2]
+        return needed <= len(self.block_pool.free_queue)
 
     def allocate(
-        self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None, *,
+        self, seq_id: int, num_tokens: int, token_ids: TokenIds = None, *,
         skip_prefix_cache: bool = False,
     ) -> int:  # fmt: skip
-        """Reserve blocks for a prompt of ``num_tokens`` tokens in every group,
-        reusing cached full blocks of its prefix. Returns the number of prompt
-        tokens whose KV is already cached (a multiple of ``block_size``; never
-        the whole prompt, because the last prompt token must be computed to
-        get logits). ``skip_prefix_cache`` looks nothing up (every prompt token
-        is computed, e.g. to score it) but still registers what it computes.
-        All or nothing: ``OutOfBlocksError`` leaves no state behind."""
+        """Reserve a prompt's blocks in every group, reusing cached full blocks
+        of its prefix. Returns how many prompt tokens are cached: whole blocks,
+        never the last token, whose logits must be computed. With
+        ``skip_prefix_cache`` nothing is looked up (to score every token) but
+        what is computed is still registered. All or nothing."""
         if seq_id in self._seqs:
-            raise ValueError(
-                f"sequence {seq_id} already has blocks; free it before allocating again"
-            )
+            raise ValueError(f"sequence {seq_id} already has blocks; free it before allocating")
         hits, keys, needed = self._plan(num_tokens, token_ids, skip_prefix_cache)
-        if needed > self.num_free_blocks():
-            groups = f" in {self.num_groups} KV cache groups" if self.num_groups > 1 else ""
-            raise OutOfBlocksError(
-                f"sequence {seq_id} needs {needed} free blocks for {num_tokens} tokens{groups} "
-                f"({len(keys)} prefix-cache hit blocks) but only {self.num_free_blocks()} of "
-                f"{self.num_blocks} are free; wait for sequences to finish or preempt one"
-            )
+        self._require_free(
+            needed, "sequence {} needs {} free blocks for {} tokens ({} prefix-cache hit blocks)",
+            seq_id, needed, num_tokens, len(keys),
+        )  # fmt: skip
         # Every group's hits are taken before any fresh block, which could evict them.
-        released = [self._first(g, len(keys)) for g in range(len(hits))]  # null entries
+        released = [self._first(g, len(keys)) for g in range(self.num_groups)]
         for table, first in zip(hits, released, strict=True):
             for block in table[first:]:
                 self.block_pool.acquire(block)
@@ -145,14 +122,13 @@ class BlockManager:
 
     # -- growth ----------------------------------------------------------
     def can_append(self, seq_ids: Sequence[int], num_tokens: int = 1) -> bool:
-        """Whether every sequence in ``seq_ids`` can grow by ``num_tokens`` now:
-        new blocks at block boundaries plus private copies of shared last
-        blocks, in every group. Exact: when several of the listed sequences
-        share one last block, the last of them to append keeps the original."""
+        """Whether every listed sequence can grow by ``num_tokens`` now: new
+        blocks at block boundaries plus private copies of shared last blocks,
+        in every group. Exact: of several listed writers to one shared last
+        block, the last to append keeps the original."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        bs = self.block_size
-        needed = 0
+        bs, needed = self.block_size, 0
         shared_last: dict[Block, int] = {}  # a shared last block -> its writers here
         for seq_id in seq_ids:
             seq = self._seq(seq_id)
@@ -163,19 +139,18 @@ class BlockManager:
                     shared_last[table[-1]] = shared_last.get(table[-1], 0) + 1
         for block, writers in shared_last.items():
             needed += min(writers, block.ref_count - 1)
-        return needed <= self.num_free_blocks()
+        return needed <= len(self.block_pool.free_queue)
 
-    def append(self, seq_id: int, token_id: int | None = None) -> tuple[tuple[int, int, int], ...]:
-        """Reserve room for one more token in every group (``token_id`` is
-        recorded for prefix hashing). Takes a new block at a block boundary.
-        If the token lands in a block other sequences share, the sequence
-        first gets a private copy: the returned ``(group, src, dst)`` are the
-        blocks the pool must copy. ``OutOfBlocksError`` (no state change)
-        when the blocks it needs are not free."""
-        seq = self._seqs.get(seq_id) or self._seq(seq_id)  # (get: the hot path, per token)
-        copies: tuple[tuple[int, int, int], ...] = ()
+    def append(self, seq_id: int, token_id: int | None = None) -> Copies:
+        """Reserve room for one more token in every group (``token_id`` is kept
+        for prefix hashing): a new block at a block boundary, else a private
+        copy of each shared last block, returned as ``(group, src, dst)`` for
+        the pool to copy. ``OutOfBlocksError``, changing nothing, when short."""
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)  # get: the per-token hot path
+        copies: Copies = ()
         if seq.num_tokens % self.block_size == 0:
-            self._require_free(len(seq.tables), seq_id, "a new block", seq.num_tokens)
+            n = len(seq.tables)
+            self._require_free(n, "sequence {} needs a new block for token {}", seq_id, seq.num_tokens)
             for g, table in enumerate(seq.tables):
                 table += self.block_pool.get_new_blocks(1, g)
         elif seq.tables[0][-1].ref_count > 1 or (
@@ -188,12 +163,11 @@ class BlockManager:
         return copies
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
-        """Record that the KV of the first ``num_computed_tokens`` tokens is
-        written. Full blocks that are now computed (and whose tokens are all
-        known) enter the prefix index; only then can other prompts hit them.
-        Then sliding groups free the blocks no later query can see (returns
-        whether any were): block ``i`` once ``(i + 1) * block_size <=
-        num_computed - window + 1``. They stay cached, hence evictable."""
+        """Record that the first ``num_computed_tokens`` tokens' KV is written.
+        Full blocks now computed, their tokens all known, enter the prefix
+        index; sliding groups free the blocks no later query sees (returns
+        whether any were; they stay cached): block ``i`` once ``(i + 1) *
+        block_size <= num_computed - window + 1``."""
         seq = self._seqs.get(seq_id) or self._seq(seq_id)
         if not 0 <= num_computed_tokens <= seq.num_tokens:
             raise ValueError(
@@ -206,18 +180,13 @@ class BlockManager:
         while self.enable_prefix_caching and len(seq.hashes) < num_hashable:
             i = len(seq.hashes)
             tokens = tuple(seq.tokens[i * bs : (i + 1) * bs])
-            block_hash = hash_block_tokens(seq.hashes[-1] if seq.hashes else None, tokens)
-            seq.hashes.append(block_hash)
+            seq.hashes.append(hash_block_tokens(seq.hashes[-1] if seq.hashes else None, tokens))
             for table, first in zip(seq.tables, seq.released, strict=True):
                 if i >= first:
-                    self.block_pool.register(table[i], block_hash, tokens)
-        return bool(self._sliding) and self._release_out_of_window(seq)
-
-    def _release_out_of_window(self, seq: _SeqBlocks) -> bool:
-        """Free each sliding group's blocks that left its window; whether any did."""
+                    self.block_pool.register(table[i], seq.hashes[-1], tokens)
         freed = False
         for g, window in self._sliding:
-            dead = max(0, seq.num_computed - window + 1) // self.block_size
+            dead = max(0, seq.num_computed - window + 1) // bs
             if dead > (first := seq.released[g]):
                 self.block_pool.free(seq.tables[g][first:dead])
                 seq.tables[g][first:dead] = [self.null_block] * (dead - first)  # type: ignore[list-item]
@@ -226,16 +195,15 @@ class BlockManager:
 
     # -- release ---------------------------------------------------------
     def free(self, seq_id: int) -> None:
-        """Release a sequence's blocks (also what a preemption does), tail
-        first, so that its tail is evicted before its head. Blocks with cached
-        content stay evictable."""
+        """Release a sequence's blocks (a preemption too), tail first so its tail
+        is evicted before its head; cached content stays evictable."""
         seq = self._seq(seq_id)
         for table, first in zip(seq.tables, seq.released, strict=True):
             self.block_pool.free(reversed(table[first:]))
         del self._seqs[seq_id]
 
     def fork(self, parent: int, child: int) -> None:
-        """Give ``child`` the same tokens as ``parent`` by sharing every block
+        """Give ``child`` the tokens of ``parent`` by sharing every block
         (copy-on-write: the first write into a shared block copies it)."""
         if child in self._seqs:
             raise ValueError(f"cannot fork into sequence {child}: it already exists")
@@ -251,9 +219,8 @@ class BlockManager:
 
     # -- queries ---------------------------------------------------------
     def block_table(self, seq_id: int, group: int = 0, start: int = 0) -> list[int]:
-        """The sequence's block ids in ``group``, in token order (released
-        entries are the null block id), from index ``start`` on: a caller that
-        mirrors the table reads only what changed since it last looked."""
+        """Block ids of the sequence's ``group`` table from entry ``start`` on (a
+        mirror reads what changed); released entries are the null block's id."""
         return [block.block_id for block in self._seq(seq_id).tables[group][start:]]
 
     def num_released(self, seq_id: int, group: int = 0) -> int:
@@ -276,37 +243,35 @@ class BlockManager:
         return list(self._seqs)
 
     def num_free_blocks(self) -> int:
-        """Free blocks, including evictable ones that still hold cached content."""
+        """Free blocks, evictable cached ones included."""
         return len(self.block_pool.free_queue)
 
     def free_token_capacity(self) -> int:
         """Tokens the free blocks hold when every group stores them (a new
-        prompt's tokens do, until they leave a window)."""
+        prompt's do, until they leave a window)."""
         return self.num_free_blocks() * self.block_size // self.num_groups
 
     def group_blocks_used(self) -> list[int]:
-        """Blocks each group holds (counted by the pool as they are taken and
-        given back, so this costs nothing per step)."""
+        """Blocks each group holds (counted as they are taken and given back)."""
         return [self.block_pool.used_per_group.get(g, 0) for g in range(self.num_groups)]
 
     def stats(self) -> BlockManagerStats:
-        """The counters with the pool's occupancy now (see ``BlockManagerStats``)."""
+        """The counters with the pool's occupancy now."""
         c, free, n = self.counters, self.num_free_blocks(), self.num_blocks
         return replace(
             c, num_blocks=n, block_size=self.block_size, blocks_used=n - free, blocks_free=free,
-            blocks_cached_free=self.block_pool.num_cached_free(),
+            blocks_cached_free=self.block_pool.num_cached_free,
             tokens_used=sum(seq.num_tokens for seq in self._seqs.values()),
-            tokens_capacity_free=self.free_token_capacity(), usage=(n - free) / n if n else 0.0,
+            usage=(n - free) / n if n else 0.0,
             hit_rate=c.prefix_hits_tokens / max(1, c.prefix_queries_tokens),
             evictions=self.block_pool.evictions,
         )  # fmt: skip
 
     # -- health ----------------------------------------------------------
     def audit(self) -> list[str]:
-        """Every inconsistency between the page tables and the blocks they
-        point at (each sequence's lengths, keys and released entries here; ref
-        counts, the free queue and the prefix index in ``BlockPool.audit``);
-        empty when healthy. O(blocks + table entries): for tests and health checks."""
+        """Every inconsistency in the page tables (lengths, keys, released
+        entries) and, through ``BlockPool.audit``, in the blocks they point at;
+        empty when healthy. O(blocks + entries): for tests and health checks."""
         problems: list[str] = []
         bs = self.block_size
         for seq_id, seq in self._seqs.items():
@@ -333,10 +298,10 @@ class BlockManager:
         return problems + self.block_pool.audit(self._live_tables(), bs)
 
     def reclaim_leaked(self) -> list[int]:
-        """Free every block in use that no page table points at (a leak left by
-        a bug elsewhere) and drop its cached content. Returns their ids."""
-        held = {block.block_id for table in self._live_tables() for block in table}
-        leaked = [b for b in self.block_pool.blocks if b.ref_count and b.block_id not in held]
+        """Free every block in use that no page table holds (a leak left by a
+        bug elsewhere), dropping its cached content; returns their ids."""
+        held = {block for table in self._live_tables() for block in table}
+        leaked = [b for b in self.block_pool.blocks if b.ref_count and b not in held]
         for block in leaked:
             self.block_pool.reclaim(block)
         return [block.block_id for block in leaked]
@@ -347,17 +312,19 @@ class BlockManager:
         return [t[r:] for s in self._seqs.values() for t, r in zip(s.tables, s.released, strict=True)]
 
     def _seq(self, seq_id: int) -> _SeqBlocks:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
+        if (seq := self._seqs.get(seq_id)) is None:
             raise UnknownSequenceError(
                 f"unknown sequence {seq_id}: it was never allocated or is already freed"
             )
         return seq
 
-    def _copy_shared_last(self, seq: _SeqBlocks, seq_id: int) -> tuple[tuple[int, int, int], ...]:
+    def _copy_shared_last(self, seq: _SeqBlocks, seq_id: int) -> Copies:
         """Give ``seq`` a private copy of each last block it shares (copy-on-write)."""
         shared = [g for g, table in enumerate(seq.tables) if table[-1].ref_count > 1]
-        self._require_free(len(shared), seq_id, "a private copy of a shared block", seq.num_tokens)
+        self._require_free(
+            len(shared), "sequence {} needs a private copy of a shared block for token {}",
+            seq_id, seq.num_tokens,
+        )  # fmt: skip
         copies = []
         for g in shared:
             last, (copy,) = seq.tables[g][-1], self.block_pool.get_new_blocks(1, g)
@@ -367,50 +334,44 @@ class BlockManager:
         self.counters.cow_copies += len(shared)
         return tuple(copies)
 
-    def _require_free(self, n: int, seq_id: int, what: str, token: int) -> None:
-        if n > len(self.block_pool.free_queue):
-            groups = f" in each of {n} KV cache groups" if n > 1 else ""
+    def _require_free(self, n: int, need: str, *args: object) -> None:
+        """``OutOfBlocksError`` saying ``need.format(*args)`` when fewer than
+        ``n`` blocks are free (formatted only then: ``append`` is hot)."""
+        if n > (free := len(self.block_pool.free_queue)):
+            groups = f" (shared by {self.num_groups} KV cache groups)" if self._hybrid else ""
             raise OutOfBlocksError(
-                f"sequence {seq_id} needs {what} for token {token}{groups} but only "
-                f"{len(self.block_pool.free_queue)} of {self.num_blocks} blocks are free; "
-                "preempt a sequence first"
+                f"{need.format(*args)} but only {free} of {self.num_blocks} are free{groups}; "
+                "preempt a sequence or wait for one to finish"
             )
 
     def _plan(
-        self, num_tokens: int, token_ids: Sequence[int] | None, skip_prefix_cache: bool
+        self, num_tokens: int, token_ids: TokenIds, skip_prefix_cache: bool
     ) -> tuple[list[list[Block]], list[BlockHash], int]:
-        """The prompt's prefix hit: each group's blocks for its ``h`` leading
-        full blocks (never the block holding the last prompt token, whose
-        logits must be computed), their ``h`` keys, and the free blocks the
-        prompt needs over all groups (fresh ones plus hits that are free now).
-
-        A full-attention group needs blocks ``0..h-1`` cached; a sliding group
-        of window W only those covering positions ``[h*bs - W + 1, h*bs)``,
-        its earlier entries being the null block. ``h`` starts at the first
-        block some full group misses and drops a block at a time until every
-        sliding group has its window cached."""
+        """The prompt's prefix hit: per group, the blocks of its ``h`` leading
+        full blocks (never the one holding the last prompt token); their keys;
+        and the free blocks needed over all groups (fresh ones plus hits that
+        are free now). A sliding group of window W needs cached only the blocks
+        covering ``[h*bs - W + 1, h*bs)``, the rest being the null block, so
+        ``h`` stops where a full group misses, then drops a block at a time
+        until every sliding group has its window cached."""
         if num_tokens <= 0:
             raise ValueError(f"a sequence needs at least 1 token, got num_tokens={num_tokens}")
         if token_ids is not None and len(token_ids) != num_tokens:
-            raise ValueError(
-                f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given"
-            )
-        bs, windows = self.block_size, self.windows
+            raise ValueError(f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given")
+        bs, windows, pool = self.block_size, self.windows, self.block_pool
         keys: list[BlockHash] = []
         found: list[list[Block | None]] = []  # per leading block: each group's cached one
         lookup = self.enable_prefix_caching and not skip_prefix_cache and token_ids is not None
-        for i in range((num_tokens - 1) // bs if lookup and self.block_pool.prefix_index else 0):
+        for i in range((num_tokens - 1) // bs if lookup and pool.prefix_index else 0):
             tokens = token_ids[i * bs : (i + 1) * bs]  # type: ignore[index]
             key = hash_block_tokens(keys[-1] if keys else None, tokens)
-            row = [self.block_pool.lookup(key, tokens, g) for g in range(len(windows))]
+            row = [pool.lookup(key, tokens, g) for g in range(len(windows))]
             if None in row and any(b is None and w is None for b, w in zip(row, windows, strict=True)):
                 break
             keys.append(key)
             found.append(row)
         h = len(keys)
-        while self._sliding and h and any(
-            found[i][g] is None for g in range(len(windows)) for i in range(self._first(g, h), h)
-        ):
+        while h and any(found[i][g] is None for g, _ in self._sliding for i in range(self._first(g, h), h)):
             h -= 1
         hits: list[list[Block]] = []
         for g in range(len(windows)):
@@ -419,13 +380,10 @@ class BlockManager:
         free_hits = sum(1 for t in hits for b in t if b is not self.null_block and b.ref_count == 0)
         return hits, keys[:h], (_cdiv(num_tokens, bs) - h) * len(windows) + free_hits
 
-    def _count_prompt(
-        self, num_tokens: int, token_ids: Sequence[int] | None, keys: list[BlockHash]
-    ) -> None:
-        """Count a prompt whose leading blocks ``keys`` hit, and why the rest
-        missed (group 0's index decides): a matchable block is "evicted" when
-        its key is still cached or was evicted (its prefix went), else "never
-        seen" (see ``BlockManagerStats``)."""
+    def _count_prompt(self, num_tokens: int, token_ids: TokenIds, keys: list[BlockHash]) -> None:
+        """Count a prompt's hit blocks ``keys`` and why the rest missed (by
+        group 0): a block whose key is cached or was evicted is "evicted" (it
+        or its prefix went), else "never seen" (see ``BlockManagerStats``)."""
         c, bs, pool = self.counters, self.block_size, self.block_pool
         matchable = (num_tokens - 1) // bs
         c.prefix_queries_tokens += num_tokens
@@ -437,7 +395,7 @@ class BlockManager:
                 c.prefix_miss_never_seen_tokens += (matchable - i) * bs
                 break
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
-            if (0, parent) in pool.prefix_index or pool.was_evicted(parent):
+            if (0, parent) in pool.prefix_index or (0, parent) in pool.evicted_keys:
                 c.prefix_miss_evicted_tokens += bs
             else:
                 c.prefix_miss_never_seen_tokens += bs
