@@ -106,8 +106,9 @@ class BlockPool:
         for block, n in Counter(blocks).items():
             self._check_own(block)
             if n > block.ref_count:
-                why = (f"freed {n} times in one call but it has only {block.ref_count} "
-                       "reference(s)" if block.ref_count else "it is already free")
+                why = "it is already free" if not block.ref_count else (
+                    f"freed {n} times in one call but it has only {block.ref_count} reference(s)"
+                )
                 raise ValueError(f"double free of block {block.block_id}: {why}")
         for block in blocks:
             block.ref_count -= 1
@@ -152,10 +153,8 @@ class BlockPool:
         referenced block on the free queue would be handed out twice; an
         unreferenced one off it is lost for good."""
         held = Counter(chain.from_iterable(page_tables))
-        problems = [f"a page table points at unknown block id {b.block_id}"
-                    for b in held if not self._owns(b)]
-        problems += [f"free list holds unknown block id {b.block_id}"
-                     for b in self.free_queue if not self._owns(b)]
+        problems = [f"a page table points at unknown block id {b.block_id}" for b in held if not self._owns(b)]
+        problems += [f"free list holds unknown block id {b.block_id}" for b in self.free_queue if not self._owns(b)]
         cached_free = sum(b.block_hash is not None for b in self.free_queue)
         if cached_free != self.num_cached_free:
             problems.append(f"{cached_free} cached free blocks counted as {self.num_cached_free}")
@@ -163,17 +162,17 @@ class BlockPool:
             b, refs, holds = block.block_id, block.ref_count, held[block]
             if refs != holds:
                 kind = "miscounted" if holds else "leaked"
-                problems.append(f"block {b} ({kind}) has ref count {refs} but {holds} "
-                                "page tables hold it")
+                problems.append(f"block {b} ({kind}) has ref count {refs} but {holds} page tables hold it")
             if bool(refs) == (block in self.free_queue):
-                where = ("on the free list (it can be handed out while in use)" if refs
-                         else "on no free list (lost: it can never be handed out)")
+                where = "on the free list (it can be handed out while in use)" if refs else (
+                    "on no free list (lost: it can never be handed out)"
+                )
                 problems.append(f"block {b} has ref count {refs} but is {where}")
-            key = (block.group, block.block_hash)
-            if block.block_hash is not None and (self.prefix_index.get(key) is not block
-                                                 or len(block.token_ids) != block_size):
-                problems.append(f"cached block {b} is not indexed under its key with "
-                                f"{block_size} tokens")
+            if block.block_hash is not None and (
+                self.prefix_index.get((block.group, block.block_hash)) is not block
+                or len(block.token_ids) != block_size
+            ):
+                problems.append(f"cached block {b} is not indexed under its key with {block_size} tokens")
         counted = {g: n for g, n in self.used_per_group.items() if n}
         if counted != Counter(b.group for b in self.blocks if b.ref_count):
             problems.append(f"blocks in use per group counted as {counted}, not as the blocks say")
