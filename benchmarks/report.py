@@ -695,13 +695,15 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _comparison_section(
         "Seed workload, embedded model",
         seed,
-        "The design documents' `paged_attention` workload at full size.",
+        "48 requests in one burst, prompts of 128-384 tokens, 128-256 new tokens each, EOS ignored: "
+        "each fits in 640 tokens, so a paged pool of 8 x 4,096 token slots holds all 48 at once "
+        "where a contiguous one holds 8.",
     )
     lines += _timeline_section(seed, images, docs)
     lines += _comparison_section(
         "Seed workload, ~100M-parameter Llama (full size)",
         _load(results, "seed_100m_full"),
-        "`paged-server bench --model-config 100m --workload seed`: the design documents' workload at full "
+        "`paged-server bench --model-config 100m --workload seed`: the same burst of 48 at full "
         "size on a random ~100M-parameter Llama, against transformers' continuous batching and static "
         "`generate` (the contiguous pool is left out here to keep the run short).",
     )

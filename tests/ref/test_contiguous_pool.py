@@ -1,4 +1,4 @@
-"""ContiguousKVPool and its views: the contiguous pool's testing plan (allocate, free, lengths, views),
+"""ContiguousKVPool and its views: allocate, free, lengths and views,
 generalized to sequences whose new tokens start at their current length, for
 flat views (each seq_id's new tokens packed one after another)."""
 

@@ -1,4 +1,4 @@
-"""PagedKVPool and its views: the paged pool's testing plan (block allocation, page tables, views, copy-on-write),
+"""PagedKVPool and its views: block allocation, page tables, views and copy-on-write,
 for flat views (each seq_id's new tokens packed one after another)."""
 
 from __future__ import annotations

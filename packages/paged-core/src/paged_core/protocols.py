@@ -86,9 +86,9 @@ class CachePoolProtocol(Protocol):
     paged pool); a *slot* is one token's place in the cache
     (``slot_mapping``); ``num_computed_tokens`` counts tokens whose K/V are
     written, ``num_reserved`` tokens with room set aside, ``max_model_len``
-    the most tokens a sequence may hold. The design documents' names
-    (``allocate_slot``, ``free_slot``, ``get_seq_len``, ``free_slot_count``)
-    are ``allocate_seq``, ``free_seq``, ``get_num_computed_tokens``,
+    the most tokens a sequence may hold. Names other KV-cache APIs
+    use for these (``allocate_slot``, ``free_slot``, ``get_seq_len``,
+    ``free_slot_count``) are ``allocate_seq``, ``free_seq``, ``get_num_computed_tokens``,
     ``free_seq_count`` here.
     """
 
@@ -137,7 +137,7 @@ class CachePoolProtocol(Protocol):
 
 @runtime_checkable
 class ServingPoolProtocol(CachePoolProtocol, Protocol):
-    """What the engine needs beyond the design documents' pool: prompts with
+    """What the engine needs beyond ``CachePoolProtocol``: prompts with
     prefix-cache hits, room reserved before a step, one flat view per step
     whose metadata is built before the forward pass, commits after it,
     copy-on-write forks and audits. Both backends satisfy it; the contiguous

@@ -337,8 +337,8 @@ class PagedKVPool(ViewsMixin):
         return bm.block_table(seq_id, group) if bm.has_seq(seq_id) else []
 
     def ensure_reserved(self, seq_id: int, num_tokens: int) -> None:
-        """Grow the seq_id's reservation to ``num_tokens`` (a design-document view
-        writing past what ``allocate_seq``/``append_token`` reserved). Raises
+        """Grow the seq_id's reservation to ``num_tokens``, for a view that
+        writes past what ``allocate_seq``/``append_token`` reserved. Raises
         ``OutOfBlocksError`` when the pool is full."""
         self._check_live(seq_id)
         bm = self.block_manager
