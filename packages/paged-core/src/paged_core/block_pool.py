@@ -67,6 +67,7 @@ class BlockPool:
         """Take ``n`` blocks (ref count 1) off the front of the free queue for
         ``group``, evicting what they cached. ``OutOfBlocksError``, with
         nothing changed, when fewer are free."""
+        assert n >= 0, f"cannot take a negative number of blocks ({n})"
         if n > len(self.free_queue):
             raise OutOfBlocksError(
                 f"cannot allocate {n} blocks: only {len(self.free_queue)} of "
