@@ -1,10 +1,10 @@
 """Block manager: each sequence's page tables over one ``BlockPool``.
 
 It answers the scheduler (can this prompt be admitted, can every running
-sequence grow) and keeps the books behind the answers: a prompt's blocks taken
-at admission, prefix-cache hits on computed full blocks, copy-on-write of
-shared blocks, counters and an audit. No tensors: the pool that owns them
-copies blocks when ``append`` says so.
+sequence grow) and keeps the books behind the answers: a prompt's blocks,
+prefix-cache hits on computed full blocks, copy-on-write of shared blocks,
+counters and an audit. No tensors: the pool that owns them copies blocks when
+``append`` says so.
 
 A hybrid model (Gemma 3) has several KV cache groups, one window each, and a
 sequence one page table per group, all drawing on the one pool. A sliding
@@ -34,7 +34,6 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(slots=True)
 class _SeqBlocks:
     tables: list[list[Block]]  # one page table per KV cache group, in token order
-    released: list[int]  # per group: leading entries that are the null block
     num_tokens: int  # reserved: prompt + appended
     num_computed: int = 0  # tokens whose KV is written
     tokens: list[int] = field(default_factory=list)  # known ids, up to the first unknown
@@ -61,7 +60,7 @@ class BlockManager:
             raise ValueError(f"need one window (None or >= 1) per group, got {sliding_windows}")
         self.windows = list(sliding_windows)
         self.num_groups, self._hybrid = len(self.windows), len(self.windows) > 1
-        self._sliding = [(g, w) for g, w in enumerate(self.windows) if w is not None]
+        self._sliding = [g for g, w in enumerate(self.windows) if w is not None]
         if self._sliding and num_blocks < 1:
             raise ValueError("a pool with sliding-window groups needs a block for the null block")
         self.num_blocks = num_blocks - bool(self._sliding)
@@ -85,8 +84,8 @@ class BlockManager:
         self, num_tokens: int, token_ids: TokenIds = None, *, skip_prefix_cache: bool = False
     ) -> bool:
         """Whether ``allocate`` would succeed now (exact, never optimistic)."""
-        needed = self._plan(num_tokens, token_ids, skip_prefix_cache)[2]
-        return needed <= len(self.block_pool.free_queue)
+        needed = self.num_blocks_needed(num_tokens, token_ids, skip_prefix_cache=skip_prefix_cache)
+        return needed <= self.num_free_blocks()
 
     def allocate(
         self, seq_id: int, num_tokens: int, token_ids: TokenIds = None, *,
@@ -99,20 +98,18 @@ class BlockManager:
         what is computed is still registered. All or nothing."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks; free it before allocating")
-        hits, keys, needed = self._plan(num_tokens, token_ids, skip_prefix_cache)
-        self._require_free(
-            needed, "sequence {} needs {} free blocks for {} tokens ({} prefix-cache hit blocks)",
-            seq_id, needed, num_tokens, len(keys),
-        )  # fmt: skip
-        # Every group's hits are taken before any fresh block, which could evict them.
-        released = [self._first(g, len(keys)) for g in range(self.num_groups)]
-        for table, first in zip(hits, released, strict=True):
-            for block in table[first:]:
-                self.block_pool.acquire(block)
+        tables, keys, needed = self._plan(num_tokens, token_ids, skip_prefix_cache)
+        if needed > self.num_free_blocks():
+            raise self._short(
+                f"sequence {seq_id} needs {needed} free blocks for {num_tokens} tokens "
+                f"({len(keys)} prefix-cache hit blocks)"
+            )
+        for table in tables:  # every hit before any fresh block, which could evict it
+            self._acquire(table)
         fresh = _cdiv(num_tokens, self.block_size) - len(keys)
-        for g, table in enumerate(hits):
+        for g, table in enumerate(tables):
             table += self.block_pool.get_new_blocks(fresh, g)
-        seq = _SeqBlocks(hits, released, num_tokens, len(keys) * self.block_size)
+        seq = _SeqBlocks(tables, num_tokens, len(keys) * self.block_size)
         if self.enable_prefix_caching:
             seq.hashes, seq.tokens = keys, list(token_ids) if token_ids is not None else []
             if not skip_prefix_cache:
@@ -133,13 +130,12 @@ class BlockManager:
         for seq_id in seq_ids:
             seq = self._seq(seq_id)
             n = seq.num_tokens
-            needed += (_cdiv(n + num_tokens, bs) - _cdiv(n, bs)) * len(seq.tables)
+            needed += (_cdiv(n + num_tokens, bs) - _cdiv(n, bs)) * self.num_groups
             for table in seq.tables if num_tokens and n % bs else ():
                 if table[-1].ref_count > 1:
                     shared_last[table[-1]] = shared_last.get(table[-1], 0) + 1
-        for block, writers in shared_last.items():
-            needed += min(writers, block.ref_count - 1)
-        return needed <= len(self.block_pool.free_queue)
+        needed += sum(min(n, block.ref_count - 1) for block, n in shared_last.items())
+        return needed <= self.num_free_blocks()
 
     def append(self, seq_id: int, token_id: int | None = None) -> Copies:
         """Reserve room for one more token in every group (``token_id`` is kept
@@ -149,8 +145,8 @@ class BlockManager:
         seq = self._seqs.get(seq_id) or self._seq(seq_id)  # get: the per-token hot path
         copies: Copies = ()
         if seq.num_tokens % self.block_size == 0:
-            n = len(seq.tables)
-            self._require_free(n, "sequence {} needs a new block for token {}", seq_id, seq.num_tokens)
+            if self.num_groups > len(self.block_pool.free_queue):
+                raise self._short(f"sequence {seq_id} needs a new block for token {seq.num_tokens}")
             for g, table in enumerate(seq.tables):
                 table += self.block_pool.get_new_blocks(1, g)
         elif seq.tables[0][-1].ref_count > 1 or (
@@ -165,32 +161,31 @@ class BlockManager:
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
         """Record that the first ``num_computed_tokens`` tokens' KV is written.
         Full blocks now computed, their tokens all known, enter the prefix
-        index; sliding groups free the blocks no later query sees (returns
-        whether any were; they stay cached): block ``i`` once ``(i + 1) *
-        block_size <= num_computed - window + 1``."""
+        index; sliding groups then free the blocks that left their window
+        (returns whether any did; they stay cached)."""
         seq = self._seqs.get(seq_id) or self._seq(seq_id)
         if not 0 <= num_computed_tokens <= seq.num_tokens:
             raise ValueError(
                 f"sequence {seq_id} has {seq.num_tokens} tokens; cannot mark "
                 f"{num_computed_tokens} as computed"
             )
-        seq.num_computed = max(seq.num_computed, num_computed_tokens)
+        before, seq.num_computed = seq.num_computed, max(seq.num_computed, num_computed_tokens)
         bs = self.block_size
         num_hashable = min(seq.num_computed, len(seq.tokens)) // bs
         while self.enable_prefix_caching and len(seq.hashes) < num_hashable:
             i = len(seq.hashes)
             tokens = tuple(seq.tokens[i * bs : (i + 1) * bs])
             seq.hashes.append(hash_block_tokens(seq.hashes[-1] if seq.hashes else None, tokens))
-            for table, first in zip(seq.tables, seq.released, strict=True):
-                if i >= first:
+            for table in seq.tables:
+                if table[i] is not self.null_block:
                     self.block_pool.register(table[i], seq.hashes[-1], tokens)
         freed = False
-        for g, window in self._sliding:
-            dead = max(0, seq.num_computed - window + 1) // bs
-            if dead > (first := seq.released[g]):
+        for g in self._sliding:
+            first, dead = self._released(g, before), self._released(g, seq.num_computed)
+            if dead > first:
                 self.block_pool.free(seq.tables[g][first:dead])
                 seq.tables[g][first:dead] = [self.null_block] * (dead - first)  # type: ignore[list-item]
-                seq.released[g], freed = dead, True
+                freed = True
         return freed
 
     # -- release ---------------------------------------------------------
@@ -198,8 +193,8 @@ class BlockManager:
         """Release a sequence's blocks (a preemption too), tail first so its tail
         is evicted before its head; cached content stays evictable."""
         seq = self._seq(seq_id)
-        for table, first in zip(seq.tables, seq.released, strict=True):
-            self.block_pool.free(reversed(table[first:]))
+        for g, table in enumerate(seq.tables):
+            self.block_pool.free(reversed(table[self._released(g, seq.num_computed) :]))
         del self._seqs[seq_id]
 
     def fork(self, parent: int, child: int) -> None:
@@ -208,13 +203,11 @@ class BlockManager:
         if child in self._seqs:
             raise ValueError(f"cannot fork into sequence {child}: it already exists")
         src = self._seq(parent)
-        for table, first in zip(src.tables, src.released, strict=True):
-            for block in table[first:]:
-                self.block_pool.acquire(block)
-        self._seqs[child] = _SeqBlocks(
-            [list(t) for t in src.tables], list(src.released), src.num_tokens,
-            src.num_computed, list(src.tokens), list(src.hashes),
-        )  # fmt: skip
+        for table in src.tables:
+            self._acquire(table)
+        self._seqs[child] = replace(
+            src, tables=[list(t) for t in src.tables], tokens=list(src.tokens), hashes=list(src.hashes)
+        )
         self.counters.forks += 1
 
     # -- queries ---------------------------------------------------------
@@ -225,7 +218,7 @@ class BlockManager:
 
     def num_released(self, seq_id: int, group: int = 0) -> int:
         """Leading entries of the group's table freed as out of the window."""
-        return self._seq(seq_id).released[group]
+        return self._released(group, self._seq(seq_id).num_computed)
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens reserved for the sequence (prompt + appended)."""
@@ -283,9 +276,10 @@ class BlockManager:
                     f"{where} has {n} tokens but {seq.num_computed} computed, "
                     f"{len(seq.tokens)} token ids, {len(seq.hashes)} block keys"
                 )
-            for table, first in zip(seq.tables, seq.released, strict=True):
-                if any(b is not self.null_block for b in table[:first]):
-                    problems.append(f"{where}: a released page-table entry is not the null block")
+            for g, table in enumerate(seq.tables):
+                first = self._released(g, seq.num_computed)
+                if any((block is self.null_block) != (i < first) for i, block in enumerate(table)):
+                    problems.append(f"{where}: group {g} holds the null block outside its {first} released entries")
                 for i, block in enumerate(table[first:], first):
                     own = tuple(seq.tokens[i * bs : (i + 1) * bs])
                     if block.block_hash is not None and (
@@ -308,8 +302,8 @@ class BlockManager:
 
     # -- internals -------------------------------------------------------
     def _live_tables(self) -> list[list[Block]]:
-        """Every page table of every sequence, without released entries."""
-        return [t[r:] for s in self._seqs.values() for t, r in zip(s.tables, s.released, strict=True)]
+        """Every page table of every sequence, without the null block."""
+        return [[b for b in t if b is not self.null_block] for s in self._seqs.values() for t in s.tables]
 
     def _seq(self, seq_id: int) -> _SeqBlocks:
         if (seq := self._seqs.get(seq_id)) is None:
@@ -318,13 +312,18 @@ class BlockManager:
             )
         return seq
 
+    def _acquire(self, table: list[Block]) -> None:
+        for block in table:
+            if block is not self.null_block:
+                self.block_pool.acquire(block)
+
     def _copy_shared_last(self, seq: _SeqBlocks, seq_id: int) -> Copies:
         """Give ``seq`` a private copy of each last block it shares (copy-on-write)."""
         shared = [g for g, table in enumerate(seq.tables) if table[-1].ref_count > 1]
-        self._require_free(
-            len(shared), "sequence {} needs a private copy of a shared block for token {}",
-            seq_id, seq.num_tokens,
-        )  # fmt: skip
+        if len(shared) > self.num_free_blocks():
+            raise self._short(
+                f"sequence {seq_id} needs a private copy of a shared block for token {seq.num_tokens}"
+            )
         copies = []
         for g in shared:
             last, (copy,) = seq.tables[g][-1], self.block_pool.get_new_blocks(1, g)
@@ -334,15 +333,13 @@ class BlockManager:
         self.counters.cow_copies += len(shared)
         return tuple(copies)
 
-    def _require_free(self, n: int, need: str, *args: object) -> None:
-        """``OutOfBlocksError`` saying ``need.format(*args)`` when fewer than
-        ``n`` blocks are free (formatted only then: ``append`` is hot)."""
-        if n > (free := len(self.block_pool.free_queue)):
-            groups = f" (shared by {self.num_groups} KV cache groups)" if self._hybrid else ""
-            raise OutOfBlocksError(
-                f"{need.format(*args)} but only {free} of {self.num_blocks} are free{groups}; "
-                "preempt a sequence or wait for one to finish"
-            )
+    def _short(self, need: str) -> OutOfBlocksError:
+        """The error for a ``need`` the free blocks cannot meet (built only then)."""
+        groups = f" (shared by {self.num_groups} KV cache groups)" if self._hybrid else ""
+        return OutOfBlocksError(
+            f"{need} but only {self.num_free_blocks()} of {self.num_blocks} are free{groups}; "
+            "preempt a sequence or wait for one to finish"
+        )
 
     def _plan(
         self, num_tokens: int, token_ids: TokenIds, skip_prefix_cache: bool
@@ -350,10 +347,10 @@ class BlockManager:
         """The prompt's prefix hit: per group, the blocks of its ``h`` leading
         full blocks (never the one holding the last prompt token); their keys;
         and the free blocks needed over all groups (fresh ones plus hits that
-        are free now). A sliding group of window W needs cached only the blocks
-        covering ``[h*bs - W + 1, h*bs)``, the rest being the null block, so
-        ``h`` stops where a full group misses, then drops a block at a time
-        until every sliding group has its window cached."""
+        are free now). A sliding group needs cached only the blocks a query
+        after ``h`` blocks sees, the rest being the null block, so ``h`` stops
+        where a full group misses, then drops a block at a time until every
+        sliding group has its window cached."""
         if num_tokens <= 0:
             raise ValueError(f"a sequence needs at least 1 token, got num_tokens={num_tokens}")
         if token_ids is not None and len(token_ids) != num_tokens:
@@ -371,14 +368,14 @@ class BlockManager:
             keys.append(key)
             found.append(row)
         h = len(keys)
-        while h and any(found[i][g] is None for g, _ in self._sliding for i in range(self._first(g, h), h)):
+        while h and any(None in [r[g] for r in found[self._released(g, h * bs) : h]] for g in self._sliding):
             h -= 1
-        hits: list[list[Block]] = []
+        tables: list[list[Block]] = []
         for g in range(len(windows)):
-            first = self._first(g, h)
-            hits.append([self.null_block] * first + [found[i][g] for i in range(first, h)])  # type: ignore[arg-type]
-        free_hits = sum(1 for t in hits for b in t if b is not self.null_block and b.ref_count == 0)
-        return hits, keys[:h], (_cdiv(num_tokens, bs) - h) * len(windows) + free_hits
+            first = self._released(g, h * bs)
+            tables.append([self.null_block] * first + [found[i][g] for i in range(first, h)])  # type: ignore[arg-type]
+        free_hits = sum(1 for t in tables for b in t if b is not self.null_block and b.ref_count == 0)
+        return tables, keys[:h], (_cdiv(num_tokens, bs) - h) * len(windows) + free_hits
 
     def _count_prompt(self, num_tokens: int, token_ids: TokenIds, keys: list[BlockHash]) -> None:
         """Count a prompt's hit blocks ``keys`` and why the rest missed (by
@@ -400,7 +397,9 @@ class BlockManager:
             else:
                 c.prefix_miss_never_seen_tokens += bs
 
-    def _first(self, g: int, h: int) -> int:
-        """First block a prefix hit of ``h`` blocks needs in group ``g``."""
-        window = self.windows[g]
-        return 0 if window is None else max(0, h * self.block_size - window + 1) // self.block_size
+    def _released(self, group: int, num_computed: int) -> int:
+        """Leading blocks of ``group``'s table that no query after ``num_computed``
+        tokens sees: block ``i`` once ``(i + 1) * block_size <= num_computed -
+        window + 1``. They are freed; their entries are the null block."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size

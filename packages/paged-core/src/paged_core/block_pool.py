@@ -1,11 +1,10 @@
 """The blocks: ref counts, one free queue and the prefix index.
 
-A ``Block`` carries its ref count, prefix key and token ids. The free blocks
-form one queue, an ``OrderedDict`` (popping the front, pushing at either end
-and taking a block out of the middle on a prefix hit are all O(1)): blocks
-holding no cached KV at the front, handed out first; blocks still holding
-cached KV behind them, evicted least recently freed first. The pool knows
-blocks; the block manager knows sequences.
+A ``Block`` carries its ref count, prefix key and token ids. Free blocks wait
+in one queue, an ``OrderedDict`` (O(1) to pop the front, push at either end or
+take a block out of the middle on a prefix hit): blocks caching nothing at the
+front, handed out first; blocks still caching KV behind them, evicted least
+recently freed first. The pool knows blocks; the block manager knows sequences.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ class Block:
 
 
 class BlockPool:
-    """``num_blocks`` blocks, the free queue and the prefix index, ``(group,
+    """``num_blocks`` blocks, the free queue and the prefix index ``(group,
     key) -> block`` (groups never share a block). A key names one block and a
     block holds one key: of two equal contents, the first registered wins."""
 
@@ -57,7 +56,7 @@ class BlockPool:
         self.free_queue: OrderedDict[Block, None] = OrderedDict.fromkeys(self.blocks)
         self.prefix_index: dict[tuple[int, BlockHash], Block] = {}
         self.used_per_group: dict[int, int] = {}  # kept at every 0 <-> 1 ref-count step
-        self.num_cached_free = 0  # free blocks still holding cached KV (evictable)
+        self.num_cached_free = 0  # free blocks still caching KV (evictable)
         self.evictions = 0
         # Recently evicted keys (bounded), so a prefix miss can say "evicted".
         self.evicted_keys: OrderedDict[tuple[int, BlockHash], None] = OrderedDict()
@@ -77,10 +76,8 @@ class BlockPool:
         for _ in range(n):
             block, _ = self.free_queue.popitem(last=False)
             assert block.ref_count == 0, "a free block must have no references"
-            if block.block_hash is not None:
-                key = (block.group, block.block_hash)
-                self.evicted_keys[key] = None
-                self.evicted_keys.move_to_end(key)
+            if block.block_hash is not None:  # evicted
+                self.evicted_keys[(block.group, block.block_hash)] = None
                 if len(self.evicted_keys) > self.evicted_keys_limit:
                     self.evicted_keys.popitem(last=False)
                 self._uncache(block)
@@ -101,8 +98,8 @@ class BlockPool:
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference to each block, in order; one left with none joins
-        the back of the queue if it holds cached KV, else the front. A double
-        free or another pool's block is a ``ValueError`` before any change."""
+        the back of the queue if it caches KV, else the front. A double free
+        or another pool's block is a ``ValueError`` before any change."""
         blocks = list(blocks)
         for block, n in Counter(blocks).items():
             self._check_own(block)
@@ -114,22 +111,15 @@ class BlockPool:
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._count_used(block.group, -1)
-                self.free_queue[block] = None
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block, last=False)
-                else:
-                    self.num_cached_free += 1
+                self._enqueue(block)
 
     def reclaim(self, block: Block) -> None:
         """Free a leaked block whatever its ref count, dropping its content."""
         self._check_own(block)
         if block.ref_count:
             block.ref_count = 0
-            self._count_used(block.group, -1)
             self._uncache(block)
-            self.free_queue[block] = None
-            self.free_queue.move_to_end(block, last=False)
+            self._enqueue(block)
 
     def lookup(self, block_hash: BlockHash, tokens: Sequence[int], group: int = 0) -> Block | None:
         """``group``'s block caching ``tokens`` under ``block_hash``, or None;
@@ -149,16 +139,13 @@ class BlockPool:
         return True
 
     def audit(self, page_tables: Iterable[Sequence[Block]], block_size: int) -> list[str]:
-        """Every disagreement between ref counts, the ``page_tables`` that hold
-        blocks, the free queue and the prefix index; empty when healthy. A
-        referenced block on the free queue would be handed out twice; an
-        unreferenced one off it is lost for good."""
+        """Every disagreement between ref counts, the ``page_tables`` holding
+        blocks, the free queue, the counts kept and the prefix index; empty
+        when healthy. A referenced block on the free queue would be handed out
+        twice; an unreferenced one off it is lost for good."""
         held = Counter(chain.from_iterable(page_tables))
         problems = [f"a page table points at unknown block id {b.block_id}" for b in held if not self._owns(b)]
         problems += [f"free list holds unknown block id {b.block_id}" for b in self.free_queue if not self._owns(b)]
-        cached_free = sum(b.block_hash is not None for b in self.free_queue)
-        if cached_free != self.num_cached_free:
-            problems.append(f"{cached_free} cached free blocks counted as {self.num_cached_free}")
         for block in self.blocks:
             b, refs, holds = block.block_id, block.ref_count, held[block]
             if refs != holds:
@@ -174,14 +161,27 @@ class BlockPool:
                 or len(block.token_ids) != block_size
             ):
                 problems.append(f"cached block {b} is not indexed under its key with {block_size} tokens")
-        counted = {g: n for g, n in self.used_per_group.items() if n}
-        if counted != Counter(b.group for b in self.blocks if b.ref_count):
-            problems.append(f"blocks in use per group counted as {counted}, not as the blocks say")
-        return problems + [
+        problems += [
             f"prefix index maps a key to block {block.block_id}, cached under another"
             for key, block in self.prefix_index.items()
             if not self._owns(block) or (block.group, block.block_hash) != key
         ]
+        counts = (sum(b.block_hash is not None for b in self.free_queue), self.num_cached_free)
+        if counts[0] != counts[1]:
+            problems.append(f"{counts[0]} cached free blocks counted as {counts[1]}")
+        counted = {g: n for g, n in self.used_per_group.items() if n}
+        if counted != Counter(b.group for b in self.blocks if b.ref_count):
+            problems.append(f"blocks in use per group counted as {counted}, not as the blocks say")
+        return problems
+
+    def _enqueue(self, block: Block) -> None:
+        """A block that just lost its last reference joins the free queue."""
+        self._count_used(block.group, -1)
+        self.free_queue[block] = None
+        if block.block_hash is None:
+            self.free_queue.move_to_end(block, last=False)
+        else:
+            self.num_cached_free += 1
 
     def _count_used(self, group: int, n: int) -> None:
         self.used_per_group[group] = self.used_per_group.get(group, 0) + n  # dict beats Counter
