@@ -31,6 +31,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _out_of_window(num_computed: int, window: int, block_size: int) -> int:
+    """Leading blocks no later query sees once ``num_computed`` tokens are in:
+    block ``i`` once ``(i + 1) * block_size <= num_computed - window + 1``."""
+    return max(0, num_computed - window + 1) // block_size
+
+
 @dataclass(slots=True)
 class _SeqBlocks:
     tables: list[list[Block]]  # one page table per KV cache group, in token order
@@ -60,7 +66,10 @@ class BlockManager:
             raise ValueError(f"need one window (None or >= 1) per group, got {sliding_windows}")
         self.windows = list(sliding_windows)
         self.num_groups, self._hybrid = len(self.windows), len(self.windows) > 1
-        self._sliding = [g for g, w in enumerate(self.windows) if w is not None]
+        self._sliding: dict[int, list[int]] = {}  # window -> its groups
+        for g, w in enumerate(self.windows):
+            if w is not None:
+                self._sliding.setdefault(w, []).append(g)
         if self._sliding and num_blocks < 1:
             raise ValueError("a pool with sliding-window groups needs a block for the null block")
         self.num_blocks = num_blocks - bool(self._sliding)
@@ -179,14 +188,7 @@ class BlockManager:
             for table in seq.tables:
                 if table[i] is not self.null_block:
                     self.block_pool.register(table[i], seq.hashes[-1], tokens)
-        freed = False
-        for g in self._sliding:
-            first, dead = self._released(g, before), self._released(g, seq.num_computed)
-            if dead > first:
-                self.block_pool.free(seq.tables[g][first:dead])
-                seq.tables[g][first:dead] = [self.null_block] * (dead - first)  # type: ignore[list-item]
-                freed = True
-        return freed
+        return bool(self._sliding) and self._free_out_of_window(seq, before)
 
     # -- release ---------------------------------------------------------
     def free(self, seq_id: int) -> None:
@@ -205,9 +207,8 @@ class BlockManager:
         src = self._seq(parent)
         for table in src.tables:
             self._acquire(table)
-        self._seqs[child] = replace(
-            src, tables=[list(t) for t in src.tables], tokens=list(src.tokens), hashes=list(src.hashes)
-        )
+        tables = [list(t) for t in src.tables]
+        self._seqs[child] = replace(src, tables=tables, tokens=list(src.tokens), hashes=list(src.hashes))
         self.counters.forks += 1
 
     # -- queries ---------------------------------------------------------
@@ -279,7 +280,7 @@ class BlockManager:
             for g, table in enumerate(seq.tables):
                 first = self._released(g, seq.num_computed)
                 if any((block is self.null_block) != (i < first) for i, block in enumerate(table)):
-                    problems.append(f"{where}: group {g} holds the null block outside its {first} released entries")
+                    problems.append(f"{where}: group {g}'s null entries are not its {first} released")
                 for i, block in enumerate(table[first:], first):
                     own = tuple(seq.tokens[i * bs : (i + 1) * bs])
                     if block.block_hash is not None and (
@@ -303,7 +304,8 @@ class BlockManager:
     # -- internals -------------------------------------------------------
     def _live_tables(self) -> list[list[Block]]:
         """Every page table of every sequence, without the null block."""
-        return [[b for b in t if b is not self.null_block] for s in self._seqs.values() for t in s.tables]
+        null = self.null_block
+        return [[b for b in t if b is not null] for s in self._seqs.values() for t in s.tables]
 
     def _seq(self, seq_id: int) -> _SeqBlocks:
         if (seq := self._seqs.get(seq_id)) is None:
@@ -341,6 +343,18 @@ class BlockManager:
             "preempt a sequence or wait for one to finish"
         )
 
+    def _free_out_of_window(self, seq: _SeqBlocks, before: int) -> bool:
+        """Free the blocks that left a sliding window since ``before`` tokens
+        were computed (the rule checked once per window); whether any did."""
+        freed, bs = False, self.block_size
+        for window, groups in self._sliding.items():
+            first, dead = _out_of_window(before, window, bs), _out_of_window(seq.num_computed, window, bs)
+            for g in groups if dead > first else ():
+                self.block_pool.free(seq.tables[g][first:dead])
+                seq.tables[g][first:dead] = [self.null_block] * (dead - first)  # type: ignore[list-item]
+                freed = True
+        return freed
+
     def _plan(
         self, num_tokens: int, token_ids: TokenIds, skip_prefix_cache: bool
     ) -> tuple[list[list[Block]], list[BlockHash], int]:
@@ -368,8 +382,8 @@ class BlockManager:
             keys.append(key)
             found.append(row)
         h = len(keys)
-        while h and any(None in [r[g] for r in found[self._released(g, h * bs) : h]] for g in self._sliding):
-            h -= 1
+        while h and any(None in [r[g] for r in found[self._released(g, h * bs) : h]] for g in range(len(windows))):
+            h -= 1  # a sliding group misses a block its window needs
         tables: list[list[Block]] = []
         for g in range(len(windows)):
             first = self._released(g, h * bs)
@@ -398,8 +412,6 @@ class BlockManager:
                 c.prefix_miss_never_seen_tokens += bs
 
     def _released(self, group: int, num_computed: int) -> int:
-        """Leading blocks of ``group``'s table that no query after ``num_computed``
-        tokens sees: block ``i`` once ``(i + 1) * block_size <= num_computed -
-        window + 1``. They are freed; their entries are the null block."""
+        """Leading entries of ``group``'s tables that are the null block."""
         window = self.windows[group]
-        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+        return 0 if window is None else _out_of_window(num_computed, window, self.block_size)
