@@ -49,7 +49,7 @@ def plot_capacity(capacity: dict[str, Any], path: Path) -> Path:
         [r["contiguous"] for r in rows],
         "s-",
         color=COLORS["contiguous"],
-        label=f"contiguous ({s['num_slots']} slots x {s['max_model_len']})",
+        label=f"contiguous ({s['num_rows']} rows x {s['max_model_len']})",
     )
     for r in rows:
         ax.annotate(

@@ -134,9 +134,9 @@ def _comparison_section(title: str, data: dict[str, Any] | None, intro: str) -> 
         "",
         f"- Model: {_model_line(data['model'])}.",
         f"- Workload: {_workload_line(data['workload'])}",
-        f"- KV budget: {b['slots']} x {b['slot_len']} = {b['tokens']:,} token slots for every configuration "
-        f"(paged: {b['tokens'] // b['block_size']:,} blocks of {b['block_size']}; contiguous: {b['slots']} slots of "
-        f"{b['slot_len']}; transformers' continuous batching: {b['tokens'] // b['block_size']:,} pages of {b['block_size']}).",
+        f"- KV budget: {b['rows']} x {b['max_model_len']} = {b['tokens']:,} token slots for every configuration "
+        f"(paged: {b['tokens'] // b['block_size']:,} blocks of {b['block_size']}; contiguous: {b['rows']} rows of "
+        f"{b['max_model_len']}; transformers' continuous batching: {b['tokens'] // b['block_size']:,} pages of {b['block_size']}).",
         f"- Measured {data['environment']['date']} on {data['environment']['hardware']}.",
         "",
     ]
@@ -177,7 +177,7 @@ def _capacity_section(cap: dict[str, Any] | None, images: Path, docs: Path) -> l
     s = cap["settings"]
     img = plot_capacity(cap, images / "capacity.png")
     out += [
-        f"Measured by admitting sequences into the real pools (`paged_ref.ContiguousKVPool` with {s['num_slots']} slots x "
+        f"Measured by admitting sequences into the real pools (`paged_ref.ContiguousKVPool` with {s['num_rows']} rows x "
         f"{s['max_model_len']} tokens, `paged_ref.PagedKVPool` with {s['num_blocks']:,} blocks x {s['block_size']} "
         f"tokens: the same {s['token_slots']:,} token slots and the same bytes) until one refuses. Lengths are drawn "
         f"uniformly within +/-{int(100 * s['length_spread'])}% of the average (narrower near max_model_len so the mean holds), "
@@ -331,7 +331,7 @@ def _sweep_section(sweep: dict[str, Any] | None, images: Path, docs: Path) -> li
     out += [
         f"- Model: {_model_line(sweep['model'])}.",
         f"- Workload: {_workload_line(sweep['workload'])}",
-        "- Paged: always the 8 x 4,096 token budget, `max_batch_size` varied. Contiguous: `max_batch_size` slots of "
+        "- Paged: always the 8 x 4,096 token budget, `max_batch_size` varied. Contiguous: `max_batch_size` rows of "
         "4,096 tokens each, so above 8 it gets *more* KV memory than the budget (its batch size is its memory).",
         "",
         f"![throughput vs batch size]({img.relative_to(docs).as_posix()})",
@@ -379,7 +379,7 @@ def _timeline_section(seed: dict[str, Any] | None, images: Path, docs: Path) -> 
     out += [
         "Fraction of the pool's token slots allocated to sequences (solid) and holding real tokens (dashed), "
         "sampled after every engine step of the seed-workload runs above; below, running sequences. "
-        "The contiguous pool allocates a whole 4,096-token slot per sequence, so it is full while holding far fewer real tokens; "
+        "The contiguous pool allocates a whole 4,096-token row per sequence, so it is full while holding far fewer real tokens; "
         "the paged pool allocates 16-token blocks as sequences grow.",
         "",
         f"![KV usage over time]({img.relative_to(docs).as_posix()})",
@@ -561,7 +561,7 @@ def _summary_bullets(title: str, data: dict[str, Any]) -> list[str]:
     out = []
     if c is not None:
         out.append(
-            f"- {title} ({w['num_requests']} requests in one burst), equal KV bytes ({b['slots']} x {b['slot_len']} "
+            f"- {title} ({w['num_requests']} requests in one burst), equal KV bytes ({b['rows']} x {b['max_model_len']} "
             f"token slots): the paged engine ran **{p['peak_running']}** sequences at once (contiguous: "
             f"**{c['peak_running']}**); at its peak **{_pct(p['peak_kv_usage'])}** of the token slots it had allocated "
             f"held real tokens (contiguous: {_pct(c['peak_kv_usage'])}); {p['preemptions']} preemptions."

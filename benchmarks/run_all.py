@@ -272,8 +272,8 @@ class Bench:
             "workload": summary,
             "plan": spec,
             "kv_budget": {
-                "slots": self.options.budget.slots,
-                "slot_len": self.options.budget.slot_len,
+                "rows": self.options.budget.rows,
+                "max_model_len": self.options.budget.max_model_len,
                 "block_size": self.options.budget.block_size,
                 "tokens": self.options.budget.tokens,
             },
@@ -428,7 +428,7 @@ def run_capacity(bench: Bench) -> dict[str, Any]:
     from paged_server.bench.capacity import capacity_table
 
     b = bench.options.budget
-    table = capacity_table(num_slots=b.slots, max_model_len=b.slot_len, block_size=b.block_size)
+    table = capacity_table(num_rows=b.rows, max_model_len=b.max_model_len, block_size=b.block_size)
     emit(table)
     save("capacity", {"environment": bench.env, **table})
     return table

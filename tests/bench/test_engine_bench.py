@@ -22,7 +22,7 @@ def test_percentiles_nearest_rank() -> None:
 def test_kv_occupancy_reads_both_pool_kinds() -> None:
     paged = {"tokens_used": 40.0, "blocks_used": 3.0, "block_size": 16.0, "num_blocks": 10.0}
     assert kv_occupancy(paged) == (40.0, 48.0, 160.0)
-    contiguous = {"tokens_used": 40.0, "slots_used": 2.0, "slots_total": 4.0, "token_capacity": 256.0}
+    contiguous = {"tokens_used": 40.0, "rows_used": 2.0, "rows_total": 4.0, "token_capacity": 256.0}
     assert kv_occupancy(contiguous) == (40.0, 128.0, 256.0)
 
 
@@ -48,9 +48,9 @@ def test_cli_prints_one_json_line_per_configuration(
             "0.1",
             "--max-new-tokens-scale",
             "0.05",
-            "--kv-slots",
+            "--kv-rows",
             "2",
-            "--kv-slot-len",
+            "--max-model-len",
             "128",
             "--max-batch-size",
             "8",
@@ -75,7 +75,7 @@ def test_cli_prints_one_json_line_per_configuration(
         assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["seconds"], rel=0.02)
         assert run["ttft_ms"]["p50"] is not None and run["ttft_ms"]["p50"] > 0
     paged, contiguous = runs["paged"], runs["contiguous"]
-    # Same KV bytes; the contiguous pool runs at most its 2 slots at once.
+    # Same KV bytes; the contiguous pool runs at most its 2 rows at once.
     assert paged["settings"]["kv_bytes"] == contiguous["settings"]["kv_bytes"]
     assert contiguous["peak_running"] <= 2 < paged["peak_running"] <= 4
     assert 0 < contiguous["peak_kv_usage"] < paged["peak_kv_usage"] <= 1

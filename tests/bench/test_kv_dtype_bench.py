@@ -76,8 +76,8 @@ def test_bench_cli_runs_engines_in_the_same_kv_bytes(
     for kv in ("auto", "int8"):
         rc = main([
             "--model", str(tiny_model_dir), "--workload", "seed", "--num-requests", "2",
-            "--prompt-scale", "0.05", "--max-new-tokens-scale", "0.02", "--kv-slots", "2",
-            "--kv-slot-len", "128", "--configs", "paged,contiguous", "--attention-backend", "ref",
+            "--prompt-scale", "0.05", "--max-new-tokens-scale", "0.02", "--kv-rows", "2",
+            "--max-model-len", "128", "--configs", "paged,contiguous", "--attention-backend", "ref",
             "--dtype", "float32", "--kv-cache-dtype", kv,
         ])  # fmt: skip
         assert rc == 0

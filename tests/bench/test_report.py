@@ -67,7 +67,7 @@ def test_page_and_plots_from_results(tmp_path: Path, report_module) -> None:  # 
     results, docs = tmp_path / "results", tmp_path / "docs"
     results.mkdir()
     env = describe_environment()
-    cap = capacity_table((16, 64), num_slots=2, max_model_len=64, block_size=16, spread=0.0)
+    cap = capacity_table((16, 64), num_rows=2, max_model_len=64, block_size=16, spread=0.0)
     (results / "capacity.json").write_text(json.dumps({"environment": env, **cap}))
     model = {
         "name": "tiny",
@@ -94,7 +94,7 @@ def test_page_and_plots_from_results(tmp_path: Path, report_module) -> None:  # 
         "environment": env,
         "model": model,
         "workload": workload,
-        "kv_budget": {"slots": 2, "slot_len": 64, "block_size": 16, "tokens": 128},
+        "kv_budget": {"rows": 2, "max_model_len": 64, "block_size": 16, "tokens": 128},
         "runs": [_run("paged", 123.0, 4), _run("contiguous", 61.5, 2)],
     }
     (results / "seed_embedded.json").write_text(json.dumps(seed))

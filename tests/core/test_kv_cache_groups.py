@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paged_core import KVCacheGroup, kv_cache_groups, layer_slots
+from paged_core import KVCacheGroup, cache_layers, kv_cache_groups
 
 W = 512
 # Gemma 3 1B: 26 layers, every 6th (5, 11, 17, 23) global, the rest slide.
@@ -33,17 +33,17 @@ def test_disabled_hybrid_manager_keeps_one_full_group() -> None:
 def test_coprime_counts_give_groups_of_one_layer() -> None:
     groups = kv_cache_groups([8, 8, None, 8, 8, 8])  # 1 global, 5 local: k = 1
     assert [g.layers for g in groups] == [(2,), (0,), (1,), (3,), (4,), (5,)]
-    assert layer_slots(groups)[2] == (0, 0) and layer_slots(groups)[5] == (5, 0)
+    assert cache_layers(groups)[2] == (0, 0) and cache_layers(groups)[5] == (5, 0)
 
 
-def test_two_windows_and_slots() -> None:
+def test_two_windows_and_cache_layers() -> None:
     groups = kv_cache_groups([4, 4, 8, 8, None, None])
     assert [(g.layers, g.sliding_window) for g in groups] == [
         ((4, 5), None),
         ((0, 1), 4),
         ((2, 3), 8),
     ]
-    assert layer_slots(groups) == {4: (0, 0), 5: (0, 1), 0: (1, 0), 1: (1, 1), 2: (2, 0), 3: (2, 1)}
+    assert cache_layers(groups) == {4: (0, 0), 5: (0, 1), 0: (1, 0), 1: (1, 1), 2: (2, 0), 3: (2, 1)}
 
 
 def test_bad_input_is_a_clear_error() -> None:

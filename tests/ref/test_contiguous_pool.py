@@ -72,7 +72,7 @@ def _prefill(pool, seq_id, length, gen):
     view.advance(length)
 
 
-def test_decode_view_writes_at_each_slot_length(gen):
+def test_decode_view_writes_at_each_row_length(gen):
     pool = make_pool()
     for _ in range(6):
         pool.allocate_seq()
@@ -194,7 +194,7 @@ def test_slot_reuse_starts_from_zero(gen):
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_packed_attend_matches_sdpa_per_slot(window, gen, helpers):
+def test_packed_attend_matches_sdpa_per_row(window, gen, helpers):
     pool = make_pool()
     seq_ids = [pool.allocate_seq() for _ in range(3)]
     lens = [7, 3, 9]

@@ -119,9 +119,9 @@ def test_padded_decode_graph_buffers_carry_every_groups_tables(gemma3, prompt_of
     assert run(llm, prompts) == plain
 
 
-def test_calculated_kv_scales_follow_layers_not_slots(gemma3, prompt_of):
+def test_calculated_kv_scales_follow_layers_not_cache_layers(gemma3, prompt_of):
     """Static scales are kept per layer while a hybrid pool's tensors hold
-    layer slots: int8 with calculated scales gives the same tokens with and
+    cache layers: int8 with calculated scales gives the same tokens with and
     without KV cache groups."""
     _, loaded = gemma3
     prompts = [prompt_of(21, 6), prompt_of(11, 7)]

@@ -4,7 +4,7 @@ from paged_core.block_manager import BlockManager
 from paged_core.block_pool import Block, BlockPool
 from paged_core.block_stats import MISS_REASONS, BlockManagerStats
 from paged_core.errors import OutOfBlocksError, UnknownSequenceError
-from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_slots
+from paged_core.kv_cache_groups import KVCacheGroup, cache_layers, kv_cache_groups
 from paged_core.protocols import (
     AttentionViewProtocol,
     CachePoolProtocol,
@@ -25,6 +25,6 @@ __all__ = [
     "OutOfBlocksError",
     "ServingPoolProtocol",
     "UnknownSequenceError",
+    "cache_layers",
     "kv_cache_groups",
-    "layer_slots",
 ]

@@ -2,7 +2,7 @@
 
 
 class OutOfBlocksError(RuntimeError):
-    """Fewer free KV blocks (or slots) than asked for. The engine reacts by
+    """Fewer free KV blocks (or contiguous rows) than asked for. The engine reacts by
     waiting or preempting; it never fails a request for this."""
 
 

@@ -6,8 +6,8 @@ holds ``k`` layers of one type, ``k`` being the gcd of the per-type layer
 counts, so every type splits into whole groups with no padding (Gemma 3 1B:
 4 global + 22 local layers -> k = 2, 2 full groups and 11 sliding ones).
 Every group then stores the same bytes per block (``k`` layers' worth), so
-one pool of blocks serves them all: layer ``l`` lives at *layer slot*
-``j`` of the cache tensors inside its group's blocks. A model with one
+one pool of blocks serves them all: layer ``l`` lives at *cache layer*
+``j`` (the cache tensors' first index) inside its group's blocks. A model with one
 attention type gets one group of all its layers: today's layout exactly.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["KVCacheGroup", "kv_cache_groups", "layer_slots"]
+__all__ = ["KVCacheGroup", "kv_cache_groups", "cache_layers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +56,6 @@ def kv_cache_groups(layer_windows: list[int | None], *, hybrid: bool = True) -> 
     ]
 
 
-def layer_slots(groups: list[KVCacheGroup]) -> dict[int, tuple[int, int]]:
-    """Model layer -> ``(group index, layer slot)``: where its KV lives."""
-    return {
-        layer: (g, slot)
-        for g, group in enumerate(groups)
-        for slot, layer in enumerate(group.layers)
-    }
+def cache_layers(groups: list[KVCacheGroup]) -> dict[int, tuple[int, int]]:
+    """Model layer -> ``(group index, cache layer)``: where its KV lives."""
+    return {layer: (g, j) for g, group in enumerate(groups) for j, layer in enumerate(group.layers)}

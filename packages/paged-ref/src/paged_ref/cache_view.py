@@ -32,12 +32,12 @@ from paged_ref.ops import gather_context
 
 class ViewPool(Protocol):
     """What a view needs from its pool: ``k_cache``/``v_cache``
-    (``[layer_slots, num_blocks, block_size, kv_heads, head_dim]``), the int8
-    scales beside them (``[layer_slots, num_blocks, block_size, kv_heads]``,
+    (``[cache_layers, num_blocks, block_size, kv_heads, head_dim]``), the int8
+    scales beside them (``[cache_layers, num_blocks, block_size, kv_heads]``,
     None for other dtypes), the static scales of an 8-bit cache with
     calculated scales (``[layers, kv_heads]`` float32, keyed by layer index,
     else None), the ``ops`` module that writes and attends, and where each
-    layer lives (``layer_slot``: its KV cache group, its slot in the tensors,
+    layer lives (``locate_layer``: its KV cache group, its cache layer,
     the group's sliding window)."""
 
     @property
@@ -63,7 +63,7 @@ class ViewPool(Protocol):
 
     def is_paged(self) -> bool: ...
 
-    def layer_slot(self, layer_idx: int) -> tuple[int, int, int | None]: ...
+    def locate_layer(self, layer_idx: int) -> tuple[int, int, int | None]: ...
 
     def build_metadata(
         self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
@@ -141,11 +141,11 @@ class CacheView:
         tokens in seq_id order) and return each seq_id's whole context,
         ``[num_seqs, kv_heads, max_len, head_dim]`` (position ``p`` at index
         ``p``; zeros past a seq_id's length)."""
-        meta, slot, s = self._write(layer_idx, k, v)
+        meta, cache_layer, s = self._write(layer_idx, k, v)
         return (
-            gather_context(self.pool.k_cache[slot], meta.block_tables, meta.seq_lens,
+            gather_context(self.pool.k_cache[cache_layer], meta.block_tables, meta.seq_lens,
                            s.get("k_scales"), s.get("k_head_scales")),
-            gather_context(self.pool.v_cache[slot], meta.block_tables, meta.seq_lens,
+            gather_context(self.pool.v_cache[cache_layer], meta.block_tables, meta.seq_lens,
                            s.get("v_scales"), s.get("v_head_scales")),
         )  # fmt: skip
 
@@ -179,7 +179,7 @@ class CacheView:
         ``q``: ``[num_tokens, heads, head_dim]``; returns the same shape.
         A layer in a sliding KV cache group must attend with that window:
         its group frees blocks a wider window would still read."""
-        where = self.pool.layer_slot(layer_idx)
+        where = self.pool.locate_layer(layer_idx)
         group, _, window = where
         if window is not None and sliding_window != window:
             raise ValueError(
@@ -187,9 +187,9 @@ class CacheView:
                 f"cache group {group} frees blocks outside a window of {window} tokens; "
                 "build the pool with this layer's window (layer_windows)"
             )
-        meta, slot, scales = self._write(layer_idx, k, v, where)
+        meta, cache_layer, scales = self._write(layer_idx, k, v, where)
         ops = self.pool.ops
-        k_cache, v_cache = self.pool.k_cache[slot], self.pool.v_cache[slot]
+        k_cache, v_cache = self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer]
         softcap = softcap or None  # 0 means off, as in vLLM
         dec, pre = meta.decode, meta.prefill
         if dec is not None and pre is None and dec.rows is None:
@@ -226,32 +226,32 @@ class CacheView:
     def _write(
         self, layer_idx: int, k: Tensor, v: Tensor, where: tuple[int, int, int | None] | None = None
     ) -> tuple[AttentionMetadata, int, dict[str, Tensor]]:
-        """Write the layer's new K/V (``where``: its ``layer_slot``, if the
-        caller has it); returns its group's metadata, its slot in the tensors
+        """Write the layer's new K/V (``where``: its ``locate_layer``, if the
+        caller has it); returns its group's metadata, its cache layer
         and its scales as the ops' keywords."""
-        group, slot, _ = where if where is not None else self.pool.layer_slot(layer_idx)
-        scales = self._scales(layer_idx, slot)
+        group, cache_layer, _ = where if where is not None else self.pool.locate_layer(layer_idx)
+        scales = self._scales(layer_idx, cache_layer)
         meta = self._metadata(k.shape[0]).for_group(group)
         if k.shape[0] != meta.num_tokens:
             raise ValueError(
                 f"k/v hold {k.shape[0]} tokens but this view's seq_ids bring {meta.num_tokens}"
             )
         self.pool.ops.write_kv(
-            self.pool.k_cache[slot], self.pool.v_cache[slot], k, v, meta.slot_mapping, **scales
+            self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer], k, v, meta.slot_mapping, **scales
         )
-        return meta, slot, scales
+        return meta, cache_layer, scales
 
-    def _scales(self, layer_idx: int, slot: int) -> dict[str, Tensor]:
-        """The layer's scales as the ops' keywords: int8 per-token scales (in
-        the layer's slot of the tensors), or static per-head ones (indexed by
+    def _scales(self, layer_idx: int, cache_layer: int) -> dict[str, Tensor]:
+        """The layer's scales as the ops' keywords: int8 per-token scales (at
+        the layer's cache layer), or static per-head ones (indexed by
         layer); none for other dtypes (so an ops module written before 8-bit
         caches still serves them)."""
         pool = self.pool
         k_scales, v_scales = pool.k_scales, pool.v_scales
         k_head, v_head = pool.k_head_scales, pool.v_head_scales
         return scale_keywords(
-            None if k_scales is None else k_scales[slot],
-            None if v_scales is None else v_scales[slot],
+            None if k_scales is None else k_scales[cache_layer],
+            None if v_scales is None else v_scales[cache_layer],
             None if k_head is None else k_head[layer_idx],
             None if v_head is None else v_head[layer_idx],
         )
@@ -298,8 +298,8 @@ class ViewsMixin:
         ``[layers, <layout>, kv_heads, head_dim]``); returns their shape.
         ``kv_scales``: static K and V scales ``[layers, kv_heads]``
         (``calculate_kv_scales``), kept as float32 on the cache's device;
-        ``num_layers``: the model's layers when the tensors hold fewer layer
-        slots (hybrid KV cache groups)."""
+        ``num_layers``: the model's layers when the tensors hold fewer cache
+        layers (hybrid KV cache groups)."""
         if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
             raise ValueError(
                 f"k_cache and v_cache must both be [layers, {layout}, kv_heads, head_dim], "
@@ -325,9 +325,9 @@ class ViewsMixin:
     def get_num_computed_tokens(self, seq_id: int) -> int:
         raise NotImplementedError
 
-    def layer_slot(self, layer_idx: int) -> tuple[int, int, int | None]:
-        """``(KV cache group, slot in the tensors, group window)`` of a layer:
-        one group of every layer, layer ``l`` at slot ``l``, unless the pool
+    def locate_layer(self, layer_idx: int) -> tuple[int, int, int | None]:
+        """``(KV cache group, cache layer, group window)`` of a layer:
+        one group of every layer, layer ``l`` at cache layer ``l``, unless the pool
         says otherwise (the paged pool's hybrid groups)."""
         if not 0 <= layer_idx < self.k_cache.shape[0]:
             raise IndexError(f"layer {layer_idx} is not one of this pool's {self.k_cache.shape[0]} layers")

@@ -210,8 +210,8 @@ class ContiguousKVPool(ViewsMixin):
             "usage": held / capacity if capacity else 0.0,
             "tokens_used": float(held),
             "token_capacity": float(capacity),
-            "slots_used": float(used),
-            "slots_total": float(self.max_batch_size),
+            "rows_used": float(used),
+            "rows_total": float(self.max_batch_size),
             "hit_rate": 0.0,
         }
 

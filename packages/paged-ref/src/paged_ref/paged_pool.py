@@ -1,13 +1,13 @@
 """Block-paged KV cache pool: tensors here, page tables in ``BlockManager``.
 
-``k_cache``/``v_cache`` are ``[layer_slots, num_blocks, block_size, kv_heads,
+``k_cache``/``v_cache`` are ``[cache_layers, num_blocks, block_size, kv_heads,
 head_dim]`` (a token's K for all heads is one contiguous row, so writes are
 row copies and a gathered context is a strided view, not a permute); a seq_id
 is a sequence id of the block manager. The layers form KV cache groups
 (``paged_core.kv_cache_groups``): one group of every layer unless sliding
 windows make the model hybrid; then each group of ``k`` layers has its own
-page tables over the shared blocks and layer ``l`` lives at layer slot ``j``
-of the tensors (``layer_slot``). The pool adds what the block managers
+page tables over the shared blocks and layer ``l`` lives at cache layer ``j``
+of the tensors (``locate_layer``). The pool adds what the block managers
 cannot do without tensors: page tables mirrored into host tensors
 (``BlockTableBuffer``, one per group), copy-on-write block copies batched
 until the next view, and views that write and attend through an ``ops``
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from paged_core.block_manager import BlockManager
-from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_slots
+from paged_core.kv_cache_groups import KVCacheGroup, cache_layers, kv_cache_groups
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.block_table_buffer import BlockTableBuffer
@@ -46,7 +46,7 @@ def block_bytes(
     static_scales: bool = False,
 ) -> int:
     """Bytes one block id takes across ``num_layers`` layers (a KV cache
-    group's layer slots), K and V together (an int8 cache's per-token scales
+    group's cache layers), K and V together (an int8 cache's per-token scales
     included, none with ``static_scales``); ``dtype`` is the cache's storage
     dtype."""
     return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, static_scales)
@@ -77,16 +77,16 @@ class PagedKVPool(ViewsMixin):
             k_cache, v_cache, k_scales, v_scales, ops if ops is not None else ref_ops,
             "num_blocks, block_size", kv_scales, num_layers,
         )  # fmt: skip
-        self.num_slots, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
-        self.groups = list(groups or [KVCacheGroup(tuple(range(self.num_slots)), None)])
-        if any(len(g.layers) != self.num_slots for g in self.groups):
+        self.num_cache_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
+        self.groups = list(groups or [KVCacheGroup(tuple(range(self.num_cache_layers)), None)])
+        if any(len(g.layers) != self.num_cache_layers for g in self.groups):
             raise ValueError(
-                f"the cache tensors have {self.num_slots} layer slots but the KV cache groups "
+                f"the cache tensors have {self.num_cache_layers} cache layers but the KV cache groups "
                 f"hold {[len(g.layers) for g in self.groups]} layers; build the tensors with "
-                "one slot per layer of a group"
+                "one cache layer per layer of a group"
             )
         self.num_layers = sum(len(g.layers) for g in self.groups)
-        self._slots = layer_slots(self.groups)
+        self._cache_layers = cache_layers(self.groups)
         # The block manager reserves the last block as the null block when a group slides.
         self.block_manager = BlockManager(
             self.num_blocks, self.block_size, enable_prefix_caching,
@@ -125,7 +125,7 @@ class PagedKVPool(ViewsMixin):
         scale of 1. ``layer_windows[i]``: layer ``i``'s sliding window (None
         = full); mixed windows make KV cache groups (sliding ones free old
         blocks) unless ``disable_hybrid_kv_cache_manager``. A block then
-        holds one group's layers (``slots_per_block``), so it costs fewer
+        holds one group's layers, so it costs fewer
         bytes."""
         windows: list[int | None] = list(layer_windows or [None] * num_layers)
         if len(windows) != num_layers:
@@ -321,13 +321,13 @@ class PagedKVPool(ViewsMixin):
                 out[f"group_{g}_blocks_used"] = used
         return out
 
-    def layer_slot(self, layer_idx: int) -> tuple[int, int, int | None]:
-        """``(group, slot, group window)`` of model layer ``layer_idx``."""
-        where = self._slots.get(layer_idx)
+    def locate_layer(self, layer_idx: int) -> tuple[int, int, int | None]:
+        """``(group, cache layer, group window)`` of model layer ``layer_idx``."""
+        where = self._cache_layers.get(layer_idx)
         if where is None:
             raise IndexError(f"layer {layer_idx} is not one of this pool's {self.num_layers} layers")
-        group, slot = where
-        return group, slot, self.groups[group].sliding_window
+        group, cache_layer = where
+        return group, cache_layer, self.groups[group].sliding_window
 
     # -- used by the views -----------------------------------------------------
     def block_table(self, seq_id: int, group: int = 0) -> list[int]:

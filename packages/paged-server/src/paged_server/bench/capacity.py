@@ -1,12 +1,12 @@
 """Capacity table: how many sequences fit at once, contiguous vs paged, at
 equal KV bytes, *measured* by admitting sequences into the real pools.
 
-The contiguous pool reserves ``max_model_len`` positions per slot, so it holds
-``num_slots`` sequences whatever their length. The paged pool gets the same
-bytes as blocks (``num_slots * max_model_len / block_size`` of them) and hands
+The contiguous pool reserves ``max_model_len`` positions per row, so it holds
+``num_rows`` sequences whatever their length. The paged pool gets the same
+bytes as blocks (``num_rows * max_model_len / block_size`` of them) and hands
 them out per ``block_size`` tokens, so short sequences leave room for more.
 The average lengths default to ``max_model_len / 32`` doubling up to
-``max_model_len`` (128..4096 at 4096), so any slot length gives a full table.
+``max_model_len`` (128..4096 at 4096), so any row length gives a full table.
 For each average length we draw sequence lengths (uniform in
 ``[avg * (1 - spread), avg * (1 + spread)]``, capped at ``max_model_len``),
 admit them one by one with ``allocate_sequence`` until a pool says no, and
@@ -25,7 +25,7 @@ import torch
 
 def default_avg_lengths(max_model_len: int) -> tuple[int, ...]:
     """``max_model_len / 32`` doubling up to ``max_model_len`` (lengths below 1
-    dropped): averages a fixed list would put past a short slot length
+    dropped): averages a fixed list would put past a short row length
     could never be drawn."""
     lengths = (max_model_len >> shift for shift in range(5, -1, -1))
     return tuple(sorted({n for n in lengths if n >= 1}))
@@ -41,8 +41,8 @@ class KVShape:
     dtype: torch.dtype = torch.float32
 
 
-def make_contiguous_pool(shape: KVShape, num_slots: int, max_model_len: int) -> Any:
-    """A real ``ContiguousKVPool`` with ``num_slots`` rows of ``max_model_len``."""
+def make_contiguous_pool(shape: KVShape, num_rows: int, max_model_len: int) -> Any:
+    """A real ``ContiguousKVPool`` with ``num_rows`` rows of ``max_model_len``."""
     from paged_ref import ContiguousKVPool
 
     return ContiguousKVPool.from_model_config(
@@ -50,7 +50,7 @@ def make_contiguous_pool(shape: KVShape, num_slots: int, max_model_len: int) -> 
         shape.num_kv_heads,
         shape.head_dim,
         max_model_len,
-        num_slots,
+        num_rows,
         dtype=shape.dtype,
     )
 
@@ -112,7 +112,7 @@ def admit_until_full(
 def capacity_row(
     avg_len: int,
     *,
-    num_slots: int = 8,
+    num_rows: int = 8,
     max_model_len: int = 4096,
     block_size: int = 16,
     spread: float = 0.5,
@@ -121,12 +121,12 @@ def capacity_row(
 ) -> dict[str, Any]:
     """Max concurrent sequences of average length ``avg_len`` in each pool."""
     shape = shape or KVShape()
-    if (num_slots * max_model_len) % block_size:
+    if (num_rows * max_model_len) % block_size:
         raise ValueError(
-            "num_slots * max_model_len must be a multiple of block_size for equal KV bytes"
+            "num_rows * max_model_len must be a multiple of block_size for equal KV bytes"
         )
-    num_blocks = num_slots * max_model_len // block_size
-    contiguous = make_contiguous_pool(shape, num_slots, max_model_len)
+    num_blocks = num_rows * max_model_len // block_size
+    contiguous = make_contiguous_pool(shape, num_rows, max_model_len)
     paged = make_paged_pool(shape, num_blocks, block_size)
     c_bytes, p_bytes = pool_kv_bytes(contiguous), pool_kv_bytes(paged)
     if c_bytes != p_bytes:
@@ -151,7 +151,7 @@ def capacity_row(
 def capacity_table(
     avg_lengths: tuple[int, ...] | None = None,
     *,
-    num_slots: int = 8,
+    num_rows: int = 8,
     max_model_len: int = 4096,
     block_size: int = 16,
     spread: float = 0.5,
@@ -162,10 +162,10 @@ def capacity_table(
     defaults to ``default_avg_lengths(max_model_len)``."""
     if avg_lengths is None:
         avg_lengths = default_avg_lengths(max_model_len)
-    rows = [
+    table = [
         capacity_row(
             n,
-            num_slots=num_slots,
+            num_rows=num_rows,
             max_model_len=max_model_len,
             block_size=block_size,
             spread=spread,
@@ -177,13 +177,13 @@ def capacity_table(
     return {
         "kind": "capacity",
         "settings": {
-            "num_slots": num_slots,
+            "num_rows": num_rows,
             "max_model_len": max_model_len,
             "block_size": block_size,
-            "num_blocks": num_slots * max_model_len // block_size,
-            "token_slots": num_slots * max_model_len,
+            "num_blocks": num_rows * max_model_len // block_size,
+            "token_slots": num_rows * max_model_len,
             "length_spread": spread,
             "seed": seed,
         },
-        "rows": rows,
+        "rows": table,
     }

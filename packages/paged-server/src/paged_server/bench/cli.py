@@ -67,14 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset of {','.join(ALL_CONFIGS)}",
     )
     p.add_argument(
-        "--kv-slots", type=int, default=8, help="contiguous slots the KV budget equals (default 8)"
+        "--kv-rows", type=int, default=8, help="contiguous rows the KV budget equals (default 8)"
     )
     p.add_argument(
-        "--kv-slot-len",
+        "--max-model-len",
         type=int,
         default=4096,
-        help="tokens per contiguous slot = max_model_len (default 4096)",
+        help="every engine's max_model_len = tokens per contiguous row (default 4096)",
     )
+    # The two flags' names from before a contiguous row and a token slot got one name each.
+    for old, dest in (("--kv-slots", "kv_rows"), ("--kv-slot-len", "max_model_len")):
+        p.add_argument(old, dest=dest, type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--max-batch-size",
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir, model_name = resolve_model(args.model, args.model_config)
         options = SuiteOptions(
-            budget=KVBudget(args.kv_slots, args.kv_slot_len, args.block_size),
+            budget=KVBudget(args.kv_rows, args.max_model_len, args.block_size),
             paged_max_batch_size=args.max_batch_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend,
@@ -136,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.capacity:
             emit(
                 capacity_table(
-                    num_slots=args.kv_slots,
-                    max_model_len=args.kv_slot_len,
+                    num_rows=args.kv_rows,
+                    max_model_len=args.max_model_len,
                     block_size=args.block_size,
                 )
             )

@@ -20,17 +20,17 @@ from paged_server.bench.workloads import Workload
 
 @dataclass(slots=True)
 class KVBudget:
-    """The KV memory both backends get: ``slots`` x ``slot_len`` token slots
-    (the contiguous baseline's shape; the paged pool gets the same tokens as
-    ``slots * slot_len / block_size`` blocks)."""
+    """The KV memory both backends get: ``rows`` x ``max_model_len`` token
+    slots (the contiguous baseline's shape; the paged pool gets the same
+    tokens as ``rows * max_model_len / block_size`` blocks)."""
 
-    slots: int = 8
-    slot_len: int = 4096
+    rows: int = 8
+    max_model_len: int = 4096
     block_size: int = 16
 
     @property
     def tokens(self) -> int:
-        return self.slots * self.slot_len
+        return self.rows * self.max_model_len
 
     @property
     def num_blocks(self) -> int:
@@ -53,15 +53,15 @@ def engine_config(
 ) -> Any:
     """The ``EngineConfig`` for one backend at the given KV budget.
 
-    contiguous: ``budget.slots`` rows of ``budget.slot_len`` (its batch size
+    contiguous: ``budget.rows`` rows of ``budget.max_model_len`` (its batch size
     *is* its memory). paged: the same tokens as blocks, and a batch limit of
-    ``max_batch_size`` (default 256) that memory, not slots, bounds. With an
+    ``max_batch_size`` (default 256) that memory, not rows, bounds. With an
     8-bit ``kv_cache_dtype`` both get the *bytes* of that budget at the
     model's dtype (``model_config`` gives the shape), so about twice the tokens."""
     from paged_server.config import EngineConfig, resolve_device, resolve_dtype
 
     if backend == "contiguous":
-        batch = budget.slots if max_batch_size is None else max_batch_size
+        batch = budget.rows if max_batch_size is None else max_batch_size
         blocks = None
     elif backend == "paged":
         batch = 256 if max_batch_size is None else max_batch_size
@@ -80,7 +80,7 @@ def engine_config(
         memory = budget.tokens * kv_bytes_per_token(*shape, model_dtype)
         blocks = None
         if backend == "contiguous" and max_batch_size is None:
-            batch = 4 * budget.slots  # room for the rows the bytes now hold (4x from float32)
+            batch = 4 * budget.rows  # room for the rows the bytes now hold (4x from float32)
     cfg = EngineConfig(
         model=model,
         kv_cache_backend=backend,
@@ -90,7 +90,7 @@ def engine_config(
         kv_cache_dtype=kv_cache_dtype,
         max_batch_size=batch,
         max_num_batched_tokens=max(max_num_batched_tokens, batch),
-        max_model_len=budget.slot_len,
+        max_model_len=budget.max_model_len,
         enable_prefix_caching=enable_prefix_caching,
         attention_backend=attention_backend,
         dtype=dtype,
@@ -103,16 +103,16 @@ def engine_config(
 
 def kv_occupancy(stats: dict[str, float]) -> tuple[float, float, float]:
     """``(tokens held, token slots allocated to sequences, pool token slots)``
-    from a pool's ``stats()``: block counters for the paged pool, slot
-    counters for the contiguous one (a used slot allocates ``max_model_len``).
+    from a pool's ``stats()``: block counters for the paged pool, row
+    counters for the contiguous one (a used row allocates ``max_model_len``).
     Tokens in shared blocks count once per sequence here; see
     ``physical_tokens_held`` for the paged pool."""
     held = stats.get("tokens_used", stats.get("tokens_held", 0.0))
     if "blocks_used" in stats:
         bs = stats["block_size"]
         return held, stats["blocks_used"] * bs, stats["num_blocks"] * bs
-    per_slot = stats["token_capacity"] / max(1.0, stats["slots_total"])
-    return held, stats["slots_used"] * per_slot, stats["token_capacity"]
+    per_row = stats["token_capacity"] / max(1.0, stats["rows_total"])
+    return held, stats["rows_used"] * per_row, stats["token_capacity"]
 
 
 def physical_tokens_held(block_manager: Any) -> int:

@@ -83,7 +83,7 @@ class RunResult:
 
     ``peak_kv_usage`` is tokens held / token slots allocated to sequences, at
     the step where the most tokens were held (how much of the reserved KV
-    memory holds real tokens: near 1 for paged, low for contiguous slots;
+    memory holds real tokens: near 1 for paged, low for contiguous rows;
     above 1 when sequences share prefix blocks, which count once per sequence).
     ``peak_kv_pool_usage`` is the highest fraction of the whole pool's token
     slots allocated at any step. ``linear_seconds`` (our engine on a CPU) is

@@ -26,9 +26,9 @@ def _pool(budget_bytes: int, hybrid: bool, block_size: int) -> Any:
     from paged_core.kv_cache_groups import kv_cache_groups
     from paged_ref import PagedKVPool
 
-    slots = len(kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid)[0].layers)
+    cache_layers = len(kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid)[0].layers)
     num_blocks = PagedKVPool.num_blocks_for_memory(
-        budget_bytes, slots, 1, 256, block_size, torch.bfloat16
+        budget_bytes, cache_layers, 1, 256, block_size, torch.bfloat16
     )
     return PagedKVPool.from_model_config(
         26, 1, 256, num_blocks, block_size, torch.bfloat16, "meta",
@@ -61,7 +61,7 @@ def sliding_window_capacity_row(
         seq_id, _ = pool.allocate_sequence([0] * length)
         pool.mark_computed(seq_id, length)
         blocks = pool.block_manager.num_blocks - pool.free_seq_count()
-        row[f"{name}_layer_blocks"] = blocks * pool.num_slots
+        row[f"{name}_layer_blocks"] = blocks * pool.num_cache_layers
         row[f"{name}_bytes"] = blocks * pool.kv_bytes() // pool.num_blocks
         pool.free_seq(seq_id)
         row[f"{name}_sequences"] = _admit(pool, length)

@@ -53,7 +53,7 @@ class Workload:
 
     @property
     def max_model_len(self) -> int:
-        """Longest prompt + generation of any request (what a slot must hold)."""
+        """Longest prompt + generation of any request (what a contiguous row must hold)."""
         return max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
 
     def summary(self) -> dict[str, Any]:

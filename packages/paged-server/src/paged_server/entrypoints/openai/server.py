@@ -56,7 +56,7 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
     source = config.model or "embedded default model"
     tokens = int(m.get("kv_capacity_tokens", 0))
     if config.kv_cache_backend == "contiguous":
-        layout = f"{tokens // config.max_model_len} slots of {config.max_model_len}"
+        layout = f"{tokens // config.max_model_len} rows of {config.max_model_len}"
     else:
         layout = f"{int(m.get('kv_capacity_blocks', 0))} blocks of {config.block_size}"
     how = getattr(getattr(engine, "capacity", None), "sized_by", "")
