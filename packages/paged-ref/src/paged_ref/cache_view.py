@@ -226,9 +226,9 @@ class CacheView:
     def _write(
         self, layer_idx: int, k: Tensor, v: Tensor, where: tuple[int, int, int | None] | None = None
     ) -> tuple[AttentionMetadata, int, dict[str, Tensor]]:
-        """Write the layer's new K/V (``where``: its ``locate_layer``, if the
-        caller has it); returns its group's metadata, its cache layer
-        and its scales as the ops' keywords."""
+        """Write the layer's new K/V (``where``: ``locate_layer``'s answer, if
+        the caller has it); returns its group's metadata, its cache layer and
+        its scales as the ops' keywords."""
         group, cache_layer, _ = where if where is not None else self.pool.locate_layer(layer_idx)
         scales = self._scales(layer_idx, cache_layer)
         meta = self._metadata(k.shape[0]).for_group(group)
