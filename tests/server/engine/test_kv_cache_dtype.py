@@ -22,6 +22,16 @@ def workload(prompt_of, greedy):
     ]
 
 
+def across_backends_tol(attention_backend: str) -> float:
+    """Logprob tolerance against a reference run on the ``ref`` backend. The
+    same backend differs by fp32 noise (~1e-6). Another backend's kernels
+    round differently, and in a later layer that can move one K/V element
+    across an 8-bit rounding boundary: one int8 code step moved a logprob by
+    4e-4 on a CI machine (Triton interpreter on an Intel Xeon). A wrong block
+    or scale moves logprobs by far more and changes tokens, compared exactly."""
+    return 1e-4 if attention_backend == "ref" else 2e-3
+
+
 def assert_same(run, ref, requests, logprob_tol: float = 1e-4) -> None:
     for request_id, _, _ in requests:
         got, want = run.choices[(request_id, 0)], ref.choices[(request_id, 0)]
@@ -53,7 +63,7 @@ def test_int8_paged_matches_int8_contiguous(
         max_batch_size=4, kv_cache_dtype="int8", attention_backend=attention_backend,
         enable_prefix_caching=prefix_caching, calculate_kv_scales=calculated,
     )  # fmt: skip
-    assert_same(run_engine(engine, requests), ref, requests)
+    assert_same(run_engine(engine, requests), ref, requests, across_backends_tol(attention_backend))
     if prefix_caching:
         assert engine.metrics()["prefix_cache_hits_total"] > 0  # quantized blocks reused
     assert engine.audit() == []
@@ -82,7 +92,7 @@ def test_int8_forced_preemption_matches_unpressured_run(
     kw = dict(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculated)
     roomy = run_engine(make_engine(**kw), requests)
     engine = make_engine(attention_backend=attention_backend, num_gpu_blocks=7, **kw)
-    assert_same(run_engine(engine, requests), roomy, requests)
+    assert_same(run_engine(engine, requests), roomy, requests, across_backends_tol(attention_backend))
     assert engine.metrics()["num_preemptions_total"] > 0
     assert engine.audit() == []
 
