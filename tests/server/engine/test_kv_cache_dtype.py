@@ -175,3 +175,7 @@ def test_startup_line_states_kv_dtype_and_capacity(make_engine) -> None:
     engine = make_engine(kv_cache_dtype="int8", num_gpu_blocks=10)
     line = startup_line(engine, ServerSettings(model_name="tiny"), "http://127.0.0.1:1")
     assert "KV cache int8 (kv_cache_dtype=int8): capacity 40 tokens in 10 blocks of 4" in line
+    contiguous = make_engine(kv_cache_backend="contiguous", max_batch_size=3)
+    n = contiguous.config.max_model_len
+    line = startup_line(contiguous, ServerSettings(model_name="tiny"), "http://127.0.0.1:1")
+    assert f"capacity {3 * n} tokens in 3 rows of {n}" in line  # a row, not a "slot"
