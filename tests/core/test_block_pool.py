@@ -192,3 +192,26 @@ def test_audit_checks_holders_free_queue_and_index():
     pool.prefix_index[(0, hash_block_tokens(None, [5, 5]))] = b  # deliberate corruption
     problems = " | ".join(pool.audit([[a, b]], BS))
     assert "prefix index maps a key to block 1" in problems
+
+
+def test_evicted_keys_forget_the_least_recently_evicted_first():
+    """The bounded memory of evicted keys (it tells an "evicted" prefix miss
+    from a "never seen" one) drops its oldest key when full, a key evicted
+    again counting as the newest."""
+    pool = BlockPool(1)
+
+    def evict(tag: int) -> None:
+        (b,) = pool.get_new_blocks(1)
+        cache(pool, b, tag)
+        pool.free([b])
+        pool.free(pool.get_new_blocks(1))  # taking it back evicts the key
+
+    def remembered(tag: int) -> bool:
+        return (0, hash_block_tokens(None, [tag, tag])) in pool.evicted_keys
+
+    for tag in range(pool.evicted_keys_limit):
+        evict(tag)
+    evict(0)  # full; evicted again, 0 is now the newest
+    evict(-1)  # one over the limit: the oldest, 1, goes
+    assert remembered(0) and remembered(-1) and not remembered(1)
+    assert len(pool.evicted_keys) == pool.evicted_keys_limit

@@ -77,7 +77,9 @@ class BlockPool:
             block, _ = self.free_queue.popitem(last=False)
             assert block.ref_count == 0, "a free block must have no references"
             if block.block_hash is not None:  # evicted
-                self.evicted_keys[(block.group, block.block_hash)] = None
+                key = (block.group, block.block_hash)
+                self.evicted_keys[key] = None
+                self.evicted_keys.move_to_end(key)  # evicted again: the newest
                 if len(self.evicted_keys) > self.evicted_keys_limit:
                     self.evicted_keys.popitem(last=False)
                 self._uncache(block)
