@@ -26,6 +26,7 @@ TEST_DEPS = [
     "matplotlib>=3.8",
     "lm_eval[api]>=0.4.9",  # tests/e2e/test_lm_eval.py: local-completions against the server
     "jsonschema>=4",
+    "sentencepiece>=0.1.98",  # llama.cpp's convert_hf_to_gguf.py imports it (benchmarks/llamacpp_peer.py)
 ]
 BACKENDS = ("ref", "triton")
 

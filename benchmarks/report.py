@@ -552,6 +552,64 @@ def _serving_section(data: dict[str, Any] | None) -> list[str]:
     return out
 
 
+def _llamacpp_section(data: dict[str, Any] | None) -> list[str]:
+    out = ["## llama.cpp as a peer: the same model and requests in `llama-server`", ""]
+    if data is None:
+        return out + [
+            "_Not run yet: `python benchmarks/llamacpp_peer.py --build` once (compiles llama.cpp, ~15+ min on "
+            "2 cores), then `python benchmarks/llamacpp_peer.py`; see Reproduce._",
+            "",
+        ]
+    env, plan, lcpp, w = data["environment"], data["plan"], data["llamacpp"], data["workload"]
+    agree = ", ".join(f"{t} {a['agree']}/{a['of']}" for t, a in data["agreement"].items())
+    sizes = ", ".join(f"{t} {b / 1e6:.0f} MB" for t, b in lcpp["gguf_bytes"].items())
+    out += [
+        f"{_model_line(data['model'])}, converted to GGUF ({sizes}) by llama.cpp's own `convert_hf_to_gguf.py` "
+        f"(llama.cpp vendored in the llama-cpp-python {lcpp['version']} sdist, built CPU-only: "
+        f"`{' '.join(lcpp['flags'])}`). Greedy text (32 tokens) of the first prompts identical to paged's, "
+        f"per GGUF type: {agree}.",
+        "",
+        f"Requests: {w['prompt_tokens']['min']}-{w['prompt_tokens']['max']} token-id prompts, "
+        f"{w['max_tokens']['max']} new tokens, EOS ignored, greedy, streamed to `/v1/completions`; closed loop "
+        f"(each of N streams sends its next request when the last ends), {plan['num_requests']} requests per run "
+        f"({plan['single_stream_requests']} at 1 stream). `paged-server serve` with defaults against "
+        f"`llama-server {lcpp['server_args']}`; each run starts its server fresh and warms it with one request; "
+        f"peer order rotates per run; medians of {plan['repeats']} runs. **Busy cores** = CPU seconds of the "
+        "server's process tree / wall seconds; **other load** = the rest of the machine's busy cores "
+        "(not the server, not the client): the machine is shared, so runs with other load are slower. "
+        f"Measured {env['date']} on {env['hardware']}.",
+        "",
+    ]
+    rows = []
+    for row in data["table"]:
+        ours = row["medians"]["paged"]["output_tokens_per_s"]
+        for peer, m in row["medians"].items():
+            theirs = m["output_tokens_per_s"]
+            rows.append(
+                [
+                    str(row["concurrency"]),
+                    peer,
+                    _f(theirs),
+                    _f(m["ttft_p50_ms"]),
+                    f"{_f(m['itl_p50_ms'])} / {_f(m['itl_p99_ms'])}",
+                    _f(m["busy_cores"], 2),
+                    _f(m["other_cores"], 2),
+                    "-" if peer == "paged" or not theirs or not ours else f"{ours / theirs:.2f}x",
+                ]
+            )
+    out += _table(
+        ["streams", "server", "output tokens/s", "TTFT p50 ms", "ITL p50 / p99 ms", "busy cores",
+         "other load (cores)", "paged / this"],
+        rows,
+    )  # fmt: skip
+    best = [
+        f"{row['concurrency']}: {_f(row['ratios']['paged / best llama.cpp'], 2)}x" for row in data["table"]
+    ]
+    out += ["", f"paged / best llama.cpp output tokens/s, by streams: {', '.join(best)}.", ""]
+    out += [f"Command: `{data['command']}`", ""]
+    return out
+
+
 def _summary_bullets(title: str, data: dict[str, Any]) -> list[str]:
     by = {r["config"]: r for r in data["runs"]}
     p, c = by.get("paged"), by.get("contiguous")
@@ -726,6 +784,7 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _sweep_section(_load(results, "batch_sweep"), images, docs)
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)
     lines += _serving_section(_load(results, "serving_latency"))
+    lines += _llamacpp_section(_load(results, "llamacpp_peer"))
     lines += _micro_section(_load(results, "microbench"))
     lines += _history_section(results)
     info = _load(results, "run_info")
@@ -744,6 +803,8 @@ def write_page(results: Path, docs: Path) -> Path:
         "paged-server bench --model-config 100m --workload seed   # the ~100M model, full size",
         "paged-server bench --model-config 100m --workload seed --prompt-scale 0.5 --max-new-tokens-scale 0.25  # scaled",
         "paged-server bench-serve --num-requests 96 --request-rate 8   # serving latency, CPU default budget",
+        "python benchmarks/llamacpp_peer.py --build --build-only   # once: llama.cpp from the llama-cpp-python sdist",
+        "python benchmarks/llamacpp_peer.py --model-config 30m --concurrency 1,8,16,32   # paged vs llama-server",
         "```",
         "",
     ]

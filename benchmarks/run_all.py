@@ -13,6 +13,7 @@ numbers printed.
     python benchmarks/run_all.py            # everything (2-core CPU: ~8 min)
     python benchmarks/run_all.py --quick    # tiny sizes, a smoke test (~1-2 min)
     python benchmarks/run_all.py --page-only  # re-render the page and plots from results/
+    python benchmarks/run_all.py --only llamacpp_peer  # opt-in: paged vs llama.cpp (needs its build)
 """
 
 from __future__ import annotations
@@ -105,6 +106,14 @@ FULL_PLAN: dict[str, Any] = {
         "new_tokens_scale": 1.0,
         "kv_cache_dtypes": ["auto", "fp8", "int8"],
     },
+    "llamacpp_peer": {  # opt-in (--only llamacpp_peer): ~30 min, needs a llama.cpp build
+        "model": "30m",
+        "outtypes": ["f32", "f16"],
+        "concurrency": [1, 8, 16, 32],
+        "repeats": 2,
+        "num_requests": 64,
+        "single_stream_requests": 8,
+    },
 }
 QUICK_PLAN: dict[str, Any] = {
     "seed_embedded": {
@@ -174,7 +183,17 @@ QUICK_PLAN: dict[str, Any] = {
         "new_tokens_scale": 0.05,
         "kv_cache_dtypes": ["auto", "int8"],
     },
+    "llamacpp_peer": {
+        "model": "embedded",
+        "outtypes": ["f32"],
+        "concurrency": [2],
+        "repeats": 1,
+        "num_requests": 4,
+        "single_stream_requests": 2,
+    },
 }
+# Steps a plain run leaves out: run them with --only.
+OPT_IN = ("llamacpp_peer",)
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -494,6 +513,24 @@ def run_kv_dtype_throughput(bench: Bench) -> dict[str, Any]:
     return data
 
 
+def run_llamacpp_peer(bench: Bench) -> dict[str, Any]:
+    """paged-server against llama.cpp's llama-server (benchmarks/llamacpp_peer.py);
+    skipped with a message when llama.cpp is not built."""
+    import llamacpp_peer
+
+    spec = bench.plan["llamacpp_peer"]
+    argv = [
+        "--model-config", spec["model"], "--outtypes", ",".join(spec["outtypes"]),
+        "--concurrency", ",".join(map(str, spec["concurrency"])), "--repeats", str(spec["repeats"]),
+        "--num-requests", str(spec["num_requests"]),
+        "--single-stream-requests", str(spec["single_stream_requests"]),
+        "--out", str(RESULTS), "--no-page",
+    ]  # fmt: skip
+    llamacpp_peer.main(argv)
+    path = RESULTS / f"{llamacpp_peer.RESULTS_NAME}.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
 def append_history(results: dict[str, dict[str, Any]], env: dict[str, Any]) -> None:
     """One line per configuration and date in results/history.jsonl (the
     SERVING_LOG the page's history table is built from)."""
@@ -546,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help="comma-separated subset: capacity,seed_embedded,seed_100m,seed_100m_full,"
         "nano_vllm_embedded,batch_sweep,prefix_cache,serving_latency,tensor_parallel,kv_dtype,"
-        "kv_dtype_throughput",
+        "kv_dtype_throughput; opt-in, only when named: llamacpp_peer",
     )
     args = parser.parse_args(argv)
     global RESULTS, DOCS
@@ -575,8 +612,9 @@ def main(argv: list[str] | None = None) -> int:
             "kv_dtype": lambda: run_kv_dtype(bench),
             "sliding_window": lambda: run_sliding_window(bench),
             "kv_dtype_throughput": lambda: run_kv_dtype_throughput(bench),
+            "llamacpp_peer": lambda: run_llamacpp_peer(bench),
         }
-        only = [s.strip() for s in args.only.split(",")] if args.only else list(steps)
+        only = [s.strip() for s in args.only.split(",")] if args.only else [s for s in steps if s not in OPT_IN]
         unknown = set(only) - set(steps)
         if unknown:
             parser.error(f"unknown --only steps {sorted(unknown)}; choose from {', '.join(steps)}")
@@ -596,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                     if k
                     not in (
                         "capacity", "serving_latency", "tensor_parallel", "kv_dtype",
-                        "kv_dtype_throughput", "sliding_window",
+                        "kv_dtype_throughput", "sliding_window", "llamacpp_peer",
                     )  # fmt: skip
                 },
                 bench.env,

@@ -1,7 +1,7 @@
-"""Models the benchmark can run: the embedded default model, a ~100M
+"""Models the benchmark can run: the embedded default model, a ~100M (or ~30M)
 parameter random Llama for CPU throughput numbers, or any HF directory.
 
-The 100M model is created once as a real Hugging Face directory
+A random model is created once as a real Hugging Face directory
 (``LlamaForCausalLM(config).save_pretrained``, fixed seed) under the paged
 cache dir, with the embedded model's tokenizer files copied next to it, so
 our loader and transformers read the very same weights.
@@ -28,23 +28,39 @@ LLAMA_100M: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 LLAMA_100M_NAME = "bench-llama-100m-v1"  # bump when LLAMA_100M or the seed changes
+# ~32M: the size the llama.cpp comparison (benchmarks/llamacpp_peer.py) can repeat on 2 cores.
+LLAMA_30M: dict[str, Any] = {
+    **LLAMA_100M,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 10,
+    "num_attention_heads": 8,
+}
+RANDOM_LLAMAS = {"100m": (LLAMA_100M_NAME, LLAMA_100M), "30m": ("bench-llama-30m-v1", LLAMA_30M)}
 SEED = 0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def ensure_llama_100m(cache_dir: str | Path | None = None) -> Path:
-    """The ~100M random Llama's directory, created on first use (atomic rename,
-    so a crashed or concurrent creation never leaves a half-written model)."""
+    """The ~100M random Llama's directory, created on first use."""
+    return ensure_random_llama("100m", cache_dir)
+
+
+def ensure_random_llama(size: str, cache_dir: str | Path | None = None) -> Path:
+    """The random Llama ``size`` (a key of ``RANDOM_LLAMAS``), created on first
+    use (atomic rename, so a crashed or concurrent creation never leaves a
+    half-written model)."""
     from paged_server.default_model import default_cache_dir, ensure_default_model
 
+    name, params = RANDOM_LLAMAS[size]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = root / LLAMA_100M_NAME
+    target = root / name
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{LLAMA_100M_NAME}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        _write_llama_100m(tmp, ensure_default_model(root))
+        _write_random_llama(tmp, ensure_default_model(root), params)
         shutil.rmtree(target, ignore_errors=True)
         os.rename(tmp, target)
     finally:
@@ -52,7 +68,7 @@ def ensure_llama_100m(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
-def _write_llama_100m(directory: Path, tokenizer_dir: Path) -> None:
+def _write_random_llama(directory: Path, tokenizer_dir: Path, params: dict[str, Any]) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -62,7 +78,7 @@ def _write_llama_100m(directory: Path, tokenizer_dir: Path) -> None:
         bos_token_id=tok_cfg.get("bos_token_id"),
         eos_token_id=tok_cfg.get("eos_token_id"),
         pad_token_id=tok_cfg.get("pad_token_id"),
-        **LLAMA_100M,
+        **params,
     )
     torch.manual_seed(SEED)
     model: Any = LlamaForCausalLM(config).float()
@@ -76,7 +92,7 @@ def _write_llama_100m(directory: Path, tokenizer_dir: Path) -> None:
 
 def resolve_model(model: str | None, model_config: str) -> tuple[str, str]:
     """``(directory, display name)`` for ``--model DIR`` or ``--model-config``
-    (``embedded`` = the default model, ``100m`` = the random ~100M Llama)."""
+    (``embedded`` = the default model, ``100m`` / ``30m`` = a random Llama)."""
     from paged_server.default_model import ensure_default_model
 
     if model is not None:
@@ -88,9 +104,9 @@ def resolve_model(model: str | None, model_config: str) -> tuple[str, str]:
     if model_config == "embedded":
         path = ensure_default_model()
         return str(path), f"embedded ({path.name})"
-    if model_config == "100m":
-        return str(ensure_llama_100m()), "llama-100m (random, seed 0)"
-    raise ValueError(f"--model-config must be 'embedded' or '100m', got {model_config!r}")
+    if model_config in RANDOM_LLAMAS:
+        return str(ensure_random_llama(model_config)), f"llama-{model_config} (random, seed 0)"
+    raise ValueError(f"--model-config must be 'embedded', '100m' or '30m', got {model_config!r}")
 
 
 def count_parameters(model_dir: str) -> int:

@@ -90,9 +90,26 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def _one_request(
+def completion_body(spec: wl.RequestSpec, model: str | None = None) -> dict[str, Any]:
+    """The streamed, greedy, EOS-ignoring ``/v1/completions`` body of one
+    request (token-id prompt), as any OpenAI-compatible server takes it."""
+    body: dict[str, Any] = {
+        "prompt": list(spec.prompt_token_ids),
+        "max_tokens": spec.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    return body
+
+
+async def stream_request(
     client: httpx.AsyncClient, body: dict[str, Any], delay: float, start: float, timing: RequestTiming
 ) -> None:
+    """POST ``body`` at ``start + delay`` and time every streamed chunk into ``timing``."""
     await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
     timing.sent = time.perf_counter()
     try:
@@ -160,17 +177,7 @@ async def run_workload(
         start = time.perf_counter()
         tasks = []
         for spec, delay, timing in zip(workload.requests, offsets, timings, strict=True):
-            body = {
-                "prompt": list(spec.prompt_token_ids),
-                "max_tokens": spec.max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            if model:
-                body["model"] = model
-            tasks.append(_one_request(client, body, delay, start, timing))
+            tasks.append(stream_request(client, completion_body(spec, model), delay, start, timing))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
         if sampler is not None:

@@ -1,0 +1,108 @@
+"""llama.cpp as a peer: paged-server against llama-server on the same model and requests.
+
+Builds nothing unless asked (``--build``: pip downloads the llama-cpp-python
+sdist and compiles its vendored llama.cpp CPU-only under ``nice``, ~15+ min on
+2 cores, cached under ~/.cache/paged/llama.cpp/<version>/); without a build
+it prints why it skipped and exits 0. Converts the model to GGUF with
+llama.cpp's own converter (cached), checks greedy text agrees, runs the
+comparison (see ``paged_server.bench.peer_serving``), writes
+benchmarks/results/llamacpp_peer.json and re-renders docs/benchmarks.md.
+
+    python benchmarks/llamacpp_peer.py --build                       # once
+    python benchmarks/llamacpp_peer.py --model-config 30m --concurrency 1,8,16,32 --repeats 2
+    python benchmarks/llamacpp_peer.py --outtypes q8_0,q4_0 ...      # q4_0 needs --targets ...,llama-quantize
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_NAME = "llamacpp_peer"
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build", action="store_true", help="download and build llama.cpp first (cached)")
+    p.add_argument("--targets", default="llama-server", help="cmake targets for --build (add llama-quantize for q4_0)")
+    p.add_argument("--build-only", action="store_true", help="stop after --build")
+    p.add_argument("--model-config", default="30m", help="embedded, 30m or 100m (random Llamas)")
+    p.add_argument("--model", help="a Hugging Face directory instead of --model-config")
+    p.add_argument("--outtypes", default="f32,f16", help="GGUF types to serve: f32,f16,bf16,q8_0,q4_0,q4_k_m")
+    p.add_argument("--concurrency", default="1,8,16,32", help="closed-loop streams per run")
+    p.add_argument("--repeats", type=int, default=2, help="runs per peer and concurrency (median)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests per run at concurrency > 1")
+    p.add_argument("--single-stream-requests", type=int, default=8, help="requests per run at concurrency 1")
+    p.add_argument("--agreement-prompts", type=int, default=5, help="prompts whose greedy text is compared")
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t / -tb")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
+    p.add_argument("--logs", type=Path, help="keep every server's log in this folder")
+    p.add_argument("--no-page", action="store_true", help="leave docs/benchmarks.md alone (run_all renders it)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from paged_server.bench import llamacpp as lc
+    from paged_server.bench.environment import describe_environment
+    from paged_server.bench.model_configs import count_parameters, resolve_model
+    from paged_server.bench.peer_serving import compare
+
+    if args.build:
+        lc.build_llamacpp(targets=tuple(_csv(args.targets)))
+        if args.build_only:
+            return 0
+    if lc.find_llamacpp() is None:
+        print(lc.missing_message(), file=sys.stderr)
+        return 0
+    model_dir, name = resolve_model(args.model, args.model_config)
+
+    def emit(record: dict[str, Any]) -> None:
+        print(json.dumps(record, sort_keys=True), flush=True)
+
+    env = describe_environment()
+    emit(env)
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    data = compare(
+        model_dir,
+        outtypes=_csv(args.outtypes),
+        concurrencies=[int(c) for c in _csv(args.concurrency)],
+        repeats=args.repeats,
+        num_requests=args.num_requests,
+        single_stream_requests=args.single_stream_requests,
+        agreement_prompts=args.agreement_prompts,
+        threads=args.threads,
+        log_dir=args.logs,
+        emit=emit,
+    )
+    config = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))
+    data["environment"] = env
+    data["model"] = {"name": name, "parameters": count_parameters(model_dir), **{
+        k: config.get(k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+    }}  # fmt: skip
+    data["command"] = "python benchmarks/llamacpp_peer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{RESULTS_NAME}.json"
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    print(f"[llamacpp_peer] wrote {path}", file=sys.stderr)
+    if not args.no_page:  # the page lives beside the results: <root>/benchmarks/results -> <root>/docs
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from report import write_page
+
+        docs = ROOT / "docs" if args.out.resolve() == (ROOT / "benchmarks" / "results").resolve() else args.out.parent / "docs"
+        print(f"[llamacpp_peer] wrote {write_page(args.out, docs)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
