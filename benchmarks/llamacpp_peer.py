@@ -10,7 +10,7 @@ benchmarks/results/llamacpp_peer.json and re-renders docs/benchmarks.md.
 
     python benchmarks/llamacpp_peer.py --build                       # once
     python benchmarks/llamacpp_peer.py --model-config 30m --concurrency 1,8,16,32 --repeats 2
-    python benchmarks/llamacpp_peer.py --outtypes q8_0,q4_0 ...      # q4_0 needs --targets ...,llama-quantize
+    python benchmarks/llamacpp_peer.py --outtypes q8_0,q4_0 ...      # q4_0 / q4_k_m by llama-quantize
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _csv(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build", action="store_true", help="download and build llama.cpp first (cached)")
-    p.add_argument("--targets", default="llama-server", help="cmake targets for --build (add llama-quantize for q4_0)")
+    p.add_argument("--targets", default="llama-server,llama-quantize", help="cmake targets for --build")
     p.add_argument("--build-only", action="store_true", help="stop after --build")
     p.add_argument("--model-config", default="30m", help="embedded, 30m or 100m (random Llamas)")
     p.add_argument("--model", help="a Hugging Face directory instead of --model-config")

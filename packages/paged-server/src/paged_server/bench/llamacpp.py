@@ -117,8 +117,12 @@ def download_sdist(root: Path) -> Path:
     return found[-1]
 
 
+# llama-quantize makes q4_0 / q4_k_m; after llama-server it is one more file to compile.
+BUILD_TARGETS = ("llama-server", "llama-quantize")
+
+
 def build_llamacpp(
-    root: Path | None = None, targets: tuple[str, ...] = ("llama-server",), jobs: int = 2
+    root: Path | None = None, targets: tuple[str, ...] = BUILD_TARGETS, jobs: int = 2
 ) -> LlamaCpp:
     """Download, extract and build (``nice -n 19``, CPU only) the sdist's
     vendored llama.cpp; a tree whose binaries for ``targets`` exist is reused."""
@@ -183,7 +187,7 @@ def convert_to_gguf(
         if not tree.quantize.is_file():
             raise FileNotFoundError(
                 f"{outtype} needs {tree.quantize}: build it with "
-                "`python benchmarks/llamacpp_peer.py --build --targets llama-server,llama-quantize`"
+                "`python benchmarks/llamacpp_peer.py --build --build-only`"
             )
         src = convert_to_gguf(tree, model_dir, "f32", root)
         subprocess.run([str(tree.quantize), str(src), str(tmp), QUANTIZE_OUTTYPES[outtype]], check=True)
