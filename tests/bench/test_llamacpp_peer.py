@@ -152,3 +152,18 @@ def test_converter_names_the_pre_tokenizer(tiny_model_dir: Path, tmp_path: Path)
         sys.path.remove(str(tree.source / "gguf-py"))
     field = GGUFReader(path).fields["tokenizer.ggml.pre"]
     assert bytes(field.parts[field.data[0]]).decode() == "gpt-2"
+
+
+def test_busy_cores_count_the_whole_process_tree() -> None:
+    """A grandchild's CPU seconds count toward the process started (a server
+    that forks workers is charged for them)."""
+    import subprocess
+
+    burn = "import sys, time\nwhile time.process_time() < 0.3: pass\nprint('done', flush=True)\nsys.stdin.read()"
+    proc = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "{burn}"'], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "done"
+        assert ps.process_tree_cpu_s(proc.pid) >= 0.25  # clock ticks round user and system time apart
+    finally:
+        proc.communicate(timeout=60)  # closing stdin ends the grandchild, then sh
