@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--build", action="store_true", help="download and build llama.cpp first (cached)")
     p.add_argument("--targets", default="llama-server,llama-quantize", help="cmake targets for --build")
     p.add_argument("--build-only", action="store_true", help="stop after --build")
-    p.add_argument("--model-config", default="30m", help="embedded, 30m or 100m (random Llamas)")
+    p.add_argument("--model-config", default="30m", choices=("embedded", "30m", "100m"), help="random Llamas of that size")
     p.add_argument("--model", help="a Hugging Face directory instead of --model-config")
     p.add_argument("--outtypes", default="f32,f16", help="GGUF types to serve: f32,f16,bf16,q8_0,q4_0,q4_k_m")
     p.add_argument("--concurrency", default="1,8,16,32", help="closed-loop streams per run")
