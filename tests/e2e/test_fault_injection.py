@@ -88,3 +88,52 @@ def test_a_failed_step_mid_stream_ends_that_stream_with_an_error(faulty) -> None
     assert complete(srv.url).status_code == 200
     wait_idle(srv)
     assert srv.engine.audit() == []
+
+
+def test_one_requests_failing_beam_step_spares_a_stream_in_the_same_step(
+    faulty, monkeypatch
+) -> None:
+    """A beam search whose scorer raises (as ``length ** length_penalty``
+    did at ~1024: OverflowError) fails with a 500 naming the error; a
+    stream generating in the same steps finishes untouched."""
+    import paged_server.engine.llm_engine as engine_module
+
+    srv, _ = faulty
+
+    def advance(*args: Any) -> bool:
+        raise OverflowError("(34, 'Numerical result out of range')")
+
+    monkeypatch.setattr(engine_module, "advance_beams", advance)
+    beam: dict[str, httpx.Response] = {}
+
+    def submit_beam() -> None:
+        beam["response"] = complete(srv.url, use_beam_search=True, best_of=2, max_tokens=8)
+
+    worker = threading.Thread(target=submit_beam)
+    body = {"model": MODEL, "prompt": "a neighbour", "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    events: list[Any] = []
+    beam_done_before_stream_end = False
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if len(events) == 2:
+                worker.start()  # the stream is generating: the beam request joins its steps
+            if len(events) == 150:
+                beam_done_before_stream_end = "response" in beam
+    worker.join(60)
+    failed = beam["response"]
+    assert failed.status_code == 500
+    assert "beam search failed: OverflowError" in failed.json()["error"]["message"]
+    assert beam_done_before_stream_end
+    assert events[-1] == "[DONE]"
+    assert not [e for e in events if isinstance(e, dict) and "error" in e]
+    finishes = [c["finish_reason"] for e in events if isinstance(e, dict)
+                for c in e.get("choices", []) if c.get("finish_reason")]
+    assert finishes == ["length"]
+    wait_idle(srv)
+    assert srv.engine.audit() == []

@@ -201,3 +201,24 @@ def test_tokenize_detokenize_version(http) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     version = http.get("/version")
     assert version.status_code == 200 and isinstance(version.json()["version"], str)
+
+
+def test_beam_search_logprobs_bias_and_length_penalty_over_http(http) -> None:
+    """Beam search returned only the chosen token per ``logprobs`` entry and
+    ignored ``logit_bias``; ``length_penalty: 1024`` overflowed in the step."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True,
+            "best_of": 2, "ignore_eos": True, "logprobs": 5}
+    resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    lp = resp.json()["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == 4
+    for token, top in zip(lp["tokens"], lp["top_logprobs"], strict=True):
+        assert len(top) >= 5 and token in top
+    favoured = tokenize(http, PROMPT)[2]
+    piece = http.post("/detokenize", json={"tokens": [favoured]}).json()["prompt"]
+    biased = http.post("/v1/completions", json={**body, "logit_bias": {str(favoured): 100}})
+    assert biased.status_code == 200, biased.text
+    assert biased.json()["choices"][0]["text"] == piece * 4
+    refused = http.post("/v1/completions", json={**body, "length_penalty": 1024})
+    assert refused.status_code == 400
+    assert "length_penalty" in refused.json()["error"]["message"]

@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from paged_server.sampling_params import BeamSearchParams, SamplingParams
 
 PROMPT_LEN = 14
 MAX_TOKENS = 12
+EOS = 0  # the tiny checkpoint's (tests/server/engine/conftest.py)
 
 
 def beam_params(k: int, **kw) -> SamplingParams:
@@ -127,3 +129,106 @@ def test_beam_search_that_cannot_fit_the_pool_is_refused(make_engine, prompt_of)
 def test_beam_search_params_refuse_temperature() -> None:
     with pytest.raises(ValueError, match="temperature: beam search is deterministic"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7).to_sampling_params()
+
+
+@pytest.mark.parametrize("penalty", [10.5, -11.0, 1024.0])
+def test_length_penalty_is_bounded_at_submission(make_engine, prompt_of, penalty) -> None:
+    with pytest.raises(ValueError, match="length_penalty: must be"):
+        make_engine().add_request("x", prompt_of(5, 1), beam_params(2, length_penalty=penalty))
+
+
+@pytest.mark.parametrize("penalty", [2000.0, -2000.0])
+def test_scores_saturate_instead_of_overflowing(penalty) -> None:
+    """``length ** 2000`` overflowed (OverflowError) and ``length ** -2000``
+    underflows to 0 (a zero score / 0 is NaN); the search still ends with
+    ``k`` ordered hypotheses."""
+    from paged_server.engine.beam_search import BeamSearch
+
+    search = BeamSearch(
+        beam_width=2, max_tokens=4, length_penalty=penalty, early_stopping=False,
+        stop_token_ids=frozenset({0}),
+    )
+    gen = torch.Generator().manual_seed(0)
+    while not search.done:
+        logits = torch.randn(2, 16, generator=gen)
+        logits[:, 0] = 4.0  # stop often, so hypotheses finish at several lengths
+        search.step(torch.log_softmax(logits, dim=-1))
+    best = search.best(2)
+    assert len(best) == 2
+    assert not any(math.isnan(h.score) for h in best)
+    assert best[0].score >= best[1].score
+
+
+def _collect(engine, request_id, prompt, params):
+    """{index: (token_ids, logprobs, top_logprobs, finish_reason)} of one request."""
+    engine.add_request(request_id, prompt, params)
+    got: dict[int, tuple[list, list, list, str | None]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, lps, tops, _ = got.setdefault(out.index, ([], [], [], None))
+            tokens += out.new_token_ids
+            lps += out.new_logprobs or []
+            tops += out.new_top_logprobs or []
+            if out.finished:
+                assert out.error is None, out.error
+                got[out.index] = (tokens, lps, tops, out.finish_reason)
+    assert engine.audit() == []
+    return got
+
+
+def test_logit_bias_steers_the_beams(make_engine, prompt_of) -> None:
+    """A +100 bias makes one token all but certain: the best beam repeats
+    it; a -100 bias keeps the unbiased best beam's first token out."""
+    prompt = prompt_of(PROMPT_LEN, 7)
+    plain = _collect(make_engine(), "p", prompt, beam_params(2, ignore_eos=True))
+    favoured = 123
+    boosted = _collect(
+        make_engine(), "b", prompt,
+        SamplingParams(n=2, best_of=2, use_beam_search=True, max_tokens=MAX_TOKENS,
+                       ignore_eos=True, logit_bias={favoured: 100.0}),
+    )
+    assert boosted[0][0] == [favoured] * MAX_TOKENS
+    banned = plain[0][0][0]
+    avoided = _collect(
+        make_engine(), "a", prompt,
+        SamplingParams(n=2, best_of=2, use_beam_search=True, max_tokens=MAX_TOKENS,
+                       ignore_eos=True, logit_bias={banned: -100.0}),
+    )
+    assert all(banned not in tokens for tokens, *_ in avoided.values())
+
+
+def test_min_tokens_holds_off_eos_in_every_beam(make_engine, prompt_of) -> None:
+    """EOS made near-certain by a bias still waits for ``min_tokens``: every
+    beam ends with EOS right after them (without it, at the first token)."""
+    params = SamplingParams(
+        n=3, best_of=3, use_beam_search=True, max_tokens=MAX_TOKENS,
+        logit_bias={EOS: 100.0}, min_tokens=5,
+    )
+    beams = _collect(make_engine(), "m", prompt_of(PROMPT_LEN, 8), params)
+    for tokens, _, _, reason in beams.values():
+        assert reason == "stop"
+        assert len(tokens) == 6 and tokens[-1] == EOS and EOS not in tokens[:-1]
+
+
+def test_beam_logprobs_carry_top_alternatives(make_engine, prompt_of, greedy) -> None:
+    """``logprobs: 5`` gives each beam token its 5 most likely alternatives;
+    at the first position they are the prompt's next-token distribution,
+    the same as sampling reports."""
+    prompt = prompt_of(PROMPT_LEN, 9)
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, max_tokens=MAX_TOKENS,
+                            ignore_eos=True, logprobs=5)
+    beams = _collect(make_engine(), "l", prompt, params)
+    for tokens, lps, tops, _ in beams.values():
+        assert len(lps) == len(tops) == len(tokens) == MAX_TOKENS
+        for token, lp, top in zip(tokens, lps, tops, strict=True):
+            assert len(top) == 5
+            values = [v for _, v in top]
+            assert values == sorted(values, reverse=True)
+            assert lp <= values[0] + 1e-6
+            if token in dict(top):
+                assert dict(top)[token] == pytest.approx(lp, abs=1e-5)
+    sampled = _collect(make_engine(), "s", prompt, greedy(1, logprobs=5))
+    expected = sampled[0][2][0]
+    for _, _, tops, _ in beams.values():
+        assert [t for t, _ in tops[0]] == [t for t, _ in expected]
+        assert [v for _, v in tops[0]] == pytest.approx([v for _, v in expected], abs=1e-5)

@@ -16,6 +16,10 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's and vLLM's bound on one ``logit_bias`` entry.
 MAX_LOGIT_BIAS = 100.0
+# Bound on beam search's |length_penalty|: useful values lie within +-3
+# (transformers' examples use 0.6-2); beyond 10, length ** penalty only
+# saturates the float range (the scorer clamps it; 1024 overflowed).
+MAX_LENGTH_PENALTY = 10.0
 
 
 @dataclass(slots=True)
@@ -41,11 +45,14 @@ class SamplingParams:
 
     ``use_beam_search=True`` (vLLM's extra parameter) replaces sampling by a
     deterministic beam search of width ``best_of`` (default ``n``) that
-    returns its ``n`` best finished beams; ``length_penalty`` and
-    ``early_stopping`` (``True``, ``False`` or ``"never"``) mean what they
-    mean in transformers' ``generate(num_beams=...)``. EOS and
-    ``stop_token_ids`` end a beam; the sampling knobs (temperature, top-k/p,
-    min-p, seed) do not apply, and penalties and stop strings are refused.
+    returns its ``n`` best finished beams; ``length_penalty`` (within
+    +-``MAX_LENGTH_PENALTY``) and ``early_stopping`` (``True``, ``False`` or
+    ``"never"``) mean what they mean in transformers'
+    ``generate(num_beams=...)``. EOS and ``stop_token_ids`` end a beam;
+    ``logit_bias`` and ``min_tokens`` edit the logits the beams are scored
+    on, and ``logprobs`` are that edited distribution's, with ``N`` top
+    alternatives per token; the sampling knobs (temperature, top-k/p, min-p,
+    seed) do not apply, and penalties and stop strings are refused.
     """
 
     n: int = 1
@@ -143,7 +150,7 @@ class SamplingParams:
             raise ValueError(
                 f"best_of: the beam width must be >= n, got best_of {self.best_of} with n {self.n}"
             )
-        _float_in("length_penalty", self.length_penalty, float("-inf"), None)
+        _float_in("length_penalty", self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(
                 f'early_stopping: must be true, false or "never", got {self.early_stopping!r}'

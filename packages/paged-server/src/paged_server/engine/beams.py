@@ -13,8 +13,13 @@ their sequences take over the KV of their parents:
 
 A child that finds no seq_id to fork into (contiguous pool full) is
 recomputed from its tokens, like a preempted sequence. The beams' sequences
-are never sampled; at the end the ``n`` best hypotheses become choices
-``0..n-1`` (text, token ids, log-probabilities) and the rest are dropped.
+are never sampled, but ``logit_bias`` and ``min_tokens`` edit their logits
+as the sampler's would (``logits_processors``) before the log-softmax the
+search scores: the beams search the biased distribution, and the
+log-probabilities they report are that distribution's (transformers' beam
+scores). At the end the ``n`` best hypotheses become choices ``0..n-1``
+(text, token ids, log-probabilities with ``logprobs`` top alternatives)
+and the rest are dropped.
 """
 
 from __future__ import annotations
@@ -26,12 +31,16 @@ from torch import Tensor
 
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.engine.beam_search import BeamSearch, BeamStep
+from paged_server.engine.logits_processors import apply_logits_processors
 from paged_server.engine.output_processor import release_text
+from paged_server.engine.sampler import SamplingRow
 from paged_server.engine.scheduler import Scheduler
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 
 
-def new_beam_search(request: Request, eos_token_ids: Collection[int], max_model_len: int) -> BeamSearch:
+def new_beam_search(
+    request: Request, eos_token_ids: Collection[int], max_model_len: int
+) -> BeamSearch:
     """The scorer for ``request``: EOS (unless ``ignore_eos``) and
     ``stop_token_ids`` end a beam; ``max_model_len`` caps ``max_tokens``."""
     params = request.params
@@ -45,6 +54,7 @@ def new_beam_search(request: Request, eos_token_ids: Collection[int], max_model_
         length_penalty=params.length_penalty,
         early_stopping=params.early_stopping,
         stop_token_ids=frozenset(stops),
+        num_top_logprobs=params.logprobs or 0,
     )
 
 
@@ -66,14 +76,24 @@ def ready_rows(request: Request) -> list[Tensor] | None:
 
 
 def advance_beams(
-    request: Request, rows: list[Tensor], pool: ServingPoolProtocol, scheduler: Scheduler
+    request: Request,
+    rows: list[Tensor],
+    pool: ServingPoolProtocol,
+    scheduler: Scheduler,
+    eos_token_ids: Collection[int],
 ) -> bool:
-    """One beam step from the live beams' logits; ``True`` when the search
-    is over (then ``finish_beams`` reports it)."""
+    """One beam step from the live beams' logits (``logit_bias`` and
+    ``min_tokens`` applied first); ``True`` when the search is over (then
+    ``finish_beams`` reports it)."""
     beam = request.beam
     assert beam is not None
     request.beam_rows = {}
-    logprobs = torch.log_softmax(torch.stack(rows).to(torch.float32), dim=-1)
+    edit = [
+        SamplingRow(request.params, None, seq.token_ids, seq.num_prompt_tokens, eos_token_ids)
+        for seq in live_beams(request)
+    ]
+    logits = apply_logits_processors(torch.stack(rows).to(torch.float32), edit)
+    logprobs = torch.log_softmax(logits, dim=-1)
     if len(rows) == 1:  # before the first step every beam is the prompt
         logprobs = logprobs.expand(beam.beam_width, -1)
     result = beam.step(logprobs)
@@ -136,6 +156,7 @@ def finish_beams(request: Request) -> list[Sequence]:
         seq.token_ids = request.prompt_token_ids + hyp.token_ids
         seq.new_token_ids = list(hyp.token_ids)
         seq.logprobs, seq.new_logprobs = list(hyp.logprobs), list(hyp.logprobs)
+        seq.new_top_logprobs = list(hyp.top_logprobs)
         seq.cumulative_logprob = hyp.cum_logprob
         texted = hyp.token_ids
         if stopped and not params.include_stop_str_in_output:

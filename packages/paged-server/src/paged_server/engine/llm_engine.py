@@ -14,8 +14,10 @@ Each step, in order:
    detokenize, check stops, stream deltas.
 
 A request never fails because the pool is full: it waits or is recomputed.
-Errors that belong to one request (NaN logits, detokenizer) fail that
-request only. With ``tensor_parallel_size > 1`` this process is rank 0
+After the forward pass each request's work (prompt logprobs, a beam step,
+grammar mask and match, sampling and logprobs, detokenizing) runs isolated:
+an exception there (or NaN logits) fails that request only, with
+``"<stage> failed: <error>"``, and the step goes on for the others. With ``tensor_parallel_size > 1`` this process is rank 0
 (``paged_server.parallel``): it broadcasts each step to the other ranks
 before its own forward pass, and a failed pass is fatal
 (``EngineFailedError``), since the ranks' caches may then disagree. The engine is single-threaded: the HTTP server drives it from
@@ -24,11 +26,13 @@ one thread (``api/async_engine.py``), ``LLM`` from the caller's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import random
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +51,7 @@ from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
 from paged_server.engine.kernel_warmup import warm_up_kernels
 from paged_server.engine.kv_sizing import sizes_by_memory_share
-from paged_server.engine.logprobs import token_logprobs
+from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import append_token, finish_early, take_output
 from paged_server.engine.pool_factory import build_cache_pool, calibrated_kv_scales
@@ -337,16 +341,35 @@ class LLMEngine:
             seq.num_computed_tokens += n
             assert seq.pool_seq_id is not None
             self.pool.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
+        # From here on, each request's work is its own: an exception fails
+        # that request (``_isolated``), never the step or its neighbours.
         for scores in step.prompt_scores:
-            self._score_prompt(scheduled[scores.index][0], scores)
+            seq = scheduled[scores.index][0]
+            with self._isolated(seq, "prompt logprobs"):
+                self._score_prompt(seq, scores)
         rows: list[tuple[Sequence, Tensor]] = []
         for j, i in enumerate(step.sampled):
             seq = scheduled[i][0]
+            if seq.is_finished:  # failed above
+                continue
             if seq.request.beam is not None:
-                self._beam_row(seq, step.logits[j])
+                with self._isolated(seq, "beam search"):
+                    self._beam_row(seq, step.logits[j])
             else:
-                rows += self._start_choices(seq, step.logits[j])
+                with self._isolated(seq, "starting choices"):
+                    rows += self._start_choices(seq, step.logits[j])
         self._sample(rows)
+
+    @contextlib.contextmanager
+    def _isolated(self, seq: Sequence, stage: str) -> Iterator[None]:
+        """Run one request's post-forward work: if it raises, log the
+        traceback and fail that request (every beam of a beam search) with
+        ``"<stage> failed: <error>"``; the step goes on."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("%s failed for request %s", stage, seq.request.request_id)
+            self._fail(seq, f"{stage} failed: {_describe(exc)}")
 
     def _score_prompt(self, seq: Sequence, scores: PromptScores) -> None:
         """Append the prompt logprobs this step computed to the request's."""
@@ -375,7 +398,7 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         self.counters.generation_tokens += len(rows)
-        if advance_beams(request, rows, self.pool, self.scheduler):
+        if advance_beams(request, rows, self.pool, self.scheduler, self.eos_token_ids):
             self._touched += finish_beams(request)
 
     def _start_choices(self, seq: Sequence, row: Tensor) -> list[tuple[Sequence, Tensor]]:
@@ -405,48 +428,52 @@ class LLMEngine:
         return rows
 
     def _sample(self, rows: list[tuple[Sequence, Tensor]]) -> None:
+        """Mask, sample and append one token per row. Masking and sampling
+        are batched but report errors per row; the rest runs per request."""
         if not rows:
             return
-        logits = torch.stack([row for _, row in rows])
-        logits = self.structured_output.mask_logits(logits, [s.grammar for s, _ in rows])
-        result = sample(
-            logits,
-            [
-                SamplingRow(
-                    s.request.params,
-                    s.generator,
-                    s.token_ids,
-                    s.num_prompt_tokens,
-                    self.eos_token_ids,
-                )
-                for s, _ in rows
-            ],
-        )
+        try:
+            logits = torch.stack([row for _, row in rows])
+            logits, mask_errors = self.structured_output.mask_logits(
+                logits, [s.grammar for s, _ in rows]
+            )
+            result = sample(logits, [self._sampling_row(s) for s, _ in rows])
+        except Exception as exc:  # not one row's fault (each is isolated inside): a bug
+            log.exception("sampling failed for a batch of %d rows", len(rows))
+            for seq, _ in rows:
+                self._fail(seq, f"sampling failed: {_describe(exc)}")
+            return
         now = time.monotonic()
-        for (seq, _), token, logprob, error in zip(
-            rows, result.token_ids, result.logprobs, result.errors, strict=True
+        for (seq, _), token, logprob, error, mask_error in zip(
+            rows, result.token_ids, result.logprobs, result.errors, mask_errors, strict=True
         ):
+            if mask_error is not None or error is not None:
+                self._fail(seq, mask_error or error or "")
+                continue
+            with self._isolated(seq, "detokenization"):
+                self._append(seq, token, logprob, now)
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(
+            seq.request.params, seq.generator, seq.token_ids, seq.num_prompt_tokens, self.eos_token_ids
+        )
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None, now: float) -> None:
+        """One sampled token: advance the grammar, the text and the stop checks."""
+        request = seq.request
+        if request.first_token_time is None:
+            request.first_token_time = now
+        self.counters.generation_tokens += 1
+        self._touched.append(seq)
+        complete = False
+        if seq.grammar is not None:
+            complete, error = self.structured_output.accept(seq.grammar, token)
             if error is not None:
                 self._fail(seq, error)
-                continue
-            request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self.counters.generation_tokens += 1
-            self._touched.append(seq)
-            complete = False
-            if seq.grammar is not None:
-                complete, error = self.structured_output.accept(seq.grammar, token)
-                if error is not None:
-                    self._fail(seq, error)
-                    continue
-            try:
-                append_token(seq, token, logprob, self.eos_token_ids, self.config.max_model_len)
-            except Exception as exc:
-                self._fail(seq, f"detokenization failed: {type(exc).__name__}: {exc}")
-                continue
-            if complete and not seq.is_finished:  # the grammar admits nothing more
-                finish_early(seq, "stop")
+                return
+        append_token(seq, token, logprob, self.eos_token_ids, self.config.max_model_len)
+        if complete and not seq.is_finished:  # the grammar admits nothing more
+            finish_early(seq, "stop")
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Finish ``seq``; choices that were waiting to fork from it finish too,
@@ -570,6 +597,12 @@ class LLMEngine:
         if reclaimed:
             log.warning("reclaimed %d leaked KV blocks: %s", len(reclaimed), reclaimed)
         return reclaimed
+
+
+def _describe(exc: Exception) -> str:
+    """An exception as one short line for a request's error."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def _model_path(config: EngineConfig) -> str:

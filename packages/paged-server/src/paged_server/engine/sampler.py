@@ -58,26 +58,31 @@ def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     """Sample one token for each row of ``logits`` (``[batch, vocab]``).
 
     If the batched path raises (an unexpected parameter combination), each
-    row is retried alone so only the offending request fails.
+    row is retried alone so only the offending request fails. Each row's
+    uniform is drawn once, before either attempt, so a retry leaves the
+    neighbours' seeded draws as they would have been.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [batch={len(rows)}, vocab], got {tuple(logits.shape)}")
+    uniforms = [0.0 if r.params.greedy else _uniform(r.generator) for r in rows]
     try:
-        return _sample_batch(logits, rows)
+        return _sample_batch(logits, rows, uniforms)
     except Exception:  # isolate the failing row(s)
         out = SamplerOutput([], [], [])
         for i, row in enumerate(rows):
             try:
-                one = _sample_batch(logits[i : i + 1], [row])
+                one = _sample_batch(logits[i : i + 1], [row], uniforms[i : i + 1])
             except Exception as exc:
-                one = SamplerOutput([-1], [None], [f"sampling failed: {exc}"])
+                one = SamplerOutput([-1], [None], [f"sampling failed: {type(exc).__name__}: {exc}"])
             out.token_ids += one.token_ids
             out.logprobs += one.logprobs
             out.errors += one.errors
         return out
 
 
-def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+def _sample_batch(
+    logits: Tensor, rows: Sequence[SamplingRow], uniforms: Sequence[float]
+) -> SamplerOutput:
     logits = logits.float()
     batch = logits.shape[0]
     errors: list[str | None] = [None] * batch
@@ -97,10 +102,10 @@ def _sample_batch(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     if sampled:
         sub_rows = [rows[i] for i in sampled]
         probs = _filtered_probs(logits[sampled], sub_rows)
-        uniforms = torch.tensor([_uniform(r.generator) for r in sub_rows], device=logits.device)
+        drawn_u = torch.tensor([uniforms[i] for i in sampled], device=logits.device)
         cdf = probs.cumsum(dim=-1)
         # right=True skips tokens with zero mass (equal cdf values).
-        drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True)
+        drawn = torch.searchsorted(cdf, (drawn_u * cdf[:, -1]).unsqueeze(-1), right=True)
         vocab = probs.shape[-1]
         off_end = drawn >= vocab  # the draw rounded onto the total
         if bool(off_end.any()):  # take the last token with mass, not vocab - 1

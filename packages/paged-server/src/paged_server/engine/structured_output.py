@@ -101,25 +101,46 @@ class StructuredOutput:
             self._compiled.move_to_end(source)
         return [prototype.deep_copy() for _ in range(n)]
 
-    def mask_logits(self, logits: Tensor, matchers: Sequence[Any]) -> Tensor:
-        """``logits`` with every token the row's grammar forbids at -inf;
-        rows without a matcher are untouched (and nothing is done when no
-        row has one)."""
+    def mask_logits(self, logits: Tensor, matchers: Sequence[Any]) -> tuple[Tensor, list[str | None]]:
+        """``logits`` with every token the row's grammar forbids at -inf, and
+        per row the error of a matcher that raised (that row is then left
+        unmasked: the engine fails its request, the others go on). Rows
+        without a matcher are untouched (nothing is done when no row has one)."""
+        errors: list[str | None] = [None] * len(matchers)
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
-            return logits
+            return logits, errors
         bitmask = allocate_token_bitmask(len(rows), self.vocab_size)
+        masked = []
         for j, i in enumerate(rows):
-            fill_next_token_bitmask(matchers[i], bitmask, j)
+            try:
+                fill_next_token_bitmask(matchers[i], bitmask, j)
+            except Exception as exc:
+                errors[i] = f"structured output failed: {_describe(exc)}"
+                continue
+            masked.append((j, i))
+        if not masked:
+            return logits, errors
         allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, : logits.shape[-1]].bool()
+        allowed = allowed[[j for j, _ in masked]]
         logits = logits.clone()
-        index = torch.tensor(rows, device=logits.device)
+        index = torch.tensor([i for _, i in masked], device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
-        return logits
+        return logits, errors
 
     @staticmethod
     def accept(matcher: Any, token_id: int) -> tuple[bool, str | None]:
         """Advance ``matcher`` by a sampled token: ``(grammar complete, error)``."""
-        if not matcher.consume_token(token_id):
-            return False, f"structured output: token {token_id} rejected: {matcher.get_error()}"
-        return matcher.is_stopped(), None
+        try:
+            if not matcher.consume_token(token_id):
+                return False, f"structured output: token {token_id} rejected: {matcher.get_error()}"
+            return matcher.is_stopped(), None
+        except Exception as exc:
+            return False, f"structured output failed: {_describe(exc)}"
+
+
+def _describe(exc: Exception) -> str:
+    """An exception in one line: llguidance's can carry its whole parser state."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first[:200]}"

@@ -15,6 +15,7 @@ steps it until every prompt is done; ``llm.engine`` gives metrics. With
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,10 @@ from paged_server.outputs import (
     CompletionResult,
 )
 from paged_server.sampling_params import BeamSearchParams, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DRAIN_STEPS = 8  # aborted requests are freed by the next step; a few more in case
 
 
 class LLM:
@@ -108,20 +113,43 @@ class LLM:
         unfinished: dict[str, int] = {}
         engine = self.engine
         with tqdm(total=len(order), disable=not use_tqdm, desc="generate", unit="req") as bar:
-            while pending or engine.has_unfinished():
-                pending = self._submit(pending, results, unfinished, bar)
-                for out in engine.step():
-                    choice = results[out.request_id].outputs[out.index]
-                    choice.text += out.new_text
-                    choice.token_ids += out.new_token_ids
-                    _add_logprobs(results[out.request_id], choice, out)
-                    if out.finished:
-                        choice.finish_reason, choice.error = out.finish_reason, out.error
-                        choice.cumulative_logprob = out.cumulative_logprob
-                        unfinished[out.request_id] -= 1
-                        if unfinished[out.request_id] == 0:
-                            bar.update(1)
+            try:
+                while pending or engine.has_unfinished():
+                    pending = self._submit(pending, results, unfinished, bar)
+                    for out in engine.step():
+                        result = results.get(out.request_id)
+                        if result is None:  # left by an earlier call that raised
+                            continue
+                        choice = result.outputs[out.index]
+                        choice.text += out.new_text
+                        choice.token_ids += out.new_token_ids
+                        _add_logprobs(result, choice, out)
+                        if out.finished:
+                            choice.finish_reason, choice.error = out.finish_reason, out.error
+                            choice.cumulative_logprob = out.cumulative_logprob
+                            unfinished[out.request_id] -= 1
+                            if unfinished[out.request_id] == 0:
+                                bar.update(1)
+            except BaseException:  # a failed step or Ctrl-C: leave the engine clean
+                self._abandon(unfinished)
+                raise
         return [results[r] for r in order]
+
+    def _abandon(self, unfinished: dict[str, int]) -> None:
+        """Abort this call's requests and step until their blocks are free,
+        so the next call neither waits on them nor sees their outputs."""
+        engine = self.engine
+        for request_id, remaining in unfinished.items():
+            if remaining > 0:
+                engine.abort_request(request_id)
+        for _ in range(_DRAIN_STEPS):
+            if not engine.has_unfinished():
+                return
+            try:
+                engine.step()
+            except Exception:  # the next call will meet the same error; don't mask this one
+                log.exception("freeing the requests of a failed generate() call failed")
+                return
 
     def chat(
         self,
