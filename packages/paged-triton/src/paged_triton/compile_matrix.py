@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from paged_triton.launch import Launch
+from paged_triton.launch import Launch, specialize
 from paged_triton.tile_config import smem_limit
 
 if TYPE_CHECKING:
@@ -114,11 +114,6 @@ class Variant:
         layout = self.layout
         shape = f"{layout.heads}/{layout.kv_heads}x{layout.head_dim}"
         return f"{self.kernel} {self.dtype} {shape} {' '.join(flags)} ({layout.name})"
-
-
-def _layer_options(layout: Layout) -> list[bool]:
-    """Window off (global layers), and on for families with local layers."""
-    return [False, True] if layout.window else [False]
 
 
 def core_variants() -> list[Variant]:
@@ -313,53 +308,6 @@ class CompileJob:
             tuple(sorted(self.options.items())),
             self.arch,
         )
-
-
-def _flags(kernel: Any) -> tuple[set[str], set[str]]:
-    """Parameter names with ``do_not_specialize`` / ``..._on_alignment``
-    (a JITFunction, or an InterpretedFunction under the interpreter)."""
-    if hasattr(kernel, "params"):
-        dns = {p.name for p in kernel.params if p.do_not_specialize}
-        dns_oa = {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
-        return dns, dns_oa
-    kwargs = getattr(kernel, "kwargs", {})
-    return set(kwargs.get("do_not_specialize") or ()), set(
-        kwargs.get("do_not_specialize_on_alignment") or ()
-    )
-
-
-def specialize(launch: Launch, arch: int) -> tuple[dict[str, str], dict[str, Any], dict]:
-    """Signature, constexprs and attributes as Triton's JIT derives them from
-    these arguments on a GPU of ``arch`` (same C++ specialisation routine)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-    from triton.runtime.jit import native_specialize_impl
-
-    backend = make_backend(GPUTarget("cuda", arch, 32))
-    fn = launch.kernel
-    names = list(fn.arg_names)
-    dns, dns_oa = _flags(fn)
-    signature: dict[str, str] = {}
-    constexprs: dict[str, Any] = {}
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    args = iter(launch.args)
-    for index, name in enumerate(names):
-        if name in launch.constexprs:
-            signature[name] = "constexpr"
-            constexprs[name] = launch.constexprs[name]
-            continue
-        arg = next(args)
-        ty, key = native_specialize_impl(backend, arg, False, name not in dns, name not in dns_oa)
-        if ty == "constexpr":  # Triton folds an int argument equal to 1 into the kernel
-            signature[name] = "constexpr"
-            constexprs[name] = key
-            continue
-        signature[name] = ty
-        if isinstance(key, str) and key:
-            attrs[(index,)] = backend.parse_attr(key)
-    if next(args, None) is not None:
-        raise ValueError(f"{fn.__name__}: more arguments than parameters")
-    return signature, constexprs, attrs
 
 
 def job(variant: Variant, arch: int, **step: int) -> CompileJob:

@@ -36,7 +36,7 @@ from paged_triton.decode_splits import (
     visible_len,
 )
 from paged_triton.interpreter_bf16 import cast
-from paged_triton.launch import Launch, Replay, device_arch, tensor_key
+from paged_triton.launch import Launch, device_arch, replayed, run_planned, tensor_key
 from paged_triton.launch_checks import (
     as_int32,
     check_cache,
@@ -50,15 +50,8 @@ from paged_triton.launch_checks import (
     last_dim_contiguous,
     scale_args,
 )
-from paged_triton.tile_config import (
-    TileConfig,
-    autotune_enabled,
-    candidates,
-    tile_config,
-    tuned,
-)
+from paged_triton.tile_config import MIN_DOT, TileConfig, tile_config
 
-MIN_DOT = 16  # tl.dot wants every dimension >= 16
 MAX_HEADS_PER_PROGRAM = 64  # larger groups (big MQA) are split over programs
 # Arguments that change from step to step: never specialised (no mid-serving compiles).
 PER_STEP_INTS = [
@@ -351,31 +344,6 @@ def _partials(
     return buffers
 
 
-def _autotuned(
-    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Any]
-) -> TileConfig:
-    """The fastest candidate tile for this layer's shapes (timed once)."""
-    import triton.testing
-
-    q, k_cache = args[0], args[1]
-    block_d = max(MIN_DOT, triton.next_power_of_2(q.shape[2]))
-    key = ("decode", q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype, args[10],
-           use_window, use_softcap)  # fmt: skip
-
-    def time_ms(tile: TileConfig) -> float:
-        launches = plan_decode(*args, tile=tile, **scales)
-
-        def step() -> None:
-            for launch in launches:
-                launch.run()
-
-        return float(triton.testing.do_bench(step))
-
-    options = candidates("decode", block_d, compute_dtype(q.dtype, k_cache.dtype), args[10],
-                         kv_quant_mode(k_cache.dtype) != 0)  # fmt: skip
-    return tuned(key, options, time_ms)
-
-
 def decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -396,18 +364,14 @@ def decode_attention(
     """:func:`paged_decode_attention` with the split policy exposed
     (``None``: :func:`split_policy` for the device; tests force splits).
     With ``memo``, the first layer's checked plan is replayed by the others."""
+    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
+    out = torch.empty_like(q)
     key = None
     if memo is not None and q.stride(-1) == 1:
         key = ("paged_triton.decode", id(block_tables), id(seq_lens), tensor_key(q),
                tensor_key(k_cache), tensor_key(v_cache), k_scales is None, k_head_scales is None,
                scale, sliding_window, softcap, policy)  # fmt: skip
-        replay = memo.get(key)
-        if replay is not None:
-            out = torch.empty_like(q)
-            k_scale, v_scale, _ = scale_args(
-                k_cache, v_cache, k_scales, v_scales, k_head_scales, v_head_scales
-            )
-            replay.run(q, k_cache, v_cache, k_scale, v_scale, out)
+        if replayed(memo, key, out, q, k_cache, v_cache, scales):
             return out
     check_runnable(_decode_kernel, q, k_cache, v_cache)
     check_cache(k_cache, v_cache)
@@ -423,25 +387,18 @@ def decode_attention(
             f"block_tables must be [batch={batch}, max_blocks] and seq_lens [batch], got "
             f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
         )
-    out = torch.empty_like(q)
     if batch == 0 or heads == 0:
         return out
+    arch = device_arch(q.device)
     args = (
         last_dim_contiguous(q), k_cache, v_cache, as_int32(block_tables, q), as_int32(seq_lens, q),
         scale, sliding_window, softcap, out, policy or split_policy(q.device),
-        device_arch(q.device), _INTERPRETED, memo,
+        arch, _INTERPRETED, memo,
     )  # fmt: skip
-    tile = None
-    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
-    if autotune_enabled(q.device):
-        tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
-    launches = plan_decode(*args, tile=tile, **scales)
-    for launch in launches:
-        launch.run()
-    if key is not None and memo is not None:
-        # q, k, v, k_scale, v_scale, out: arguments 0-4 and 7 of the decode, out 3 of the merge
-        where = [(0, 1, 2, 3, 4, 7), (-1, -1, -1, -1, -1, 3)]
-        memo[key] = Replay(launches, where[: len(launches)])
+    # q, k, v, k_scale, v_scale, out: arguments 0-4 and 7 of the decode, out 3 of the merge
+    where = [(0, 1, 2, 3, 4, 7), (-1, -1, -1, -1, -1, 3)]
+    run_planned("decode", plan_decode, args, scales, arch=arch, memo=memo, key=key,
+                traits=(sliding_window is not None, bool(softcap)), where=where)  # fmt: skip
     return out
 
 

@@ -6,17 +6,25 @@ stages) in a pure host function and then runs them. The compile matrix
 tensors, so what it compiles ahead of time for a GPU is exactly what the
 ops would launch there, down to Triton's specialisation of each argument.
 Within one step, a :class:`Replay` kept in the step's ``memo`` lets every
-layer after the first skip the checks and the planning.
+layer after the first skip the checks and the planning; :func:`run_planned`
+is that plan / autotune / run / remember sequence, shared by the attention
+ops. :func:`specialize` derives what Triton's JIT compiles from a launch.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from paged_triton.launch_checks import compute_dtype, kv_quant_mode, scale_args
+from paged_triton.tile_config import MIN_DOT, autotune_enabled, candidates, tuned
+
+# Planning for a GPU from a machine without one (the compile matrix) uses this arch.
+SPECIALISE_FOR = 90
 
 
 @dataclass(slots=True)
@@ -66,6 +74,135 @@ class Replay:
                 if position >= 0:
                     args[position] = tensor
             launch.run(args)
+
+
+def replayed(
+    memo: dict[Any, Any] | None,
+    key: tuple[Any, ...] | None,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: dict[str, torch.Tensor],
+) -> bool:
+    """Run the plan an earlier layer of this step left in ``memo`` under
+    ``key``, with this layer's tensors (writing ``out``); ``False`` when there
+    is none, and the caller checks and plans."""
+    replay = memo.get(key) if memo is not None and key is not None else None
+    if replay is None:
+        return False
+    k_scale, v_scale, _ = scale_args(
+        k_cache, v_cache, scales.get("k_scales"), scales.get("v_scales"),
+        scales.get("k_head_scales"), scales.get("v_head_scales"),
+    )  # fmt: skip
+    replay.run(q, k_cache, v_cache, k_scale, v_scale, out)
+    return True
+
+
+def run_planned(
+    kind: str,
+    plan: Callable[..., list[Launch]],
+    args: tuple[Any, ...],
+    scales: dict[str, torch.Tensor],
+    *,
+    arch: int | None,
+    traits: tuple[Any, ...],
+    memo: dict[Any, Any] | None,
+    key: tuple[Any, ...] | None,
+    where: Sequence[tuple[int, ...]],
+) -> None:
+    """Plan an attention op's launches (``plan(*args, tile=..., **scales)``;
+    the tile timed once per shape when autotuning is on), run them, and keep
+    them in ``memo`` under ``key`` for the step's next layers. ``args`` start
+    with q, k_cache; ``traits`` (window? softcap?) pick tiles with the shapes;
+    ``where[i]``: launch ``i``'s positions of q, k, v, k_scale, v_scale, out."""
+    tile = None
+    q, k_cache = args[0], args[1]
+    if autotune_enabled(q.device):
+        import triton
+
+        block_d = max(MIN_DOT, triton.next_power_of_2(q.shape[2]))
+        dtype = compute_dtype(q.dtype, k_cache.dtype)
+        options = candidates(kind, block_d, dtype, arch, kv_quant_mode(k_cache.dtype) != 0)
+        tune_key = (kind, q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype, arch, traits)
+        tile = tuned(tune_key, options, lambda t: _time_ms(plan(*args, tile=t, **scales)))
+    launches = plan(*args, tile=tile, **scales)
+    for launch in launches:
+        launch.run()
+    if memo is not None and key is not None:
+        memo[key] = Replay(launches, where[: len(launches)])
+
+
+def _time_ms(launches: list[Launch]) -> float:
+    import triton.testing
+
+    def step() -> None:
+        for launch in launches:
+            launch.run()
+
+    return float(triton.testing.do_bench(step))
+
+
+def _flags(kernel: Any) -> tuple[set[str], set[str]]:
+    """Parameter names with ``do_not_specialize`` / ``..._on_alignment``
+    (a JITFunction, or an InterpretedFunction under the interpreter)."""
+    if hasattr(kernel, "params"):
+        dns = {p.name for p in kernel.params if p.do_not_specialize}
+        dns_oa = {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
+        return dns, dns_oa
+    kwargs = getattr(kernel, "kwargs", {})
+    return set(kwargs.get("do_not_specialize") or ()), set(
+        kwargs.get("do_not_specialize_on_alignment") or ()
+    )
+
+
+def specialize(launch: Launch, arch: int) -> tuple[dict[str, str], dict[str, Any], dict]:
+    """Signature, constexprs and attributes as Triton's JIT derives them from
+    these arguments on a GPU of ``arch`` (same C++ specialisation routine)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import native_specialize_impl
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    fn = launch.kernel
+    names = list(fn.arg_names)
+    dns, dns_oa = _flags(fn)
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    args = iter(launch.args)
+    for index, name in enumerate(names):
+        if name in launch.constexprs:
+            signature[name] = "constexpr"
+            constexprs[name] = launch.constexprs[name]
+            continue
+        arg = next(args)
+        ty, key = native_specialize_impl(backend, arg, False, name not in dns, name not in dns_oa)
+        if ty == "constexpr":  # Triton folds an int argument equal to 1 into the kernel
+            signature[name] = "constexpr"
+            constexprs[name] = key
+            continue
+        signature[name] = ty
+        if isinstance(key, str) and key:
+            attrs[(index,)] = backend.parse_attr(key)
+    if next(args, None) is not None:
+        raise ValueError(f"{fn.__name__}: more arguments than parameters")
+    return signature, constexprs, attrs
+
+
+def variant_key(launch: Launch, arch: int | None = None) -> tuple[Any, ...]:
+    """The kernel, signature, constexprs, argument attributes and compiler
+    options Triton's JIT derives from ``launch`` on a GPU of ``arch``
+    (default sm_90: the specialisation rules are the same on every NVIDIA
+    GPU): two launches with the same key run the same compiled kernel."""
+    signature, constexprs, attrs = specialize(launch, arch or SPECIALISE_FOR)
+    return (
+        launch.kernel.__name__,
+        tuple(signature.items()),
+        tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
+        tuple(sorted((k, repr(v)) for k, v in attrs.items())),
+        tuple(sorted(launch.options.items())),
+    )
 
 
 def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:

@@ -26,7 +26,7 @@ from torch import Tensor
 from paged_ref.kv_quant import scale_keywords
 from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.interpreter_bf16 import cast
-from paged_triton.launch import Launch, Replay, device_arch, tensor_key
+from paged_triton.launch import Launch, device_arch, replayed, run_planned, tensor_key
 from paged_triton.launch_checks import (
     as_int32,
     check_cache,
@@ -40,15 +40,8 @@ from paged_triton.launch_checks import (
     last_dim_contiguous,
     scale_args,
 )
-from paged_triton.tile_config import (
-    TileConfig,
-    autotune_enabled,
-    candidates,
-    tile_config,
-    tuned,
-)
+from paged_triton.tile_config import MIN_DOT, TileConfig, tile_config
 
-MIN_DOT = 16
 MAX_HEADS_PER_PROGRAM = 16
 # Arguments that change from step to step: never specialised (no mid-serving compiles).
 PER_STEP_INTS = ["stride_btb", "batch", "window"]
@@ -277,26 +270,6 @@ def plan_prefill(
     )
 
 
-def _autotuned(
-    args: tuple[Any, ...], use_window: bool, use_softcap: bool, scales: dict[str, Any]
-) -> TileConfig:
-    """The fastest candidate tile for this layer's shapes (timed once)."""
-    import triton.testing
-
-    q, k_cache = args[0], args[1]
-    block_d = max(MIN_DOT, triton.next_power_of_2(q.shape[2]))
-    key = ("prefill", q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype, args[10],
-           use_window, use_softcap)  # fmt: skip
-
-    def time_ms(tile: TileConfig) -> float:
-        launch = plan_prefill(*args, tile=tile, **scales)
-        return float(triton.testing.do_bench(launch.run))
-
-    options = candidates("prefill", block_d, compute_dtype(q.dtype, k_cache.dtype), args[10],
-                         kv_quant_mode(k_cache.dtype) != 0)  # fmt: skip
-    return tuned(key, options, time_ms)
-
-
 def paged_prefill_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -323,18 +296,14 @@ def paged_prefill_attention(
     is dequantized tile by tile in registers (int8 with ``k_scales``/``v_scales``;
     static per-head scales with ``k_head_scales``/``v_head_scales``, ``[kv_heads]``).
     """
+    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
+    out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1], if any, stay zero
     key = None
     if memo is not None and q.stride(-1) == 1:
         key = ("paged_triton.prefill", id(block_tables), id(cu_seqlens_q), id(seq_lens),
                tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), k_scales is None,
                k_head_scales is None, scale, sliding_window, softcap)  # fmt: skip
-        replay = memo.get(key)
-        if replay is not None:
-            out = torch.zeros_like(q)
-            k_scale, v_scale, _ = scale_args(
-                k_cache, v_cache, k_scales, v_scales, k_head_scales, v_head_scales
-            )
-            replay.run(q, k_cache, v_cache, k_scale, v_scale, out)
+        if replayed(memo, key, out, q, k_cache, v_cache, scales):
             return out
     check_runnable(_prefill_kernel, q, k_cache, v_cache)
     check_cache(k_cache, v_cache)
@@ -355,22 +324,17 @@ def paged_prefill_attention(
             f"with {batch} sequences, cu_seqlens_q must be [{batch + 1}] and block_tables "
             f"[{batch}, max_blocks]; got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
         )
-    out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1], if any, stay zero
     if total_q == 0 or batch == 0 or heads == 0:
         return out
+    arch = device_arch(q.device)
     args = (
         last_dim_contiguous(q), k_cache, v_cache, as_int32(block_tables, q),
         as_int32(cu_seqlens_q, q), as_int32(seq_lens, q), scale, sliding_window, softcap, out,
-        device_arch(q.device), _INTERPRETED,
+        arch, _INTERPRETED,
     )  # fmt: skip
-    tile = None
-    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
-    if autotune_enabled(q.device):
-        tile = _autotuned(args, sliding_window is not None, bool(softcap), scales)
-    launch = plan_prefill(*args, tile=tile, **scales)
-    launch.run()
-    if key is not None and memo is not None:  # q, k, v, k_scale, v_scale, out: arguments 0-4, 8
-        memo[key] = Replay([launch], [(0, 1, 2, 3, 4, 8)])
+    run_planned("prefill", lambda *a, **kw: [plan_prefill(*a, **kw)], args, scales,
+                arch=arch, memo=memo, key=key, traits=(sliding_window is not None, bool(softcap)),
+                where=[(0, 1, 2, 3, 4, 8)])  # q, k, v, k_scale, v_scale, out  # fmt: skip
     return out
 
 

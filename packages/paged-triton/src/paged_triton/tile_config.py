@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 KERNELS = ("decode", "prefill")
+MIN_DOT = 16  # tl.dot wants every dimension >= 16
 
 # Most shared memory one block may use (opt-in), bytes.
 SMEM_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}

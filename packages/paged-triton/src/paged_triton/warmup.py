@@ -27,11 +27,8 @@ from typing import Any
 
 import torch
 
-from paged_triton.launch import Launch, device_arch
+from paged_triton.launch import Launch, device_arch, variant_key
 from paged_triton.launch_checks import check_quantized_cache
-
-# Planning for a GPU from a machine without one (the compile matrix) uses this arch.
-SPECIALISE_FOR = 90
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,23 +82,6 @@ class Warmup:
     variants: list[KernelVariant]
     seconds: float
     compiled: bool
-
-
-def variant_key(launch: Launch, arch: int | None = None) -> tuple[Any, ...]:
-    """The kernel, signature, constexprs, argument attributes and compiler
-    options Triton's JIT derives from ``launch`` on a GPU of ``arch``
-    (default sm_90: the specialisation rules are the same on every NVIDIA
-    GPU): two launches with the same key run the same compiled kernel."""
-    from paged_triton.compile_matrix import specialize
-
-    signature, constexprs, attrs = specialize(launch, arch or SPECIALISE_FOR)
-    return (
-        launch.kernel.__name__,
-        tuple(signature.items()),
-        tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
-        tuple(sorted((k, repr(v)) for k, v in attrs.items())),
-        tuple(sorted(launch.options.items())),
-    )
 
 
 def kernel_variants(

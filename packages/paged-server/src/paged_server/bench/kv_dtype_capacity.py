@@ -32,11 +32,6 @@ VARIANTS = [
 ]
 
 
-def variant_label(kv_cache_dtype: str, calculate_kv_scales: bool) -> str:
-    """``int8``, or ``int8 + calculate_kv_scales``: how the tables name a row."""
-    return kv_cache_dtype + (" + calculate_kv_scales" if calculate_kv_scales else "")
-
-
 @dataclass(slots=True)
 class KVLayout:
     """A model's per-token KV shape."""
