@@ -143,3 +143,17 @@ def test_a_script_without_a_main_guard_fails_start_up_naming_the_guard(
     last = done.stderr.strip().splitlines()[-1]
     assert "WorkerStartError" in last and "paged-tp-rank1" in last and "before it started" in last
     assert 'if __name__ == "__main__":' in last
+
+
+def test_serve_refuses_a_size_the_heads_do_not_split_by_in_one_line(
+    tp_checkpoints: dict[str, Path],
+) -> None:
+    cmd = [sys.executable, "-m", "paged_server.entrypoints.cli", "serve", "--model",
+           str(tp_checkpoints["llama"]), "--tensor-parallel-size", "3", "--device", "cpu",
+           "--port", "0"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "paged-server serve: num_attention_heads (4) is not divisible by tensor_parallel_size "
+        "(3); choose a tensor_parallel_size that divides it"
+    ]
