@@ -281,7 +281,7 @@ class TensorParallelExecutor:
             if self._errors[i]:
                 how += f": {self._errors[i]}"
             elif not self._last[i] and code is not None and code > 0:
-                how += " before it started (its traceback is above)"
+                how += " before it started, while spawn imported the main module again or ours"
                 if main_module_imported_by_spawn():  # which runs the module's top level again
                     how += f"; {GUARD_HINT}"
             dead.append(f"tensor-parallel worker {process.name} (pid {process.pid}) {how}")

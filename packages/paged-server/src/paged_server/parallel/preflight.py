@@ -21,8 +21,8 @@ from paged_server.models.registry import resolve_architecture
 from paged_server.models.tensor_parallel import TensorParallel
 
 GUARD_HINT = (
-    'run the code that creates LLM(...) from a file, under `if __name__ == "__main__":` '
-    "(the workers start with multiprocessing's spawn, which imports the main module again)"
+    'code that creates LLM(...) must run from a file, under `if __name__ == "__main__":` '
+    "(spawn, which starts the workers, imports the main module again in each)"
 )
 
 
