@@ -89,9 +89,11 @@ def _run_serve(args: argparse.Namespace) -> int:
             "binding %s without --api-key: anyone who can reach this address can use the model",
             args.host,
         )
+    from paged_server.parallel import WorkerStartError
+
     try:
         engine = build_engine(config)
-    except (ValueError, FileNotFoundError) as exc:  # bad model dir, unsupported setting
+    except (ValueError, FileNotFoundError, WorkerStartError) as exc:  # bad model dir, setting, rank
         print(f"paged-server serve: {exc}", file=sys.stderr)
         return 2
     settings = ServerSettings(

@@ -7,6 +7,11 @@ groups with them, and before every forward pass broadcasts that step's
 message (``broadcast_step``, one broadcast per step). Then every rank runs
 the same forward over its shard and the layers' all-reduces meet.
 
+Start-up checks the size first (``preflight``), then waits on each worker's
+pipe until it is ready to join the groups: a worker that fails or dies
+before that (an import error, a bad device, a main module spawn cannot
+import) ends start-up at once with its error, and every worker is stopped.
+
 Failure is all-or-nothing: once a rank dies or a collective fails the ranks
 can no longer agree on what their KV caches hold, so the engine stops all
 of them and reports which rank died and how.
@@ -19,8 +24,10 @@ import datetime
 import logging
 import os
 import signal
+import time
 import weakref
 from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
@@ -32,8 +39,14 @@ from paged_server.config import EngineConfig
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.tensor_parallel import TensorParallel
 from paged_server.parallel.group import TPGroup
+from paged_server.parallel.preflight import (
+    GUARD_HINT,
+    check_tensor_parallel,
+    main_module_imported_by_spawn,
+    usable_cpu_cores,
+)
 from paged_server.parallel.step_message import RecordingOps, StepMessage
-from paged_server.parallel.worker import WorkerSpec, worker_main
+from paged_server.parallel.worker import ERROR, READY, WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +56,8 @@ STOP_TIMEOUT_S = 10.0
 
 
 class WorkerStartError(RuntimeError):
-    """A tensor-parallel worker did not start (its traceback is on stderr)."""
+    """A tensor-parallel worker did not start (the message ends with its
+    error; its traceback is on stderr)."""
 
 
 class TensorParallelExecutor:
@@ -54,17 +68,12 @@ class TensorParallelExecutor:
         self.world_size = world
         self.device = _rank_device(device, 0)
         if self.device.type == "cuda":
-            if torch.cuda.device_count() < world:
-                raise ValueError(
-                    f"tensor_parallel_size={world} needs {world} GPUs but "
-                    f"{torch.cuda.device_count()} are visible; lower it or expose more GPUs"
-                )
             torch.cuda.set_device(self.device)
         # On CPU the ranks share the cores instead of each taking all of them
         # (restored at shutdown: the setting is process-wide).
         self._threads = torch.get_num_threads()
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            torch.set_num_threads(max(1, usable_cpu_cores() // world))
         self.recorder: RecordingOps | None = None
         self.dead: str | None = None  # why the ranks stopped, once they have
         store = dist.TCPStore(
@@ -89,6 +98,9 @@ class TensorParallelExecutor:
             for rank in range(1, world)
         ]
         self.workers: list[Any] = []  # multiprocessing processes, ranks 1..N-1
+        self._reports: list[Connection] = []  # each worker's pipe (see worker.py)
+        self._last: list[str] = []  # what each worker last reported on it
+        self._errors: list[str] = []  # each worker's error line, once it sent one
         self.group: TPGroup | None = None
         # Workers never outlive this object, nor the interpreter (atexit).
         self._finalizer = weakref.finalize(self, _stop_processes, self.workers, STOP_TIMEOUT_S)
@@ -97,20 +109,33 @@ class TensorParallelExecutor:
     def load_model(self, path: str, dtype: torch.dtype) -> LoadedModel:
         """Start the workers on ``path`` and load rank 0's shard; returns
         once every rank has loaded its shard. Raises ``WorkerStartError``."""
+        check_tensor_parallel(self.world_size, path, self.device)  # before any process starts
+        try:
+            return self._start(path, dtype)
+        except BaseException:
+            self.shutdown("tensor-parallel start-up failed")  # no worker outlives a failed start
+            raise
+
+    def _start(self, path: str, dtype: torch.dtype) -> LoadedModel:
         dtype_name = str(dtype).removeprefix("torch.")
         context = mp.get_context("spawn")
         for spec in self._specs:
             spec = dataclasses.replace(spec, model_path=path, dtype=dtype_name)
-            process = context.Process(
-                target=worker_main, args=(spec,), name=f"paged-tp-rank{spec.rank}", daemon=True
-            )
+            reader, writer = context.Pipe(duplex=False)
+            name = f"paged-tp-rank{spec.rank}"
+            process = context.Process(target=worker_main, args=(spec, writer), name=name, daemon=True)
             process.start()
+            writer.close()  # the worker holds the only write end: its exit closes the pipe
             self.workers.append(process)
+            self._reports.append(reader)
+            self._last.append("")
+            self._errors.append("")
+        self._await_ready()
         try:
             self.group = TPGroup.connect(self._store, 0, self.world_size, self.device)
         except Exception as exc:
             raise WorkerStartError(
-                f"tensor-parallel workers did not join: {self._worker_status() or exc}"
+                f"tensor-parallel workers did not join: {self._worker_status(wait_s=5.0) or exc}"
             ) from exc
         tp = TensorParallel(0, self.world_size, self.group)
         loaded: LoadedModel | None = None
@@ -121,13 +146,46 @@ class TensorParallelExecutor:
                 all_ok = self.group.barrier_ok(loaded is not None)
             except Exception as exc:
                 raise WorkerStartError(
-                    f"a tensor-parallel worker died while loading: {self._worker_status() or exc}"
+                    "a tensor-parallel worker died while loading: "
+                    f"{self._worker_status(wait_s=5.0) or exc}"
                 ) from exc
         if not all_ok:
             raise WorkerStartError(
-                "a tensor-parallel worker failed to load its shard; its traceback is above"
+                "a tensor-parallel worker failed to load its shard: "
+                + (self._worker_status(wait_s=STOP_TIMEOUT_S) or "its traceback is above")
             )
         return loaded
+
+    def _await_ready(self) -> None:
+        """Wait until every worker is about to join the groups; raise
+        ``WorkerStartError`` as soon as one fails or exits instead."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = set(range(len(self.workers)))
+        while waiting:
+            pipes = [self._reports[i] for i in waiting]
+            if not wait(pipes, timeout=max(0.0, deadline - time.monotonic())):
+                raise WorkerStartError(
+                    f"tensor-parallel workers did not start within {START_TIMEOUT_S:g} s"
+                )
+            for i in list(waiting):
+                self._read_reports(i)
+                if self._last[i] == READY:
+                    waiting.discard(i)
+                elif self._errors[i] or self._reports[i].closed:
+                    raise WorkerStartError(self._worker_status(wait_s=5.0))
+
+    def _read_reports(self, i: int) -> None:
+        """Take what worker ``i`` has sent so far (closing its pipe at its end)."""
+        pipe = self._reports[i]
+        while not pipe.closed and pipe.poll():
+            try:
+                kind, text = pipe.recv()
+            except (EOFError, OSError):
+                pipe.close()
+                return
+            self._last[i] = kind
+            if kind == ERROR:
+                self._errors[i] = text
 
     def wrap_ops(self, ops: Any) -> Any:
         """The pool's ops, recording block copies for the workers (one pool)."""
@@ -202,14 +260,30 @@ class TensorParallelExecutor:
             raise RuntimeError("tensor-parallel workers are not started (call load_model first)")
         return self.group
 
-    def _worker_status(self) -> str:
-        """Which workers have exited and how ("" when all run)."""
+    def _worker_status(self, wait_s: float = 0.0) -> str:
+        """Which workers have failed or exited, how, and their error line
+        ("" when all run). ``wait_s``: how long to give a worker whose pipe
+        says it is going to finish exiting."""
         dead = []
-        for process in self.workers:
+        for i, process in enumerate(self.workers):
+            self._read_reports(i)
+            if self._errors[i] or self._reports[i].closed:
+                process.join(wait_s)
             code = getattr(process, "exitcode", None)
+            if code in (None, 0) and not self._errors[i]:
+                continue  # running, or stopped because another rank failed
             if code is None:
-                continue
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                how = "failed"
+            elif code < 0:
+                how = f"killed by {signal.Signals(-code).name}"
+            else:
+                how = f"exited with code {code}"
+            if self._errors[i]:
+                how += f": {self._errors[i]}"
+            elif not self._last[i] and code is not None and code > 0:
+                how += " before it started, while spawn imported the main module again or ours"
+                if main_module_imported_by_spawn():  # which runs the module's top level again
+                    how += f"; {GUARD_HINT}"
             dead.append(f"tensor-parallel worker {process.name} (pid {process.pid}) {how}")
         if not dead:
             return ""

@@ -25,8 +25,11 @@ import torch.distributed as dist
 # (a big batch's page tables) sends its remainder in a second one.
 MESSAGE_BYTES = 64 * 1024
 _HEADER = 8  # the payload's length, little-endian
-# Workers wait for the next step as long as the server idles; a dead peer
-# closes its sockets, which ends the wait at once, so no timeout is needed.
+# Workers wait for the next step as long as the server idles, and every rank
+# waits at the start-up barrier as long as the slowest loads its shard; a dead
+# peer closes its sockets, which ends either wait at once. Joining the groups
+# and everything else keep the groups' own timeout, so a rank that dies while
+# they form cannot hang the others.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -59,11 +62,11 @@ class TPGroup:
         collective_timeout_s: float = 600.0,
     ) -> TPGroup:
         """Join both groups (blocks until every rank has joined)."""
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
         message_pg = dist.ProcessGroupGloo(
-            dist.PrefixStore("message", store), rank, world_size, IDLE_TIMEOUT
+            dist.PrefixStore("message", store), rank, world_size, timeout
         )
         device_store = dist.PrefixStore("device", store)
-        timeout = datetime.timedelta(seconds=collective_timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -104,9 +107,12 @@ class TPGroup:
         """Start-up handshake: whether every rank reports ``ok`` (a rank that
         died instead makes this raise)."""
         flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        self.message_pg.allreduce([flag]).wait()
+        options = dist.AllreduceOptions()
+        options.timeout = IDLE_TIMEOUT
+        self.message_pg.allreduce([flag], options).wait()
         return int(flag.item()) == 0
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         self.counts.broadcasts += 1
-        self.message_pg.broadcast(tensor, 0).wait()
+        timeout = IDLE_TIMEOUT if self.rank else None  # a worker waits for the next step
+        self.message_pg.broadcast(tensor, 0, timeout).wait()

@@ -8,17 +8,26 @@ a stop message. It never samples: the LM head's rows are rank 0's alone.
 It exits when rank 0 goes: by the stop message, when rank 0's sockets close
 (a collective then raises), or, as a last resort, when its parent process
 is gone. Ctrl-C is left to rank 0, which stops the workers in order.
+
+A pipe to rank 0 carries the start-up handshake (``STARTED`` once the
+process runs our code, ``READY`` just before it joins the groups) and, if
+the worker fails, its error's last traceback line: rank 0 waits on the pipe,
+whose end also closes when the process dies, so it never waits on a worker
+that is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, cast
 
 import torch
@@ -46,22 +55,30 @@ class WorkerSpec:
     parent_pid: int
 
 
-def worker_main(spec: WorkerSpec) -> None:
-    """Process entry point: run the worker; any error prints its traceback
-    and exits with code 1 (rank 0 reports the exit code)."""
+STARTED, READY, ERROR = "started", "ready", "error"  # what a worker reports on its pipe
+
+
+def worker_main(spec: WorkerSpec, report: Connection) -> None:
+    """Process entry point: run the worker; any error prints its traceback,
+    sends its last line to rank 0 and exits with code 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process; rank 0 decides
     _exit_with_parent(spec.parent_pid)
     try:
-        run_worker(spec)
-    except BaseException:
+        report.send((STARTED, ""))
+        run_worker(spec, ready=lambda: report.send((READY, "")))
+    except BaseException as exc:
         print(f"paged tensor-parallel worker rank {spec.rank} failed:", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
+        with contextlib.suppress(OSError):  # OSError: rank 0 is gone
+            # One short line, so the send cannot block on a full pipe.
+            report.send((ERROR, traceback.format_exception_only(exc)[-1].strip()[:1000]))
         os._exit(1)
 
 
-def run_worker(spec: WorkerSpec) -> None:
-    """Join the groups, load the shard, then execute steps until stopped."""
+def run_worker(spec: WorkerSpec, ready: Callable[[], None] = lambda: None) -> None:
+    """Join the groups, load the shard, then execute steps until stopped.
+    ``ready`` runs once this process is set up, just before it joins."""
     from paged_ref.attention_metadata import build_metadata
     from paged_ref.cache_view import CacheView, ViewPool
     from paged_ref.kv_quant import scale_keywords
@@ -74,6 +91,7 @@ def run_worker(spec: WorkerSpec) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False)
+    ready()
     group = TPGroup.connect(store, spec.rank, spec.world_size, device)
     tp = TensorParallel(spec.rank, spec.world_size, group)
     try:

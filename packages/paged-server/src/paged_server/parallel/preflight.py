@@ -1,0 +1,91 @@
+"""What ``tensor_parallel_size`` needs, checked before any worker process starts.
+
+A size the model cannot be split by, or one the machine has no devices for,
+fails here in one line: started first, every rank would fail the same way
+(one traceback each), and a size like 1000 would fork until memory ran out.
+The model check builds the model's rank-0 shard on the meta device, so it
+runs the model code's own divisibility checks without reading a weight.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from paged_server.models.config import ModelConfig
+from paged_server.models.loader import read_config_json
+from paged_server.models.registry import resolve_architecture
+from paged_server.models.tensor_parallel import TensorParallel
+
+GUARD_HINT = (
+    'code that creates LLM(...) must run from a file, under `if __name__ == "__main__":` '
+    "(spawn, which starts the workers, imports the main module again in each)"
+)
+
+
+def check_tensor_parallel(world_size: int, model_path: str, device: torch.device) -> None:
+    """Raise ``ValueError`` (one line) when ``world_size`` ranks cannot run
+    ``model_path`` on ``device``, or ``RuntimeError`` when this process's
+    main module cannot be imported by a spawned worker."""
+    check_model_splits(world_size, model_path)
+    check_devices(world_size, device)
+    check_spawnable_main()
+
+
+def check_model_splits(world_size: int, model_path: str) -> None:
+    """The heads, KV heads and MLP of ``model_path`` divide over ``world_size`` ranks."""
+    hf = read_config_json(Path(model_path).expanduser())
+    arch_name, arch = resolve_architecture(hf)
+    config = ModelConfig.from_hf(arch.text_config(hf), arch_name)
+    with torch.device("meta"):  # shapes only: no memory, no weights read
+        arch.model_class(config, TensorParallel(0, world_size))
+
+
+def check_devices(world_size: int, device: torch.device) -> None:
+    """One GPU per rank on CUDA; one core per rank on CPU (more ranks than
+    cores would only time-slice the same cores, slower than fewer ranks)."""
+    if device.type == "cuda":
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + world_size > count:
+            raise ValueError(
+                f"tensor_parallel_size={world_size} needs {world_size} GPUs from cuda:{first} on "
+                f"but {count} are visible; lower it or expose more GPUs (CUDA_VISIBLE_DEVICES)"
+            )
+    elif device.type == "cpu" and world_size > (cores := usable_cpu_cores()):
+        raise ValueError(
+            f"tensor_parallel_size={world_size} needs a CPU core per rank but this process may "
+            f"use {cores}; lower tensor_parallel_size to at most {cores}"
+        )
+
+
+def usable_cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. under taskset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def main_module_imported_by_spawn() -> bool:
+    """Whether spawn imports this process's main module again in each worker
+    (by name after ``python -m``, from its file after ``python script.py``;
+    not for an interactive session or ``python -c``)."""
+    main = sys.modules.get("__main__")
+    by_name = getattr(getattr(main, "__spec__", None), "name", None) is not None
+    return by_name or getattr(main, "__file__", None) is not None
+
+
+def check_spawnable_main() -> None:
+    """Spawn runs the main module again in each worker, from its file: a
+    script read from standard input (``python - < script.py``) has none."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return  # python -m: imported by name
+    path = getattr(main, "__file__", None)
+    if path is not None and not os.path.isfile(path):
+        raise RuntimeError(
+            f"tensor_parallel_size > 1 cannot start its workers from a script read from {path}: "
+            + GUARD_HINT
+        )
