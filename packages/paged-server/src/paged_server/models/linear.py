@@ -4,7 +4,10 @@ Every projection is one GEMM. Where a checkpoint stores several projections
 that read the same input (q/k/v, gate/up), the layer holds them stacked as
 one weight, as vLLM's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear`` do: one matrix product instead of three or
-two, the output split by views.
+two, the output split by views. (Measured on a 2-core EPYC, torch 2.13,
+one thread, fp32, the 100M bench model's shapes at 8-32 tokens: qkv fused
+1.0x, gate_up fused 0.8x of two half-width GEMMs in eager mode; fusion pays
+on a GPU, one launch instead of three or two.)
 
 The loader learns where each checkpoint tensor goes from the layer itself
 (``checkpoint_tensors``): a ``Part`` per tensor names the parameter it
