@@ -34,8 +34,9 @@ def test_calibration_is_deterministic_and_per_head(tiny_loaded) -> None:
     model = copy.deepcopy(tiny_loaded.model)
     last = model.model.layers[-1].self_attn
     head_dim = tiny_loaded.config.head_dim
+    k_rows = tiny_loaded.config.num_heads * head_dim  # q_proj's rows come first in qkv_proj
     with torch.no_grad():
-        last.k_proj.weight[head_dim : 2 * head_dim] *= 4
+        last.qkv_proj.weight[k_rows + head_dim : k_rows + 2 * head_dim] *= 4
     scaled = calibrated_kv_scales(config, dataclasses.replace(tiny_loaded, model=model))
     torch.testing.assert_close(scaled.k[-1, 1], 4 * first.k[-1, 1], rtol=1e-5, atol=0)
     assert torch.equal(scaled.k[-1, 0], first.k[-1, 0])

@@ -98,11 +98,11 @@ def test_no_padding_reaches_the_linear_layers(tiny_loaded, prompt_of) -> None:
     """Every projection sees exactly the step's tokens; the LM head only the
     rows that are sampled."""
     runner, pool, _ = make_runner(tiny_loaded, "paged")
-    rows: dict[str, list[int]] = {"q_proj": [], "down_proj": [], "lm_head": []}
+    rows: dict[str, list[int]] = {"qkv_proj": [], "down_proj": [], "lm_head": []}
     model = tiny_loaded.model
     hooks = [
-        model.model.layers[0].self_attn.q_proj.register_forward_hook(
-            lambda m, i, o: rows["q_proj"].append(i[0].shape[0])
+        model.model.layers[0].self_attn.qkv_proj.register_forward_hook(
+            lambda m, i, o: rows["qkv_proj"].append(i[0].shape[0])
         ),
         model.model.layers[-1].mlp.down_proj.register_forward_hook(
             lambda m, i, o: rows["down_proj"].append(i[0].shape[0])
@@ -118,7 +118,7 @@ def test_no_padding_reaches_the_linear_layers(tiny_loaded, prompt_of) -> None:
     finally:
         for h in hooks:
             h.remove()
-    assert rows["q_proj"] == rows["down_proj"] == [19, 9]
+    assert rows["qkv_proj"] == rows["down_proj"] == [19, 9]
     assert rows["lm_head"] == [2, 3]  # a and c, then a, b and c
 
 

@@ -20,6 +20,7 @@ from paged_server.models.tensor_parallel import TensorParallel, shard_heads
 COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 KV = re.compile(r"\.(k_proj|v_proj)\.")
+STACKED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(weight|bias)$")  # the model's fused layers
 
 
 def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
@@ -49,9 +50,19 @@ def test_each_rank_reads_only_its_slices(tp_checkpoints: dict[str, Path], family
         assert shard.bytes_read == expected < full.bytes_read
 
     params = [dict(s.model.named_parameters()) for s in shards]
+    layers = [dict(m.model.named_modules()) for m in [full, *shards]]
     for name, whole in full.model.named_parameters():
         parts = [p[name] for p in params]
-        if COLUMN.search(name) and not (replicated_kv and KV.search(name)):
+        if STACKED.search(name):  # each stacked projection sharded on its own
+            layer = name.rpartition(".")[0]
+            sizes = [s.size for s in layers[0][layer].slices]
+            for rank, part in enumerate(parts):
+                mine = layers[1 + rank][layer].slices
+                pieces = part.split([s.size for s in mine])
+                for s, piece, whole_piece in zip(mine, pieces, whole.split(sizes), strict=True):
+                    want = whole_piece[s.start : s.start + s.size]
+                    torch.testing.assert_close(piece, want, rtol=0, atol=0)
+        elif COLUMN.search(name) and not (replicated_kv and KV.search(name)):
             torch.testing.assert_close(torch.cat(parts, 0), whole, rtol=0, atol=0)
         elif ROW.search(name):
             torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=0, atol=0)

@@ -5,15 +5,16 @@ docs/contracts.md, "Attention ops"); ``paged_triton.ops`` exports the same
 names and is tested against them. Attention is
 :func:`torch.nn.functional.scaled_dot_product_attention` over K/V gathered
 through the page tables (``paged_ref.gather``: only the blocks in use, a
-cache-sized chunk of sequences at a time); the gathered ``[batch, tokens,
-kv_heads, head_dim]`` tensor is read by SDPA as a strided view (no permute
-copy) and GQA runs without repeating K/V. Layers with a soft-cap (which SDPA
-cannot express) use the float32 oracle
+cache-sized chunk of sequences at a time, into one scratch buffer); the
+gathered ``[batch, tokens, kv_heads, head_dim]`` tensor is read by SDPA as a
+strided view (no permute copy) and GQA runs without repeating K/V. Layers
+with a soft-cap (which SDPA cannot express) use the float32 oracle
 :func:`paged_ref.attention.masked_attention`.
 
 One layer's cache is ``[num_blocks, block_size, kv_heads, head_dim]``.
 ``memo`` (optional, a dict the caller keeps for one step) lets every layer
-reuse what depends only on the step's metadata: gather indices and masks.
+reuse what depends only on the step's metadata (gather indices, masks) and
+one float32 scratch buffer that every chunk of every layer gathers into.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from paged_ref.attention import masked_attention
-from paged_ref.gather import GatherChunk, gather, plan_chunks
+from paged_ref.gather import GatherChunk, chunk_numel, gather, plan_chunks
 from paged_ref.kv_quant import as_bits, check_scales, is_quantized, quantize, quantize_static
 
 __all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
@@ -85,11 +86,33 @@ def _memo_get(memo: dict[Any, Any] | None, key: tuple[Any, ...], build: Any) -> 
     return value
 
 
+def _scratch_kv(
+    memo: dict[Any, Any] | None, cache: Tensor, chunk: GatherChunk
+) -> tuple[Tensor | None, Tensor | None]:
+    """Where ``gather`` copies the chunk's K and V: two halves of one float32
+    buffer kept in ``memo`` for the whole step (grown when a chunk needs
+    more), so no layer allocates; without a memo, new tensors."""
+    if memo is None:
+        return None, None
+    numel = chunk_numel(cache, chunk)
+    buf = memo.get("scratch")
+    if buf is None or buf.numel() < 2 * numel:
+        buf = memo["scratch"] = torch.empty(2 * numel, dtype=torch.float32, device=cache.device)
+    return buf[:numel], buf[numel : 2 * numel]
+
+
+def _additive(visible: Tensor) -> Tensor:
+    """A bool mask as SDPA's float one: 0 where visible, -inf elsewhere (made
+    once per step; SDPA would convert a bool mask in every layer)."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
 def _attend(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None
 ) -> Tensor:
     """``q [B, H, Lq, D]`` over ``k``/``v`` ``[B, L, KVH, D]``; ``mask`` is
-    ``[B, 1, G * Lq, L]`` (see ``_group_mask``). Returns ``[B, H, Lq, D]`` float32.
+    ``[B, 1, G * Lq, L]`` float, 0 where visible and -inf elsewhere (see
+    ``_group_mask``). Returns ``[B, H, Lq, D]`` float32.
 
     GQA without copying K/V: the ``G`` query heads that share a kv head are
     folded into the query axis, so SDPA sees ``KVH`` heads of ``G * Lq``
@@ -101,7 +124,7 @@ def _attend(
             f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}) for GQA/MQA"
         )
     if softcap:
-        visible = mask[:, 0, :q_len]  # the first folded head's rows: [B, Lq, L]
+        visible = mask[:, 0, :q_len] == 0  # the first folded head's rows: [B, Lq, L]
         return masked_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), visible, scale, softcap
         ).float()
@@ -117,13 +140,12 @@ def _attend(
 
 def _group_mask(visible: Tensor, group: int) -> Tensor:
     """``visible [B, Lq, L]`` repeated for the ``group`` query heads folded
-    into the query axis: ``[B, 1, group * Lq, L]``."""
+    into the query axis, as an additive mask: ``[B, 1, group * Lq, L]``."""
     batch, q_len, num_keys = visible.shape
+    mask = _additive(visible).unsqueeze(1)
     if q_len == 1:
-        return visible.unsqueeze(1)  # broadcasts over the folded heads
-    return visible.unsqueeze(1).expand(batch, group, q_len, num_keys).reshape(
-        batch, 1, group * q_len, num_keys
-    )
+        return mask  # broadcasts over the folded heads
+    return mask.expand(batch, group, q_len, num_keys).reshape(batch, 1, group * q_len, num_keys)
 
 
 def paged_decode_attention(
@@ -159,12 +181,13 @@ def paged_decode_attention(
         else:  # keys (pos - window, pos]; a window of 0 sees nothing
             lo = (lens - sliding_window).clamp(min=0).minimum(lens)
         chunks = plan_chunks(block_tables.to(q.device), lens, lo, k_cache)
-        return [(c, c.in_range[:, None, None, :]) for c in chunks]  # mask: every folded head
+        return [(c, _group_mask(c.in_range.unsqueeze(1), 1)) for c in chunks]
 
     out = torch.empty_like(q)
     for chunk, mask in _memo_get(memo, ("decode", sliding_window), plan):
-        k = gather(k_cache, chunk, k_scales, k_head_scales)
-        v = gather(v_cache, chunk, v_scales, v_head_scales)
+        k_out, v_out = _scratch_kv(memo, k_cache, chunk)
+        k = gather(k_cache, chunk, k_scales, k_head_scales, k_out)
+        v = gather(v_cache, chunk, v_scales, v_head_scales, v_out)
         o = _attend(q[chunk.seqs].unsqueeze(2), k, v, mask, scale, softcap)
         out[chunk.seqs] = o.squeeze(2)
     return out
@@ -246,8 +269,9 @@ def paged_prefill_attention(
     for c in _memo_get(memo, ("prefill", sliding_window), plan):
         q_padded = q.new_zeros(c.keys.size, heads, c.max_q, head_dim)
         q_padded[c.seq_of_row, :, c.row_in_seq] = q[c.rows]
-        k = gather(k_cache, c.keys, k_scales, k_head_scales)
-        v = gather(v_cache, c.keys, v_scales, v_head_scales)
+        k_out, v_out = _scratch_kv(memo, k_cache, c.keys)
+        k = gather(k_cache, c.keys, k_scales, k_head_scales, k_out)
+        v = gather(v_cache, c.keys, v_scales, v_head_scales, v_out)
         o = _attend(q_padded, k, v, c.mask, scale, softcap)
         out[c.rows] = o[c.seq_of_row, :, c.row_in_seq]
     return out

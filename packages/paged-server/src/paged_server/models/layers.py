@@ -17,15 +17,9 @@ from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.errors import InvalidConfigError
+from paged_server.models.linear import ColumnParallelLinear, OutputSlice, RowParallelLinear
 from paged_server.models.rope import apply_rope
-from paged_server.models.tensor_parallel import (
-    SINGLE,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TensorParallel,
-    shard_heads,
-    shard_size,
-)
+from paged_server.models.tensor_parallel import SINGLE, TensorParallel, shard_heads, shard_size
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -60,8 +54,10 @@ class RMSNorm(nn.Module):
 
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``: SwiGLU (Llama, Qwen) or GeGLU (Gemma).
-    With tensor parallelism each rank holds ``1/world_size`` of the
-    intermediate features (gate/up column-, down row-parallel)."""
+    gate and up are one GEMM (``gate_up_proj``, filled from the checkpoint's
+    ``gate_proj`` and ``up_proj``). With tensor parallelism each rank holds
+    ``1/world_size`` of the intermediate features (gate/up column-, down
+    row-parallel)."""
 
     def __init__(
         self,
@@ -78,19 +74,24 @@ class GatedMLP(nn.Module):
             )
         size = shard_size(intermediate_size, tp, "intermediate_size")
         start = tp.rank * size
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, start, size, bias)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, start, size, bias)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size,
+            [OutputSlice(name, intermediate_size, start, size) for name in ("gate_proj", "up_proj")],
+            bias,
+        )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, start, size, bias, tp)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self.act(gate) * up)
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm
     (Qwen 3, Gemma 3), an optional sliding window and logit soft-capping.
-    With tensor parallelism each rank computes its share of the heads
+    q, k and v are one GEMM (``qkv_proj``, filled from the checkpoint's
+    ``q_proj``, ``k_proj`` and ``v_proj``). With tensor parallelism each rank computes its share of the heads
     (``shard_heads``); ``num_heads``/``num_kv_heads`` are then this rank's."""
 
     def __init__(
@@ -127,9 +128,15 @@ class Attention(nn.Module):
         q_full, kv_full = num_heads * head_dim, num_kv_heads * head_dim
         q_start, q_size = heads.q_start * head_dim, heads.num_heads * head_dim
         kv_start, kv_size = heads.kv_start * head_dim, heads.num_kv_heads * head_dim
-        self.q_proj = ColumnParallelLinear(hidden_size, q_full, q_start, q_size, bias)
-        self.k_proj = ColumnParallelLinear(hidden_size, kv_full, kv_start, kv_size, bias)
-        self.v_proj = ColumnParallelLinear(hidden_size, kv_full, kv_start, kv_size, bias)
+        self.qkv_proj = ColumnParallelLinear(
+            hidden_size,
+            [
+                OutputSlice("q_proj", q_full, q_start, q_size),
+                OutputSlice("k_proj", kv_full, kv_start, kv_size),
+                OutputSlice("v_proj", kv_full, kv_start, kv_size),
+            ],
+            bias,
+        )
         self.o_proj = RowParallelLinear(q_full, hidden_size, q_start, q_size, bias, tp)
         self.q_norm = qk_norm() if qk_norm else None
         self.k_norm = qk_norm() if qk_norm else None
@@ -144,9 +151,10 @@ class Attention(nn.Module):
         """``x [..., hidden]`` -> ``[..., hidden]``: a flat ``[num_tokens, hidden]``
         batch with a cache view, or ``[batch, length, hidden]`` sequences
         without one."""
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)

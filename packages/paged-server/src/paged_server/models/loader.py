@@ -27,6 +27,7 @@ from paged_server.models.errors import (
     InvalidConfigError,
     ModelFileNotFoundError,
 )
+from paged_server.models.linear import Part
 from paged_server.models.registry import Architecture, resolve_architecture
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 from paged_server.tokenizer import Tokenizer
@@ -156,9 +157,9 @@ def _build_empty(
 def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> int:
     """Copy every checkpoint tensor, or the slice of it this rank holds, into
     its parameter (converting dtype), checking shapes against the model built
-    from config.json. Returns the bytes read from the files."""
-    params = dict(model.named_parameters())
-    shards = _shard_slices(model)
+    from config.json. Where each tensor goes is ``checkpoint_targets``'
+    answer (stacked q/k/v and gate/up included). Returns the bytes read."""
+    targets = checkpoint_targets(model)
     bytes_read = 0
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -168,18 +169,16 @@ def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> int:
                 name = arch.weight_name(key)
                 if name is None:
                     continue
-                if name not in params:
+                if name not in targets:
                     if not (name == "lm_head.weight" and model.config.tie_word_embeddings):
                         unexpected.append(key)
                     continue
-                param = params[name]
+                param, part = targets[name]
                 tensor_slice = f.get_slice(key)
                 shape = tuple(tensor_slice.get_shape())
                 expected = tuple(param.shape)
-                shard = shards.get(name)
-                if shard is not None:  # the full tensor's shape, this rank's slice of it
-                    dim, start, full = shard
-                    expected = expected[:dim] + (full,) + expected[dim + 1 :]
+                if part.dim is not None:  # the full tensor's shape, this rank's slice of it
+                    expected = expected[: part.dim] + (part.full,) + expected[part.dim + 1 :]
                 if shape != expected:
                     raise CheckpointMismatchError(
                         f"weight {key} in {file.name} has shape {shape} but config.json implies "
@@ -188,17 +187,17 @@ def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> int:
                         f"head_dim={model.config.head_dim}, vocab_size={model.config.vocab_size}); "
                         "the weights do not belong to this config"
                     )
-                if shard is None:
-                    tensor = f.get_tensor(key)
+                if part.dim is None:
+                    tensor, dest = f.get_tensor(key), param
                 else:
-                    dim, start, _ = shard
-                    index = (slice(None),) * dim + (slice(start, start + param.shape[dim]),)
+                    index = (slice(None),) * part.dim + (slice(part.start, part.start + part.size),)
                     tensor = tensor_slice[index]
+                    dest = param.narrow(part.dim, part.offset, part.size)
                 bytes_read += tensor.numel() * tensor.element_size()
                 with torch.no_grad():
-                    param.copy_(tensor)
+                    dest.copy_(tensor)
                 loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -213,22 +212,26 @@ def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> int:
     return bytes_read
 
 
-def _shard_slices(model: CausalLM) -> dict[str, tuple[int, int, int]]:
-    """``param name -> (dim, start, full size)`` for the parameters a rank
-    holds a slice of (the tensor-parallel layers'); others are read whole.
-    A row-parallel layer's bias is whole."""
-    out: dict[str, tuple[int, int, int]] = {}
-    if model.tp.world_size == 1:
-        return out
+def checkpoint_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, Part]]:
+    """Checkpoint tensor name (after the architecture's renames) -> the
+    parameter it fills and how (``linear.Part``). Layers that know their
+    checkpoint tensors (``checkpoint_tensors``: the projections, stacked or
+    sharded) answer for their parameters; every other parameter (embeddings,
+    norms, the LM head) is filled whole from the tensor of its own name."""
+    targets: dict[str, tuple[torch.Tensor, Part]] = {}
+    claimed: set[str] = set()
     for prefix, module in model.named_modules():
-        dim = getattr(module, "shard_dim", None)
-        if dim is None:
+        describe = getattr(module, "checkpoint_tensors", None)
+        if describe is None:
             continue
-        spec = (dim, module.shard_start, module.full_size)
-        out[f"{prefix}.weight"] = spec
-        if dim == 0 and getattr(module, "bias", None) is not None:
-            out[f"{prefix}.bias"] = (0, module.shard_start, module.full_size)
-    return out
+        parent, _, own = prefix.rpartition(".")
+        for name, part in describe(own).items():
+            targets[f"{parent}.{name}" if parent else name] = (getattr(module, part.param), part)
+            claimed.add(f"{prefix}.{part.param}")
+    for name, param in model.named_parameters():
+        if name not in claimed:
+            targets[name] = (param, Part(name.rpartition(".")[2]))
+    return targets
 
 
 def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> list[int]:

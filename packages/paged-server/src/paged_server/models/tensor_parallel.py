@@ -10,8 +10,8 @@ norms and the LM head are replicated: every rank holds them whole.
 When a model has fewer KV heads than ranks (Gemma 3 1B has one), each KV
 head is replicated on ``world_size / num_kv_heads`` ranks, as in vLLM.
 
-A layer records the slice it holds (``shard_dim``, ``shard_start``,
-``full_size``) so the loader reads only that slice from the checkpoint.
+The parallel linear layers themselves live in ``linear.py``; each records
+the slices it holds so the loader reads only those from the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from paged_server.models.errors import InvalidConfigError
 
@@ -100,41 +98,3 @@ def shard_size(full: int, tp: TensorParallel, what: str) -> int:
             f"{what} ({full}) is not divisible by tensor_parallel_size ({tp.world_size})"
         )
     return full // tp.world_size
-
-
-class ColumnParallelLinear(nn.Linear):
-    """Output features ``[start, start + size)`` of a ``full_size``-wide layer
-    (weight and bias sliced along dim 0). No communication."""
-
-    shard_dim = 0
-
-    def __init__(self, in_features: int, full_size: int, start: int, size: int, bias: bool) -> None:
-        super().__init__(in_features, size, bias=bias)
-        self.shard_start, self.full_size = start, full_size
-
-
-class RowParallelLinear(nn.Linear):
-    """Input features ``[start, start + size)`` of a ``full_size``-wide layer
-    (weight sliced along dim 1; the bias is whole and added once, after the
-    all-reduce that sums the ranks' partial products)."""
-
-    shard_dim = 1
-
-    def __init__(
-        self,
-        full_size: int,
-        out_features: int,
-        start: int,
-        size: int,
-        bias: bool,
-        tp: TensorParallel,
-    ) -> None:
-        super().__init__(size, out_features, bias=bias)
-        self.shard_start, self.full_size = start, full_size
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.world_size == 1:
-            return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
