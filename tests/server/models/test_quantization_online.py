@@ -46,7 +46,8 @@ def _weight(n: int, k: int, bits: int, group: int, asym: bool, seed: int = 0) ->
     ("bits", "group", "asym", "kernel"),
     [
         (8, 256, False, "int8pack_mm"),  # per channel
-        (8, 128, False, "dequantize"),  # grouped int8: no packed kernel
+        (8, 128, False, "int8pack_mm_grouped"),  # one per-channel product per group
+        (8, 128, True, "dequantize"),  # int8 zero points: no packed kernel
         (4, 128, False, "int4pack_mm"),
         (4, 128, True, "int4pack_mm"),
         (4, 256, False, "int4pack_mm"),  # per channel: scales repeated per 256

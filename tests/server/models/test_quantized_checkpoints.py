@@ -140,7 +140,7 @@ CT_CASES = {
     "W4A16": ("pack-quantized", "int4pack_mm", 2e-2, 4),
     "W4A16_ASYM": ("pack-quantized", "int4pack_mm", 2e-2, 4),
     # W8A16 is group 128 in compressed-tensors 0.20: a single group runs the
-    # per-channel kernel, several groups dequantize per matmul.
+    # per-channel kernel, several groups one product per group.
     "W8A16": ("pack-quantized", "int8pack_mm", 2e-2, 8),
     "FP8_DYNAMIC": ("float-quantized", "dequantize", 1e-4, 8),
     "FP8": ("float-quantized", "dequantize", 1e-4, 8),

@@ -1,6 +1,7 @@
 """``QuantizedLinear``: a linear layer whose weight stays quantized in memory.
 
-On CPU, weight-only int8 (per-channel) and int4 (groups of 32-256) run
+On CPU, weight-only int8 (per-channel; grouped int8 as one product per
+group, summed) and int4 (groups of 32-256) run
 torch's own packed kernels, ``aten._weight_int8pack_mm`` and
 ``aten._weight_int4pack_mm_for_cpu`` (the ones torchao's CPU layouts call),
 with activations in bfloat16: measured on a 2-core AMD EPYC (no AMX) they
@@ -61,6 +62,14 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", w.qweight.to(device))
             self.register_buffer("scales", w.scales[:, 0].to(_ACT_DTYPE).to(device))
             return "int8pack_mm"
+        if cpu and not w.fp8 and w.bits == 8 and w.zeros is None:
+            # Groups: one per-channel product per group of input features, summed.
+            g, n = w.group_size, w.shape[0]
+            chunks = w.qweight.reshape(n, -1, g).transpose(0, 1).contiguous()  # [groups, N, g]
+            self.register_buffer("qweight", chunks.to(device))
+            self.register_buffer("scales", w.scales.T.contiguous().to(_ACT_DTYPE).to(device))
+            self.group_size = g
+            return "int8pack_mm_grouped"
         group = next((g for g in _INT4_GROUPS if w.group_size % g == 0), None)
         if cpu and not w.fp8 and w.bits == 4 and group is not None:
             w = w.to_group_size(group)
@@ -108,6 +117,12 @@ class QuantizedLinear(nn.Module):
             flat = x.reshape(-1, self.in_features).to(_ACT_DTYPE)
             if self.kernel == "int8pack_mm":
                 y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+            elif self.kernel == "int8pack_mm_grouped":
+                parts = flat.split(self.group_size, dim=-1)
+                y = sum(
+                    torch.ops.aten._weight_int8pack_mm(part, q, s).float()
+                    for part, q, s in zip(parts, self.qweight, self.scales, strict=True)
+                )
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                     flat, self.qweight, self.group_size, self.scales
