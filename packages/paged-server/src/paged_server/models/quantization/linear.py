@@ -14,6 +14,8 @@ quantized, the arithmetic is the dense one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,7 +55,8 @@ class QuantizedLinear(nn.Module):
         )
         if shard is not None:
             self.shard_dim, self.shard_start, self.full_size = shard
-        self.tp = tp if shard is not None and shard[0] == 1 else SINGLE
+        self.tp = tp  # row-parallel: partial products are summed over ranks
+        self.slices: list[Any] | None = None  # stacked projections (models/linear.py's)
         self.kernel = self._pack(weight, device)
 
     def _pack(self, w: QuantizedWeight, device: torch.device) -> str:
@@ -131,6 +134,11 @@ class QuantizedLinear(nn.Module):
         if self.tp.world_size > 1:
             out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The output as one tensor per stacked projection (a fused layer's)."""
+        assert self.slices is not None, "split() on a layer that stacks no projections"
+        return out.split([s.size for s in self.slices], dim=-1)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.format}, kernel={self.kernel}"

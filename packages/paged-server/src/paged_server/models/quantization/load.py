@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from safetensors import safe_open
 from torch import nn
@@ -20,8 +21,14 @@ from paged_server.models.base import CausalLM
 from paged_server.models.errors import CheckpointMismatchError
 from paged_server.models.quantization.linear import QuantizedLinear
 from paged_server.models.quantization.methods import READERS, Quantization
-from paged_server.models.quantization.weights import QuantizedWeight, quantize_fp8, quantize_int
+from paged_server.models.quantization.weights import (
+    QuantizedWeight,
+    cat_rows,
+    quantize_fp8,
+    quantize_int,
+)
 from paged_server.models.registry import Architecture
+from paged_server.models.tensor_parallel import SINGLE
 
 ONLINE_INT4_GROUP = 128
 
@@ -42,18 +49,20 @@ def load_quantized_layers(
     consumed (the dense loader skips them) and the bytes read."""
     reader = READERS[quant.name]
     linears = quantizable_linears(model)
+    targets = _checkpoint_layers(linears)
     located: dict[str, dict[str, tuple[Path, str]]] = defaultdict(dict)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 prefix, _, suffix = key.rpartition(".")
                 name = arch.weight_name(f"{prefix}.weight")
-                module = name.removesuffix(".weight") if name else None
-                if module in linears and suffix in reader.SUFFIXES:
-                    located[module][suffix] = (file, key)
+                layer = name.removesuffix(".weight") if name else None
+                if layer in targets and suffix in reader.SUFFIXES:
+                    located[layer][suffix] = (file, key)
     consumed: set[str] = set()
     bytes_read = 0
-    for module, where in located.items():
+    parts: dict[str, list[tuple[Any, QuantizedWeight]]] = defaultdict(list)
+    for layer, where in located.items():
         if not reader.is_quantized(set(where)):
             continue  # a layer the format left dense (its ignore list)
         tensors = {}
@@ -63,11 +72,44 @@ def load_quantized_layers(
             bytes_read += tensors[suffix].numel() * tensors[suffix].element_size()
             consumed.add(key)
         if quant.name == "compressed-tensors":
-            weight = reader.read_weight(tensors, module)
+            weight = reader.read_weight(tensors, layer)
         else:
-            weight = reader.read_weight(tensors, module, quant.config)
-        _swap(model, module, linears[module], weight, full=True)
+            weight = reader.read_weight(tensors, layer, quant.config)
+        module, part = targets[layer]
+        parts[module].append((part, weight))
+    for module, found in parts.items():
+        slices = getattr(linears[module], "slices", None)
+        if slices is None or len(slices) == 1 and found[0][0] is None:
+            _swap(model, module, linears[module], found[0][1], full=True)
+            continue
+        # Projections stored apart, run stacked (fused q/k/v, gate/up): each
+        # part cut to this rank's rows, then stacked in the layer's order.
+        by_name = {part.name: weight for part, weight in found}
+        missing = [s.name for s in slices if s.name not in by_name]
+        if missing:
+            raise CheckpointMismatchError(
+                f"{module}: the checkpoint quantizes some of the projections stacked here "
+                f"but not {', '.join(missing)}; mixed dense and quantized parts are not supported"
+            )
+        stacked = cat_rows([by_name[s.name].shard(0, s.start, s.size) for s in slices])
+        _swap(model, module, linears[module], stacked, full=False)
     return consumed, bytes_read
+
+
+def _checkpoint_layers(linears: dict[str, nn.Linear]) -> dict[str, tuple[str, Any]]:
+    """Checkpoint layer name -> (our module, the stacked slice it fills, or
+    None): a layer that stacks projections (``slices``, each named as in
+    the checkpoint) is filled from several checkpoint layers."""
+    out: dict[str, tuple[str, Any]] = {}
+    for name, linear in linears.items():
+        slices = getattr(linear, "slices", None)
+        if not slices or len(slices) == 1:
+            out[name] = (name, None)
+            continue
+        parent = name.rpartition(".")[0]
+        for s in slices:
+            out[f"{parent}.{s.name}" if parent else s.name] = (name, s)
+    return out
 
 
 def quantize_layers(model: CausalLM, quant: Quantization) -> None:
@@ -88,14 +130,16 @@ def _swap(
     model: CausalLM, name: str, linear: nn.Linear, weight: QuantizedWeight, full: bool
 ) -> None:
     """Replace ``linear`` by a ``QuantizedLinear``; a ``full`` checkpoint
-    weight is first cut to the slice this rank holds."""
+    weight is first cut to the slice this rank holds. Row-parallel layers
+    (the ones with a ``tp`` to all-reduce over) stay row-parallel."""
+    row_tp = getattr(linear, "tp", None)
     shard = None
-    dim = getattr(linear, "shard_dim", None)
-    if dim is not None:
-        shard = (dim, linear.shard_start, linear.full_size)
-        if full and model.tp.world_size > 1:
-            size = linear.weight.shape[dim]
-            weight = weight.shard(dim, linear.shard_start, size)
+    if row_tp is not None and hasattr(linear, "shard_start"):
+        shard = (1, linear.shard_start, linear.full_size)
+    elif getattr(linear, "shard_dim", None) == 0:
+        shard = (0, linear.shard_start, linear.full_size)
+    if shard is not None and full and model.tp.world_size > 1:
+        weight = weight.shard(shard[0], shard[1], linear.weight.shape[shard[0]])
     if weight.shape != tuple(linear.weight.shape):
         raise CheckpointMismatchError(
             f"quantized weight {name} has shape {weight.shape} but config.json implies "
@@ -103,6 +147,7 @@ def _swap(
         )
     bias = None if linear.bias is None else linear.bias.data
     device = linear.weight.device
-    module = QuantizedLinear(weight, bias, device, shard=shard, tp=getattr(linear, "tp", model.tp))
+    module = QuantizedLinear(weight, bias, device, shard=shard, tp=row_tp or SINGLE)
+    module.slices = getattr(linear, "slices", None)  # stacked projections: split() cuts them
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
