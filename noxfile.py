@@ -27,6 +27,7 @@ TEST_DEPS = [
     "lm_eval[api]>=0.4.9",  # tests/e2e/test_lm_eval.py: local-completions against the server
     "jsonschema>=4",
     "sentencepiece>=0.1.98",  # llama.cpp's convert_hf_to_gguf.py imports it (benchmarks/llamacpp_peer.py)
+    "compressed-tensors>=0.20",  # tests/server/models/test_quantized_checkpoints.py writes its checkpoints
 ]
 BACKENDS = ("ref", "triton")
 

@@ -148,6 +148,40 @@ def test_tp2_int8_kv_cache_matches_tp1(tp_checkpoints: dict[str, Path], pool: st
     assert two["preemptions"] == one["preemptions"]
 
 
+def _fp8_checkpoint(dense: Path, out: Path) -> Path:
+    """A compressed-tensors float-quantized (FP8, per-channel scales) copy of
+    ``dense``: each linear weight as float8 e4m3 plus ``weight_scale [N, 1]``."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(dense, out)
+    state = load_file(str(dense / "model.safetensors"))
+    for key in [k for k in state if k.endswith("proj.weight")]:
+        w = state[key].float()
+        scale = w.abs().amax(1, keepdim=True) / 448.0
+        state[key] = (w / scale).to(torch.float8_e4m3fn)
+        state[key.removesuffix("weight") + "weight_scale"] = scale
+    save_file(state, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_tp2_quantized_checkpoint_matches_tp1(tp_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Each rank slices the checkpoint's quantized weight with its scales
+    (column-parallel: its rows' scales; row-parallel: the whole per-channel
+    scales), so TP=2 computes what TP=1 does. (Online quantization instead
+    quantizes each rank's shard, as vLLM does: scales then differ by rank.)"""
+    path = _fp8_checkpoint(tp_checkpoints["llama"], tmp_path / "fp8")
+    one = _generate(path, 1, "paged")
+    two = _generate(path, 2, "paged")
+    assert two["tokens"] == one["tokens"]
+
+
 def test_a_dead_worker_fails_generate_with_a_clear_error(tp_checkpoints: dict[str, Path]) -> None:
     import os
     import signal

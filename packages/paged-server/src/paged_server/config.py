@@ -64,6 +64,9 @@ class EngineConfig:
     max_queue_len: int = 1024
     seed: int = 0
     tensor_parallel_size: int = 1  # >1: that many processes, one per device (parallel/)
+    # None: the checkpoint's own format (dense, or its quantization_config); see
+    # models/quantization/methods.py for the names (vLLM's --quantization).
+    quantization: str | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field and what to do."""
@@ -72,6 +75,10 @@ class EngineConfig:
         _choice("dtype", self.dtype, ("auto", *DTYPES))
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         self._check_kv_scales()
+        if self.quantization is not None:
+            from paged_server.models.quantization.methods import QUANTIZATION_METHODS
+
+            _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ValueError(
                 f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"

@@ -62,6 +62,7 @@ from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.engine.structured_output import StructuredOutput
 from paged_server.errors import EngineFailedError, QueueFullError
 from paged_server.models import LoadedModel, load_model
+from paged_server.models.quantization import weights_summary
 from paged_server.models.tensor_parallel import shard_heads
 from paged_server.outputs import RequestOutput
 from paged_server.sampling_params import SamplingParams
@@ -116,7 +117,10 @@ class LLMEngine:
     def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         if loaded is None:
             device = resolve_device(config)
-            loaded = load_model(_model_path(config), resolve_dtype(config, device), device)
+            loaded = load_model(
+                _model_path(config), resolve_dtype(config, device), device,
+                quantization=config.quantization,
+            )  # fmt: skip
         device = next(loaded.model.parameters()).device
         # The config as run: device defaults filled in.
         config = dataclasses.replace(
@@ -154,6 +158,7 @@ class LLMEngine:
             wrap_ops=executor.wrap_ops if executor is not None else None,
             kv_scales=kv_scales,
         )
+        log.info("%s", weights_summary(loaded.model, loaded.dtype, loaded.quantization))
         log.info(
             "KV cache: %d tokens (%d blocks of %d), sized by %s%s",
             self.capacity.tokens,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,12 @@ from paged_server.models.errors import (
     ModelFileNotFoundError,
 )
 from paged_server.models.linear import Part
+from paged_server.models.quantization import (
+    Quantization,
+    load_quantized_layers,
+    quantize_layers,
+    resolve_quantization,
+)
 from paged_server.models.registry import Architecture, resolve_architecture
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 from paged_server.tokenizer import Tokenizer
@@ -55,6 +62,7 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     bytes_read: int = 0  # checkpoint bytes this process read (its shard with TP)
+    quantization: Quantization | None = None  # the weight format, when not dense
 
     @property
     def chat_template(self) -> str | None:
@@ -67,10 +75,13 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load the model directory at ``path`` in ``dtype`` (``"auto"``: the
     checkpoint's own) onto ``device``, in eval mode without gradients; with
-    ``tp``, only that rank's shard."""
+    ``tp``, only that rank's shard. A quantized checkpoint loads in its
+    format; ``quantization`` (vLLM's ``--quantization``) may name it, or
+    quantize 16/32-bit weights at load (``fp8``, ``int8``, ``int4``)."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelFileNotFoundError(
@@ -81,12 +92,19 @@ def load_model(
     arch_name, arch = resolve_architecture(hf)
     config = ModelConfig.from_hf(arch.text_config(hf), arch_name)
     target_dtype = resolve_dtype(dtype, config)
+    quant = resolve_quantization(hf, quantization)
     model = _build_empty(arch, config, target_dtype, torch.device(device), tp)
-    bytes_read = load_weights(model, arch, weight_files(path))
+    files = weight_files(path)
+    consumed, bytes_read = set(), 0
+    if quant is not None and not quant.online:
+        consumed, bytes_read = load_quantized_layers(model, arch, files, quant)
+    bytes_read += load_weights(model, arch, files, skip=consumed)
+    if quant is not None and quant.online:
+        quantize_layers(model, quant)
     model.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_dir(path)
     eos = eos_token_ids(path, config, tokenizer)
-    return LoadedModel(model, config, tokenizer, eos, path, target_dtype, bytes_read)
+    return LoadedModel(model, config, tokenizer, eos, path, target_dtype, bytes_read, quant)
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
@@ -154,11 +172,14 @@ def _build_empty(
     return model
 
 
-def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> int:
+def load_weights(
+    model: CausalLM, arch: Architecture, files: list[Path], skip: Collection[str] = ()
+) -> int:
     """Copy every checkpoint tensor, or the slice of it this rank holds, into
     its parameter (converting dtype), checking shapes against the model built
     from config.json. Where each tensor goes is ``checkpoint_targets``'
-    answer (stacked q/k/v and gate/up included). Returns the bytes read."""
+    answer (stacked q/k/v and gate/up included); ``skip``: keys already
+    loaded (quantized layers). Returns the bytes read from the files."""
     targets = checkpoint_targets(model)
     bytes_read = 0
     loaded: set[str] = set()
@@ -167,7 +188,7 @@ def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> int:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = arch.weight_name(key)
-                if name is None:
+                if name is None or key in skip:
                     continue
                 if name not in targets:
                     if not (name == "lm_head.weight" and model.config.tie_word_embeddings):

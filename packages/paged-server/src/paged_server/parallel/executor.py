@@ -66,6 +66,7 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, device: torch.device, attention_backend: str) -> None:
         world = config.tensor_parallel_size
         self.world_size = world
+        self.quantization = config.quantization
         self.device = _rank_device(device, 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -140,7 +141,7 @@ class TensorParallelExecutor:
         tp = TensorParallel(0, self.world_size, self.group)
         loaded: LoadedModel | None = None
         try:
-            loaded = load_model(path, dtype, self.device, tp)
+            loaded = load_model(path, dtype, self.device, tp, self.quantization)
         finally:
             try:
                 all_ok = self.group.barrier_ok(loaded is not None)

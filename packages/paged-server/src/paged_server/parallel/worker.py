@@ -95,7 +95,9 @@ def run_worker(spec: WorkerSpec, ready: Callable[[], None] = lambda: None) -> No
     group = TPGroup.connect(store, spec.rank, spec.world_size, device)
     tp = TensorParallel(spec.rank, spec.world_size, group)
     try:
-        loaded = load_model(spec.model_path, getattr(torch, spec.dtype), device, tp)
+        loaded = load_model(
+            spec.model_path, getattr(torch, spec.dtype), device, tp, spec.config.quantization
+        )
         mc = loaded.config
         heads = shard_heads(mc.num_heads, mc.num_kv_heads, tp)
         pool, _ = build_cache_pool(

@@ -76,6 +76,9 @@ _HELP = {
     "device": "auto, cpu, cuda or cuda:N",
     "max_queue_len": "waiting requests beyond which new ones get HTTP 503",
     "seed": "engine seed for sampling without a per-request seed",
+    "quantization": "weight format: none = the checkpoint's own (a compressed-tensors, gptq or "
+    "awq quantization_config is detected); fp8, int8 (per channel) or int4 (groups of 128) "
+    "quantize 16/32-bit weights at load; int8/int4 run torch's packed weight-only kernels on CPU",
     "tensor_parallel_size": "shard the model over this many devices (one process each; "
     "NCCL on CUDA, gloo on CPU); KV memory budgets are per device",
 }
@@ -93,6 +96,10 @@ def _choices(name: str) -> tuple[str, ...] | None:
         return tuple(getattr(config_module, "ATTENTION_BACKENDS", ())) or None
     if name == "kv_cache_dtype":
         return tuple(getattr(config_module, "KV_CACHE_DTYPES", ())) or None
+    if name == "quantization":
+        from paged_server.models.quantization.methods import QUANTIZATION_METHODS
+
+        return QUANTIZATION_METHODS
     if name == "dtype" and hasattr(config_module, "DTYPES"):
         return ("auto", *config_module.DTYPES)
     return None
