@@ -105,6 +105,7 @@ def test_cuda_without_gpu_is_a_clear_error() -> None:
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"min_tokens": 17}, "min_tokens"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),  # overflowed the sampler's int64 tensor
     ],
 )
 def test_sampling_params_reject_bad_field(overrides: dict, field: str) -> None:

@@ -133,10 +133,13 @@ class Generation:
 def bad_value(exc: ValueError, *, default_param: str | None = None) -> APIError:
     """A 400 from a ``ValueError("<field>: what is wrong")``, naming the field."""
     message = str(exc)
-    head, sep, _ = message.partition(":")
-    param = head if sep and head.isidentifier() else default_param
-    if param == "prompt" and default_param is not None:
+    head, sep, rest = message.partition(":")
+    if not (sep and head.isidentifier()):  # no field named: the message stays whole
+        param = default_param
+    elif head == "prompt" and default_param is not None:
         param = default_param  # the engine says "prompt"; chat requests call it "messages"
-        message = f"{param}:{message.partition(':')[2]}"
+        message = f"{param}:{rest}"
+    else:
+        param = head
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
     return APIError(400, message, param=param, code=code)
