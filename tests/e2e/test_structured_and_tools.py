@@ -37,6 +37,8 @@ SCHEMA = {
     "required": ["city", "days", "unit"],
     "additionalProperties": False,
 }
+# No finite JSON matches: a required property whose type is the object itself.
+SELF_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 RESPONSE_FORMAT = {"type": "json_schema",
                    "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
 
@@ -165,6 +167,10 @@ def test_json_object_is_an_object_or_cut_by_length(client: openai.OpenAI) -> Non
             "type": "object", "properties": {"a": {"type": "string", "format": "nope"}}}}}]},
          "tools[0].function.parameters", "format"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "function"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REQUIRED}}},
+         "response_format", "no output can ever complete"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": SELF_REQUIRED}}],
+          "tool_choice": "required"}, "tools", "no output can ever complete"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format", "forced tool_choice"),
     ],
@@ -175,6 +181,7 @@ def test_bad_values_are_400s_naming_the_field(http: httpx.Client, body: dict[str
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"], error
+    assert "\n" not in error["message"] and len(error["message"]) < 300  # no parser state dump
 
 
 # ----------------------------------------------------------------- tool calls
