@@ -65,6 +65,9 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      "token ids"),
     ("logit-bias-arabic-digit-key", CHAT, {"messages": MSG, "logit_bias": {"\u0663": 1}}, 400, "logit_bias",
      "token ids"),
+    ("json-object-min-tokens", CHAT, {"messages": MSG, "max_tokens": 60, "min_tokens": 50,
+                                      "response_format": {"type": "json_object"}}, 400, "min_tokens",
+     "response_format"),
     ("json-schema-without-schema", CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
      "response_format", "type json_schema needs"),
 ]

@@ -102,6 +102,13 @@ class SamplingParams:
         _int_in("n", self.n, 1, None)
         _int_in("max_tokens", self.max_tokens, 1, max_model_len, high_is=" (max_model_len)")
         _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, high_is=" (max_tokens)")
+        if self.min_tokens and self.structured_outputs is not None:
+            # The grammar allows only EOS once its document is complete.
+            raise ValueError(
+                "min_tokens: cannot be combined with a structured output (response_format "
+                "json_object / json_schema, a forced tool_choice): the output ends when the "
+                "grammar is complete; send min_tokens 0"
+            )
         _int_in("top_k", self.top_k, 0, MAX_TOP_K, hint=" (0 or -1 = off)")
         _float_in("temperature", self.temperature, 0.0, None)
         _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
