@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from paged_server.models.base import CausalLM
 from paged_server.models.config import ModelConfig
 from paged_server.models.errors import (
     CheckpointMismatchError,
+    CorruptCheckpointError,
     InvalidConfigError,
     ModelFileNotFoundError,
 )
@@ -71,14 +72,7 @@ def load_model(
     checkpoint's own) onto ``device``, in eval mode without gradients; with
     ``tp``, only that rank's shard."""
     path = Path(path).expanduser()
-    if not path.is_dir():
-        raise ModelFileNotFoundError(
-            f"model directory {path} does not exist; pass a Hugging Face model directory "
-            "(config.json, *.safetensors, tokenizer.json)"
-        )
-    hf = read_config_json(path)
-    arch_name, arch = resolve_architecture(hf)
-    config = ModelConfig.from_hf(arch.text_config(hf), arch_name)
+    config, arch = _read_model_config(path)
     target_dtype = resolve_dtype(dtype, config)
     model = _build_empty(arch, config, target_dtype, torch.device(device), tp)
     bytes_read = load_weights(model, arch, weight_files(path))
@@ -86,6 +80,23 @@ def load_model(
     tokenizer = Tokenizer.from_dir(path)
     eos = eos_token_ids(path, config, tokenizer)
     return LoadedModel(model, config, tokenizer, eos, path, target_dtype, bytes_read)
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The model's config from its directory's config.json, without loading
+    weights (to check settings against it first)."""
+    return _read_model_config(Path(path).expanduser())[0]
+
+
+def _read_model_config(path: Path) -> tuple[ModelConfig, Architecture]:
+    if not path.is_dir():
+        raise ModelFileNotFoundError(
+            f"model directory {path} does not exist; pass a Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer.json)"
+        )
+    hf = read_config_json(path)
+    arch_name, arch = resolve_architecture(hf)
+    return ModelConfig.from_hf(arch.text_config(hf), arch_name), arch
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
@@ -163,7 +174,7 @@ def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> int:
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_weights(file) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = arch.weight_name(key)
                 if name is None:
@@ -211,6 +222,17 @@ def load_weights(model: CausalLM, arch: Architecture, files: list[Path]) -> int:
             "ignored %d unknown checkpoint tensors, e.g. %s", len(unexpected), unexpected[0]
         )
     return bytes_read
+
+
+def _open_weights(file: Path) -> Any:
+    """``safe_open`` with an error that names the file when it is damaged."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise CorruptCheckpointError(
+            f"{file} is not a readable safetensors file ({exc}); it is probably truncated "
+            "(an interrupted download or a full disk): download it again"
+        ) from None
 
 
 def _shard_slices(model: CausalLM) -> dict[str, tuple[int, int, int]]:
