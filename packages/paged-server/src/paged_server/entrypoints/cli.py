@@ -15,7 +15,7 @@ import math
 import os
 import socket
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 API_KEY_ENV = "PAGED_API_KEY"
 
@@ -52,15 +52,6 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 = any free port), got {text}")
     return port
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    """Says which flag was wrong as ``--flag: problem`` (argparse writes
-    ``argument --flag: problem``)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: {message.removeprefix('argument ')}\n")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -204,7 +195,7 @@ def _run_bench(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="paged-server", description="PagedAttention LLM server with an OpenAI-compatible API."
     )
     sub = parser.add_subparsers(dest="command", required=True)
