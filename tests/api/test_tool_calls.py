@@ -74,6 +74,31 @@ def test_streamed_deltas_add_up_to_the_parsed_reply(parser: str, text: str, piec
     assert streamed_content.strip() == (content or "").strip()
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>"),
+    ("llama3_json", '{"no_name": 1}'),
+])
+def test_a_malformed_call_streams_back_as_the_same_text(parser: str, text: str, piece: int) -> None:
+    assert _stream(parser, text, piece) == (text, [])
+
+
+# Cut by max_tokens inside the third call: the two complete calls are kept.
+CUT = {"hermes": HERMES + '\n<tool_call>\n{"name": "get_we',
+       "llama3_json": LLAMA + '; {"name": "get_we'}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_reply_cut_inside_a_call_keeps_the_complete_calls(parser: str) -> None:
+    content, calls = parse_tool_calls(parser, CUT[parser])
+    assert [name for name, _ in _calls(calls)] == ["get_weather", "get_time"]
+    assert content is not None and content.endswith('{"name": "get_we')
+    for piece in (1, 5, 1000):
+        streamed_content, streamed_calls = _stream(parser, CUT[parser], piece)
+        assert streamed_calls == _calls(calls)
+        assert streamed_content.strip() == content.strip()
+
+
 def test_parser_detected_from_the_template() -> None:
     assert detect_parser("{{ '<|python_tag|>' }}{{ tools }}") == "llama3_json"
     assert detect_parser("<tool_call>{{ tools }}</tool_call>") == "hermes"

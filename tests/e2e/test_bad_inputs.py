@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import MAX_SEQ_LEN, MODEL
+from .conftest import MAX_SEQ_LEN, MODEL, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -60,6 +60,16 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("stream-options-without-stream", COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options", "stream is true"),
     ("body-is-a-list", COMP, [1, 2], 400, None, "JSON object"),
+    ("top-k-beyond-int64", COMP, {"prompt": "x", "top_k": 2**63}, 400, "top_k", "<= 9223372036854775807"),
+    ("logit-bias-superscript-key", COMP, {"prompt": "x", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias",
+     "token ids"),
+    ("logit-bias-arabic-digit-key", CHAT, {"messages": MSG, "logit_bias": {"\u0663": 1}}, 400, "logit_bias",
+     "token ids"),
+    ("json-object-min-tokens", CHAT, {"messages": MSG, "max_tokens": 60, "min_tokens": 50,
+                                      "response_format": {"type": "json_object"}}, 400, "min_tokens",
+     "response_format"),
+    ("json-schema-without-schema", CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
+     "response_format", "type json_schema needs"),
 ]
 
 
@@ -74,6 +84,51 @@ def test_bad_request_gets_openai_error(http: httpx.Client, path: str, body: Any,
     assert err["param"] == param
     assert fragment in err["message"], err["message"]
     assert err["type"] == "invalid_request_error"
+
+
+# JSON text with a lone surrogate escape (valid JSON, not encodable text).
+SURROGATE_BODIES = [
+    ("prompt", COMP, b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("prompt-list", COMP, b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt[1]"),
+    ("chat-content", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+     "messages[0].content"),
+    ("chat-content-part", CHAT,
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages[0].content[0].text"),
+    ("stop", COMP, b'{"prompt": "x", "stop": "\\ud800"}', "stop"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), [c[1:] for c in SURROGATE_BODIES],
+                         ids=[c[0] for c in SURROGATE_BODIES])
+def test_lone_surrogate_is_400_naming_the_field(http: httpx.Client, path: str, raw: bytes,
+                                                param: str) -> None:
+    resp = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param
+    assert "surrogate" in err["message"] and err["message"].startswith(f"{param}: "), err
+
+
+def test_messages_name_the_field_once(http: httpx.Client) -> None:
+    err = http.post(CHAT, json={"messages": MSG, "response_format": {"type": "json_schema"}}).json()["error"]
+    assert err["message"].count("response_format") == 1, err["message"]
+
+
+@pytest.fixture(scope="module")
+def small_pool() -> Any:
+    srv = start_server(num_gpu_blocks=4, block_size=16)
+    yield srv
+    srv.stop()
+
+
+def test_too_big_for_the_pool_keeps_the_whole_message(small_pool: Any) -> None:
+    with httpx.Client(base_url=small_pool.url, timeout=60) as c:
+        resp = c.post(COMP, json={"prompt": [1] * 20, "max_tokens": 100})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert "prompt has 20 tokens and max_tokens is 100: the sequence needs 8 KV blocks" in err["message"]
+    assert err["param"] == "prompt"
 
 
 def test_prompt_too_long_states_both_numbers(http: httpx.Client, server: Any) -> None:

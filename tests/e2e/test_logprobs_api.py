@@ -128,6 +128,50 @@ def test_chat_top_logprobs(client, stream) -> None:
         assert entry.bytes == list(entry.token.encode())
 
 
+# A grammar forces text whose characters the tiny tokenizer splits into byte tokens.
+NON_ASCII = "日本語 ü"
+FORCED = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"const": NON_ASCII}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprob_bytes_rebuild_the_text(client, stream) -> None:
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=30,
+              logprobs=True, top_logprobs=2, seed=0, response_format=FORCED)
+    if stream:
+        text, content = "", []
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                content += c.logprobs.content if c.logprobs and c.logprobs.content else []
+    else:
+        choice = client.chat.completions.create(**kw).choices[0]
+        text, content = choice.message.content, choice.logprobs.content
+    assert text == f'"{NON_ASCII}"'
+    assert len(content) > len(text)  # some tokens are parts of a character
+    assert bytes(b for entry in content for b in entry.bytes) == text.encode()
+    for entry in content:
+        for top in entry.top_logprobs:
+            assert top.bytes and (top.token == "\ufffd" or bytes(top.bytes) == top.token.encode())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_text_offsets_stay_in_the_text(client, stream) -> None:
+    kw = dict(model="tiny", prompt="Say:", max_tokens=30, logprobs=1, seed=0, echo=True,
+              extra_body={"response_format": FORCED})
+    if stream:
+        text, offsets = "", []
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                text += c.text
+                offsets += c.logprobs.text_offset if c.logprobs else []
+    else:
+        choice = client.completions.create(**kw).choices[0]
+        text, offsets = choice.text, choice.logprobs.text_offset
+    assert text == f'Say:"{NON_ASCII}"'
+    # each token starts inside the text, at the character its first byte belongs to
+    assert offsets == sorted(offsets) and offsets[-1] == len(text) - 1  # the closing quote
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_logit_bias_forces_a_token(client, http, stream) -> None:
     token = tokenize(http, " dog")[0]

@@ -37,6 +37,8 @@ SCHEMA = {
     "required": ["city", "days", "unit"],
     "additionalProperties": False,
 }
+# No finite JSON matches: a required property whose type is the object itself.
+SELF_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 RESPONSE_FORMAT = {"type": "json_schema",
                    "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
 
@@ -165,6 +167,10 @@ def test_json_object_is_an_object_or_cut_by_length(client: openai.OpenAI) -> Non
             "type": "object", "properties": {"a": {"type": "string", "format": "nope"}}}}}]},
          "tools[0].function.parameters", "format"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "function"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REQUIRED}}},
+         "response_format", "no output can ever complete"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": SELF_REQUIRED}}],
+          "tool_choice": "required"}, "tools", "no output can ever complete"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format", "forced tool_choice"),
     ],
@@ -175,6 +181,7 @@ def test_bad_values_are_400s_naming_the_field(http: httpx.Client, body: dict[str
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"], error
+    assert "\n" not in error["message"] and len(error["message"]) < 300  # no parser state dump
 
 
 # ----------------------------------------------------------------- tool calls
@@ -276,3 +283,31 @@ def test_auto_gives_content_when_the_model_calls_nothing(tool_client: openai.Ope
     streamed = "".join(c.choices[0].delta.content or "" for c in
                        tool_client.chat.completions.create(stream=True, **kw) if c.choices)
     assert streamed == full.choices[0].message.content
+
+
+def test_required_cut_by_max_tokens_keeps_the_complete_calls(tool_client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                              seed=0)
+    whole = tool_client.chat.completions.create(max_tokens=400, **kw)
+    calls = whole.choices[0].message.tool_calls
+    assert len(calls) >= 3  # this seed writes three calls
+    # Cut a few tokens before the end: inside the last call, after the others.
+    cut = whole.usage.completion_tokens - 4
+    full = tool_client.chat.completions.create(max_tokens=cut, **kw)
+    kept = full.choices[0].message.tool_calls
+    assert full.choices[0].finish_reason == "length"
+    expected = [(c.function.name, json.loads(c.function.arguments)) for c in calls[:-1]]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in kept or []] == expected
+
+    names: dict[int, str] = {}
+    args: dict[int, str] = {}
+    content = ""
+    for chunk in tool_client.chat.completions.create(stream=True, max_tokens=cut, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                if tc.function.name:
+                    names[tc.index] = tc.function.name
+                args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+    assert [(names[i], json.loads(args[i])) for i in sorted(names)] == expected
+    assert content.strip() == (full.choices[0].message.content or "").strip()

@@ -13,6 +13,7 @@ from paged_server.config import (
     resolve_max_num_batched_tokens,
 )
 from paged_server.sampling_params import SamplingParams
+from paged_server.structured_outputs import StructuredOutputsParams
 
 
 def test_defaults_are_valid() -> None:
@@ -105,6 +106,9 @@ def test_cuda_without_gpu_is_a_clear_error() -> None:
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"min_tokens": 17}, "min_tokens"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),  # overflowed the sampler's int64 tensor
+        # the grammar ends the output when complete: min_tokens would be ignored
+        ({"min_tokens": 5, "structured_outputs": StructuredOutputsParams(json_object=True)}, "min_tokens"),
     ],
 )
 def test_sampling_params_reject_bad_field(overrides: dict, field: str) -> None:

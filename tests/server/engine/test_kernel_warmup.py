@@ -151,7 +151,8 @@ def test_warmup_lists_exactly_what_serving_launches(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_engine_start_compiles_every_variant_and_says_so(checkpoint_dirs, caplog) -> None:
+def test_engine_start_compiles_every_variant_and_says_so(checkpoint_dirs, caplog, monkeypatch) -> None:
+    monkeypatch.setenv("PAGED_ALLOW_LONG_MAX_MODEL_LEN", "1")  # 2048 on a 256-position model
     loaded = load_model(checkpoint_dirs["gemma3"], torch.bfloat16, "cuda")
     config = EngineConfig(max_batch_size=4, max_model_len=2048, device="cuda",
                           attention_backend="triton")  # fmt: skip

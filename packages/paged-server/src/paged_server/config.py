@@ -7,6 +7,7 @@ choices for this machine.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -135,6 +136,30 @@ class EngineConfig:
                 "calculate_kv_scales: not supported with tensor_parallel_size > 1 yet (the "
                 "calibration pass runs on one rank); drop the flag or use one device"
             )
+
+
+# vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: run past the model's trained length on purpose.
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "PAGED_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def check_max_model_len(max_model_len: int, max_position_embeddings: int) -> None:
+    """Refuse a ``max_model_len`` beyond the model's ``max_position_embeddings``
+    (as vLLM does): past its trained length a model's output degrades. With
+    ``PAGED_ALLOW_LONG_MAX_MODEL_LEN=1`` it only warns."""
+    if max_model_len <= max_position_embeddings:
+        return
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").lower() in ("1", "true"):
+        logging.getLogger(__name__).warning(
+            "max_model_len %d exceeds the model's max_position_embeddings %d (allowed by %s)",
+            max_model_len, max_position_embeddings, ALLOW_LONG_MAX_MODEL_LEN_ENV,
+        )
+        return
+    raise ValueError(
+        f"max_model_len: {max_model_len} is more than the model's max_position_embeddings "
+        f"{max_position_embeddings} (the longest context it was trained on); lower "
+        f"--max-model-len, or set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to run past it anyway "
+        "(output quality degrades)"
+    )
 
 
 # Step token budget when none is given. On a GPU a step costs about the same

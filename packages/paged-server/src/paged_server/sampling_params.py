@@ -14,6 +14,8 @@ GREEDY_TEMPERATURE = 1e-5
 # Most top alternatives a request may ask for per token (vLLM's default
 # ``max_logprobs``); each costs a top-k over the vocabulary.
 MAX_LOGPROBS = 20
+# top_k is a 64-bit integer downstream; any k above the vocabulary means "off".
+MAX_TOP_K = 2**63 - 1
 # OpenAI's and vLLM's bound on one ``logit_bias`` entry.
 MAX_LOGIT_BIAS = 100.0
 # Bound on beam search's |length_penalty|: useful values lie within +-3
@@ -107,7 +109,14 @@ class SamplingParams:
         _int_in("n", self.n, 1, None)
         _int_in("max_tokens", self.max_tokens, 1, max_model_len, high_is=" (max_model_len)")
         _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, high_is=" (max_tokens)")
-        _int_in("top_k", self.top_k, 0, None, hint=" (0 or -1 = off)")
+        if self.min_tokens and self.structured_outputs is not None:
+            # The grammar allows only EOS once its document is complete.
+            raise ValueError(
+                "min_tokens: cannot be combined with a structured output (response_format "
+                "json_object / json_schema, a forced tool_choice): the output ends when the "
+                "grammar is complete; send min_tokens 0"
+            )
+        _int_in("top_k", self.top_k, 0, MAX_TOP_K, hint=" (0 or -1 = off)")
         _float_in("temperature", self.temperature, 0.0, None)
         _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _float_in("min_p", self.min_p, 0.0, 1.0)

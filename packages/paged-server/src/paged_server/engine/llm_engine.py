@@ -40,6 +40,7 @@ from torch import Tensor
 
 from paged_server.config import (
     EngineConfig,
+    check_max_model_len,
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
@@ -62,6 +63,7 @@ from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.engine.structured_output import StructuredOutput
 from paged_server.errors import EngineFailedError, QueueFullError
 from paged_server.models import LoadedModel, load_model
+from paged_server.models.loader import read_model_config
 from paged_server.models.quantization import weights_summary
 from paged_server.models.tensor_parallel import shard_heads
 from paged_server.outputs import RequestOutput
@@ -82,6 +84,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
+        model_config = loaded.config if loaded is not None else read_model_config(_model_path(config))
+        check_max_model_len(config.max_model_len, model_config.max_position_embeddings)  # before loading
         self.executor: TensorParallelExecutor | None = None
         self.failed: str | None = None  # set when the engine can no longer step
         if config.tensor_parallel_size > 1:
@@ -132,14 +136,6 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        if config.max_model_len > loaded.config.max_position_embeddings:
-            # RoPE is computed on the fly, so this runs, but past the trained length
-            # a real checkpoint's quality degrades.
-            log.warning(
-                "max_model_len %d exceeds the model's max_position_embeddings %d",
-                config.max_model_len,
-                loaded.config.max_position_embeddings,
-            )
         mc, executor = loaded.config, self.executor
         self.kv_heads_per_rank = shard_heads(mc.num_heads, mc.num_kv_heads, loaded.model.tp).num_kv_heads
         kv_scales = None

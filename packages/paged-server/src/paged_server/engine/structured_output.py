@@ -61,8 +61,27 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         kind = "grammar" if spec.grammar is not None else "JSON schema"
-        raise ValueError(f"structured_outputs: invalid {kind}: {error}")
+        raise ValueError(f"structured_outputs: invalid {kind}: {_short(error)}")
     return grammar
+
+
+def _short(error: str) -> str:
+    """llguidance's message without the parser state it dumps after it."""
+    return error.strip().split("\n", 1)[0].split("; try avoiding", 1)[0]
+
+
+def _check_completable(prototype: llguidance.LLMatcher) -> None:
+    """``ValueError`` if the output a grammar forces from its start never
+    ends (a required property whose schema is the object itself): caught at
+    submission instead of as a parser error mid-generation."""
+    probe = prototype.deep_copy()
+    probe.consume_tokens(probe.compute_ff_tokens())
+    if probe.is_error():
+        raise ValueError(
+            "structured_outputs: no output can ever complete it: the text it forces never "
+            "ends (does a required property refer back to its own object?); "
+            f"{_short(probe.get_error())}"
+        )
 
 
 class StructuredOutput:
@@ -93,7 +112,8 @@ class StructuredOutput:
         if prototype is None:
             prototype = llguidance.LLMatcher(self.ll_tokenizer, source, log_level=0)
             if prototype.is_error():
-                raise ValueError(f"structured_outputs: {prototype.get_error()}")
+                raise ValueError(f"structured_outputs: {_short(prototype.get_error())}")
+            _check_completable(prototype)
             self._compiled[source] = prototype
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -133,7 +153,7 @@ class StructuredOutput:
         """Advance ``matcher`` by a sampled token: ``(grammar complete, error)``."""
         try:
             if not matcher.consume_token(token_id):
-                return False, f"structured output: token {token_id} rejected: {matcher.get_error()}"
+                return False, f"structured output: token {token_id} rejected: {_short(matcher.get_error())}"
             return matcher.is_stopped(), None
         except Exception as exc:
             return False, f"structured output failed: {_describe(exc)}"
@@ -141,6 +161,4 @@ class StructuredOutput:
 
 def _describe(exc: Exception) -> str:
     """An exception in one line: llguidance's can carry its whole parser state."""
-    lines = str(exc).strip().splitlines()
-    first = lines[0] if lines else ""
-    return f"{type(exc).__name__}: {first[:200]}"
+    return f"{type(exc).__name__}: {_short(str(exc))[:200]}"

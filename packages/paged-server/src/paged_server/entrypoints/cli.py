@@ -8,10 +8,14 @@ its arguments to ``paged_server.bench.main`` (the offline engine benchmark).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import math
 import os
+import socket
 import sys
+from typing import Any
 
 API_KEY_ENV = "PAGED_API_KEY"
 
@@ -23,6 +27,31 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             return action.help
         return super()._get_help_string(action)
+
+
+def _at_least(kind: type, low: float) -> Any:
+    """An argparse type: a ``kind`` number >= ``low`` (finite)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number >= {low:g}, got {text!r}") from None
+        if not value >= low or value == math.inf:  # NaN compares False
+            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 = any free port), got {text}")
+    return port
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -37,7 +66,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (0 = any free port)")
     p.add_argument(
         "--api-key",
         default=None,  # read from the environment at run time, never shown by --help
@@ -45,11 +74,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         f"(default: ${API_KEY_ENV} if set, else no key)",
     )
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=_at_least(int, 1), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get HTTP 413")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted")
-    p.add_argument("--audit-interval", type=float, default=60.0,
+    p.add_argument("--audit-interval", type=_at_least(float, 0), default=60.0,
                    help="seconds between KV block audits while the engine is idle; findings are "
                    "logged and exported as paged:kv_audit_problems (0 = never)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -76,7 +105,12 @@ def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 def _run_serve(args: argparse.Namespace) -> int:
     from paged_server.entrypoints.openai.app import ServerSettings
     from paged_server.entrypoints.openai.engine_args import engine_config_from_args
-    from paged_server.entrypoints.openai.server import build_engine, serve, served_model_name
+    from paged_server.entrypoints.openai.server import (
+        bind_socket,
+        build_engine,
+        serve,
+        served_model_name,
+    )
 
     try:
         config = engine_config_from_args(args)
@@ -91,10 +125,24 @@ def _run_serve(args: argparse.Namespace) -> int:
         )
     from paged_server.parallel import WorkerStartError
 
+    try:  # before the model loads: a busy port is known in a second, not minutes
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"paged-server serve: {_bind_error(args.host, args.port, exc)}", file=sys.stderr)
+        return 2
     try:
         engine = build_engine(config)
     except (ValueError, FileNotFoundError, WorkerStartError) as exc:  # bad model dir, setting, rank
+        sock.close()
         print(f"paged-server serve: {exc}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as exc:
+        sock.close()
+        if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+            raise
+        print(f"paged-server serve: the KV cache or the model does not fit in memory "
+              f"({str(exc).splitlines()[0][:200]}); lower --max-model-len or --max-batch-size, "
+              "or size the cache with --num-gpu-blocks / --kv-cache-memory-bytes", file=sys.stderr)
         return 2
     settings = ServerSettings(
         model_name=served_model_name(config, args.served_model_name),
@@ -105,8 +153,19 @@ def _run_serve(args: argparse.Namespace) -> int:
         announce=True,
         tool_call_parser=args.tool_call_parser,
     )
-    serve(engine, settings, args.host, args.port, args.log_level)
+    serve(engine, settings, sock, args.log_level)
     return 0
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> str:
+    """One line on why ``host:port`` cannot be listened on, and what to do."""
+    if isinstance(exc, socket.gaierror):
+        return (f"--host {host}: cannot resolve it ({exc.strerror}); pass an IP address such as "
+                "127.0.0.1 or 0.0.0.0, or a name this machine resolves")
+    if exc.errno == errno.EADDRINUSE:
+        return (f"--port {port}: {host}:{port} is already in use; stop what listens there or "
+                "pick another port (--port 0: any free one)")
+    return f"--host {host} --port {port}: cannot listen there: {exc.strerror or exc}"
 
 
 def _run_bench_serve(args: argparse.Namespace) -> int:

@@ -23,5 +23,9 @@ class CheckpointMismatchError(ModelLoadError, ValueError):
     """A weight is missing, or its shape does not match config.json."""
 
 
+class CorruptCheckpointError(ModelLoadError, ValueError):
+    """A weights file cannot be read (truncated or damaged)."""
+
+
 class InvalidConfigError(ModelLoadError, ValueError):
     """config.json is unreadable or lacks a field the model needs."""

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from paged_server.models.base import CausalLM
 from paged_server.models.config import ModelConfig
 from paged_server.models.errors import (
     CheckpointMismatchError,
+    CorruptCheckpointError,
     InvalidConfigError,
     ModelFileNotFoundError,
 )
@@ -83,14 +84,7 @@ def load_model(
     format; ``quantization`` (vLLM's ``--quantization``) may name it, or
     quantize 16/32-bit weights at load (``fp8``, ``int8``, ``int4``)."""
     path = Path(path).expanduser()
-    if not path.is_dir():
-        raise ModelFileNotFoundError(
-            f"model directory {path} does not exist; pass a Hugging Face model directory "
-            "(config.json, *.safetensors, tokenizer.json)"
-        )
-    hf = read_config_json(path)
-    arch_name, arch = resolve_architecture(hf)
-    config = ModelConfig.from_hf(arch.text_config(hf), arch_name)
+    hf, config, arch = _read_model_config(path)
     target_dtype = resolve_dtype(dtype, config)
     quant = resolve_quantization(hf, quantization)
     model = _build_empty(arch, config, target_dtype, torch.device(device), tp)
@@ -105,6 +99,23 @@ def load_model(
     tokenizer = Tokenizer.from_dir(path)
     eos = eos_token_ids(path, config, tokenizer)
     return LoadedModel(model, config, tokenizer, eos, path, target_dtype, bytes_read, quant)
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The model's config from its directory's config.json, without loading
+    weights (to check settings against it first)."""
+    return _read_model_config(Path(path).expanduser())[1]
+
+
+def _read_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, Architecture]:
+    if not path.is_dir():
+        raise ModelFileNotFoundError(
+            f"model directory {path} does not exist; pass a Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer.json)"
+        )
+    hf = read_config_json(path)
+    arch_name, arch = resolve_architecture(hf)
+    return hf, ModelConfig.from_hf(arch.text_config(hf), arch_name), arch
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
@@ -185,7 +196,7 @@ def load_weights(
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_weights(file) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = arch.weight_name(key)
                 if name is None or key in skip:
@@ -231,6 +242,17 @@ def load_weights(
             "ignored %d unknown checkpoint tensors, e.g. %s", len(unexpected), unexpected[0]
         )
     return bytes_read
+
+
+def _open_weights(file: Path) -> Any:
+    """``safe_open`` with an error that names the file when it is damaged."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise CorruptCheckpointError(
+            f"{file} is not a readable safetensors file ({exc}); it is probably truncated "
+            "(an interrupted download or a full disk): download it again"
+        ) from None
 
 
 def checkpoint_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, Part]]:

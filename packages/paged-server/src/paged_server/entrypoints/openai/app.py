@@ -36,6 +36,7 @@ from paged_server.entrypoints.openai.protocol import (
     CompletionResponse,
     ErrorResponse,
     ModelList,
+    lone_surrogate_path,
 )
 from paged_server.entrypoints.openai.serving import OpenAIServing
 from paged_server.entrypoints.openai.tokenization import (
@@ -148,6 +149,7 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
         summary="Complete a prompt (stream: true for server-sent events)",
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_text(body)
         return await serving.completions(body, request)
 
     @app.post(
@@ -157,11 +159,13 @@ def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
         summary="Chat with the model's chat template (stream: true for server-sent events)",
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_text(body)
         return await serving.chat(body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         """Token ids of a text or a conversation (vLLM's /tokenize)."""
+        _check_text(body)
         serving.check_model(body.model)
         return tokenization.tokenize(body)
 
@@ -245,6 +249,19 @@ def _document_400_not_422(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _check_text(body: Any) -> None:
+    """A 400 naming the first field whose text cannot be encoded (a lone surrogate)."""
+    path = lone_surrogate_path(body)
+    if path is not None:
+        raise APIError(
+            400,
+            f"{path}: contains a lone UTF-16 surrogate (such as \\ud800), which is not text; "
+            "send valid Unicode",
+            param=path,
+            code="invalid_value",
+        )
 
 
 def _unhealthy(reason: str, **extra: Any) -> JSONResponse:

@@ -122,8 +122,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     elif union_hint and _is_union_failure(errors, first):
         param = str(top)
         message = f"{param}: {union_hint}"
+    elif param and not msg.startswith(f"{param}: "):
+        message = f"{param}: {msg}"
     else:
-        message = f"{param}: {msg}" if param else msg
+        message = msg
     return APIError(400, message, param=param, code="invalid_value")
 
 

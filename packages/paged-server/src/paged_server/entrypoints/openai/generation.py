@@ -48,8 +48,17 @@ class Generation:
         self._unfinished: set[str] = set()
         self._checked_at = time.monotonic()  # last client-disconnect poll
 
-    async def submit(self, prompts: list[list[int]], params: Any, *, prompt_param: str) -> None:
-        """Add every prompt to the engine; on any failure abort the ones added."""
+    async def submit(
+        self,
+        prompts: list[list[int]],
+        params: Any,
+        *,
+        prompt_param: str,
+        constraint_param: str = "response_format",
+    ) -> None:
+        """Add every prompt to the engine; on any failure abort the ones
+        added. Errors name ``prompt_param`` for the prompt and
+        ``constraint_param`` for the grammar (``response_format`` or ``tools``)."""
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{self.request_id}-{i}"
@@ -75,7 +84,8 @@ class Generation:
             raise APIError(503, f"the engine is not running: {exc}", code="engine_unavailable") from None
         except ValueError as exc:
             self.abort()
-            raise bad_value(exc, default_param=prompt_param) from None
+            names = {"prompt": prompt_param, "structured_outputs": constraint_param}
+            raise bad_value(exc, default_param=prompt_param, aliases=names) from None
         except BaseException:
             self.abort()
             raise
@@ -130,13 +140,20 @@ class Generation:
         self._unfinished.clear()
 
 
-def bad_value(exc: ValueError, *, default_param: str | None = None) -> APIError:
-    """A 400 from a ``ValueError("<field>: what is wrong")``, naming the field."""
+def bad_value(
+    exc: ValueError, *, default_param: str | None = None, aliases: dict[str, str] | None = None
+) -> APIError:
+    """A 400 from a ``ValueError("<field>: what is wrong")``, naming the
+    field; ``aliases`` rename engine fields to the request's (the engine says
+    "prompt" where chat requests say "messages")."""
     message = str(exc)
-    head, sep, _ = message.partition(":")
-    param = head if sep and head.isidentifier() else default_param
-    if param == "prompt" and default_param is not None:
-        param = default_param  # the engine says "prompt"; chat requests call it "messages"
-        message = f"{param}:{message.partition(':')[2]}"
+    head, sep, rest = message.partition(":")
+    if not (sep and head.isidentifier()):  # no field named: the message stays whole
+        param = default_param
+    elif head in (aliases or {}):
+        param = (aliases or {})[head]
+        message = f"{param}:{rest}"
+    else:
+        param = head
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
     return APIError(400, message, param=param, code=code)

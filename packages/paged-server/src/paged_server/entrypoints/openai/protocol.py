@@ -78,7 +78,7 @@ class ResponseFormatParam(_Strict):
     @model_validator(mode="after")
     def _check_schema(self) -> ResponseFormatParam:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format: type json_schema needs a json_schema object")
+            raise ValueError("type json_schema needs a json_schema object")
         return self
 
 
@@ -91,7 +91,7 @@ class _SamplingFields(_Strict):
     n: int = Field(1, ge=1, le=MAX_N, description="Choices to generate per prompt.")
     temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0, description="0 (or below 1e-5) = greedy.")
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 = off (vLLM extension).")
+    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0 or -1 = off (vLLM extension).")
     min_p: FiniteFloat = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
     repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=10.0, description="vLLM extension.")
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
@@ -165,7 +165,7 @@ class _SamplingFields(_Strict):
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²".isdigit() too
                 raise ValueError(f"keys must be token ids (digit strings), got {key!r}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(
@@ -255,6 +255,38 @@ class CompletionRequest(_SamplingFields):
                 f"{self.n} (picking the best of extra samples needs use_beam_search=true)"
             )
         return self
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """Where the first string of a request holding a lone UTF-16 surrogate
+    is (``"messages[0].content"``), else ``None``. JSON's ``"\\ud800"``
+    escape parses to one, but it is not text: no tokenizer can take it."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodable(value) else path or "body"
+    if isinstance(value, BaseModel):
+        fields = type(value).model_fields.items()
+        items: Any = ((f.alias or k, getattr(value, k)) for k, f in fields)
+        value = dict(items)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not _encodable(key):
+                return path or "body"
+            if (found := lone_surrogate_path(item, inner)) is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if (found := lone_surrogate_path(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def normalize_prompt(v: PromptType) -> list[str | list[int]]:

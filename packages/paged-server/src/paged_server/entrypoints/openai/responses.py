@@ -11,7 +11,10 @@ only) the one token the engine generates is dropped.
 
 from __future__ import annotations
 
+import codecs
+import functools
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +100,7 @@ class ResponseFormat:
         self.num_top = num_top  # logprobs asked for: top alternatives per token
         self.echo = echo
         self.n = n  # choices per prompt: choice i echoes prompt i // n
+        self._bytes: dict[int, bytes] = {}  # token id -> its UTF-8 bytes
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -184,7 +188,7 @@ class ResponseFormat:
             (tid, lp, tops[k] if k < len(tops) else [])
             for k, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=False))
         ]
-        return text, self.completion_logprobs(entries, start_offset)
+        return text, self.completion_logprobs(entries, start_offset, len(text))
 
     def chat_body(
         self, choices: list[CollectedChoice], prompt_tokens: int, cached_tokens: int = 0
@@ -219,18 +223,34 @@ class ResponseFormat:
     def _token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes a token stands for, also when it is part of one
+        character (its text alone is then U+FFFD)."""
+        data = self._bytes.get(token_id)
+        if data is None:
+            data = token_bytes(self.tokenizer, token_id)
+            self._bytes[token_id] = data
+        return data
+
     def completion_logprobs(
-        self, entries: list[tuple[int, float | None, list[tuple[int, float]]]], start_offset: int
+        self,
+        entries: list[tuple[int, float | None, list[tuple[int, float]]]],
+        start_offset: int,
+        text_len: int,
     ) -> dict[str, Any]:
         """Completions' ``logprobs`` object over ``(token id, logprob, top)``
         entries (logprob ``None``: the first echoed prompt token). Each
         ``top_logprobs`` dict holds the token itself and its top alternatives
-        (as vLLM); offsets count from the choice's text start."""
+        (as vLLM); offsets count from the choice's text start, and a token
+        inside a multi-byte character points at that character."""
         tokens = [self._token_text(tid) for tid, _, _ in entries]
-        offsets, pos = [], start_offset
-        for tok in tokens:
-            offsets.append(pos)
-            pos += len(tok)
+        offsets, chars = [], 0
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        special = getattr(self.tokenizer, "special_token_ids", frozenset())
+        for tid, _, _ in entries:
+            offsets.append(start_offset + min(chars, text_len))
+            if tid not in special:  # the text leaves special tokens out
+                chars += len(decoder.decode(self._token_bytes(tid)))
         top_logprobs: list[dict[str, float] | None] = []
         for tok, (_, lp, top) in zip(tokens, entries, strict=True):
             if lp is None:
@@ -254,13 +274,49 @@ class ResponseFormat:
         for k, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=False)):
             tok = self._token_text(tid)
             top = [
-                {"token": t, "logprob": finite(v), "bytes": list(t.encode())}
-                for t, v in ((self._token_text(a), b) for a, b in (tops[k] if k < len(tops) else []))
+                {"token": self._token_text(a), "logprob": finite(v), "bytes": list(self._token_bytes(a))}
+                for a, v in (tops[k] if k < len(tops) else [])
             ]
-            content.append(
-                {"token": tok, "logprob": finite(lp), "bytes": list(tok.encode()), "top_logprobs": top}
-            )
+            content.append({"token": tok, "logprob": finite(lp), "bytes": list(self._token_bytes(tid)),
+                            "top_logprobs": top})
         return {"content": content}
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tokens
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes of one token: its text's, unless the token is a piece of a
+    character (byte-level BPE pieces and ``<0xNN>`` byte-fallback tokens are
+    read from the vocabulary)."""
+    text = str(tokenizer.decode([token_id], skip_special_tokens=False))
+    if "\ufffd" not in text:
+        return text.encode()
+    hf = getattr(tokenizer, "hf", tokenizer)
+    piece = hf.id_to_token(token_id) if hasattr(hf, "id_to_token") else None
+    if piece is None:
+        return text.encode()
+    if match := _BYTE_FALLBACK.fullmatch(piece):
+        return bytes([int(match.group(1), 16)])
+    alphabet = _byte_level_alphabet()
+    if all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return text.encode()
 
 
 def _generated(choices: list[CollectedChoice]) -> int:

@@ -110,9 +110,9 @@ def _uvicorn_config(app: Any, settings: ServerSettings, log_level: str) -> uvico
     )
 
 
-def serve(engine: Any, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM (foreground; blocks)."""
-    sock = bind_socket(host, port)
+def serve(engine: Any, settings: ServerSettings, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve on ``sock`` (from ``bind_socket``, bound before the model loaded)
+    until SIGINT/SIGTERM (foreground; blocks)."""
     app = create_app(engine, settings)
     print(startup_line(engine, settings, _url(sock)), file=sys.stderr, flush=True)
     uvicorn.Server(_uvicorn_config(app, settings, log_level)).run(sockets=[sock])

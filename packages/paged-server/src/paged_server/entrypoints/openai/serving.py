@@ -119,12 +119,12 @@ class OpenAIServing:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self._check_length(len(ids), max_tokens, "messages", max_tokens_param=param)
         num_top = (body.top_logprobs or 0) if body.logprobs else None
-        constraint = tool_constraint(body, self.tool_call_parser) or response_format_constraint(
-            body.response_format
-        )
+        constraint = tool_constraint(body, self.tool_call_parser)
+        constraint_param = "tools" if constraint is not None else "response_format"
+        constraint = constraint or response_format_constraint(body.response_format)
         params = self._params(body, max_tokens, logprobs=num_top, structured_outputs=constraint)
         gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", body.n, arrival)
-        await gen.submit([ids], params, prompt_param="messages")
+        await gen.submit([ids], params, prompt_param="messages", constraint_param=constraint_param)
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
                              include_usage=body.include_usage(), num_top=num_top)
         if body.effective_tool_choice() != "none":

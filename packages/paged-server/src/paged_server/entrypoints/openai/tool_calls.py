@@ -18,14 +18,12 @@ model free and parses whatever calls it wrote.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -77,44 +75,43 @@ def call_grammar(parser: str, tools: list[dict[str, Any]], *, parallel: bool) ->
 
 
 def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """``(content, calls)`` from a complete reply; text that holds no
-    well-formed call is all content."""
-    if parser == "llama3_json":
-        calls = _parse_llama(text)
-        return (None, calls) if calls else (text, [])
-    calls = []
-    for body in _HERMES_CALL.findall(text):
-        call = _call_from_json(body, "arguments")
-        if call is None:
-            return text, []
-        calls.append(call)
-    if not calls:
+    """``(content, calls)`` from a complete reply, exactly what streaming the
+    same text through ``ToolStreamParser`` gives: every well-formed call
+    (a reply cut by ``max_tokens`` keeps the calls before the cut), the rest
+    as content; text that holds no well-formed call is all content."""
+    stream = ToolStreamParser(parser)
+    deltas = stream.feed(text) + stream.finish()
+    if not stream.calls:
         return text, []
-    content = _HERMES_CALL.sub("", text).strip()
-    return content or None, calls
+    content = "".join(d.get("content", "") for d in deltas).strip()
+    return content or None, stream.calls
 
 
-def _parse_llama(text: str) -> list[ToolCall]:
+def _parse_llama(text: str) -> tuple[list[ToolCall], str]:
+    """The calls of a llama3_json reply and what follows the last one that
+    is not a call (a call cut short); no calls when the first part is not one."""
     body = text.strip().removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
-        return []
-    calls = []
-    for part in _split_top_level(body):
+        return [], text
+    calls: list[ToolCall] = []
+    parts = _split_top_level(body)
+    for k, part in enumerate(parts):
         call = _call_from_json(part, "parameters")
         if call is None:
-            return []
+            return (calls, "".join(parts[k:])) if calls else ([], text)
         calls.append(call)
-    return calls
+    return calls, ""
 
 
 def _split_top_level(body: str) -> list[str]:
-    """JSON objects separated by ``;`` (a ``;`` inside a string stays)."""
+    """JSON objects separated by ``;`` (a ``;`` inside a string stays); text
+    from the first one that does not decode on is the last part."""
     decoder, parts, pos = json.JSONDecoder(), [], 0
     while pos < len(body):
         try:
             _, end = decoder.raw_decode(body, pos)
         except ValueError:
-            return [body]  # not a sequence of objects: let the caller reject it
+            return [*parts, body[pos:]]  # the caller rejects it as a call
         parts.append(body[pos:end])
         pos = end
         while pos < len(body) and body[pos] in " \n\t;":
@@ -156,10 +153,8 @@ class ToolStreamParser:
         """Deltas for whatever is still held when the choice ends."""
         if self.parser == "llama3_json":
             text, self._pending = self._pending, ""
-            calls = _parse_llama(text) if self._buffer_all else []
-            if calls:
-                return self._emit(calls)
-            return [{"content": text}] if text else []
+            calls, rest = _parse_llama(text) if self._buffer_all else ([], text)
+            return self._emit(calls) + ([{"content": rest}] if rest else [])
         return self._feed_hermes(final=True)
 
     def _feed_llama(self) -> list[dict[str, Any]]:
@@ -182,10 +177,11 @@ class ToolStreamParser:
                     break
                 body = self._pending if end < 0 else self._pending[:end]
                 call = _call_from_json(body.strip(), "arguments")
-                self._pending = "" if end < 0 else self._pending[end + len(_HERMES_CLOSE):]
+                close = "" if end < 0 else _HERMES_CLOSE
+                self._pending = self._pending[len(body) + len(close):]
                 self._in_call = False
                 if call is None:  # not a call after all: say what was written
-                    deltas.append({"content": _HERMES_OPEN + body})
+                    deltas.append({"content": _HERMES_OPEN + body + close})
                 else:
                     deltas += self._emit([call])
                 continue
