@@ -75,6 +75,7 @@ def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 def _run_serve(args: argparse.Namespace) -> int:
     from paged_server.entrypoints.openai.app import ServerSettings
+    from paged_server.entrypoints.openai.async_engine import EngineThread
     from paged_server.entrypoints.openai.engine_args import engine_config_from_args
     from paged_server.entrypoints.openai.server import build_engine, serve, served_model_name
 
@@ -89,8 +90,9 @@ def _run_serve(args: argparse.Namespace) -> int:
             "binding %s without --api-key: anyone who can reach this address can use the model",
             args.host,
         )
+    thread = EngineThread()  # loads the model and steps it: one torch thread pool
     try:
-        engine = build_engine(config)
+        engine = build_engine(config, thread)
     except (ValueError, FileNotFoundError) as exc:  # bad model dir, unsupported setting
         print(f"paged-server serve: {exc}", file=sys.stderr)
         return 2
@@ -103,7 +105,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         announce=True,
         tool_call_parser=args.tool_call_parser,
     )
-    serve(engine, settings, args.host, args.port, args.log_level)
+    serve(engine, settings, args.host, args.port, args.log_level, thread)
     return 0
 
 
