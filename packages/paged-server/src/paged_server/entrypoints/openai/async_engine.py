@@ -82,10 +82,6 @@ class EngineThread:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def ident(self) -> int | None:
-        return self._thread.ident
-
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Run ``fn()`` on this thread after what was submitted before."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
