@@ -92,9 +92,12 @@ class EngineThread:
         """Run ``fn()`` on this thread and return its result (or raise its error)."""
         return self.submit(fn).result()
 
-    def close(self) -> None:
-        """End the thread once what was submitted before has run."""
+    def close(self, timeout: float | None = None) -> None:
+        """End the thread once what was submitted before has run; wait up to
+        ``timeout`` seconds for that (0: do not wait)."""
         self._jobs.put(None)
+        if timeout != 0:
+            self._thread.join(timeout)
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -119,6 +122,7 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self._engine_thread = thread  # the thread that built the engine, if known
+        self._own_thread = False  # True: started here, ended by stop()
         self.audit_interval_s = audit_interval_s  # while idle; 0 = never
         self._last_audit = time.monotonic()
         self.server_metrics = metrics
@@ -145,10 +149,9 @@ class AsyncEngine:
         if self._loop_done is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
         self._snapshot = dict(self.engine.metrics())
-        thread = self._engine_thread or EngineThread()
-        self._loop_done = thread.submit(self._run)
         if self._engine_thread is None:
-            thread.close()  # ours: it ends with the loop
+            self._engine_thread, self._own_thread = EngineThread(), True
+        self._loop_done = self._engine_thread.submit(self._run)
 
     @property
     def alive(self) -> bool:
@@ -163,6 +166,8 @@ class AsyncEngine:
         done, _ = concurrent.futures.wait([self._loop_done], timeout)
         if not done:
             logger.warning("engine thread did not stop within %.0f s (a step is still running)", timeout)
+        elif self._own_thread and self._engine_thread is not None:
+            self._engine_thread.close(timeout)
 
     # ------------------------------------------------------- event-loop API
     async def add_request(
