@@ -56,7 +56,9 @@ def test_serve_loads_the_model_and_steps_it_on_one_thread(monkeypatch: pytest.Mo
 
 # Run in a fresh interpreter, so no earlier test's thread pool exists: build an
 # engine as `serve` does ("serve": on an EngineThread, stepped there) or all on
-# the main thread ("main"), then time decode steps. Prints seconds per step.
+# the main thread ("main"), then time decode steps. Prints the fastest step's
+# seconds (on a shared machine most steps wait for a core; the fastest one
+# shows what the step itself costs).
 _SCRIPT = r"""
 import json, sys, time
 from paged_server.config import EngineConfig
@@ -64,16 +66,18 @@ from paged_server.entrypoints.openai.async_engine import EngineThread
 from paged_server.entrypoints.openai.server import build_engine
 from paged_server.sampling_params import SamplingParams
 
-def per_step(engine, n=48):
+def per_step(engine, n=16):
     params = SamplingParams(max_tokens=n + 8, ignore_eos=True, temperature=0)
     for i in range(4):
         engine.add_request(f"r{i}", list(range(10, 40)), params)
     for _ in range(4):
         engine.step()
-    start = time.perf_counter()
+    times = []
     for _ in range(n):
+        start = time.perf_counter()
         engine.step()
-    return (time.perf_counter() - start) / n
+        times.append(time.perf_counter() - start)
+    return min(times)  # the least disturbed step: two pools slow every step
 
 config = EngineConfig(device="cpu", dtype="float32", attention_backend="ref",
                       max_batch_size=4, max_model_len=256)
@@ -99,10 +103,10 @@ def _seconds_per_step(where: str) -> float:
 
 @pytest.mark.slow
 def test_a_step_on_the_engine_thread_is_not_slower_than_on_the_main_thread() -> None:
-    # Alternating runs, medians, a generous bound: the machine is shared. Two
-    # pools made the engine thread 2.3x slower than the main thread.
+    # Alternating runs, medians of each run's fastest step, a generous bound:
+    # the machine is shared. Two pools made the engine thread 2.3x slower.
     runs: dict[str, list[float]] = {"serve": [], "main": []}
-    for _ in range(3):
+    for _ in range(2):
         for where in runs:
             runs[where].append(_seconds_per_step(where))
     serve, main = statistics.median(runs["serve"]), statistics.median(runs["main"])
