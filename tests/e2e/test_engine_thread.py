@@ -26,6 +26,8 @@ from paged_server.entrypoints.openai.server import ServerThread, build_engine
 
 from .conftest import MODEL, engine_config
 
+pytestmark = pytest.mark.e2e
+
 
 def test_serve_loads_the_model_and_steps_it_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     loaded_on: list[int] = []
