@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+# dtype "auto" is bf16 on CPUs with AMX / AVX512-BF16; the suite's tolerances
+# are float32's, so it runs float32 on every machine (subprocesses inherit it).
+os.environ.setdefault("PAGED_CPU_BF16", "0")
+
 
 @pytest.fixture
 def attention_backend() -> str:

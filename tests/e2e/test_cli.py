@@ -22,6 +22,7 @@ pytestmark = pytest.mark.e2e
 
 STARTUP = re.compile(
     r"serving '(?P<model>[^']+)' \(embedded default model\) on (?P<url>http://127\.0\.0\.1:\d+) \| "
+    r"dtype=float32 \(auto: CPU has no AMX/AVX512-BF16\) "  # the suite sets PAGED_CPU_BF16=0
     r"kv_cache_backend=paged attention=ref \| KV cache float32 \(kv_cache_dtype=auto\): "
     r"capacity (?P<tokens>\d+) tokens in (?P<blocks>\d+) blocks of 16"
 )

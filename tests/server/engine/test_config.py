@@ -7,6 +7,7 @@ import torch
 
 from paged_server.config import (
     EngineConfig,
+    cpu_has_bf16,
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
@@ -59,9 +60,25 @@ def test_auto_resolution_on_cpu() -> None:
     config = EngineConfig(device="cpu")
     device = resolve_device(config)
     assert device.type == "cpu"
-    assert resolve_dtype(config, device) is torch.float32
+    assert resolve_dtype(config, device, cpu_bf16=False) is torch.float32
     assert resolve_attention_backend(config, device) == "ref"
     assert resolve_dtype(EngineConfig(dtype="float16"), device) is torch.float16
+
+
+def test_auto_dtype_is_bf16_on_a_cpu_with_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert resolve_dtype(EngineConfig(), cpu, cpu_bf16=True) is torch.bfloat16
+    assert resolve_dtype(EngineConfig(dtype="float32"), cpu, cpu_bf16=True) is torch.float32
+    assert resolve_dtype(EngineConfig(), torch.device("cuda"), cpu_bf16=False) is torch.bfloat16
+    # Detection: AMX tiles or AVX512-BF16, as torch reports them.
+    monkeypatch.delenv("PAGED_CPU_BF16", raising=False)
+    for amx, avx512_bf16, expected in [(True, False, True), (False, True, True), (False, False, False)]:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda b=avx512_bf16: b)
+        assert cpu_has_bf16() is expected
+        assert resolve_dtype(EngineConfig(), cpu) is (torch.bfloat16 if expected else torch.float32)
+    monkeypatch.setenv("PAGED_CPU_BF16", "0")  # the suite's setting: auto is float32 everywhere
+    assert cpu_has_bf16() is False
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -179,3 +179,10 @@ def test_startup_line_states_kv_dtype_and_capacity(make_engine) -> None:
     n = contiguous.config.max_model_len
     line = startup_line(contiguous, ServerSettings(model_name="tiny"), "http://127.0.0.1:1")
     assert f"capacity {3 * n} tokens in 3 rows of {n}" in line  # a row, not a "slot"
+
+
+def test_startup_line_states_the_model_dtype_and_why(make_engine) -> None:
+    line = startup_line(make_engine(), ServerSettings(model_name="tiny"), "http://127.0.0.1:1")
+    assert "dtype=float32 (auto: CPU has no AMX/AVX512-BF16)" in line  # the suite forces no bf16
+    line = startup_line(make_engine(dtype="float32"), ServerSettings(model_name="tiny"), "http://127.0.0.1:1")
+    assert "dtype=float32 kv_cache_backend=" in line  # chosen, not detected

@@ -194,12 +194,32 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on CUDA and float32 on CPU (CPU half math is slow, and
-    the Triton interpreter cannot do bfloat16)."""
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[config.dtype]
+def resolve_dtype(
+    config: EngineConfig, device: torch.device, cpu_bf16: bool | None = None
+) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA, and on a CPU with bf16 matrix units
+    (AMX or AVX512-BF16: oneDNN runs bf16 GEMMs several times faster than
+    fp32, as vLLM's CPU backend uses them); float32 on other CPUs, where half
+    math is slow. Softmax and logits stay float32 either way. ``cpu_bf16``
+    overrides the detection (``cpu_has_bf16``)."""
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if cpu_bf16 is None:
+        cpu_bf16 = cpu_has_bf16()
+    return torch.bfloat16 if cpu_bf16 else torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions torch uses (AMX tiles
+    or AVX512-BF16). ``PAGED_CPU_BF16=0``/``1`` overrides it (the test suite
+    sets 0 so that ``auto`` means float32 on every machine)."""
+    forced = os.environ.get("PAGED_CPU_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
+    cpu = torch.cpu
+    return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
 
 
 def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str:

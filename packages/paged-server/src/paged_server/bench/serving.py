@@ -280,6 +280,7 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
             url, model, tokenizer = args.url.rstrip("/"), args.served_model_name, _tokenizer_for(args)
         else:
             from paged_server.entrypoints.openai.app import ServerSettings
+            from paged_server.entrypoints.openai.async_engine import EngineThread
             from paged_server.entrypoints.openai.server import (
                 ServerThread,
                 build_engine,
@@ -287,9 +288,10 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
             )
 
             assert config is not None
-            engine = build_engine(config)
+            thread = EngineThread()  # as serve: the thread that loads the model steps it
+            engine = build_engine(config, thread)
             name = served_model_name(config, args.served_model_name)
-            server = ServerThread(engine, ServerSettings(model_name=name)).start()
+            server = ServerThread(engine, ServerSettings(model_name=name), thread=thread).start()
             url, model, tokenizer = server.url, name, engine.tokenizer
             settings_info = asdict(engine.config)  # as run: defaults resolved
         workload = build_workload(args.workload, wl.token_pool_from_tokenizer(tokenizer), args)

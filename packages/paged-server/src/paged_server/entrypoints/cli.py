@@ -104,6 +104,7 @@ def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 def _run_serve(args: argparse.Namespace) -> int:
     from paged_server.entrypoints.openai.app import ServerSettings
+    from paged_server.entrypoints.openai.async_engine import EngineThread
     from paged_server.entrypoints.openai.engine_args import engine_config_from_args
     from paged_server.entrypoints.openai.server import (
         bind_socket,
@@ -130,8 +131,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"paged-server serve: {_bind_error(args.host, args.port, exc)}", file=sys.stderr)
         return 2
+    thread = EngineThread()  # loads the model and steps it: one torch thread pool
     try:
-        engine = build_engine(config)
+        engine = build_engine(config, thread)
     except (ValueError, FileNotFoundError, WorkerStartError) as exc:  # bad model dir, setting, rank
         sock.close()
         print(f"paged-server serve: {exc}", file=sys.stderr)
@@ -153,7 +155,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         announce=True,
         tool_call_parser=args.tool_call_parser,
     )
-    serve(engine, settings, sock, args.log_level)
+    serve(engine, settings, sock, args.log_level, thread)
     return 0
 
 

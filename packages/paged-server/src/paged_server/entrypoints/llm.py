@@ -8,7 +8,11 @@
     beams[0].sequences[0].text
 
 ``generate`` feeds the engine as fast as its queue takes requests and
-steps it until every prompt is done; ``llm.engine`` gives metrics. With
+steps it until every prompt is done; ``llm.engine`` gives metrics. It runs
+on the caller's thread: build the ``LLM`` on the thread that calls
+``generate`` (the model's load starts torch's thread pool on the building
+thread; stepping on another starts a second pool, and with two pools a small
+machine's steps get up to 2x slower, see docs/operations.md). With
 ``tensor_parallel_size=N`` the engine runs N processes: ``llm.shutdown()``
 (or ``with LLM(...) as llm:``) stops them; so does interpreter exit.
 """
@@ -16,6 +20,7 @@ steps it until every prompt is done; ``llm.engine`` gives metrics. With
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +52,7 @@ class LLM:
     ) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_config), loaded)
         self._counter = 0
+        self._built_on: int | None = threading.get_ident()  # whose torch pool loaded the model
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers (if any)."""
@@ -83,6 +89,7 @@ class LLM:
         else:
             inputs = [prompts] if isinstance(prompts, str) else list(prompts)
         params_list = _params_per_prompt(sampling_params, len(inputs))
+        self._check_thread()
         if use_tqdm is None:
             use_tqdm = len(inputs) > 1
 
@@ -211,6 +218,15 @@ class LLM:
             )
             for prompt, result in zip(token_ids, results, strict=True)
         ]
+
+    def _check_thread(self) -> None:
+        if self._built_on is not None and threading.get_ident() != self._built_on:
+            self._built_on = None  # said once
+            log.warning(
+                "LLM.generate runs on another thread than the one that built the LLM: torch "
+                "now keeps a thread pool on each, and steps can be up to 2x slower on a small "
+                "machine; build the LLM on the thread that calls generate"
+            )
 
     def _submit(
         self,

@@ -1,7 +1,8 @@
 """The FastAPI app: routes, guards, and the engine thread's lifetime.
 
-``create_app(engine, settings)`` takes an engine that is already built (the
-model loaded), so a bad model path fails before the server binds a port.
+``create_app(engine, settings, thread)`` takes an engine that is already
+built (the model loaded), so a bad model path fails before the server binds
+a port, and the `EngineThread` that built it, which then steps it.
 The engine thread starts with the app and stops on shutdown, aborting what
 is still in flight and closing its streams.
 """
@@ -20,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike
+from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike, EngineThread
 from paged_server.entrypoints.openai.errors import APIError, install_error_handlers
 from paged_server.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from paged_server.entrypoints.openai.metrics import ServerMetrics
@@ -94,12 +95,17 @@ class ServerSettings:
     tool_call_parser: str | None = None  # None: detected from the chat template
 
 
-def create_app(engine: EngineLike, settings: ServerSettings) -> FastAPI:
-    """The OpenAI-compatible app around ``engine`` (an ``LLMEngine``)."""
+def create_app(
+    engine: EngineLike, settings: ServerSettings, thread: EngineThread | None = None
+) -> FastAPI:
+    """The OpenAI-compatible app around ``engine`` (an ``LLMEngine``), stepped
+    on ``thread``: the one that built it (``server.build_engine``), else a new one."""
     config: Any = getattr(engine, "config", None)
     max_model_len = int(config.max_model_len)
     metrics = ServerMetrics(settings.model_name, max_model_len)
-    async_engine = AsyncEngine(engine, metrics, audit_interval_s=settings.audit_interval_s)
+    async_engine = AsyncEngine(
+        engine, metrics, audit_interval_s=settings.audit_interval_s, thread=thread
+    )
     tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
         async_engine,

@@ -5,6 +5,12 @@ The event loop never runs a forward pass. Everything that touches the engine
 needs no locks. Handlers talk to it through commands (a thread-safe queue,
 answered with `concurrent.futures.Future`s) and receive outputs on their own
 `asyncio.Queue`, fed with ``loop.call_soon_threadsafe`` after every step.
+
+The thread that steps the engine should be the one that loaded its model
+(`EngineThread`): torch's OpenMP pool belongs to the thread that first runs a
+parallel op, and with a second pool alive (2 cores, 2 pools) libgomp stops
+busy-waiting, so every op of every step pays a thread wake-up (measured: a
+step 2.3x slower).
 """
 
 from __future__ import annotations
@@ -63,6 +69,47 @@ class EngineDeadError(RuntimeError):
     """The engine thread is not running; the server cannot take requests."""
 
 
+class EngineThread:
+    """One daemon thread that runs what it is given, in order: first the
+    engine's construction (``call(build)``: loading the model starts torch's
+    thread pool on this thread), then `AsyncEngine`'s step loop, so one
+    thread pool does all the model's work."""
+
+    def __init__(self, name: str = "paged-engine") -> None:
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn()`` on this thread after what was submitted before."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on this thread and return its result (or raise its error)."""
+        return self.submit(fn).result()
+
+    def close(self, timeout: float | None = None) -> None:
+        """End the thread once what was submitted before has run; wait up to
+        ``timeout`` seconds for that (0: do not wait)."""
+        self._jobs.put(None)
+        if timeout != 0:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the caller
+                fut.set_exception(exc)
+
+
 class AsyncEngine:
     """Runs ``engine.step()`` in a loop on one thread and routes its outputs."""
 
@@ -71,8 +118,11 @@ class AsyncEngine:
         engine: EngineLike,
         metrics: ServerMetrics | None = None,
         audit_interval_s: float = 0.0,
+        thread: EngineThread | None = None,
     ) -> None:
         self.engine = engine
+        self._engine_thread = thread  # the thread that built the engine, if known
+        self._own_thread = False  # True: started here, ended by stop()
         self.audit_interval_s = audit_interval_s  # while idle; 0 = never
         self._last_audit = time.monotonic()
         self.server_metrics = metrics
@@ -85,7 +135,7 @@ class AsyncEngine:
         self._snapshot: dict[str, float] = {}
         if metrics is not None:
             metrics.read_engine_from(self.metrics)
-        self._thread: threading.Thread | None = None
+        self._loop_done: concurrent.futures.Future[Any] | None = None
         self._submit_lock = threading.Lock()
         self._closed = False
         self.step_errors = 0
@@ -94,26 +144,30 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the engine thread and take a first metrics snapshot."""
-        if self._thread is not None:
+        """Start the step loop on the engine's thread (a new one when the
+        engine was built elsewhere) and take a first metrics snapshot."""
+        if self._loop_done is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
         self._snapshot = dict(self.engine.metrics())
-        self._thread = threading.Thread(target=self._run, name="paged-engine", daemon=True)
-        self._thread.start()
+        if self._engine_thread is None:
+            self._engine_thread, self._own_thread = EngineThread(), True
+        self._loop_done = self._engine_thread.submit(self._run)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+        return self._loop_done is not None and not self._loop_done.done() and not self._stopping.is_set()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort every in-flight request, close its stream, and join the thread."""
-        if self._thread is None:
+        """Abort every in-flight request, close its stream, and end the step loop."""
+        if self._loop_done is None:
             return
         self._stopping.set()
         self._wake.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        done, _ = concurrent.futures.wait([self._loop_done], timeout)
+        if not done:
             logger.warning("engine thread did not stop within %.0f s (a step is still running)", timeout)
+        elif self._own_thread and self._engine_thread is not None:
+            self._engine_thread.close(timeout)
 
     # ------------------------------------------------------- event-loop API
     async def add_request(

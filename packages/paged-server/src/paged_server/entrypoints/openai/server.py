@@ -17,20 +17,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import uvicorn
 
 from paged_server.config import EngineConfig, resolve_attention_backend, resolve_device
 from paged_server.entrypoints.openai.app import ServerSettings, create_app
+from paged_server.entrypoints.openai.async_engine import EngineThread
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
 
 
-def build_engine(config: EngineConfig) -> Any:
-    """Validate ``config`` and build the engine (loads the model)."""
+def build_engine(config: EngineConfig, thread: EngineThread | None = None) -> Any:
+    """Validate ``config`` and build the engine (loads the model) on ``thread``,
+    the thread that will step it (pass the same one to ``serve`` /
+    ``ServerThread``), or on the caller's."""
     from paged_server.engine.llm_engine import LLMEngine
 
     config.validate()
-    return LLMEngine(config)
+    if thread is None:
+        return LLMEngine(config)
+    return thread.call(lambda: LLMEngine(config))
 
 
 def served_model_name(config: EngineConfig, override: str | None = None) -> str:
@@ -50,9 +56,12 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
     config = engine.config
     m = engine.metrics()
     try:
-        attention = resolve_attention_backend(config, resolve_device(config))
+        device = resolve_device(config)
+        attention = resolve_attention_backend(config, device)
     except ValueError:
-        attention = config.attention_backend
+        device, attention = torch.device("cpu"), config.attention_backend
+    loaded = getattr(engine, "loaded", None)
+    dtype = _model_dtype(loaded.dtype, config, device) if loaded is not None else config.dtype
     source = config.model or "embedded default model"
     tokens = int(m.get("kv_capacity_tokens", 0))
     if config.kv_cache_backend == "contiguous":
@@ -63,7 +72,7 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
     sized_by = f" (sized by {how})" if how else ""
     return (
         f"paged-server: serving '{settings.model_name}' ({source}) on {url} | "
-        f"kv_cache_backend={config.kv_cache_backend} attention={attention} | "
+        f"dtype={dtype} kv_cache_backend={config.kv_cache_backend} attention={attention} | "
         f"KV cache {_dtype_name(engine.capacity.kv_dtype)} "
         f"(kv_cache_dtype={config.kv_cache_dtype}"
         f"{', calculated scales' if config.calculate_kv_scales else ''}): "
@@ -73,6 +82,17 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
         f"api_key={'on' if settings.api_key else 'off'}"
         + (f" | {parallel}" if (parallel := _parallel_summary(engine)) else "")
     )
+
+
+def _model_dtype(dtype: torch.dtype, config: EngineConfig, device: torch.device) -> str:
+    """The model dtype and, for ``auto``, why: ``bfloat16 (auto: CPU has AMX/AVX512-BF16)``."""
+    name = _dtype_name(dtype)
+    if config.dtype != "auto":
+        return name
+    if device.type == "cuda":
+        return f"{name} (auto: CUDA)"
+    has = "has" if dtype == torch.bfloat16 else "has no"
+    return f"{name} (auto: CPU {has} AMX/AVX512-BF16)"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -110,10 +130,17 @@ def _uvicorn_config(app: Any, settings: ServerSettings, log_level: str) -> uvico
     )
 
 
-def serve(engine: Any, settings: ServerSettings, sock: socket.socket, log_level: str = "info") -> None:
+def serve(
+    engine: Any,
+    settings: ServerSettings,
+    sock: socket.socket,
+    log_level: str = "info",
+    thread: EngineThread | None = None,
+) -> None:
     """Serve on ``sock`` (from ``bind_socket``, bound before the model loaded)
-    until SIGINT/SIGTERM (foreground; blocks)."""
-    app = create_app(engine, settings)
+    until SIGINT/SIGTERM (foreground; blocks); ``thread`` steps the engine
+    (the one ``build_engine`` built it on)."""
+    app = create_app(engine, settings, thread)
     print(startup_line(engine, settings, _url(sock)), file=sys.stderr, flush=True)
     uvicorn.Server(_uvicorn_config(app, settings, log_level)).run(sockets=[sock])
 
@@ -122,7 +149,8 @@ class ServerThread:
     """The app served by uvicorn on a background thread (loopback, free port).
 
     ``with ServerThread(engine, settings) as server: server.url`` -- the
-    engine is the same object tests can audit directly.
+    engine is the same object tests can audit directly. ``thread``: the
+    `EngineThread` the engine was built on (``build_engine``), which steps it.
     """
 
     def __init__(
@@ -132,10 +160,11 @@ class ServerThread:
         host: str = "127.0.0.1",
         port: int = 0,
         log_level: str = "warning",
+        thread: EngineThread | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
-        self.app = create_app(engine, settings)
+        self.app = create_app(engine, settings, thread)
         self._sock = bind_socket(host, port)
         self.url = _url(self._sock)
         self._server = uvicorn.Server(_uvicorn_config(self.app, settings, log_level))

@@ -1,0 +1,132 @@
+"""Host time of one decode step: everything ``LLMEngine.step()`` does but the forward.
+
+The model is replaced by a no-op of the same shapes (the ~100M bench
+model's hidden size and vocabulary: ``hidden_states`` returns an empty
+``[num_tokens, hidden]`` tensor, ``compute_logits`` a constant
+``[rows, vocab]``), so what is timed is what a GPU would wait for on the
+host each step: retire, schedule (room reserved per sequence), the step's
+metadata (``step_view``), the runner's batch layout, commit
+(``mark_computed``), sampling (greedy here), detokenization and stop checks.
+256 running sequences at a 2,048-token context (issue 29's target: <= 1 ms).
+The KV pool has one layer of one 8-wide head: the no-op never reads it, and
+only its page tables matter for host time.
+
+Run: ``python benchmarks/host_step.py [--seqs 256] [--context 2048]``; prints
+one JSON line: median wall and thread-CPU ms per step (``--profile``: a
+cProfile list on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import json
+import pstats
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged_server.bench.model_configs import ensure_llama_100m
+from paged_server.config import EngineConfig
+from paged_server.engine.llm_engine import LLMEngine
+from paged_server.models import load_model
+from paged_server.models.tensor_parallel import SINGLE
+from paged_server.sampling_params import SamplingParams
+
+
+class NoOpModel(nn.Module):
+    """The forward contract of ``models/base.py`` with no work behind it."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        self.tp = SINGLE
+        self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)  # the engine reads the device
+        self.hidden_size = hidden_size
+        self.logits = torch.zeros(1, vocab_size)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
+        return torch.empty(input_ids.shape[0], self.hidden_size)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(hidden.shape[0], -1)
+
+
+def build(num_seqs: int, context: int, steps: int) -> LLMEngine:
+    loaded = load_model(str(ensure_llama_100m()), torch.float32, torch.device("cpu"))
+    mc = loaded.config
+    tiny_kv = dataclasses.replace(mc, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
+    loaded = dataclasses.replace(loaded, model=NoOpModel(mc.hidden_size, mc.vocab_size), config=tiny_kv)
+    max_len = context + steps + 80
+    config = EngineConfig(
+        device="cpu",
+        attention_backend="ref",
+        max_batch_size=num_seqs,
+        max_model_len=max_len,
+        max_num_batched_tokens=max(num_seqs, 65536),  # prefill in a few steps
+        num_gpu_blocks=num_seqs * (-(-max_len // 16)) + 16,
+        enable_prefix_caching=False,
+    )
+    return LLMEngine(config, loaded)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqs", type=int, default=256)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--profile", action="store_true", help="cProfile the timed steps (stderr)")
+    p.add_argument(
+        "--threads", type=int, default=1,
+        help="torch threads (1: the host work is Python and small ops; on a shared machine "
+        "OpenMP's busy-wait makes multi-threaded small ops wait for descheduled workers)",
+    )  # fmt: skip
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = build(args.seqs, args.context, args.steps)
+    params = SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=0)
+    for i in range(args.seqs):  # distinct prompts, context - 1 tokens each
+        engine.add_request(f"r{i}", [(i + j) % 4000 + 10 for j in range(args.context - 1)], params)
+    while any(s.num_computed_tokens < args.context - 1 for s in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()  # prefill; the last prefill step samples each first token
+    assert len(engine.scheduler.running) == args.seqs
+    for _ in range(4):
+        engine.step()
+    profiler = cProfile.Profile() if args.profile else None
+    times, cpu_times = [], []
+    for _ in range(args.steps):
+        if profiler is not None:
+            profiler.enable()
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        outputs = engine.step()
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.thread_time() - cpu_start)
+        if profiler is not None:
+            profiler.disable()
+        assert len(outputs) == args.seqs, (len(outputs), engine.metrics())
+    if profiler is not None:
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
+    result = {
+        "benchmark": "host_step",
+        "num_seqs": args.seqs,
+        "context": args.context,
+        "steps": args.steps,
+        "host_ms_per_step_median": round(statistics.median(times) * 1e3, 3),
+        "host_ms_per_step_min": round(min(times) * 1e3, 3),
+        # CPU time of this thread: what the step costs without the waits a
+        # shared machine adds (wall time above includes being descheduled).
+        "host_cpu_ms_per_step_median": round(statistics.median(cpu_times) * 1e3, 3),
+        "torch_threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
