@@ -66,7 +66,7 @@ def check_prompt(
         beams = params.beam_width
         if beams > 1 and beams * blocks > total:
             raise ValueError(
-                f"beam search of width {beams} over {blocks} KV blocks per beam needs up to "
+                f"best_of: beam search of width {beams} over {blocks} KV blocks per beam needs up to "
                 f"{beams * blocks} blocks but the cache has {total}; lower "
                 "best_of or max_tokens, or raise num_gpu_blocks / kv_cache_memory_bytes"
             )
