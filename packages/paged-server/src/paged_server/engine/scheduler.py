@@ -182,9 +182,9 @@ class Scheduler:
                 continue
             if reserved > seq.num_computed_tokens:
                 return reserved - seq.num_computed_tokens
-            if any(s.request is seq.request for s, _ in out.scheduled):
+            if any(s in unit for s, _ in out.scheduled):
                 return 0
-            if all(s.request is seq.request or s.is_finished for s in self.running):
+            if all(s in unit or s.is_finished for s in self.running):  # nothing else to free
                 self._refuse(unit, out, "could not grow by one token with nothing else running")
             else:
                 self._preempt(unit, out)
