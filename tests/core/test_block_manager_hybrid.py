@@ -168,3 +168,24 @@ def test_leaked_blocks_are_found_and_reclaimed_across_groups() -> None:
     assert any("leaked" in p for p in c.audit())
     assert sorted(c.reclaim_leaked()) == sorted(b.block_id for b in leaked)
     assert c.audit() == []
+
+
+def test_num_reserved_takes_the_prompt_now_and_the_rest_as_it_is_computed() -> None:
+    """A preempted sequence comes back like this: its prompt in every group,
+    then token by token, so its sliding groups never hold its whole history."""
+    bm = BlockManager(41, 4, enable_prefix_caching=False, sliding_windows=[None, 8, 8, 8])
+    history = list(range(3, 43))  # 40 tokens: 10 blocks
+    assert bm.num_blocks_needed(40, history) == 4 * 10  # all of it in all four groups
+    assert bm.num_blocks_needed(40, history, num_reserved=12) == 4 * 3  # the 12-token prompt
+    assert bm.allocate(0, 40, history, num_reserved=12) == 0
+    assert bm.num_tokens(0) == 12
+    bm.mark_computed(0, 12)
+    peak = 0
+    for n, token in enumerate(history[12:], 13):
+        bm.append(0, token)
+        bm.mark_computed(0, n)
+        peak = max(peak, bm.num_blocks - bm.num_free_blocks())
+        assert bm.audit() == []
+    # The full group holds all 10 blocks, each sliding group its window's 2 (or 3 mid-block).
+    assert bm.num_blocks - bm.num_free_blocks() == 10 + 3 * 2
+    assert peak <= 10 + 3 * 3 < 4 * 10

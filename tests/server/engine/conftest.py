@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from paged_server.config import EngineConfig
 from paged_server.default_model.tokenizer_builder import build_tokenizer
@@ -56,6 +56,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_loaded(tiny_model_dir: Path) -> LoadedModel:
     """Loaded once (float32, CPU) and shared: models hold no per-request state."""
     return load_model(tiny_model_dir, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny Gemma 3 with real Gemma 3's mix of layers: sliding-window ones
+    (window 8) around a global one, so its paged pool has one full KV cache
+    group and three sliding ones sharing the blocks."""
+    path = tmp_path_factory.mktemp("engine-hybrid-ckpt")
+    build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        max_position_embeddings=512, initializer_range=0.3, query_pre_attn_scalar=16,
+        eos_token_id=EOS, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).save_pretrained(path)
+    return load_model(path, torch.float32, "cpu")
 
 
 @pytest.fixture

@@ -83,44 +83,53 @@ class BlockManager:
 
     # -- admission -------------------------------------------------------
     def num_blocks_needed(
-        self, num_tokens: int, token_ids: TokenIds = None, *, skip_prefix_cache: bool = False
-    ) -> int:
+        self, num_tokens: int, token_ids: TokenIds = None, *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> int:  # fmt: skip
         """Free blocks ``allocate`` would take over every group: fresh ones plus
         prefix hits on free cached blocks (leaving the free queue uses capacity)."""
-        return self._plan(num_tokens, token_ids, skip_prefix_cache)[2]
+        return self._plan(num_tokens, token_ids, skip_prefix_cache, num_reserved)[2]
 
     def can_allocate(
-        self, num_tokens: int, token_ids: TokenIds = None, *, skip_prefix_cache: bool = False
-    ) -> bool:
+        self, num_tokens: int, token_ids: TokenIds = None, *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> bool:  # fmt: skip
         """Whether ``allocate`` would succeed now (exact, never optimistic)."""
-        needed = self.num_blocks_needed(num_tokens, token_ids, skip_prefix_cache=skip_prefix_cache)
+        needed = self.num_blocks_needed(
+            num_tokens, token_ids, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
+        )
         return needed <= self.num_free_blocks()
 
     def allocate(
         self, seq_id: int, num_tokens: int, token_ids: TokenIds = None, *,
-        skip_prefix_cache: bool = False,
+        skip_prefix_cache: bool = False, num_reserved: int | None = None,
     ) -> int:  # fmt: skip
         """Reserve a prompt's blocks in every group, reusing cached full blocks
         of its prefix. Returns how many prompt tokens are cached: whole blocks,
         never the last token, whose logits must be computed. With
         ``skip_prefix_cache`` nothing is looked up (to score every token) but
-        what is computed is still registered. All or nothing."""
+        what is computed is still registered. With ``num_reserved``, all
+        ``num_tokens`` are looked up but room is reserved only for the first
+        ``max(num_reserved, cached + 1)``; ``append`` reserves the rest as it is
+        computed, so a sliding group holds no more than its window and the
+        chunk in flight (a preempted sequence comes back this way). All or
+        nothing."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks; free it before allocating")
-        tables, keys, needed = self._plan(num_tokens, token_ids, skip_prefix_cache)
+        tables, keys, needed, reserved = self._plan(num_tokens, token_ids, skip_prefix_cache, num_reserved)
         if needed > self.num_free_blocks():
             raise self._short(
-                f"sequence {seq_id} needs {needed} free blocks for {num_tokens} tokens "
+                f"sequence {seq_id} needs {needed} free blocks for {reserved} tokens "
                 f"({len(keys)} prefix-cache hit blocks)"
             )
         for table in tables:  # every hit before any fresh block, which could evict it
             self._acquire(table)
-        fresh = _cdiv(num_tokens, self.block_size) - len(keys)
+        fresh = _cdiv(reserved, self.block_size) - len(keys)
         for g, table in enumerate(tables):
             table += self.block_pool.get_new_blocks(fresh, g)
-        seq = _SeqBlocks(tables, num_tokens, len(keys) * self.block_size)
+        seq = _SeqBlocks(tables, reserved, len(keys) * self.block_size)
         if self.enable_prefix_caching:
-            seq.hashes, seq.tokens = keys, list(token_ids) if token_ids is not None else []
+            seq.hashes, seq.tokens = keys, list(token_ids[:reserved]) if token_ids is not None else []
             if not skip_prefix_cache:
                 self._count_prompt(num_tokens, token_ids, keys)
         self._seqs[seq_id] = seq
@@ -356,15 +365,16 @@ class BlockManager:
         return freed
 
     def _plan(
-        self, num_tokens: int, token_ids: TokenIds, skip_prefix_cache: bool
-    ) -> tuple[list[list[Block]], list[BlockHash], int]:
+        self, num_tokens: int, token_ids: TokenIds, skip_prefix_cache: bool,
+        num_reserved: int | None = None,
+    ) -> tuple[list[list[Block]], list[BlockHash], int, int]:  # fmt: skip
         """The prompt's prefix hit: per group, the blocks of its ``h`` leading
         full blocks (never the one holding the last prompt token); their keys;
         and the free blocks needed over all groups (fresh ones plus hits that
         are free now). A sliding group needs cached only the blocks a query
         after ``h`` blocks sees, the rest being the null block, so ``h`` stops
         where a full group misses, then drops a block at a time until every
-        sliding group has its window cached."""
+        sliding group has its window cached. Last: the tokens to reserve."""
         if num_tokens <= 0:
             raise ValueError(f"a sequence needs at least 1 token, got num_tokens={num_tokens}")
         if token_ids is not None and len(token_ids) != num_tokens:
@@ -389,7 +399,8 @@ class BlockManager:
             first = self._released(g, h * bs)
             tables.append([self.null_block] * first + [found[i][g] for i in range(first, h)])  # type: ignore[arg-type]
         free_hits = sum(1 for t in tables for b in t if b is not self.null_block and b.ref_count == 0)
-        return tables, keys[:h], (_cdiv(num_tokens, bs) - h) * len(windows) + free_hits
+        reserved = num_tokens if num_reserved is None else min(num_tokens, max(num_reserved, h * bs + 1))
+        return tables, keys[:h], (_cdiv(reserved, bs) - h) * len(windows) + free_hits, reserved
 
     def _count_prompt(self, num_tokens: int, token_ids: TokenIds, keys: list[BlockHash]) -> None:
         """Count a prompt's hit blocks ``keys`` and why the rest missed (by

@@ -144,19 +144,31 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
     one reports no prefix hits and copies a seq_id's rows to fork."""
 
     def can_allocate_sequence(
-        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
-    ) -> bool:
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> bool:  # fmt: skip
         """Whether ``allocate_sequence(token_ids)`` would succeed now."""
         ...
 
+    def can_allocate_sequences(
+        self, token_ids: Sequence[Sequence[int]], *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> bool:  # fmt: skip
+        """Whether every one of them could be allocated now, together (the
+        sequences of a beam search are admitted as one unit)."""
+        ...
+
     def allocate_sequence(
-        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
-    ) -> tuple[int, int]:
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> tuple[int, int]:  # fmt: skip
         """Claim a seq_id for a prompt; returns ``(seq_id, num_cached_tokens)``.
         The first ``num_cached_tokens`` are already in the cache (prefix hits)
         and the seq_id's length starts there; with ``skip_prefix_cache`` it is 0
-        (every prompt token is computed, e.g. to score it). Raises
-        ``RuntimeError`` if full."""
+        (every prompt token is computed, e.g. to score it). Room is reserved
+        for every token, or with ``num_reserved`` for at least that many (and
+        the hit + 1): ``append_token`` reserves the rest as steps reach it.
+        Raises ``RuntimeError`` if full."""
         ...
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:

@@ -136,14 +136,27 @@ class ContiguousKVPool(ViewsMixin):
 
     # -- ServingPoolProtocol -------------------------------------------------
     def can_allocate_sequence(
-        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
-    ) -> bool:
-        return bool(self._free) and len(token_ids) <= self.max_model_len
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> bool:  # fmt: skip
+        return self.can_allocate_sequences([token_ids])
+
+    def can_allocate_sequences(
+        self, token_ids: Sequence[Sequence[int]], *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> bool:  # fmt: skip
+        """One free row each, every one long enough."""
+        return len(self._free) >= len(token_ids) and all(
+            len(t) <= self.max_model_len for t in token_ids
+        )
 
     def allocate_sequence(
-        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
-    ) -> tuple[int, int]:
-        """A seq_id for the prompt; no prefix cache, so 0 tokens are cached."""
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> tuple[int, int]:  # fmt: skip
+        """A seq_id for the prompt; no prefix cache, so 0 tokens are cached.
+        The row holds every token, so all are reserved (``num_reserved`` is a
+        lower bound a pool may exceed)."""
         return self.allocate_seq(len(token_ids)), 0
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:

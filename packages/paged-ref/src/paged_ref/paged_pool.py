@@ -213,21 +213,43 @@ class PagedKVPool(ViewsMixin):
 
     # -- ServingPoolProtocol -------------------------------------------------
     def can_allocate_sequence(
-        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
-    ) -> bool:
-        return len(token_ids) > 0 and self.block_manager.can_allocate(
-            len(token_ids), token_ids, skip_prefix_cache=skip_prefix_cache
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> bool:  # fmt: skip
+        return self.can_allocate_sequences(
+            [token_ids], skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
         )
 
+    def can_allocate_sequences(
+        self, token_ids: Sequence[Sequence[int]], *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> bool:  # fmt: skip
+        """Whether all of them fit at once (hits on the same free cached block
+        are counted once per sequence: never optimistic)."""
+        bm = self.block_manager
+        if not all(token_ids):
+            return False
+        needed = sum(
+            bm.num_blocks_needed(
+                len(t), t, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
+            )
+            for t in token_ids
+        )
+        return needed <= bm.num_free_blocks()
+
     def allocate_sequence(
-        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False
-    ) -> tuple[int, int]:
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
+        num_reserved: int | None = None,
+    ) -> tuple[int, int]:  # fmt: skip
         """A seq_id for the prompt; returns ``(seq_id, num_cached_tokens)`` where the
-        first ``num_cached_tokens`` come from the prefix cache."""
+        first ``num_cached_tokens`` come from the prefix cache. With
+        ``num_reserved`` only that many tokens (at least the hit + 1) get room
+        now; ``append_token`` reserves the rest."""
         seq_id = self._new_seq_id()
         cached = self.block_manager.allocate(
-            seq_id, len(token_ids), list(token_ids), skip_prefix_cache=skip_prefix_cache
-        )
+            seq_id, len(token_ids), list(token_ids), skip_prefix_cache=skip_prefix_cache,
+            num_reserved=num_reserved,
+        )  # fmt: skip
         self._sync_table(seq_id)
         self._live.add(seq_id)
         return seq_id, cached

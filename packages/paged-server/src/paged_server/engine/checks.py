@@ -60,12 +60,13 @@ def check_prompt(
                 f"needs {blocks} KV blocks but the cache has {total} in total; "
                 "lower max_tokens or raise num_gpu_blocks / kv_cache_memory_bytes"
             )
-        # Beams wait for each other, so all of them must fit at once (sharing
-        # usually makes it far less, but a preempted beam must always fit).
+        # Beams run as one unit (admitted, preempted and readmitted together),
+        # so all of them must fit at once (sharing usually makes it far less,
+        # but a readmitted unit holds each beam's history apart).
         beams = params.beam_width
         if beams > 1 and beams * blocks > total:
             raise ValueError(
-                f"beam search of width {beams} over {blocks} KV blocks per beam needs up to "
+                f"best_of: beam search of width {beams} over {blocks} KV blocks per beam needs up to "
                 f"{beams * blocks} blocks but the cache has {total}; lower "
                 "best_of or max_tokens, or raise num_gpu_blocks / kv_cache_memory_bytes"
             )

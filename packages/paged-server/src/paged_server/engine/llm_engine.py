@@ -290,6 +290,10 @@ class LLMEngine:
             raise EngineFailedError(self.failed)
         self.scheduler.retire()
         plan = self.scheduler.schedule()
+        for seq, reason in plan.refused:  # the progress guarantee: fail, never wait forever
+            if not seq.is_finished:
+                log.error("%s", reason)
+                self._fail(seq, reason)
         self._count(plan)
         if plan.scheduled:
             self._run(plan.scheduled)

@@ -6,10 +6,28 @@ history after a preemption. Each step the scheduler walks the running set
 oldest first and gives each sequence what the ``max_num_batched_tokens``
 budget still allows (whole prompts only when chunked prefill is off), making
 sure the pool has room for every scheduled token; if it has none, the newest
-running sequence is preempted (its seq_id freed, and it goes back to the front
+running *unit* is preempted (its seq_ids freed, and it goes back to the front
 of the queue to be recomputed) until it does. If nothing was preempted,
-waiting sequences are admitted FCFS into what is left of the budget, the
+waiting units are admitted FCFS into what is left of the budget, the
 running-set limit and the free KV capacity.
+
+A unit is what must run together: the beams of a beam search (they advance
+in lock step, so a beam left waiting while its siblings hold their blocks
+could wait forever), else one sequence. Units are admitted, preempted and
+readmitted whole, and the running set keeps each unit's sequences together
+in admission order. Admission reserves a sequence's prompt (all of it, at
+once) and, past the prompt, only the chunk it computes; later chunks are
+reserved as they are scheduled. So a preempted sequence of a hybrid model
+comes back holding, in its sliding-window groups, only the window and the
+chunk in flight, as it did before, not its whole history in every group.
+Where the newest unit is the one asking, a chunk shrinks to what fits
+instead of preempting its own unit.
+
+Progress guarantee: a unit that cannot be given room with nothing else
+running (the pool as free as it gets) never will be; it is refused
+(``SchedulerOutput.refused``) and the engine fails its request with the
+reason, rather than waiting forever. Submission checks
+(``checks.check_prompt``) make this rare.
 
 The scheduler knows budgets and order, and talks to the pool only through
 ``ServingPoolProtocol``: it never sees a tensor or a cache type. It owns the
@@ -38,6 +56,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Units that can never run, with why: the engine fails their requests.
+    refused: list[tuple[Sequence, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -45,8 +65,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting queue (FCFS, preempted sequences at the front) and running set
-    (in admission order, so the newest is last and is preempted first)."""
+    """Waiting queue (FCFS, preempted units at the front) and running set (in
+    admission order, a unit's sequences together, so the newest unit is last
+    and is preempted first)."""
 
     def __init__(
         self,
@@ -73,8 +94,15 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A sequence that got its seq_id outside admission (a fork of choice 0)."""
+        """A sequence that got its seq_id (admitted, or a fork of a running
+        one): it runs after the running sequences of its own request, so a
+        request's sequences stay together and age with it."""
         seq.status = SequenceStatus.RUNNING
+        if len(seq.request.seqs) > 1:
+            for i in range(len(self.running) - 1, -1, -1):
+                if self.running[i].request is seq.request:
+                    self.running.insert(i + 1, seq)
+                    return
         self.running.append(seq)
 
     def requeue_front(self, seq: Sequence) -> None:
@@ -126,59 +154,114 @@ class Scheduler:
                     i += 1
                     continue
                 n = wanted
-            if not self._reserve(seq, seq.num_computed_tokens + n, out):
-                break  # ``seq`` itself was the newest and is preempted
-            out.scheduled.append((seq, n))
-            budget -= n
-            has_prefill = has_prefill or n > 1
+            n = self._reserve(seq, n, out)
+            if n is None:  # ``seq``'s own unit was the newest and had to go
+                break
+            if n:
+                out.scheduled.append((seq, n))
+                budget -= n
+                has_prefill = has_prefill or n > 1
             i += 1
-        if not out.preempted:
+        if not out.preempted and not out.refused:
             self._admit(budget, has_prefill, out)
         return out
 
     # -- internals -------------------------------------------------------------
-    def _reserve(self, seq: Sequence, upto: int, out: SchedulerOutput) -> bool:
-        """Reserve room for ``seq``'s tokens below ``upto``, preempting the
-        newest running sequences while the pool is full. ``False`` when
-        ``seq`` itself had to go."""
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> int | None:
+        """Reserve room for ``seq``'s next ``n`` tokens, preempting the newest
+        running units while the pool is full. Returns how many it computes:
+        ``n``; fewer when its own unit is the newest (the chunk shrinks to what
+        fits); 0 when what fits went to its unit's siblings this step (it
+        follows next step); ``None`` when its unit had to go."""
         assert seq.pool_seq_id is not None, f"running sequence {seq.seq_id} has no cache seq_id"
-        pool = self.pool
-        while (reserved := pool.get_num_reserved(seq.pool_seq_id)) < upto:
-            try:
-                pool.append_token(seq.pool_seq_id, seq.token_ids[reserved])
+        upto = seq.num_computed_tokens + n
+        while (reserved := self._grow(seq, upto)) < upto:
+            unit = self._unit(self._newest(), self.running)
+            if seq not in unit:
+                self._preempt(unit, out)
                 continue
-            except OutOfBlocksError:  # all or nothing: the pool is unchanged
-                pass
-            victim = self._preempt_newest()
-            if victim is None:  # cannot happen while ``seq`` runs; be loud if it does
-                raise RuntimeError(f"no room for sequence {seq.seq_id} and nothing to preempt")
-            out.preempted.append(victim)
-            if victim is seq:
-                return False
-        return True
+            if reserved > seq.num_computed_tokens:
+                return reserved - seq.num_computed_tokens
+            if any(s in unit for s, _ in out.scheduled):
+                return 0
+            if all(s in unit or s.is_finished for s in self.running):  # nothing else to free
+                self._refuse(unit, out, "could not grow by one token with nothing else running")
+            else:
+                self._preempt(unit, out)
+            return None
+        return n
 
-    def _preempt_newest(self) -> Sequence | None:
-        """Free the most recently admitted unfinished sequence and put it at
-        the front of the queue; its tokens so far are recomputed when it is
-        readmitted (less any prefix-cache hits then)."""
-        for i in range(len(self.running) - 1, -1, -1):
-            seq = self.running[i]
-            if not seq.is_finished:
-                del self.running[i]
+    def _grow(self, seq: Sequence, upto: int) -> int:
+        """Reserve ``seq``'s tokens below ``upto`` while the pool has room;
+        returns how many are reserved (``< upto`` when it ran out)."""
+        pool, seq_id = self.pool, seq.pool_seq_id
+        assert seq_id is not None
+        while (reserved := pool.get_num_reserved(seq_id)) < upto:
+            try:
+                pool.append_token(seq_id, seq.token_ids[reserved])
+            except OutOfBlocksError:  # all or nothing: the pool is unchanged
+                return reserved
+        return reserved
+
+    def _newest(self) -> Sequence:
+        seq = next((s for s in reversed(self.running) if not s.is_finished), None)
+        if seq is None:  # cannot happen while a sequence asks for room; be loud if it does
+            raise RuntimeError("no room in the KV cache and nothing running to preempt")
+        return seq
+
+    @staticmethod
+    def _unit(seq: Sequence, among: list[Sequence] | deque[Sequence]) -> list[Sequence]:
+        """``seq`` and the sequences of ``among`` that must run with it, in order."""
+        if not seq.moves_with_siblings:
+            return [seq]
+        return [s for s in among if s.request is seq.request and not s.is_finished]
+
+    def _preempt(self, unit: list[Sequence], out: SchedulerOutput) -> None:
+        """Free ``unit``'s seq_ids and put it at the front of the queue; its
+        tokens so far are recomputed when it is readmitted (less any
+        prefix-cache hits then). Anything of it already scheduled this step
+        is taken back."""
+        for seq in unit:
+            self.running.remove(seq)
+            self._free(seq)
+            seq.num_computed_tokens = 0
+        for seq in reversed(unit):
+            self.requeue_front(seq)
+        unit[0].request.beam_rows.clear()  # every beam recomputes its row
+        out.preempted += unit
+        out.scheduled = [(s, n) for s, n in out.scheduled if s not in unit]
+
+    def _refuse(self, unit: list[Sequence], out: SchedulerOutput, why: str) -> None:
+        """Take ``unit`` out for good (it can never run); the engine fails it."""
+        request = unit[0].request
+        tokens = sum(s.num_tokens for s in unit)
+        free = self.pool.free_token_capacity()
+        room = f"{free} tokens of KV cache free" if free is not None else (
+            f"{self.pool.free_seq_count()} cache rows free"
+        )
+        reason = (
+            f"request {request.request_id!r} can never be scheduled: its {len(unit)} "
+            f"sequence(s) of {tokens} tokens in all {why} ({room}); lower max_tokens, "
+            "best_of or n, or raise num_gpu_blocks / kv_cache_memory_bytes"
+        )
+        for seq in unit:
+            if seq in self.running:
+                self.running.remove(seq)
                 self._free(seq)
-                seq.num_computed_tokens = 0
-                self.requeue_front(seq)
-                return seq
-        return None
+            else:
+                self.remove_waiting(seq)
+            out.refused.append((seq, reason))
+        out.scheduled = [(s, n) for s, n in out.scheduled if s not in unit]
 
     def _admit(self, budget: int, has_prefill: bool, out: SchedulerOutput) -> None:
-        """Admit waiting sequences, in order, while they fit: ``max_batch_size``
+        """Admit waiting units, in order, while they fit: ``max_batch_size``
         running places (a request with ``n`` choices takes ``n``), the token
         budget, and (paged pool) free KV capacity minus a reserve for running
         sequences to grow: the larger of ``reserve_fraction`` of the free
         tokens and one block per running sequence. When nothing runs, the
-        head of the queue may use the reserve too, so a large prompt cannot
-        wait forever. Stops at the first sequence that does not fit."""
+        head of the queue may use every free block, so a large prompt cannot
+        wait forever; if even then it cannot be allocated, it is refused.
+        Stops at the first unit that does not fit."""
         places = self.max_batch_size - self.num_running_places()
         free_kv = self.pool.free_token_capacity()
         kv_budget: int | None = None
@@ -193,34 +276,45 @@ class Scheduler:
             if seq.is_finished:  # e.g. a fork that finished on its first token
                 self.waiting.popleft()
                 continue
-            if seq.running_places_needed > places:
+            unit = self._unit(seq, self.waiting)
+            if sum(s.running_places_needed for s in unit) > places:
                 break
-            cost = seq.num_tokens
+            cost = sum(s.num_tokens for s in unit)
             if not self.enable_chunked_prefill and cost > budget and has_prefill:
                 break
-            if kv_budget is not None and free_kv is not None:
-                alone = not self.running
-                fits = cost <= kv_budget or (alone and cost <= free_kv)
-                if not fits and not seq.holds_up_siblings:
-                    break
+            alone = not self.running
+            if kv_budget is not None and cost > kv_budget and not alone:
+                break
             # Prompt tokens to score must be computed, not read from the cache.
             skip = seq.request.needs_prompt_logprobs
-            if not self.pool.can_allocate_sequence(seq.token_ids, skip_prefix_cache=skip):
+            prompt = seq.num_prompt_tokens  # reserved at once; the rest chunk by chunk
+            histories = [s.token_ids for s in unit]
+            if not self.pool.can_allocate_sequences(
+                histories, skip_prefix_cache=skip, num_reserved=prompt
+            ):
+                if alone:
+                    self._refuse(unit, out, "do not fit the KV cache even with nothing else running")
+                    continue
                 break
-            seq.pool_seq_id, seq.num_computed_tokens = self.pool.allocate_sequence(
-                seq.token_ids, skip_prefix_cache=skip
-            )
-            self.waiting.popleft()
-            self.add_running(seq)
-            places -= seq.running_places_needed
+            for s in unit:
+                self.remove_waiting(s)
+                s.pool_seq_id, s.num_computed_tokens = self.pool.allocate_sequence(
+                    s.token_ids, skip_prefix_cache=skip, num_reserved=prompt
+                )
+                self.add_running(s)
+                places -= s.running_places_needed
             if kv_budget is not None:
                 kv_budget -= cost
-            wanted = seq.num_tokens - seq.num_computed_tokens
-            n = min(wanted, budget) if self.enable_chunked_prefill else wanted
-            out.admitted.append(seq)
-            out.scheduled.append((seq, n))
-            budget -= n
-            has_prefill = has_prefill or n > 1
+            for s in unit:
+                wanted = s.num_tokens - s.num_computed_tokens
+                n = min(wanted, budget) if self.enable_chunked_prefill else wanted
+                if n:  # the prompt is reserved; a recompute past it gets what fits
+                    n = min(n, self._grow(s, s.num_computed_tokens + n) - s.num_computed_tokens)
+                out.admitted.append(s)
+                if n:
+                    out.scheduled.append((s, n))
+                    budget -= n
+                    has_prefill = has_prefill or n > 1
 
     def _free(self, seq: Sequence) -> None:
         if seq.pool_seq_id is not None:

@@ -131,9 +131,11 @@ class Sequence:
         return 1
 
     @property
-    def holds_up_siblings(self) -> bool:
-        """A beam being recomputed: the other beams of its request wait for
-        it holding their blocks, so admission must not wait for them."""
+    def moves_with_siblings(self) -> bool:
+        """A beam of a forked beam search: its beams advance in lock step (each
+        waits for every other's logits), so the scheduler admits, preempts and
+        readmits them together, as one unit. Any other sequence is a unit of
+        its own: the choices of ``n > 1`` never wait for each other."""
         return self.request.beam is not None and self.request.forked
 
     def finish(self, reason: str, error: str | None = None) -> None:
