@@ -150,7 +150,7 @@ def test_serve_refuses_a_size_the_heads_do_not_split_by_in_one_line(
 ) -> None:
     cmd = [sys.executable, "-m", "paged_server.entrypoints.cli", "serve", "--model",
            str(tp_checkpoints["llama"]), "--tensor-parallel-size", "3", "--device", "cpu",
-           "--port", "0"]  # fmt: skip
+           "--port", "0", "--max-model-len", "256"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [

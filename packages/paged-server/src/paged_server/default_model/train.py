@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from paged_server.default_model import ensure_default_model
 from paged_server.default_model.tokenizer_builder import ENDOFTEXT, training_texts
 from paged_server.models import load_model
+from paged_server.models.loader import checkpoint_state_dict
 
 
 def corpus_ids(tokenizer_dir: Path) -> torch.Tensor:
@@ -73,7 +74,8 @@ def train(
         schedule.step()
         losses.append(loss.item())
     # Tied: the LM head is the embedding matrix, saved once under its name.
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = checkpoint_state_dict(model)  # checkpoint names, projections unstacked
+    weights = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     weights.pop("lm_head.weight", None)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return losses

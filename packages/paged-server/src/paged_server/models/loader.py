@@ -277,6 +277,18 @@ def checkpoint_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, Part]]:
     return targets
 
 
+def checkpoint_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under their checkpoint names (stacked q/k/v and
+    gate/up cut back into their projections): what ``load_weights`` reads,
+    for writing a checkpoint of a one-rank model (``default_model.train``)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, (param, part) in checkpoint_targets(model).items():
+        whole = part.dim is None or part.size == part.full
+        assert whole, f"{name}: this rank holds a slice; save from a one-rank model"
+        out[name] = param if part.dim is None else param.narrow(part.dim, part.offset, part.size)
+    return out
+
+
 def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> list[int]:
     """Every id that ends generation: generation_config.json's first (what
     the model was tuned to emit), then config.json's, then the tokenizer's."""
