@@ -102,6 +102,19 @@ def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     add_engine_flags(p)
 
 
+def _give_threads_to(thread: Any) -> None:
+    """Leave the main thread (HTTP only) one torch thread and the engine
+    thread all of them: a second OpenMP pool on the main thread makes every
+    op of the engine's pay a wake-up (`serve`, 30M model, 1 stream of 128
+    tokens, quiet 2-core EPYC: 25.6-26.6 ms/token with this, 28.2-32.2
+    without; the same engine all on the main thread: 22-24 ms/step)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    thread.call(lambda: torch.set_num_threads(threads))
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from paged_server.entrypoints.openai.app import ServerSettings
     from paged_server.entrypoints.openai.async_engine import EngineThread
@@ -132,6 +145,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"paged-server serve: {_bind_error(args.host, args.port, exc)}", file=sys.stderr)
         return 2
     thread = EngineThread()  # loads the model and steps it: one torch thread pool
+    _give_threads_to(thread)
     try:
         engine = build_engine(config, thread)
     except (ValueError, FileNotFoundError, WorkerStartError) as exc:  # bad model dir, setting, rank
