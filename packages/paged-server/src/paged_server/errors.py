@@ -18,3 +18,10 @@ class EngineFailedError(RuntimeError):
     disagree after a failed step): every in-flight request fails with this
     message and the server reports unhealthy (HTTP 500 for requests in
     flight, 503 afterwards)."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception as one short line for a request's error: its type and
+    the first line of its message (some libraries append pages of state)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"

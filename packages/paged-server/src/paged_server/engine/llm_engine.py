@@ -61,7 +61,7 @@ from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.engine.structured_output import StructuredOutput
-from paged_server.errors import EngineFailedError, QueueFullError
+from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.loader import read_model_config
 from paged_server.models.quantization import weights_summary
@@ -374,7 +374,7 @@ class LLMEngine:
             yield
         except Exception as exc:
             log.exception("%s failed for request %s", stage, seq.request.request_id)
-            self._fail(seq, f"{stage} failed: {_describe(exc)}")
+            self._fail(seq, f"{stage} failed: {describe_error(exc)}")
 
     def _score_prompt(self, seq: Sequence, scores: PromptScores) -> None:
         """Append the prompt logprobs this step computed to the request's."""
@@ -446,7 +446,7 @@ class LLMEngine:
         except Exception as exc:  # not one row's fault (each is isolated inside): a bug
             log.exception("sampling failed for a batch of %d rows", len(rows))
             for seq, _ in rows:
-                self._fail(seq, f"sampling failed: {_describe(exc)}")
+                self._fail(seq, f"sampling failed: {describe_error(exc)}")
             return
         now = time.monotonic()
         for (seq, _), token, logprob, error, mask_error in zip(
@@ -602,12 +602,6 @@ class LLMEngine:
         if reclaimed:
             log.warning("reclaimed %d leaked KV blocks: %s", len(reclaimed), reclaimed)
         return reclaimed
-
-
-def _describe(exc: Exception) -> str:
-    """An exception as one short line for a request's error."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def _model_path(config: EngineConfig) -> str:

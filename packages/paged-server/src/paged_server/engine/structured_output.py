@@ -30,6 +30,7 @@ import torch
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 from torch import Tensor
 
+from paged_server.errors import describe_error
 from paged_server.structured_outputs import StructuredOutputsParams
 
 # Compact JSON: no optional whitespace, so a model cannot pad forever.
@@ -160,5 +161,5 @@ class StructuredOutput:
 
 
 def _describe(exc: Exception) -> str:
-    """An exception in one line: llguidance's can carry its whole parser state."""
-    return f"{type(exc).__name__}: {_short(str(exc))[:200]}"
+    """``describe_error`` less the advice llguidance appends to its first line."""
+    return describe_error(exc).split("; try avoiding", 1)[0]
