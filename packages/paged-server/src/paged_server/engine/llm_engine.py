@@ -50,6 +50,7 @@ from paged_server.engine.beams import advance_beams, finish_beams, new_beam_sear
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.compiled_forward import CompiledForward, compiles_forward
 from paged_server.engine.kernel_warmup import warm_up_kernels
 from paged_server.engine.kv_sizing import sizes_by_memory_share
 from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
@@ -163,12 +164,18 @@ class LLMEngine:
             self.capacity.sized_by,
             f"; {self.capacity.groups}" if self.capacity.groups else "",
         )
+        compiled = (
+            CompiledForward(loaded.model)
+            if compiles_forward(config, device, self.attention_backend)
+            else None
+        )
         self.runner = ModelRunner(
             loaded.model,
             self.pool,
             device,
             self._decode_graphs(device),
             before_forward=executor.broadcast_step if executor is not None else None,
+            compiled=compiled,
         )
         if executor is not None:
             log.info("%s", self.parallel_summary())
@@ -177,6 +184,10 @@ class LLMEngine:
                 warm_up_kernels(loaded.model, loaded.dtype, self.capacity, config.max_model_len, device)
             seconds = self.runner.warm_up(min(config.max_model_len - 1, 256))
             log.info("warm-up done in %.1f s", seconds)
+        elif compiled is not None:
+            log.info("compiling the forward pass (torch.compile; --enforce-eager skips this)")
+            seconds = self.runner.warm_up(min(config.max_model_len - 1, 256))
+            log.info("compiled the forward pass in %.1f s", seconds)
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_size,
