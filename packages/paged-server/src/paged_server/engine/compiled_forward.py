@@ -9,6 +9,12 @@ vLLM: each layer's ``kv_cache.attend`` becomes one call of the custom op
 ``_step`` (set around the call). The graph therefore sees only tensors and
 constants, never the pool, so one compile serves every step.
 
+Weights are frozen into the graph (inductor's ``freezing``): on a CPU the
+projections then run as oneDNN matmuls on weights packed once at compile
+time, which beat ``F.linear`` by 1.3-2x at 1-32 tokens (bf16 on AMX most).
+The packed copies sit beside the module's own weights (the eager paths
+still use those), so the projections' weights take twice the memory.
+
 The token dimension is dynamic: one graph for single-token steps (torch
 specialises size 1) and one for everything else, both compiled by the
 runner's warm-up so serving never compiles. ``--enforce-eager`` turns it off.
@@ -102,7 +108,7 @@ class CompiledForward:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._compiled: Callable[..., Tensor] = torch.compile(  # type: ignore[assignment]
-            model.model, dynamic=True, fullgraph=True
+            model.model, dynamic=True, fullgraph=True, options={"freezing": True}
         )
 
     def hidden_states(

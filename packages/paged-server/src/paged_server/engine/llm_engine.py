@@ -363,7 +363,7 @@ class LLMEngine:
             seq = scheduled[scores.index][0]
             with self._isolated(seq, "prompt logprobs"):
                 self._score_prompt(seq, scores)
-        rows: list[tuple[Sequence, Tensor]] = []
+        rows: list[tuple[Sequence, int]] = []  # (sequence, its row of step.logits)
         for j, i in enumerate(step.sampled):
             seq = scheduled[i][0]
             if seq.is_finished:  # failed above
@@ -373,8 +373,8 @@ class LLMEngine:
                     self._beam_row(seq, step.logits[j])
             else:
                 with self._isolated(seq, "starting choices"):
-                    rows += self._start_choices(seq, step.logits[j])
-        self._sample(rows)
+                    rows += self._start_choices(seq, j)
+        self._sample(rows, step.logits)
 
     @contextlib.contextmanager
     def _isolated(self, seq: Sequence, stage: str) -> Iterator[None]:
@@ -417,7 +417,7 @@ class LLMEngine:
         if advance_beams(request, rows, self.pool, self.scheduler, self.eos_token_ids):
             self._touched += finish_beams(request)
 
-    def _start_choices(self, seq: Sequence, row: Tensor) -> list[tuple[Sequence, Tensor]]:
+    def _start_choices(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
         """Rows to sample for ``seq``. When choice 0 of an ``n > 1`` request has
         computed its prompt, it forks the other choices (shared blocks) first,
         and all sample from the same logits with their own generators."""
@@ -443,13 +443,19 @@ class LLMEngine:
             rows.append((child, row))
         return rows
 
-    def _sample(self, rows: list[tuple[Sequence, Tensor]]) -> None:
-        """Mask, sample and append one token per row. Masking and sampling
-        are batched but report errors per row; the rest runs per request."""
+    def _sample(self, rows: list[tuple[Sequence, int]], step_logits: Tensor) -> None:
+        """Mask, sample and append one token per ``(sequence, row of
+        step_logits)``. Masking and sampling are batched but report errors
+        per row; the rest runs per request."""
         if not rows:
             return
         try:
-            logits = torch.stack([row for _, row in rows])
+            index = [row for _, row in rows]
+            # Usually every row, once and in order: no copy of [batch, vocab].
+            if index == list(range(step_logits.shape[0])):
+                logits = step_logits
+            else:
+                logits = step_logits[torch.tensor(index, device=step_logits.device)]
             logits, mask_errors = self.structured_output.mask_logits(
                 logits, [s.grammar for s, _ in rows]
             )
