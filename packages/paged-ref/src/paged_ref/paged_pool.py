@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from paged_core.block_manager import BlockManager
-from paged_core.kv_cache_groups import KVCacheGroup, cache_layers, kv_cache_groups
+from paged_core.kv_cache_groups import KVCacheGroup, cache_layers
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.block_table_buffer import BlockTableBuffer
@@ -113,8 +113,7 @@ class PagedKVPool(SeedViews, ViewsMixin):
         ops: ModuleType | None = None,
         kv_cache_dtype: str = "auto",
         kv_scales: tuple[Tensor, Tensor] | None = None,
-        layer_windows: Sequence[int | None] | None = None,
-        disable_hybrid_kv_cache_manager: bool = False,
+        groups: Sequence[KVCacheGroup] | None = None,
     ) -> PagedKVPool:
         """A zeroed pool of ``num_blocks`` blocks for a model's shape
         (``device="meta"`` sizes it without allocating memory). ``dtype`` is
@@ -122,15 +121,13 @@ class PagedKVPool(SeedViews, ViewsMixin):
         ``fp8_e5m2``, ``int8``) picks what the blocks store; ``kv_scales``
         (static K and V scales, ``[num_layers, num_kv_heads]``, from
         ``calculate_kv_scales``) replaces int8's per-token scales and fp8's
-        scale of 1. ``layer_windows[i]``: layer ``i``'s sliding window (None
-        = full); mixed windows make KV cache groups (sliding ones free old
-        blocks) unless ``disable_hybrid_kv_cache_manager``. A block then
-        holds one group's layers, so it costs fewer
-        bytes."""
-        windows: list[int | None] = list(layer_windows or [None] * num_layers)
-        if len(windows) != num_layers:
-            raise ValueError(f"got {len(windows)} layer_windows for {num_layers} layers")
-        groups = kv_cache_groups(windows, hybrid=not disable_hybrid_kv_cache_manager)
+        scale of 1. ``groups``: the model's KV cache groups
+        (``paged_core.kv_cache_groups``; default one group of every layer);
+        with several, a block holds one group's layers, so it costs fewer
+        bytes, and sliding groups free old blocks."""
+        groups = list(groups or [KVCacheGroup(tuple(range(num_layers)), None)])
+        if sum(len(g.layers) for g in groups) != num_layers:
+            raise ValueError(f"the KV cache groups hold {sum(len(g.layers) for g in groups)} layers, not {num_layers}")
         shape = (len(groups[0].layers), num_blocks, block_size, num_kv_heads, head_dim)
         cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
         k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
