@@ -1,8 +1,8 @@
 """Paged decode attention: one query token per sequence, K/V read in place.
 
-One program serves a (sequence, kv head) pair and *all* query heads of that
-kv head's group, so each K/V tile is loaded once per group (GQA/MQA). The
-group is padded to 16 rows so the scores and the weighted sum are ``tl.dot``
+One program serves a (sequence, kv head) pair and *all* ``Q_PER_KV`` query
+heads that share that kv head, so each K/V tile is loaded once for them
+(GQA/MQA). They are padded to 16 rows so the scores and the weighted sum are ``tl.dot``
 tensor-core products. Tokens are fetched through the page table per
 position, so any block size works and a tile may span several blocks.
 
@@ -98,7 +98,7 @@ def _decode_kernel(
     target_programs,
     max_splits,
     partial_rows,
-    GROUP: tl.constexpr,
+    Q_PER_KV: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -145,12 +145,12 @@ def _decode_kernel(
         if split + 1 < pieces:
             end = lo + ((split + 1) * n // pieces) // BLOCK_N * BLOCK_N
 
-    head_blocks: tl.constexpr = (GROUP + HEADS_PER_PROG - 1) // HEADS_PER_PROG
+    head_blocks: tl.constexpr = (Q_PER_KV + HEADS_PER_PROG - 1) // HEADS_PER_PROG
     kv_head = pid_h // head_blocks
     first = (pid_h % head_blocks) * HEADS_PER_PROG
     g = tl.arange(0, BLOCK_H)
-    head_mask = (g < HEADS_PER_PROG) & (first + g < GROUP)
-    heads = kv_head * GROUP + first + g
+    head_mask = (g < HEADS_PER_PROG) & (first + g < Q_PER_KV)
+    heads = kv_head * Q_PER_KV + first + g
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     qd_mask = head_mask[:, None] & d_mask[None, :]
@@ -208,12 +208,12 @@ def _shape_params(
     """What depends only on the layer's shapes: head programs per sequence,
     the constexprs (window and softcap flags aside), the tile (warps, stages).
     ``dtype``: what the products run in (``compute_dtype``)."""
-    group = check_gqa(heads, kv_heads)
-    heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
+    q_per_kv = check_gqa(heads, kv_heads)
+    heads_per_prog = min(q_per_kv, MAX_HEADS_PER_PROGRAM)
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     tile = tile or tile_config("decode", block_d, dtype, arch, quantized=kv_quant != 0)
     constexprs = dict(
-        GROUP=group,
+        Q_PER_KV=q_per_kv,
         HEADS_PER_PROG=heads_per_prog,
         BLOCK_H=max(MIN_DOT, triton.next_power_of_2(heads_per_prog)),
         HEAD_DIM=head_dim,
@@ -226,7 +226,7 @@ def _shape_params(
         KV_QUANT=kv_quant,
         HEAD_SCALES=head_scales,
     )
-    head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
+    head_programs = kv_heads * triton.cdiv(q_per_kv, heads_per_prog)
     return head_programs, constexprs, tile
 
 

@@ -5,8 +5,8 @@ K/V are already in the cache (``write_kv`` first), and query ``i`` of a
 sequence sits at position ``seq_len - q_len + i`` (causal with an offset).
 
 A program takes ``BLOCK_Q`` consecutive queries of one sequence and the
-query heads of one kv head's group, stacked as ``BLOCK_Q * G_PAD`` rows, so
-each K/V tile read through the page table serves the whole group. The grid
+``Q_PER_KV`` query heads sharing one kv head, stacked as ``BLOCK_Q * G_PAD``
+rows, so each K/V tile read through the page table serves all of them. The grid
 has ``total_q // BLOCK_Q + batch`` programs along the query axis, an upper
 bound on the per-sequence tiles that needs no device sync; each program
 finds its sequence by binary search over ``cu_seqlens_q`` and idle ones
@@ -73,7 +73,7 @@ def _prefill_kernel(
     softcap,
     window,
     batch,
-    GROUP: tl.constexpr,
+    Q_PER_KV: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -107,7 +107,7 @@ def _prefill_kernel(
     if q_tile * BLOCK_Q >= q_len:
         return
 
-    head_blocks: tl.constexpr = (GROUP + HEADS_PER_PROG - 1) // HEADS_PER_PROG
+    head_blocks: tl.constexpr = (Q_PER_KV + HEADS_PER_PROG - 1) // HEADS_PER_PROG
     kv_head = pid_h // head_blocks
     first = (pid_h % head_blocks) * HEADS_PER_PROG
 
@@ -115,8 +115,8 @@ def _prefill_kernel(
     r = tl.arange(0, BLOCK_ROWS)
     qi = q_tile * BLOCK_Q + r // G_PAD
     g = r % G_PAD
-    row_mask = (qi < q_len) & (g < HEADS_PER_PROG) & (first + g < GROUP)
-    heads = kv_head * GROUP + first + g
+    row_mask = (qi < q_len) & (g < HEADS_PER_PROG) & (first + g < Q_PER_KV)
+    heads = kv_head * Q_PER_KV + first + g
     tokens = (q_start + qi).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
@@ -177,14 +177,14 @@ def _shape_params(
 ) -> tuple[int, int, dict[str, Any], TileConfig]:
     """What depends only on the layer's shapes: queries per program, head
     programs, the constexprs (window and softcap flags aside), warps, stages."""
-    group = check_gqa(heads, kv_heads)
-    heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
+    q_per_kv = check_gqa(heads, kv_heads)
+    heads_per_prog = min(q_per_kv, MAX_HEADS_PER_PROGRAM)
     g_pad = triton.next_power_of_2(heads_per_prog)
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     tile = tile or tile_config("prefill", block_d, dtype, arch, quantized=kv_quant != 0)
     block_q = max(1, tile.block_m // g_pad)
     constexprs = dict(
-        GROUP=group,
+        Q_PER_KV=q_per_kv,
         HEADS_PER_PROG=heads_per_prog,
         G_PAD=g_pad,
         BLOCK_Q=block_q,
@@ -197,7 +197,7 @@ def _shape_params(
         KV_QUANT=kv_quant,
         HEAD_SCALES=head_scales,
     )
-    head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
+    head_programs = kv_heads * triton.cdiv(q_per_kv, heads_per_prog)
     return block_q, head_programs, constexprs, tile
 
 
