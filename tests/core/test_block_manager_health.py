@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import fields
 
 from paged_core import Block, BlockManager, BlockManagerStats

@@ -6,7 +6,7 @@ They subclass the built-in exception a caller would expect
 
 from __future__ import annotations
 
-from paged_server.errors import ModelFileNotFoundError as ModelFileNotFoundError, ModelLoadError as ModelLoadError
+from paged_server.errors import ModelFileNotFoundError, ModelLoadError  # noqa: F401 (re-exported)
 
 
 class UnsupportedArchitectureError(ModelLoadError, ValueError):
