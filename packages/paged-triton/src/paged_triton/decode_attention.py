@@ -194,18 +194,15 @@ def plan_decode(
     memo: dict[Any, Any] | None = None,
     *,
     tile: TileConfig | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
+    **scales: Tensor | None,
 ) -> list[Launch]:
     """The decode launch, and the merge launch when contexts may be split.
     ``tables``/``lens`` are int32 on q's device; nothing here reads a tensor.
     ``tile``: instead of :func:`tile_config`'s choice (autotuning).
-    ``k_scales``/``v_scales``: an int8 cache's ``[num_blocks, block_size, kv_heads]``;
-    ``k_head_scales``/``v_head_scales``: static scales, ``[kv_heads]`` float32."""
+    ``scales``: ``k_scales``/``v_scales``, an int8 cache's ``[num_blocks,
+    block_size, kv_heads]``, or ``k_head_scales``/``v_head_scales``, static
+    scales, ``[kv_heads]`` float32 (absent or None for other caches)."""
     batch, heads, _ = q.shape
-    scales = dict(k_scales=k_scales, v_scales=v_scales, k_head_scales=k_head_scales, v_head_scales=v_head_scales)
     head_programs, constexprs, tile, k_scale, v_scale, scale_strides = layer_layout(
         "decode", q, k_cache, v_cache, arch, interpret, tile, scales
     )

@@ -164,16 +164,13 @@ def plan_prefill(
     interpret: bool,
     *,
     tile: TileConfig | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
+    **scales: Tensor | None,
 ) -> Launch:
     """The prefill launch; ``tables``/``cu_q``/``lens`` are int32 on q's
     device. The grid's ``total_q // BLOCK_Q + batch`` query programs bound
     the per-sequence tiles without reading ``cu_seqlens_q``. ``tile``:
-    instead of :func:`tile_config`'s choice (autotuning)."""
-    scales = dict(k_scales=k_scales, v_scales=v_scales, k_head_scales=k_head_scales, v_head_scales=v_head_scales)
+    instead of :func:`tile_config`'s choice (autotuning); ``scales``: as
+    :func:`paged_triton.decode_attention.plan_decode`'s."""
     head_programs, constexprs, tile, k_scale, v_scale, scale_strides = layer_layout(
         "prefill", q, k_cache, v_cache, arch, interpret, tile, scales
     )
