@@ -154,7 +154,7 @@ class CacheView:
             raise ValueError(
                 f"layer {layer_idx} attends with sliding_window={sliding_window} but its KV "
                 f"cache group {group} frees blocks outside a window of {window} tokens; "
-                "build the pool with this layer's window (layer_windows)"
+                "build the pool's groups from the model's layer windows (kv_cache_groups)"
             )
         meta, cache_layer, scales = self._write(layer_idx, k, v, where)
         ops = self.pool.ops
