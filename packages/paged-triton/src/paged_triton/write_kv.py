@@ -25,7 +25,7 @@ from paged_ref.kv_quant import FP8_MAX
 from paged_triton.interpreter_bf16 import cast, round_to_fp8
 from paged_triton.launch import Launch
 from paged_triton.launch_checks import (
-    as_int64,
+    as_index,
     check_cache,
     check_quantized_cache,
     check_runnable,
@@ -253,7 +253,7 @@ def write_kv(
     if k.shape[0] == 0:
         return
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
-    slots = as_int64(slot_mapping, k_cache)
+    slots = as_index(slot_mapping, k_cache, torch.int64)
     plan_write_kv(
         k_cache, v_cache, k, v, slots, _INTERPRETED, k_scales, v_scales, k_head_scales,
         v_head_scales,

@@ -61,12 +61,12 @@ def perplexity(
         block_size, loaded.dtype, device, enable_prefix_caching=False,
         kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
     )  # fmt: skip
-    seq = pool.allocate_seq(0)
+    seq, _ = pool.allocate_sequence(token_ids)
     nll, count = 0.0, 0
     ids = torch.tensor(token_ids, device=device)
     for start in range(0, len(token_ids), CHUNK):
         chunk = ids[start : start + CHUNK]
-        view = pool.view([seq], [chunk.shape[0]])
+        view = pool.step_view([seq], [start], [chunk.shape[0]])
         positions = torch.arange(start, start + chunk.shape[0], device=device)
         logits = loaded.model(chunk, positions, view).float()
         view.advance()

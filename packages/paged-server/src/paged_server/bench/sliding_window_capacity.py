@@ -26,14 +26,14 @@ def _pool(budget_bytes: int, hybrid: bool, block_size: int) -> Any:
     from paged_core.kv_cache_groups import kv_cache_groups
     from paged_ref import PagedKVPool
 
-    cache_layers = len(kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid)[0].layers)
+    groups = kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid)
+    cache_layers = len(groups[0].layers)
     num_blocks = PagedKVPool.num_blocks_for_memory(
         budget_bytes, cache_layers, 1, 256, block_size, torch.bfloat16
     )
     return PagedKVPool.from_model_config(
         26, 1, 256, num_blocks, block_size, torch.bfloat16, "meta",
-        enable_prefix_caching=False, layer_windows=GEMMA3_1B_WINDOWS,
-        disable_hybrid_kv_cache_manager=not hybrid,
+        enable_prefix_caching=False, groups=groups,
     )  # fmt: skip
 
 

@@ -44,7 +44,7 @@ from paged_server.config import (
     resolve_dtype,
     resolve_max_num_batched_tokens,
 )
-from paged_server.engine.beams import advance_beams, finish_beams, new_beam_search, ready_rows
+from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam_search, ready_rows
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
