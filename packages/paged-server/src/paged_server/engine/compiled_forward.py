@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch._inductor.config as inductor_config
 from torch import Tensor, nn
 
 from paged_core.protocols import AttentionViewProtocol
@@ -108,8 +109,9 @@ class CompiledForward:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._compiled: Callable[..., Tensor] = torch.compile(  # type: ignore[assignment]
-            model.model, dynamic=True, fullgraph=True, options={"freezing": True}
+            model.model, dynamic=True, fullgraph=True
         )
+        self._freezing = inductor_config.patch(freezing=True)
 
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor, kv_cache: AttentionViewProtocol | None
@@ -118,7 +120,10 @@ class CompiledForward:
             return self.model.hidden_states(input_ids, position_ids, None)  # type: ignore[operator,no-any-return]
         _step.view = kv_cache
         try:
-            return self._compiled(input_ids, position_ids, _OPAQUE)
+            # Freezing is read when a graph compiles (torch.compile's options
+            # do not reach it), so it is set around every call, not globally.
+            with self._freezing:
+                return self._compiled(input_ids, position_ids, _OPAQUE)
         finally:
             _step.view = None
 
