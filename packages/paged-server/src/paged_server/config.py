@@ -17,7 +17,7 @@ KV_CACHE_BACKENDS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "ref", "triton")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's --kv-cache-dtype values (paged_ref.kv_quant.KV_CACHE_DTYPES says what each stores).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 
 @dataclass(slots=True)

@@ -145,15 +145,18 @@ def build_cache_pool(
     # Bytes per token of what the pool stores (int8 per-token scales included).
     kv_dtype = cache_dtype_for(config.kv_cache_dtype, dtype)
     static_scales = static is not None
-    token_bytes = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype, static_scales)
+    token_bytes = kv_bytes_per_token(  # (int4: a contiguous row is one block)
+        layers, kv_heads, head_dim, kv_dtype, static_scales, block_size=config.max_model_len
+    )
     if config.kv_cache_backend == "paged":
         windows = model_config.layer_sliding_windows
         groups = kv_cache_groups(windows, hybrid=not config.disable_hybrid_kv_cache_manager)
         sliding = any(g.sliding_window is not None for g in groups)
         # A block holds one group's layers: fewer bytes when the model is hybrid.
         slot_bytes = kv_bytes_per_token(
-            len(groups[0].layers), kv_heads, head_dim, kv_dtype, static_scales
-        )
+            len(groups[0].layers), kv_heads, head_dim, kv_dtype, static_scales,
+            block_size=config.block_size,
+        )  # fmt: skip
         budget = kv_budget(config, slot_bytes, device, model)
         num_blocks = budget.num_blocks
         if num_blocks is None and budget.num_bytes is not None:
