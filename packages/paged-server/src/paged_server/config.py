@@ -128,7 +128,7 @@ class EngineConfig:
         if self.kv_cache_dtype == "auto":
             raise ValueError(
                 "calculate_kv_scales: applies to kv_cache_dtype "
-                f"{', '.join(d for d in KV_CACHE_DTYPES if d != 'auto')}, not 'auto' "
+                f"{', '.join(d for d in KV_CACHE_DTYPES if d not in ('auto', 'int4'))}, not 'auto' "
                 "(the model dtype needs no scales); set --kv-cache-dtype or drop the flag"
             )
         if self.tensor_parallel_size > 1:
