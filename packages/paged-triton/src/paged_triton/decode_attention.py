@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_ref.kv_quant import scale_keywords
+from paged_ref.kv_quant import logical_shape, scale_keywords
 from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.decode_splits import (
     BLOCK_B,
@@ -169,7 +169,7 @@ def _decode_kernel(
         tok, tok_mask, k, v = load_kv_tile(
             K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, end, d, d_mask, stride_cb,
             stride_ct, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
-            HEAD_SCALES,
+            HEAD_SCALES, HEAD_DIM,
         )  # fmt: skip
         m_i, l_i, acc = attend_tile(
             q, k, v, tok_mask[None, :], m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION,
@@ -379,8 +379,8 @@ def decode_attention(
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     batch, heads, head_dim = q.shape
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if logical_shape(k_cache)[3] != head_dim:  # (an int4 cache packs two per byte)
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {logical_shape(k_cache)[3]}")
     check_gqa(heads, k_cache.shape[2])
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_ref.kv_quant import scale_keywords
+from paged_ref.kv_quant import logical_shape, scale_keywords
 from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.interpreter_bf16 import cast
 from paged_triton.launch import Launch, device_arch, replayed, run_planned, tensor_key
@@ -148,7 +148,7 @@ def _prefill_kernel(
         tok, tok_mask, k, v = load_kv_tile(
             K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, hi, d, d_mask, stride_cb,
             stride_ct, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
-            HEAD_SCALES,
+            HEAD_SCALES, HEAD_DIM,
         )  # fmt: skip
         visible = row_mask[:, None] & tok_mask[None, :] & (tok[None, :] <= pos[:, None])
         if USE_WINDOW:
@@ -311,8 +311,8 @@ def paged_prefill_attention(
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, heads, head_dim], got shape {tuple(q.shape)}")
     total_q, heads, head_dim = q.shape
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if logical_shape(k_cache)[3] != head_dim:  # (an int4 cache packs two per byte)
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {logical_shape(k_cache)[3]}")
     check_gqa(heads, k_cache.shape[2])
     batch = seq_lens.shape[0]
     if (

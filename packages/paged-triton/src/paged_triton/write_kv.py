@@ -21,9 +21,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_ref.kv_quant import FP8_MAX
+from paged_ref.kv_int4 import is_int4
+from paged_ref.kv_quant import FP8_MAX, logical_shape
 from paged_triton.interpreter_bf16 import cast, round_to_fp8
 from paged_triton.launch import Launch
+from paged_triton.write_kv_int4 import plan_write_kv_int4
 from paged_triton.launch_checks import (
     as_int64,
     check_cache,
@@ -243,7 +245,7 @@ def write_kv(
     check_runnable(_write_kv_kernel, k_cache, v_cache, k, v)
     check_cache(k_cache, v_cache)
     check_quantized_cache(k_cache, k_scales, v_scales, k_head_scales, v_head_scales)
-    _, _, kv_heads, head_dim = k_cache.shape
+    _, _, kv_heads, head_dim = logical_shape(k_cache)
     expected = (slot_mapping.shape[0], kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(
@@ -254,6 +256,11 @@ def write_kv(
         return
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     slots = as_int64(slot_mapping, k_cache)
+    if is_int4(k_cache.dtype):  # keys re-quantized per group: its own kernel
+        if k_cache.stride(1) != kv_heads * head_dim // 2:
+            raise ValueError(f"an int4 cache needs contiguous blocks, got strides {k_cache.stride()}")
+        plan_write_kv_int4(k_cache, v_cache, k, v, slots, k_scales, v_scales).run()  # type: ignore[arg-type]
+        return
     plan_write_kv(
         k_cache, v_cache, k, v, slots, _INTERPRETED, k_scales, v_scales, k_head_scales,
         v_head_scales,
