@@ -63,7 +63,38 @@ def load_kv_tile(
             K, V, K_SCALE, V_SCALE, block, slot_in_block, rows, kv_head, kv_mask, d, stride_tok,
             stride_sb, stride_st, BLOCK_SIZE, HEAD_DIM,
         )  # fmt: skip
-        return tok, tok_mask, cast(k, COMPUTE, EMULATE_BF16), cast(v, COMPUTE, EMULATE_BF16)
+        k = cast(k, COMPUTE, EMULATE_BF16)
+        v = cast(v, COMPUTE, EMULATE_BF16)
+    else:
+        k, v = load_codes_tile(
+            K, V, K_SCALE, V_SCALE, block, slot_in_block, rows, kv_head, kv_mask, d, tok_mask,
+            stride_sb, stride_st, KV_QUANT, COMPUTE, EMULATE_BF16, HEAD_SCALES,
+        )  # fmt: skip
+    return tok, tok_mask, k, v
+
+
+@triton.jit
+def load_codes_tile(
+    K,
+    V,
+    K_SCALE,
+    V_SCALE,
+    block,
+    slot_in_block,
+    rows,
+    kv_head,
+    kv_mask,
+    d,
+    tok_mask,
+    stride_sb,
+    stride_st,
+    KV_QUANT: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
+):
+    """K and V tiles of a cache in the model's dtype or an 8-bit one (see
+    ``load_kv_tile``)."""
     k = tl.load(K + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if HEAD_SCALES:
@@ -80,7 +111,7 @@ def load_kv_tile(
     elif KV_QUANT == 1:
         k = cast(k.to(tl.float32), COMPUTE, EMULATE_BF16)
         v = cast(v.to(tl.float32), COMPUTE, EMULATE_BF16)
-    return tok, tok_mask, k, v
+    return k, v
 
 
 @triton.jit

@@ -181,7 +181,8 @@ def _shape_params(
     heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
     g_pad = triton.next_power_of_2(heads_per_prog)
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    tile = tile or tile_config("prefill", block_d, dtype, arch, quantized=kv_quant != 0)
+    tile = tile or tile_config("prefill", block_d, dtype, arch, quantized=kv_quant != 0,
+                               int4=kv_quant == 3)  # fmt: skip
     block_q = max(1, tile.block_m // g_pad)
     constexprs = dict(
         GROUP=group,

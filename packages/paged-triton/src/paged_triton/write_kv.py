@@ -187,7 +187,10 @@ def plan_write_kv(
 ) -> Launch:
     """One program per token; ``slots`` is int64 on the cache's device;
     ``k_scales``/``v_scales`` (int8 only) ``[num_blocks, block_size, kv_heads]``,
-    or static ``k_head_scales``/``v_head_scales`` ``[kv_heads]``."""
+    or static ``k_head_scales``/``v_head_scales`` ``[kv_heads]``. An int4
+    cache gets its own kernel (``write_kv_int4``)."""
+    if is_int4(k_cache.dtype):
+        return plan_write_kv_int4(k_cache, v_cache, k, v, slots, k_scales, v_scales)  # type: ignore[arg-type]
     _, block_size, kv_heads, head_dim = k_cache.shape
     ks, vs, cs = k.stride(), v.stride(), k_cache.stride()
     k_scale, v_scale, ss = scale_args(k_cache, v_cache, k_scales, v_scales, k_head_scales,
@@ -256,11 +259,8 @@ def write_kv(
         return
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     slots = as_int64(slot_mapping, k_cache)
-    if is_int4(k_cache.dtype):  # keys re-quantized per group: its own kernel
-        if k_cache.stride(1) != kv_heads * head_dim // 2:
-            raise ValueError(f"an int4 cache needs contiguous blocks, got strides {k_cache.stride()}")
-        plan_write_kv_int4(k_cache, v_cache, k, v, slots, k_scales, v_scales).run()  # type: ignore[arg-type]
-        return
+    if is_int4(k_cache.dtype) and k_cache.stride(1) != kv_heads * head_dim // 2:
+        raise ValueError(f"an int4 cache needs contiguous blocks, got strides {k_cache.stride()}")
     plan_write_kv(
         k_cache, v_cache, k, v, slots, _INTERPRETED, k_scales, v_scales, k_head_scales,
         v_head_scales,
