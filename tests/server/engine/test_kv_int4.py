@@ -146,7 +146,8 @@ def test_int4_hybrid_manager_runs_and_agrees(tiny_hybrid_loaded, prompt_of) -> N
     assert llm.engine.audit() == []
     full = LLM(loaded=tiny_hybrid_loaded, num_gpu_blocks=200, **cfg)
     want = full.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    same = sum(a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4] for a, b in zip(got, want))
+    pairs = zip(got, want, strict=True)
+    same = sum(a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4] for a, b in pairs)
     assert same >= 2
 
 

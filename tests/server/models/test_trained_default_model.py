@@ -14,8 +14,8 @@ import torch
 
 from paged_server.default_model import ensure_default_model
 from paged_server.default_model import trained as trained_module
-from paged_server.default_model.train import split_texts
 from paged_server.default_model.tokenizer_builder import training_texts
+from paged_server.default_model.train import split_texts
 
 TINY_RECIPE = {"steps": 3, "batch_size": 2, "seq_len": 16, "lr": 3e-3, "seed": 0}
 

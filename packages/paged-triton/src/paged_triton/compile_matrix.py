@@ -220,12 +220,12 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
     a step of ``batch`` sequences whose block tables are ``width`` wide and
     whose metadata tensors start ``offset`` bytes into the step's packed
     buffer (8 is what ``attention_metadata.to_device`` can give)."""
+    from paged_ref.kv_int4 import scale_shapes
+    from paged_ref.kv_quant import storage_shape
     from paged_triton.copy_blocks import plan_copy_blocks
     from paged_triton.decode_attention import plan_decode
     from paged_triton.decode_splits import SplitPolicy
     from paged_triton.prefill_attention import plan_prefill
-    from paged_ref.kv_int4 import scale_shapes
-    from paged_ref.kv_quant import storage_shape
     from paged_triton.write_kv import plan_write_kv
 
     layout, dtype = variant.layout, DTYPES[variant.dtype]

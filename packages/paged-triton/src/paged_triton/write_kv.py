@@ -25,7 +25,6 @@ from paged_ref.kv_int4 import is_int4
 from paged_ref.kv_quant import FP8_MAX, logical_shape
 from paged_triton.interpreter_bf16 import cast, round_to_fp8
 from paged_triton.launch import Launch
-from paged_triton.write_kv_int4 import plan_write_kv_int4
 from paged_triton.launch_checks import (
     as_int64,
     check_cache,
@@ -36,6 +35,7 @@ from paged_triton.launch_checks import (
     last_dim_contiguous,
     scale_args,
 )
+from paged_triton.write_kv_int4 import plan_write_kv_int4
 
 # fp8 formats: mantissa bits and the exponent of the smallest normal number.
 FP8_FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
