@@ -62,6 +62,21 @@ def test_int4_prefix_hits_give_the_same_tokens(int4_plain, make_engine, run_engi
     assert engine.audit() == []
 
 
+def test_int4_contiguous_pool_matches_paged_blocks_of_64(make_engine, run_engine, prompt_of,
+                                                          greedy) -> None:  # fmt: skip
+    """A contiguous row's key groups are 64 tokens from position 0, as a
+    paged pool's with blocks of 64: the same codes, so the same tokens."""
+    requests = workload(prompt_of, greedy)
+    paged = run_engine(make_engine(max_batch_size=4, kv_cache_dtype="int4", block_size=64,
+                                   enable_prefix_caching=False), requests)  # fmt: skip
+    contiguous = make_engine(max_batch_size=4, kv_cache_dtype="int4", kv_cache_backend="contiguous")
+    run = run_engine(contiguous, requests)
+    for rid, _, _ in requests:
+        assert run.tokens(rid) == paged.tokens(rid), rid
+        assert run.choices[(rid, 0)].logprobs == pytest.approx(paged.choices[(rid, 0)].logprobs, abs=1e-4)
+    assert contiguous.audit() == []
+
+
 @pytest.mark.backend
 @pytest.mark.parametrize("prompt_len", [12, 10])  # full last block / shared partial block (CoW)
 def test_int4_forks_match_separate_requests(make_engine, run_engine, prompt_of, attention_backend,
