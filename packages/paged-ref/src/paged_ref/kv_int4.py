@@ -142,7 +142,8 @@ def int4_bytes_per_token(
 
 
 def round_half_away(y: Tensor) -> Tensor:
-    """Ties away from zero, as the Triton kernels round (``floor(y + 0.5)`` for y >= 0)."""
+    """Ties away from zero, as the Triton kernels round (``floor(y + 0.5)`` for y >= 0).
+    (``kv_quant.round_half_away`` is the same; kv_quant imports this module, not the reverse.)"""
     return torch.where(y >= 0, torch.floor(y + 0.5), -torch.floor(0.5 - y))
 
 

@@ -64,6 +64,9 @@ def write_kv(
     ``v_scales`` (``[num_blocks, block_size, kv_heads]``); with static
     ``k_head_scales``/``v_head_scales`` (``[kv_heads]`` float32, this layer's)
     it stores ``kv_quant.quantize_static``'s codes and no per-token scales.
+    An int4 cache (``kv_int4``: codes ``[..., head_dim // 2]``) takes its
+    block scales in ``k_scales``/``v_scales``: values per token, and every
+    key group a new token joins re-quantized (``kv_int4.write_keys``).
     """
     check_scales(k_cache, k_scales, "k_scales", k_head_scales)
     check_scales(v_cache, v_scales, "v_scales", v_head_scales)
