@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--single-stream-requests", type=int, default=8, help="requests per run at concurrency 1")
     p.add_argument("--agreement-prompts", type=int, default=5, help="prompts whose greedy text is compared")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t / -tb")
+    p.add_argument("--paged-variant", action="append", default=[], metavar="FLAGS",
+                   help='another paged-server peer with these extra flags, e.g. "--enforce-eager" (repeatable)')
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
     p.add_argument("--logs", type=Path, help="keep every server's log in this folder")
     p.add_argument("--no-page", action="store_true", help="leave docs/benchmarks.md alone (run_all renders it)")
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         log_dir=args.logs,
         emit=emit,
+        paged_variants=args.paged_variant,
     )
     config = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))
     data["environment"] = env

@@ -45,7 +45,7 @@ def serve_round(m: BlockManager, seqs: list[list[int]], track: bool) -> int:
     """Admit, decode and free every sequence; returns prefix-hit tokens."""
     hits = 0
     for s, tokens in enumerate(seqs):
-        hits += m.allocate(s, PROMPT, tokens)
+        hits += m.allocate(s, tokens)
         if track:
             m.mark_computed(s, PROMPT)
     for step in range(DECODE):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_core import kv_cache_groups
 from paged_ref import PagedKVPool
 
 NUM_SEQS, BLOCK_SIZE = 256, 16
@@ -92,7 +93,7 @@ def test_decode_step_host_work_hybrid(benchmark, hybrid: bool) -> None:
     per_group = HYBRID_SEQS * (HYBRID_CONTEXT // BLOCK_SIZE + 8)
     pool = PagedKVPool.from_model_config(
         26, 1, 1, per_group * 13 + 1, BLOCK_SIZE, torch.float32, enable_prefix_caching=False,
-        layer_windows=GEMMA3_1B_WINDOWS, disable_hybrid_kv_cache_manager=not hybrid,
+        groups=kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid),
     )  # fmt: skip
     seq_ids = [pool.allocate_sequence([1] * HYBRID_CONTEXT)[0] for _ in range(HYBRID_SEQS)]
     for seq_id in seq_ids:

@@ -134,10 +134,10 @@ def test_physical_tokens_count_shared_blocks_once() -> None:
     from paged_server.bench.engine_bench import physical_tokens_held
 
     bm = BlockManager(num_blocks=8, block_size=16, enable_prefix_caching=False)
-    bm.allocate(0, 40)  # blocks of 16, 16, 8 tokens
+    bm.allocate(0, list(range(40)))  # blocks of 16, 16, 8 tokens
     assert physical_tokens_held(bm) == 40
     bm.fork(0, 1)  # same three blocks, now shared
     assert bm.stats().tokens_used == 80  # logical: once per sequence
     assert physical_tokens_held(bm) == 40
-    bm.allocate(2, 5)
+    bm.allocate(2, list(range(5)))
     assert physical_tokens_held(bm) == 45

@@ -28,9 +28,9 @@ class FakePool:
         self.kv: list[list[int | None]] = [[None] * bs for _ in range(manager.num_blocks + 1)]
         self.tokens: dict[int, list[int]] = {}
 
-    def allocate(self, seq_id: int, tokens: Sequence[int], give_ids: bool = True) -> int:
+    def allocate(self, seq_id: int, tokens: Sequence[int]) -> int:
         """Admit a prompt; checks that every hit block already holds its tokens."""
-        cached = self.m.allocate(seq_id, len(tokens), list(tokens) if give_ids else None)
+        cached = self.m.allocate(seq_id, list(tokens))
         self.tokens[seq_id] = list(tokens)
         assert cached % self.m.block_size == 0 and 0 <= cached < len(tokens)
         self.check_reads(seq_id, upto=cached)
@@ -57,8 +57,8 @@ class FakePool:
                 self.kv[block][off] = token
         self.m.mark_computed(seq_id, end)
 
-    def append(self, seq_id: int, token: int, give_id: bool = True) -> list[tuple[int, int]]:
-        copies = [(src, dst) for _, src, dst in self.m.append(seq_id, token if give_id else None)]
+    def append(self, seq_id: int, token: int) -> list[tuple[int, int]]:
+        copies = [(src, dst) for _, src, dst in self.m.append(seq_id, token)]
         for src, dst in copies:
             self.kv[dst] = list(self.kv[src])
         self.tokens[seq_id].append(token)

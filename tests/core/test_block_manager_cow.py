@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from paged_core import BlockManager
+
+_ids = itertools.count(1000)
+
+
+def fresh(n: int) -> list[int]:
+    """``n`` token ids no other prompt of the run holds (no prefix hit on them)."""
+    return [next(_ids) for _ in range(n)]
 
 BS = 4
 
@@ -78,29 +87,29 @@ def test_forks_of_forks(fake_pool, free_order):
 
 def test_can_append_counts_copies_exactly():
     m = BlockManager(num_blocks=4, block_size=BS)
-    m.allocate(1, 6)  # 2 blocks
+    m.allocate(1, fresh(6))  # 2 blocks
     m.fork(1, 2)
     m.fork(1, 3)  # last block shared three ways, 2 blocks free
     assert m.can_append([1, 2, 3])  # 2 copies
     assert m.can_append([1, 2])  # 2 copies: neither writer is the last holder
-    m.allocate(4, 1)  # 1 block free now
+    m.allocate(4, fresh(1))  # 1 block free now
     assert not m.can_append([1, 2, 3])
     assert not m.can_append([1, 2])
     assert m.can_append([3])
-    assert m.append(3, None) != ()  # takes the last free block for its copy
+    assert m.append(3, -1) != ()  # takes the last free block for its copy
     assert not m.can_append([1, 2])
     m.free(4)  # 1 block free again
     assert m.can_append([1, 2])  # one copy, then the other owns the original
-    m.append(1, None)
+    m.append(1, -1)
     assert m.num_free_blocks() == 0
-    assert m.append(2, None) == ()
+    assert m.append(2, -1) == ()
     assert m.audit() == []
 
 
 def test_fork_into_existing_sequence_is_a_value_error():
     m = BlockManager(num_blocks=4, block_size=BS)
-    m.allocate(1, 3)
-    m.allocate(2, 3)
+    m.allocate(1, fresh(3))
+    m.allocate(2, fresh(3))
     with pytest.raises(ValueError, match="cannot fork into sequence 2: it already exists"):
         m.fork(1, 2)
     assert m.block_pool.blocks[m.block_table(1)[0]].ref_count == 1

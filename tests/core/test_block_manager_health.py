@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import fields
 
 from paged_core import Block, BlockManager, BlockManagerStats
 
+_ids = itertools.count(1000)
+
+
+def fresh(n: int) -> list[int]:
+    """``n`` token ids no other prompt of the run holds (no prefix hit on them)."""
+    return [next(_ids) for _ in range(n)]
+
 
 def test_stats_track_usage_and_tokens():
     m = BlockManager(num_blocks=10, block_size=4)
-    m.allocate(1, 6)
-    m.allocate(2, 9)
-    m.append(2, None)
+    m.allocate(1, fresh(6))
+    m.allocate(2, fresh(9))
+    m.append(2, -1)
     st = m.stats()
     assert (st.num_blocks, st.block_size) == (10, 4)
     assert (st.blocks_used, st.blocks_free) == (5, 5)
@@ -32,18 +40,18 @@ def test_stats_as_dict_has_every_counter():
 
 def test_free_after_append_releases_every_block():
     m = BlockManager(num_blocks=4, block_size=4)
-    m.allocate(1, 5)
-    m.append(1, None)
+    m.allocate(1, fresh(5))
+    m.append(1, -1)
     assert m.num_tokens(1) == 6
     m.free(1)
-    assert not m.has_seq(1)
+    assert m.seq_ids() == []
     assert m.num_free_blocks() == 4
     assert m.audit() == []
 
 
 def test_audit_reports_a_miscounted_reference():
     m = BlockManager(num_blocks=4, block_size=4)
-    m.allocate(1, 5)
+    m.allocate(1, fresh(5))
     block = m.block_table(1)[0]
     m.block_pool.acquire(m.block_pool.blocks[block])  # a reference no page table accounts for
     problems = m.audit()
@@ -63,7 +71,7 @@ def test_audit_reports_a_block_taken_behind_the_managers_back():
 def test_audit_reports_a_referenced_block_on_the_free_list():
     """It would be handed out again while a sequence still uses it."""
     m = BlockManager(num_blocks=4, block_size=4)
-    m.allocate(1, 5)
+    m.allocate(1, fresh(5))
     block = m.block_table(1)[0]
     # deliberate corruption, as a release that dropped a reference too many would leave it
     m.block_pool.free_queue[m.block_pool.blocks[block]] = None
@@ -89,7 +97,7 @@ def test_audit_reports_unknown_ids_on_the_free_list():
 def test_audit_reports_a_cached_block_that_holds_another_prefix():
     """A hit on it would serve KV of other tokens."""
     m = BlockManager(num_blocks=4, block_size=4)
-    m.allocate(1, 6, [1, 2, 3, 4, 5, 6])
+    m.allocate(1, [1, 2, 3, 4, 5, 6])
     m.mark_computed(1, 6)
     block = m.block_pool.blocks[m.block_table(1)[0]]
     assert block.block_hash is not None and m.audit() == []
@@ -99,9 +107,9 @@ def test_audit_reports_a_cached_block_that_holds_another_prefix():
 
 def test_audit_is_clean_with_cached_and_plain_free_blocks():
     m = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
-    m.allocate(1, 9, list(range(9)))
+    m.allocate(1, list(range(9)))
     m.mark_computed(1, 9)
-    m.allocate(2, 5)
+    m.allocate(2, fresh(5))
     m.free(1)  # two full blocks stay cached on the free queue, one holds no cached KV
     assert m.block_pool.num_cached_free > 0
     assert m.audit() == []
@@ -109,7 +117,7 @@ def test_audit_is_clean_with_cached_and_plain_free_blocks():
 
 def test_reclaim_leaked_frees_unreferenced_blocks():
     m = BlockManager(num_blocks=6, block_size=4)
-    m.allocate(1, 5)
+    m.allocate(1, fresh(5))
     # a bug elsewhere took blocks from the pool and forgot them
     leaked = [b.block_id for b in m.block_pool.get_new_blocks(2)]
     assert m.audit() != []

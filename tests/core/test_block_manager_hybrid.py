@@ -38,7 +38,7 @@ def test_sliding_groups_hold_a_bounded_window_as_tokens_grow() -> None:
     hybrid, one = manager(), manager(hybrid=False)
     held: dict[str, list[int]] = {"hybrid": [], "one": []}
     for name, c in (("hybrid", hybrid), ("one", one)):
-        c.allocate(0, 20, tokens[:20])
+        c.allocate(0, tokens[:20])
         c.mark_computed(0, 20)
         for length in (20, 40, 60, 79):
             grow(c, 0, tokens, length)
@@ -60,7 +60,7 @@ def test_sliding_groups_hold_a_bounded_window_as_tokens_grow() -> None:
 def test_one_group_has_no_null_block() -> None:
     c = manager(10, [None, None])
     assert c.num_groups == 1 and c.null_block_id is None and c.num_blocks == 10
-    c.allocate(0, 9, list(range(9)))
+    c.allocate(0, list(range(9)))
     assert c.block_table(0) == [0, 1, 2]
     # A pool with a sliding group reserves its last block as the null block.
     assert manager(10).num_blocks == 9 and manager(10).null_block_id == 9
@@ -69,29 +69,29 @@ def test_one_group_has_no_null_block() -> None:
 def test_prefix_hit_needs_the_sliding_groups_window() -> None:
     c = manager(60)
     prompt = list(range(24))  # 6 blocks
-    c.allocate(0, 24, prompt)
+    c.allocate(0, prompt)
     c.mark_computed(0, 24)  # sliding groups release blocks 0..3 (cached, free)
     assert c.num_released(0, group=1) == 4
     # Same 6 blocks + more: up to 5 blocks can hit; the window of a 5-block hit
     # (positions 13..19) lies in blocks 3..4, cached in every group.
-    assert c.allocate(1, 24, prompt) == 20
+    assert c.allocate(1, prompt) == 20
     assert c.block_table(1, group=1)[:3] == [c.null_block_id] * 3
     assert c.audit() == []
     # Evict every free cached block (the released early blocks go first).
     c.free(1)
     hog = c.num_free_blocks() // c.num_groups * BS
-    c.allocate(2, hog, [7] * hog)
+    c.allocate(2, [7] * hog)
     c.free(2)
     # The same prompt now misses: a 5-block hit needs sliding block 3, evicted.
-    assert not c.can_allocate(24, prompt) or c.num_blocks_needed(24, prompt) == 6 * 6
+    assert not c.can_allocate(prompt) or c.num_blocks_needed(prompt) == 6 * 6
     # A longer prompt's 6-block hit needs only blocks 4..5 (positions 17..23)
     # in the sliding groups, still held by sequence 0: it hits although
     # blocks 0..3 of every sliding group are gone.
-    assert c.allocate(3, 28, prompt + [1, 2, 3, 4]) == 24
+    assert c.allocate(3, prompt + [1, 2, 3, 4]) == 24
     assert c.block_table(3, group=1)[:4] == [c.null_block_id] * 4
     # A prompt that diverges at block 2 would need sliding blocks 0..1 for its
     # hit, which were released and evicted: no hit although the global group has them.
-    assert c.allocate(4, 12, prompt[:8] + [999] * 4) == 0
+    assert c.allocate(4, prompt[:8] + [999] * 4) == 0
     stats = c.stats()
     assert stats.prefix_hits_tokens == 20 + 24  # counted once per prompt, not per group
     assert stats.prefix_queries_tokens == 24 + 24 + hog + 28 + 12
@@ -101,12 +101,12 @@ def test_prefix_hit_needs_the_sliding_groups_window() -> None:
 def test_prefix_hit_after_the_sequence_left_keeps_cached_windows() -> None:
     c = manager(80)
     prompt = list(range(40))
-    c.allocate(0, 40, prompt)
+    c.allocate(0, prompt)
     c.mark_computed(0, 40)
     c.free(0)
     # Global: 9 hits on free blocks + 1 new; sliding: only the window's 2 + 1 new.
-    assert c.num_blocks_needed(40, prompt) == 10 + 5 * 3
-    assert c.allocate(1, 40, prompt) == 36
+    assert c.num_blocks_needed(prompt) == 10 + 5 * 3
+    assert c.allocate(1, prompt) == 36
     # Sliding groups took only the window's blocks back: 2 (of 9 hit) + 1 new.
     assert c.group_blocks_used()[1:] == [3] * 5 and c.group_blocks_used()[0] == 10
     assert c.audit() == []
@@ -124,7 +124,7 @@ def assert_group_usage_counted(c: BlockManager) -> None:
 def test_audit_clean_through_fork_cow_free_and_preempt_in_every_group() -> None:
     c = manager(120)
     prompt = list(range(50, 63))  # 13 tokens: a shared partial last block
-    c.allocate(0, 13, prompt)
+    c.allocate(0, prompt)
     c.mark_computed(0, 13)
     c.fork(0, 1)
     assert c.audit() == []
@@ -151,10 +151,10 @@ def test_audit_clean_through_fork_cow_free_and_preempt_in_every_group() -> None:
 
 def test_exhaustion_is_all_or_nothing_over_groups() -> None:
     c = manager(13)  # 12 usable blocks: 2 per group
-    assert not c.can_allocate(9, list(range(9)))  # 3 blocks x 6 groups
+    assert not c.can_allocate(list(range(9)))  # 3 blocks x 6 groups
     with pytest.raises(OutOfBlocksError, match="6 KV cache groups"):
-        c.allocate(0, 9, list(range(9)))
-    c.allocate(0, 8, list(range(8)))
+        c.allocate(0, list(range(9)))
+    c.allocate(0, list(range(8)))
     assert c.num_free_blocks() == 0 and not c.can_append([0])
     with pytest.raises(OutOfBlocksError):
         c.append(0, 1)
@@ -163,7 +163,7 @@ def test_exhaustion_is_all_or_nothing_over_groups() -> None:
 
 def test_leaked_blocks_are_found_and_reclaimed_across_groups() -> None:
     c = manager(40)
-    c.allocate(0, 9, list(range(9)))
+    c.allocate(0, list(range(9)))
     leaked = c.block_pool.get_new_blocks(2)
     assert any("leaked" in p for p in c.audit())
     assert sorted(c.reclaim_leaked()) == sorted(b.block_id for b in leaked)
@@ -175,9 +175,9 @@ def test_num_reserved_takes_the_prompt_now_and_the_rest_as_it_is_computed() -> N
     then token by token, so its sliding groups never hold its whole history."""
     bm = BlockManager(41, 4, enable_prefix_caching=False, sliding_windows=[None, 8, 8, 8])
     history = list(range(3, 43))  # 40 tokens: 10 blocks
-    assert bm.num_blocks_needed(40, history) == 4 * 10  # all of it in all four groups
-    assert bm.num_blocks_needed(40, history, num_reserved=12) == 4 * 3  # the 12-token prompt
-    assert bm.allocate(0, 40, history, num_reserved=12) == 0
+    assert bm.num_blocks_needed(history) == 4 * 10  # all of it in all four groups
+    assert bm.num_blocks_needed(history, num_reserved=12) == 4 * 3  # the 12-token prompt
+    assert bm.allocate(0, history, num_reserved=12) == 0
     assert bm.num_tokens(0) == 12
     bm.mark_computed(0, 12)
     peak = 0

@@ -35,10 +35,9 @@ op = st.one_of(
         st.integers(0, 2),
         st.integers(1, 20),
         st.integers(-8, 19),
-        st.integers(0, 5),
     ),
     st.tuples(st.just("compute"), st.integers(0, 50), st.integers(0, 4)),
-    st.tuples(st.just("append"), st.integers(0, 50), st.integers(0, 3), st.integers(0, 9)),
+    st.tuples(st.just("append"), st.integers(0, 50), st.integers(0, 3)),
     st.tuples(st.just("fork"), st.integers(0, 50)),
     st.tuples(st.just("free"), st.integers(0, 50)),
     st.tuples(st.just("preempt"), st.integers(0, 50)),
@@ -47,29 +46,27 @@ op = st.one_of(
 )
 
 
-def do_allocate(pool, seq_id, doc, length, mutate_at, no_ids):
+def do_allocate(pool, seq_id, doc, length, mutate_at):
     tokens = DOCS[doc][:length]
     if 0 <= mutate_at < length:
         tokens[mutate_at] = 100 + mutate_at
-    give_ids = no_ids != 0  # one in six prompts comes without token ids
-    ids = tokens if give_ids else None
     free_before = pool.m.num_free_blocks()
-    can = pool.m.can_allocate(length, ids)
-    needed = pool.m.num_blocks_needed(length, ids)
+    can = pool.m.can_allocate(tokens)
+    needed = pool.m.num_blocks_needed(tokens)
     assert can == (needed <= free_before)
     if can:
-        pool.allocate(seq_id, tokens, give_ids=give_ids)
+        pool.allocate(seq_id, tokens)
         assert pool.m.num_free_blocks() == free_before - needed
     else:
         with pytest.raises(OutOfBlocksError):
-            pool.allocate(seq_id, tokens, give_ids=give_ids)
-        assert not pool.m.has_seq(seq_id) and pool.m.num_free_blocks() == free_before
+            pool.allocate(seq_id, tokens)
+        assert seq_id not in pool.m.seq_ids() and pool.m.num_free_blocks() == free_before
 
 
-def do_append(pool, seq_id, token, no_id):
+def do_append(pool, seq_id, token):
     before = pool.m.block_table(seq_id)
     if pool.m.can_append([seq_id]):
-        pool.append(seq_id, token, give_id=no_id != 0)
+        pool.append(seq_id, token)
     else:
         with pytest.raises(OutOfBlocksError):
             pool.append(seq_id, token)
@@ -107,8 +104,8 @@ def test_random_interleavings_keep_the_manager_consistent(fake_pool, windows, cf
     for name, *args in ops:
         live = sorted(pool.tokens)
         if name == "allocate" or (not live and name != "reclaim"):
-            doc, length, mutate_at, no_ids = args if name == "allocate" else (0, 5, -1, 1)
-            do_allocate(pool, next_id, doc, length, mutate_at, no_ids)
+            doc, length, mutate_at = args if name == "allocate" else (0, 5, -1)
+            do_allocate(pool, next_id, doc, length, mutate_at)
             next_id += 1
         elif name == "reclaim":
             assert pool.m.reclaim_leaked() == []

@@ -136,18 +136,6 @@ def test_blocks_filled_by_appends_are_cached_too(fake_pool):
     pool.check_all()
 
 
-def test_unknown_token_ids_stop_caching_from_there(fake_pool):
-    pool = fake_pool(16, BS)
-    pool.allocate(1, [1, 2, 3, 4, 5, 6])
-    pool.append(1, 7, give_id=False)
-    pool.append(1, 8)
-    pool.compute(1)
-    # block 0 was known and is cached; block 1 holds an unknown token id
-    assert pool.allocate(2, [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 4
-    pool.allocate(3, [1, 2, 3, 4, 5, 6, 7, 8, 0], give_ids=False)
-    assert pool.m.stats().prefix_hits_tokens == 4
-
-
 def test_same_content_computed_twice_keeps_one_cached_copy(fake_pool):
     pool = fake_pool(16, BS)
     pool.allocate(1, PREFIX + [1])

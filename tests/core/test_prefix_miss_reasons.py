@@ -21,7 +21,7 @@ def misses(m: BlockManager) -> tuple[int, int, int]:
 
 
 def admit_and_compute(m: BlockManager, seq_id: int, tokens: list[int]) -> int:
-    hit = m.allocate(seq_id, len(tokens), tokens)
+    hit = m.allocate(seq_id, tokens)
     m.mark_computed(seq_id, len(tokens))
     return hit
 

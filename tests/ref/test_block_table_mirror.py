@@ -64,7 +64,7 @@ def test_incremental_tables_equal_rebuilt_tables(ops) -> None:
         if seq_ids:
             ends = [pool.get_num_reserved(s) for s in seq_ids]
             starts = [max(0, e - 1) for e in ends]
-            meta = pool.build_metadata(seq_ids, starts, [e - s for s, e in zip(starts, ends, strict=True)], False)
+            meta = pool.build_metadata(seq_ids, starts, [e - s for s, e in zip(starts, ends, strict=True)])
             width = meta.block_tables.shape[1]
             # Entries past a table's end are stale by design: compare the used ones.
             used = torch.arange(width) < torch.tensor([-(-e // BLOCK) for e in ends]).unsqueeze(1)

@@ -153,12 +153,15 @@ def test_batched_prefill_overflow_is_rejected(gen):
     pool = make_pool(max_model_len=16)
     seq_id = pool.allocate_seq()
     _prefill(pool, seq_id, 10, gen)
-    with pytest.raises(ValueError, match="max_model_len"):
+    # The views reserve through append_token, which refuses past max_model_len.
+    with pytest.raises(OutOfBlocksError, match="max_model_len"):
         pool.batched_prefill_view([seq_id], [8]).update(0, *kv(gen, 8))
-    assert pool.seq_lens[seq_id] == 10 and pool.get_num_reserved(seq_id) == 10
-    with pytest.raises(ValueError, match="max_model_len"):
+    assert pool.seq_lens[seq_id] == 10
+    with pytest.raises(OutOfBlocksError, match="max_model_len"):
         pool.prefill_view(seq_id).update(0, *kv(gen, 7))  # count taken from k
     assert pool.seq_lens[seq_id] == 10 and pool.audit() == []
+    with pytest.raises(ValueError, match="max_model_len"):
+        pool.step_view([seq_id], [10], [7])
 
 
 def test_decode_after_batched_prefill(gen):

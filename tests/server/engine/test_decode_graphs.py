@@ -126,7 +126,7 @@ def test_triton_decode_forward_is_graph_safe(make_engine, run_engine, prompt_of,
     # Two steps that differ in batch, positions, page tables and lengths, both padded to 4.
     for batch, back in ((3, 1), (4, 3)):
         starts = [n - back for n in lens[:batch]]
-        meta = engine.pool.build_metadata(seq_ids[:batch], starts, [1] * batch, False)
+        meta = engine.pool.build_metadata(seq_ids[:batch], starts, [1] * batch)
         graphs._load(meta, torch.arange(batch) + back, graphs.padded(batch))
         mode = GraphSafety()
         with torch.inference_mode(), mode, contextlib.ExitStack() as stack:

@@ -26,6 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from paged_core import kv_cache_groups
 from paged_server.default_model.tokenizer_builder import build_tokenizer
 from paged_server.models import LoadedModel, load_model
 
@@ -147,7 +148,7 @@ def make_pool(kind: str, loaded: LoadedModel, ops: ModuleType | None = None, **k
         dtype=torch.float32,
         ops=ops,
         enable_prefix_caching=kw.get("enable_prefix_caching", True),
-        layer_windows=c.layer_sliding_windows,  # Gemma 3: hybrid KV cache groups
+        groups=kv_cache_groups(c.layer_sliding_windows),  # Gemma 3: hybrid KV cache groups
     )
 
 

@@ -23,7 +23,6 @@ from paged_core.errors import OutOfBlocksError, UnknownSequenceError
 
 __all__ = ["BlockManager"]
 
-TokenIds = Sequence[int] | None
 Copies = tuple[tuple[int, int, int], ...]  # (group, src, dst) blocks to copy
 
 
@@ -40,9 +39,8 @@ def _out_of_window(num_computed: int, window: int, block_size: int) -> int:
 @dataclass(slots=True)
 class _SeqBlocks:
     tables: list[list[Block]]  # one page table per KV cache group, in token order
-    num_tokens: int  # reserved: prompt + appended
+    tokens: list[int]  # ids of the tokens with room reserved (prompt + appended)
     num_computed: int = 0  # tokens whose KV is written
-    tokens: list[int] = field(default_factory=list)  # known ids, up to the first unknown
     hashes: list[BlockHash] = field(default_factory=list)  # keys of the leading full blocks
 
 
@@ -83,40 +81,40 @@ class BlockManager:
 
     # -- admission -------------------------------------------------------
     def num_blocks_needed(
-        self, num_tokens: int, token_ids: TokenIds = None, *, skip_prefix_cache: bool = False,
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
         num_reserved: int | None = None,
     ) -> int:  # fmt: skip
         """Free blocks ``allocate`` would take over every group: fresh ones plus
         prefix hits on free cached blocks (leaving the free queue uses capacity)."""
-        return self._plan(num_tokens, token_ids, skip_prefix_cache, num_reserved)[2]
+        return self._plan(token_ids, skip_prefix_cache, num_reserved)[2]
 
     def can_allocate(
-        self, num_tokens: int, token_ids: TokenIds = None, *, skip_prefix_cache: bool = False,
+        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
         num_reserved: int | None = None,
     ) -> bool:  # fmt: skip
         """Whether ``allocate`` would succeed now (exact, never optimistic)."""
         needed = self.num_blocks_needed(
-            num_tokens, token_ids, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
+            token_ids, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
         )
         return needed <= self.num_free_blocks()
 
     def allocate(
-        self, seq_id: int, num_tokens: int, token_ids: TokenIds = None, *,
+        self, seq_id: int, token_ids: Sequence[int], *,
         skip_prefix_cache: bool = False, num_reserved: int | None = None,
     ) -> int:  # fmt: skip
         """Reserve a prompt's blocks in every group, reusing cached full blocks
         of its prefix. Returns how many prompt tokens are cached: whole blocks,
         never the last token, whose logits must be computed. With
         ``skip_prefix_cache`` nothing is looked up (to score every token) but
-        what is computed is still registered. With ``num_reserved``, all
-        ``num_tokens`` are looked up but room is reserved only for the first
+        what is computed is still registered. With ``num_reserved``, every
+        token is looked up but room is reserved only for the first
         ``max(num_reserved, cached + 1)``; ``append`` reserves the rest as it is
         computed, so a sliding group holds no more than its window and the
         chunk in flight (a preempted sequence comes back this way). All or
         nothing."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks; free it before allocating")
-        tables, keys, needed, reserved = self._plan(num_tokens, token_ids, skip_prefix_cache, num_reserved)
+        tables, keys, needed, reserved = self._plan(token_ids, skip_prefix_cache, num_reserved)
         if needed > self.num_free_blocks():
             raise self._short(
                 f"sequence {seq_id} needs {needed} free blocks for {reserved} tokens "
@@ -127,11 +125,9 @@ class BlockManager:
         fresh = _cdiv(reserved, self.block_size) - len(keys)
         for g, table in enumerate(tables):
             table += self.block_pool.get_new_blocks(fresh, g)
-        seq = _SeqBlocks(tables, reserved, len(keys) * self.block_size)
-        if self.enable_prefix_caching:
-            seq.hashes, seq.tokens = keys, list(token_ids[:reserved]) if token_ids is not None else []
-            if not skip_prefix_cache:
-                self._count_prompt(num_tokens, token_ids, keys)
+        seq = _SeqBlocks(tables, list(token_ids[:reserved]), len(keys) * self.block_size, keys)
+        if self.enable_prefix_caching and not skip_prefix_cache:
+            self._count_prompt(token_ids, keys)
         self._seqs[seq_id] = seq
         return seq.num_computed
 
@@ -147,7 +143,7 @@ class BlockManager:
         shared_last: dict[Block, int] = {}  # a shared last block -> its writers here
         for seq_id in seq_ids:
             seq = self._seq(seq_id)
-            n = seq.num_tokens
+            n = len(seq.tokens)
             needed += (_cdiv(n + num_tokens, bs) - _cdiv(n, bs)) * self.num_groups
             for table in seq.tables if num_tokens and n % bs else ():
                 if table[-1].ref_count > 1:
@@ -155,42 +151,39 @@ class BlockManager:
         needed += sum(min(n, block.ref_count - 1) for block, n in shared_last.items())
         return needed <= self.num_free_blocks()
 
-    def append(self, seq_id: int, token_id: int | None = None) -> Copies:
+    def append(self, seq_id: int, token_id: int) -> Copies:
         """Reserve room for one more token in every group (``token_id`` is kept
         for prefix hashing): a new block at a block boundary, else a private
         copy of each shared last block, returned as ``(group, src, dst)`` for
         the pool to copy. ``OutOfBlocksError``, changing nothing, when short."""
         seq = self._seqs.get(seq_id) or self._seq(seq_id)  # get: the per-token hot path
         copies: Copies = ()
-        if seq.num_tokens % self.block_size == 0:
+        if len(seq.tokens) % self.block_size == 0:
             if self.num_groups > len(self.block_pool.free_queue):
-                raise self._short(f"sequence {seq_id} needs a new block for token {seq.num_tokens}")
+                raise self._short(f"sequence {seq_id} needs a new block for token {len(seq.tokens)}")
             for g, table in enumerate(seq.tables):
                 table += self.block_pool.get_new_blocks(1, g)
         elif seq.tables[0][-1].ref_count > 1 or (
             self._hybrid and any(table[-1].ref_count > 1 for table in seq.tables)
         ):  # else (most tokens) the token fits the sequence's own last blocks
             copies = self._copy_shared_last(seq, seq_id)
-        if self.enable_prefix_caching and token_id is not None and len(seq.tokens) == seq.num_tokens:
-            seq.tokens.append(token_id)  # ids are kept while every id so far is known
-        seq.num_tokens += 1
+        seq.tokens.append(token_id)
         return copies
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
         """Record that the first ``num_computed_tokens`` tokens' KV is written.
-        Full blocks now computed, their tokens all known, enter the prefix
+        Full blocks now computed enter the prefix
         index; sliding groups then free the blocks that left their window
         (returns whether any did; they stay cached)."""
         seq = self._seqs.get(seq_id) or self._seq(seq_id)
-        if not 0 <= num_computed_tokens <= seq.num_tokens:
+        if not 0 <= num_computed_tokens <= len(seq.tokens):
             raise ValueError(
-                f"sequence {seq_id} has {seq.num_tokens} tokens; cannot mark "
+                f"sequence {seq_id} has {len(seq.tokens)} tokens; cannot mark "
                 f"{num_computed_tokens} as computed"
             )
         before, seq.num_computed = seq.num_computed, max(seq.num_computed, num_computed_tokens)
         bs = self.block_size
-        num_hashable = min(seq.num_computed, len(seq.tokens)) // bs
-        while self.enable_prefix_caching and len(seq.hashes) < num_hashable:
+        while self.enable_prefix_caching and len(seq.hashes) < seq.num_computed // bs:
             i = len(seq.hashes)
             tokens = tuple(seq.tokens[i * bs : (i + 1) * bs])
             seq.hashes.append(hash_block_tokens(seq.hashes[-1] if seq.hashes else None, tokens))
@@ -217,7 +210,7 @@ class BlockManager:
         for table in src.tables:
             self._acquire(table)
         tables = [list(t) for t in src.tables]
-        self._seqs[child] = replace(src, tables=tables, tokens=list(src.tokens), hashes=list(src.hashes))
+        self._seqs[child] = _SeqBlocks(tables, list(src.tokens), src.num_computed, list(src.hashes))
         self.counters.forks += 1
 
     # -- queries ---------------------------------------------------------
@@ -232,14 +225,11 @@ class BlockManager:
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens reserved for the sequence (prompt + appended)."""
-        return self._seq(seq_id).num_tokens
+        return len(self._seq(seq_id).tokens)
 
     def num_computed_tokens(self, seq_id: int) -> int:
         """Tokens whose KV is written (prefix hits + ``mark_computed``)."""
         return self._seq(seq_id).num_computed
-
-    def has_seq(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
 
     def seq_ids(self) -> list[int]:
         """Live sequence ids, in allocation order."""
@@ -264,7 +254,7 @@ class BlockManager:
         return replace(
             c, num_blocks=n, block_size=self.block_size, blocks_used=n - free, blocks_free=free,
             blocks_cached_free=self.block_pool.num_cached_free,
-            tokens_used=sum(seq.num_tokens for seq in self._seqs.values()),
+            tokens_used=sum(len(seq.tokens) for seq in self._seqs.values()),
             usage=(n - free) / n if n else 0.0,
             hit_rate=c.prefix_hits_tokens / max(1, c.prefix_queries_tokens),
             evictions=self.block_pool.evictions,
@@ -278,14 +268,11 @@ class BlockManager:
         problems: list[str] = []
         bs = self.block_size
         for seq_id, seq in self._seqs.items():
-            n, where = seq.num_tokens, f"sequence {seq_id}"
+            n, where = len(seq.tokens), f"sequence {seq_id}"
             if n < 1 or any(len(table) != _cdiv(n, bs) for table in seq.tables):
                 problems.append(f"{where} has {n} tokens but {len(seq.tables[0])} blocks")
-            if not 0 <= seq.num_computed <= n or len(seq.tokens) > n or len(seq.hashes) > n // bs:
-                problems.append(
-                    f"{where} has {n} tokens but {seq.num_computed} computed, "
-                    f"{len(seq.tokens)} token ids, {len(seq.hashes)} block keys"
-                )
+            if not 0 <= seq.num_computed <= n or len(seq.hashes) > n // bs:
+                problems.append(f"{where} has {n} tokens but {seq.num_computed} computed, {len(seq.hashes)} keys")
             for g, table in enumerate(seq.tables):
                 first = self._released(g, seq.num_computed)
                 if any((block is self.null_block) != (i < first) for i, block in enumerate(table)):
@@ -333,7 +320,7 @@ class BlockManager:
         shared = [g for g, table in enumerate(seq.tables) if table[-1].ref_count > 1]
         if len(shared) > self.num_free_blocks():
             raise self._short(
-                f"sequence {seq_id} needs a private copy of a shared block for token {seq.num_tokens}"
+                f"sequence {seq_id} needs a private copy of a shared block for token {len(seq.tokens)}"
             )
         copies = []
         for g in shared:
@@ -365,9 +352,8 @@ class BlockManager:
         return freed
 
     def _plan(
-        self, num_tokens: int, token_ids: TokenIds, skip_prefix_cache: bool,
-        num_reserved: int | None = None,
-    ) -> tuple[list[list[Block]], list[BlockHash], int, int]:  # fmt: skip
+        self, token_ids: Sequence[int], skip_prefix_cache: bool, num_reserved: int | None = None
+    ) -> tuple[list[list[Block]], list[BlockHash], int, int]:
         """The prompt's prefix hit: per group, the blocks of its ``h`` leading
         full blocks (never the one holding the last prompt token); their keys;
         and the free blocks needed over all groups (fresh ones plus hits that
@@ -375,16 +361,14 @@ class BlockManager:
         after ``h`` blocks sees, the rest being the null block, so ``h`` stops
         where a full group misses, then drops a block at a time until every
         sliding group has its window cached. Last: the tokens to reserve."""
-        if num_tokens <= 0:
-            raise ValueError(f"a sequence needs at least 1 token, got num_tokens={num_tokens}")
-        if token_ids is not None and len(token_ids) != num_tokens:
-            raise ValueError(f"num_tokens is {num_tokens} but {len(token_ids)} token ids were given")
+        if not (num_tokens := len(token_ids)):
+            raise ValueError("a sequence needs at least 1 token, got no token ids")
         bs, windows, pool = self.block_size, self.windows, self.block_pool
         keys: list[BlockHash] = []
         found: list[list[Block | None]] = []  # per leading block: each group's cached one
-        lookup = self.enable_prefix_caching and not skip_prefix_cache and token_ids is not None
-        for i in range((num_tokens - 1) // bs if lookup and pool.prefix_index else 0):
-            tokens = token_ids[i * bs : (i + 1) * bs]  # type: ignore[index]
+        lookup = self.enable_prefix_caching and not skip_prefix_cache and pool.prefix_index
+        for i in range((num_tokens - 1) // bs if lookup else 0):
+            tokens = token_ids[i * bs : (i + 1) * bs]
             key = hash_block_tokens(keys[-1] if keys else None, tokens)
             row = [pool.lookup(key, tokens, g) for g in range(len(windows))]
             if None in row and any(b is None and w is None for b, w in zip(row, windows, strict=True)):
@@ -402,20 +386,17 @@ class BlockManager:
         reserved = num_tokens if num_reserved is None else min(num_tokens, max(num_reserved, h * bs + 1))
         return tables, keys[:h], (_cdiv(reserved, bs) - h) * len(windows) + free_hits, reserved
 
-    def _count_prompt(self, num_tokens: int, token_ids: TokenIds, keys: list[BlockHash]) -> None:
+    def _count_prompt(self, token_ids: Sequence[int], keys: list[BlockHash]) -> None:
         """Count a prompt's hit blocks ``keys`` and why the rest missed (by
         group 0): a block whose key is cached or was evicted is "evicted" (it
         or its prefix went), else "never seen" (see ``BlockManagerStats``)."""
-        c, bs, pool = self.counters, self.block_size, self.block_pool
+        c, bs, pool, num_tokens = self.counters, self.block_size, self.block_pool, len(token_ids)
         matchable = (num_tokens - 1) // bs
         c.prefix_queries_tokens += num_tokens
         c.prefix_hits_tokens += len(keys) * bs
         c.prefix_miss_too_short_tokens += num_tokens - matchable * bs
         parent = keys[-1] if keys else None
         for i in range(len(keys), matchable):
-            if token_ids is None:  # no ids: nothing could ever match
-                c.prefix_miss_never_seen_tokens += (matchable - i) * bs
-                break
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             if (0, parent) in pool.prefix_index or (0, parent) in pool.evicted_keys:
                 c.prefix_miss_evicted_tokens += bs

@@ -89,12 +89,13 @@ class CachePoolProtocol(Protocol):
     the most tokens a sequence may hold. Names other KV-cache APIs
     use for these (``allocate_slot``, ``free_slot``, ``get_seq_len``,
     ``free_slot_count``) are ``allocate_seq``, ``free_seq``, ``get_num_computed_tokens``,
-    ``free_seq_count`` here.
+    ``free_seq_count`` here. The views and ``allocate_seq`` are a layer over
+    ``ServingPoolProtocol``'s path (``paged_ref.seed_views``), not a second one.
     """
 
     def allocate_seq(self, initial_tokens: int = 0) -> int:
-        """Claim a seq_id with room for ``initial_tokens`` tokens (paged pools
-        allocate blocks eagerly; contiguous rows have fixed capacity).
+        """Claim a seq_id with room for ``initial_tokens`` tokens, at least one
+        (paged pools allocate blocks eagerly; contiguous rows have fixed capacity).
 
         Raises ``RuntimeError`` when the capacity is not there."""
         ...

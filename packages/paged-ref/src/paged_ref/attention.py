@@ -52,7 +52,7 @@ def masked_attention(
     ``[batch, kv_heads, num_keys, head_dim]`` with ``heads % kv_heads == 0``
     (query head ``h`` reads kv head ``h // (heads // kv_heads)``, as HF's
     ``repeat_kv``); ``mask``: ``[batch, q_len, num_keys]`` bool. GQA/MQA are
-    done by viewing the query heads as ``[kv_heads, group]`` so K/V are never
+    done by viewing the query heads as ``[kv_heads, q_per_kv]`` so K/V are never
     repeated in memory. Soft-capping (``softcap * tanh(s / softcap)``) applies
     to the scaled scores before masking. Rows that see no key are zeros.
     Returns ``[batch, heads, q_len, head_dim]`` in ``q.dtype``.
@@ -63,13 +63,13 @@ def masked_attention(
         raise ValueError(
             f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}) for GQA/MQA"
         )
-    group = heads // kv_heads
-    # [B, H, Lq, D] -> [B, KVH, G*Lq, D]: each kv head serves its group's queries.
-    qf = q.float().reshape(batch, kv_heads, group * q_len, head_dim)
+    q_per_kv = heads // kv_heads
+    # [B, H, Lq, D] -> [B, KVH, G*Lq, D]: each kv head serves its q_per_kv query heads.
+    qf = q.float().reshape(batch, kv_heads, q_per_kv * q_len, head_dim)
     scores = torch.matmul(qf, k.float().transpose(-1, -2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.view(batch, kv_heads, group, q_len, num_keys)
+    scores = scores.view(batch, kv_heads, q_per_kv, q_len, num_keys)
     visible = mask.view(batch, 1, 1, q_len, num_keys)
     hidden = ~visible
     # scores and probs are fresh tensors, so they are masked in place.
@@ -80,5 +80,5 @@ def masked_attention(
     # 0 * NaN is NaN, so they are zeroed rather than only given zero weight.
     seen = mask.any(dim=1).view(batch, 1, num_keys, 1)
     vf = v.float().masked_fill(~seen, 0.0)
-    out = torch.matmul(probs.view(batch, kv_heads, group * q_len, num_keys), vf)
+    out = torch.matmul(probs.view(batch, kv_heads, q_per_kv * q_len, num_keys), vf)
     return out.view(batch, heads, q_len, head_dim).to(q.dtype)

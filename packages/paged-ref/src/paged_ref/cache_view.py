@@ -8,12 +8,11 @@ class: the paged pool hands it page tables, the contiguous pool one
 ``write_kv`` and one attention op per part (decode, prefill) from the
 pool's ``ops`` module.
 
-The engine's runner builds a view whose metadata is complete before the
-forward pass (the pool already reserved every token). The design
-documents' convenience views (``prefill_view`` & co.) may instead leave the
-token count open until the first layer sees ``k``, and reserve room then.
-Nothing is committed until ``advance()``: a forward pass that raises leaves
-the pool as it was, apart from KV written where no one reads it yet.
+A view's metadata is complete before the forward pass: the pool already
+reserved every token (the design documents' views, ``seed_views``, reserve
+before they build one). Nothing is committed until ``advance()`` (or the
+engine's ``mark_computed``): a forward pass that raises leaves the pool as
+it was, apart from KV written where no one reads it yet.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ class ViewPool(Protocol):
     def locate_layer(self, layer_idx: int) -> tuple[int, int, int | None]: ...
 
     def build_metadata(
-        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
+        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
     ) -> AttentionMetadata: ...
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None: ...
@@ -90,48 +89,26 @@ def static_scales(cache: Tensor, scales: Tensor, name: str, num_layers: int) -> 
 
 
 class CacheView:
-    """A flat forward pass over ``seq_ids`` of a pool (see module doc)."""
+    """A flat forward pass over ``seq_ids`` of a pool (see module doc), its
+    metadata ``meta`` built before the pass."""
 
-    def __init__(
-        self,
-        pool: ViewPool,
-        seq_ids: Sequence[int],
-        starts: Sequence[int],
-        new_lens: Sequence[int] | None,
-        *,
-        reserve: bool,
-    ) -> None:
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"a view must cover distinct seq_ids, got {list(seq_ids)}")
-        if new_lens is not None:
-            if len(new_lens) != len(seq_ids):
-                raise ValueError(f"got {len(new_lens)} new lengths for {len(seq_ids)} seq_ids")
-            if any(n < 0 for n in new_lens):
-                raise ValueError(f"new token counts must be >= 0, got {list(new_lens)}")
+    def __init__(self, pool: ViewPool, meta: AttentionMetadata, seq_ids: Sequence[int] = ()) -> None:
         self.pool = pool
+        self.meta = meta
         self.seq_ids = list(seq_ids)
-        self.starts = list(starts)
-        self.new_lens = None if new_lens is None else list(new_lens)
-        self._open = new_lens is None  # each pass's token count comes from its k
-        self._reserve = reserve
-        self.meta: AttentionMetadata | None = None
-        if self.new_lens is not None:
-            self.meta = pool.build_metadata(self.seq_ids, self.starts, self.new_lens, reserve)
 
     @classmethod
     def over(cls, pool: ViewPool, meta: AttentionMetadata) -> CacheView:
         """A view over metadata someone else keeps up to date (the static
         buffers a CUDA graph reads). It covers no seq_ids of its own, so
         ``advance`` commits nothing: the caller commits through the pool."""
-        view = cls(pool, [], [], None, reserve=False)  # no seq_ids: builds nothing
-        view.new_lens, view.meta, view._open = list(meta.new_lens), meta, False
-        return view
+        return cls(pool, meta)
 
     # -- KVCacheProtocol ---------------------------------------------------------
     @property
     def seq_len(self) -> int:
         """Tokens cached before this pass (the max over the view's seq_ids)."""
-        return max(self.starts, default=0)
+        return max(self.meta.starts, default=0)
 
     def is_paged(self) -> bool:
         return self.pool.is_paged()
@@ -151,17 +128,9 @@ class CacheView:
 
     def advance(self, n: int | None = None) -> None:
         """Commit this pass: each seq_id now holds ``starts[i] + new_lens[i]``
-        tokens (``n`` each when the view was built without counts). The view
-        may then run the next pass with the same counts (e.g. decode)."""
-        if not self.seq_ids:  # a view ``over`` someone else's metadata commits nothing
-            return
-        added = self.new_lens if self.new_lens is not None else [n or 0] * len(self.seq_ids)
-        for seq_id, start, extra in zip(self.seq_ids, self.starts, added, strict=True):
-            self.pool.mark_computed(seq_id, start + extra)
-        self.starts = [s + a for s, a in zip(self.starts, added, strict=True)]
-        self.meta = None
-        if self._open:
-            self.new_lens = None
+        tokens (``n`` is not needed: the view knows its counts)."""
+        for seq_id, start, new in zip(self.seq_ids, self.meta.starts, self.meta.new_lens, strict=True):
+            self.pool.mark_computed(seq_id, start + new)
 
     # -- AttentionViewProtocol ---------------------------------------------------
     def attend(
@@ -185,7 +154,7 @@ class CacheView:
             raise ValueError(
                 f"layer {layer_idx} attends with sliding_window={sliding_window} but its KV "
                 f"cache group {group} frees blocks outside a window of {window} tokens; "
-                "build the pool with this layer's window (layer_windows)"
+                "build the pool's groups from the model's layer windows (kv_cache_groups)"
             )
         meta, cache_layer, scales = self._write(layer_idx, k, v, where)
         ops = self.pool.ops
@@ -231,7 +200,7 @@ class CacheView:
         its scales as the ops' keywords."""
         group, cache_layer, _ = where if where is not None else self.pool.locate_layer(layer_idx)
         scales = self._scales(layer_idx, cache_layer)
-        meta = self._metadata(k.shape[0]).for_group(group)
+        meta = self.meta.for_group(group)
         if k.shape[0] != meta.num_tokens:
             raise ValueError(
                 f"k/v hold {k.shape[0]} tokens but this view's seq_ids bring {meta.num_tokens}"
@@ -256,24 +225,11 @@ class CacheView:
             None if v_head is None else v_head[layer_idx],
         )
 
-    def _metadata(self, num_tokens: int) -> AttentionMetadata:
-        if self.meta is None:
-            if self.new_lens is None:  # a single-sequence prefill view: the pass says how many
-                if len(self.seq_ids) != 1:
-                    raise ValueError("a view without token counts must cover exactly one seq_id")
-                self.new_lens = [num_tokens]
-            self.meta = self.pool.build_metadata(
-                self.seq_ids, self.starts, self.new_lens, self._reserve
-            )
-        return self.meta
-
 
 class ViewsMixin:
     """What both pools share, written once: their tensors (``_hold``) and the
-    view constructors: the design
-    documents' ``prefill_view`` / ``decode_view`` / ``batched_prefill_view``
-    (start at each seq_id's committed length, reserve room themselves) and the
-    engine's ``step_view`` (positions given, room already reserved)."""
+    engine's ``step_view`` (positions given, room already reserved). The
+    design documents' views are a layer over it (``seed_views``)."""
 
     k_cache: Tensor
     v_cache: Tensor
@@ -322,9 +278,6 @@ class ViewsMixin:
         self.ops = ops
         return logical_shape(k_cache)  # an int4 cache packs two head_dim codes per byte
 
-    def get_num_computed_tokens(self, seq_id: int) -> int:
-        raise NotImplementedError
-
     def locate_layer(self, layer_idx: int) -> tuple[int, int, int | None]:
         """``(KV cache group, cache layer, group window)`` of a layer:
         one group of every layer, layer ``l`` at cache layer ``l``, unless the pool
@@ -333,30 +286,15 @@ class ViewsMixin:
             raise IndexError(f"layer {layer_idx} is not one of this pool's {self.k_cache.shape[0]} layers")
         return 0, layer_idx, None
 
-    def prefill_view(self, seq_id: int) -> CacheView:
-        """One seq_id; the pass's token count comes from ``k`` (room reserved then)."""
-        return CacheView(self, [seq_id], [self.get_num_computed_tokens(seq_id)], None, reserve=True)  # type: ignore[arg-type]
-
-    def decode_view(self, seq_ids: list[int]) -> CacheView:
-        """One new token per seq_id at its current length."""
-        return self.view(seq_ids, [1] * len(seq_ids))
-
-    def batched_prefill_view(self, seq_ids: list[int], prompt_lens: list[int]) -> CacheView:
-        """``prompt_lens[i]`` new tokens for seq_id ``i``, packed one after another."""
-        return self.view(seq_ids, prompt_lens)
-
-    def view(self, seq_ids: Sequence[int], new_lens: Sequence[int] | None = None) -> CacheView:
-        """The generic view: seq_id ``i`` gets ``new_lens[i]`` new tokens at its
-        length, reserving room for them if needed."""
-        if new_lens is None and len(seq_ids) == 1:
-            return self.prefill_view(seq_ids[0])
-        starts = [self.get_num_computed_tokens(s) for s in seq_ids]
-        return CacheView(self, seq_ids, starts, new_lens, reserve=True)  # type: ignore[arg-type]
-
     def step_view(
         self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
     ) -> CacheView:
         """The view for one engine step: seq_id ``i`` computes ``new_lens[i]``
         tokens from position ``starts[i]``, all of them already reserved. Its
         metadata is complete before the forward pass starts."""
-        return CacheView(self, seq_ids, starts, new_lens, reserve=False)  # type: ignore[arg-type]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a view must cover distinct seq_ids, got {list(seq_ids)}")
+        if len(new_lens) != len(seq_ids) or any(n < 0 for n in new_lens):
+            raise ValueError(f"need a new token count >= 0 per seq_id, got {list(new_lens)} for {list(seq_ids)}")
+        meta = self.build_metadata(seq_ids, starts, new_lens)  # type: ignore[attr-defined]
+        return CacheView(self, meta, seq_ids)  # type: ignore[arg-type]

@@ -24,9 +24,10 @@ from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.cache_view import ViewsMixin
 from paged_ref.kv_quant import cache_dtype_for, new_scales, scale_keywords, storage_shape
+from paged_ref.seed_views import SeedViews
 
 
-class ContiguousKVPool(ViewsMixin):
+class ContiguousKVPool(SeedViews, ViewsMixin):
     """``k_cache``/``v_cache``: ``[layers, max_batch_size, max_model_len, kv_heads, head_dim]``.
 
     ``seq_lens[seq_id]`` counts tokens written (what views attend over);
@@ -98,21 +99,6 @@ class ContiguousKVPool(ViewsMixin):
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- CachePoolProtocol -------------------------------------------------
-    def allocate_seq(self, initial_tokens: int = 0) -> int:
-        """Claim a free seq_id (``initial_tokens`` is only checked against
-        ``max_model_len``: a seq_id's capacity is fixed)."""
-        self._check_fits(initial_tokens)
-        if not self._free:
-            raise OutOfBlocksError(
-                f"all {self.max_batch_size} cache seq_ids are in use; free a seq_id first "
-                "or build the pool with a larger max_batch_size"
-            )
-        seq_id = min(self._free)  # lowest first: deterministic, easy to read in logs
-        self._free.remove(seq_id)
-        self.seq_lens[seq_id] = 0
-        self.reserved[seq_id] = initial_tokens
-        return seq_id
-
     def free_seq(self, seq_id: int) -> None:
         """Release ``seq_id``; its stale rows stay but are never read (lengths reset)."""
         self._check_live(seq_id)
@@ -154,10 +140,20 @@ class ContiguousKVPool(ViewsMixin):
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
         num_reserved: int | None = None,
     ) -> tuple[int, int]:  # fmt: skip
-        """A seq_id for the prompt; no prefix cache, so 0 tokens are cached.
-        The row holds every token, so all are reserved (``num_reserved`` is a
-        lower bound a pool may exceed)."""
-        return self.allocate_seq(len(token_ids)), 0
+        """A free seq_id (lowest first: deterministic, easy to read in logs)
+        for the prompt; no prefix cache, so 0 tokens are cached. The row holds
+        every token, so all are reserved (``num_reserved`` is a lower bound a
+        pool may exceed)."""
+        self._check_fits(len(token_ids))
+        if not self._free:
+            raise OutOfBlocksError(
+                f"all {self.max_batch_size} cache seq_ids are in use; free a seq_id first "
+                "or build the pool with a larger max_batch_size"
+            )
+        seq_id = min(self._free)
+        self._free.remove(seq_id)
+        self.seq_lens[seq_id], self.reserved[seq_id] = 0, len(token_ids)
+        return seq_id, 0
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:
         return all(self.reserved[s] < self.max_model_len for s in seq_ids)
@@ -183,7 +179,7 @@ class ContiguousKVPool(ViewsMixin):
         every change to the KV tensors outside a forward pass goes through
         ``ops.copy_blocks``, so a caller can replay it on other tensors)."""
         self._check_live(seq_id)
-        child = self.allocate_seq(self.reserved[seq_id])
+        child, _ = self.allocate_sequence([0] * self.get_num_reserved(seq_id))
         self.ops.copy_blocks(  # an int8 cache's per-token scales are copied with it
             self.k_cache, self.v_cache, [(seq_id, child)],
             **scale_keywords(self.k_scales, self.v_scales),
@@ -230,16 +226,14 @@ class ContiguousKVPool(ViewsMixin):
 
     # -- used by the views -----------------------------------------------------
     def build_metadata(
-        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
+        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
     ) -> AttentionMetadata:
         """Step metadata with one "block" per seq_id: the seq_id's whole row."""
         for seq_id, start, n in zip(seq_ids, starts, new_lens, strict=True):
             self._check_live(seq_id)
             end = start + n
             self._check_fits(end)
-            if reserve:
-                self.reserved[seq_id] = max(self.reserved[seq_id], end)
-            elif end > self.get_num_reserved(seq_id):
+            if end > self.get_num_reserved(seq_id):
                 raise RuntimeError(
                     f"seq_id {seq_id} has room for {self.get_num_reserved(seq_id)} tokens but this "
                     f"step writes up to position {end - 1}; reserve first (append_token)"

@@ -127,7 +127,7 @@ def _attend(
 ) -> Tensor:
     """``q [B, H, Lq, D]`` over ``k``/``v`` ``[B, L, KVH, D]``; ``mask`` is
     ``[B, 1, G * Lq, L]`` float, 0 where visible and -inf elsewhere (see
-    ``_group_mask``). Returns ``[B, H, Lq, D]`` float32.
+    ``_gqa_mask``). Returns ``[B, H, Lq, D]`` float32.
 
     GQA without copying K/V: the ``G`` query heads that share a kv head are
     folded into the query axis, so SDPA sees ``KVH`` heads of ``G * Lq``
@@ -153,14 +153,14 @@ def _attend(
     return out.view(batch, heads, q_len, head_dim)
 
 
-def _group_mask(visible: Tensor, group: int) -> Tensor:
-    """``visible [B, Lq, L]`` repeated for the ``group`` query heads folded
-    into the query axis, as an additive mask: ``[B, 1, group * Lq, L]``."""
+def _gqa_mask(visible: Tensor, q_per_kv: int) -> Tensor:
+    """``visible [B, Lq, L]`` repeated for the ``q_per_kv`` query heads of a
+    kv head folded into the query axis, as an additive mask: ``[B, 1, q_per_kv * Lq, L]``."""
     batch, q_len, num_keys = visible.shape
     mask = _additive(visible).unsqueeze(1)
     if q_len == 1:
         return mask  # broadcasts over the folded heads
-    return mask.expand(batch, group, q_len, num_keys).reshape(batch, 1, group * q_len, num_keys)
+    return mask.expand(batch, q_per_kv, q_len, num_keys).reshape(batch, 1, q_per_kv * q_len, num_keys)
 
 
 def paged_decode_attention(
@@ -196,7 +196,7 @@ def paged_decode_attention(
         else:  # keys (pos - window, pos]; a window of 0 sees nothing
             lo = (lens - sliding_window).clamp(min=0).minimum(lens)
         chunks = plan_chunks(block_tables.to(q.device), lens, lo, k_cache)
-        return [(c, _group_mask(c.in_range.unsqueeze(1), 1)) for c in chunks]
+        return [(c, _gqa_mask(c.in_range.unsqueeze(1), 1)) for c in chunks]
 
     out = torch.empty_like(q)
     for chunk, mask in _memo_get(memo, ("decode", sliding_window), plan):
@@ -251,7 +251,7 @@ def paged_prefill_attention(
     batch = seq_lens.shape[0]
     if total_q == 0 or batch == 0:
         return q.new_zeros(q.shape)
-    group = heads // max(k_cache.shape[2], 1)
+    q_per_kv = heads // max(k_cache.shape[2], 1)
 
     def plan() -> list[_PrefillChunk]:
         device = q.device
@@ -276,7 +276,7 @@ def paged_prefill_attention(
                 visible &= kpos > q_pos.unsqueeze(2) - sliding_window
             rows = slice(int(cu[s.start]), int(cu[s.stop]))
             out.append(
-                _PrefillChunk(keys, _group_mask(visible, group), rows, seq_of_row, row_in_seq, max_q)
+                _PrefillChunk(keys, _gqa_mask(visible, q_per_kv), rows, seq_of_row, row_in_seq, max_q)
             )
         return out
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from paged_core.block_manager import BlockManager
-from paged_core.kv_cache_groups import KVCacheGroup, cache_layers, kv_cache_groups
+from paged_core.kv_cache_groups import KVCacheGroup, cache_layers
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.block_table_buffer import BlockTableBuffer
@@ -37,6 +37,7 @@ from paged_ref.kv_quant import (
     storage_shape,
     scale_keywords,
 )
+from paged_ref.seed_views import SeedViews
 
 
 def block_bytes(
@@ -56,7 +57,7 @@ def block_bytes(
     return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, static_scales)
 
 
-class PagedKVPool(ViewsMixin):
+class PagedKVPool(SeedViews, ViewsMixin):
     """A block pool satisfying ``ServingPoolProtocol`` (see module doc).
 
     A seq_id's length (``get_num_computed_tokens``) counts tokens whose KV is committed;
@@ -100,7 +101,6 @@ class PagedKVPool(ViewsMixin):
         self._tables = [BlockTableBuffer() for _ in self.groups]
         self._released = [dict[int, int]() for _ in self.groups]  # mirrored null entries
         self._pending_copies: list[tuple[int, int]] = []
-        self._live: set[int] = set()  # live seq_ids, including ones with no block yet
         self._next_seq_id = 0
 
     @staticmethod
@@ -117,8 +117,7 @@ class PagedKVPool(ViewsMixin):
         ops: ModuleType | None = None,
         kv_cache_dtype: str = "auto",
         kv_scales: tuple[Tensor, Tensor] | None = None,
-        layer_windows: Sequence[int | None] | None = None,
-        disable_hybrid_kv_cache_manager: bool = False,
+        groups: Sequence[KVCacheGroup] | None = None,
     ) -> PagedKVPool:
         """A zeroed pool of ``num_blocks`` blocks for a model's shape
         (``device="meta"`` sizes it without allocating memory). ``dtype`` is
@@ -126,15 +125,13 @@ class PagedKVPool(ViewsMixin):
         ``fp8_e5m2``, ``int8``) picks what the blocks store; ``kv_scales``
         (static K and V scales, ``[num_layers, num_kv_heads]``, from
         ``calculate_kv_scales``) replaces int8's per-token scales and fp8's
-        scale of 1. ``layer_windows[i]``: layer ``i``'s sliding window (None
-        = full); mixed windows make KV cache groups (sliding ones free old
-        blocks) unless ``disable_hybrid_kv_cache_manager``. A block then
-        holds one group's layers, so it costs fewer
-        bytes."""
-        windows: list[int | None] = list(layer_windows or [None] * num_layers)
-        if len(windows) != num_layers:
-            raise ValueError(f"got {len(windows)} layer_windows for {num_layers} layers")
-        groups = kv_cache_groups(windows, hybrid=not disable_hybrid_kv_cache_manager)
+        scale of 1. ``groups``: the model's KV cache groups
+        (``paged_core.kv_cache_groups``; default one group of every layer);
+        with several, a block holds one group's layers, so it costs fewer
+        bytes, and sliding groups free old blocks."""
+        groups = list(groups or [KVCacheGroup(tuple(range(num_layers)), None)])
+        if sum(len(g.layers) for g in groups) != num_layers:
+            raise ValueError(f"the KV cache groups hold {sum(len(g.layers) for g in groups)} layers, not {num_layers}")
         shape = (len(groups[0].layers), num_blocks, block_size, num_kv_heads, head_dim)
         cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
         k_cache = torch.zeros(storage_shape(shape, cache_dtype), dtype=cache_dtype, device=device)
@@ -176,33 +173,15 @@ class PagedKVPool(ViewsMixin):
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- CachePoolProtocol -------------------------------------------------
-    def allocate_seq(self, initial_tokens: int = 0) -> int:
-        """A new seq_id with blocks for ``initial_tokens`` tokens, taken eagerly so
-        an exhausted pool fails here, before any forward pass. All or nothing."""
-        if initial_tokens < 0:
-            raise ValueError(f"initial_tokens must be >= 0, got {initial_tokens}")
-        seq_id = self._new_seq_id()
-        if initial_tokens:
-            self.block_manager.allocate(seq_id, initial_tokens)
-            self._sync_table(seq_id)
-        self._live.add(seq_id)
-        return seq_id
-
     def free_seq(self, seq_id: int) -> None:
         """Release the seq_id's blocks (prefix-cached ones stay evictable)."""
-        self._check_live(seq_id)
-        if self.block_manager.has_seq(seq_id):
-            self.block_manager.free(seq_id)
-            for tables, released in zip(self._tables, self._released, strict=True):
-                tables.remove(seq_id)
-                released.pop(seq_id, None)
-        self._live.remove(seq_id)
+        self.block_manager.free(seq_id)
+        for tables, released in zip(self._tables, self._released, strict=True):
+            tables.remove(seq_id)
+            released.pop(seq_id, None)
 
     def get_num_computed_tokens(self, seq_id: int) -> int:
         """Tokens whose KV is in the cache (prefix hits included)."""
-        self._check_live(seq_id)
-        if not self.block_manager.has_seq(seq_id):
-            return 0
         return self.block_manager.num_computed_tokens(seq_id)
 
     def free_seq_count(self) -> int:
@@ -234,9 +213,7 @@ class PagedKVPool(ViewsMixin):
         if not all(token_ids):
             return False
         needed = sum(
-            bm.num_blocks_needed(
-                len(t), t, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
-            )
+            bm.num_blocks_needed(t, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved)
             for t in token_ids
         )
         return needed <= bm.num_free_blocks()
@@ -251,32 +228,19 @@ class PagedKVPool(ViewsMixin):
         now; ``append_token`` reserves the rest."""
         seq_id = self._new_seq_id()
         cached = self.block_manager.allocate(
-            seq_id, len(token_ids), list(token_ids), skip_prefix_cache=skip_prefix_cache,
-            num_reserved=num_reserved,
-        )  # fmt: skip
+            seq_id, token_ids, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
+        )
         self._sync_table(seq_id)
-        self._live.add(seq_id)
         return seq_id, cached
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:
-        """Whether every seq_id can grow by one token right now (exact, from the
-        block manager; a seq_id that has no block yet counts one per seq_id, a
-        safe bound since one token never needs more than one new block)."""
-        bm = self.block_manager
-        with_blocks = [s for s in seq_ids if bm.has_seq(s)]
-        if len(with_blocks) == len(seq_ids):
-            return bm.can_append(with_blocks)
-        return len(seq_ids) <= bm.num_free_blocks()
+        """Whether every seq_id can grow by one token right now (exact)."""
+        return self.block_manager.can_append(seq_ids)
 
     def append_token(self, seq_id: int, token_id: int) -> None:
         """Reserve room for ``token_id``. If its block is shared, the seq_id gets
         a private copy, made before the next view reads or writes the cache."""
-        self._check_live(seq_id)
         bm = self.block_manager
-        if not bm.has_seq(seq_id):
-            bm.allocate(seq_id, 1, [token_id])
-            self._sync_table(seq_id)
-            return
         at_boundary = bm.num_tokens(seq_id) % self.block_size == 0
         copies = bm.append(seq_id, token_id)
         if copies or at_boundary:  # else the token fits the seq_id's own last blocks
@@ -284,38 +248,29 @@ class PagedKVPool(ViewsMixin):
 
     def get_num_reserved(self, seq_id: int) -> int:
         """Tokens the seq_id has room for (committed + reserved ahead)."""
-        self._check_live(seq_id)
-        bm = self.block_manager
-        return bm.num_tokens(seq_id) if bm.has_seq(seq_id) else 0
+        return self.block_manager.num_tokens(seq_id)
 
     def fork_seq(self, seq_id: int) -> int:
         """A new seq_id sharing all of ``seq_id``'s blocks copy-on-write."""
-        self._check_live(seq_id)
         child = self._new_seq_id()
-        if self.block_manager.has_seq(seq_id):
-            self.block_manager.fork(seq_id, child)
-            for tables, released in zip(self._tables, self._released, strict=True):
-                tables.fork(seq_id, child)
-                released[child] = released.get(seq_id, 0)
-        self._live.add(child)
+        self.block_manager.fork(seq_id, child)
+        for tables, released in zip(self._tables, self._released, strict=True):
+            tables.fork(seq_id, child)
+            released[child] = released.get(seq_id, 0)
         return child
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None:
         """Commit: the seq_id's first ``num_tokens`` tokens are written, so their
         full blocks may enter the prefix cache."""
-        if num_tokens or self.block_manager.has_seq(seq_id):
-            released = self.block_manager.mark_computed(seq_id, num_tokens)
-            if released and self._null is not None:
-                self._mirror_released(seq_id)
+        if self.block_manager.mark_computed(seq_id, num_tokens) and self._null is not None:
+            self._mirror_released(seq_id)
 
     def audit(self) -> list[str]:
         """The block manager's audit, the pool's own seq_id bookkeeping, and the
         mirrored page tables against the block manager's."""
         bm = self.block_manager
         problems = list(bm.audit())
-        for seq_id in bm.seq_ids():
-            if seq_id not in self._live:
-                problems.append(f"block manager holds sequence {seq_id} that is no live seq_id")
+        live = set(bm.seq_ids())
         for g, tables in enumerate(self._tables):
             where = f" (KV cache group {g})" if len(self._tables) > 1 else ""
             for seq_id in bm.seq_ids():
@@ -327,8 +282,8 @@ class PagedKVPool(ViewsMixin):
                         f"from the block manager's {bm.block_table(seq_id, g)}{where}"
                     )
             for handle in tables.handles():
-                if not bm.has_seq(handle):
-                    problems.append(f"page-table row kept for sequence {handle} without blocks")
+                if handle not in live:
+                    problems.append(f"page-table row kept for sequence {handle}, which is freed")
         usable = self.num_blocks - (self._null is not None)
         if bm.num_blocks != usable:
             problems.append(f"block manager has {bm.num_blocks} blocks, tensors have {usable}")
@@ -357,37 +312,16 @@ class PagedKVPool(ViewsMixin):
 
     # -- used by the views -----------------------------------------------------
     def block_table(self, seq_id: int, group: int = 0) -> list[int]:
-        """The seq_id's block ids in token order (empty before its first block)."""
-        self._check_live(seq_id)
-        bm = self.block_manager
-        return bm.block_table(seq_id, group) if bm.has_seq(seq_id) else []
-
-    def ensure_reserved(self, seq_id: int, num_tokens: int) -> None:
-        """Grow the seq_id's reservation to ``num_tokens``, for a view that
-        writes past what ``allocate_seq``/``append_token`` reserved. Raises
-        ``OutOfBlocksError`` when the pool is full."""
-        self._check_live(seq_id)
-        bm = self.block_manager
-        if num_tokens <= 0:
-            return
-        if not bm.has_seq(seq_id):
-            bm.allocate(seq_id, num_tokens)
-            self._sync_table(seq_id)
-            return
-        while bm.num_tokens(seq_id) < num_tokens:
-            self._sync_table(seq_id, bm.append(seq_id))
+        """The seq_id's block ids in token order."""
+        return self.block_manager.block_table(seq_id, group)
 
     def build_metadata(
-        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int], reserve: bool
+        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
     ) -> AttentionMetadata:
         """A view's step metadata; copies pending from copy-on-write run first,
         so every block the step reads or writes holds its data."""
         bs = self.block_size
-        if reserve:
-            for seq_id, start, n in zip(seq_ids, starts, new_lens, strict=True):
-                self.ensure_reserved(seq_id, start + n)
-        bm = self.block_manager
-        rooms = [bm.num_tokens(s) if bm.has_seq(s) else 0 for s in seq_ids]
+        rooms = [self.block_manager.num_tokens(s) for s in seq_ids]
         ends = [start + n for start, n in zip(starts, new_lens, strict=True)]
         over = [i for i, (end, room) in enumerate(zip(ends, rooms, strict=True)) if end > room]
         if over:
@@ -398,9 +332,7 @@ class PagedKVPool(ViewsMixin):
             )
         width = -(-max(ends, default=1) // bs) or 1
         self._flush_copies()
-        if not all(rooms):  # only seq_ids with nothing to compute lack a row
-            tables = torch.zeros(len(self._tables), len(seq_ids), width, dtype=torch.int32)
-        elif len(self._tables) == 1:
+        if len(self._tables) == 1:
             buffer = self._tables[0]
             tables = buffer.gather(buffer.rows(seq_ids)[0], width)
         else:  # [groups, batch, width]: one metadata build and device copy for all groups
@@ -446,6 +378,3 @@ class PagedKVPool(ViewsMixin):
         self._next_seq_id += 1
         return seq_id
 
-    def _check_live(self, seq_id: int) -> None:
-        if seq_id not in self._live:
-            raise KeyError(f"seq_id {seq_id} is not allocated in this paged pool")

@@ -57,7 +57,7 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
-    enforce_eager: bool = False  # CUDA: never replay decode steps from CUDA graphs
+    enforce_eager: bool = False  # no torch.compile (CPU), no CUDA graphs (CUDA)
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False

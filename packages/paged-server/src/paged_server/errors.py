@@ -1,4 +1,6 @@
-"""Exceptions the engine raises to its callers (the HTTP server maps them to status codes)."""
+"""Exceptions the engine raises to its callers (the HTTP server maps them to
+status codes), and the base of the model-loading ones (the tokenizer raises
+one too, so it lives here, below both)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,15 @@ class QueueFullError(RuntimeError):
 class ContextLengthError(ValueError):
     """The prompt (or prompt + ``max_tokens``) does not fit ``max_model_len``
     (HTTP 400 with OpenAI's ``context_length_exceeded`` code)."""
+
+
+class ModelLoadError(Exception):
+    """Base class for every problem found while loading a model directory
+    (the rest are in ``models/errors.py``)."""
+
+
+class ModelFileNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model directory, or a file it must contain (the tokenizer's too), is missing."""
 
 
 class EngineFailedError(RuntimeError):

@@ -20,6 +20,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from paged_server.errors import ModelFileNotFoundError
+
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -42,8 +44,6 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and the chat template
         (chat_template.jinja, chat_template.json or tokenizer_config.json)."""
-        from paged_server.models.errors import ModelFileNotFoundError  # models imports us
-
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():

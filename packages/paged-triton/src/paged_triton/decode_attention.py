@@ -1,8 +1,8 @@
 """Paged decode attention: one query token per sequence, K/V read in place.
 
-One program serves a (sequence, kv head) pair and *all* query heads of that
-kv head's group, so each K/V tile is loaded once per group (GQA/MQA). The
-group is padded to 16 rows so the scores and the weighted sum are ``tl.dot``
+One program serves a (sequence, kv head) pair and *all* ``Q_PER_KV`` query
+heads that share that kv head, so each K/V tile is loaded once for them
+(GQA/MQA). They are padded to 16 rows so the scores and the weighted sum are ``tl.dot``
 tensor-core products. Tokens are fetched through the page table per
 position, so any block size works and a tile may span several blocks.
 
@@ -17,7 +17,6 @@ never compiles a new kernel variant.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -25,10 +24,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_ref.kv_quant import logical_shape, scale_keywords
+from paged_ref.kv_quant import scale_keywords
+from paged_triton.attention_layout import check_attention, layer_layout
 from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.decode_splits import (
-    BLOCK_B,
     SplitPolicy,
     plan_merge,
     split_plan,
@@ -37,22 +36,9 @@ from paged_triton.decode_splits import (
 )
 from paged_triton.interpreter_bf16 import cast
 from paged_triton.launch import Launch, device_arch, replayed, run_planned, tensor_key
-from paged_triton.launch_checks import (
-    as_int32,
-    check_cache,
-    check_gqa,
-    check_quantized_cache,
-    check_runnable,
-    compute_dtype,
-    dot_precision,
-    interpreted,
-    kv_quant_mode,
-    last_dim_contiguous,
-    scale_args,
-)
-from paged_triton.tile_config import MIN_DOT, TileConfig, tile_config
+from paged_triton.launch_checks import as_index, interpreted, last_dim_contiguous
+from paged_triton.tile_config import TileConfig
 
-MAX_HEADS_PER_PROGRAM = 64  # larger groups (big MQA) are split over programs
 # Arguments that change from step to step: never specialised (no mid-serving compiles).
 PER_STEP_INTS = [
     "stride_btb",
@@ -98,7 +84,7 @@ def _decode_kernel(
     target_programs,
     max_splits,
     partial_rows,
-    GROUP: tl.constexpr,
+    Q_PER_KV: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -145,12 +131,12 @@ def _decode_kernel(
         if split + 1 < pieces:
             end = lo + ((split + 1) * n // pieces) // BLOCK_N * BLOCK_N
 
-    head_blocks: tl.constexpr = (GROUP + HEADS_PER_PROG - 1) // HEADS_PER_PROG
+    head_blocks: tl.constexpr = (Q_PER_KV + HEADS_PER_PROG - 1) // HEADS_PER_PROG
     kv_head = pid_h // head_blocks
     first = (pid_h % head_blocks) * HEADS_PER_PROG
     g = tl.arange(0, BLOCK_H)
-    head_mask = (g < HEADS_PER_PROG) & (first + g < GROUP)
-    heads = kv_head * GROUP + first + g
+    head_mask = (g < HEADS_PER_PROG) & (first + g < Q_PER_KV)
+    heads = kv_head * Q_PER_KV + first + g
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     qd_mask = head_mask[:, None] & d_mask[None, :]
@@ -192,44 +178,6 @@ def _decode_kernel(
         tl.store(o_ptrs, cast(out, OUT.dtype.element_ty, EMULATE_BF16), mask=qd_mask)
 
 
-@functools.lru_cache(maxsize=256)
-def _shape_params(
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    arch: int | None,
-    emulate_bf16: bool,
-    tile: TileConfig | None,
-    kv_quant: int = 0,
-    head_scales: bool = False,
-) -> tuple[int, dict[str, Any], TileConfig]:
-    """What depends only on the layer's shapes: head programs per sequence,
-    the constexprs (window and softcap flags aside), the tile (warps, stages).
-    ``dtype``: what the products run in (``compute_dtype``)."""
-    group = check_gqa(heads, kv_heads)
-    heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
-    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    tile = tile or tile_config("decode", block_d, dtype, arch, quantized=kv_quant != 0)
-    constexprs = dict(
-        GROUP=group,
-        HEADS_PER_PROG=heads_per_prog,
-        BLOCK_H=max(MIN_DOT, triton.next_power_of_2(heads_per_prog)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=tile.block_n,
-        BLOCK_B=BLOCK_B,
-        PRECISION=dot_precision(dtype),
-        EMULATE_BF16=emulate_bf16,
-        KV_QUANT=kv_quant,
-        HEAD_SCALES=head_scales,
-    )
-    head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
-    return head_programs, constexprs, tile
-
-
 def plan_decode(
     q: Tensor,
     k_cache: Tensor,
@@ -246,28 +194,20 @@ def plan_decode(
     memo: dict[Any, Any] | None = None,
     *,
     tile: TileConfig | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
+    **scales: Tensor | None,
 ) -> list[Launch]:
     """The decode launch, and the merge launch when contexts may be split.
     ``tables``/``lens`` are int32 on q's device; nothing here reads a tensor.
     ``tile``: instead of :func:`tile_config`'s choice (autotuning).
-    ``k_scales``/``v_scales``: an int8 cache's ``[num_blocks, block_size, kv_heads]``;
-    ``k_head_scales``/``v_head_scales``: static scales, ``[kv_heads]`` float32."""
-    batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    head_programs, constexprs, tile = _shape_params(
-        heads, kv_heads, head_dim, block_size, compute_dtype(q.dtype, k_cache.dtype), arch,
-        interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
-        kv_quant_mode(k_cache.dtype), k_head_scales is not None,
-    )  # fmt: skip
-    k_scale, v_scale, scale_strides = scale_args(
-        k_cache, v_cache, k_scales, v_scales, k_head_scales, v_head_scales
+    ``scales``: ``k_scales``/``v_scales``, an int8 cache's ``[num_blocks,
+    block_size, kv_heads]``, or ``k_head_scales``/``v_head_scales``, static
+    scales, ``[kv_heads]`` float32 (absent or None for other caches)."""
+    batch, heads, _ = q.shape
+    head_programs, constexprs, tile, k_scale, v_scale, scale_strides = layer_layout(
+        "decode", q, k_cache, v_cache, arch, interpret, tile, scales
     )
     block_d = constexprs["BLOCK_D"]
-    max_visible = tables.shape[1] * block_size
+    max_visible = tables.shape[1] * k_cache.shape[1]
     if sliding_window is not None:
         max_visible = min(max_visible, sliding_window)
     splits = policy.grid_splits(max_visible, head_programs)
@@ -373,15 +313,8 @@ def decode_attention(
                scale, sliding_window, softcap, policy)  # fmt: skip
         if replayed(memo, key, out, q, k_cache, v_cache, scales):
             return out
-    check_runnable(_decode_kernel, q, k_cache, v_cache)
-    check_cache(k_cache, v_cache)
-    check_quantized_cache(k_cache, k_scales, v_scales, k_head_scales, v_head_scales)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
-    batch, heads, head_dim = q.shape
-    if logical_shape(k_cache)[3] != head_dim:  # (an int4 cache packs two per byte)
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {logical_shape(k_cache)[3]}")
-    check_gqa(heads, k_cache.shape[2])
+    check_attention(_decode_kernel, q, k_cache, v_cache, "batch", **scales)
+    batch, heads, _ = q.shape
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(
             f"block_tables must be [batch={batch}, max_blocks] and seq_lens [batch], got "
@@ -391,7 +324,7 @@ def decode_attention(
         return out
     arch = device_arch(q.device)
     args = (
-        last_dim_contiguous(q), k_cache, v_cache, as_int32(block_tables, q), as_int32(seq_lens, q),
+        last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q), as_index(seq_lens, q),
         scale, sliding_window, softcap, out, policy or split_policy(q.device),
         arch, _INTERPRETED, memo,
     )  # fmt: skip

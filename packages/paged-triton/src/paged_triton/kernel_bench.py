@@ -114,26 +114,12 @@ def _caches(
     return k_cache, v_cache, tables.to(device), 2 * k_cache.numel() * k_cache.element_size()
 
 
-def decode_step(
-    contexts: list[int],
-    heads: int = 24,
-    kv_heads: int = 8,
-    head_dim: int = 128,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cpu",
-) -> Step:
+def decode_step(contexts: list[int], **layout: Any) -> Step:
     """A decode step: one query per sequence at the end of ``contexts``
-    (defaults: Llama 3.2 3B's attention layout)."""
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache, tables, cache_bytes = _caches(
-        contexts, kv_heads, head_dim, block_size, dtype, device, gen
-    )
-    q = torch.randn(len(contexts), heads, head_dim, generator=gen).to(device, dtype)
-    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
-    kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * k_cache.element_size()
-    return Step(q, k_cache, v_cache, tables, seq_lens, None, head_dim**-0.5, kv_bytes, cache_bytes)
+    (``layout``: as :func:`prefill_step`'s, Llama 3.2 3B's by default)."""
+    step = prefill_step(contexts, [1] * len(contexts), **layout)
+    step.cu_seqlens_q = None  # one query each: the decode op's arguments
+    return step
 
 
 def prefill_step(
@@ -147,7 +133,8 @@ def prefill_step(
     device: torch.device | str = "cpu",
 ) -> Step:
     """A prefill step: sequence ``b`` computes its last ``new_tokens[b]`` of
-    ``contexts[b]`` tokens (a chunk after a prefix hit when fewer)."""
+    ``contexts[b]`` tokens (a chunk after a prefix hit when fewer); the
+    defaults are Llama 3.2 3B's attention layout."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache, tables, cache_bytes = _caches(

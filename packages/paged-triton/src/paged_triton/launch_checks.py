@@ -162,33 +162,17 @@ def last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def as_int32(t: Tensor, like: Tensor) -> Tensor:
-    """Index metadata as contiguous int32 on ``like``'s device (``t`` itself
-    when it already is: the step's metadata is built that way)."""
-    if (
-        t.dtype is torch.int32
-        and t.is_cuda == like.is_cuda
-        and t.get_device() == like.get_device()
-        and t.is_contiguous()
-    ):
+def as_index(t: Tensor, like: Tensor, dtype: torch.dtype = torch.int32) -> Tensor:
+    """Index metadata as contiguous ``dtype`` on ``like``'s device (``t`` itself
+    when it already is: the step's metadata is built that way). Slot indices
+    are int64: they can exceed 2**31 in huge pools."""
+    same_device = t.is_cuda == like.is_cuda and t.get_device() == like.get_device()
+    if t.dtype is dtype and same_device and t.is_contiguous():
         return t
-    return t.to(device=like.device, dtype=torch.int32).contiguous()
+    return t.to(device=like.device, dtype=dtype).contiguous()
 
 
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 caches get exact fp32 products (``ieee``) rather than TF32,
     so float32 results match the float32 reference; 16-bit inputs ignore it."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def as_int64(t: Tensor, like: Tensor) -> Tensor:
-    """Slot indices as contiguous int64 on ``like``'s device (slots can exceed
-    2**31 in huge pools); ``t`` itself when it already is."""
-    if (
-        t.dtype is torch.int64
-        and t.is_cuda == like.is_cuda
-        and t.get_device() == like.get_device()
-        and t.is_contiguous()
-    ):
-        return t
-    return t.to(device=like.device, dtype=torch.long).contiguous()

@@ -5,8 +5,8 @@ K/V are already in the cache (``write_kv`` first), and query ``i`` of a
 sequence sits at position ``seq_len - q_len + i`` (causal with an offset).
 
 A program takes ``BLOCK_Q`` consecutive queries of one sequence and the
-query heads of one kv head's group, stacked as ``BLOCK_Q * G_PAD`` rows, so
-each K/V tile read through the page table serves the whole group. The grid
+``Q_PER_KV`` query heads sharing one kv head, stacked as ``BLOCK_Q * G_PAD``
+rows, so each K/V tile read through the page table serves all of them. The grid
 has ``total_q // BLOCK_Q + batch`` programs along the query axis, an upper
 bound on the per-sequence tiles that needs no device sync; each program
 finds its sequence by binary search over ``cu_seqlens_q`` and idle ones
@@ -15,7 +15,6 @@ return at once.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -23,26 +22,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_ref.kv_quant import logical_shape, scale_keywords
+from paged_ref.kv_quant import scale_keywords
+from paged_triton.attention_layout import check_attention, layer_layout
 from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.interpreter_bf16 import cast
 from paged_triton.launch import Launch, device_arch, replayed, run_planned, tensor_key
-from paged_triton.launch_checks import (
-    as_int32,
-    check_cache,
-    check_gqa,
-    check_quantized_cache,
-    check_runnable,
-    compute_dtype,
-    dot_precision,
-    interpreted,
-    kv_quant_mode,
-    last_dim_contiguous,
-    scale_args,
-)
-from paged_triton.tile_config import MIN_DOT, TileConfig, tile_config
+from paged_triton.launch_checks import as_index, interpreted, last_dim_contiguous
+from paged_triton.tile_config import TileConfig
 
-MAX_HEADS_PER_PROGRAM = 16
 # Arguments that change from step to step: never specialised (no mid-serving compiles).
 PER_STEP_INTS = ["stride_btb", "batch", "window"]
 PER_STEP_POINTERS = ["BT", "CU_Q", "LENS"]  # views into the step's packed metadata
@@ -73,7 +60,7 @@ def _prefill_kernel(
     softcap,
     window,
     batch,
-    GROUP: tl.constexpr,
+    Q_PER_KV: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -107,7 +94,7 @@ def _prefill_kernel(
     if q_tile * BLOCK_Q >= q_len:
         return
 
-    head_blocks: tl.constexpr = (GROUP + HEADS_PER_PROG - 1) // HEADS_PER_PROG
+    head_blocks: tl.constexpr = (Q_PER_KV + HEADS_PER_PROG - 1) // HEADS_PER_PROG
     kv_head = pid_h // head_blocks
     first = (pid_h % head_blocks) * HEADS_PER_PROG
 
@@ -115,8 +102,8 @@ def _prefill_kernel(
     r = tl.arange(0, BLOCK_ROWS)
     qi = q_tile * BLOCK_Q + r // G_PAD
     g = r % G_PAD
-    row_mask = (qi < q_len) & (g < HEADS_PER_PROG) & (first + g < GROUP)
-    heads = kv_head * GROUP + first + g
+    row_mask = (qi < q_len) & (g < HEADS_PER_PROG) & (first + g < Q_PER_KV)
+    heads = kv_head * Q_PER_KV + first + g
     tokens = (q_start + qi).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
@@ -162,46 +149,6 @@ def _prefill_kernel(
     tl.store(o_ptrs, cast(out, OUT.dtype.element_ty, EMULATE_BF16), mask=qd_mask)
 
 
-@functools.lru_cache(maxsize=256)
-def _shape_params(
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    arch: int | None,
-    emulate_bf16: bool,
-    tile: TileConfig | None,
-    kv_quant: int = 0,
-    head_scales: bool = False,
-) -> tuple[int, int, dict[str, Any], TileConfig]:
-    """What depends only on the layer's shapes: queries per program, head
-    programs, the constexprs (window and softcap flags aside), warps, stages."""
-    group = check_gqa(heads, kv_heads)
-    heads_per_prog = min(group, MAX_HEADS_PER_PROGRAM)
-    g_pad = triton.next_power_of_2(heads_per_prog)
-    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    tile = tile or tile_config("prefill", block_d, dtype, arch, quantized=kv_quant != 0,
-                               int4=kv_quant == 3)  # fmt: skip
-    block_q = max(1, tile.block_m // g_pad)
-    constexprs = dict(
-        GROUP=group,
-        HEADS_PER_PROG=heads_per_prog,
-        G_PAD=g_pad,
-        BLOCK_Q=block_q,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=tile.block_n,
-        PRECISION=dot_precision(dtype),
-        EMULATE_BF16=emulate_bf16,
-        KV_QUANT=kv_quant,
-        HEAD_SCALES=head_scales,
-    )
-    head_programs = kv_heads * triton.cdiv(group, heads_per_prog)
-    return block_q, head_programs, constexprs, tile
-
-
 def plan_prefill(
     q: Tensor,
     k_cache: Tensor,
@@ -217,29 +164,20 @@ def plan_prefill(
     interpret: bool,
     *,
     tile: TileConfig | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
+    **scales: Tensor | None,
 ) -> Launch:
     """The prefill launch; ``tables``/``cu_q``/``lens`` are int32 on q's
     device. The grid's ``total_q // BLOCK_Q + batch`` query programs bound
     the per-sequence tiles without reading ``cu_seqlens_q``. ``tile``:
-    instead of :func:`tile_config`'s choice (autotuning)."""
-    total_q, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    batch = lens.shape[0]
-    block_q, head_programs, constexprs, tile = _shape_params(
-        heads, kv_heads, head_dim, block_size, compute_dtype(q.dtype, k_cache.dtype), arch,
-        interpret and torch.bfloat16 in (q.dtype, k_cache.dtype), tile,
-        kv_quant_mode(k_cache.dtype), k_head_scales is not None,
-    )  # fmt: skip
-    k_scale, v_scale, scale_strides = scale_args(
-        k_cache, v_cache, k_scales, v_scales, k_head_scales, v_head_scales
+    instead of :func:`tile_config`'s choice (autotuning); ``scales``: as
+    :func:`paged_triton.decode_attention.plan_decode`'s."""
+    head_programs, constexprs, tile, k_scale, v_scale, scale_strides = layer_layout(
+        "prefill", q, k_cache, v_cache, arch, interpret, tile, scales
     )
+    batch = lens.shape[0]
     return Launch(
         _prefill_kernel,
-        (total_q // block_q + batch, head_programs),
+        (q.shape[0] // constexprs["BLOCK_Q"] + batch, head_programs),
         (
             q,
             k_cache,
@@ -306,15 +244,8 @@ def paged_prefill_attention(
                k_head_scales is None, scale, sliding_window, softcap)  # fmt: skip
         if replayed(memo, key, out, q, k_cache, v_cache, scales):
             return out
-    check_runnable(_prefill_kernel, q, k_cache, v_cache)
-    check_cache(k_cache, v_cache)
-    check_quantized_cache(k_cache, k_scales, v_scales, k_head_scales, v_head_scales)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [total_q, heads, head_dim], got shape {tuple(q.shape)}")
-    total_q, heads, head_dim = q.shape
-    if logical_shape(k_cache)[3] != head_dim:  # (an int4 cache packs two per byte)
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {logical_shape(k_cache)[3]}")
-    check_gqa(heads, k_cache.shape[2])
+    check_attention(_prefill_kernel, q, k_cache, v_cache, "total_q", **scales)
+    total_q, heads, _ = q.shape
     batch = seq_lens.shape[0]
     if (
         cu_seqlens_q.shape != (batch + 1,)
@@ -329,8 +260,8 @@ def paged_prefill_attention(
         return out
     arch = device_arch(q.device)
     args = (
-        last_dim_contiguous(q), k_cache, v_cache, as_int32(block_tables, q),
-        as_int32(cu_seqlens_q, q), as_int32(seq_lens, q), scale, sliding_window, softcap, out,
+        last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q),
+        as_index(cu_seqlens_q, q), as_index(seq_lens, q), scale, sliding_window, softcap, out,
         arch, _INTERPRETED,
     )  # fmt: skip
     run_planned("prefill", lambda *a, **kw: [plan_prefill(*a, **kw)], args, scales,

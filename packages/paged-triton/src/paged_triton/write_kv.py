@@ -26,7 +26,7 @@ from paged_ref.kv_quant import FP8_MAX, logical_shape
 from paged_triton.interpreter_bf16 import cast, round_to_fp8
 from paged_triton.launch import Launch
 from paged_triton.launch_checks import (
-    as_int64,
+    as_index,
     check_cache,
     check_quantized_cache,
     check_runnable,
@@ -258,7 +258,7 @@ def write_kv(
     if k.shape[0] == 0:
         return
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
-    slots = as_int64(slot_mapping, k_cache)
+    slots = as_index(slot_mapping, k_cache, torch.int64)
     if is_int4(k_cache.dtype) and k_cache.stride(1) != kv_heads * head_dim // 2:
         raise ValueError(f"an int4 cache needs contiguous blocks, got strides {k_cache.stride()}")
     plan_write_kv(

@@ -76,12 +76,12 @@ def perplexity(
         block_size, loaded.dtype, device, enable_prefix_caching=False,
         kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
     )  # fmt: skip
-    seq = pool.allocate_seq(0)
+    seq, _ = pool.allocate_sequence(token_ids)
     nll, count = 0.0, 0
     ids = torch.tensor(token_ids, device=device)
     for start in range(0, len(token_ids), chunk):
         part = ids[start : start + chunk]
-        view = pool.view([seq], [part.shape[0]])
+        view = pool.step_view([seq], [start], [part.shape[0]])
         positions = torch.arange(start, start + part.shape[0], device=device)
         logits = loaded.model(part, positions, view).float()
         view.advance()

@@ -11,6 +11,7 @@ read from /proc, next to the whole machine's, so other load shows.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import statistics
@@ -186,7 +187,7 @@ def ratios(by_peer: dict[str, dict[str, float | None]]) -> dict[str, float | Non
     best = 0.0
     for peer, m in by_peer.items():
         theirs = m["output_tokens_per_s"]
-        if peer == PAGED or not theirs:
+        if not peer.startswith("llama.cpp") or not theirs:
             continue
         best = max(best, theirs)
         out[f"paged / {peer}"] = round(ours / theirs, 3) if ours else None
@@ -246,8 +247,11 @@ def compare(
     seed: int = 0,
     log_dir: Path | None = None,
     emit: Callable[[dict[str, Any]], None] = print,
+    paged_variants: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The whole side-by-side comparison on one model; the results JSON.
+    ``paged_variants``: more paged-server peers, each with these extra flags
+    (e.g. ``"--enforce-eager"``), named ``"paged <flags>"``.
     Raises ``FileNotFoundError`` (with ``lc.missing_message()``) without a build."""
     import json
 
@@ -266,8 +270,8 @@ def compare(
     def log(name: str) -> Path | None:
         return log_dir / f"{name}.log" if log_dir else None
 
-    def paged(port: int, _c: int = 1, logfile: Path | None = None) -> Any:
-        return lc.start_paged_server(model_dir, port, log=logfile)
+    def paged(port: int, _c: int = 1, logfile: Path | None = None, extra: str = "") -> Any:
+        return lc.start_paged_server(model_dir, port, tuple(extra.split()), log=logfile)
 
     def llama(outtype: str) -> Starter:
         def start(port: int, concurrency: int = 1, logfile: Path | None = None) -> Any:
@@ -276,7 +280,10 @@ def compare(
 
         return start
 
-    starters: dict[str, Starter] = {PAGED: paged, **{llamacpp_peer(t): llama(t) for t in outtypes}}
+    starters: dict[str, Starter] = {PAGED: paged}
+    for flags in paged_variants:
+        starters[f"{PAGED} {flags}"] = functools.partial(paged, extra=flags)
+    starters.update({llamacpp_peer(t): llama(t) for t in outtypes})
     prompts = [r.prompt_token_ids for r in workload.requests[:agreement_prompts]]
     reference = greedy_agreement(lambda port: paged(port, 1, log("agree-paged")), prompts)
     agreement = {}
@@ -311,6 +318,7 @@ def compare(
             "gguf_bytes": {t: p.stat().st_size for t, p in ggufs.items()},
         },
         "paged_args": "serve --model DIR (defaults)",
+        "paged_variants": list(paged_variants),
         "workload": workload.summary(),
         "plan": {
             "outtypes": list(outtypes), "concurrencies": list(concurrencies), "repeats": repeats,

@@ -33,15 +33,15 @@ def _pool(budget_bytes: int, hybrid: bool, block_size: int, kv_cache_dtype: str 
     from paged_ref import PagedKVPool
     from paged_ref.kv_quant import cache_dtype_for
 
-    cache_layers = len(kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid)[0].layers)
+    groups = kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid)
+    cache_layers = len(groups[0].layers)
     num_blocks = PagedKVPool.num_blocks_for_memory(
         budget_bytes, cache_layers, 1, 256, block_size,
         cache_dtype_for(kv_cache_dtype, torch.bfloat16),
     )  # fmt: skip
     return PagedKVPool.from_model_config(
         26, 1, 256, num_blocks, block_size, torch.bfloat16, "meta",
-        enable_prefix_caching=False, layer_windows=GEMMA3_1B_WINDOWS,
-        disable_hybrid_kv_cache_manager=not hybrid, kv_cache_dtype=kv_cache_dtype,
+        enable_prefix_caching=False, groups=groups, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
 
 

@@ -85,7 +85,7 @@ class DecodeGraphs:
         """Hidden states ``[batch, hidden]`` of a pure-decode step: one token
         (``input_ids``) per seq_id at position ``starts[i]``, room reserved,
         ``batch <= max_size``."""
-        meta = self.pool.build_metadata(seq_ids, starts, [1] * len(seq_ids), False)
+        meta = self.pool.build_metadata(seq_ids, starts, [1] * len(seq_ids))
         batch = len(seq_ids)
         size = self.padded(batch)
         self._load(meta, input_ids, size)

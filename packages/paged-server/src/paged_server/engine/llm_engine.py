@@ -26,14 +26,12 @@ one thread (``api/async_engine.py``), ``LLM`` from the caller's.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
 import random
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -46,10 +44,11 @@ from paged_server.config import (
     resolve_dtype,
     resolve_max_num_batched_tokens,
 )
-from paged_server.engine.beams import advance_beams, finish_beams, new_beam_search, ready_rows
+from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam_search, ready_rows
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.compiled_forward import CompiledForward, compiles_forward
 from paged_server.engine.kernel_warmup import warm_up_kernels
 from paged_server.engine.kv_sizing import sizes_by_memory_share
 from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
@@ -163,12 +162,18 @@ class LLMEngine:
             self.capacity.sized_by,
             f"; {self.capacity.groups}" if self.capacity.groups else "",
         )
+        compiled = (
+            CompiledForward(loaded.model)
+            if compiles_forward(config, device, self.attention_backend)
+            else None
+        )
         self.runner = ModelRunner(
             loaded.model,
             self.pool,
             device,
             self._decode_graphs(device),
             before_forward=executor.broadcast_step if executor is not None else None,
+            compiled=compiled,
         )
         if executor is not None:
             log.info("%s", self.parallel_summary())
@@ -177,6 +182,10 @@ class LLMEngine:
                 warm_up_kernels(loaded.model, loaded.dtype, self.capacity, config.max_model_len, device)
             seconds = self.runner.warm_up(min(config.max_model_len - 1, 256))
             log.info("warm-up done in %.1f s", seconds)
+        elif compiled is not None:
+            log.info("compiling the forward pass (torch.compile; --enforce-eager skips this)")
+            seconds = self.runner.warm_up(min(config.max_model_len - 1, 256))
+            log.info("compiled the forward pass in %.1f s", seconds)
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_size,
@@ -352,7 +361,7 @@ class LLMEngine:
             seq = scheduled[scores.index][0]
             with self._isolated(seq, "prompt logprobs"):
                 self._score_prompt(seq, scores)
-        rows: list[tuple[Sequence, Tensor]] = []
+        rows: list[tuple[Sequence, int]] = []  # (sequence, its row of step.logits)
         for j, i in enumerate(step.sampled):
             seq = scheduled[i][0]
             if seq.is_finished:  # failed above
@@ -362,19 +371,14 @@ class LLMEngine:
                     self._beam_row(seq, step.logits[j])
             else:
                 with self._isolated(seq, "starting choices"):
-                    rows += self._start_choices(seq, step.logits[j])
-        self._sample(rows)
+                    rows += self._start_choices(seq, j)
+        self._sample(rows, step.logits)
 
-    @contextlib.contextmanager
-    def _isolated(self, seq: Sequence, stage: str) -> Iterator[None]:
+    def _isolated(self, seq: Sequence, stage: str) -> _Isolated:
         """Run one request's post-forward work: if it raises, log the
         traceback and fail that request (every beam of a beam search) with
         ``"<stage> failed: <error>"``; the step goes on."""
-        try:
-            yield
-        except Exception as exc:
-            log.exception("%s failed for request %s", stage, seq.request.request_id)
-            self._fail(seq, f"{stage} failed: {describe_error(exc)}")
+        return _Isolated(self, seq, stage)
 
     def _score_prompt(self, seq: Sequence, scores: PromptScores) -> None:
         """Append the prompt logprobs this step computed to the request's."""
@@ -406,7 +410,7 @@ class LLMEngine:
         if advance_beams(request, rows, self.pool, self.scheduler, self.eos_token_ids):
             self._touched += finish_beams(request)
 
-    def _start_choices(self, seq: Sequence, row: Tensor) -> list[tuple[Sequence, Tensor]]:
+    def _start_choices(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
         """Rows to sample for ``seq``. When choice 0 of an ``n > 1`` request has
         computed its prompt, it forks the other choices (shared blocks) first,
         and all sample from the same logits with their own generators."""
@@ -432,13 +436,19 @@ class LLMEngine:
             rows.append((child, row))
         return rows
 
-    def _sample(self, rows: list[tuple[Sequence, Tensor]]) -> None:
-        """Mask, sample and append one token per row. Masking and sampling
-        are batched but report errors per row; the rest runs per request."""
+    def _sample(self, rows: list[tuple[Sequence, int]], step_logits: Tensor) -> None:
+        """Mask, sample and append one token per ``(sequence, row of
+        step_logits)``. Masking and sampling are batched but report errors
+        per row; the rest runs per request."""
         if not rows:
             return
         try:
-            logits = torch.stack([row for _, row in rows])
+            index = [row for _, row in rows]
+            # Usually every row, once and in order: no copy of [batch, vocab].
+            if index == list(range(step_logits.shape[0])):
+                logits = step_logits
+            else:
+                logits = step_logits[torch.tensor(index, device=step_logits.device)]
             logits, mask_errors = self.structured_output.mask_logits(
                 logits, [s.grammar for s, _ in rows]
             )
@@ -617,3 +627,24 @@ def _model_path(config: EngineConfig) -> str:
     from paged_server.default_model import ensure_default_model
 
     return str(ensure_default_model())
+
+
+class _Isolated:
+    """``LLMEngine._isolated``'s context manager: a class, not a generator,
+    because it wraps every sequence's work twice per step (a generator-based
+    one cost ~10 us each)."""
+
+    __slots__ = ("engine", "seq", "stage")
+
+    def __init__(self, engine: LLMEngine, seq: Sequence, stage: str) -> None:
+        self.engine, self.seq, self.stage = engine, seq, stage
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        log.exception("%s failed for request %s", self.stage, self.seq.request.request_id, exc_info=exc)
+        self.engine._fail(self.seq, f"{self.stage} failed: {describe_error(exc)}")
+        return True

@@ -14,8 +14,11 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from paged_core.kv_cache_groups import KVCacheGroup
+from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from paged_core.protocols import ServingPoolProtocol
+from paged_ref import ContiguousKVPool, PagedKVPool
+from paged_ref import ops as ref_ops
+from paged_ref.kv_quant import cache_dtype_for, kv_bytes_per_token
 from paged_server.config import EngineConfig
 from paged_server.engine.kv_calibration import (
     KVScales,
@@ -107,13 +110,8 @@ def build_cache_pool(
     wrap_ops: Callable[[ModuleType], ModuleType] | None = None,
     kv_scales: KVScales | None = None,
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:
-    """A zeroed pool for ``model_config`` and its capacity.
-
-    Paged: ``num_gpu_blocks``, else as many blocks as the memory budget
-    (``kv_cache_memory_bytes``, else ``gpu_memory_utilization``, see
-    ``kv_sizing``; ``model`` runs its profiling pass) holds, else
-    ``max_batch_size * max_model_len / block_size``. Contiguous:
-    ``max_batch_size`` rows, fewer if the memory budget holds fewer.
+    """A zeroed pool for ``model_config`` and its capacity: ``paged_pool``
+    or ``contiguous_pool`` as ``kv_cache_backend`` says.
 
     With tensor parallelism the pool holds only this rank's ``num_kv_heads``
     (default: all of the model's), so a per-device budget buys more tokens;
@@ -125,72 +123,91 @@ def build_cache_pool(
     int8 gets exactly twice.
     The contiguous pool attends with the reference path whatever ``backend``.
     """
-    from paged_core.kv_cache_groups import kv_cache_groups
-    from paged_ref import ContiguousKVPool, PagedKVPool
-    from paged_ref import ops as ref_ops
-    from paged_ref.kv_quant import cache_dtype_for, kv_bytes_per_token
-
-    layers, kv_heads, head_dim = (
-        model_config.num_layers,
-        num_kv_heads or model_config.num_kv_heads,
-        model_config.head_dim,
-    )
-
-    def ops_for(module: ModuleType) -> ModuleType:
-        return wrap_ops(module) if wrap_ops is not None else module
-
     if config.calculate_kv_scales and kv_scales is None:
         raise ValueError("calculate_kv_scales: pass kv_scales=calibrated_kv_scales(...) to build the pool")
-    static = (kv_scales.k, kv_scales.v) if kv_scales is not None else None
-    # Bytes per token of what the pool stores (int8 per-token scales included).
-    kv_dtype = cache_dtype_for(config.kv_cache_dtype, dtype)
-    static_scales = static is not None
-    token_bytes = kv_bytes_per_token(  # (int4: a contiguous row is one block)
-        layers, kv_heads, head_dim, kv_dtype, static_scales, block_size=config.max_model_len
-    )
-    if config.kv_cache_backend == "paged":
-        windows = model_config.layer_sliding_windows
-        groups = kv_cache_groups(windows, hybrid=not config.disable_hybrid_kv_cache_manager)
-        sliding = any(g.sliding_window is not None for g in groups)
-        # A block holds one group's layers: fewer bytes when the model is hybrid.
-        slot_bytes = kv_bytes_per_token(
-            len(groups[0].layers), kv_heads, head_dim, kv_dtype, static_scales,
-            block_size=config.block_size,
-        )  # fmt: skip
-        budget = kv_budget(config, slot_bytes, device, model)
-        num_blocks = budget.num_blocks
-        if num_blocks is None and budget.num_bytes is not None:
-            num_blocks = blocks_in(budget.num_bytes, slot_bytes, config.block_size)
-            if num_blocks < 1 + sliding:
-                raise ValueError(
-                    f"kv_cache_memory_bytes ({budget.num_bytes}) holds no KV block "
-                    f"of {slot_bytes * config.block_size} bytes; raise it or lower block_size"
-                )
-        if num_blocks is None:  # the contiguous pool's tokens, in every group (+ the null block)
-            per_group = math.ceil(config.max_batch_size * config.max_model_len / config.block_size)
-            num_blocks = per_group * len(groups) + sliding
-        pool: ServingPoolProtocol = PagedKVPool.from_model_config(
-            layers,
-            kv_heads,
-            head_dim,
-            num_blocks,
-            config.block_size,
-            dtype,
-            device,
-            enable_prefix_caching=config.enable_prefix_caching,
-            ops=ops_for(attention_ops(backend)),
-            kv_cache_dtype=config.kv_cache_dtype,
-            kv_scales=static,
-            layer_windows=windows,
-            disable_hybrid_kv_cache_manager=config.disable_hybrid_kv_cache_manager,
+    shape = _KVShape(
+        model_config.num_layers, num_kv_heads or model_config.num_kv_heads, model_config.head_dim,
+        dtype, cache_dtype_for(config.kv_cache_dtype, dtype), kv_scales,
+    )  # fmt: skip
+    paged = config.kv_cache_backend == "paged"
+    ops = attention_ops(backend) if paged else ref_ops
+    ops = wrap_ops(ops) if wrap_ops is not None else ops
+    if paged:
+        return paged_pool(config, model_config.layer_sliding_windows, shape, device, model, ops)
+    return contiguous_pool(config, shape, device, model, ops)
+
+
+@dataclass(frozen=True, slots=True)
+class _KVShape:
+    """What one token's K/V is made of: the pool's layers, kv heads and
+    head size, the model's dtype, what the cache stores and its scales."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    kv_scales: KVScales | None
+
+    @property
+    def static(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.kv_scales is None else (self.kv_scales.k, self.kv_scales.v)
+
+    def token_bytes(self, num_layers: int, block_size: int) -> int:
+        """Bytes one token takes over ``num_layers`` layers (int8 per-token
+        scales included; an int4 token's share of its ``block_size`` block's
+        key scales)."""
+        static = self.kv_scales is not None
+        return kv_bytes_per_token(
+            num_layers, self.kv_heads, self.head_dim, self.kv_dtype, static, block_size=block_size
         )
-        usable = num_blocks - sliding  # a sliding group's null block is never handed out
-        capacity = PoolCapacity(
-            usable, config.block_size, None, usable * config.block_size // len(groups), kv_dtype,
-            num_blocks * config.block_size * slot_bytes, budget.sized_by, kv_scales,
-            describe_groups(groups), tuple(g.sliding_window for g in groups),
-        )  # fmt: skip
-        return pool, capacity
+
+
+def paged_pool(
+    config: EngineConfig, layer_windows: list[int | None], shape: _KVShape, device: torch.device,
+    model: nn.Module | None, ops: ModuleType,
+) -> tuple[ServingPoolProtocol, PoolCapacity]:  # fmt: skip
+    """The paged pool: ``num_gpu_blocks``, else as many blocks as the memory
+    budget (``kv_cache_memory_bytes``, else ``gpu_memory_utilization``, see
+    ``kv_sizing``; ``model`` runs its profiling pass) holds, else
+    ``max_batch_size * max_model_len / block_size`` in every KV cache group.
+    The groups are computed here, once, and handed to the pool."""
+    groups = kv_cache_groups(layer_windows, hybrid=not config.disable_hybrid_kv_cache_manager)
+    sliding = any(g.sliding_window is not None for g in groups)
+    bs = config.block_size
+    slot_bytes = shape.token_bytes(len(groups[0].layers), bs)  # a block holds one group's layers
+    budget = kv_budget(config, slot_bytes, device, model)
+    num_blocks = budget.num_blocks
+    if num_blocks is None and budget.num_bytes is not None:
+        num_blocks = blocks_in(budget.num_bytes, slot_bytes, bs)
+        if num_blocks < 1 + sliding:
+            raise ValueError(
+                f"kv_cache_memory_bytes ({budget.num_bytes}) holds no KV block "
+                f"of {slot_bytes * bs} bytes; raise it or lower block_size"
+            )
+    if num_blocks is None:  # the contiguous pool's tokens, in every group (+ the null block)
+        num_blocks = math.ceil(config.max_batch_size * config.max_model_len / bs) * len(groups) + sliding
+    pool = PagedKVPool.from_model_config(
+        shape.num_layers, shape.kv_heads, shape.head_dim, num_blocks, bs, shape.dtype, device,
+        enable_prefix_caching=config.enable_prefix_caching, ops=ops,
+        kv_cache_dtype=config.kv_cache_dtype, kv_scales=shape.static, groups=groups,
+    )  # fmt: skip
+    usable = num_blocks - sliding  # a sliding group's null block is never handed out
+    return pool, PoolCapacity(
+        usable, bs, None, usable * bs // len(groups), shape.kv_dtype,
+        num_blocks * bs * slot_bytes, budget.sized_by, shape.kv_scales,
+        describe_groups(groups), tuple(g.sliding_window for g in groups),
+    )  # fmt: skip
+
+
+def contiguous_pool(
+    config: EngineConfig, shape: _KVShape, device: torch.device, model: nn.Module | None,
+    ops: ModuleType,
+) -> tuple[ServingPoolProtocol, PoolCapacity]:  # fmt: skip
+    """The contiguous pool: ``max_batch_size`` rows of ``max_model_len``
+    tokens, fewer if the memory budget holds fewer."""
+    # (int4: a row is one block, so its key scales are per group of that row)
+    token_bytes = shape.token_bytes(shape.num_layers, config.max_model_len)
     budget = kv_budget(config, token_bytes, device, model)
     rows = config.max_batch_size
     if budget.num_bytes is not None:
@@ -202,14 +219,15 @@ def build_cache_pool(
                 f"{config.max_model_len}); raise it or lower max_model_len"
             )
     pool = ContiguousKVPool.from_model_config(
-        layers, kv_heads, head_dim, config.max_model_len, rows, dtype=dtype, device=device,
-        ops=ops_for(ref_ops), kv_cache_dtype=config.kv_cache_dtype, kv_scales=static,
+        shape.num_layers, shape.kv_heads, shape.head_dim, config.max_model_len, rows,
+        dtype=shape.dtype, device=device, ops=ops, kv_cache_dtype=config.kv_cache_dtype,
+        kv_scales=shape.static,
     )  # fmt: skip
     tokens = rows * config.max_model_len
     sized_by = budget.sized_by if budget.num_bytes is not None else "max_batch_size rows"
     return pool, PoolCapacity(
-        tokens // config.block_size, config.block_size, rows, tokens, kv_dtype,
-        tokens * token_bytes, sized_by, kv_scales,
+        tokens // config.block_size, config.block_size, rows, tokens, shape.kv_dtype,
+        tokens * token_bytes, sized_by, shape.kv_scales,
     )  # fmt: skip
 
 
@@ -220,9 +238,6 @@ def calibrated_kv_scales(
     calibration text through a small reference pool in the model's dtype
     (freed afterwards), recording each layer's K/V absmax per kv head
     (``engine/kv_calibration.py``). Runs before the serving pool is built."""
-    from paged_ref import PagedKVPool
-    from paged_ref.kv_quant import cache_dtype_for
-
     mc = loaded.config
     kv_heads = num_kv_heads or mc.num_kv_heads
     device = next(loaded.model.parameters()).device

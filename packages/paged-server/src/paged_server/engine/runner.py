@@ -11,7 +11,8 @@ request that asked for ``prompt_logprobs``, the prompt rows whose next
 prompt token is not scored yet.
 
 On a GPU, pure-decode steps replay CUDA graphs instead (``decode_graphs``):
-same inputs, copied into static buffers and padded to a captured size.
+same inputs, copied into static buffers and padded to a captured size. On a
+CPU the forward pass can run compiled (``compiled_forward``).
 
 The runner commits nothing: the engine does, once the pass has succeeded.
 """
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from paged_core.protocols import ServingPoolProtocol
+from paged_server.engine.compiled_forward import CompiledForward
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.sequence import Sequence
 
@@ -62,11 +64,14 @@ class ModelRunner:
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
         before_forward: Callable[[list[int], Any], None] | None = None,
+        compiled: CompiledForward | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.decode_graphs = decode_graphs
+        self.compiled = compiled
+        self._hidden_states = compiled.hidden_states if compiled else model.hidden_states
         # Tensor parallelism: sends (token ids, the step's view) to the other
         # ranks, which then run the same forward pass on their shards.
         self.before_forward = before_forward
@@ -109,9 +114,7 @@ class ModelRunner:
             view = self.pool.step_view(seq_ids, starts, lens)
             if self.before_forward is not None:
                 self.before_forward(ids, view)
-            hidden = model.hidden_states(  # type: ignore[operator]
-                self._tensor(ids), self._tensor(positions), view
-            )
+            hidden = self._hidden_states(self._tensor(ids), self._tensor(positions), view)
         for _, _, row, count in scored:
             rows += range(row, row + count)
         logits = model.compute_logits(hidden.index_select(0, self._tensor(rows)))  # type: ignore[operator]
@@ -121,28 +124,37 @@ class ModelRunner:
             at += count
         return StepLogits(logits[: len(sampled)], sampled, len(ids), scores)
 
-    @torch.inference_mode()
     def warm_up(self, prompt_len: int) -> float:
-        """Compile the kernels the server will use before the first request:
-        every decode batch size (captured as graphs when there are graphs) and
-        one prefill of ``prompt_len`` tokens through a throwaway sequence.
-        Returns the seconds it took."""
+        """Compile what the server will use before the first request: every
+        decode batch size (captured as graphs when there are graphs), one
+        prefill of ``prompt_len`` tokens through a throwaway sequence, and,
+        with a compiled forward pass, its one-token graph too. Returns the
+        seconds it took."""
         start = time.perf_counter()
         if self.decode_graphs is not None:
-            self.decode_graphs.capture_all()
-        seq_id, _ = self.pool.allocate_sequence([0] * prompt_len)
-        try:  # never committed: nothing enters the prefix cache
-            view = self.pool.step_view([seq_id], [0], [prompt_len])
-            if self.before_forward is not None:
-                self.before_forward([0] * prompt_len, view)
-            self.model.hidden_states(  # type: ignore[operator]
-                self._tensor([0] * prompt_len), self._tensor(list(range(prompt_len))), view
-            )
-        finally:
-            self.pool.free_seq(seq_id)
+            with torch.inference_mode():
+                self.decode_graphs.capture_all()
+        # A compiled pass has one graph for one-token steps and one for the rest.
+        for num_tokens in (prompt_len, 1) if self.compiled is not None else (prompt_len,):
+            self._throwaway_step(num_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
+
+    def _throwaway_step(self, num_tokens: int) -> None:
+        """A prefill of ``num_tokens`` through a sequence that is freed, never
+        committed (nothing enters the prefix cache). Only the pass runs in
+        inference mode: page-table rows the pool grows here outlive it."""
+        tokens = [0] * num_tokens
+        seq_id, _ = self.pool.allocate_sequence(tokens)
+        try:
+            view = self.pool.step_view([seq_id], [0], [num_tokens])
+            if self.before_forward is not None:
+                self.before_forward(tokens, view)
+            with torch.inference_mode():
+                self._hidden_states(self._tensor(tokens), self._tensor(list(range(num_tokens))), view)
+        finally:
+            self.pool.free_seq(seq_id)
 
     def _tensor(self, data: list[int]) -> Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

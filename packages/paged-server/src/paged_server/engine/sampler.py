@@ -86,18 +86,23 @@ def _sample_batch(
     logits = logits.float()
     batch = logits.shape[0]
     errors: list[str | None] = [None] * batch
-    if not bool(torch.isfinite(logits).all()):
-        bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
-        bad |= torch.isneginf(logits).all(-1)
+    # One pass finds each row's greedy token and checks it: the max is NaN
+    # if the row holds a NaN, +inf if it holds +inf, -inf if every entry is.
+    top = logits.max(dim=-1)
+    bad = ~torch.isfinite(top.values)
+    if bool(bad.any()):
         for i in bad.nonzero().flatten().tolist():
             errors[i] = "model produced non-finite logits (NaN or inf) for this request"
         logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
+        top = logits.max(dim=-1)
 
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-    logits = apply_penalties(apply_logits_processors(logits, rows), rows)
-    tokens = logits.argmax(dim=-1)  # greedy rows keep this
+    processed = apply_penalties(apply_logits_processors(logits, rows), rows)
+    # Greedy rows keep this; without penalties or biases the max above is it.
+    tokens = top.indices if processed is logits else processed.argmax(dim=-1)
+    logits = processed
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         sub_rows = [rows[i] for i in sampled]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from paged_server.engine.beam_search import BeamSearch
+    from paged_server.engine.beam_scorer import BeamScorer
     from paged_server.engine.logprobs import TokenLogprobs
     from paged_server.sampling_params import SamplingParams
 
@@ -66,7 +66,7 @@ class Request:
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
             self.prompt_token_ids
         )
-    beam: BeamSearch | None = None  # a beam search's scorer (its seqs are the beams)
+    beam: BeamScorer | None = None  # a beam search's scorer (its seqs are the beams)
     # Beams' last logits, kept until every running beam has its row.
     beam_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     num_cached_tokens: int = 0  # prefix-cache hits at its first admission

@@ -6,13 +6,7 @@ They subclass the built-in exception a caller would expect
 
 from __future__ import annotations
 
-
-class ModelLoadError(Exception):
-    """Base class for every problem found while loading a model directory."""
-
-
-class ModelFileNotFoundError(ModelLoadError, FileNotFoundError):
-    """The model directory, or a file it must contain, is missing."""
+from paged_server.errors import ModelFileNotFoundError, ModelLoadError  # noqa: F401 (re-exported)
 
 
 class UnsupportedArchitectureError(ModelLoadError, ValueError):

@@ -9,6 +9,6 @@ the one message per step. The sharded layers are model code
 from __future__ import annotations
 
 from paged_server.parallel.executor import TensorParallelExecutor, WorkerStartError
-from paged_server.parallel.group import CommCounts, TPGroup
+from paged_server.parallel.process_groups import CommCounts, TPGroup
 
 __all__ = ["CommCounts", "TPGroup", "TensorParallelExecutor", "WorkerStartError"]

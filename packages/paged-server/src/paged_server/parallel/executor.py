@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from paged_server.config import EngineConfig
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.tensor_parallel import TensorParallel
-from paged_server.parallel.group import TPGroup
+from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.preflight import (
     GUARD_HINT,
     check_tensor_parallel,

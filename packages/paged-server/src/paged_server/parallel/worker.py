@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from paged_server.config import EngineConfig
-from paged_server.parallel.group import TPGroup
+from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.step_message import StepMessage
 
 

@@ -63,8 +63,9 @@ _HELP = {
     "back blocks that leave the window)",
     "enable_chunked_prefill": "split long prompts into chunks interleaved with decode",
     "attention_backend": "attention kernels: auto = triton on CUDA, ref on CPU",
-    "enforce_eager": "run every step eagerly; otherwise, on CUDA with the triton backend, "
-    "decode steps replay CUDA graphs captured at start-up",
+    "enforce_eager": "run every step eagerly; otherwise, on CPU the forward pass is compiled "
+    "(torch.compile) at start-up, and on CUDA with the triton backend decode steps replay "
+    "CUDA graphs captured at start-up",
     "dtype": "weights dtype: auto = bfloat16 on CUDA, float32 on CPU",
     "kv_cache_dtype": "what the KV cache stores: auto = the model dtype; fp8 (= fp8_e4m3) and "
     "fp8_e5m2 with a per-tensor scale of 1.0; int8 with a scale per token and kv head. "

@@ -75,7 +75,7 @@ class BeamStep:
 
 
 @dataclass(slots=True)
-class BeamSearch:
+class BeamScorer:
     """Running beams' scores and histories, and the finished hypotheses."""
 
     beam_width: int

@@ -1,4 +1,4 @@
-"""Beam search on the pool's forks: the engine side of ``BeamSearch``.
+"""Beam search on the pool's forks: the engine side of ``BeamScorer``.
 
 A beam-search request runs ``beam_width`` sequences, one per beam. Choice 0
 computes the prompt alone; after that all beams advance in lock step: once
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from paged_core.protocols import ServingPoolProtocol
-from paged_server.engine.beam_search import BeamSearch, BeamStep
+from paged_server.engine.beam_scorer import BeamScorer, BeamStep
 from paged_server.engine.logits_processors import apply_logits_processors
 from paged_server.engine.output_processor import release_text
 from paged_server.engine.sampler import SamplingRow
@@ -40,7 +40,7 @@ from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 
 def new_beam_search(
     request: Request, eos_token_ids: Collection[int], max_model_len: int
-) -> BeamSearch:
+) -> BeamScorer:
     """The scorer for ``request``: EOS (unless ``ignore_eos``) and
     ``stop_token_ids`` end a beam; ``max_model_len`` caps ``max_tokens``."""
     params = request.params
@@ -48,7 +48,7 @@ def new_beam_search(
     if not params.ignore_eos:
         stops |= set(eos_token_ids)
     room = max_model_len - len(request.prompt_token_ids)
-    return BeamSearch(
+    return BeamScorer(
         beam_width=params.beam_width,
         max_tokens=min(params.max_tokens, room),
         length_penalty=params.length_penalty,

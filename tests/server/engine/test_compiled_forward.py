@@ -1,0 +1,86 @@
+"""The compiled forward pass (torch.compile, attention as the opaque custom
+op ``paged::attention``) gives the eager pass's tokens and logprobs on both
+pools and on the hybrid sliding-window model, compiles everything at
+warm-up (serving adds no graph), and ``enforce_eager`` turns it off.
+
+Compiling costs seconds per engine, so these are the only engines in the
+suite built with ``PAGED_COMPILE`` on."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_server.config import EngineConfig
+from paged_server.engine.compiled_forward import compiled_graphs
+from paged_server.engine.llm_engine import LLMEngine
+
+
+@pytest.fixture
+def compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGED_COMPILE", "1")
+
+
+def mixed_workload(prompt_of, greedy):
+    """Decodes, long prefills split into chunks, a shared prefix and prompt
+    logprobs: steps of one token and of many."""
+    shared = prompt_of(12, 7)
+    requests = [
+        (f"r{i}", (shared if i % 2 else []) + prompt_of(2 + 9 * i, i), greedy(8, logprobs=0))
+        for i in range(5)
+    ]
+    requests.append(("scored", prompt_of(6, 99), greedy(3, logprobs=0, prompt_logprobs=0)))
+    requests.append(("alone", prompt_of(1, 5), greedy(6, logprobs=0)))
+    return requests
+
+
+def assert_same(run, reference, requests) -> None:
+    for request_id, _, _ in requests:
+        got, want = run.choices[(request_id, 0)], reference.choices[(request_id, 0)]
+        assert got.error is None, got.error
+        assert got.token_ids == want.token_ids, request_id
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4), request_id
+
+
+@pytest.mark.parametrize("pool", ["paged", "contiguous"])
+def test_compiled_matches_eager_and_never_recompiles(
+    compiling, make_engine, run_engine, prompt_of, greedy, pool
+) -> None:
+    requests = mixed_workload(prompt_of, greedy)
+    settings = dict(kv_cache_backend=pool, max_batch_size=4, max_num_batched_tokens=16)
+    eager = run_engine(make_engine(enforce_eager=True, **settings), requests)
+    engine = make_engine(**settings)
+    assert engine.runner.compiled is not None
+    after_warm_up = compiled_graphs()
+    run = run_engine(engine, requests)
+    assert compiled_graphs() == after_warm_up, "serving compiled a new graph"
+    assert_same(run, eager, requests)
+    assert engine.audit() == []
+
+
+def test_hybrid_sliding_window_model_compiles_the_same(
+    compiling, tiny_hybrid_loaded, run_engine, prompt_of, greedy
+) -> None:
+    """Gemma 3: sliding and global layers, q/k norms, per-layer windows
+    passed through the custom op."""
+    requests = mixed_workload(prompt_of, greedy)
+
+    def make(**kw):
+        config = EngineConfig(
+            max_batch_size=4, max_model_len=128, max_num_batched_tokens=16, block_size=4,
+            device="cpu", attention_backend="ref", **kw,
+        )  # fmt: skip
+        return LLMEngine(config, tiny_hybrid_loaded)
+
+    eager = run_engine(make(enforce_eager=True), requests)
+    engine = make()
+    assert engine.runner.compiled is not None
+    assert_same(run_engine(engine, requests), eager, requests)
+
+
+def test_enforce_eager_and_the_suite_switch_keep_it_eager(
+    monkeypatch, make_engine
+) -> None:
+    monkeypatch.setenv("PAGED_COMPILE", "1")
+    assert make_engine(enforce_eager=True).runner.compiled is None
+    monkeypatch.setenv("PAGED_COMPILE", "0")
+    assert make_engine().runner.compiled is None
