@@ -34,8 +34,8 @@ from paged_ref.kv_quant import (
     cache_dtype_for,
     kv_bytes_per_token,
     new_scales,
-    storage_shape,
     scale_keywords,
+    storage_shape,
 )
 from paged_ref.seed_views import SeedViews
 
