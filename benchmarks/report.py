@@ -234,13 +234,23 @@ def _sliding_window_section(sw: dict[str, Any] | None) -> list[str]:
         "`python benchmarks/run_all.py --only sliding_window` (or `paged-server bench --capacity`) reruns it.",
         "",
     ]
+    int4 = sw.get("int4_block_size") is not None and "hybrid_int4_sequences" in sw["rows"][0]
+    if int4:
+        out += [
+            f"The int4 columns: the hybrid pool storing `--kv-cache-dtype int4` in blocks of "
+            f"{sw['int4_block_size']} in the same bytes, and its sequences over the 16-bit one-group "
+            "pool's.",
+            "",
+        ]
+    extra = ["sequences: hybrid int4", "hybrid int4 vs one group"] if int4 else []
     out += _table(
         ["tokens", "formula (layer-blocks)", "hybrid", "one group", "bytes saved",
-         "sequences: hybrid", "sequences: one group"],  # fmt: skip
+         "sequences: hybrid", "sequences: one group", *extra],  # fmt: skip
         [
             [_f(r["tokens"]), _f(r["formula_layer_blocks"]), _f(r["hybrid_layer_blocks"]),
              _f(r["one_group_layer_blocks"]), f"{r['saving']:.2f}x", _f(r["hybrid_sequences"]),
-             _f(r["one_group_sequences"])]  # fmt: skip
+             _f(r["one_group_sequences"]),
+             *([_f(r["hybrid_int4_sequences"]), f"{r['int4_hybrid_vs_one_group']:.2f}x"] if int4 else [])]  # fmt: skip
             for r in sw["rows"]
         ],
     )

@@ -14,6 +14,7 @@ numbers printed.
     python benchmarks/run_all.py --quick    # tiny sizes, a smoke test (~1-2 min)
     python benchmarks/run_all.py --page-only  # re-render the page and plots from results/
     python benchmarks/run_all.py --only llamacpp_peer  # opt-in: paged vs llama.cpp (needs its build)
+    python benchmarks/run_all.py --only kv_accuracy_trained  # opt-in: int4/8-bit KV on the trained model
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ FULL_PLAN: dict[str, Any] = {
         "new_tokens_scale": 1.0,
         "kv_cache_dtypes": ["auto", "fp8", "int8"],
     },
+    # opt-in (--only kv_accuracy_trained): the first run trains the evaluation model (~12 min
+    # on 2 cores, cached), then ~10 min of perplexity and 64 x 64 greedy tokens per row.
+    "kv_accuracy_trained": {
+        "model": "trained", "num_prompts": 64, "max_tokens": 64, "text_tokens": None,
+        "int4_block_sizes": [16, 64],
+    },  # fmt: skip
     "llamacpp_peer": {  # opt-in (--only llamacpp_peer): ~30 min, needs a llama.cpp build
         "model": "30m",
         "outtypes": ["f32", "f16"],
@@ -183,6 +190,10 @@ QUICK_PLAN: dict[str, Any] = {
         "new_tokens_scale": 0.05,
         "kv_cache_dtypes": ["auto", "int8"],
     },
+    "kv_accuracy_trained": {  # the embedded (random) model stands in: no training in a smoke run
+        "model": "embedded", "num_prompts": 2, "max_tokens": 4, "text_tokens": 256,
+        "int4_block_sizes": [16],
+    },  # fmt: skip
     "llamacpp_peer": {
         "model": "embedded",
         "outtypes": ["f32"],
@@ -193,7 +204,7 @@ QUICK_PLAN: dict[str, Any] = {
     },
 }
 # Steps a plain run leaves out: run them with --only.
-OPT_IN = ("llamacpp_peer",)
+OPT_IN = ("llamacpp_peer", "kv_accuracy_trained")
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -488,6 +499,28 @@ def run_kv_dtype(bench: Bench) -> dict[str, Any]:
     return data
 
 
+def run_kv_accuracy_trained(bench: Bench) -> dict[str, Any]:
+    """int4 / int8 / fp8 KV against the model dtype on the trained evaluation
+    model's held-out text: perplexity (int4 target: within 5%) and greedy
+    agreement over 64 prompts x 64 tokens."""
+    from paged_server.bench.kv_accuracy import trained_kv_accuracy_table
+    from paged_server.models import load_model
+
+    spec = bench.plan["kv_accuracy_trained"]
+    models, name, _ = bench.model(spec["model"])
+    loaded = load_model(models.model_dir, "float32", "cpu")
+    table = trained_kv_accuracy_table(
+        loaded, name, num_prompts=spec["num_prompts"], max_tokens=spec["max_tokens"],
+        text_tokens=spec["text_tokens"], int4_block_sizes=tuple(spec["int4_block_sizes"]),
+    )  # fmt: skip
+    emit(table)
+    training = Path(models.model_dir, "training.json")
+    data = {"environment": bench.env, **table, "plan": spec,
+            "training": json.loads(training.read_text()) if training.is_file() else None}  # fmt: skip
+    save("kv_accuracy_trained", data)
+    return data
+
+
 def run_kv_dtype_throughput(bench: Bench) -> dict[str, Any]:
     """The paged engine on the seed workload with each kv_cache_dtype, every
     one in the KV bytes of the model-dtype budget (so 8 bits get ~2x tokens)."""
@@ -583,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help="comma-separated subset: capacity,seed_embedded,seed_100m,seed_100m_full,"
         "nano_vllm_embedded,batch_sweep,prefix_cache,serving_latency,tensor_parallel,kv_dtype,"
-        "kv_dtype_throughput; opt-in, only when named: llamacpp_peer",
+        "kv_dtype_throughput; opt-in, only when named: llamacpp_peer, kv_accuracy_trained",
     )
     args = parser.parse_args(argv)
     global RESULTS, DOCS
@@ -613,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
             "sliding_window": lambda: run_sliding_window(bench),
             "kv_dtype_throughput": lambda: run_kv_dtype_throughput(bench),
             "llamacpp_peer": lambda: run_llamacpp_peer(bench),
+            "kv_accuracy_trained": lambda: run_kv_accuracy_trained(bench),
         }
         only = [s.strip() for s in args.only.split(",")] if args.only else [s for s in steps if s not in OPT_IN]
         unknown = set(only) - set(steps)
@@ -635,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
                     not in (
                         "capacity", "serving_latency", "tensor_parallel", "kv_dtype",
                         "kv_dtype_throughput", "sliding_window", "llamacpp_peer",
+                        "kv_accuracy_trained",
                     )  # fmt: skip
                 },
                 bench.env,

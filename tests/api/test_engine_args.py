@@ -54,8 +54,8 @@ def test_bad_kv_cache_dtype_is_one_line_listing_the_accepted_values(
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "argument --kv-cache-dtype: invalid choice: 'fp4'" in last
-    assert "'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'" in last
-    with pytest.raises(ValueError, match=r"kv_cache_dtype: must be one of .*'int8', got 'fp4'"):
+    assert "'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8', 'int4'" in last
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: must be one of .*'int4', got 'fp4'"):
         EngineConfig(kv_cache_dtype="fp4").validate()
 
 

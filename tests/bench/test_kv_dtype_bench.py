@@ -23,12 +23,14 @@ def test_capacity_at_equal_bytes_doubles_at_8_bits() -> None:
     }
     assert {(kv, calc) for _, kv, calc in rows} == {
         ("auto", False), ("fp8", False), ("fp8_e5m2", False), ("int8", False), ("int8", True),
-        ("fp8", True),
+        ("fp8", True), ("int4", False),
     }  # fmt: skip
     for (model_dtype, kv, calc), r in rows.items():
         assert r["kv_bytes"] <= 4 << 20
         assert r["sequences"] == r["num_blocks"] // 7  # 100 tokens take 7 blocks of 16
-        want = {"auto": 1.0, "fp8": 2.0, "fp8_e5m2": 2.0, "int8": 2.0 if calc else 2 * 64 / 66}[kv]
+        # int4 at block 16: 64 B of codes + 16 of key and 4 of value scales per head (K+V)
+        want = {"auto": 1.0, "fp8": 2.0, "fp8_e5m2": 2.0, "int8": 2.0 if calc else 2 * 64 / 66,
+                "int4": 256 / 84}[kv]  # fmt: skip
         if model_dtype == "float32" and kv != "auto":
             want *= 2
         assert r["tokens_vs_auto"] == pytest.approx(want, rel=3e-3), (model_dtype, kv)  # whole blocks
@@ -58,7 +60,7 @@ def test_accuracy_table_on_a_tiny_model(tiny_model_dir: Path) -> None:
     rows = {
         r["kv_cache_dtype"] + ("+calc" if r["calculate_kv_scales"] else ""): r for r in table["rows"]
     }
-    assert set(rows) == {"auto", "fp8", "fp8_e5m2", "int8", "int8+calc", "fp8+calc"}
+    assert set(rows) == {"auto", "fp8", "fp8_e5m2", "int8", "int8+calc", "fp8+calc", "int4"}
     assert rows["auto"]["greedy_agreement"] == 1.0 and rows["auto"]["max_abs_delta_logprob"] == 0
     for r in rows.values():
         assert 0 <= r["greedy_agreement"] <= 1 and math.isfinite(r["perplexity"])

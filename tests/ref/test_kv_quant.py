@@ -99,7 +99,7 @@ def test_kv_cache_dtype_names():
     assert cache_dtype_for("fp8_e4m3", torch.bfloat16) == torch.float8_e4m3fn
     assert cache_dtype_for("fp8_e5m2", torch.float32) == torch.float8_e5m2
     assert cache_dtype_for("int8", torch.float32) == torch.int8
-    with pytest.raises(ValueError, match="auto, fp8, fp8_e4m3, fp8_e5m2, int8; got 'fp4'"):
+    with pytest.raises(ValueError, match="auto, fp8, fp8_e4m3, fp8_e5m2, int8, int4; got 'fp4'"):
         cache_dtype_for("fp4", torch.float16)
 
 

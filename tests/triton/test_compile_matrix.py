@@ -48,7 +48,7 @@ def test_core_matrix_covers_every_kernel_and_option():
     attention = [v for v in variants if v.kernel in ("decode", "prefill")]
     assert {v.layout.head_dim for v in attention} == {64, 128, 256}
     assert {v.dtype for v in attention} == {"fp16", "bf16", "fp32"}
-    assert {v.block_size for v in attention} == {16, 32}
+    assert {v.block_size for v in attention} == {16, 32, 64}  # 64: int4 key groups
     for flag in ("window", "softcap"):
         for kernel in ("decode", "prefill"):
             assert {getattr(v, flag) for v in attention if v.kernel == kernel} == {False, True}
@@ -58,12 +58,13 @@ def test_core_matrix_covers_every_kernel_and_option():
 
 
 def test_core_matrix_covers_every_kv_cache_dtype():
-    """Each 8-bit cache compiles its write, decode and prefill kernels for a
-    GPU; only fp8 e4m3 before sm_89 is left out, and says why."""
+    """Each 8- and 4-bit cache compiles its write, decode and prefill kernels for a
+    GPU (int4 at head_dim 64, 128 and 256); only fp8 e4m3 before sm_89 is left out, and says why."""
     variants = cm.core_variants()
-    for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
+    for kv in ("int8", "fp8_e4m3", "fp8_e5m2", "int4"):
         kernels = {v.kernel for v in variants if v.kv_dtype == kv}
         assert {"write_kv", "decode", "prefill", "copy_blocks"} <= kernels, kv
+    assert {v.layout.head_dim for v in variants if v.kv_dtype == "int4"} == {64, 128, 256}
     e4m3 = cm.Variant("decode", cm.FAMILIES[1], kv_dtype="fp8_e4m3")
     assert "sm_89" in (cm.unsupported(e4m3, 80) or "")
     assert cm.unsupported(e4m3, 89) is None and cm.unsupported(e4m3, 90) is None

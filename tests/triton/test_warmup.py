@@ -54,6 +54,14 @@ def test_int8_cache_copies_its_scales_too():
     assert names(lo)[:3] == ["write_kv", "copy_blocks", "copy_blocks scales"]
 
 
+def test_int4_cache_plans_its_write_kernel_and_scale_copies():
+    """(V's scale copy is the same compiled variant as K's: one entry.)"""
+    lo = layout(256, LayerAttention(), kv=torch.uint8)  # kv_cache_dtype int4
+    variants = kernel_variants(lo, CPU, arch=90, policy=H100)
+    assert [v.name for v in variants][:4] == ["write_kv", "copy_blocks", "copy_blocks scales", "decode"]
+    assert variants[0].launch.kernel.__name__ == "_write_kv_int4_kernel"
+
+
 def test_static_kv_scales_plan_the_head_scales_variants():
     """calculate_kv_scales: no per-token scales to copy, and write_kv /
     decode / prefill planned with the HEAD_SCALES constexpr the engine launches."""

@@ -148,6 +148,17 @@ def test_tp2_int8_kv_cache_matches_tp1(tp_checkpoints: dict[str, Path], pool: st
     assert two["preemptions"] == one["preemptions"]
 
 
+def test_tp2_int4_kv_cache_matches_tp1(tp_checkpoints: dict[str, Path]) -> None:
+    """int4 scales too are per kv head (per channel of a key group, per
+    token of a value), so each rank's shard stores what TP=1 stores for its
+    heads; forks replayed on the workers copy both scale tensors."""
+    path = tp_checkpoints["llama"]
+    one = _generate(path, 1, "paged", kv_cache_dtype="int4")
+    two = _generate(path, 2, "paged", kv_cache_dtype="int4")
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] == one["preemptions"]
+
+
 def _fp8_checkpoint(dense: Path, out: Path) -> Path:
     """A compressed-tensors float-quantized (FP8, per-channel scales) copy of
     ``dense``: each linear weight as float8 e4m3 plus ``weight_scale [N, 1]``."""

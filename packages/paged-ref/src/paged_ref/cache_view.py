@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from paged_ref.attention_metadata import AttentionMetadata
-from paged_ref.kv_quant import HEAD_SCALE_DTYPE, check_scales, scale_keywords
+from paged_ref.kv_quant import HEAD_SCALE_DTYPE, check_scales, logical_shape, scale_keywords
 from paged_ref.ops import gather_context
 
 
@@ -123,7 +123,7 @@ class CacheView:
             gather_context(self.pool.k_cache[cache_layer], meta.block_tables, meta.seq_lens,
                            s.get("k_scales"), s.get("k_head_scales")),
             gather_context(self.pool.v_cache[cache_layer], meta.block_tables, meta.seq_lens,
-                           s.get("v_scales"), s.get("v_head_scales")),
+                           s.get("v_scales"), s.get("v_head_scales"), is_key=False),
         )  # fmt: skip
 
     def advance(self, n: int | None = None) -> None:
@@ -276,7 +276,7 @@ class ViewsMixin:
         # int8 only: float16, one per token and kv head ([layers, <layout>, kv_heads]).
         self.k_scales, self.v_scales = k_scales, v_scales
         self.ops = ops
-        return k_cache.shape
+        return logical_shape(k_cache)  # an int4 cache packs two head_dim codes per byte
 
     def locate_layer(self, layer_idx: int) -> tuple[int, int, int | None]:
         """``(KV cache group, cache layer, group window)`` of a layer:

@@ -23,8 +23,8 @@ from paged_core import OutOfBlocksError
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.cache_view import ViewsMixin
+from paged_ref.kv_quant import cache_dtype_for, new_scales, scale_keywords, storage_shape
 from paged_ref.seed_views import SeedViews
-from paged_ref.kv_quant import cache_dtype_for, new_scales, scale_keywords
 
 
 class ContiguousKVPool(SeedViews, ViewsMixin):
@@ -75,12 +75,12 @@ class ContiguousKVPool(SeedViews, ViewsMixin):
         for the paged pool."""
         shape = (num_layers, max_batch_size, max_model_len, num_kv_heads, head_dim)
         cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
-        k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
-        v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        k_cache = torch.zeros(storage_shape(shape, cache_dtype), dtype=cache_dtype, device=device)
+        v_cache = torch.zeros(storage_shape(shape, cache_dtype), dtype=cache_dtype, device=device)
         static = kv_scales is not None
         return ContiguousKVPool(
-            k_cache, v_cache, ops=ops, k_scales=new_scales(k_cache, static),
-            v_scales=new_scales(v_cache, static), kv_scales=kv_scales,
+            k_cache, v_cache, ops=ops, k_scales=new_scales(k_cache, static, "k_scales"),
+            v_scales=new_scales(v_cache, static, "v_scales"), kv_scales=kv_scales,
         )  # fmt: skip
 
     # The names the attention ops take for the two tensors.

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paged_ref.kv_quant import FP8_MAX, as_bits
+from paged_ref.kv_int4 import gather_int4, is_int4
+from paged_ref.kv_quant import FP8_MAX, as_bits, logical_shape
 
 CHUNK_BYTES = 1 << 20  # gathered K+V per chunk: fits the L2 of a small CPU
 
@@ -79,7 +80,7 @@ def plan_chunks(
         spans = seq_lens.clamp(min=1).tolist()
     else:
         spans = ((last_block - first_block).clamp(min=0) + 1).mul(block_size).tolist()
-    row_bytes = 2 * cache[0, 0].numel() * 4  # K and V of one position, float32
+    row_bytes = 2 * math.prod(logical_shape(cache)[2:]) * 4  # K and V of one position, float32
     chunks: list[GatherChunk] = []
     start = 0
     while start < batch:
@@ -134,6 +135,8 @@ def gather(
     scales: Tensor | None = None,
     head_scales: Tensor | None = None,
     out: Tensor | None = None,
+    *,
+    is_key: bool = True,
 ) -> Tensor:
     """``[n, num_keys, kv_heads, head_dim]`` float32 copy of the chunk's keys
     (or values), zero where a position is not the sequence's own. An 8-bit
@@ -141,13 +144,18 @@ def gather(
     ``[num_blocks, block_size, kv_heads]``, or codes times the layer's static
     ``head_scales``, ``[kv_heads]``), chunk by chunk like the rest. ``out``:
     a flat float32 scratch buffer of at least ``chunk_numel`` elements to
-    copy into (the result is a view of it), instead of a new tensor."""
-    shape = (chunk.size, chunk.num_keys, *cache.shape[2:])
+    copy into (the result is a view of it), instead of a new tensor. An
+    int4 cache (``kv_int4``) is read with its block scales, ``is_key``
+    saying whether they are K's (per channel) or V's (per token)."""
+    shape = (chunk.size, chunk.num_keys, *logical_shape(cache)[2:])
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=cache.device)
     else:
         out = out[: math.prod(shape)].view(shape)
-    if cache.dtype == torch.float32:
+    if is_int4(cache.dtype):
+        assert scales is not None
+        out.copy_(gather_int4(cache, scales, chunk.block_ids, chunk.width, chunk.num_keys, is_key))
+    elif cache.dtype == torch.float32:
         _select(cache, chunk, out)
     elif cache.dtype in FP8_MAX and cache.device.type == "cpu":
         # torch's CPU fp8 cast runs element by element; a 256-entry table is ~4x faster
@@ -155,7 +163,7 @@ def gather(
         torch.index_select(_fp8_values(cache.dtype), 0, codes.reshape(-1).int(), out=out.view(-1))
     else:  # float32 softmax and products, as the contract says
         out.copy_(_select(as_bits(cache), chunk).view(cache.dtype))
-    if scales is not None:
+    if scales is not None and not is_int4(cache.dtype):
         out.mul_(_select(scales, chunk).float().unsqueeze(-1))
     if head_scales is not None:
         out.mul_(head_scales.to(device=out.device, dtype=torch.float32).unsqueeze(-1))
@@ -166,7 +174,7 @@ def gather(
 
 def chunk_numel(cache: Tensor, chunk: GatherChunk) -> int:
     """Elements ``gather`` writes for ``chunk``: the scratch ``out`` it needs."""
-    return chunk.size * chunk.num_keys * cache[0, 0].numel()
+    return chunk.size * chunk.num_keys * math.prod(logical_shape(cache)[2:])
 
 
 @functools.cache

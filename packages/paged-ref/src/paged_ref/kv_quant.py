@@ -23,6 +23,10 @@ Two schemes, chosen for what each 8-bit format can hold:
   range instead of losing small values to subnormals. Values beyond the
   calibrated range saturate.
 
+- ``int4``: two 4-bit codes per byte with KIVI's per-channel key and
+  per-token value scales and zero points, stored per block
+  (``paged_ref.kv_int4`` holds that scheme; this module routes to it).
+
 Both backends compute exactly this (``paged_triton`` inside its kernels);
 the round trip bounds are tested in ``tests/ref/test_kv_quant.py``.
 """
@@ -32,6 +36,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from paged_ref.kv_int4 import (
+    INT4_STORAGE,
+    K_GROUP_TOKENS,
+    check_head_dim,
+    check_int4_scales,
+    int4_bytes_per_token,
+    is_int4,
+    new_int4_scales,
+)
+
 # vLLM's names; None = the model's dtype.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
@@ -39,6 +53,7 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
     "int8": torch.int8,
+    "int4": INT4_STORAGE,  # packed: two codes per byte (kv_int4)
 }
 SCALE_DTYPE = torch.float16  # int8 scales: 2 bytes per token per kv head
 INT8_MAX = 127  # symmetric: -127..127, so the scale maps absmax exactly
@@ -58,14 +73,14 @@ def cache_dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtyp
 
 
 def is_quantized(cache_dtype: torch.dtype) -> bool:
-    """Whether the cache holds 8-bit codes rather than model-dtype values."""
-    return cache_dtype == torch.int8 or cache_dtype in FP8_MAX
+    """Whether the cache holds 8- or 4-bit codes rather than model-dtype values."""
+    return cache_dtype == torch.int8 or cache_dtype in FP8_MAX or is_int4(cache_dtype)
 
 
 def has_scales(cache_dtype: torch.dtype, static_scales: bool = False) -> bool:
     """Whether the cache keeps per-token-per-head scale tensors beside K/V
-    (int8 without static scales)."""
-    return cache_dtype == torch.int8 and not static_scales
+    (int8 without static scales), or per-block ones (int4, always)."""
+    return (cache_dtype == torch.int8 and not static_scales) or is_int4(cache_dtype)
 
 
 def qmax(cache_dtype: torch.dtype) -> float:
@@ -84,9 +99,14 @@ def head_scales_from_absmax(absmax: Tensor, cache_dtype: torch.dtype) -> Tensor:
     return (absmax.to(HEAD_SCALE_DTYPE) / qmax(cache_dtype)).clamp(min=HEAD_SCALE_EPS)
 
 
-def new_scales(cache: Tensor, static_scales: bool = False) -> Tensor | None:
-    """A zeroed scale tensor for ``cache`` (its shape without ``head_dim``),
-    or None when it keeps no per-token scales."""
+def new_scales(cache: Tensor, static_scales: bool = False, name: str = "k_scales") -> Tensor | None:
+    """A zeroed scale tensor for ``cache`` (int8: its shape without
+    ``head_dim``; int4: ``name`` says whether K's or V's), or None when it
+    keeps no per-token scales."""
+    if is_int4(cache.dtype):
+        if static_scales:
+            raise ValueError("static KV scales (calculate_kv_scales) apply to int8 and fp8 caches, not int4")
+        return new_int4_scales(cache)[0 if name.startswith("k") else 1]
     if not has_scales(cache.dtype, static_scales):
         return None
     return torch.zeros(cache.shape[:-1], dtype=SCALE_DTYPE, device=cache.device)
@@ -120,6 +140,11 @@ def check_scales(
     """Per-token scales must be present (and shaped like ``cache`` minus
     ``head_dim``) for an int8 cache without static ``head_scales``, and
     absent otherwise."""
+    if is_int4(cache.dtype):
+        if head_scales is not None:
+            raise ValueError("static KV scales (calculate_kv_scales) apply to int8 and fp8 caches, not int4")
+        check_int4_scales(cache, scales, name)
+        return
     check_head_scales(cache, head_scales, f"{name[0]}_head_scales")
     if not has_scales(cache.dtype, head_scales is not None):
         if scales is not None:
@@ -162,12 +187,32 @@ def kv_bytes_per_token(
     head_dim: int,
     cache_dtype: torch.dtype,
     static_scales: bool = False,
+    block_size: int = K_GROUP_TOKENS,
 ) -> int:
     """Bytes one token takes across all layers, K and V, per-token scales
-    included (static scales are per layer, not per token: none)."""
+    included (static scales are per layer, not per token: none). An int4
+    token's share of its block's key scales depends on ``block_size``
+    (rounded up)."""
+    if is_int4(cache_dtype):
+        return int4_bytes_per_token(num_layers, num_kv_heads, head_dim, block_size)
     itemsize = torch.empty((), dtype=cache_dtype, device="meta").element_size()
     scale = SCALE_DTYPE.itemsize if has_scales(cache_dtype, static_scales) else 0
     return 2 * num_layers * num_kv_heads * (head_dim * itemsize + scale)
+
+
+def logical_shape(cache: Tensor) -> torch.Size:
+    """``cache``'s shape with its real ``head_dim`` (an int4 cache packs two per byte)."""
+    if is_int4(cache.dtype):
+        return torch.Size((*cache.shape[:-1], 2 * cache.shape[-1]))
+    return cache.shape
+
+
+def storage_shape(shape: tuple[int, ...], cache_dtype: torch.dtype) -> tuple[int, ...]:
+    """The tensor shape that holds a cache of logical ``shape`` (``[..., head_dim]``)."""
+    if is_int4(cache_dtype):
+        check_head_dim(shape[-1])
+        return (*shape[:-1], shape[-1] // 2)
+    return tuple(shape)
 
 
 def as_bits(t: Tensor) -> Tensor:

@@ -29,7 +29,15 @@ from torch import Tensor
 
 from paged_ref.attention import masked_attention
 from paged_ref.gather import GatherChunk, chunk_numel, gather, plan_chunks
-from paged_ref.kv_quant import as_bits, check_scales, is_quantized, quantize, quantize_static
+from paged_ref.kv_int4 import is_int4, write_keys, write_values
+from paged_ref.kv_quant import (
+    as_bits,
+    check_scales,
+    is_quantized,
+    logical_shape,
+    quantize,
+    quantize_static,
+)
 
 __all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
@@ -56,6 +64,9 @@ def write_kv(
     ``v_scales`` (``[num_blocks, block_size, kv_heads]``); with static
     ``k_head_scales``/``v_head_scales`` (``[kv_heads]`` float32, this layer's)
     it stores ``kv_quant.quantize_static``'s codes and no per-token scales.
+    An int4 cache (``kv_int4``: codes ``[..., head_dim // 2]``) takes its
+    block scales in ``k_scales``/``v_scales``: values per token, and every
+    key group a new token joins re-quantized (``kv_int4.write_keys``).
     """
     check_scales(k_cache, k_scales, "k_scales", k_head_scales)
     check_scales(v_cache, v_scales, "v_scales", v_head_scales)
@@ -63,6 +74,10 @@ def write_kv(
     if slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
+    if is_int4(k_cache.dtype):  # keys per channel (group re-quantized), values per token
+        write_keys(k_cache, k_scales, k, slots)  # type: ignore[arg-type]
+        write_values(v_cache, v_scales, v, slots)  # type: ignore[arg-type]
+        return
     rows = k_cache.shape[0] * k_cache.shape[1]
     for cache, scales, head_scales, new in (
         (k_cache, k_scales, k_head_scales, k), (v_cache, v_scales, v_head_scales, v)
@@ -187,7 +202,7 @@ def paged_decode_attention(
     for chunk, mask in _memo_get(memo, ("decode", sliding_window), plan):
         k_out, v_out = _scratch_kv(memo, k_cache, chunk)
         k = gather(k_cache, chunk, k_scales, k_head_scales, k_out)
-        v = gather(v_cache, chunk, v_scales, v_head_scales, v_out)
+        v = gather(v_cache, chunk, v_scales, v_head_scales, v_out, is_key=False)
         o = _attend(q[chunk.seqs].unsqueeze(2), k, v, mask, scale, softcap)
         out[chunk.seqs] = o.squeeze(2)
     return out
@@ -271,7 +286,7 @@ def paged_prefill_attention(
         q_padded[c.seq_of_row, :, c.row_in_seq] = q[c.rows]
         k_out, v_out = _scratch_kv(memo, k_cache, c.keys)
         k = gather(k_cache, c.keys, k_scales, k_head_scales, k_out)
-        v = gather(v_cache, c.keys, v_scales, v_head_scales, v_out)
+        v = gather(v_cache, c.keys, v_scales, v_head_scales, v_out, is_key=False)
         o = _attend(q_padded, k, v, c.mask, scale, softcap)
         out[c.rows] = o[c.seq_of_row, :, c.row_in_seq]
     return out
@@ -283,18 +298,22 @@ def gather_context(
     seq_lens: Tensor,
     scales: Tensor | None = None,
     head_scales: Tensor | None = None,
+    *,
+    is_key: bool = True,
 ) -> Tensor:
     """Each sequence's cached K or V, ``[batch, kv_heads, max_len, head_dim]``
     (position ``p`` at index ``p``; zeros past a sequence's length), in the
-    cache's dtype, or dequantized to float32 for an 8-bit cache. For views'
+    cache's dtype, or dequantized to float32 for an 8- or 4-bit cache
+    (``is_key``: which of an int4 cache's two schemes). For views'
     ``update`` and tests; attention gathers chunk by chunk."""
     lens = seq_lens.to(device=cache.device, dtype=torch.long)
     max_len = int(lens.max()) if lens.numel() else 0
     dtype = torch.float32 if is_quantized(cache.dtype) else cache.dtype
-    out = torch.zeros(lens.shape[0], max_len, *cache.shape[2:], dtype=dtype, device=cache.device)
+    shape = logical_shape(cache)[2:]
+    out = torch.zeros(lens.shape[0], max_len, *shape, dtype=dtype, device=cache.device)
     chunks = plan_chunks(block_tables.to(cache.device), lens, torch.zeros_like(lens), cache)
     for chunk in chunks:
-        part = gather(cache, chunk, scales, head_scales)[:, :max_len]
+        part = gather(cache, chunk, scales, head_scales, is_key=is_key)[:, :max_len]
         out[chunk.seqs, : part.shape[1]] = part.to(dtype)
     return out.transpose(1, 2)
 

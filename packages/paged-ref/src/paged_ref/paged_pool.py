@@ -29,13 +29,15 @@ from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.block_table_buffer import BlockTableBuffer
 from paged_ref.cache_view import ViewsMixin
-from paged_ref.seed_views import SeedViews
+from paged_ref.kv_int4 import int4_block_bytes, is_int4
 from paged_ref.kv_quant import (
     cache_dtype_for,
     kv_bytes_per_token,
     new_scales,
     scale_keywords,
+    storage_shape,
 )
+from paged_ref.seed_views import SeedViews
 
 
 def block_bytes(
@@ -50,6 +52,8 @@ def block_bytes(
     group's cache layers), K and V together (an int8 cache's per-token scales
     included, none with ``static_scales``); ``dtype`` is the cache's storage
     dtype."""
+    if is_int4(dtype):  # key scales are per group of tokens: count a whole block's
+        return int4_block_bytes(num_layers, num_kv_heads, head_dim, block_size)
     return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, static_scales)
 
 
@@ -130,16 +134,16 @@ class PagedKVPool(SeedViews, ViewsMixin):
             raise ValueError(f"the KV cache groups hold {sum(len(g.layers) for g in groups)} layers, not {num_layers}")
         shape = (len(groups[0].layers), num_blocks, block_size, num_kv_heads, head_dim)
         cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
-        k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
-        v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        k_cache = torch.zeros(storage_shape(shape, cache_dtype), dtype=cache_dtype, device=device)
+        v_cache = torch.zeros(storage_shape(shape, cache_dtype), dtype=cache_dtype, device=device)
         static = kv_scales is not None
         return PagedKVPool(
             k_cache,
             v_cache,
             enable_prefix_caching=enable_prefix_caching,
             ops=ops,
-            k_scales=new_scales(k_cache, static),
-            v_scales=new_scales(v_cache, static),
+            k_scales=new_scales(k_cache, static, "k_scales"),
+            v_scales=new_scales(v_cache, static, "v_scales"),
             kv_scales=kv_scales,
             groups=groups,
         )

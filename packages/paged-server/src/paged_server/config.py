@@ -17,7 +17,7 @@ KV_CACHE_BACKENDS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "ref", "triton")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's --kv-cache-dtype values (paged_ref.kv_quant.KV_CACHE_DTYPES says what each stores).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 
 @dataclass(slots=True)
@@ -128,7 +128,7 @@ class EngineConfig:
         if self.kv_cache_dtype == "auto":
             raise ValueError(
                 "calculate_kv_scales: applies to kv_cache_dtype "
-                f"{', '.join(d for d in KV_CACHE_DTYPES if d != 'auto')}, not 'auto' "
+                f"{', '.join(d for d in KV_CACHE_DTYPES if d not in ('auto', 'int4'))}, not 'auto' "
                 "(the model dtype needs no scales); set --kv-cache-dtype or drop the flag"
             )
         if self.tensor_parallel_size > 1:

@@ -11,6 +11,7 @@ import torch
 import triton
 from torch import Tensor
 
+from paged_ref.kv_quant import logical_shape
 from paged_triton.decode_splits import BLOCK_B
 from paged_triton.launch_checks import (
     check_cache,
@@ -41,8 +42,9 @@ def check_attention(
     )  # fmt: skip
     if q.dim() != 3:
         raise ValueError(f"q must be [{rows}, heads, head_dim], got shape {tuple(q.shape)}")
-    if k_cache.shape[3] != q.shape[2]:
-        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    cache_head_dim = logical_shape(k_cache)[3]  # (an int4 cache packs two per byte)
+    if cache_head_dim != q.shape[2]:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {cache_head_dim}")
     check_gqa(q.shape[1], k_cache.shape[2])
 
 
@@ -86,7 +88,8 @@ def _shape_params(
     q_per_kv = check_gqa(heads, kv_heads)
     heads_per_prog = min(q_per_kv, MAX_HEADS_PER_PROGRAM[kind])
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    tile = tile or tile_config(kind, block_d, dtype, arch, quantized=kv_quant != 0)
+    tile = tile or tile_config(kind, block_d, dtype, arch, quantized=kv_quant != 0,
+                               int4=kv_quant == 3)  # fmt: skip
     constexprs: dict[str, Any] = dict(
         Q_PER_KV=q_per_kv, HEADS_PER_PROG=heads_per_prog, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, PRECISION=dot_precision(dtype),

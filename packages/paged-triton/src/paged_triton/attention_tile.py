@@ -38,6 +38,7 @@ def load_kv_tile(
     COMPUTE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     HEAD_SCALES: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     """Token positions ``t0 .. t0 + BLOCK_N`` of one KV head (element offset
     ``kv_off``) in caches of shape ``[num_blocks, block_size, kv_heads,
@@ -48,13 +49,52 @@ def load_kv_tile(
     block_size, kv_heads]``) is dequantized here, in registers, to ``COMPUTE``
     (the query's dtype): no dequantized copy of the cache exists. With
     ``HEAD_SCALES`` (int8 or fp8 with static scales) ``K_SCALE``/``V_SCALE``
-    hold one float32 per kv head and every code is multiplied by its head's."""
+    hold one float32 per kv head and every code is multiplied by its head's.
+    ``KV_QUANT`` 3 (int4, ``paged_ref.kv_int4``): the strides are the packed
+    codes', ``stride_sb``/``stride_st`` the K and V scales' block strides."""
     tok = t0 + tl.arange(0, BLOCK_N)
     tok_mask = tok < end
     block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
     slot_in_block = (tok % BLOCK_SIZE).to(tl.int64)
     rows = block * stride_block + slot_in_block * stride_tok + kv_off
     kv_mask = tok_mask[:, None] & d_mask[None, :]
+    if KV_QUANT == 3:
+        k, v = load_int4_tile(
+            K, V, K_SCALE, V_SCALE, block, slot_in_block, rows, kv_head, kv_mask, d, stride_tok,
+            stride_sb, stride_st, BLOCK_SIZE, HEAD_DIM,
+        )  # fmt: skip
+        k = cast(k, COMPUTE, EMULATE_BF16)
+        v = cast(v, COMPUTE, EMULATE_BF16)
+    else:
+        k, v = load_codes_tile(
+            K, V, K_SCALE, V_SCALE, block, slot_in_block, rows, kv_head, kv_mask, d, tok_mask,
+            stride_sb, stride_st, KV_QUANT, COMPUTE, EMULATE_BF16, HEAD_SCALES,
+        )  # fmt: skip
+    return tok, tok_mask, k, v
+
+
+@triton.jit
+def load_codes_tile(
+    K,
+    V,
+    K_SCALE,
+    V_SCALE,
+    block,
+    slot_in_block,
+    rows,
+    kv_head,
+    kv_mask,
+    d,
+    tok_mask,
+    stride_sb,
+    stride_st,
+    KV_QUANT: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
+):
+    """K and V tiles of a cache in the model's dtype or an 8-bit one (see
+    ``load_kv_tile``)."""
     k = tl.load(K + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if HEAD_SCALES:
@@ -71,7 +111,51 @@ def load_kv_tile(
     elif KV_QUANT == 1:
         k = cast(k.to(tl.float32), COMPUTE, EMULATE_BF16)
         v = cast(v.to(tl.float32), COMPUTE, EMULATE_BF16)
-    return tok, tok_mask, k, v
+    return k, v
+
+
+@triton.jit
+def load_int4_tile(
+    K,
+    V,
+    K_SCALE,
+    V_SCALE,
+    block,
+    slot_in_block,
+    rows,
+    kv_head,
+    kv_mask,
+    d,
+    stride_tok,
+    stride_ksb,
+    stride_vsb,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """float32 K and V tiles ``[BLOCK_N, BLOCK_D]`` of a packed int4 cache:
+    channel ``d`` is the low (even ``d``) or high nibble of byte ``d // 2``;
+    a key reads its group's per-channel ``(scale, min)`` (``k_scales
+    [blocks, groups, kv_heads, 2, head_dim]``), a value its own per-channel-
+    group pair (``v_scales [blocks, block_size, kv_heads, 2, groups]``)."""
+    KEY_GROUP: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < 64 else 64
+    V_GROUP: tl.constexpr = HEAD_DIM if HEAD_DIM < 64 else 64
+    NGV: tl.constexpr = HEAD_DIM // V_GROUP
+    two_heads = (4 * stride_tok) // HEAD_DIM  # 2 * kv_heads: the codes are contiguous
+    shift = ((d % 2) * 4)[None, :]
+    k_byte = tl.load(K + rows[:, None] + (d // 2)[None, :], mask=kv_mask, other=0)
+    v_byte = tl.load(V + rows[:, None] + (d // 2)[None, :], mask=kv_mask, other=0)
+    k_code = ((k_byte >> shift) & 0xF).to(tl.float32)
+    v_code = ((v_byte >> shift) & 0xF).to(tl.float32)
+    group = slot_in_block // KEY_GROUP
+    k_row = block * stride_ksb + (group * two_heads + 2 * kv_head) * HEAD_DIM
+    k_at = K_SCALE + k_row[:, None] + d[None, :]
+    k_scale = tl.load(k_at, mask=kv_mask, other=0.0).to(tl.float32)
+    k_min = tl.load(k_at + HEAD_DIM, mask=kv_mask, other=0.0).to(tl.float32)
+    v_row = block * stride_vsb + (slot_in_block * two_heads + 2 * kv_head) * NGV
+    v_at = V_SCALE + v_row[:, None] + (d // V_GROUP)[None, :]
+    v_scale = tl.load(v_at, mask=kv_mask, other=0.0).to(tl.float32)
+    v_min = tl.load(v_at + NGV, mask=kv_mask, other=0.0).to(tl.float32)
+    return k_code * k_scale + k_min, v_code * v_scale + v_min
 
 
 @triton.jit

@@ -57,6 +57,7 @@ KV_DTYPES: dict[str, torch.dtype | None] = {
     "int8": torch.int8,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int4": torch.uint8,  # packed, two codes per byte (paged_ref.kv_int4)
 }
 
 
@@ -164,6 +165,14 @@ def quantized_variants() -> list[Variant]:
         Variant(k, gemma_4b, "bf16", window=True, softcap=True, kv_dtype="int8")
         for k in ("decode", "prefill")
     ]
+    # int4 (KV_QUANT 3 and its own write kernel): head_dim 64, 128 and 256, block sizes
+    # 16 and 64 (key groups of 16 and 64 tokens), Gemma's window + soft-cap once.
+    gemma_1b = FAMILIES[4]
+    out += [Variant(k, llama_1b, "fp16", 64, kv_dtype="int4") for k in ("write_kv", "decode", "prefill")]
+    out += [Variant(k, llama_3b, "bf16", kv_dtype="int4") for k in ("write_kv", "decode", "prefill")]
+    out += [Variant(k, gemma_1b, "bf16", 64, True, True, "int4") for k in ("decode", "prefill")]
+    out += [Variant("write_kv", gemma_1b, "bf16", 64, kv_dtype="int4"),
+            Variant("copy_blocks", llama_3b, "bf16", kv_dtype="int4")]  # fmt: skip
     # Static per-head scales (calculate_kv_scales): the HEAD_SCALES constexpr for int8 and fp8.
     for kv in ("int8", "fp8_e4m3"):
         out += [
@@ -211,6 +220,8 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
     a step of ``batch`` sequences whose block tables are ``width`` wide and
     whose metadata tensors start ``offset`` bytes into the step's packed
     buffer (8 is what ``attention_metadata.to_device`` can give)."""
+    from paged_ref.kv_int4 import scale_shapes
+    from paged_ref.kv_quant import storage_shape
     from paged_triton.copy_blocks import plan_copy_blocks
     from paged_triton.decode_attention import plan_decode
     from paged_triton.decode_splits import SplitPolicy
@@ -232,12 +243,16 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
 
     num_blocks = 4096
     kv_dtype = KV_DTYPES[variant.kv_dtype] or dtype
-    cache = empty(num_blocks, bs, kv_heads, head_dim, dt=kv_dtype)
+    cache_shape = storage_shape((num_blocks, bs, kv_heads, head_dim), kv_dtype)
+    cache = empty(*cache_shape, dt=kv_dtype)
     scale = None  # int8 only: [num_blocks, block_size, kv_heads] float16
     if kv_dtype == torch.int8 and not variant.head_scales:
         scale = empty(num_blocks, bs, kv_heads, dt=torch.float16)
     head = empty(kv_heads, dt=torch.float32) if variant.head_scales else None  # static scales
     scales: dict[str, Any] = {"k_scales": scale, "v_scales": scale}
+    if variant.kv_dtype == "int4":  # K per group of tokens, V per token: two shapes
+        k_shape, v_shape = scale_shapes(cache)
+        scales = {"k_scales": empty(*k_shape, dt=torch.float16), "v_scales": empty(*v_shape, dt=torch.float16)}
     if head is not None:
         scales = {"k_head_scales": head, "v_head_scales": head}
     window = (layout.window or 1024) if variant.window else None
@@ -247,7 +262,7 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
         new = empty(batch, kv_heads, head_dim)
         return plan_write_kv(cache, cache, new, new, step_tensor(batch, dt=torch.int64), **scales)
     if variant.kernel == "copy_blocks":
-        caches = empty(4, num_blocks, bs, kv_heads, head_dim, dt=kv_dtype)
+        caches = empty(4, *cache_shape, dt=kv_dtype)
         return plan_copy_blocks(
             caches, caches, caches, caches, step_tensor(batch, 2, dt=torch.int64)
         )

@@ -112,7 +112,10 @@ def copy_blocks(
         raise ValueError(f"src_to_dst holds block ids outside [0, {num_blocks}): {pairs.tolist()}")
     tensors = [(k_caches, v_caches)]
     if k_scales is not None and v_scales is not None:
-        tensors.append((k_scales, v_scales))
+        if k_scales.shape == v_scales.shape:
+            tensors.append((k_scales, v_scales))
+        else:  # int4: K's per-group and V's per-token scales, one launch each
+            tensors += [(k_scales, k_scales), (v_scales, v_scales)]
     if set(pairs[:, 0].tolist()) & set(pairs[:, 1].tolist()):
         # A destination is also a source: copy from a snapshot of the sources,
         # gathered with the same single upload ((i, dst) pairs, then the sources).

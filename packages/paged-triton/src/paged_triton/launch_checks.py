@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from paged_ref.kv_int4 import is_int4
 from paged_ref.kv_quant import check_scales, has_scales, is_quantized
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 8-bit caches (paged_ref.kv_quant): fp8 cast with a per-tensor scale of 1, int8 with scales.
-QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+# int4: packed codes in uint8, with per-block K and V scales (paged_ref.kv_int4).
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
 
 
 def interpreted(kernel: object) -> bool:
@@ -71,7 +73,10 @@ def check_cache(k_cache: Tensor, v_cache: Tensor, ndim: int = 4) -> None:
 
 def kv_quant_mode(cache_dtype: torch.dtype) -> int:
     """The kernels' ``KV_QUANT`` constexpr: 0 the model's dtype, 1 fp8 (a
-    cast), 2 int8 (codes times per-token-per-head scales)."""
+    cast), 2 int8 (codes times per-token-per-head scales), 3 int4 (packed
+    codes, per-channel key and per-token value scales and mins)."""
+    if is_int4(cache_dtype):
+        return 3
     if has_scales(cache_dtype):
         return 2
     return 1 if is_quantized(cache_dtype) else 0
@@ -124,12 +129,15 @@ def scale_args(
     v_head_scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, tuple[int, int]]:
     """The kernels' scale pointers and their (block, token) strides: per-token
-    scales, or static per-head ones (strides 0: the kernels add the kv head);
+    scales (int4: K's block stride and V's block stride; the rest follows
+    from the contiguous layout), or static per-head ones (strides 0: the kernels add the kv head);
     without scales the caches stand in as pointers the kernels never read."""
     if k_head_scales is not None and v_head_scales is not None:
         return k_head_scales, v_head_scales, (0, 0)
     if k_scales is None or v_scales is None:
         return k_cache, v_cache, (0, 0)
+    if is_int4(k_cache.dtype):  # K and V scales differ in shape: each one's block stride
+        return k_scales, v_scales, (k_scales.stride(0), v_scales.stride(0))
     return k_scales, v_scales, (k_scales.stride(0), k_scales.stride(1))
 
 

@@ -135,7 +135,7 @@ def _prefill_kernel(
         tok, tok_mask, k, v = load_kv_tile(
             K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, hi, d, d_mask, stride_cb,
             stride_ct, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
-            HEAD_SCALES,
+            HEAD_SCALES, HEAD_DIM,
         )  # fmt: skip
         visible = row_mask[:, None] & tok_mask[None, :] & (tok[None, :] <= pos[:, None])
         if USE_WINDOW:

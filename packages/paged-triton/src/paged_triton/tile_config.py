@@ -74,14 +74,24 @@ def _large_smem(arch: int | None) -> bool:
 
 
 def tile_config(
-    kernel: str, block_d: int, dtype: torch.dtype, arch: int | None, quantized: bool = False
+    kernel: str,
+    block_d: int,
+    dtype: torch.dtype,
+    arch: int | None,
+    quantized: bool = False,
+    int4: bool = False,
 ) -> TileConfig:
     """The launch shape of ``kernel`` ("decode" or "prefill") for head_dim
     padded to ``block_d``, compute ``dtype``, on compute capability ``arch``
     (``None``: Triton's interpreter, which ignores warps and stages).
     ``quantized``: the cache is 8-bit and each tile is dequantized in
-    registers (see :func:`_quantized_tile`)."""
+    registers (see :func:`_quantized_tile`); ``int4``: 4-bit, whose keys
+    also hold a per-channel scale and min tile: the prefill of head_dim 256
+    with 64 queries x 8 warps spilled 592 B on sm_80 (4 warps x 32: 8 B);
+    32 queries x 8 warps does not."""
     row_bytes = block_d * dtype.itemsize  # one token's K (or V) for one head
+    if int4 and kernel == "prefill" and row_bytes > 256:
+        return TileConfig(32, 16, 8, 5, maxnreg=255)
     if quantized:
         return _quantized_tile(kernel, row_bytes, arch)
     if kernel == "decode":

@@ -141,16 +141,16 @@ class _Planner:
     def __init__(
         self, layout: AttentionLayout, device: torch.device, arch: int | None, policy: Any
     ) -> None:
-        from paged_ref.kv_quant import HEAD_SCALE_DTYPE, new_scales, scale_keywords
+        from paged_ref.kv_quant import HEAD_SCALE_DTYPE, new_scales, scale_keywords, storage_shape
 
         self.layout, self.device, self.arch, self.policy = layout, device, arch, policy
         self.interpret = arch is None  # no GPU to plan for: Triton's interpreter
         lo = layout
-        cache_shape = (2, lo.block_size, lo.num_kv_heads, lo.head_dim)
+        cache_shape = storage_shape((2, lo.block_size, lo.num_kv_heads, lo.head_dim), lo.kv_cache_dtype)
         self.k_cache = self._zeros(*cache_shape, dtype=lo.kv_cache_dtype)
         self.v_cache = self._zeros(*cache_shape, dtype=lo.kv_cache_dtype)
-        self.k_scales = new_scales(self.k_cache, lo.static_kv_scales)
-        self.v_scales = new_scales(self.v_cache, lo.static_kv_scales)
+        self.k_scales = new_scales(self.k_cache, lo.static_kv_scales, "k_scales")
+        self.v_scales = new_scales(self.v_cache, lo.static_kv_scales, "v_scales")
         head = None
         if lo.static_kv_scales:
             head = torch.ones(lo.num_kv_heads, dtype=HEAD_SCALE_DTYPE, device=device)
@@ -180,7 +180,11 @@ class _Planner:
 
         pairs = torch.tensor([[0, 1]], dtype=torch.int64, device=self.device)
         out = []
-        for name, cache in (("copy_blocks", self.k_cache), ("copy_blocks scales", self.k_scales)):
+        v_scales = None  # int4: V's scales have their own shape (another variant)
+        if self.v_scales is not None and self.k_scales is not None:
+            v_scales = self.v_scales if self.v_scales.shape != self.k_scales.shape else None
+        for name, cache in (("copy_blocks", self.k_cache), ("copy_blocks scales", self.k_scales),
+                            ("copy_blocks v scales", v_scales)):  # fmt: skip
             if cache is None:
                 continue
             caches = self._all_layers(cache)

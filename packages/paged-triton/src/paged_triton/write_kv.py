@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_ref.kv_quant import FP8_MAX
+from paged_ref.kv_int4 import is_int4
+from paged_ref.kv_quant import FP8_MAX, logical_shape
 from paged_triton.interpreter_bf16 import cast, round_to_fp8
 from paged_triton.launch import Launch
 from paged_triton.launch_checks import (
@@ -34,6 +35,7 @@ from paged_triton.launch_checks import (
     last_dim_contiguous,
     scale_args,
 )
+from paged_triton.write_kv_int4 import plan_write_kv_int4
 
 # fp8 formats: mantissa bits and the exponent of the smallest normal number.
 FP8_FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
@@ -185,7 +187,10 @@ def plan_write_kv(
 ) -> Launch:
     """One program per token; ``slots`` is int64 on the cache's device;
     ``k_scales``/``v_scales`` (int8 only) ``[num_blocks, block_size, kv_heads]``,
-    or static ``k_head_scales``/``v_head_scales`` ``[kv_heads]``."""
+    or static ``k_head_scales``/``v_head_scales`` ``[kv_heads]``. An int4
+    cache gets its own kernel (``write_kv_int4``)."""
+    if is_int4(k_cache.dtype):
+        return plan_write_kv_int4(k_cache, v_cache, k, v, slots, k_scales, v_scales)  # type: ignore[arg-type]
     _, block_size, kv_heads, head_dim = k_cache.shape
     ks, vs, cs = k.stride(), v.stride(), k_cache.stride()
     k_scale, v_scale, ss = scale_args(k_cache, v_cache, k_scales, v_scales, k_head_scales,
@@ -243,7 +248,7 @@ def write_kv(
     check_runnable(_write_kv_kernel, k_cache, v_cache, k, v)
     check_cache(k_cache, v_cache)
     check_quantized_cache(k_cache, k_scales, v_scales, k_head_scales, v_head_scales)
-    _, _, kv_heads, head_dim = k_cache.shape
+    _, _, kv_heads, head_dim = logical_shape(k_cache)
     expected = (slot_mapping.shape[0], kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(
@@ -254,6 +259,8 @@ def write_kv(
         return
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     slots = as_index(slot_mapping, k_cache, torch.int64)
+    if is_int4(k_cache.dtype) and k_cache.stride(1) != kv_heads * head_dim // 2:
+        raise ValueError(f"an int4 cache needs contiguous blocks, got strides {k_cache.stride()}")
     plan_write_kv(
         k_cache, v_cache, k, v, slots, _INTERPRETED, k_scales, v_scales, k_head_scales,
         v_head_scales,

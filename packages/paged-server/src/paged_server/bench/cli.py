@@ -41,9 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="Hugging Face model directory (default: --model-config)")
     src.add_argument(
         "--model-config",
-        choices=("embedded", "30m", "100m"),
+        choices=("embedded", "trained", "30m", "100m"),
         default="embedded",
-        help="embedded: the tiny default model; 30m / 100m: a random ~30M / ~100M Llama made once in the cache dir",
+        help="embedded: the tiny default model; trained: it after default_model.train's recipe "
+        "(trained once, ~12 min, and cached); 30m / 100m: a random ~30M / ~100M Llama made once "
+        "in the cache dir",
     )
     p.add_argument(
         "--workload",

@@ -78,7 +78,7 @@ def kv_dtype_capacity_row(
         "calculate_kv_scales": static,
         "model_dtype": model_dtype,
         "stored_as": str(cache_dtype).removeprefix("torch."),
-        "bytes_per_token": kv_bytes_per_token(*shape, cache_dtype, static),
+        "bytes_per_token": kv_bytes_per_token(*shape, cache_dtype, static, block_size=block_size),
         "num_blocks": num_blocks,
         "tokens": tokens,
         "kv_bytes": pool.kv_bytes(),

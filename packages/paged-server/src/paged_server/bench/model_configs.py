@@ -92,7 +92,8 @@ def _write_random_llama(directory: Path, tokenizer_dir: Path, params: dict[str, 
 
 def resolve_model(model: str | None, model_config: str) -> tuple[str, str]:
     """``(directory, display name)`` for ``--model DIR`` or ``--model-config``
-    (``embedded`` = the default model, ``100m`` / ``30m`` = a random Llama)."""
+    (``embedded`` = the default model, ``trained`` = the trained evaluation
+    model, trained on first use, ``100m`` / ``30m`` = a random Llama)."""
     from paged_server.default_model import ensure_default_model
 
     if model is not None:
@@ -104,9 +105,16 @@ def resolve_model(model: str | None, model_config: str) -> tuple[str, str]:
     if model_config == "embedded":
         path = ensure_default_model()
         return str(path), f"embedded ({path.name})"
+    if model_config == "trained":
+        from paged_server.default_model.trained import ensure_trained_model
+
+        path = ensure_trained_model()
+        return str(path), f"trained-default ({path.name})"
     if model_config in RANDOM_LLAMAS:
         return str(ensure_random_llama(model_config)), f"llama-{model_config} (random, seed 0)"
-    raise ValueError(f"--model-config must be 'embedded', '100m' or '30m', got {model_config!r}")
+    raise ValueError(
+        f"--model-config must be 'embedded', 'trained', '100m' or '30m', got {model_config!r}"
+    )
 
 
 def count_parameters(model_dir: str) -> int:

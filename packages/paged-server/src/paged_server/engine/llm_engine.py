@@ -615,7 +615,13 @@ class LLMEngine:
 
 
 def _model_path(config: EngineConfig) -> str:
-    """The configured model directory, or the embedded default model."""
+    """The configured model directory, the trained evaluation model
+    (``trained-default``, trained and cached on first use), or the embedded
+    default model."""
+    from paged_server.default_model.trained import TRAINED_MODEL_ALIAS, ensure_trained_model
+
+    if config.model == TRAINED_MODEL_ALIAS:
+        return str(ensure_trained_model())
     if config.model is not None:
         return config.model
     from paged_server.default_model import ensure_default_model

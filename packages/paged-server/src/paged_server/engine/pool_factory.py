@@ -153,10 +153,14 @@ class _KVShape:
     def static(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.kv_scales is None else (self.kv_scales.k, self.kv_scales.v)
 
-    def token_bytes(self, num_layers: int) -> int:
-        """Bytes one token takes over ``num_layers`` layers (int8 per-token scales included)."""
+    def token_bytes(self, num_layers: int, block_size: int) -> int:
+        """Bytes one token takes over ``num_layers`` layers (int8 per-token
+        scales included; an int4 token's share of its ``block_size`` block's
+        key scales)."""
         static = self.kv_scales is not None
-        return kv_bytes_per_token(num_layers, self.kv_heads, self.head_dim, self.kv_dtype, static)
+        return kv_bytes_per_token(
+            num_layers, self.kv_heads, self.head_dim, self.kv_dtype, static, block_size=block_size
+        )
 
 
 def paged_pool(
@@ -171,7 +175,7 @@ def paged_pool(
     groups = kv_cache_groups(layer_windows, hybrid=not config.disable_hybrid_kv_cache_manager)
     sliding = any(g.sliding_window is not None for g in groups)
     bs = config.block_size
-    slot_bytes = shape.token_bytes(len(groups[0].layers))  # a block holds one group's layers
+    slot_bytes = shape.token_bytes(len(groups[0].layers), bs)  # a block holds one group's layers
     budget = kv_budget(config, slot_bytes, device, model)
     num_blocks = budget.num_blocks
     if num_blocks is None and budget.num_bytes is not None:
@@ -202,7 +206,8 @@ def contiguous_pool(
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:  # fmt: skip
     """The contiguous pool: ``max_batch_size`` rows of ``max_model_len``
     tokens, fewer if the memory budget holds fewer."""
-    token_bytes = shape.token_bytes(shape.num_layers)
+    # (int4: a row is one block, so its key scales are per group of that row)
+    token_bytes = shape.token_bytes(shape.num_layers, config.max_model_len)
     budget = kv_budget(config, token_bytes, device, model)
     rows = config.max_batch_size
     if budget.num_bytes is not None:
