@@ -10,8 +10,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from paged_server.sampling_params import MAX_LOGPROBS
 
 KV_CACHE_BACKENDS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "ref", "triton")
@@ -68,6 +71,12 @@ class EngineConfig:
     # None: the checkpoint's own format (dense, or its quantization_config); see
     # models/quantization/methods.py for the names (vLLM's --quantization).
     quantization: str | None = None
+    # vLLM's names, below: what a `vllm serve` launch line sets.
+    max_logprobs: int = MAX_LOGPROBS  # most logprobs/prompt_logprobs a request may ask for (-1: vocab)
+    tokenizer: str | None = None  # tokenizer directory when not the model's
+    generation_config: str = "auto"  # "auto": the model's sampling defaults; "vllm": none; or a directory
+    override_generation_config: dict[str, Any] | None = None  # on top of generation_config
+    disable_sliding_window: bool = False  # full attention, max_model_len capped at the window
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field and what to do."""
@@ -98,6 +107,17 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"gpu_memory_utilization: must be a fraction in (0, 1], got {share!r}"
+            )
+        if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs: must be an integer >= -1 (-1: the whole vocabulary), got {self.max_logprobs!r}"
+            )
+        if self.override_generation_config is not None and not isinstance(
+            self.override_generation_config, dict
+        ):
+            raise ValueError(
+                "override_generation_config: must be a JSON object such as "
+                f'{{"temperature": 0.5}}, got {self.override_generation_config!r}'
             )
         if not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")

@@ -104,8 +104,10 @@ class SamplingParams:
         """Sequences the engine runs for the request: ``n`` choices, or the beams."""
         return self.beam_width if self.use_beam_search else self.n
 
-    def validate(self, max_model_len: int) -> None:
-        """Raise ``ValueError("<field>: what is wrong")`` for the first bad field."""
+    def validate(self, max_model_len: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Raise ``ValueError("<field>: what is wrong")`` for the first bad
+        field; ``max_logprobs`` is the engine's (-1: any number, and -1 asks
+        for the whole vocabulary)."""
         _int_in("n", self.n, 1, None)
         _int_in("max_tokens", self.max_tokens, 1, max_model_len, high_is=" (max_model_len)")
         _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, high_is=" (max_tokens)")
@@ -135,8 +137,12 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            if value == -1 and max_logprobs == -1 and not isinstance(value, bool):
+                continue  # the whole vocabulary, as vLLM with max_logprobs -1
             if value is not None:
-                _int_in(name, value, 0, MAX_LOGPROBS, hint=" (top alternatives; 0 = the token only)")
+                _int_in(name, value, 0, max_logprobs if max_logprobs >= 0 else None,
+                        hint=" (top alternatives; 0 = the token only; -1 = all, with "
+                        "--max-logprobs -1)", high_is=" (the server's --max-logprobs)")
         _check_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()

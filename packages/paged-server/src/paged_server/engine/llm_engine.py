@@ -62,12 +62,14 @@ from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.engine.structured_output import StructuredOutput
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
+from paged_server.model_dir import resolve_model_dir
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.loader import read_model_config
 from paged_server.models.quantization import weights_summary
 from paged_server.models.tensor_parallel import shard_heads
 from paged_server.outputs import RequestOutput
 from paged_server.sampling_params import SamplingParams
+from paged_server.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from paged_server.parallel import TensorParallelExecutor
@@ -134,6 +136,8 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config, device)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        if config.tokenizer is not None:  # vLLM's --tokenizer: another directory's
+            self.tokenizer = Tokenizer.from_dir(resolve_model_dir(config.tokenizer))
         self.model_config = loaded.config
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         mc, executor = loaded.config, self.executor
@@ -217,6 +221,17 @@ class LLMEngine:
         )
 
     # -- submission ------------------------------------------------------------
+    def _whole_vocab_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """``logprobs`` / ``prompt_logprobs`` of -1 (vLLM: every token) as the vocabulary size."""
+        if -1 not in (params.logprobs, params.prompt_logprobs) or self.config.max_logprobs != -1:
+            return params
+        vocab = self.model_config.vocab_size
+        return dataclasses.replace(
+            params,
+            logprobs=vocab if params.logprobs == -1 else params.logprobs,
+            prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs,
+        )
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         """Queue a request; returns its prompt token count.
 
@@ -226,7 +241,8 @@ class LLMEngine:
         """
         if self.failed is not None:
             raise EngineFailedError(self.failed)
-        params.validate(self.config.max_model_len)
+        params = self._whole_vocab_logprobs(params)
+        params.validate(self.config.max_model_len, self.config.max_logprobs)
         if isinstance(prompt, str):
             try:
                 token_ids = self.tokenizer.encode(prompt)
@@ -607,7 +623,7 @@ class LLMEngine:
 def _model_path(config: EngineConfig) -> str:
     """The configured model directory, or the embedded default model."""
     if config.model is not None:
-        return config.model
+        return resolve_model_dir(config.model)
     from paged_server.default_model import ensure_default_model
 
     return str(ensure_default_model())

@@ -196,7 +196,7 @@ class LLM:
         share its KV blocks and fork copy-on-write where they diverge.
         Raises ``ValueError`` for bad parameters."""
         sampling = params.to_sampling_params()
-        sampling.validate(self.engine.config.max_model_len)
+        sampling.validate(self.engine.config.max_model_len, self.engine.config.max_logprobs)
         tokenizer = self.engine.tokenizer
         token_ids = [_prompt_token_ids(p, tokenizer) for p in prompts]
         results = self.generate(

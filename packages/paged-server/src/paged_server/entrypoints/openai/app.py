@@ -15,10 +15,11 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike, EngineThread
@@ -27,6 +28,7 @@ from paged_server.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONT
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
+    OPEN_PATHS,
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
 )
@@ -36,10 +38,12 @@ from paged_server.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
     lone_surrogate_path,
 )
 from paged_server.entrypoints.openai.serving import OpenAIServing
+from paged_server.sampling_params import MAX_LOGPROBS
 from paged_server.entrypoints.openai.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -93,6 +97,21 @@ class ServerSettings:
     audit_interval_s: float = 60.0  # KV audit while idle (0 = never)
     announce: bool = False  # print start/stop lines (the CLI server does; test servers don't)
     tool_call_parser: str | None = None  # None: detected from the chat template
+    enable_auto_tool_choice: bool = True  # False: tool_choice "auto" is a 400 (vLLM's default)
+    reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS
+    chat_template: str | None = None  # replaces the tokenizer's
+    response_role: str = "assistant"
+    log_requests: bool = False  # one log line per request
+    log_stats: bool = False  # the periodic stats line (the CLI turns it on)
+    metrics_need_api_key: bool = False  # /metrics is open by default, as vLLM's
+    allowed_origins: list[str] | None = None  # CORS; None: no CORS headers
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    root_path: str = ""  # behind a proxy that strips a prefix
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
 
 
 def create_app(
@@ -113,6 +132,8 @@ def create_app(
         model_name=settings.model_name,
         max_model_len=max_model_len,
         tool_call_parser=settings.tool_call_parser,
+        settings=settings,
+        max_logprobs=int(getattr(config, "max_logprobs", MAX_LOGPROBS)),
     )
     tokenization = Tokenization(tokenizer, max_model_len, serving.render_messages)
     created = int(time.time())
@@ -185,24 +206,38 @@ def create_app(
     async def get_version() -> dict[str, str]:
         return version()
 
-    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
-    async def models() -> dict[str, Any]:
+    def model_card() -> dict[str, Any]:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "paged",
-                    "max_model_len": max_model_len,
-                }
-            ],
+            "id": settings.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "paged",
+            "root": settings.model_name,
+            "max_model_len": max_model_len,
         }
 
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> dict[str, Any]:
+        """One model (OpenAI's retrieve-model); 404 for any other id."""
+        serving.check_model(model_id)
+        return model_card()
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """Requests running or waiting (vLLM's server load, for load balancers)."""
+        m = async_engine.metrics()
+        return {"server_load": int(m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0))}
+
     @app.get("/health", responses={503: {"description": "Engine dead or block audit failed"}})
+    @app.api_route("/ping", methods=["GET", "POST"],
+                   responses={503: {"description": "Engine dead or block audit failed"}})
     async def health() -> JSONResponse:
-        """200 when the engine thread answers and the KV block audit is clean."""
+        """200 when the engine thread answers and the KV block audit is clean
+        (``/ping`` is the same check, as SageMaker and vLLM ask it)."""
         if not async_engine.alive:
             return _unhealthy(async_engine.last_error or "engine thread is not running")
         try:
@@ -236,7 +271,16 @@ def create_app(
     _document_400_not_422(app)
     # Outermost first: the key is checked before the body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    open_paths = OPEN_PATHS if settings.metrics_need_api_key else OPEN_PATHS | {"/metrics"}
+    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    if settings.allowed_origins:  # outermost: browsers' preflight requests carry no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
+            allow_credentials=settings.allow_credentials,
+        )
     return app
 
 

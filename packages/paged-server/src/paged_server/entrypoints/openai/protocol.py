@@ -212,10 +212,10 @@ class CompletionRequest(_SamplingFields):
     )
     logprobs: int | None = Field(
         None,
-        ge=0,
-        le=MAX_LOGPROBS,
+        ge=-1,
         description="Each token's log-probability and the N most likely alternatives "
-        "(0 = the token's only).",
+        f"(0 = the token's only; at most the server's --max-logprobs, default {MAX_LOGPROBS}; "
+        "-1 = the whole vocabulary when the server runs with --max-logprobs -1).",
     )
     echo: bool = Field(
         False, description="Return the prompt before the completion (with logprobs: its logprobs)."
@@ -363,9 +363,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(
         None,
-        ge=0,
-        le=MAX_LOGPROBS,
-        description="Most likely alternatives per token (needs logprobs: true).",
+        ge=-1,
+        description="Most likely alternatives per token (needs logprobs: true; at most the "
+        f"server's --max-logprobs, default {MAX_LOGPROBS}; -1 = all with --max-logprobs -1).",
     )
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = Field(None, max_length=128)
@@ -452,8 +452,11 @@ class ChatChoiceLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = Field("assistant", description="assistant, or the server's --response-role")
     content: str | None
+    reasoning_content: str | None = Field(
+        None, description="The model's thought, with --reasoning-parser (else absent)."
+    )
     tool_calls: list[MessageToolCall] = []
 
 
@@ -478,6 +481,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "paged"
+    root: str | None = None
     max_model_len: int | None = None
 
 

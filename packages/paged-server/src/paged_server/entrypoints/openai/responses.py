@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_server.entrypoints.openai.reasoning import split_reasoning
 from paged_server.entrypoints.openai.tool_calls import parse_tool_calls
 
 
@@ -96,6 +97,9 @@ class ResponseFormat:
         self.tokenizer = tokenizer
         self.include_usage = include_usage  # streaming: every chunk carries "usage": null
         self.tool_call_parser: str | None = None  # set when the request may call tools
+        self.reasoning_parser: str | None = None  # --reasoning-parser (chat only)
+        self.include_reasoning = True  # the request's include_reasoning
+        self.role = "assistant"  # --response-role
         self.created = int(time.time())
         self.num_top = num_top  # logprobs asked for: top alternatives per token
         self.echo = echo
@@ -208,12 +212,19 @@ class ResponseFormat:
         }
 
     def _chat_message(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        """``message`` and ``finish_reason`` of one choice; tool calls parsed
-        out of the text when the request offered tools."""
+        """``message`` and ``finish_reason`` of one choice: the reasoning split
+        off first (``--reasoning-parser``), then tool calls parsed out of the
+        rest when the request offered tools."""
+        message: dict[str, Any] = {"role": self.role}
+        content: str | None = text
+        if self.reasoning_parser is not None:
+            reasoning, content = split_reasoning(self.reasoning_parser, text)
+            message["reasoning_content"] = reasoning if self.include_reasoning else None
         if self.tool_call_parser is None:
-            return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-        content, calls = parse_tool_calls(self.tool_call_parser, text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+            message["content"] = content
+            return {"message": message, "finish_reason": finish_reason}
+        content, calls = parse_tool_calls(self.tool_call_parser, content or "")
+        message["content"] = content or (None if self.reasoning_parser else content)
         if calls:
             message["tool_calls"] = [c.to_dict() for c in calls]
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason

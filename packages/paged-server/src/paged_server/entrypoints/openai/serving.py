@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -44,10 +45,11 @@ from paged_server.entrypoints.openai.structured import (
     tool_constraint,
 )
 from paged_server.entrypoints.openai.tool_calls import detect_parser
-from paged_server.sampling_params import SamplingParams
+from paged_server.sampling_params import MAX_LOGPROBS, SamplingParams
 from paged_server.structured_outputs import StructuredOutputsParams
 
 T = TypeVar("T")
+log = logging.getLogger("paged_server.entrypoints.openai")
 
 
 # Texts longer than this are tokenised on a worker thread, so a 1 MiB prompt
@@ -72,8 +74,14 @@ class OpenAIServing:
         model_name: str,
         max_model_len: int,
         tool_call_parser: str | None = None,
+        settings: Any = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         self.engine = engine
+        self.max_logprobs = max_logprobs
+        self.settings = settings
+        # --chat-template: used instead of the tokenizer's
+        self.chat_template: str | None = getattr(settings, "chat_template", None)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -103,6 +111,7 @@ class OpenAIServing:
             echo = Echo(texts, prompts, drop_generated=max_tokens == 0)
         gen = Generation(self.engine, f"cmpl-{uuid.uuid4().hex}", body.n, arrival)
         await gen.submit(prompts, params, prompt_param="prompt")
+        self._log_request(gen, params)
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
                              include_usage=body.include_usage(), num_top=body.logprobs,
                              echo=echo, n=body.n)
@@ -113,6 +122,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
+        self._check_auto_tool_choice(body)
         ids = await _off_loop(self._render_chat, body, size=sum(len(m.text()) for m in body.messages))
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
@@ -122,18 +132,41 @@ class OpenAIServing:
         constraint = tool_constraint(body, self.tool_call_parser)
         constraint_param = "tools" if constraint is not None else "response_format"
         constraint = constraint or response_format_constraint(body.response_format)
-        params = self._params(body, max_tokens, logprobs=num_top, structured_outputs=constraint)
+        params = self._params(body, max_tokens, logprobs=num_top, structured_outputs=constraint,
+                              aliases={"logprobs": "top_logprobs"})
         gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", body.n, arrival)
         await gen.submit([ids], params, prompt_param="messages", constraint_param=constraint_param)
+        self._log_request(gen, params)
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
                              include_usage=body.include_usage(), num_top=num_top)
         if body.effective_tool_choice() != "none":
             fmt.tool_call_parser = self.tool_call_parser
+        settings = self.settings
+        if settings is not None:
+            fmt.role = settings.response_role
+            fmt.reasoning_parser = settings.reasoning_parser
         if body.stream:
             return EventStreamResponse(stream_chat(gen, fmt))
         return await self._complete(gen, fmt, request, chat=True)
 
+    def _log_request(self, gen: Generation, params: SamplingParams) -> None:
+        """``--enable-log-requests``: one line per request (lengths, not text)."""
+        if self.settings is not None and self.settings.log_requests:
+            log.info("received request %s: prompt tokens %s, params %s",
+                     gen.request_id, gen.prompt_tokens, params)
+
     # -------------------------------------------------------------- checks
+    def _check_auto_tool_choice(self, body: ChatCompletionRequest) -> None:
+        """Without --enable-auto-tool-choice, tools may only be forced (vLLM's rule)."""
+        enabled = self.settings is None or self.settings.enable_auto_tool_choice
+        if not enabled and body.tools and body.effective_tool_choice() == "auto":
+            raise APIError(
+                400,
+                'tool_choice: "auto" needs the server started with --enable-auto-tool-choice; '
+                'send "none", "required" or a named function',
+                param="tool_choice",
+            )
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
@@ -191,7 +224,7 @@ class OpenAIServing:
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                tools=tools,
+                tools=tools, chat_template=self.chat_template,
             )
         except jinja2.TemplateError as exc:
             raise APIError(
@@ -208,6 +241,7 @@ class OpenAIServing:
         *,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        aliases: dict[str, str] | None = None,
     ) -> SamplingParams:
         params = SamplingParams(
             n=body.n,
@@ -233,9 +267,9 @@ class OpenAIServing:
             early_stopping=body.early_stopping,
         )
         try:
-            params.validate(self.max_model_len)
+            params.validate(self.max_model_len, self.max_logprobs)
         except ValueError as exc:
-            raise bad_value(exc) from None
+            raise bad_value(exc, aliases=aliases) from None
         return params
 
     # -------------------------------------------------------- non-streaming

@@ -1,0 +1,92 @@
+"""`vllm serve`'s frontend flags on the HTTP side (scripted engine): response
+role, chat template, auto tool choice, CORS, root path, HTTPS, the probes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from paged_server.entrypoints.cli import build_parser
+from paged_server.entrypoints.openai.app import ServerSettings
+from paged_server.entrypoints.openai.frontend_args import settings_from_args
+from paged_server.entrypoints.openai.server import ServerThread
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def _settings(*argv: str) -> ServerSettings:
+    args = build_parser().parse_args(["serve", *argv])
+    return settings_from_args(args, "fake-model", None)
+
+
+def test_frontend_flags_shape_the_chat_reply(make_fake_engine: Any, tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.content }}>>{% endfor %}")
+    settings = _settings("--response-role", "bot", "--chat-template", str(template),
+                         "--no-enable-auto-tool-choice")
+    engine = make_fake_engine()
+    with ServerThread(engine, settings) as srv:
+        reply = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, timeout=30).json()
+        assert reply["choices"][0]["message"]["role"] == "bot"
+        # chats render with the flag's template
+        tokens = httpx.post(srv.url + "/tokenize", json={"messages": CHAT["messages"]}).json()
+        assert engine.tokenizer.decode(tokens["tokens"]) == "<<hi>>"
+        with httpx.stream("POST", srv.url + "/v1/chat/completions",
+                          json={**CHAT, "stream": True}, timeout=30) as resp:
+            first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+        assert '"role":"bot"' in first
+        auto = httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "tools": TOOLS}, timeout=30)
+        assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in auto.json()["error"]["message"]
+        forced = {**CHAT, "tools": TOOLS, "tool_choice": "none"}
+        assert httpx.post(srv.url + "/v1/chat/completions", json=forced, timeout=30).status_code == 200
+
+
+def test_probes_model_card_and_load(fake_server: Any) -> None:
+    url = fake_server.url
+    assert httpx.get(url + "/ping").status_code == 200
+    assert httpx.post(url + "/ping").status_code == 200
+    card = httpx.get(url + "/v1/models/fake-model").json()
+    assert card["id"] == "fake-model" and card["object"] == "model" and card["max_model_len"] == 256
+    missing = httpx.get(url + "/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(url + "/load").json() == {"server_load": 0}
+
+
+def test_cors_only_with_allowed_origins_and_root_path(make_fake_engine: Any) -> None:
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    with ServerThread(make_fake_engine(), _settings()) as srv:  # default: no CORS headers
+        resp = httpx.options(srv.url + "/v1/completions", headers=preflight)
+        assert "access-control-allow-origin" not in resp.headers
+    settings = _settings("--allowed-origins", '["https://app.example"]', "--root-path", "/llm")
+    with ServerThread(make_fake_engine(), settings) as srv:
+        resp = httpx.options(srv.url + "/v1/completions", headers=preflight)
+        assert resp.status_code == 200
+        assert resp.headers["access-control-allow-origin"] == "https://app.example"
+        # behind a proxy that strips /llm, the docs point at /llm/openapi.json
+        assert "/llm/openapi.json" in httpx.get(srv.url + "/docs").text
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_ssl_flags_serve_https(make_fake_engine: Any, tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    settings = _settings("--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
+    with ServerThread(make_fake_engine(), settings) as srv:
+        assert srv.url.startswith("https://")
+        assert httpx.get(srv.url + "/health", verify=False).status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
+
+
+def test_one_ssl_file_alone_is_refused() -> None:
+    with pytest.raises(ValueError, match="both --ssl-keyfile and --ssl-certfile"):
+        _settings("--ssl-keyfile", "k.pem")
