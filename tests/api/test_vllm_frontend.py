@@ -90,3 +90,21 @@ def test_ssl_flags_serve_https(make_fake_engine: Any, tmp_path: Path) -> None:
 def test_one_ssl_file_alone_is_refused() -> None:
     with pytest.raises(ValueError, match="both --ssl-keyfile and --ssl-certfile"):
         _settings("--ssl-keyfile", "k.pem")
+
+
+def test_unset_sampling_fields_take_the_models_defaults(make_fake_engine: Any) -> None:
+    engine = make_fake_engine()
+    engine.default_sampling = {"temperature": 0.0, "top_k": 3, "repetition_penalty": 1.2, "max_tokens": 5}
+    seen: list[Any] = []
+    add = engine.add_request
+    engine.add_request = lambda rid, prompt, params: (seen.append(params), add(rid, prompt, params))[1]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with ServerThread(engine, ServerSettings(model_name="fake-model")) as srv:
+        for body in (chat, {**chat, "temperature": 0.7, "top_k": -1, "max_tokens": 9},
+                     {**chat, "use_beam_search": True, "n": 2}):
+            assert httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    default, explicit, beams = seen
+    assert (default.temperature, default.top_k, default.repetition_penalty, default.max_tokens) == (0.0, 3, 1.2, 5)
+    assert (explicit.temperature, explicit.top_k, explicit.max_tokens) == (0.7, 0, 9)
+    assert explicit.repetition_penalty == 1.2  # unset: still the model's
+    assert beams.repetition_penalty == 1.0  # beam scores stay raw log-probabilities

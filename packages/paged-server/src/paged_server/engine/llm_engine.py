@@ -45,6 +45,7 @@ from paged_server.config import (
     resolve_device,
     resolve_dtype,
     resolve_max_num_batched_tokens,
+    with_model_len,
 )
 from paged_server.engine.beams import advance_beams, finish_beams, new_beam_search, ready_rows
 from paged_server.engine.checks import audit_engine, check_prompt
@@ -62,7 +63,8 @@ from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.engine.structured_output import StructuredOutput
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
-from paged_server.model_dir import resolve_model_dir
+from paged_server.generation_defaults import generation_defaults
+from paged_server.model_dir import checkpoint_dtype, resolve_model_dir
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.loader import read_model_config
 from paged_server.models.quantization import weights_summary
@@ -87,6 +89,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
         model_config = loaded.config if loaded is not None else read_model_config(_model_path(config))
+        config = with_model_len(config, model_config.max_position_embeddings, model_config.sliding_window)
+        # Sampling defaults a request leaves unset (vLLM's --generation-config).
+        self.default_sampling = generation_defaults(
+            _model_path(config) if config.model is not None or loaded is None else None,
+            config.generation_config,
+            config.override_generation_config,
+        )
+        assert config.max_model_len is not None
         check_max_model_len(config.max_model_len, model_config.max_position_embeddings)  # before loading
         self.executor: TensorParallelExecutor | None = None
         self.failed: str | None = None  # set when the engine can no longer step
@@ -118,13 +128,15 @@ class LLMEngine:
         self.executor = TensorParallelExecutor(
             config, device, resolve_attention_backend(config, device)
         )
-        return self.executor.load_model(_model_path(config), resolve_dtype(config, device))
+        path = _model_path(config)
+        return self.executor.load_model(path, resolve_dtype(config, device, checkpoint_dtype=checkpoint_dtype(path)))
 
     def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         if loaded is None:
             device = resolve_device(config)
+            path = _model_path(config)
             loaded = load_model(
-                _model_path(config), resolve_dtype(config, device), device,
+                path, resolve_dtype(config, device, checkpoint_dtype=checkpoint_dtype(path)), device,
                 quantization=config.quantization,
             )  # fmt: skip
         device = next(loaded.model.parameters()).device

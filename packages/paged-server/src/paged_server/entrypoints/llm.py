@@ -67,6 +67,11 @@ class LLM:
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate(sampling_params=None)`` uses: the model's
+        generation_config.json defaults (``generation_config="auto"``), as vLLM."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,
@@ -88,6 +93,8 @@ class LLM:
             raise ValueError("pass prompts (text) or prompt_token_ids")
         else:
             inputs = [prompts] if isinstance(prompts, str) else list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(inputs))
         self._check_thread()
         if use_tqdm is None:

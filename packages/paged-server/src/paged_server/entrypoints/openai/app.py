@@ -134,6 +134,7 @@ def create_app(
         tool_call_parser=settings.tool_call_parser,
         settings=settings,
         max_logprobs=int(getattr(config, "max_logprobs", MAX_LOGPROBS)),
+        default_sampling=getattr(engine, "default_sampling", None),
     )
     tokenization = Tokenization(tokenizer, max_model_len, serving.render_messages)
     created = int(time.time())

@@ -89,11 +89,18 @@ class _SamplingFields(_Strict):
         None, description="Must name the served model (GET /v1/models); omitted = the served model."
     )
     n: int = Field(1, ge=1, le=MAX_N, description="Choices to generate per prompt.")
-    temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0, description="0 (or below 1e-5) = greedy.")
-    top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0 or -1 = off (vLLM extension).")
-    min_p: FiniteFloat = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
-    repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=10.0, description="vLLM extension.")
+    # Unset (null): the model's generation_config.json value, else the neutral one.
+    temperature: FiniteFloat | None = Field(
+        None, ge=0.0, le=2.0, description="0 (or below 1e-5) = greedy; null = the model's default, else 1."
+    )
+    top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0, description="null = the model's default, else 1.")
+    top_k: int | None = Field(
+        None, ge=-1, le=INT64_MAX, description="0 or -1 = off; null = the model's default (vLLM extension)."
+    )
+    min_p: FiniteFloat | None = Field(None, ge=0.0, le=1.0, description="vLLM extension; null = the model's default.")
+    repetition_penalty: FiniteFloat | None = Field(
+        None, gt=0.0, le=10.0, description="vLLM extension; null = the model's default, else 1."
+    )
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)

@@ -45,6 +45,7 @@ from paged_server.entrypoints.openai.structured import (
     tool_constraint,
 )
 from paged_server.entrypoints.openai.tool_calls import detect_parser
+from paged_server.generation_defaults import NEUTRAL
 from paged_server.sampling_params import MAX_LOGPROBS, SamplingParams
 from paged_server.structured_outputs import StructuredOutputsParams
 
@@ -76,7 +77,10 @@ class OpenAIServing:
         tool_call_parser: str | None = None,
         settings: Any = None,
         max_logprobs: int = MAX_LOGPROBS,
+        default_sampling: dict[str, Any] | None = None,
     ) -> None:
+        # the model's sampling defaults (generation_defaults.py)
+        self.default_sampling = dict(default_sampling or {})
         self.engine = engine
         self.max_logprobs = max_logprobs
         self.settings = settings
@@ -126,6 +130,8 @@ class OpenAIServing:
         ids = await _off_loop(self._render_chat, body, size=sum(len(m.text()) for m in body.messages))
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
+        if requested is None and "max_tokens" in self.default_sampling:  # max_new_tokens
+            max_tokens = min(max_tokens, int(self.default_sampling["max_tokens"]))
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self._check_length(len(ids), max_tokens, "messages", max_tokens_param=param)
         num_top = (body.top_logprobs or 0) if body.logprobs else None
@@ -234,6 +240,16 @@ class OpenAIServing:
             raise APIError(400, f"messages: {exc}", param="messages") from None
         return list(ids)
 
+    def _default(self, body: _SamplingFields, name: str) -> Any:
+        """The request's value, else the model's default (generation_config.json;
+        not for beam search, whose scores must stay raw), else the neutral one."""
+        value = getattr(body, name)
+        if value is not None:
+            return value
+        if not body.use_beam_search and name in self.default_sampling:
+            return self.default_sampling[name]
+        return NEUTRAL[name]
+
     def _params(
         self,
         body: _SamplingFields,
@@ -246,11 +262,11 @@ class OpenAIServing:
         params = SamplingParams(
             n=body.n,
             max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(0, body.top_k),
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
+            temperature=self._default(body, "temperature"),
+            top_p=self._default(body, "top_p"),
+            top_k=max(0, self._default(body, "top_k")),
+            min_p=self._default(body, "min_p"),
+            repetition_penalty=self._default(body, "repetition_penalty"),
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             seed=body.seed,
