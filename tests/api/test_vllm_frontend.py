@@ -108,3 +108,113 @@ def test_unset_sampling_fields_take_the_models_defaults(make_fake_engine: Any) -
     assert (explicit.temperature, explicit.top_k, explicit.max_tokens) == (0.7, 0, 9)
     assert explicit.repetition_penalty == 1.2  # unset: still the model's
     assert beams.repetition_penalty == 1.0  # beam scores stay raw log-probabilities
+
+
+def _scripted(engine: Any, pieces: list[str]) -> Any:
+    """``engine`` (the fake) answering every request with these text deltas."""
+    from paged_server.outputs import RequestOutput
+
+    def step() -> list[RequestOutput]:
+        outs = []
+        for rid, req in list(engine.requests.items()):
+            k = req.counts[0]
+            req.counts[0] += 1
+            done = k + 1 >= len(pieces)
+            outs.append(RequestOutput(
+                request_id=rid, index=0, new_token_ids=[5], new_text=pieces[k], new_logprobs=None,
+                finished=done, finish_reason="stop" if done else None, error=None,
+                num_prompt_tokens=len(req.prompt), num_generated_tokens=k + 1,
+            ))
+            if done:
+                del engine.requests[rid]
+        return outs
+
+    engine.step = step
+    return engine
+
+
+def _stream_deltas(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    import json
+
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(e)["choices"][0]["delta"] for e in events[:-1] if json.loads(e)["choices"]]
+
+
+THOUGHT = ["<th", "ink>Let me", " think</th", "ink>\n\nThe answer", " is 4"]
+CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+
+
+def test_reasoning_parser_splits_the_thought(make_fake_engine: Any) -> None:
+    settings = ServerSettings(model_name="fake-model", reasoning_parser="qwen3", tool_call_parser="hermes")
+    with ServerThread(_scripted(make_fake_engine(), THOUGHT), settings) as srv:
+        msg = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, timeout=30).json()["choices"][0]["message"]
+        assert (msg["reasoning_content"], msg["content"]) == ("Let me think", "The answer is 4")
+        deltas = _stream_deltas(srv.url, CHAT)
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me think"
+        assert "".join(d.get("content") or "" for d in deltas) == "The answer is 4"
+        hidden = httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "include_reasoning": False},
+                            timeout=30).json()["choices"][0]["message"]
+        assert hidden["reasoning_content"] is None and hidden["content"] == "The answer is 4"
+    # the tool parser reads the content only: a call inside the thought is thought
+    pieces = ["<think>maybe " + CALL, "</think>", CALL]
+    with ServerThread(_scripted(make_fake_engine(), pieces), settings) as srv:
+        choice = httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "tools": TOOLS},
+                            timeout=30).json()["choices"][0]
+        assert choice["message"]["reasoning_content"] == "maybe " + CALL
+        assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
+        deltas = _stream_deltas(srv.url, {**CHAT, "tools": TOOLS})
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "maybe " + CALL
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", []) if "name" in c["function"]] == ["f"]
+
+
+@pytest.mark.parametrize(("parser", "text", "expected"), [
+    ("qwen3", "<think>a</think>b", ("a", "b")),
+    ("qwen3", "no thought", (None, "no thought")),
+    ("qwen3", "<think>cut short", ("cut short", None)),
+    ("deepseek_r1", "a</think>b", ("a", "b")),
+    ("deepseek_r1", "<think>a</think>\nb", ("a", "b")),
+    ("deepseek_r1", "all thought", ("all thought", None)),
+])
+def test_reasoning_split_streamed_in_any_pieces_equals_whole(parser: str, text: str, expected: Any) -> None:
+    from paged_server.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
+
+    assert split_reasoning(parser, text) == expected
+    for size in (1, 2, 3):
+        stream, got = ReasoningStream(parser), ["", ""]
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for k, piece in enumerate(pieces):
+            r, c = stream.feed(piece, final=k == len(pieces) - 1)
+            got[0] += r
+            got[1] += c
+        assert (got[0] or None, got[1] or None) == expected, (size, got)
+
+
+def test_add_special_tokens_and_request_logs(make_fake_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from paged_server.tokenizer import Tokenizer
+
+    engine = make_fake_engine()
+    base = engine.tokenizer
+    hf = HFTokenizer.from_str(base.hf.to_str())  # the same vocabulary, with a BOS post-processor
+    hf.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    engine.tokenizer = Tokenizer(hf, chat_template=base.chat_template, special_tokens=base.special_tokens)
+    settings = ServerSettings(model_name="fake-model", log_requests=True)
+
+    def usage(srv: Any, path: str, body: dict[str, Any]) -> int:
+        resp = httpx.post(srv.url + path, json={**body, "max_tokens": 1}, timeout=30)
+        return int(resp.json()["usage"]["prompt_tokens"])
+
+    with caplog.at_level(logging.INFO, logger="paged_server.entrypoints.openai"), \
+            ServerThread(engine, settings) as srv:
+        with_bos = usage(srv, "/v1/completions", {"prompt": "hello", "user": "alice"})
+        without = usage(srv, "/v1/completions", {"prompt": "hello", "add_special_tokens": False})
+        chat_plain = usage(srv, "/v1/chat/completions", {"messages": CHAT["messages"]})
+        chat_bos = usage(srv, "/v1/chat/completions", {"messages": CHAT["messages"], "add_special_tokens": True})
+    assert with_bos == without + 1 and chat_bos == chat_plain + 1
+    assert "(user alice): prompt tokens" in caplog.text

@@ -80,6 +80,16 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     include_stop_str_in_output: bool = False
+    # vLLM's output and token-set controls:
+    skip_special_tokens: bool = True  # False: special tokens' text is in the output
+    # Accepted as vLLM with a fast tokenizer (tokenizer.json), which ignores it:
+    # special tokens join the text as the tokenizer decodes them.
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's rule)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
+    # bad_words as token ids, filled in by the engine (it has the tokenizer)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI allows a single string
@@ -146,10 +156,27 @@ class SamplingParams:
         _check_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
-        for name in ("ignore_eos", "use_beam_search"):
+        self._validate_token_sets()
+        for name in ("ignore_eos", "use_beam_search", "include_stop_str_in_output",
+                     "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         self._validate_beam_search()
+
+    def _validate_token_sets(self) -> None:
+        if not isinstance(self.bad_words, list) or not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise ValueError(f"bad_words: must be a list of non-empty strings, got {self.bad_words!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list) or not allowed or not all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise ValueError(
+                f"allowed_token_ids: must be a non-empty list of token ids (integers >= 0), got {allowed!r}"
+            )
+        if self.truncate_prompt_tokens is not None:
+            _int_in("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None)
 
     def _validate_beam_search(self) -> None:
         if self.best_of is not None:

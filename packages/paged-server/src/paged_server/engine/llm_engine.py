@@ -244,6 +244,25 @@ class LLMEngine:
             prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs,
         )
 
+    def _with_token_sets(self, params: SamplingParams) -> SamplingParams:
+        """``bad_words`` as token ids (each word alone and after a space, as
+        vLLM), and ``allowed_token_ids`` checked against the vocabulary."""
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.allowed_token_ids or [] if t >= vocab]
+        if outside:
+            raise ValueError(
+                f"allowed_token_ids: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})"
+            )
+        if not params.bad_words:
+            return params
+        words: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        return dataclasses.replace(params, bad_words_token_ids=words)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         """Queue a request; returns its prompt token count.
 
@@ -263,6 +282,9 @@ class LLMEngine:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
+        if params.truncate_prompt_tokens is not None:  # vLLM: keep the prompt's end
+            token_ids, text = token_ids[-params.truncate_prompt_tokens:], None
+        params = self._with_token_sets(params)
         check_prompt(
             token_ids,
             params,
@@ -593,7 +615,11 @@ class LLMEngine:
                     index=index,
                     token_ids=list(token_ids),
                     generator=generator,
-                    text_stream=IncrementalDetokenizer(self.tokenizer, context_ids=token_ids),
+                    text_stream=IncrementalDetokenizer(
+                        self.tokenizer,
+                        skip_special_tokens=params.skip_special_tokens,
+                        context_ids=token_ids,
+                    ),
                     status=SequenceStatus.WAITING if index == 0 else SequenceStatus.PENDING_FORK,
                 )
             )

@@ -36,6 +36,8 @@ class ReasoningStream:
     parser: str
     _state: str = ""  # "start" | "reasoning" | "content"
     _held: str = ""
+    _fresh: bool = True  # nothing of the thought seen yet (a repeated <think> is dropped)
+    _after_thought: bool = False  # newlines right after </think> are dropped
 
     def __post_init__(self) -> None:
         self._state = "reasoning" if REASONING_PARSERS[self.parser] else "start"
@@ -46,25 +48,30 @@ class ReasoningStream:
         reasoning, content = "", ""
         while text:
             if self._state == "content":
+                if self._after_thought:
+                    text = text.lstrip("\n")
+                    self._after_thought = not text
                 content += text
                 break
-            if self._state == "start":
-                stripped = text.lstrip()
+            stripped = text.lstrip()
+            if self._state == "start" or self._fresh:
                 if stripped.startswith(THINK_OPEN):
-                    self._state, text = "reasoning", stripped[len(THINK_OPEN):]
+                    self._state, self._fresh, text = "reasoning", False, stripped[len(THINK_OPEN):]
                     continue
                 if THINK_OPEN.startswith(stripped) and not final:
                     self._held = text  # maybe "<thi"...
                     break
-                self._state = "content"
-                continue
-            # reasoning: up to the closing tag
-            if reasoning == "" and text.startswith(THINK_OPEN):
-                text = text[len(THINK_OPEN):]  # deepseek_r1 models sometimes repeat it
-            end = text.find(THINK_CLOSE)
+                self._fresh = False
+                if self._state == "start":
+                    self._state = "content"
+                    continue
+            end = text.find(THINK_CLOSE)  # reasoning: up to the closing tag
             if end >= 0:
                 reasoning += text[:end]
-                self._state, text = "content", text[end + len(THINK_CLOSE):].lstrip("\n")
+                self._state, self._after_thought = "content", True
+                text = text[end + len(THINK_CLOSE):]
+                if not text:
+                    break
                 continue
             keep = 0 if final else _partial_suffix(text, THINK_CLOSE)
             reasoning += text[: len(text) - keep]

@@ -85,6 +85,8 @@ async def stream_chat(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[byt
     try:
         for i in range(gen.n):
             yield sse(fmt.chat_chunk(i, {"role": fmt.role, "content": ""}, None))
+            if fmt.chat_echo:  # the echoed last message comes first
+                yield sse(fmt.chat_chunk(i, {"content": fmt.chat_echo}, None))
         async for i, out in gen.outputs():
             if out.error:
                 yield sse(error_body(f"generation failed: {out.error}", "server_error"))
