@@ -58,7 +58,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to max_model_len (the engine fills it in)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -119,8 +119,9 @@ class SamplingParams:
         field; ``max_logprobs`` is the engine's (-1: any number, and -1 asks
         for the whole vocabulary)."""
         _int_in("n", self.n, 1, None)
-        _int_in("max_tokens", self.max_tokens, 1, max_model_len, high_is=" (max_model_len)")
-        _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, high_is=" (max_tokens)")
+        max_tokens = max_model_len if self.max_tokens is None else self.max_tokens
+        _int_in("max_tokens", max_tokens, 1, max_model_len, high_is=" (max_model_len)")
+        _int_in("min_tokens", self.min_tokens, 0, max_tokens, high_is=" (max_tokens)")
         if self.min_tokens and self.structured_outputs is not None:
             # The grammar allows only EOS once its document is complete.
             raise ValueError(

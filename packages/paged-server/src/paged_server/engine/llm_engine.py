@@ -284,6 +284,9 @@ class LLMEngine:
             token_ids, text = list(prompt), None
         if params.truncate_prompt_tokens is not None:  # vLLM: keep the prompt's end
             token_ids, text = token_ids[-params.truncate_prompt_tokens:], None
+        if params.max_tokens is None:  # vLLM: as many as the context leaves
+            room = max(1, self.config.max_model_len - len(token_ids))
+            params = dataclasses.replace(params, max_tokens=room)
         params = self._with_token_sets(params)
         check_prompt(
             token_ids,
