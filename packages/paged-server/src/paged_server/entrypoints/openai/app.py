@@ -43,6 +43,7 @@ from paged_server.entrypoints.openai.protocol import (
     lone_surrogate_path,
 )
 from paged_server.entrypoints.openai.serving import OpenAIServing
+from paged_server.entrypoints.openai.stats_logger import StatsLogger
 from paged_server.sampling_params import MAX_LOGPROBS
 from paged_server.entrypoints.openai.tokenization import (
     DetokenizeRequest,
@@ -122,8 +123,10 @@ def create_app(
     config: Any = getattr(engine, "config", None)
     max_model_len = int(config.max_model_len)
     metrics = ServerMetrics(settings.model_name, max_model_len)
+    _cache_config_info(metrics, engine)
     async_engine = AsyncEngine(
-        engine, metrics, audit_interval_s=settings.audit_interval_s, thread=thread
+        engine, metrics, audit_interval_s=settings.audit_interval_s, thread=thread,
+        stats_logger=StatsLogger() if settings.log_stats else None,
     )
     tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
@@ -283,6 +286,19 @@ def create_app(
             allow_credentials=settings.allow_credentials,
         )
     return app
+
+
+def _cache_config_info(metrics: ServerMetrics, engine: Any) -> None:
+    """``paged:cache_config_info`` from the engine's settings and its pool."""
+    config, capacity = engine.config, getattr(engine, "capacity", None)
+    metrics.set_cache_config(
+        block_size=str(config.block_size),
+        num_gpu_blocks=str(getattr(capacity, "num_blocks", config.num_gpu_blocks)),
+        cache_dtype=str(config.kv_cache_dtype),
+        enable_prefix_caching=str(config.enable_prefix_caching),
+        kv_cache_backend=str(config.kv_cache_backend),
+        gpu_memory_utilization=str(config.gpu_memory_utilization),
+    )
 
 
 def _document_400_not_422(app: FastAPI) -> None:

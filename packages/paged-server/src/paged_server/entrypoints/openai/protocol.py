@@ -95,7 +95,9 @@ class ResponseFormatParam(_Strict):
 class StructuredOutputsRequest(_Strict):
     """``structured_outputs`` (vLLM): exactly one constraint."""
 
-    json: dict[str, Any] | str | None = None
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # BaseModel has .json()
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = Field(None, description="Lark (llguidance) or GBNF.")

@@ -40,7 +40,7 @@ def request_constraint(body: Any) -> tuple[StructuredOutputsParams | None, str]:
     if so is None:
         return None, "structured_outputs"
     spec = StructuredOutputsParams(
-        json=so.json, json_object=bool(so.json_object), grammar=so.grammar, regex=so.regex,
+        json=so.json_, json_object=bool(so.json_object), grammar=so.grammar, regex=so.regex,
         choice=so.choice,
     )
     return _checked(spec, "structured_outputs"), "structured_outputs"
