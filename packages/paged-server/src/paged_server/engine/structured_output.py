@@ -26,8 +26,8 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import llguidance
-from llguidance.gbnf_to_lark import gbnf_to_lark
 import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 from torch import Tensor
 

@@ -44,7 +44,6 @@ from paged_server.entrypoints.openai.protocol import (
 )
 from paged_server.entrypoints.openai.serving import OpenAIServing
 from paged_server.entrypoints.openai.stats_logger import StatsLogger
-from paged_server.sampling_params import MAX_LOGPROBS
 from paged_server.entrypoints.openai.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -54,6 +53,7 @@ from paged_server.entrypoints.openai.tokenization import (
     VersionResponse,
     version,
 )
+from paged_server.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
 
