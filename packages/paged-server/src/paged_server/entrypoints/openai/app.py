@@ -237,8 +237,8 @@ def create_app(
         return {"server_load": int(m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0))}
 
     @app.get("/health", responses={503: {"description": "Engine dead or block audit failed"}})
-    @app.api_route("/ping", methods=["GET", "POST"],
-                   responses={503: {"description": "Engine dead or block audit failed"}})
+    # /ping: the same check under SageMaker's and vLLM's name (not in the schema: an alias)
+    @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
     async def health() -> JSONResponse:
         """200 when the engine thread answers and the KV block audit is clean
         (``/ping`` is the same check, as SageMaker and vLLM ask it)."""
