@@ -48,7 +48,7 @@ def test_frontend_flags_shape_the_chat_reply(make_fake_engine: Any, tmp_path: Pa
         assert httpx.post(srv.url + "/v1/chat/completions", json=forced, timeout=30).status_code == 200
 
 
-def test_probes_model_card_and_load(fake_server: Any) -> None:
+def test_probes_model_card_and_load(fake_server: Any, make_fake_engine: Any) -> None:
     url = fake_server.url
     assert httpx.get(url + "/ping").status_code == 200
     assert httpx.post(url + "/ping").status_code == 200
@@ -57,6 +57,14 @@ def test_probes_model_card_and_load(fake_server: Any) -> None:
     missing = httpx.get(url + "/v1/models/other")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert httpx.get(url + "/load").json() == {"server_load": 0}
+    args = build_parser().parse_args(["serve", "--served-model-name", "main", "alias"])
+    assert args.served_model_name == ["main", "alias"]
+    settings = ServerSettings(model_name="main", model_aliases=("alias",))
+    with ServerThread(make_fake_engine(), settings) as srv:  # vLLM accepts every served name
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["main", "alias"]
+        body = {"model": "alias", "prompt": "x", "max_tokens": 1}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert httpx.post(srv.url + "/v1/completions", json={**body, "model": "other"}).status_code == 404
 
 
 def test_cors_only_with_allowed_origins_and_root_path(make_fake_engine: Any) -> None:

@@ -80,7 +80,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
         f"(default: ${API_KEY_ENV} if set, else no key)",
     )
-    p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model id(s) clients send; the first is reported (default: the model "
+                   "directory's name, or the Hugging Face id it was named by)")
     p.add_argument("--max-body-bytes", type=_at_least(int, 1), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get HTTP 413")
     p.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0,
@@ -176,7 +178,9 @@ def _run_serve(args: argparse.Namespace) -> int:
               f"({str(exc).splitlines()[0][:200]}); lower --max-model-len or --max-batch-size, "
               "or size the cache with --num-gpu-blocks / --kv-cache-memory-bytes", file=sys.stderr)
         return 2
-    settings.model_name = served_model_name(config, args.served_model_name)
+    names = args.served_model_name or []
+    settings.model_name = served_model_name(config, names[0] if names else None)
+    settings.model_aliases = tuple(names[1:])  # vLLM: every name is accepted
     serve(engine, settings, sock, args.log_level, thread)
     return 0
 

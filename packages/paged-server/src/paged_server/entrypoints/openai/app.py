@@ -92,6 +92,7 @@ class ServerSettings:
     """HTTP-side settings (the engine's are in ``EngineConfig``)."""
 
     model_name: str
+    model_aliases: tuple[str, ...] = ()  # more names clients may send (--served-model-name a b)
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0
@@ -210,9 +211,9 @@ def create_app(
     async def get_version() -> dict[str, str]:
         return version()
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str | None = None) -> dict[str, Any]:
         return {
-            "id": settings.model_name,
+            "id": name or settings.model_name,
             "object": "model",
             "created": created,
             "owned_by": "paged",
@@ -222,13 +223,14 @@ def create_app(
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        names = (settings.model_name, *settings.model_aliases)
+        return {"object": "list", "data": [model_card(name) for name in names]}
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def model(model_id: str) -> dict[str, Any]:
         """One model (OpenAI's retrieve-model); 404 for any other id."""
         serving.check_model(model_id)
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/load")
     async def load() -> dict[str, int]:

@@ -207,7 +207,8 @@ class OpenAIServing:
             )
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        aliases = getattr(self.settings, "model_aliases", ())
+        if model is not None and model != self.model_name and model not in aliases:
             raise APIError(
                 404,
                 f"model: '{model}' is not served here; this server serves '{self.model_name}' "
