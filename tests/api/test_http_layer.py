@@ -138,11 +138,12 @@ def test_non_streaming_client_that_gives_up_is_aborted(make_fake_engine: Any) ->
         assert not engine.requests
 
 
-def test_api_key_guards_everything_but_health(fake_engine: Any) -> None:
+def test_api_key_guards_everything_but_probes_and_metrics(fake_engine: Any) -> None:
     settings = ServerSettings(model_name="fake-model", api_key="s3cret")
     with ServerThread(fake_engine, settings) as srv:
-        assert httpx.get(srv.url + "/health").status_code == 200
-        for path in ("/v1/models", "/metrics", "/openapi.json"):
+        for path in ("/health", "/ping", "/metrics"):  # open, as vLLM's
+            assert httpx.get(srv.url + path).status_code == 200, path
+        for path in ("/v1/models", "/openapi.json"):
             resp = httpx.get(srv.url + path)
             assert resp.status_code == 401
             assert "missing API key" in resp.json()["error"]["message"]
@@ -150,6 +151,11 @@ def test_api_key_guards_everything_but_health(fake_engine: Any) -> None:
         assert wrong.status_code == 401 and "wrong API key" in wrong.json()["error"]["message"]
         ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "fake-model"
+    settings.metrics_need_api_key = True  # --metrics-need-api-key
+    with ServerThread(fake_engine, settings) as srv:
+        assert httpx.get(srv.url + "/metrics").status_code == 401
+        authorized = httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer s3cret"})
+        assert authorized.status_code == 200
 
 
 @pytest.mark.parametrize(

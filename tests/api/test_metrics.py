@@ -116,4 +116,9 @@ def test_finished_requests_fill_the_per_request_histograms(fake_engine: Any) -> 
     assert metrics.sample("request_generation_tokens_sum") == 8  # both choices
     assert metrics.sample("request_time_per_output_token_seconds_count") == 1
     assert metrics.sample("inter_token_latency_seconds_count") >= 6  # 3 gaps per choice at least
-    assert metrics.num_finished("length") == 2
+    assert metrics.num_finished("length") == 1  # one request (two choices)
+    assert metrics.sample("request_params_n_sum") == 2
+    assert metrics.sample("request_params_max_tokens_sum") == 4
+    assert metrics.sample("request_max_num_generation_tokens_sum") == 4
+    assert metrics.sample("request_decode_time_seconds_count") == 1
+    assert metrics.sample("iteration_tokens_total_count") >= 4  # one per step that made tokens

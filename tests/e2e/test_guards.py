@@ -70,7 +70,8 @@ def test_n_above_max_batch_size_is_400_and_does_not_block_the_queue(guarded: Ser
 def test_api_key_is_required_everywhere_but_health(guarded: ServerThread) -> None:
     url = guarded.url
     assert httpx.get(url + "/health").status_code == 200
-    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+    assert httpx.get(url + "/metrics").status_code == 200  # open by default, as vLLM's
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"),
                          ("POST", "/v1/chat/completions")]:
         resp = httpx.request(method, url + path, json={"prompt": "x"})
         assert resp.status_code == 401, path

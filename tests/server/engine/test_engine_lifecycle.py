@@ -222,6 +222,8 @@ def test_metrics_report_the_contract_keys(make_engine, run_engine, prompt_of, gr
         "num_requests_waiting",
         "kv_cache_usage_perc",
         "num_preemptions_total",
+        "num_forks_total",
+        "num_cow_copies_total",
         "prefix_cache_queries_total",
         "prefix_cache_hits_total",
         "prompt_tokens_total",

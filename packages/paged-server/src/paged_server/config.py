@@ -7,11 +7,15 @@ choices for this machine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from paged_server.sampling_params import MAX_LOGPROBS
 
 KV_CACHE_BACKENDS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "ref", "triton")
@@ -51,7 +55,8 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # None: 0.9 on CUDA, off on CPU
     max_batch_size: int = 64
     max_num_batched_tokens: int | None = None  # None: by device, see resolve_max_num_batched_tokens
-    max_model_len: int = 2048
+    # None: the model's max_position_embeddings (see with_model_len)
+    max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # True: one page table for every layer even when some slide (no block freed early).
     disable_hybrid_kv_cache_manager: bool = False
@@ -68,6 +73,12 @@ class EngineConfig:
     # None: the checkpoint's own format (dense, or its quantization_config); see
     # models/quantization/methods.py for the names (vLLM's --quantization).
     quantization: str | None = None
+    # vLLM's names, below: what a `vllm serve` launch line sets.
+    max_logprobs: int = MAX_LOGPROBS  # most logprobs/prompt_logprobs a request may ask for (-1: vocab)
+    tokenizer: str | None = None  # tokenizer directory when not the model's
+    generation_config: str = "auto"  # "auto": the model's sampling defaults; "vllm": none; or a directory
+    override_generation_config: dict[str, Any] | None = None  # on top of generation_config
+    disable_sliding_window: bool = False  # full attention, max_model_len capped at the window
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field and what to do."""
@@ -86,7 +97,8 @@ class EngineConfig:
             )
         for name in ("block_size", "max_batch_size", "max_queue_len", "tensor_parallel_size"):
             _at_least(name, getattr(self, name), 1)
-        _at_least("max_model_len", self.max_model_len, 2)  # one prompt token + one generated
+        if self.max_model_len is not None:
+            _at_least("max_model_len", self.max_model_len, 2)  # one prompt token + one generated
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
@@ -98,6 +110,17 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"gpu_memory_utilization: must be a fraction in (0, 1], got {share!r}"
+            )
+        if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs: must be an integer >= -1 (-1: the whole vocabulary), got {self.max_logprobs!r}"
+            )
+        if self.override_generation_config is not None and not isinstance(
+            self.override_generation_config, dict
+        ):
+            raise ValueError(
+                "override_generation_config: must be a JSON object such as "
+                f'{{"temperature": 0.5}}, got {self.override_generation_config!r}'
             )
         if not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
@@ -111,7 +134,11 @@ class EngineConfig:
                 f"max_batch_size ({self.max_batch_size}) so every running sequence can "
                 "decode in one step; raise it or lower max_batch_size"
             )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False, "
@@ -136,6 +163,28 @@ class EngineConfig:
                 "calculate_kv_scales: not supported with tensor_parallel_size > 1 yet (the "
                 "calibration pass runs on one rank); drop the flag or use one device"
             )
+
+
+def with_model_len(
+    config: EngineConfig, max_position_embeddings: int, sliding_window: int | None
+) -> EngineConfig:
+    """``config`` with a concrete ``max_model_len``: as given, else the
+    model's ``max_position_embeddings`` (as vLLM). ``disable_sliding_window``
+    caps it at the model's window (within it, windowed attention is full
+    attention) and keeps every layer's blocks in one page table."""
+    length = config.max_model_len
+    if config.disable_sliding_window and sliding_window is not None:
+        if length is not None and length > sliding_window:
+            raise ValueError(
+                f"max_model_len: {length} is more than the model's sliding window "
+                f"{sliding_window}; with disable_sliding_window the context is capped at the "
+                "window: lower --max-model-len or drop --disable-sliding-window"
+            )
+        length = min(length or max_position_embeddings, sliding_window)
+        config = dataclasses.replace(config, disable_hybrid_kv_cache_manager=True)
+    if length is None:
+        length = max_position_embeddings
+    return dataclasses.replace(config, max_model_len=length)
 
 
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: run past the model's trained length on purpose.
@@ -178,7 +227,7 @@ def resolve_max_num_batched_tokens(config: EngineConfig, device: torch.device) -
         return config.max_num_batched_tokens
     budget = DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cuda"])
     if not config.enable_chunked_prefill:
-        budget = max(budget, config.max_model_len)
+        budget = max(budget, config.max_model_len or 0)
     return max(budget, config.max_batch_size)
 
 
@@ -195,20 +244,34 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def resolve_dtype(
-    config: EngineConfig, device: torch.device, cpu_bf16: bool | None = None
+    config: EngineConfig,
+    device: torch.device,
+    cpu_bf16: bool | None = None,
+    checkpoint_dtype: str | None = None,
 ) -> torch.dtype:
-    """``auto`` is bfloat16 on CUDA, and on a CPU with bf16 matrix units
-    (AMX or AVX512-BF16: oneDNN runs bf16 GEMMs several times faster than
-    fp32, as vLLM's CPU backend uses them); float32 on other CPUs, where half
-    math is slow. Softmax and logits stay float32 either way. ``cpu_bf16``
+    """``auto`` is the checkpoint's dtype (config.json's ``torch_dtype`` /
+    ``dtype``), as vLLM: float16 stays float16 on CUDA; float32 (and a
+    checkpoint that names none) runs in bfloat16 on CUDA, as vLLM downcasts
+    it. On a CPU, 16-bit weights run in bfloat16 when it has bf16 matrix
+    units (AMX or AVX512-BF16: oneDNN runs bf16 GEMMs several times faster
+    than fp32, as vLLM's CPU backend uses them), else in float32 (one log
+    line says so: half math is slow there); a float32 checkpoint keeps that
+    rule too. Softmax and logits stay float32 either way. ``cpu_bf16``
     overrides the detection (``cpu_has_bf16``)."""
     if config.dtype != "auto":
         return DTYPES[config.dtype]
     if device.type == "cuda":
-        return torch.bfloat16
+        return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
     if cpu_bf16 is None:
         cpu_bf16 = cpu_has_bf16()
-    return torch.bfloat16 if cpu_bf16 else torch.float32
+    if cpu_bf16:
+        return torch.bfloat16
+    if checkpoint_dtype in ("bfloat16", "float16"):
+        logging.getLogger(__name__).info(
+            "dtype auto: the checkpoint is %s but this CPU has no bf16 matrix units "
+            "(AMX/AVX512-BF16); running in float32", checkpoint_dtype,
+        )
+    return torch.float32
 
 
 def cpu_has_bf16() -> bool:

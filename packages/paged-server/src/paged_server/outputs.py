@@ -76,6 +76,12 @@ class CompletionResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionChoice] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's name)
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has a finish reason (as vLLM's ``RequestOutput.finished``)."""
+        return all(c.finish_reason is not None for c in self.outputs)
 
 
 @dataclass(slots=True)

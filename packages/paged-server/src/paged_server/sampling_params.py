@@ -58,7 +58,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to max_model_len (the engine fills it in)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -80,6 +80,16 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     include_stop_str_in_output: bool = False
+    # vLLM's output and token-set controls:
+    skip_special_tokens: bool = True  # False: special tokens' text is in the output
+    # Accepted as vLLM with a fast tokenizer (tokenizer.json), which ignores it:
+    # special tokens join the text as the tokenizer decodes them.
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's rule)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
+    # bad_words as token ids, filled in by the engine (it has the tokenizer)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI allows a single string
@@ -104,11 +114,14 @@ class SamplingParams:
         """Sequences the engine runs for the request: ``n`` choices, or the beams."""
         return self.beam_width if self.use_beam_search else self.n
 
-    def validate(self, max_model_len: int) -> None:
-        """Raise ``ValueError("<field>: what is wrong")`` for the first bad field."""
+    def validate(self, max_model_len: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Raise ``ValueError("<field>: what is wrong")`` for the first bad
+        field; ``max_logprobs`` is the engine's (-1: any number, and -1 asks
+        for the whole vocabulary)."""
         _int_in("n", self.n, 1, None)
-        _int_in("max_tokens", self.max_tokens, 1, max_model_len, high_is=" (max_model_len)")
-        _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, high_is=" (max_tokens)")
+        max_tokens = max_model_len if self.max_tokens is None else self.max_tokens
+        _int_in("max_tokens", max_tokens, 1, max_model_len, high_is=" (max_model_len)")
+        _int_in("min_tokens", self.min_tokens, 0, max_tokens, high_is=" (max_tokens)")
         if self.min_tokens and self.structured_outputs is not None:
             # The grammar allows only EOS once its document is complete.
             raise ValueError(
@@ -135,15 +148,36 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            if value == -1 and max_logprobs == -1 and not isinstance(value, bool):
+                continue  # the whole vocabulary, as vLLM with max_logprobs -1
             if value is not None:
-                _int_in(name, value, 0, MAX_LOGPROBS, hint=" (top alternatives; 0 = the token only)")
+                _int_in(name, value, 0, max_logprobs if max_logprobs >= 0 else None,
+                        hint=" (top alternatives; 0 = the token only; -1 = all, with "
+                        "--max-logprobs -1)", high_is=" (the server's --max-logprobs)")
         _check_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
-        for name in ("ignore_eos", "use_beam_search"):
+        self._validate_token_sets()
+        for name in ("ignore_eos", "use_beam_search", "include_stop_str_in_output",
+                     "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         self._validate_beam_search()
+
+    def _validate_token_sets(self) -> None:
+        if not isinstance(self.bad_words, list) or not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise ValueError(f"bad_words: must be a list of non-empty strings, got {self.bad_words!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list) or not allowed or not all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise ValueError(
+                f"allowed_token_ids: must be a non-empty list of token ids (integers >= 0), got {allowed!r}"
+            )
+        if self.truncate_prompt_tokens is not None:
+            _int_in("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None)
 
     def _validate_beam_search(self) -> None:
         if self.best_of is not None:

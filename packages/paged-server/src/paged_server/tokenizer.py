@@ -100,26 +100,55 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **template_vars: Any,
     ) -> Any:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the
-        checkpoint's chat template; the prompt text, or its ids with
-        ``tokenize=True`` (special tokens come from the template, none added)."""
-        if self.chat_template is None:
+        checkpoint's chat template (or ``chat_template``); the prompt text, or
+        its ids with ``tokenize=True`` (special tokens come from the template,
+        none added). ``continue_final_message`` leaves the last message open
+        (the text ends where its content ends), as transformers does, so the
+        model continues it."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt; "
+                "set add_generation_prompt to false"
+            )
+        if chat_template is not None:
+            template = _jinja_env().from_string(chat_template)
+        elif self.chat_template is None:
             raise ValueError(
                 "this model has no chat template (chat_template in tokenizer_config.json or "
                 "chat_template.jinja); send a plain prompt to /v1/completions instead"
             )
-        if self._template is None:
-            self._template = _jinja_env().from_string(self.chat_template)
+        else:
+            if self._template is None:
+                self._template = _jinja_env().from_string(self.chat_template)
+            template = self._template
         # As transformers does: tools/documents are None (templates test
         # `is not none`), special token strings and caller variables visible.
         variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens}
         variables.update(template_vars)
         variables["messages"] = [dict(m) for m in messages]
         variables["add_generation_prompt"] = add_generation_prompt
-        text = self._template.render(**variables)
+        text = template.render(**variables)
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The rendered chat up to the end of the last message's content."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):
+        final = "".join(p.get("text", "") for p in final if isinstance(p, Mapping))
+    if not final or (end := text.rfind(final.strip())) < 0:
+        raise ValueError(
+            "continue_final_message: the final message's content is not in the rendered "
+            "chat; send a final message with text content"
+        )
+    return text[: end + len(final.strip())]
 
 
 def _read_json(file: Path) -> dict[str, Any]:

@@ -112,9 +112,10 @@ class AbsmaxRecorder:
             )
 
 
-def calibration_token_ids(encode: Callable[[str], list[int]], max_model_len: int) -> list[int]:
-    """The calibration text's token ids, at most ``CALIBRATION_TOKENS`` and ``max_model_len``."""
-    ids = list(encode(CALIBRATION_TEXT))[: min(CALIBRATION_TOKENS, max_model_len)]
+def calibration_token_ids(encode: Callable[[str], list[int]], max_model_len: int | None) -> list[int]:
+    """The calibration text's token ids, at most ``CALIBRATION_TOKENS`` and
+    ``max_model_len`` (``None``: a config the engine has not resolved yet)."""
+    ids = list(encode(CALIBRATION_TEXT))[: min(CALIBRATION_TOKENS, max_model_len or CALIBRATION_TOKENS)]
     if not ids:
         raise ValueError("calculate_kv_scales: the tokenizer encodes the calibration text to no tokens")
     return ids

@@ -14,7 +14,8 @@ In order of precedence:
      after the weights are loaded).
 4. Otherwise (CPU default): ``max_batch_size * max_model_len`` tokens, the
    contiguous pool's capacity, so the two layouts compare like for like and
-   tests stay small.
+   tests stay small; at most ``CPU_DEFAULT_KV_BYTES`` (4 GiB) or one
+   whole sequence, whichever is more.
 
 A budget that holds no block refuses to start, saying what used the memory.
 """
@@ -32,6 +33,11 @@ from paged_server.config import EngineConfig
 
 GIB = 1024**3
 DEFAULT_CUDA_UTILIZATION = 0.9
+# The CPU default pool (max_batch_size x max_model_len) is capped here (or
+# at one whole sequence, if more), as vLLM's CPU backend defaults to a fixed
+# KV space: with max_model_len from the model (32k-128k) the uncapped
+# product would not fit any machine.
+CPU_DEFAULT_KV_BYTES = 4 * GIB
 
 
 @dataclass(slots=True)
@@ -64,6 +70,22 @@ def kv_budget(
     if config.kv_cache_memory_bytes is not None:
         return KVBudget(config.kv_cache_memory_bytes, None, "--kv-cache-memory-bytes")
     if not sizes_by_memory_share(config, device):
+        wanted = config.max_batch_size * (config.max_model_len or 0) * token_bytes
+        if wanted > CPU_DEFAULT_KV_BYTES:  # a model's full context (40960) x 64 sequences
+            one = (config.max_model_len or 0) * token_bytes  # at least one whole sequence
+            cap = max(CPU_DEFAULT_KV_BYTES, one)
+            if one > CPU_DEFAULT_KV_BYTES and one > (available := available_cpu_memory()):
+                raise ValueError(
+                    f"max_model_len: one sequence of {config.max_model_len} tokens needs "
+                    f"{one / GIB:.1f} GiB of KV cache, more than the {available / GIB:.1f} GiB "
+                    "of available memory; lower --max-model-len or size the cache with "
+                    "--kv-cache-memory-bytes"
+                )
+            return KVBudget(
+                cap, None,
+                f"the CPU default cap of {cap / GIB:.3g} GiB (max_batch_size x "
+                f"max_model_len would take {wanted / GIB:.1f} GiB; set --kv-cache-memory-bytes)",
+            )
         return KVBudget(None, None, "max_batch_size x max_model_len (CPU default)")
     utilization = config.gpu_memory_utilization
     if utilization is None:  # CUDA's default share

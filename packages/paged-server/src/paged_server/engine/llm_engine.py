@@ -43,6 +43,7 @@ from paged_server.config import (
     resolve_device,
     resolve_dtype,
     resolve_max_num_batched_tokens,
+    with_model_len,
 )
 from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam_search, ready_rows
 from paged_server.engine.checks import audit_engine, check_prompt
@@ -61,12 +62,15 @@ from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.engine.structured_output import StructuredOutput
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
+from paged_server.generation_defaults import generation_defaults
+from paged_server.model_dir import checkpoint_dtype, resolve_model_dir
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.loader import read_model_config
 from paged_server.models.quantization import weights_summary
 from paged_server.models.tensor_parallel import shard_heads
 from paged_server.outputs import RequestOutput
 from paged_server.sampling_params import SamplingParams
+from paged_server.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from paged_server.parallel import TensorParallelExecutor
@@ -84,6 +88,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
         model_config = loaded.config if loaded is not None else read_model_config(_model_path(config))
+        config = with_model_len(config, model_config.max_position_embeddings, model_config.sliding_window)
+        # Sampling defaults a request leaves unset (vLLM's --generation-config).
+        self.default_sampling = generation_defaults(
+            _model_path(config) if config.model is not None or loaded is None else None,
+            config.generation_config,
+            config.override_generation_config,
+        )
+        assert config.max_model_len is not None
         check_max_model_len(config.max_model_len, model_config.max_position_embeddings)  # before loading
         self.executor: TensorParallelExecutor | None = None
         self.failed: str | None = None  # set when the engine can no longer step
@@ -115,13 +127,15 @@ class LLMEngine:
         self.executor = TensorParallelExecutor(
             config, device, resolve_attention_backend(config, device)
         )
-        return self.executor.load_model(_model_path(config), resolve_dtype(config, device))
+        path = _model_path(config)
+        return self.executor.load_model(path, resolve_dtype(config, device, checkpoint_dtype=checkpoint_dtype(path)))
 
     def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         if loaded is None:
             device = resolve_device(config)
+            path = _model_path(config)
             loaded = load_model(
-                _model_path(config), resolve_dtype(config, device), device,
+                path, resolve_dtype(config, device, checkpoint_dtype=checkpoint_dtype(path)), device,
                 quantization=config.quantization,
             )  # fmt: skip
         device = next(loaded.model.parameters()).device
@@ -133,6 +147,8 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config, device)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        if config.tokenizer is not None:  # vLLM's --tokenizer: another directory's
+            self.tokenizer = Tokenizer.from_dir(resolve_model_dir(config.tokenizer))
         self.model_config = loaded.config
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         mc, executor = loaded.config, self.executor
@@ -226,6 +242,36 @@ class LLMEngine:
         )
 
     # -- submission ------------------------------------------------------------
+    def _whole_vocab_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """``logprobs`` / ``prompt_logprobs`` of -1 (vLLM: every token) as the vocabulary size."""
+        if -1 not in (params.logprobs, params.prompt_logprobs) or self.config.max_logprobs != -1:
+            return params
+        vocab = self.model_config.vocab_size
+        return dataclasses.replace(
+            params,
+            logprobs=vocab if params.logprobs == -1 else params.logprobs,
+            prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs,
+        )
+
+    def _with_token_sets(self, params: SamplingParams) -> SamplingParams:
+        """``bad_words`` as token ids (each word alone and after a space, as
+        vLLM), and ``allowed_token_ids`` checked against the vocabulary."""
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.allowed_token_ids or [] if t >= vocab]
+        if outside:
+            raise ValueError(
+                f"allowed_token_ids: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})"
+            )
+        if not params.bad_words:
+            return params
+        words: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        return dataclasses.replace(params, bad_words_token_ids=words)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         """Queue a request; returns its prompt token count.
 
@@ -235,7 +281,8 @@ class LLMEngine:
         """
         if self.failed is not None:
             raise EngineFailedError(self.failed)
-        params.validate(self.config.max_model_len)
+        params = self._whole_vocab_logprobs(params)
+        params.validate(self.config.max_model_len, self.config.max_logprobs)
         if isinstance(prompt, str):
             try:
                 token_ids = self.tokenizer.encode(prompt)
@@ -244,6 +291,12 @@ class LLMEngine:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
+        if params.truncate_prompt_tokens is not None:  # vLLM: keep the prompt's end
+            token_ids, text = token_ids[-params.truncate_prompt_tokens:], None
+        if params.max_tokens is None:  # vLLM: as many as the context leaves
+            room = max(1, self.config.max_model_len - len(token_ids))
+            params = dataclasses.replace(params, max_tokens=room)
+        params = self._with_token_sets(params)
         check_prompt(
             token_ids,
             params,
@@ -575,7 +628,11 @@ class LLMEngine:
                     index=index,
                     token_ids=list(token_ids),
                     generator=generator,
-                    text_stream=IncrementalDetokenizer(self.tokenizer, context_ids=token_ids),
+                    text_stream=IncrementalDetokenizer(
+                        self.tokenizer,
+                        skip_special_tokens=params.skip_special_tokens,
+                        context_ids=token_ids,
+                    ),
                     status=SequenceStatus.WAITING if index == 0 else SequenceStatus.PENDING_FORK,
                 )
             )
@@ -623,7 +680,7 @@ def _model_path(config: EngineConfig) -> str:
     if config.model == TRAINED_MODEL_ALIAS:
         return str(ensure_trained_model())
     if config.model is not None:
-        return config.model
+        return resolve_model_dir(config.model)
     from paged_server.default_model import ensure_default_model
 
     return str(ensure_default_model())

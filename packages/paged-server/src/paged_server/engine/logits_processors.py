@@ -1,6 +1,8 @@
 """Per-request edits of the logits before penalties and sampling:
-``logit_bias`` (added to the listed tokens' logits) and ``min_tokens``
+``logit_bias`` (added to the listed tokens' logits), ``min_tokens``
 (EOS and ``stop_token_ids`` masked until that many tokens are generated),
+``bad_words`` (a word's last token masked when the output ends with the
+tokens before it) and ``allowed_token_ids`` (every other token masked),
 as vLLM applies them. Rows that ask for neither are untouched, and a batch
 where none asks costs nothing.
 """
@@ -20,8 +22,13 @@ if TYPE_CHECKING:
 def apply_logits_processors(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     """``logits`` (``[batch, vocab]``) with every row's bias and masks applied."""
     edits: list[tuple[int, int, float]] = []  # (row, token, bias); -inf masks
+    logits = _allow_only(logits, rows)
     for i, row in enumerate(rows):
         params = row.params
+        if params.bad_words_token_ids:
+            output = list(row.token_ids[row.num_prompt_tokens:])
+            edits += [(i, word[-1], float("-inf")) for word in params.bad_words_token_ids
+                      if len(word) == 1 or output[len(output) - len(word) + 1:] == word[:-1]]
         if params.logit_bias:
             edits += [(i, token, float(bias)) for token, bias in params.logit_bias.items()]
         generated = len(row.token_ids) - row.num_prompt_tokens
@@ -39,3 +46,17 @@ def apply_logits_processors(logits: Tensor, rows: Sequence[SamplingRow]) -> Tens
     tok_idx = torch.tensor([e[1] for e in edits], device=device)
     values = torch.tensor([e[2] for e in edits], device=device, dtype=logits.dtype)
     return logits.index_put((row_idx, tok_idx), values, accumulate=True)
+
+
+def _allow_only(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Rows with ``allowed_token_ids``: every other token masked."""
+    limited = [(i, row.params.allowed_token_ids) for i, row in enumerate(rows)
+               if row.params.allowed_token_ids]
+    if not limited:
+        return logits
+    vocab = logits.shape[-1]
+    keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+    for i, allowed in limited:
+        keep[i] = False
+        keep[i, [t for t in allowed if t < vocab]] = True
+    return logits.masked_fill(~keep, float("-inf"))

@@ -47,6 +47,8 @@ class EngineCounters:
             "num_requests_waiting": float(num_waiting),
             "kv_cache_usage_perc": usage,
             "num_preemptions_total": float(self.preemptions),
+            "num_forks_total": float(stats.get("forks", 0)),
+            "num_cow_copies_total": float(stats.get("cow_copies", 0)),
             "prefix_cache_queries_total": float(stats.get("prefix_queries_tokens", 0)),
             "prefix_cache_hits_total": float(stats.get("prefix_hits_tokens", 0)),
             "prompt_tokens_total": float(self.prompt_tokens),

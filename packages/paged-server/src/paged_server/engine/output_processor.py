@@ -38,7 +38,9 @@ def append_token(
             seq.new_top_logprobs.append(logprob.top)
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         seq.finish("stop")
-        _add_text(seq, seq.text_stream.flush())
+        # the stop token's own text only with include_stop_str_in_output
+        kept = seq.text_stream.add(token_id) if params.include_stop_str_in_output else ""
+        _add_text(seq, kept + seq.text_stream.flush())
     else:
         _add_text(seq, seq.text_stream.add(token_id))
         if not seq.is_finished and (
@@ -58,13 +60,17 @@ def finish_early(seq: Sequence, reason: str) -> None:
 
 
 def _add_text(seq: Sequence, piece: str) -> None:
-    """Append detokenized text, cutting (and finishing) at a stop string."""
+    """Append detokenized text, cutting (and finishing) at a stop string
+    (after it with ``include_stop_str_in_output``)."""
     if not piece:
         return
     old_len = len(seq.output_text)
     seq.output_text += piece
-    cut = find_stop(seq.output_text, seq.request.params.stop, old_len)
+    params = seq.request.params
+    cut = find_stop(seq.output_text, params.stop, old_len)
     if cut is not None:
+        if params.include_stop_str_in_output:
+            cut += max(len(s) for s in params.stop if seq.output_text.startswith(s, cut))
         seq.output_text = seq.output_text[:cut]
         seq.finish("stop")
 

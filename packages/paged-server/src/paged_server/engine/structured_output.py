@@ -27,6 +27,7 @@ from typing import Any
 
 import llguidance
 import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 from torch import Tensor
 
@@ -46,6 +47,15 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
     spec.validate()
     if spec.grammar is not None:
         grammar = spec.grammar
+        if "::=" in grammar:  # GBNF (vLLM's xgrammar dialect) -> Lark
+            try:
+                grammar = gbnf_to_lark(grammar)
+            except Exception as exc:
+                raise ValueError(f"structured_outputs: invalid GBNF grammar: {_short(str(exc))}") from None
+    elif spec.regex is not None:
+        grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    elif spec.choice is not None:
+        grammar = "start: " + " | ".join(json.dumps(c) for c in spec.choice)
     else:
         schema = _ANY_JSON_OBJECT if spec.json_object else spec.json
         if isinstance(schema, str):
@@ -61,7 +71,8 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
             raise ValueError(f"structured_outputs: invalid JSON schema: {exc}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        kind = "grammar" if spec.grammar is not None else "JSON schema"
+        kind = ("grammar" if spec.grammar is not None else "regex" if spec.regex is not None
+                else "choice" if spec.choice is not None else "JSON schema")
         raise ValueError(f"structured_outputs: invalid {kind}: {_short(error)}")
     return grammar
 

@@ -17,6 +17,8 @@ import socket
 import sys
 from typing import Any
 
+from paged_server.entrypoints.vllm_flags import HintingParser
+
 API_KEY_ENV = "PAGED_API_KEY"
 
 
@@ -57,14 +59,19 @@ def _port(text: str) -> int:
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from paged_server.entrypoints.openai.engine_args import add_engine_flags
     from paged_server.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES
-    from paged_server.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+    from paged_server.entrypoints.openai.frontend_args import add_frontend_flags
+    from paged_server.entrypoints.vllm_flags import add_refused_flags
 
     p = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. "
+        "Takes `vllm serve` launch lines: vLLM's flag names work (see README's table).",
         formatter_class=_HelpFormatter,
     )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model directory, or a Hugging Face id already in the local HF cache "
+                   "(as `vllm serve MODEL`); same as --model")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port (0 = any free port)")
     p.add_argument(
@@ -73,7 +80,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
         f"(default: ${API_KEY_ENV} if set, else no key)",
     )
-    p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model id(s) clients send; the first is reported (default: the model "
+                   "directory's name, or the Hugging Face id it was named by)")
     p.add_argument("--max-body-bytes", type=_at_least(int, 1), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get HTTP 413")
     p.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0,
@@ -81,10 +90,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--audit-interval", type=_at_least(float, 0), default=60.0,
                    help="seconds between KV block audits while the engine is idle; findings are "
                    "logged and exported as paged:kv_audit_problems (0 = never)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
-                   help="tool-call format of the model (default: detected from its chat template)")
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of the server and uvicorn (vLLM: --uvicorn-log-level)")
+    add_frontend_flags(p)
     add_engine_flags(p)
+    add_refused_flags(p)
 
 
 def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -116,9 +127,9 @@ def _give_threads_to(thread: Any) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from paged_server.entrypoints.openai.app import ServerSettings
     from paged_server.entrypoints.openai.async_engine import EngineThread
     from paged_server.entrypoints.openai.engine_args import engine_config_from_args
+    from paged_server.entrypoints.openai.frontend_args import settings_from_args
     from paged_server.entrypoints.openai.server import (
         bind_socket,
         build_engine,
@@ -126,12 +137,19 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name,
     )
 
+    if args.model_tag is not None:  # `serve MODEL`, as `vllm serve MODEL`
+        if args.model is not None and args.model != args.model_tag:
+            print(f"paged-server serve: model: given twice ({args.model_tag} and --model "
+                  f"{args.model}); pass one", file=sys.stderr)
+            return 2
+        args.model = args.model_tag
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
         config = engine_config_from_args(args)
-    except ValueError as exc:
+        settings = settings_from_args(args, "", args.api_key)  # named once the model is known
+    except (ValueError, OSError) as exc:
         print(f"paged-server serve: {exc}", file=sys.stderr)
         return 2
-    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("paged_server").warning(
             "binding %s without --api-key: anyone who can reach this address can use the model",
@@ -160,15 +178,9 @@ def _run_serve(args: argparse.Namespace) -> int:
               f"({str(exc).splitlines()[0][:200]}); lower --max-model-len or --max-batch-size, "
               "or size the cache with --num-gpu-blocks / --kv-cache-memory-bytes", file=sys.stderr)
         return 2
-    settings = ServerSettings(
-        model_name=served_model_name(config, args.served_model_name),
-        api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_timeout_s=args.shutdown_timeout,
-        audit_interval_s=args.audit_interval,
-        announce=True,
-        tool_call_parser=args.tool_call_parser,
-    )
+    names = args.served_model_name or []
+    settings.model_name = served_model_name(config, names[0] if names else None)
+    settings.model_aliases = tuple(names[1:])  # vLLM: every name is accepted
     serve(engine, settings, sock, args.log_level, thread)
     return 0
 
@@ -213,7 +225,7 @@ def _run_bench(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = HintingParser(
         prog="paged-server", description="PagedAttention LLM server with an OpenAI-compatible API."
     )
     sub = parser.add_subparsers(dest="command", required=True)

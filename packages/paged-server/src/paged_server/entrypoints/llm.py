@@ -50,7 +50,7 @@ class LLM:
     def __init__(
         self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_config: Any
     ) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_config), loaded)
+        self.engine = LLMEngine(EngineConfig(model=model, **_engine_kwargs(engine_config)), loaded)
         self._counter = 0
         self._built_on: int | None = threading.get_ident()  # whose torch pool loaded the model
 
@@ -67,18 +67,26 @@ class LLM:
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate(sampling_params=None)`` uses: the model's
+        generation_config.json defaults (``generation_config="auto"``), as vLLM."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: Any = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[CompletionResult]:
-        """Complete every prompt (text, or token ids); results come back in
-        prompt order. One ``SamplingParams`` applies to all, or pass one per
-        prompt. A prompt whose parameters are invalid gets choices with
-        ``finish_reason="error"`` instead of stopping the whole batch.
-        ``use_tqdm`` (default: when there is more than one prompt) shows progress."""
+        """Complete every prompt; results come back in prompt order. A prompt
+        is vLLM's: text, ``{"prompt": text}``, ``{"prompt_token_ids": ids}``
+        (or a list of token ids), one or a list of them. One
+        ``SamplingParams`` applies to all, or pass one per prompt; none: the
+        model's defaults (``get_default_sampling_params``). A prompt whose
+        parameters are invalid gets choices with ``finish_reason="error"``
+        instead of stopping the whole batch. ``use_tqdm`` (default: when
+        there is more than one prompt) shows progress."""
         inputs: list[str | list[int]]
         if prompt_token_ids is not None:
             if prompts is not None:
@@ -87,7 +95,9 @@ class LLM:
         elif prompts is None:
             raise ValueError("pass prompts (text) or prompt_token_ids")
         else:
-            inputs = [prompts] if isinstance(prompts, str) else list(prompts)
+            inputs = _prompt_inputs(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(inputs))
         self._check_thread()
         if use_tqdm is None:
@@ -131,6 +141,7 @@ class LLM:
                         choice.text += out.new_text
                         choice.token_ids += out.new_token_ids
                         _add_logprobs(result, choice, out)
+                        result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
                         if out.finished:
                             choice.finish_reason, choice.error = out.finish_reason, out.error
                             choice.cumulative_logprob = out.cumulative_logprob
@@ -164,11 +175,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[CompletionResult]:
-        """``generate`` over conversations rendered with the model's chat
-        template (as vLLM's ``LLM.chat``): one conversation (a list of
-        ``{"role", "content"}`` dicts) or a list of them."""
+        """``generate`` over conversations rendered with the chat template
+        (``chat_template``, else the model's), as vLLM's ``LLM.chat``: one
+        conversation (a list of ``{"role", "content"}`` dicts) or a list of
+        them; ``tools`` and ``chat_template_kwargs`` reach the template;
+        ``continue_final_message`` leaves the last message open."""
         conversations: list[Sequence[dict[str, Any]]] = (
             [messages]  # type: ignore[list-item]  # one conversation
             if messages and isinstance(messages[0], dict)
@@ -178,7 +195,9 @@ class LLM:
         prompt_ids = [
             list(
                 tokenizer.apply_chat_template(
-                    list(c), add_generation_prompt=add_generation_prompt, tokenize=True
+                    list(c), add_generation_prompt=add_generation_prompt, tokenize=True,
+                    chat_template=chat_template, continue_final_message=continue_final_message,
+                    tools=tools, **(chat_template_kwargs or {}),
                 )
             )
             for c in conversations
@@ -196,7 +215,7 @@ class LLM:
         share its KV blocks and fork copy-on-write where they diverge.
         Raises ``ValueError`` for bad parameters."""
         sampling = params.to_sampling_params()
-        sampling.validate(self.engine.config.max_model_len)
+        sampling.validate(self.engine.config.max_model_len, self.engine.config.max_logprobs)
         tokenizer = self.engine.tokenizer
         token_ids = [_prompt_token_ids(p, tokenizer) for p in prompts]
         results = self.generate(
@@ -277,6 +296,60 @@ def _prompt_token_ids(prompt: str | Sequence[int] | Mapping[str, Any], tokenizer
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     return list(prompt)
+
+
+def _prompt_inputs(prompts: Any) -> list[str | list[int]]:
+    """vLLM's prompt forms as text or token ids: a string, a dict with
+    ``prompt`` or ``prompt_token_ids``, token ids, or a list of any of them."""
+    if isinstance(prompts, str | Mapping):
+        prompts = [prompts]
+    elif prompts and all(isinstance(t, int) for t in prompts):
+        prompts = [prompts]  # one prompt of token ids
+    inputs: list[str | list[int]] = []
+    for p in prompts:
+        if isinstance(p, Mapping):
+            if "prompt_token_ids" in p:
+                inputs.append(list(p["prompt_token_ids"]))
+            elif "prompt" in p:
+                inputs.append(str(p["prompt"]))
+            else:
+                raise ValueError(
+                    f"prompt: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(p)}"
+                )
+        else:
+            inputs.append(p if isinstance(p, str) else list(p))
+    return inputs
+
+
+# vLLM's LLM(...) names for EngineConfig fields named differently here.
+_VLLM_NAMES = {"max_num_seqs": "max_batch_size", "num_gpu_blocks_override": "num_gpu_blocks"}
+# vLLM arguments with nothing to do here (this server runs no checkpoint code,
+# logs no stats offline, reads safetensors).
+_NO_OPS = {"trust_remote_code", "disable_log_stats", "load_format"}
+
+
+def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``LLM(**kwargs)`` as ``EngineConfig`` fields: vLLM's names mapped,
+    unknown ones refused with what to use instead."""
+    import dataclasses
+
+    from paged_server.entrypoints.vllm_flags import FLAG_HINTS, REFUSED_FLAGS
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if name in _NO_OPS:
+            if name == "load_format" and value not in ("auto", "safetensors"):
+                raise ValueError(f"load_format: only safetensors checkpoints load, got {value!r}")
+            continue
+        target = _VLLM_NAMES.get(name, name)
+        if target in fields:
+            out[target] = value
+            continue
+        flag = "--" + name.replace("_", "-")
+        hint = REFUSED_FLAGS.get(flag) or FLAG_HINTS.get(flag) or "not an engine setting here"
+        raise TypeError(f"LLM() got an unexpected argument {name!r}: {hint}")
+    return out
 
 
 def _num_choices(params: SamplingParams) -> int:

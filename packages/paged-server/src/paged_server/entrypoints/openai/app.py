@@ -15,10 +15,11 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike, EngineThread
@@ -27,6 +28,7 @@ from paged_server.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONT
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
+    OPEN_PATHS,
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
 )
@@ -36,10 +38,12 @@ from paged_server.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
     lone_surrogate_path,
 )
 from paged_server.entrypoints.openai.serving import OpenAIServing
+from paged_server.entrypoints.openai.stats_logger import StatsLogger
 from paged_server.entrypoints.openai.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -49,6 +53,7 @@ from paged_server.entrypoints.openai.tokenization import (
     VersionResponse,
     version,
 )
+from paged_server.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
 
@@ -87,12 +92,28 @@ class ServerSettings:
     """HTTP-side settings (the engine's are in ``EngineConfig``)."""
 
     model_name: str
+    model_aliases: tuple[str, ...] = ()  # more names clients may send (--served-model-name a b)
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0
     audit_interval_s: float = 60.0  # KV audit while idle (0 = never)
     announce: bool = False  # print start/stop lines (the CLI server does; test servers don't)
     tool_call_parser: str | None = None  # None: detected from the chat template
+    enable_auto_tool_choice: bool = True  # False: tool_choice "auto" is a 400 (vLLM's default)
+    reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS
+    chat_template: str | None = None  # replaces the tokenizer's
+    response_role: str = "assistant"
+    log_requests: bool = False  # one log line per request
+    log_stats: bool = False  # the periodic stats line (the CLI turns it on)
+    metrics_need_api_key: bool = False  # /metrics is open by default, as vLLM's
+    allowed_origins: list[str] | None = None  # CORS; None: no CORS headers
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    root_path: str = ""  # behind a proxy that strips a prefix
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
 
 
 def create_app(
@@ -103,8 +124,10 @@ def create_app(
     config: Any = getattr(engine, "config", None)
     max_model_len = int(config.max_model_len)
     metrics = ServerMetrics(settings.model_name, max_model_len)
+    _cache_config_info(metrics, engine)
     async_engine = AsyncEngine(
-        engine, metrics, audit_interval_s=settings.audit_interval_s, thread=thread
+        engine, metrics, audit_interval_s=settings.audit_interval_s, thread=thread,
+        stats_logger=StatsLogger() if settings.log_stats else None,
     )
     tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
@@ -113,6 +136,9 @@ def create_app(
         model_name=settings.model_name,
         max_model_len=max_model_len,
         tool_call_parser=settings.tool_call_parser,
+        settings=settings,
+        max_logprobs=int(getattr(config, "max_logprobs", MAX_LOGPROBS)),
+        default_sampling=getattr(engine, "default_sampling", None),
     )
     tokenization = Tokenization(tokenizer, max_model_len, serving.render_messages)
     created = int(time.time())
@@ -185,24 +211,39 @@ def create_app(
     async def get_version() -> dict[str, str]:
         return version()
 
-    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
-    async def models() -> dict[str, Any]:
+    def model_card(name: str | None = None) -> dict[str, Any]:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "paged",
-                    "max_model_len": max_model_len,
-                }
-            ],
+            "id": name or settings.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "paged",
+            "root": settings.model_name,
+            "max_model_len": max_model_len,
         }
 
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def models() -> dict[str, Any]:
+        names = (settings.model_name, *settings.model_aliases)
+        return {"object": "list", "data": [model_card(name) for name in names]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> dict[str, Any]:
+        """One model (OpenAI's retrieve-model); 404 for any other id."""
+        serving.check_model(model_id)
+        return model_card(model_id)
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """Requests running or waiting (vLLM's server load, for load balancers)."""
+        m = async_engine.metrics()
+        return {"server_load": int(m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0))}
+
     @app.get("/health", responses={503: {"description": "Engine dead or block audit failed"}})
+    # /ping: the same check under SageMaker's and vLLM's name (not in the schema: an alias)
+    @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
     async def health() -> JSONResponse:
-        """200 when the engine thread answers and the KV block audit is clean."""
+        """200 when the engine thread answers and the KV block audit is clean
+        (``/ping`` is the same check, as SageMaker and vLLM ask it)."""
         if not async_engine.alive:
             return _unhealthy(async_engine.last_error or "engine thread is not running")
         try:
@@ -236,8 +277,30 @@ def create_app(
     _document_400_not_422(app)
     # Outermost first: the key is checked before the body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    open_paths = OPEN_PATHS if settings.metrics_need_api_key else OPEN_PATHS | {"/metrics"}
+    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    if settings.allowed_origins:  # outermost: browsers' preflight requests carry no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
+            allow_credentials=settings.allow_credentials,
+        )
     return app
+
+
+def _cache_config_info(metrics: ServerMetrics, engine: Any) -> None:
+    """``paged:cache_config_info`` from the engine's settings and its pool."""
+    config, capacity = engine.config, getattr(engine, "capacity", None)
+    metrics.set_cache_config(
+        block_size=str(config.block_size),
+        num_gpu_blocks=str(getattr(capacity, "num_blocks", config.num_gpu_blocks)),
+        cache_dtype=str(config.kv_cache_dtype),
+        enable_prefix_caching=str(config.enable_prefix_caching),
+        kv_cache_backend=str(config.kv_cache_backend),
+        gpu_memory_utilization=str(config.gpu_memory_utilization),
+    )
 
 
 def _document_400_not_422(app: FastAPI) -> None:

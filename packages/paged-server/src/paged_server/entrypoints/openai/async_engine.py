@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from paged_server.entrypoints.openai.metrics import ServerMetrics
+from paged_server.entrypoints.openai.stats_logger import StatsLogger
 from paged_server.errors import EngineFailedError
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
@@ -60,6 +61,8 @@ class _Tracked:
     queue: asyncio.Queue[Any]
     arrival: float
     remaining: int  # choices not finished yet
+    n: int = 1  # choices asked for
+    max_tokens: int | None = None  # the request's max_tokens
     first_token_at: float | None = None
     last_token_at: dict[int, float] = field(default_factory=dict)
     generated: dict[int, int] = field(default_factory=dict)  # choice -> tokens so far
@@ -119,8 +122,10 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         audit_interval_s: float = 0.0,
         thread: EngineThread | None = None,
+        stats_logger: StatsLogger | None = None,
     ) -> None:
         self.engine = engine
+        self.stats_logger = stats_logger  # the periodic stats line (None: off)
         self._engine_thread = thread  # the thread that built the engine, if known
         self._own_thread = False  # True: started here, ended by stop()
         self.audit_interval_s = audit_interval_s  # while idle; 0 = never
@@ -193,7 +198,10 @@ class AsyncEngine:
         def add() -> int:
             engine_prompt = prepare(prompt) if prepare is not None else prompt
             n_prompt = self.engine.add_request(request_id, engine_prompt, params)
-            self._tracked[request_id] = _Tracked(loop, out, arrival, num_choices)
+            self._tracked[request_id] = _Tracked(
+                loop, out, arrival, num_choices, n=num_choices,
+                max_tokens=getattr(params, "max_tokens", None),
+            )
             return n_prompt
 
         return int(await self.call(add))
@@ -207,7 +215,7 @@ class AsyncEngine:
             if tracked is None:
                 return  # finished already, or never added
             if self.server_metrics is not None:
-                self.server_metrics.finished("abort", tracked.remaining)
+                self.server_metrics.finished("abort")
             self.engine.abort_request(request_id)
 
         self._submit(do_abort, None)
@@ -237,6 +245,8 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 ran = self._run_commands()
+                if self.stats_logger is not None:
+                    self.stats_logger.maybe_log(self._snapshot)
                 if self.engine.has_unfinished():
                     self._step()
                 elif not ran:
@@ -288,6 +298,7 @@ class AsyncEngine:
         self._snapshot = dict(self.engine.metrics())
 
     def _step(self) -> None:
+        before = self._step_tokens()
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -301,6 +312,13 @@ class AsyncEngine:
             return
         self._route(outputs)
         self._snapshot = dict(self.engine.metrics())
+        if self.server_metrics is not None and (tokens := self._step_tokens() - before) > 0:
+            self.server_metrics.iteration_tokens.observe(tokens)
+
+    def _step_tokens(self) -> float:
+        """Prompt + generated tokens so far (their growth is one step's batch)."""
+        m = self._snapshot
+        return m.get("prompt_tokens_total", 0.0) + m.get("generation_tokens_total", 0.0)
 
     def _route(self, outputs: list[Any]) -> None:
         now = time.monotonic()
@@ -315,10 +333,10 @@ class AsyncEngine:
                 self._observe(tracked, out, now)
                 if out.finished:
                     tracked.remaining -= 1
-                    if self.server_metrics is not None:
-                        self.server_metrics.finished(out.finish_reason or "stop")
             if tracked.remaining <= 0:
                 del self._tracked[request_id]
+                if self.server_metrics is not None:  # one per request, as vLLM
+                    self.server_metrics.finished(outs[-1].finish_reason or "stop")
                 self._observe_finished(tracked, outs[-1], now)
             self._deliver(tracked, outs)
 
@@ -348,6 +366,15 @@ class AsyncEngine:
         arrival, scheduled = getattr(out, "arrival_time", None), getattr(out, "first_scheduled_time", None)
         if arrival is not None and scheduled is not None:
             metrics.queue_time.observe(max(0.0, scheduled - arrival))
+            metrics.inference_time.observe(max(0.0, now - scheduled))
+            if tracked.first_token_at is not None:
+                metrics.prefill_time.observe(max(0.0, tracked.first_token_at - scheduled))
+        if tracked.first_token_at is not None:
+            metrics.decode_time.observe(max(0.0, now - tracked.first_token_at))
+        metrics.params_n.observe(tracked.n)
+        if tracked.max_tokens is not None:
+            metrics.params_max_tokens.observe(tracked.max_tokens)
+        metrics.max_generation_tokens.observe(max(tracked.generated.values(), default=0))
         metrics.prompt_tokens.observe(out.num_prompt_tokens)
         metrics.generation_tokens.observe(sum(tracked.generated.values()))
         longest = max(tracked.generated.values(), default=0)
@@ -368,7 +395,7 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", request_id)
             if self.server_metrics is not None:
-                self.server_metrics.finished(reason, tracked.remaining)
+                self.server_metrics.finished(reason)
             self._deliver(tracked, StreamEnd(reason, message))
         self._tracked.clear()
 

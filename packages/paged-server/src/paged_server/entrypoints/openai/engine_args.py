@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from typing import Any
@@ -80,13 +81,41 @@ _HELP = {
     "quantization": "weight format: none = the checkpoint's own (a compressed-tensors, gptq or "
     "awq quantization_config is detected); fp8, int8 (per channel) or int4 (groups of 128) "
     "quantize 16/32-bit weights at load; int8/int4 run torch's packed weight-only kernels on CPU",
+    "max_logprobs": "most logprobs / prompt_logprobs alternatives a request may ask for "
+    "(-1: no limit, and a request's logprobs -1 means the whole vocabulary)",
+    "tokenizer": "tokenizer directory (tokenizer.json, chat template), when not the model's",
+    "generation_config": "sampling defaults for requests that leave a field unset: auto = the "
+    "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+    "max_new_tokens); vllm = none (temperature 1.0, as the API's defaults); or a directory "
+    "holding a generation_config.json",
+    "override_generation_config": 'JSON object of sampling defaults on top of --generation-config, '
+    'e.g. \'{"temperature": 0.5}\'',
+    "disable_sliding_window": "run sliding-window layers with full attention; max_model_len is "
+    "then capped at the window (as vLLM)",
     "tensor_parallel_size": "shard the model over this many devices (one process each; "
     "NCCL on CUDA, gloo on CPU); KV memory budgets are per device",
 }
 
 
 # Older spellings still accepted (the docs use only the field's own flag).
-_ALIASES = {"max_model_len": ("--max-seq-len",)}
+# vLLM's names for fields we name differently are aliases too (README's table).
+_ALIASES = {
+    "max_model_len": ("--max-seq-len",),
+    "max_batch_size": ("--max-num-seqs",),
+    "num_gpu_blocks": ("--num-gpu-blocks-override",),
+    "tensor_parallel_size": ("-tp",),
+}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object (vLLM's dict-valued flags)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _choices(name: str) -> tuple[str, ...] | None:
@@ -113,12 +142,18 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         base, optional = _field_kind(hints[f.name])
         flags = ("--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ()))
+        if flags[0] in parser._option_string_actions:  # the command's own flag, same dest
+            continue
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help") or _HELP.get(f.name, f"EngineConfig.{f.name}")
         if base is bool:
             group.add_argument(
                 *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
+            continue
+        if typing.get_origin(base) is dict or base is dict:
+            group.add_argument(*flags, dest=f.name, type=_json_object, default=default,
+                               metavar="JSON", help=help_text)
             continue
         parse = _parse_optional(base) if optional else base
         choices = _choices(f.name)

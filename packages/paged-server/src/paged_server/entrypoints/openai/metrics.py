@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -40,6 +41,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -55,6 +58,8 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "kv_audit_problems": ("gauge", "Problems the last KV block audit found (0 = clean)."),
     "kv_audits_total": ("counter", "KV block audits run (periodic, /health, admin)."),
     "num_preemptions_total": ("counter", "Sequences preempted (freed and requeued)."),
+    "num_forks_total": ("counter", "Sequences forked from another (n > 1 choices, beams)."),
+    "num_cow_copies_total": ("counter", "KV blocks copied on write (a shared block written to)."),
     "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits_total": ("counter", "Prompt tokens found in the prefix cache."),
     "prompt_tokens_total": ("counter", "Prompt tokens processed."),
@@ -165,19 +170,52 @@ class ServerMetrics:
             "Tokens generated per finished request (all choices).",
             lengths,
         ).labels(model_name)
+        self.max_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Most tokens any one choice of a finished request generated.", lengths,
+        ).labels(model_name)
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens finished requests asked for.", lengths
+        ).labels(model_name)
+        self.params_n = histogram(
+            "request_params_n", "The n (choices) finished requests asked for.", PARAMS_N_BUCKETS
+        ).labels(model_name)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens (prompt and generated) per engine step.",
+            ITERATION_TOKENS_BUCKETS,
+        ).labels(model_name)
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "Time from first admission to the last token.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "Time from first admission to the first token.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "Time from the first token to the last.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
         self._success = Counter(
             PREFIX + "request_success",
-            "Finished choices by finish reason (stop, length, abort, error).",
+            "Finished requests by finish reason (stop, length, abort, error; with n > 1: "
+            "the last choice's).",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+
+    def set_cache_config(self, **labels: str) -> None:
+        """``cache_config_info``: the KV cache's settings as labels of a 1 (vLLM's)."""
+        info = Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.",
+                     sorted(labels), registry=self.registry)
+        info.labels(**labels).set(1)
 
     def read_engine_from(self, source: Callable[[], Mapping[str, float]]) -> None:
         """Where scrapes read the engine's snapshot (``AsyncEngine.metrics``)."""
         self._engine.source = source
 
     def finished(self, reason: str, count: int = 1) -> None:
-        """Count ``count`` choices that ended with ``reason``."""
+        """Count ``count`` requests that ended with ``reason``."""
         if count > 0:
             self._success.labels(self.model_name, reason).inc(count)
 
@@ -189,7 +227,7 @@ class ServerMetrics:
         return value or 0.0
 
     def num_finished(self, reason: str) -> float:
-        """Choices counted as finished with ``reason`` so far."""
+        """Requests counted as finished with ``reason`` so far."""
         return self.sample("request_success_total", finished_reason=reason)
 
     def render(self) -> bytes:

@@ -13,7 +13,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from paged_server.entrypoints.openai.errors import error_bytes
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
-OPEN_PATHS = frozenset({"/health"})
+# Probes a load balancer sends without credentials (vLLM leaves these open too).
+OPEN_PATHS = frozenset({"/health", "/ping", "/load"})
 
 
 async def _send_error(
@@ -34,15 +35,25 @@ async def _send_error(
     await send({"type": "http.response.body", "body": body})
 
 
-class APIKeyMiddleware:
-    """With a key set, every path but /health needs ``Authorization: Bearer <key>``."""
+def _path(scope: Scope) -> str:
+    """The request path below ``--root-path`` (a proxy may keep the prefix)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+
+class APIKeyMiddleware:
+    """With a key set, every path but ``open_paths`` (``OPEN_PATHS`` by
+    default) needs ``Authorization: Bearer <key>``."""
+
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, open_paths: frozenset[str] = OPEN_PATHS
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.api_key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if self.api_key is None or scope["type"] != "http" or _path(scope) in self.open_paths:
             await self.app(scope, receive, send)
             return
         auth = dict(scope["headers"]).get(b"authorization", b"")

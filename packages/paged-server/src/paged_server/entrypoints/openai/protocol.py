@@ -56,6 +56,16 @@ class StreamOptions(_Strict):
     include_usage: bool = Field(
         False, description="Send one extra chunk before [DONE] with the request's token usage."
     )
+    continuous_usage_stats: bool = Field(
+        False, description="Not supported (usage comes in the last chunk): must be false."
+    )
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("not supported: usage comes once, in the last chunk; send false")
+        return v
 
 
 class JsonSchemaFormat(_Strict):
@@ -82,6 +92,48 @@ class ResponseFormatParam(_Strict):
         return self
 
 
+class StructuredOutputsRequest(_Strict):
+    """``structured_outputs`` (vLLM): exactly one constraint."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # BaseModel has .json()
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="Lark (llguidance) or GBNF.")
+    json_object: bool | None = None
+    disable_fallback: bool = Field(False, description="Accepted: there is one backend, no fallback.")
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> StructuredOutputsRequest:
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported; send false")
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not supported; send null")
+        return self
+
+
+# vLLM request fields this server cannot honour: a 400 naming the field
+# unless it is absent, null or empty (never silently ignored).
+REFUSED_FIELDS = {
+    "prompt_embeds": "not supported: send text or token ids",
+    "mm_processor_kwargs": "not supported: text-only models",
+    "guided_decoding_backend": "not supported: structured outputs always use llguidance; send null",
+    "guided_whitespace_pattern": "not supported; send null",
+    "structural_tag": "not supported; constrain with response_format, guided_* or tools",
+    "logits_processors": "not supported: this server runs no custom code",
+    "cache_salt": "not supported yet: the prefix cache is shared by every request",
+    "kv_transfer_params": "not supported: no disaggregated prefill",
+    "vllm_xargs": "not supported: no custom extensions",
+}
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -89,11 +141,18 @@ class _SamplingFields(_Strict):
         None, description="Must name the served model (GET /v1/models); omitted = the served model."
     )
     n: int = Field(1, ge=1, le=MAX_N, description="Choices to generate per prompt.")
-    temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0, description="0 (or below 1e-5) = greedy.")
-    top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0 or -1 = off (vLLM extension).")
-    min_p: FiniteFloat = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
-    repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=10.0, description="vLLM extension.")
+    # Unset (null): the model's generation_config.json value, else the neutral one.
+    temperature: FiniteFloat | None = Field(
+        None, ge=0.0, le=2.0, description="0 (or below 1e-5) = greedy; null = the model's default, else 1."
+    )
+    top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0, description="null = the model's default, else 1.")
+    top_k: int | None = Field(
+        None, ge=-1, le=INT64_MAX, description="0 or -1 = off; null = the model's default (vLLM extension)."
+    )
+    min_p: FiniteFloat | None = Field(None, ge=0.0, le=1.0, description="vLLM extension; null = the model's default.")
+    repetition_penalty: FiniteFloat | None = Field(
+        None, gt=0.0, le=10.0, description="vLLM extension; null = the model's default, else 1."
+    )
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
@@ -121,6 +180,9 @@ class _SamplingFields(_Strict):
     use_beam_search: bool = Field(
         False, description="Beam search of best_of beams, returning the n best (vLLM extension)."
     )
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_N, description="Beam width with use_beam_search; else null or n."
+    )
     length_penalty: FiniteFloat = Field(
         1.0, description="Beam search: scores are divided by length ** length_penalty."
     )
@@ -133,6 +195,57 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormatParam | None = Field(
         None, description="text, json_object, or json_schema (enforced by a grammar)."
     )
+    # vLLM's extra sampling parameters
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string / token's text.")
+    skip_special_tokens: bool = Field(True, description="false: special tokens' text is in the output.")
+    spaces_between_special_tokens: bool = Field(
+        True, description="Accepted; special tokens join the text as the fast tokenizer decodes "
+        "them (as vLLM with tokenizer.json)."
+    )
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep the prompt's last N tokens.")
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="Only these may be sampled.")
+    bad_words: list[str] | None = Field(None, description="Words that are never generated.")
+    prompt_logprobs: int | None = Field(
+        None, ge=-1, description="Logprobs of each prompt token and its N alternatives (not with stream)."
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="Output matches this JSON schema.")
+    guided_regex: str | None = Field(None, description="Output matches this regular expression.")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="Output is one of these.")
+    guided_grammar: str | None = Field(None, description="Output matches this Lark or GBNF grammar.")
+    structured_outputs: StructuredOutputsRequest | None = None
+    request_id: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+        description="The response id's suffix (default: random).",
+    )
+    priority: int = Field(0, description="Scheduling is first come, first served: only 0.")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="Logprob tokens as 'token_id:N' strings."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, reason in REFUSED_FIELDS.items():
+                if data.get(name) not in (None, "", [], {}):
+                    raise ValueError(f"{name}: {reason}")
+            if data.get("priority", 0) not in (0, None):
+                raise ValueError(
+                    "priority: not supported: requests run first come, first served; send 0"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _check_constraints(self) -> _SamplingFields:
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                   "structured_outputs") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: one output constraint per request; {given[0]} is set too")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true (as vLLM)")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -189,6 +302,16 @@ class _SamplingFields(_Strict):
             raise ValueError(
                 "use_beam_search: beam search returns whole beams only; send stream=false"
             )
+        if self.use_beam_search:
+            if self.best_of is not None and self.best_of < self.n:
+                raise ValueError(
+                    f"best_of: the beam width must be >= n, got best_of {self.best_of} with n {self.n}"
+                )
+        elif self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of: must equal n or be omitted, got best_of {self.best_of} with n "
+                f"{self.n} (picking the best of extra samples needs use_beam_search=true)"
+            )
         return self
 
     def stop_list(self) -> list[str]:
@@ -212,18 +335,16 @@ class CompletionRequest(_SamplingFields):
     )
     logprobs: int | None = Field(
         None,
-        ge=0,
-        le=MAX_LOGPROBS,
+        ge=-1,
         description="Each token's log-probability and the N most likely alternatives "
-        "(0 = the token's only).",
+        f"(0 = the token's only; at most the server's --max-logprobs, default {MAX_LOGPROBS}; "
+        "-1 = the whole vocabulary when the server runs with --max-logprobs -1).",
     )
     echo: bool = Field(
         False, description="Return the prompt before the completion (with logprobs: its logprobs)."
     )
     suffix: str | None = Field(None, description="Not supported: must be null.")
-    best_of: int | None = Field(
-        None, ge=1, le=MAX_N, description="Beam width with use_beam_search; else null or n."
-    )
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS).")
 
     @field_validator("prompt")
     @classmethod
@@ -244,16 +365,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("max_tokens: 0 is only allowed with echo=true (to score the prompt)")
         if self.suffix:
             raise ValueError("suffix: not supported; send no suffix")
-        if self.use_beam_search:
-            if self.best_of is not None and self.best_of < self.n:
-                raise ValueError(
-                    f"best_of: the beam width must be >= n, got best_of {self.best_of} with n {self.n}"
-                )
-        elif self.best_of is not None and self.best_of != self.n:
-            raise ValueError(
-                f"best_of: must equal n or be omitted, got best_of {self.best_of} with n "
-                f"{self.n} (picking the best of extra samples needs use_beam_search=true)"
-            )
         return self
 
 
@@ -363,9 +474,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(
         None,
-        ge=0,
-        le=MAX_LOGPROBS,
-        description="Most likely alternatives per token (needs logprobs: true).",
+        ge=-1,
+        description="Most likely alternatives per token (needs logprobs: true; at most the "
+        f"server's --max-logprobs, default {MAX_LOGPROBS}; -1 = all with --max-logprobs -1).",
     )
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = Field(None, max_length=128)
@@ -373,9 +484,29 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="Default: auto with tools, none without."
     )
     parallel_tool_calls: bool = True
+    # vLLM's chat extras
+    echo: bool = Field(False, description="Start the reply with the last message when it has the reply's role.")
+    continue_final_message: bool = Field(
+        False, description="Continue the last message (needs add_generation_prompt false)."
+    )
+    add_special_tokens: bool = Field(False, description="Add special tokens on top of the template's.")
+    documents: list[dict[str, str]] | None = Field(None, description="For RAG chat templates.")
+    chat_template: str | None = Field(None, description="A Jinja chat template for this request.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra template variables (e.g. enable_thinking)."
+    )
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="Passed to the chat template."
+    )
+    include_reasoning: bool = Field(True, description="false: drop reasoning_content.")
 
     @model_validator(mode="after")
     def _check_tools(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt; "
+                "set add_generation_prompt to false"
+            )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs=true")
         names = [t.function.name for t in self.tools or []]
@@ -452,8 +583,11 @@ class ChatChoiceLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = Field("assistant", description="assistant, or the server's --response-role")
     content: str | None
+    reasoning_content: str | None = Field(
+        None, description="The model's thought, with --reasoning-parser (else absent)."
+    )
     tool_calls: list[MessageToolCall] = []
 
 
@@ -478,6 +612,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "paged"
+    root: str | None = None
     max_model_len: int | None = None
 
 

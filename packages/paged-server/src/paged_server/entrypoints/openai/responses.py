@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_server.entrypoints.openai.reasoning import split_reasoning
 from paged_server.entrypoints.openai.tool_calls import parse_tool_calls
 
 
@@ -96,6 +97,12 @@ class ResponseFormat:
         self.tokenizer = tokenizer
         self.include_usage = include_usage  # streaming: every chunk carries "usage": null
         self.tool_call_parser: str | None = None  # set when the request may call tools
+        self.reasoning_parser: str | None = None  # --reasoning-parser (chat only)
+        self.include_reasoning = True  # the request's include_reasoning
+        self.role = "assistant"  # --response-role
+        self.chat_echo: str | None = None  # chat echo: the last message, the reply's start
+        self.tokens_as_ids = False  # return_tokens_as_token_ids
+        self.prompt_logprobs = False  # the request asked for prompt_logprobs
         self.created = int(time.time())
         self.num_top = num_top  # logprobs asked for: top alternatives per token
         self.echo = echo
@@ -144,9 +151,10 @@ class ResponseFormat:
                 i, "".join(c.text), c.token_ids, c.logprobs, c.top_logprobs, c.prompt_logprobs, 0,
                 first=True,
             )
-            bodies.append(
-                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
-            )
+            body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            if self.prompt_logprobs:
+                body["prompt_logprobs"] = self.prompt_logprobs_body(c.prompt_logprobs)
+            bodies.append(body)
         generated = 0 if self.echo and self.echo.drop_generated else _generated(choices)
         return {
             **self._envelope("text_completion", bodies),
@@ -193,7 +201,11 @@ class ResponseFormat:
     def chat_body(
         self, choices: list[CollectedChoice], prompt_tokens: int, cached_tokens: int = 0
     ) -> dict[str, Any]:
+        extra = {}
+        if self.prompt_logprobs:  # one prompt: the first choice carries its scores
+            extra["prompt_logprobs"] = self.prompt_logprobs_body(choices[0].prompt_logprobs)
         return {
+            **extra,
             **self._envelope("chat.completion", [
                 {
                     "index": i,
@@ -208,20 +220,48 @@ class ResponseFormat:
         }
 
     def _chat_message(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        """``message`` and ``finish_reason`` of one choice; tool calls parsed
-        out of the text when the request offered tools."""
-        if self.tool_call_parser is None:
-            return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-        content, calls = parse_tool_calls(self.tool_call_parser, text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [c.to_dict() for c in calls]
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        """``message`` and ``finish_reason`` of one choice: the reasoning split
+        off first (``--reasoning-parser``), then tool calls parsed out of the
+        rest when the request offered tools; a chat ``echo`` goes in front."""
+        message: dict[str, Any] = {"role": self.role}
+        content: str | None = text
+        if self.reasoning_parser is not None:
+            reasoning, content = split_reasoning(self.reasoning_parser, text)
+            message["reasoning_content"] = reasoning if self.include_reasoning else None
+        if self.tool_call_parser is not None:
+            content, calls = parse_tool_calls(self.tool_call_parser, content or "")
+            if calls:
+                message["tool_calls"] = [c.to_dict() for c in calls]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            if not content and self.reasoning_parser is not None:
+                content = None  # all thought (or calls): no content, as vLLM
+        if self.chat_echo:
+            content = self.chat_echo + (content or "")
+        message["content"] = content
         return {"message": message, "finish_reason": finish_reason}
 
     # -------------------------------------------------------------- logprobs
     def _token_text(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def prompt_logprobs_body(self, scored: list[Any] | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (the first: null), token
+        id -> ``{logprob, rank, decoded_token}`` for it and its top alternatives."""
+        if not self.prompt_logprobs or scored is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for s in scored:
+            if s is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": finite(v), "rank": k + 1, "decoded_token": self._token_text(t)}
+                     for k, (t, v) in enumerate(s.top)}
+            entry[str(s.token_id)] = {"logprob": finite(s.logprob), "rank": s.rank,
+                                      "decoded_token": self._token_text(s.token_id)}
+            out.append(entry)
+        return out
 
     def _token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes a token stands for, also when it is part of one

@@ -41,11 +41,13 @@ def build_engine(config: EngineConfig, thread: EngineThread | None = None) -> An
 
 def served_model_name(config: EngineConfig, override: str | None = None) -> str:
     """The id clients send as ``model``: the override, the model directory's
-    name, or the embedded default model's name."""
+    name, the Hugging Face id it was named by (as vLLM), or the embedded
+    default model's name."""
     if override:
         return override
     if config.model:
-        return Path(config.model).expanduser().resolve().name
+        path = Path(config.model).expanduser()
+        return path.resolve().name if path.is_dir() else config.model
     from paged_server.default_model import DEFAULT_MODEL_NAME
 
     return DEFAULT_MODEL_NAME
@@ -115,9 +117,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(sock: socket.socket) -> str:
+def _url(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _uvicorn_config(app: Any, settings: ServerSettings, log_level: str) -> uvicorn.Config:
@@ -126,7 +128,11 @@ def _uvicorn_config(app: Any, settings: ServerSettings, log_level: str) -> uvico
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s)),
-        access_log=log_level == "debug",
+        access_log=log_level in ("debug", "trace"),
+        root_path=settings.root_path,
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_ca_certs=settings.ssl_ca_certs,
     )
 
 
@@ -141,7 +147,8 @@ def serve(
     until SIGINT/SIGTERM (foreground; blocks); ``thread`` steps the engine
     (the one ``build_engine`` built it on)."""
     app = create_app(engine, settings, thread)
-    print(startup_line(engine, settings, _url(sock)), file=sys.stderr, flush=True)
+    scheme = "https" if settings.ssl_certfile else "http"
+    print(startup_line(engine, settings, _url(sock, scheme)), file=sys.stderr, flush=True)
     uvicorn.Server(_uvicorn_config(app, settings, log_level)).run(sockets=[sock])
 
 
@@ -166,7 +173,7 @@ class ServerThread:
         self.settings = settings
         self.app = create_app(engine, settings, thread)
         self._sock = bind_socket(host, port)
-        self.url = _url(self._sock)
+        self.url = _url(self._sock, "https" if settings.ssl_certfile else "http")
         self._server = uvicorn.Server(_uvicorn_config(self.app, settings, log_level))
         self._thread = threading.Thread(target=self._run, name="paged-uvicorn", daemon=True)
         self._error: BaseException | None = None

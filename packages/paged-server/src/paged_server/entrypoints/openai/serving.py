@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -40,14 +42,17 @@ from paged_server.entrypoints.openai.streaming import (
     stream_completion,
 )
 from paged_server.entrypoints.openai.structured import (
+    request_constraint,
     response_format_constraint,
     tool_constraint,
 )
 from paged_server.entrypoints.openai.tool_calls import detect_parser
-from paged_server.sampling_params import SamplingParams
+from paged_server.generation_defaults import NEUTRAL
+from paged_server.sampling_params import MAX_LOGPROBS, SamplingParams
 from paged_server.structured_outputs import StructuredOutputsParams
 
 T = TypeVar("T")
+log = logging.getLogger("paged_server.entrypoints.openai")
 
 
 # Texts longer than this are tokenised on a worker thread, so a 1 MiB prompt
@@ -72,8 +77,17 @@ class OpenAIServing:
         model_name: str,
         max_model_len: int,
         tool_call_parser: str | None = None,
+        settings: Any = None,
+        max_logprobs: int = MAX_LOGPROBS,
+        default_sampling: dict[str, Any] | None = None,
     ) -> None:
+        # the model's sampling defaults (generation_defaults.py)
+        self.default_sampling = dict(default_sampling or {})
         self.engine = engine
+        self.max_logprobs = max_logprobs
+        self.settings = settings
+        # --chat-template: used instead of the tokenizer's
+        self.chat_template: str | None = getattr(settings, "chat_template", None)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -87,25 +101,33 @@ class OpenAIServing:
         arrival = time.monotonic()
         self.check_model(body.model)
         raw_prompts = normalize_prompt(body.prompt)
-        prompts = [await self._encode_prompt(p) for p in raw_prompts]
+        prompts = [
+            self._truncate(await self._encode_prompt(p, body.add_special_tokens), body)
+            for p in raw_prompts
+        ]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         # max_tokens 0 (echo only): the engine generates one token, dropped.
         run_tokens = max(max_tokens, 1)
         for ids in prompts:
             self._check_length(len(ids), run_tokens, "prompt")
-        params = self._params(body, run_tokens, logprobs=body.logprobs,
-                              structured_outputs=response_format_constraint(body.response_format))
-        if body.echo and body.logprobs is not None:
+        constraint, constraint_param = request_constraint(body)
+        if constraint is None:
+            constraint_param = "response_format"
+            constraint = response_format_constraint(body.response_format)
+        params = self._params(body, run_tokens, logprobs=body.logprobs, structured_outputs=constraint)
+        if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = body.logprobs
         echo = None
         if body.echo:
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
             echo = Echo(texts, prompts, drop_generated=max_tokens == 0)
-        gen = Generation(self.engine, f"cmpl-{uuid.uuid4().hex}", body.n, arrival)
-        await gen.submit(prompts, params, prompt_param="prompt")
+        gen = Generation(self.engine, _response_id("cmpl", body), body.n, arrival)
+        await gen.submit(prompts, params, prompt_param="prompt", constraint_param=constraint_param)
+        self._log_request(gen, params, body)
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
                              include_usage=body.include_usage(), num_top=body.logprobs,
                              echo=echo, n=body.n)
+        self._shape(fmt, body)
         if body.stream:
             return EventStreamResponse(stream_completion(gen, fmt))
         return await self._complete(gen, fmt, request, chat=False)
@@ -113,29 +135,80 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
+        self._check_auto_tool_choice(body)
         ids = await _off_loop(self._render_chat, body, size=sum(len(m.text()) for m in body.messages))
+        ids = self._truncate(ids, body)
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
+        if requested is None and "max_tokens" in self.default_sampling:  # max_new_tokens
+            max_tokens = min(max_tokens, int(self.default_sampling["max_tokens"]))
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self._check_length(len(ids), max_tokens, "messages", max_tokens_param=param)
         num_top = (body.top_logprobs or 0) if body.logprobs else None
-        constraint = tool_constraint(body, self.tool_call_parser)
-        constraint_param = "tools" if constraint is not None else "response_format"
-        constraint = constraint or response_format_constraint(body.response_format)
-        params = self._params(body, max_tokens, logprobs=num_top, structured_outputs=constraint)
-        gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", body.n, arrival)
+        constraint, constraint_param = request_constraint(body)
+        forced = tool_constraint(body, self.tool_call_parser)
+        if forced is not None:
+            if constraint is not None:
+                raise APIError(400, f"{constraint_param}: cannot be combined with a forced "
+                               "tool_choice", param=constraint_param)
+            constraint, constraint_param = forced, "tools"
+        if constraint is None:
+            constraint_param = "response_format"
+            constraint = response_format_constraint(body.response_format)
+        params = self._params(body, max_tokens, logprobs=num_top, structured_outputs=constraint,
+                              aliases={"logprobs": "top_logprobs"})
+        gen = Generation(self.engine, _response_id("chatcmpl", body), body.n, arrival)
         await gen.submit([ids], params, prompt_param="messages", constraint_param=constraint_param)
+        self._log_request(gen, params, body)
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
                              include_usage=body.include_usage(), num_top=num_top)
+        self._shape(fmt, body)
         if body.effective_tool_choice() != "none":
             fmt.tool_call_parser = self.tool_call_parser
+        settings = self.settings
+        if settings is not None:
+            fmt.role = settings.response_role
+            fmt.reasoning_parser = settings.reasoning_parser
+        fmt.include_reasoning = body.include_reasoning
+        last = body.messages[-1]
+        if body.echo and last.role == fmt.role:  # vLLM: the reply starts with that message
+            fmt.chat_echo = last.text()
         if body.stream:
             return EventStreamResponse(stream_chat(gen, fmt))
         return await self._complete(gen, fmt, request, chat=True)
 
+    def _shape(self, fmt: ResponseFormat, body: _SamplingFields) -> None:
+        """Response options both endpoints share."""
+        fmt.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+        fmt.prompt_logprobs = body.prompt_logprobs is not None
+
+    @staticmethod
+    def _truncate(ids: list[int], body: _SamplingFields) -> list[int]:
+        """``truncate_prompt_tokens``: the prompt's last N tokens (vLLM)."""
+        k = body.truncate_prompt_tokens
+        return ids[-k:] if k is not None else ids
+
+    def _log_request(self, gen: Generation, params: SamplingParams, body: _SamplingFields) -> None:
+        """``--enable-log-requests``: one line per request (lengths, not text)."""
+        if self.settings is not None and self.settings.log_requests:
+            log.info("received request %s (user %s): prompt tokens %s, params %s",
+                     gen.request_id, body.user, gen.prompt_tokens, params)
+
     # -------------------------------------------------------------- checks
+    def _check_auto_tool_choice(self, body: ChatCompletionRequest) -> None:
+        """Without --enable-auto-tool-choice, tools may only be forced (vLLM's rule)."""
+        enabled = self.settings is None or self.settings.enable_auto_tool_choice
+        if not enabled and body.tools and body.effective_tool_choice() == "auto":
+            raise APIError(
+                400,
+                'tool_choice: "auto" needs the server started with --enable-auto-tool-choice; '
+                'send "none", "required" or a named function',
+                param="tool_choice",
+            )
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        aliases = getattr(self.settings, "model_aliases", ())
+        if model is not None and model != self.model_name and model not in aliases:
             raise APIError(
                 404,
                 f"model: '{model}' is not served here; this server serves '{self.model_name}' "
@@ -144,9 +217,10 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return list(await _off_loop(self.tokenizer.encode, prompt, size=len(prompt)))
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens)
+            return list(await _off_loop(encode, prompt, size=len(prompt)))
         return list(prompt)
 
     def _check_length(
@@ -169,15 +243,36 @@ class OpenAIServing:
         tools = None
         if body.tools and body.effective_tool_choice() != "none":
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        return self.render_messages(body.messages, body.add_generation_prompt, tools)
+        extra: dict[str, Any] = dict(body.chat_template_kwargs or {})
+        for name in ("messages", "tools", "add_generation_prompt"):  # ours to set
+            if name in extra:
+                raise APIError(400, f"chat_template_kwargs: {name!r} is set by the request itself",
+                               param="chat_template_kwargs")
+        if body.documents is not None:
+            extra["documents"] = body.documents
+        if body.reasoning_effort is not None:
+            extra["reasoning_effort"] = body.reasoning_effort
+        return self.render_messages(
+            body.messages, body.add_generation_prompt, tools,
+            chat_template=body.chat_template,
+            continue_final_message=body.continue_final_message,
+            add_special_tokens=body.add_special_tokens,
+            **extra,
+        )
 
     def render_messages(
         self,
         chat: list[ChatMessage],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        **template_vars: Any,
     ) -> list[int]:
-        """Token ids of a conversation (and its tools) through the model's chat template."""
+        """Token ids of a conversation (and its tools) through the chat
+        template: the request's, else --chat-template's, else the model's."""
         messages = []
         for m in chat:
             msg: dict[str, Any] = {"role": m.role, "content": m.text()}
@@ -189,17 +284,30 @@ class OpenAIServing:
                 msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                tools=tools,
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                tools=tools, chat_template=chat_template or self.chat_template,
+                continue_final_message=continue_final_message, **template_vars,
             )
         except jinja2.TemplateError as exc:
             raise APIError(
                 400, f"messages: the model's chat template rejected them: {exc}", param="messages"
             ) from None
-        except ValueError as exc:  # no chat template
-            raise APIError(400, f"messages: {exc}", param="messages") from None
-        return list(ids)
+        except ValueError as exc:  # no chat template, or nothing to continue
+            param = "continue_final_message" if str(exc).startswith("continue_final_message") else "messages"
+            message = str(exc) if param != "messages" else f"messages: {exc}"
+            raise APIError(400, message, param=param) from None
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _default(self, body: _SamplingFields, name: str) -> Any:
+        """The request's value, else the model's default (generation_config.json;
+        not for beam search, whose scores must stay raw), else the neutral one."""
+        value = getattr(body, name)
+        if value is not None:
+            return value
+        if not body.use_beam_search and name in self.default_sampling:
+            return self.default_sampling[name]
+        return NEUTRAL[name]
 
     def _params(
         self,
@@ -208,15 +316,16 @@ class OpenAIServing:
         *,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        aliases: dict[str, str] | None = None,
     ) -> SamplingParams:
         params = SamplingParams(
             n=body.n,
             max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(0, body.top_k),
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
+            temperature=self._default(body, "temperature"),
+            top_p=self._default(body, "top_p"),
+            top_k=max(0, self._default(body, "top_k")),
+            min_p=self._default(body, "min_p"),
+            repetition_penalty=self._default(body, "repetition_penalty"),
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             seed=body.seed,
@@ -231,11 +340,18 @@ class OpenAIServing:
             best_of=getattr(body, "best_of", None) if body.use_beam_search else None,
             length_penalty=body.length_penalty,
             early_stopping=body.early_stopping,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            bad_words=list(body.bad_words or []),
+            allowed_token_ids=body.allowed_token_ids,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            prompt_logprobs=body.prompt_logprobs,
         )
         try:
-            params.validate(self.max_model_len)
+            params.validate(self.max_model_len, self.max_logprobs)
         except ValueError as exc:
-            raise bad_value(exc) from None
+            raise bad_value(exc, aliases=aliases) from None
         return params
 
     # -------------------------------------------------------- non-streaming
@@ -262,6 +378,11 @@ class OpenAIServing:
             else fmt.completion_body(choices, prompt_tokens, cached)
         )
         return JSONResponse(body)
+
+
+def _response_id(prefix: str, body: _SamplingFields) -> str:
+    """``<prefix>-<request_id>``: the client's id (vLLM's field), else a random one."""
+    return f"{prefix}-{body.request_id or uuid.uuid4().hex}"
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from paged_server.entrypoints.openai.errors import error_body
 from paged_server.entrypoints.openai.generation import Generation, GenerationEnded
+from paged_server.entrypoints.openai.reasoning import ReasoningStream
 from paged_server.entrypoints.openai.responses import ResponseFormat
 from paged_server.entrypoints.openai.tool_calls import ToolStreamParser
 
@@ -80,22 +81,30 @@ async def stream_chat(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[byt
     deltas follow, an empty delta with the finish reason closes it."""
     generated = 0
     tools = [ToolStreamParser(fmt.tool_call_parser) for _ in range(gen.n)] if fmt.tool_call_parser else None
+    thinks = [ReasoningStream(fmt.reasoning_parser) for _ in range(gen.n)] if fmt.reasoning_parser else None
     try:
         for i in range(gen.n):
-            yield sse(fmt.chat_chunk(i, {"role": "assistant", "content": ""}, None))
+            yield sse(fmt.chat_chunk(i, {"role": fmt.role, "content": ""}, None))
+            if fmt.chat_echo:  # the echoed last message comes first
+                yield sse(fmt.chat_chunk(i, {"content": fmt.chat_echo}, None))
         async for i, out in gen.outputs():
             if out.error:
                 yield sse(error_body(f"generation failed: {out.error}", "server_error"))
-            if (out.new_text or out.new_logprobs) and tools is None:
-                logprobs = None
-                if out.new_logprobs:
-                    logprobs = fmt.chat_logprobs(
-                        out.new_token_ids, out.new_logprobs, out.new_top_logprobs or []
-                    )
-                yield sse(fmt.chat_chunk(i, {"content": out.new_text}, None, logprobs))
+            text, logprobs = out.new_text, None
+            if out.new_logprobs:
+                logprobs = fmt.chat_logprobs(
+                    out.new_token_ids, out.new_logprobs, out.new_top_logprobs or []
+                )
+            if thinks is not None:  # the thought first; tools parse the content only
+                reasoning, text = thinks[i].feed(out.new_text, final=out.finished)
+                if reasoning and fmt.include_reasoning:
+                    yield sse(fmt.chat_chunk(i, {"reasoning_content": reasoning}, None, logprobs))
+                    logprobs = None
+            if (text or logprobs) and tools is None:
+                yield sse(fmt.chat_chunk(i, {"content": text}, None, logprobs))
             finish = out.finish_reason
             if tools is not None:  # content and calls as the tool parser separates them
-                deltas = tools[i].feed(out.new_text) + (tools[i].finish() if out.finished else [])
+                deltas = tools[i].feed(text) + (tools[i].finish() if out.finished else [])
                 for delta in deltas:
                     yield sse(fmt.chat_chunk(i, delta, None))
                 if tools[i].calls and finish == "stop":

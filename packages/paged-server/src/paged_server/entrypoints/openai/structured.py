@@ -28,6 +28,24 @@ def response_format_constraint(fmt: ResponseFormatParam | None) -> StructuredOut
     return _checked(StructuredOutputsParams(json=fmt.json_schema.schema_), "response_format")
 
 
+def request_constraint(body: Any) -> tuple[StructuredOutputsParams | None, str]:
+    """vLLM's ``guided_*`` fields or ``structured_outputs`` object as a
+    constraint, and the field that set it (the protocol allows one)."""
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(body, name)
+        if value is not None:
+            return _checked(StructuredOutputsParams(**{key: value}), name), name
+    so = body.structured_outputs
+    if so is None:
+        return None, "structured_outputs"
+    spec = StructuredOutputsParams(
+        json=so.json_, json_object=bool(so.json_object), grammar=so.grammar, regex=so.regex,
+        choice=so.choice,
+    )
+    return _checked(spec, "structured_outputs"), "structured_outputs"
+
+
 def tool_constraint(body: ChatCompletionRequest, parser: str) -> StructuredOutputsParams | None:
     """A grammar forcing a call for ``required`` or a named function; every
     tool's parameter schema is checked whatever the choice."""

@@ -1,0 +1,110 @@
+"""`serve` flags of the HTTP side (vLLM's frontend arguments), and the
+``ServerSettings`` they make. The engine's flags come from ``EngineConfig``
+(``engine_args.py``); these shape the API around it, with vLLM's names."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from paged_server.entrypoints.openai.reasoning import REASONING_PARSERS
+from paged_server.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+
+
+def _json_list(text: str) -> list[str]:
+    """vLLM's list flags take JSON (``'["*"]'``); a comma list works too."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return [v.strip() for v in text.split(",") if v.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return value
+
+
+def add_frontend_flags(p: argparse.ArgumentParser) -> None:
+    """Add the HTTP-side flags (dest = the ``ServerSettings`` field or a name
+    ``settings_from_args`` reads)."""
+    g = p.add_argument_group("API (vLLM's frontend flags)")
+    g.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                   help="tool-call format of the model (default: detected from its chat template)")
+    g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help='let the model decide to call tools (tool_choice "auto"); '
+                   'off: "auto" is a 400 as in vLLM without the flag')
+    g.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="split the model's <think>...</think> into reasoning_content")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template (a file, or the Jinja text itself) instead of the tokenizer's")
+    g.add_argument("--response-role", default="assistant",
+                   help="role of the generated chat message")
+    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
+                   help="log one line per request (id, prompt length, sampling parameters)")
+    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="no per-request log lines (the default; vLLM's older flag)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, running/waiting, KV usage, prefix hits)")
+    g.add_argument("--metrics-need-api-key", action="store_true",
+                   help="with --api-key, /metrics needs the key too (default: open, as vLLM)")
+    g.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+                   help='CORS: origins allowed to call the API from a browser, e.g. \'["*"]\' '
+                   "(default: no CORS headers, unlike vLLM's allow-all)")
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: allowed methods (with --allowed-origins)")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: allowed headers (with --allowed-origins)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (with --allowed-origins)")
+    g.add_argument("--root-path", default="",
+                   help="path prefix a reverse proxy strips before forwarding (ASGI root_path)")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients with")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM launch lines; paged runs no code from checkpoints")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it is a
+    Jinja template (vLLM takes both)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" in value:
+        return value
+    raise ValueError(f"chat_template: {value} is neither a file nor a Jinja template")
+
+
+def settings_from_args(args: argparse.Namespace, model_name: str, api_key: str | None) -> Any:
+    """The ``ServerSettings`` of parsed ``serve`` flags."""
+    from paged_server.entrypoints.openai.app import ServerSettings
+
+    if args.ssl_keyfile and not args.ssl_certfile or args.ssl_certfile and not args.ssl_keyfile:
+        raise ValueError("ssl: pass both --ssl-keyfile and --ssl-certfile")
+    return ServerSettings(
+        model_name=model_name,
+        api_key=api_key,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+        audit_interval_s=args.audit_interval,
+        announce=True,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=read_chat_template(args.chat_template),
+        response_role=args.response_role,
+        log_requests=args.log_requests,
+        log_stats=not args.disable_log_stats,
+        metrics_need_api_key=args.metrics_need_api_key,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+    )
