@@ -22,6 +22,8 @@ PACKAGES = ["paged_core", "paged_ref", "paged_triton", "paged_server"]  # lowest
 SERVER_LAYERS = [
     # shared vocabulary: errors, outputs, request parameters, the tokenizer
     {"errors", "outputs", "sampling_params", "structured_outputs", "tokenizer"},
+    # where a model lives and its recommended sampling settings (read by config and engine)
+    {"model_dir", "generation_defaults"},
     {"models", "default_model"},  # model code and its loader; know no engine config
     {"config"},  # the engine config (names model quantization methods)
     {"engine", "parallel"},  # the engine and its tensor-parallel ranks
