@@ -189,3 +189,13 @@ def test_new_layouts_warmup_lists_compile_without_spills():
 def test_derived_matrix():
     results = cm.run_jobs(cm.derived_jobs())
     assert not describe(results), "\n".join(describe(results))
+
+
+@needs_ptxas
+def test_fused_moe_compiles_for_every_published_mixture_without_spills():
+    """Mixtral 8x7B and Qwen 3 30B-A3B, every TP split: the gate/up and the
+    weighted down GEMM of the fused-MoE kernel for sm_80 and sm_90."""
+    jobs = cm.moe_jobs(archs=(80, 90))
+    assert {j.label.rpartition(" ")[2] for j in jobs} == {"gate_up", "down"}
+    results = cm.run_jobs(jobs)
+    assert not describe(results), "\n".join(describe(results))

@@ -398,6 +398,8 @@ def derived_jobs(
     (layouts that share a per-rank shape share kernels; the label names the
     first); combinations the ops refuse (fp8 e4m3 before sm_89) are left out."""
     jobs: dict[tuple[Any, ...], CompileJob] = {}
+    if layouts is None:  # every family: the experts' kernel too
+        jobs.update((job.key, job) for job in moe_jobs(archs, dtypes))
     for name, layout in derived_layouts(dtypes, kv_caches, layouts):
         for arch in archs:
             if layout.kv_cache_dtype == torch.float8_e4m3fn and arch < 89:
@@ -405,6 +407,48 @@ def derived_jobs(
             for job in warmup_jobs(layout, arch):
                 label = f"{name}: {job.label.removeprefix('warm-up: ')}"
                 jobs.setdefault(job.key, CompileJob(label, *_fields(job)[1:]))
+    return list(jobs.values())
+
+
+def moe_jobs(
+    archs: Sequence[int] = ARCHS, dtypes: Sequence[str] = ("bf16", "fp16")
+) -> list[CompileJob]:
+    """The fused-MoE GEMMs (``fused_moe.plan_expert_gemm``: gate/up over
+    token rows, down over pair rows with the routing weight) for each
+    published mixture of experts per tensor-parallel split (each rank holds
+    ``1/tp`` of every expert's features), deduplicated."""
+    from paged_triton.fused_moe import plan_expert_gemm
+    from paged_triton.published_layouts import MOE
+
+    jobs: dict[tuple[Any, ...], CompileJob] = {}
+    for moe in MOE:
+        for tp in (1, 2, 4, 8):
+            inter = moe.intermediate // tp
+            tokens, pairs = 64, 64 * moe.top_k
+            for dtype in dtypes:
+                dt = DTYPES[dtype]
+
+                def meta(*shape: int, dt: torch.dtype = dt) -> torch.Tensor:
+                    return torch.empty(*shape, device="meta", dtype=dt)
+
+                sorted_ids = torch.zeros(pairs + moe.experts * 16, dtype=torch.int32)
+                blocks = torch.zeros(sorted_ids.numel() // 16, dtype=torch.int32)
+                weights = torch.zeros(pairs, dtype=torch.float32)
+                launches = {
+                    "gate_up": plan_expert_gemm(
+                        meta(tokens, moe.hidden), meta(moe.experts, 2 * inter, moe.hidden),
+                        meta(pairs, 2 * inter), sorted_ids, blocks, None, moe.top_k, False,
+                    ),
+                    "down": plan_expert_gemm(
+                        meta(pairs, inter), meta(moe.experts, moe.hidden, inter),
+                        meta(pairs, moe.hidden), sorted_ids, blocks, weights, moe.top_k, True,
+                    ),
+                }  # fmt: skip
+                for what, launch in launches.items():
+                    for arch in archs:
+                        label = f"{moe.name} tp{tp} {dtype}: fused_moe {what}"
+                        job = launch_job(label, dtype, launch, arch, block_n=False)
+                        jobs.setdefault(job.key, job)
     return list(jobs.values())
 
 

@@ -52,6 +52,23 @@ def _window(size: int, softcap: float | None = None) -> LayerAttention:
     return LayerAttention(size, softcap)
 
 
+@dataclass(frozen=True, slots=True)
+class PublishedExperts:
+    """One published mixture of experts: ``experts`` gated MLPs of
+    ``intermediate`` features over ``hidden``, ``top_k`` per token."""
+
+    name: str
+    experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+
+
+MOE: tuple[PublishedExperts, ...] = (
+    PublishedExperts("Mixtral 8x7B", 8, 4096, 14336, 2),
+    PublishedExperts("Qwen3 30B-A3B", 128, 2048, 768, 8),
+)
+
 PUBLISHED: tuple[PublishedLayout, ...] = (
     PublishedLayout("LlamaForCausalLM", "Llama 3.2 1B", 32, 8, 64),
     PublishedLayout("LlamaForCausalLM", "Llama 3.2 3B", 24, 8, 128),

@@ -4,8 +4,11 @@
 The expert path is grouped, not per token: the (token, expert) pairs are
 sorted by expert, and each expert with work runs two GEMMs over all of its
 tokens at once (a Python loop over experts, never over tokens). This needs
-the per-expert counts on the host (one sync per layer), so models with
-experts are not captured in CUDA graphs (``CausalLM.cuda_graph_safe``).
+the per-expert counts on the host (one sync per layer). On CUDA the same
+computation runs as ``paged_triton.fused_moe`` (one launch per projection
+for all experts, no host sync; differential-tested against this path under
+the interpreter). Models with experts are not captured in CUDA graphs
+(``CausalLM.cuda_graph_safe``) until the fused path is proven on a GPU.
 
 With tensor parallelism every rank holds every expert and ``1/world_size``
 of each expert's intermediate features (vLLM's default, not expert
@@ -78,6 +81,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]``, routing ``weights``/``ids [T, top_k]`` -> this
         rank's partial ``[T, hidden]`` (summed over the chosen experts)."""
+        if x.is_cuda:
+            from paged_triton.fused_moe import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, weights, ids, self.act)
         top_k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
