@@ -183,7 +183,7 @@ def test_new_layouts_warmup_lists_compile_without_spills():
 @pytest.mark.skipif(
     os.environ.get("PAGED_COMPILE_MATRIX") != "derived",
     reason="the derived matrix (every published layout x TP x fp16/bf16 x 7 KV caches x 3 archs: "
-    "~3,400 compiles, an hour on 2 cores) runs with PAGED_COMPILE_MATRIX=derived, or: "
+    "~3,400 compiles, about two hours on 2 cores) runs with PAGED_COMPILE_MATRIX=derived, or: "
     "python -m paged_triton.compile_matrix --derived",
 )
 def test_derived_matrix():
