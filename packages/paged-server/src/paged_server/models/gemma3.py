@@ -87,8 +87,10 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         max_pos = config.max_position_embeddings
         self.global_rotary = RotaryEmbedding(config.rope, config.head_dim, max_pos)
-        self.local_rotary = RotaryEmbedding(
-            config.local_rope or config.rope, config.head_dim, max_pos
+        self.local_rotary = (  # Gemma 2 has one RoPE for both kinds of layer
+            RotaryEmbedding(config.local_rope, config.head_dim, max_pos)
+            if config.local_rope
+            else self.global_rotary
         )
 
     def _rounded_scale(self, dtype: torch.dtype) -> float:
@@ -109,7 +111,9 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         x = x * self._rounded_scale(x.dtype)
         global_cos, global_sin = self.global_rotary(position_ids, x.dtype)
-        local_cos, local_sin = self.local_rotary(position_ids, x.dtype)
+        local_cos, local_sin = global_cos, global_sin
+        if self.local_rotary is not self.global_rotary:
+            local_cos, local_sin = self.local_rotary(position_ids, x.dtype)
         for layer in self.layers:
             if layer.is_sliding:
                 x = layer(x, local_cos, local_sin, kv_cache)
