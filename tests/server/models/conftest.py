@@ -17,22 +17,19 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+import transformers
+from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 from paged_core import kv_cache_groups
 from paged_server.default_model.tokenizer_builder import build_tokenizer
 from paged_server.models import LoadedModel, load_model
 
 VOCAB = 512  # prompt_of (tests/server/conftest.py) draws ids below this
-FAMILIES = ("llama", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen3", "gemma3")  # the fixtures most model tests run on
+# Every supported family: the parity tests run them all.
+ALL_FAMILIES = FAMILIES + ("mistral", "qwen2", "gemma2", "phi3", "mixtral", "qwen3_moe")
 GEMMA_WINDOW = 8
+PHI3_ORIGINAL_CONTEXT = 64  # longrope: short factors below, long ones from here on
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB,
@@ -62,6 +59,39 @@ def _hf_config(family: str) -> Any:
         return LlamaConfig(num_hidden_layers=2, rope_parameters=rope, **_COMMON)
     if family == "qwen3":
         return Qwen3Config(num_hidden_layers=2, head_dim=32, **_COMMON)
+    if family == "mistral":  # a window on every layer
+        return transformers.MistralConfig(num_hidden_layers=2, sliding_window=GEMMA_WINDOW, **_COMMON)
+    if family == "qwen2":  # biases on q/k/v only
+        return transformers.Qwen2Config(num_hidden_layers=2, **_COMMON)
+    if family == "gemma2":  # both soft-caps, alternating windows, no q/k norms
+        return transformers.Gemma2Config(
+            num_hidden_layers=3, head_dim=16, sliding_window=GEMMA_WINDOW,
+            attn_logit_softcapping=1.5, final_logit_softcapping=2.0, query_pre_attn_scalar=24,
+            **_COMMON,
+        )  # fmt: skip
+    if family == "phi3":  # head_dim 96 (as published), longrope
+        half = 48
+        rope = {
+            "rope_type": "longrope", "rope_theta": 10_000.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(half)],
+            "long_factor": [1.0 + 0.5 * i for i in range(half)],
+            "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT,
+            "factor": _COMMON["max_position_embeddings"] / PHI3_ORIGINAL_CONTEXT,
+        }  # fmt: skip
+        common = {**_COMMON, "hidden_size": 192, "num_attention_heads": 2, "num_key_value_heads": 1}
+        return transformers.Phi3Config(
+            num_hidden_layers=2, rope_parameters=rope,
+            original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT, **common,
+        )  # fmt: skip
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **_COMMON
+        )
+    if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), top-2 of 4 renormalized
+        return transformers.Qwen3MoeConfig(
+            num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], **_COMMON,
+        )  # fmt: skip
     return Gemma3TextConfig(
         num_hidden_layers=3,
         head_dim=16,
@@ -73,7 +103,17 @@ def _hf_config(family: str) -> Any:
     )
 
 
-_HF_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "gemma3": Gemma3ForCausalLM}
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @dataclass
@@ -88,7 +128,8 @@ def build_hf_model(family: str, seed: int = 0) -> Any:
     """A random transformers model of ``family`` (eager attention: the oracle)."""
     torch.manual_seed(seed)
     config = _hf_config(family)
-    model = _HF_CLASSES[family]._from_config(config, attn_implementation="eager").eval()
+    hf_class = getattr(transformers, _HF_CLASSES[family])
+    model = hf_class._from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 1:  # norms: HF inits them to the identity
@@ -104,23 +145,41 @@ def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+class _Checkpoints(dict):  # type: ignore[type-arg]
+    """family -> ``Checkpoint``, each saved and loaded on first use."""
+
+    def __init__(self, factory: pytest.TempPathFactory, tokenizer_json: Path) -> None:
+        super().__init__()
+        self.factory, self.tokenizer_json = factory, tokenizer_json
+
+    def __missing__(self, family: str) -> Checkpoint:
+        hf_model = build_hf_model(family)
+        path = self.factory.mktemp(f"ckpt-{family}")
+        hf_model.save_pretrained(path)
+        (path / "tokenizer.json").write_bytes(self.tokenizer_json.read_bytes())
+        self[family] = Checkpoint(family, path, hf_model, load_model(path))
+        return self[family]
+
+
 @pytest.fixture(scope="session")
 def checkpoints(
     tmp_path_factory: pytest.TempPathFactory, tokenizer_json: Path
 ) -> dict[str, Checkpoint]:
-    """One saved checkpoint per family, loaded with our loader."""
-    out = {}
-    for family in FAMILIES:
-        hf_model = build_hf_model(family)
-        path = tmp_path_factory.mktemp(f"ckpt-{family}")
-        hf_model.save_pretrained(path)
-        (path / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
-        out[family] = Checkpoint(family, path, hf_model, load_model(path))
-    return out
+    """One saved checkpoint per family (built when first asked for), loaded
+    with our loader."""
+    return _Checkpoints(tmp_path_factory, tokenizer_json)
 
 
 @pytest.fixture(params=FAMILIES)
 def checkpoint(request: pytest.FixtureRequest, checkpoints: dict[str, Checkpoint]) -> Checkpoint:
+    return checkpoints[request.param]
+
+
+@pytest.fixture(params=ALL_FAMILIES)
+def any_checkpoint(
+    request: pytest.FixtureRequest, checkpoints: dict[str, Checkpoint]
+) -> Checkpoint:
+    """Every supported family's checkpoint in turn (the parity tests)."""
     return checkpoints[request.param]
 
 

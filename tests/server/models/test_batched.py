@@ -76,3 +76,10 @@ def test_batched_decode_on_backend_equals_alone(
 ):
     # Gemma 3 only: GQA, both layer kinds and soft-capping in one model.
     _check(checkpoints["gemma3"], pool_of, prompt_of, "paged", ops_for(attention_backend))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_experts_batched_equal_each_sequence_alone(checkpoints, family, pool_of, prompt_of):
+    """The grouped expert path runs every sequence's tokens routed to an
+    expert in one GEMM: no sequence's output depends on its neighbours."""
+    _check(checkpoints[family], pool_of, prompt_of, "paged")

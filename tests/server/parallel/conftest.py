@@ -1,8 +1,10 @@
-"""Tiny checkpoints of the three families for the tensor-parallel tests.
+"""Tiny checkpoints of five families for the tensor-parallel tests.
 
 Saved by transformers as real safetensors directories with a real tokenizer.
 Llama and Qwen 3 have 4 query and 2 KV heads (TP=2 splits both); Gemma 3
-has a single KV head, as Gemma 3 1B does, so TP=2 replicates it. Wide
+has a single KV head, as Gemma 3 1B does, so TP=2 replicates it. Phi-3's
+checkpoint stores q/k/v and gate/up stacked (each rank cuts its rows out of
+them); Mixtral's experts are each split along their features. Wide
 random weights make greedy outputs depend on the whole context.
 """
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -25,7 +28,7 @@ from transformers import (
 from paged_server.default_model.tokenizer_builder import build_tokenizer
 
 VOCAB = 512
-FAMILIES = ("llama", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen3", "gemma3", "phi3", "mixtral")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB,
@@ -48,6 +51,13 @@ def _model(family: str) -> Any:
         )
     if family == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=16, **_COMMON))
+    if family == "phi3":
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(num_key_value_heads=2, **_COMMON))
+    if family == "mixtral":
+        config = transformers.MixtralConfig(
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **_COMMON
+        )
+        return transformers.MixtralForCausalLM(config)
     config = Gemma3TextConfig(
         num_key_value_heads=1,
         head_dim=16,

@@ -107,7 +107,14 @@ class _Counting:
 
 @pytest.mark.parametrize(
     ("family", "pool"),
-    [("llama", "paged"), ("llama", "contiguous"), ("qwen3", "paged"), ("gemma3", "paged")],
+    [
+        ("llama", "paged"),
+        ("llama", "contiguous"),
+        ("qwen3", "paged"),
+        ("gemma3", "paged"),
+        ("phi3", "paged"),  # each rank's q/k/v and gate/up rows of stacked checkpoint tensors
+        ("mixtral", "contiguous"),  # every expert split along its features, one all-reduce
+    ],
 )
 def test_tp2_matches_tp1_token_for_token(
     tp_checkpoints: dict[str, Path], family: str, pool: str
@@ -182,12 +189,15 @@ def _fp8_checkpoint(dense: Path, out: Path) -> Path:
     return out
 
 
-def test_tp2_quantized_checkpoint_matches_tp1(tp_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["llama", "phi3"])  # Phi-3: q/k/v quantized as one tensor
+def test_tp2_quantized_checkpoint_matches_tp1(
+    tp_checkpoints: dict[str, Path], tmp_path: Path, family: str
+) -> None:
     """Each rank slices the checkpoint's quantized weight with its scales
     (column-parallel: its rows' scales; row-parallel: the whole per-channel
     scales), so TP=2 computes what TP=1 does. (Online quantization instead
     quantizes each rank's shard, as vLLM does: scales then differ by rank.)"""
-    path = _fp8_checkpoint(tp_checkpoints["llama"], tmp_path / "fp8")
+    path = _fp8_checkpoint(tp_checkpoints[family], tmp_path / "fp8")
     one = _generate(path, 1, "paged")
     two = _generate(path, 2, "paged")
     assert two["tokens"] == one["tokens"]

@@ -368,6 +368,109 @@ def warmup_jobs(layout: AttentionLayout, arch: int, sms: int = 132) -> list[Comp
     ]
 
 
+# Each 8-bit cache with per-token scales and with static per-head scales (calculate_kv_scales).
+KV_CACHES: tuple[tuple[str, bool], ...] = (("auto", False),) + tuple(
+    (kv, static) for kv in ("int8", "fp8_e4m3", "fp8_e5m2") for static in (False, True)
+)
+
+
+def derived_layouts(
+    dtypes: Sequence[str] = ("bf16", "fp16"),
+    kv_caches: Sequence[tuple[str, bool]] = KV_CACHES,
+    layouts: Sequence[Any] | None = None,
+) -> list[tuple[str, AttentionLayout]]:
+    """(name, one rank's ``AttentionLayout``) for every published layout of
+    every supported family (``published_layouts.PUBLISHED``) x each
+    tensor-parallel split x model dtype x KV cache."""
+    from paged_triton.published_layouts import PUBLISHED
+    from paged_triton.warmup import AttentionLayout
+
+    out = []
+    for published in layouts or PUBLISHED:
+        for tp in published.tp_sizes():
+            heads, kv_heads = published.per_rank(tp)
+            for dtype in dtypes:
+                for kv, static in kv_caches:
+                    layout = AttentionLayout(
+                        heads, kv_heads, published.head_dim, DTYPES[dtype],
+                        KV_DTYPES[kv] or DTYPES[dtype], 16, 4096, published.max_model_len,
+                        published.layers, static_kv_scales=static,
+                    )  # fmt: skip
+                    name = f"{published.name} tp{tp} {dtype} kv={kv}{' static' if static else ''}"
+                    out.append((name, layout))
+    return out
+
+
+def derived_jobs(
+    archs: Sequence[int] = ARCHS,
+    dtypes: Sequence[str] = ("bf16", "fp16"),
+    kv_caches: Sequence[tuple[str, bool]] = KV_CACHES,
+    layouts: Sequence[Any] | None = None,
+) -> list[CompileJob]:
+    """The start-up warm-up list (:func:`warmup_jobs`) of every
+    :func:`derived_layouts` entry on every arch: what a server compiles on
+    start-up, for every configuration a user can choose. Deduplicated
+    (layouts that share a per-rank shape share kernels; the label names the
+    first); combinations the ops refuse (fp8 e4m3 before sm_89) are left out."""
+    jobs: dict[tuple[Any, ...], CompileJob] = {}
+    if layouts is None:  # every family: the experts' kernel too
+        jobs.update((job.key, job) for job in moe_jobs(archs, dtypes))
+    for name, layout in derived_layouts(dtypes, kv_caches, layouts):
+        for arch in archs:
+            if layout.kv_cache_dtype == torch.float8_e4m3fn and arch < 89:
+                continue  # refused by the ops (unsupported())
+            for job in warmup_jobs(layout, arch):
+                label = f"{name}: {job.label.removeprefix('warm-up: ')}"
+                jobs.setdefault(job.key, CompileJob(label, *_fields(job)[1:]))
+    return list(jobs.values())
+
+
+def moe_jobs(
+    archs: Sequence[int] = ARCHS, dtypes: Sequence[str] = ("bf16", "fp16")
+) -> list[CompileJob]:
+    """The fused-MoE GEMMs (``fused_moe.plan_expert_gemm``: gate/up over
+    token rows, down over pair rows with the routing weight) for each
+    published mixture of experts per tensor-parallel split (each rank holds
+    ``1/tp`` of every expert's features), deduplicated."""
+    from paged_triton.fused_moe import plan_expert_gemm
+    from paged_triton.published_layouts import MOE
+
+    jobs: dict[tuple[Any, ...], CompileJob] = {}
+    for moe in MOE:
+        for tp in (1, 2, 4, 8):
+            inter = moe.intermediate // tp
+            tokens, pairs = 64, 64 * moe.top_k
+            for dtype in dtypes:
+                dt = DTYPES[dtype]
+
+                def meta(*shape: int, dt: torch.dtype = dt) -> torch.Tensor:
+                    return torch.empty(*shape, device="meta", dtype=dt)
+
+                sorted_ids = torch.zeros(pairs + moe.experts * 16, dtype=torch.int32)
+                blocks = torch.zeros(sorted_ids.numel() // 16, dtype=torch.int32)
+                weights = torch.zeros(pairs, dtype=torch.float32)
+                launches = {
+                    "gate_up": plan_expert_gemm(
+                        meta(tokens, moe.hidden), meta(moe.experts, 2 * inter, moe.hidden),
+                        meta(pairs, 2 * inter), sorted_ids, blocks, None, moe.top_k, False,
+                    ),
+                    "down": plan_expert_gemm(
+                        meta(pairs, inter), meta(moe.experts, moe.hidden, inter),
+                        meta(pairs, moe.hidden), sorted_ids, blocks, weights, moe.top_k, True,
+                    ),
+                }  # fmt: skip
+                for what, launch in launches.items():
+                    for arch in archs:
+                        label = f"{moe.name} tp{tp} {dtype}: fused_moe {what}"
+                        job = launch_job(label, dtype, launch, arch, block_n=False)
+                        jobs.setdefault(job.key, job)
+    return list(jobs.values())
+
+
+def _fields(job: CompileJob) -> tuple[Any, ...]:
+    return tuple(getattr(job, f) for f in CompileJob.__dataclass_fields__)
+
+
 # -- compiling (worker side) ------------------------------------------------------------
 
 
@@ -532,18 +635,23 @@ def markdown(results: Sequence[CompileResult]) -> str:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    """``python -m paged_triton.compile_matrix [--exhaustive]``: print the table."""
+    """``python -m paged_triton.compile_matrix [--exhaustive | --derived]``: print the table."""
     missing = tools_missing()
     if missing:
         print(f"compile matrix skipped: {missing}")
         return 0
-    variants = exhaustive_variants() if "--exhaustive" in argv else core_variants()
     start = time.perf_counter()
-    results = run(variants)
+    if "--derived" in argv:
+        results = run_jobs(derived_jobs())
+        what = "every published layout's warm-up list x TP x dtype x KV cache x arch"
+    else:
+        variants = exhaustive_variants() if "--exhaustive" in argv else core_variants()
+        results = run(variants)
+        what = f"{len(variants)} variants x {len(ARCHS)} archs"
     print(markdown(results))
     bad = [r for r in results if r.problems]
     print(
-        f"\n{len(results)} compiles ({len(variants)} variants x {len(ARCHS)} archs, deduplicated) "
+        f"\n{len(results)} compiles ({what}, deduplicated) "
         f"in {time.perf_counter() - start:.0f} s; {len(bad)} with problems"
     )
     return 1 if bad else 0

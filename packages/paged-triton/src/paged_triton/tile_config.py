@@ -116,14 +116,19 @@ def _quantized_tile(kernel: str, row_bytes: int, arch: int | None) -> TileConfig
     d64 fp16 72 B on sm_80/sm_89; prefill d256 bf16 with window and soft-cap
     40-88 B everywhere. Halving the key tile (and 8 warps for d64 prefill)
     removes every spill; half the keys per tile costs a little pipelining,
-    not bytes read."""
+    not bytes read. Prefill d256 with static per-head scales
+    (``calculate_kv_scales``) still spilled 560-584 B per thread on sm_80
+    with 64 query rows (found by compiling every family's warm-up list);
+    32 rows x 16 keys x 8 warps: 188-238 registers, no spill, 34-49 KB."""
     if kernel == "decode":
         return TileConfig(0, 32 if row_bytes <= 256 else 16, 4, 5, maxnreg=255)
     if kernel == "prefill":
         if row_bytes <= 256:
             return TileConfig(64, 32, 8, 5, maxnreg=255)
-        if _large_smem(arch):
+        if arch is not None and arch >= 90:
             return TileConfig(64, 16, 8, 5, maxnreg=255)
+        if _large_smem(arch):  # sm_80/sm_87
+            return TileConfig(32, 16, 8, 5, maxnreg=255)
         return TileConfig(32, 16, 4, 5)
     raise ValueError(f"no tile configuration for kernel {kernel!r}; known: {KERNELS}")
 

@@ -225,6 +225,7 @@ class LLMEngine:
         config = self.config
         if (
             config.enforce_eager
+            or not self.loaded.model.cuda_graph_safe  # e.g. the experts' host sync
             or config.tensor_parallel_size > 1  # graphs would skip the step broadcast
             or device.type != "cuda"
             or self.attention_backend != "triton"

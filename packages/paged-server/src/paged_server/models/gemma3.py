@@ -28,7 +28,9 @@ from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich-norm block: norm -> attention -> norm -> residual, same for the MLP."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, qk_norm: bool, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         c = config
         self.is_sliding = c.layer_types[layer_idx] == SLIDING_ATTENTION
@@ -41,7 +43,9 @@ class Gemma3DecoderLayer(nn.Module):
             head_dim=c.head_dim,
             scale=scalar**-0.5,
             bias=c.attention_bias,
-            qk_norm=lambda: RMSNorm(c.head_dim, c.rms_norm_eps, unit_offset=True),
+            qk_norm=(lambda: RMSNorm(c.head_dim, c.rms_norm_eps, unit_offset=True))
+            if qk_norm
+            else None,
             sliding_window=c.layer_sliding_window(layer_idx),
             softcap=c.attn_logit_softcapping,
             tp=tp,
@@ -72,19 +76,21 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """Scaled embeddings, layers with local or global RoPE, final norm."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: ModelConfig, qk_norm: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         self._scales: dict[torch.dtype, float] = {}
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, tp) for i in range(config.num_layers)
+            Gemma3DecoderLayer(config, i, qk_norm, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         max_pos = config.max_position_embeddings
         self.global_rotary = RotaryEmbedding(config.rope, config.head_dim, max_pos)
-        self.local_rotary = RotaryEmbedding(
-            config.local_rope or config.rope, config.head_dim, max_pos
+        self.local_rotary = (  # Gemma 2 has one RoPE for both kinds of layer
+            RotaryEmbedding(config.local_rope, config.head_dim, max_pos)
+            if config.local_rope
+            else self.global_rotary
         )
 
     def _rounded_scale(self, dtype: torch.dtype) -> float:
@@ -105,7 +111,9 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         x = x * self._rounded_scale(x.dtype)
         global_cos, global_sin = self.global_rotary(position_ids, x.dtype)
-        local_cos, local_sin = self.local_rotary(position_ids, x.dtype)
+        local_cos, local_sin = global_cos, global_sin
+        if self.local_rotary is not self.global_rotary:
+            local_cos, local_sin = self.local_rotary(position_ids, x.dtype)
         for layer in self.layers:
             if layer.is_sliding:
                 x = layer(x, local_cos, local_sin, kv_cache)
@@ -117,7 +125,9 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text model; the LM head is tied to the embeddings by default."""
 
+    qk_norm = True  # Gemma 2 has none (gemma2.py)
+
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, tp)
-        self.model = Gemma3Model(config, tp)
+        self.model = Gemma3Model(config, self.qk_norm, tp)
         self._init_lm_head()

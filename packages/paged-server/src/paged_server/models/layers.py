@@ -17,7 +17,12 @@ from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.errors import InvalidConfigError
-from paged_server.models.linear import ColumnParallelLinear, OutputSlice, RowParallelLinear
+from paged_server.models.linear import (
+    ColumnParallelLinear,
+    OutputSlice,
+    RowParallelLinear,
+    stored_stacked,
+)
 from paged_server.models.rope import apply_rope
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel, shard_heads, shard_size
 
@@ -57,7 +62,8 @@ class GatedMLP(nn.Module):
     gate and up are one GEMM (``gate_up_proj``, filled from the checkpoint's
     ``gate_proj`` and ``up_proj``). With tensor parallelism each rank holds
     ``1/world_size`` of the intermediate features (gate/up column-, down
-    row-parallel)."""
+    row-parallel). ``stored_as``: the checkpoint already stacks gate and up
+    in one tensor of that name (Phi-3's ``gate_up_proj``)."""
 
     def __init__(
         self,
@@ -66,6 +72,7 @@ class GatedMLP(nn.Module):
         act: str,
         bias: bool = False,
         tp: TensorParallel = SINGLE,
+        stored_as: str | None = None,
     ):
         super().__init__()
         if act not in ACTIVATIONS:
@@ -74,11 +81,10 @@ class GatedMLP(nn.Module):
             )
         size = shard_size(intermediate_size, tp, "intermediate_size")
         start = tp.rank * size
-        self.gate_up_proj = ColumnParallelLinear(
-            hidden_size,
-            [OutputSlice(name, intermediate_size, start, size) for name in ("gate_proj", "up_proj")],
-            bias,
-        )
+        slices = [OutputSlice(n, intermediate_size, start, size) for n in ("gate_proj", "up_proj")]
+        if stored_as:
+            slices = stored_stacked(stored_as, slices)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, slices, bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, start, size, bias, tp)
         self.act = ACTIVATIONS[act]
 
@@ -91,8 +97,11 @@ class Attention(nn.Module):
     """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm
     (Qwen 3, Gemma 3), an optional sliding window and logit soft-capping.
     q, k and v are one GEMM (``qkv_proj``, filled from the checkpoint's
-    ``q_proj``, ``k_proj`` and ``v_proj``). With tensor parallelism each rank computes its share of the heads
-    (``shard_heads``); ``num_heads``/``num_kv_heads`` are then this rank's."""
+    ``q_proj``, ``k_proj`` and ``v_proj``, or from one stacked tensor named
+    ``stored_as``, as Phi-3 saves it). ``bias`` is q/k/v's, ``o_bias`` the
+    output projection's (Qwen 2 has the first only). With tensor parallelism
+    each rank computes its share of the heads (``shard_heads``);
+    ``num_heads``/``num_kv_heads`` are then this rank's."""
 
     def __init__(
         self,
@@ -104,10 +113,12 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         bias: bool = False,
+        o_bias: bool | None = None,
         qk_norm: Callable[[], RMSNorm] | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
         tp: TensorParallel = SINGLE,
+        stored_as: str | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -128,16 +139,16 @@ class Attention(nn.Module):
         q_full, kv_full = num_heads * head_dim, num_kv_heads * head_dim
         q_start, q_size = heads.q_start * head_dim, heads.num_heads * head_dim
         kv_start, kv_size = heads.kv_start * head_dim, heads.num_kv_heads * head_dim
-        self.qkv_proj = ColumnParallelLinear(
-            hidden_size,
-            [
-                OutputSlice("q_proj", q_full, q_start, q_size),
-                OutputSlice("k_proj", kv_full, kv_start, kv_size),
-                OutputSlice("v_proj", kv_full, kv_start, kv_size),
-            ],
-            bias,
-        )
-        self.o_proj = RowParallelLinear(q_full, hidden_size, q_start, q_size, bias, tp)
+        slices = [
+            OutputSlice("q_proj", q_full, q_start, q_size),
+            OutputSlice("k_proj", kv_full, kv_start, kv_size),
+            OutputSlice("v_proj", kv_full, kv_start, kv_size),
+        ]
+        if stored_as:
+            slices = stored_stacked(stored_as, slices)
+        self.qkv_proj = ColumnParallelLinear(hidden_size, slices, bias)
+        o_bias = bias if o_bias is None else o_bias
+        self.o_proj = RowParallelLinear(q_full, hidden_size, q_start, q_size, o_bias, tp)
         self.q_norm = qk_norm() if qk_norm else None
         self.k_norm = qk_norm() if qk_norm else None
 

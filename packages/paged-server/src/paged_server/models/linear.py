@@ -32,10 +32,12 @@ from paged_server.models.tensor_parallel import TensorParallel
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """Where one checkpoint tensor goes: into ``param`` (an attribute of the
-    layer), whole when ``dim`` is None; else the slice ``[start, start +
-    size)`` along ``dim`` of a tensor ``full`` wide there, written at
-    ``offset`` along ``dim`` of the parameter."""
+    """Where one checkpoint tensor (or a piece of it) goes: into ``param``
+    (an attribute of the layer), whole when ``dim`` is None; else the slice
+    ``[start, start + size)`` along ``dim`` of a tensor ``full`` wide there,
+    written at ``offset`` along ``dim`` of the parameter. ``index``: the
+    parameter stacks one such tensor per index along its first dimension
+    (a mixture of experts' weights), and this one is ``param[index]``."""
 
     param: str
     dim: int | None = None
@@ -43,18 +45,33 @@ class Part:
     size: int = 0
     full: int = 0
     offset: int = 0
+    index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class OutputSlice:
     """One projection stacked in a column-parallel layer: named ``name`` in
     the checkpoint, ``full`` output features there, of which this rank holds
-    ``size`` from ``start``."""
+    ``size`` from ``start``. Checkpoints that store the projections already
+    stacked (Phi-3's ``qkv_proj``) name one tensor in several slices, each
+    with its ``start`` inside the stacked tensor."""
 
     name: str
     full: int
     start: int
     size: int
+
+
+def stored_stacked(name: str, slices: list[OutputSlice]) -> list[OutputSlice]:
+    """``slices`` as a checkpoint that stores them stacked, in this order,
+    as one tensor ``name`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``):
+    each slice's rows then start at its projection's place in that tensor."""
+    total = sum(s.full for s in slices)
+    out, at = [], 0
+    for s in slices:
+        out.append(OutputSlice(name, total, at + s.start, s.size))
+        at += s.full
+    return out
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -71,17 +88,27 @@ class ColumnParallelLinear(nn.Linear):
         """The output as one tensor per stacked projection (views)."""
         return out.split([s.size for s in self.slices], dim=-1)
 
-    def checkpoint_tensors(self, name: str) -> dict[str, Part]:
-        """Checkpoint tensor name (relative to the parent module; ``name`` is
-        this layer's own, used when it holds one projection) -> ``Part``."""
-        parts: dict[str, Part] = {}
-        offset = 0
-        for s in self.slices:
-            prefix = name if len(self.slices) == 1 else s.name
-            for param in ("weight", "bias") if self.bias is not None else ("weight",):
-                parts[f"{prefix}.{param}"] = Part(param, 0, s.start, s.size, s.full, offset)
-            offset += s.size
-        return parts
+    def checkpoint_tensors(self, name: str) -> list[tuple[str, Part]]:
+        """(checkpoint tensor name, ``Part``) pairs; names are relative to
+        the parent module (``name`` is this layer's own, used when it holds
+        one projection). A name may come more than once: one tensor cut
+        into several slices (a checkpoint's stacked projections)."""
+        return stacked_parts(name, self.slices, self.bias is not None)
+
+
+def stacked_parts(
+    name: str, slices: list[OutputSlice], bias: bool, params: tuple[str, ...] = ("weight",)
+) -> list[tuple[str, Part]]:
+    """The checkpoint tensors of projections stacked along dim 0 in
+    ``slices`` order: each slice's rows of its tensor, at its offset."""
+    parts: list[tuple[str, Part]] = []
+    offset = 0
+    for s in slices:
+        prefix = name if len(slices) == 1 else s.name
+        for param in params + (("bias",) if bias else ()):
+            parts.append((f"{prefix}.{param}", Part(param, 0, s.start, s.size, s.full, offset)))
+        offset += s.size
+    return parts
 
 
 class RowParallelLinear(nn.Linear):
@@ -102,14 +129,14 @@ class RowParallelLinear(nn.Linear):
         self.shard_start, self.full_size = start, full_size
         self.tp = tp
 
-    def checkpoint_tensors(self, name: str) -> dict[str, Part]:
+    def checkpoint_tensors(self, name: str) -> list[tuple[str, Part]]:
         """As ``ColumnParallelLinear.checkpoint_tensors``: the weight's
         columns of this rank, the bias whole."""
-        parts = {
-            f"{name}.weight": Part("weight", 1, self.shard_start, self.in_features, self.full_size)
-        }
+        parts = [
+            (f"{name}.weight", Part("weight", 1, self.shard_start, self.in_features, self.full_size))
+        ]
         if self.bias is not None:
-            parts[f"{name}.bias"] = Part("bias")
+            parts.append((f"{name}.bias", Part("bias")))
         return parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Llama (2, 3, 3.1, 3.2) in plain PyTorch, readable top to bottom.
 
 Pre-norm decoder layers: RMSNorm -> attention -> residual, RMSNorm ->
-SwiGLU MLP -> residual. RoPE follows the config (plain, linear or Llama 3
-scaling). Qwen 3 is this model plus per-head q/k norms (see qwen3.py).
+SwiGLU MLP -> residual. RoPE follows the config (plain, linear, Llama 3
+or longrope scaling). Mistral, Qwen 2, Qwen 3, Phi-3, Mixtral and Qwen 3
+MoE are this model with a class attribute or the feed-forward changed
+(their own files); biases and sliding windows come from the config.
 """
 
 from __future__ import annotations
@@ -19,10 +21,16 @@ from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm transformer block."""
+    """One pre-norm transformer block; ``family`` (the ``*ForCausalLM``
+    class) says what varies: per-head q/k norms, stacked checkpoint
+    projections, the feed-forward block."""
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int, qk_norm: bool, tp: TensorParallel = SINGLE
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        family: type[LlamaForCausalLM],
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         c = config
@@ -33,15 +41,15 @@ class LlamaDecoderLayer(nn.Module):
             num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,
             scale=c.head_dim**-0.5,
-            bias=c.attention_bias,
-            qk_norm=(lambda: RMSNorm(c.head_dim, c.rms_norm_eps)) if qk_norm else None,
+            bias=c.qkv_bias,
+            o_bias=c.attention_bias,
+            qk_norm=(lambda: RMSNorm(c.head_dim, c.rms_norm_eps)) if family.qk_norm else None,
             sliding_window=c.layer_sliding_window(layer_idx),
             softcap=c.attn_logit_softcapping,
             tp=tp,
+            stored_as="qkv_proj" if family.stacked_checkpoint else None,
         )
-        self.mlp = GatedMLP(
-            c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias, tp=tp
-        )
+        self.mlp = family.feed_forward(c, layer_idx, tp)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -60,12 +68,12 @@ class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (weights under ``model.``)."""
 
     def __init__(
-        self, config: ModelConfig, qk_norm: bool = False, tp: TensorParallel = SINGLE
+        self, config: ModelConfig, family: type[LlamaForCausalLM], tp: TensorParallel = SINGLE
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qk_norm, tp) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, family, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
@@ -84,11 +92,21 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama with its LM head; weight names match Hugging Face checkpoints."""
+    """Llama with its LM head; weight names match Hugging Face checkpoints.
+    Families of the same layout subclass it and change the class attributes."""
 
-    qk_norm = False
+    qk_norm = False  # RMSNorm on each head's q and k (Qwen 3)
+    stacked_checkpoint = False  # the checkpoint stores qkv_proj / gate_up_proj (Phi-3)
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, tp)
-        self.model = LlamaModel(config, qk_norm=self.qk_norm, tp=tp)
+        self.model = LlamaModel(config, type(self), tp)
         self._init_lm_head()
+
+    @classmethod
+    def feed_forward(cls, c: ModelConfig, layer_idx: int, tp: TensorParallel) -> nn.Module:
+        """Layer ``layer_idx``'s MLP (mixture-of-experts families override it)."""
+        stored_as = "gate_up_proj" if cls.stacked_checkpoint else None
+        return GatedMLP(
+            c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, tp, stored_as=stored_as
+        )

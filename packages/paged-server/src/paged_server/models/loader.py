@@ -30,6 +30,7 @@ from paged_server.models.errors import (
     ModelFileNotFoundError,
 )
 from paged_server.models.linear import Part
+from paged_server.models.moe import Experts
 from paged_server.models.quantization import (
     Quantization,
     load_quantized_layers,
@@ -88,6 +89,11 @@ def load_model(
     target_dtype = resolve_dtype(dtype, config)
     quant = resolve_quantization(hf, quantization)
     model = _build_empty(arch, config, target_dtype, torch.device(device), tp)
+    if quant is not None and any(isinstance(m, Experts) for m in model.modules()):
+        raise InvalidConfigError(
+            f"{quant.name} weights are not supported for mixture-of-experts models "
+            f"({config.architecture}) yet; serve an unquantized checkpoint"
+        )
     files = weight_files(path)
     consumed, bytes_read = set(), 0
     if quant is not None and not quant.online:
@@ -205,29 +211,34 @@ def load_weights(
                     if not (name == "lm_head.weight" and model.config.tie_word_embeddings):
                         unexpected.append(key)
                     continue
-                param, part = targets[name]
                 tensor_slice = f.get_slice(key)
                 shape = tuple(tensor_slice.get_shape())
-                expected = tuple(param.shape)
-                if part.dim is not None:  # the full tensor's shape, this rank's slice of it
-                    expected = expected[: part.dim] + (part.full,) + expected[part.dim + 1 :]
-                if shape != expected:
-                    raise CheckpointMismatchError(
-                        f"weight {key} in {file.name} has shape {shape} but config.json implies "
-                        f"{expected} (hidden_size={model.config.hidden_size}, "
-                        f"heads={model.config.num_heads}, kv_heads={model.config.num_kv_heads}, "
-                        f"head_dim={model.config.head_dim}, vocab_size={model.config.vocab_size}); "
-                        "the weights do not belong to this config"
-                    )
-                if part.dim is None:
-                    tensor, dest = f.get_tensor(key), param
-                else:
-                    index = (slice(None),) * part.dim + (slice(part.start, part.start + part.size),)
-                    tensor = tensor_slice[index]
-                    dest = param.narrow(part.dim, part.offset, part.size)
-                bytes_read += tensor.numel() * tensor.element_size()
-                with torch.no_grad():
-                    dest.copy_(tensor)
+                for param, part in targets[name]:
+                    dest = param if part.index is None else param[part.index]
+                    expected = tuple(dest.shape)
+                    if part.dim is not None:  # the full tensor's shape, this rank's slice of it
+                        expected = expected[: part.dim] + (part.full,) + expected[part.dim + 1 :]
+                    if shape != expected:
+                        raise CheckpointMismatchError(
+                            f"weight {key} in {file.name} has shape {shape} but config.json "
+                            f"implies {expected} (hidden_size={model.config.hidden_size}, "
+                            f"heads={model.config.num_heads}, "
+                            f"kv_heads={model.config.num_kv_heads}, "
+                            f"head_dim={model.config.head_dim}, "
+                            f"vocab_size={model.config.vocab_size}); "
+                            "the weights do not belong to this config"
+                        )
+                    if part.dim is None:
+                        tensor = f.get_tensor(key)
+                    else:
+                        index = (slice(None),) * part.dim + (
+                            slice(part.start, part.start + part.size),
+                        )
+                        tensor = tensor_slice[index]
+                        dest = dest.narrow(part.dim, part.offset, part.size)
+                    bytes_read += tensor.numel() * tensor.element_size()
+                    with torch.no_grad():
+                        dest.copy_(tensor)
                 loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
@@ -255,25 +266,28 @@ def _open_weights(file: Path) -> Any:
         ) from None
 
 
-def checkpoint_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, Part]]:
+def checkpoint_targets(model: CausalLM) -> dict[str, list[tuple[torch.Tensor, Part]]]:
     """Checkpoint tensor name (after the architecture's renames) -> the
-    parameter it fills and how (``linear.Part``). Layers that know their
-    checkpoint tensors (``checkpoint_tensors``: the projections, stacked or
-    sharded) answer for their parameters; every other parameter (embeddings,
-    norms, the LM head) is filled whole from the tensor of its own name."""
-    targets: dict[str, tuple[torch.Tensor, Part]] = {}
+    parameters it fills and how (``linear.Part``; several when one tensor
+    holds stacked projections this rank keeps slices of). Layers that know
+    their checkpoint tensors (``checkpoint_tensors``: the projections,
+    stacked or sharded, and the experts) answer for their parameters; every
+    other parameter (embeddings, norms, the LM head) is filled whole from
+    the tensor of its own name."""
+    targets: dict[str, list[tuple[torch.Tensor, Part]]] = {}
     claimed: set[str] = set()
     for prefix, module in model.named_modules():
         describe = getattr(module, "checkpoint_tensors", None)
         if describe is None:
             continue
         parent, _, own = prefix.rpartition(".")
-        for name, part in describe(own).items():
-            targets[f"{parent}.{name}" if parent else name] = (getattr(module, part.param), part)
+        for name, part in describe(own):
+            key = f"{parent}.{name}" if parent else name
+            targets.setdefault(key, []).append((getattr(module, part.param), part))
             claimed.add(f"{prefix}.{part.param}")
     for name, param in model.named_parameters():
         if name not in claimed:
-            targets[name] = (param, Part(name.rpartition(".")[2]))
+            targets[name] = [(param, Part(name.rpartition(".")[2]))]
     return targets
 
 
@@ -282,10 +296,18 @@ def checkpoint_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     gate/up cut back into their projections): what ``load_weights`` reads,
     for writing a checkpoint of a one-rank model (``default_model.train``)."""
     out: dict[str, torch.Tensor] = {}
-    for name, (param, part) in checkpoint_targets(model).items():
-        whole = part.dim is None or part.size == part.full
-        assert whole, f"{name}: this rank holds a slice; save from a one-rank model"
-        out[name] = param if part.dim is None else param.narrow(part.dim, part.offset, part.size)
+    for name, pieces in checkpoint_targets(model).items():
+        pieces = sorted(pieces, key=lambda piece: piece[1].start)
+        first = pieces[0][1]
+        held = sum(part.size for _, part in pieces)
+        assert first.dim is None or held == first.full, (
+            f"{name}: this rank holds a slice; save from a one-rank model"
+        )
+        tensors = []
+        for param, part in pieces:
+            src = param if part.index is None else param[part.index]
+            tensors.append(src if part.dim is None else src.narrow(part.dim, part.offset, part.size))
+        out[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=first.dim or 0)
     return out
 
 

@@ -12,9 +12,15 @@ from typing import Any
 
 from paged_server.models.base import CausalLM
 from paged_server.models.errors import UnsupportedArchitectureError
+from paged_server.models.gemma2 import Gemma2ForCausalLM
 from paged_server.models.gemma3 import Gemma3ForCausalLM
 from paged_server.models.llama import LlamaForCausalLM
+from paged_server.models.mistral import MistralForCausalLM
+from paged_server.models.mixtral import MixtralForCausalLM
+from paged_server.models.phi3 import Phi3ForCausalLM
+from paged_server.models.qwen2 import Qwen2ForCausalLM
 from paged_server.models.qwen3 import Qwen3ForCausalLM
+from paged_server.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Hugging Face's Gemma3TextConfig defaults: released multimodal configs omit these.
 _GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
@@ -41,6 +47,7 @@ class Architecture:
     text_config_key: str | None = None  # sub-config holding the language model
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint prefix -> model prefix
     skipped_prefixes: tuple[str, ...] = ()  # weights of parts we do not run
+    substitutions: tuple[tuple[str, str], ...] = ()  # checkpoint infix -> model infix
 
     def text_config(self, hf: dict[str, Any]) -> dict[str, Any]:
         """The language model's config dict, with family defaults filled in."""
@@ -57,6 +64,8 @@ class Architecture:
             "rotary_emb.inv_freq"
         ):
             return None
+        for old, new in self.substitutions:
+            checkpoint_name = checkpoint_name.replace(old, new)
         for old, new in self.renames:
             if checkpoint_name.startswith(old):
                 return new + checkpoint_name[len(old) :]
@@ -65,7 +74,18 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LlamaForCausalLM),
+    "MistralForCausalLM": Architecture(MistralForCausalLM),
+    "MixtralForCausalLM": Architecture(
+        MixtralForCausalLM, substitutions=((".block_sparse_moe.", ".mlp."),)
+    ),
+    "Phi3ForCausalLM": Architecture(Phi3ForCausalLM),
+    "Qwen2ForCausalLM": Architecture(Qwen2ForCausalLM, defaults={"qkv_bias": True}),
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM),
+    "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM),
+    "Gemma2ForCausalLM": Architecture(
+        Gemma2ForCausalLM,
+        defaults={"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"},
+    ),
     "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, defaults=_GEMMA3_TEXT_DEFAULTS),
     "Gemma3ForConditionalGeneration": Architecture(
         Gemma3ForCausalLM,
@@ -88,7 +108,13 @@ ARCHITECTURES: dict[str, Architecture] = {
 # config.json files without an `architectures` list still name a model_type.
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 

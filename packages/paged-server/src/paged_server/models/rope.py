@@ -24,11 +24,36 @@ def rope_inv_freq(params: RopeParams, head_dim: int, max_position_embeddings: in
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (params.theta**exponents)
+    if params.rope_type == "longrope":
+        return _longrope_scale(params, params.short_factor, exponents, head_dim)
     if params.rope_type == "linear":
         return inv_freq / params.factor
     if params.rope_type == "llama3":
         return _llama3_scale(inv_freq, params, max_position_embeddings)
     return inv_freq
+
+
+def _longrope_scale(
+    p: RopeParams, factors: list[float] | None, exponents: torch.Tensor, head_dim: int
+) -> torch.Tensor:
+    if factors is None or len(factors) != head_dim // 2:
+        raise ValueError(
+            f"longrope needs short_factor and long_factor of head_dim / 2 = {head_dim // 2} "
+            "values each in rope_scaling"
+        )
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * p.theta**exponents)
+
+
+def longrope_attention_factor(p: RopeParams) -> float:
+    """The cos/sin scale of longrope: the config's, or ``sqrt(1 + ln(factor) /
+    ln(original context))`` for a context stretched ``factor`` times."""
+    if p.attention_factor is not None:
+        return p.attention_factor
+    if p.factor <= 1.0:
+        return 1.0
+    orig = p.original_max_position_embeddings
+    assert orig, "longrope needs original_max_position_embeddings"
+    return math.sqrt(1 + math.log(p.factor) / math.log(orig))
 
 
 def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams, max_pos: int) -> torch.Tensor:
@@ -48,11 +73,25 @@ class RotaryEmbedding(nn.Module):
 
     The frequencies are a plain attribute, not a buffer, so a model built on
     the meta device (the loader does that) still has real frequencies.
+
+    longrope (Phi-3) rotates positions from ``original_max_position_embeddings``
+    on with the long factors, earlier ones with the short factors: a per-token
+    rule, so one sequence's length never changes another's angles in a mixed
+    batch. transformers picks one set per forward pass (long once any position
+    reaches the original context); both agree while a pass stays below it.
     """
 
     def __init__(self, params: RopeParams, head_dim: int, max_position_embeddings: int) -> None:
         super().__init__()
         self.inv_freq = rope_inv_freq(params, head_dim, max_position_embeddings)
+        self.long_inv_freq: torch.Tensor | None = None
+        self.long_from = 0
+        self.scale = 1.0
+        if params.rope_type == "longrope":
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+            self.long_inv_freq = _longrope_scale(params, params.long_factor, exponents, head_dim)
+            self.long_from = params.original_max_position_embeddings or max_position_embeddings
+            self.scale = longrope_attention_factor(params)
 
     def forward(
         self, position_ids: torch.Tensor, dtype: torch.dtype
@@ -61,7 +100,14 @@ class RotaryEmbedding(nn.Module):
         if self.inv_freq.device != position_ids.device:
             self.inv_freq = self.inv_freq.to(position_ids.device)
         freqs = position_ids.float()[..., None] * self.inv_freq
+        if self.long_inv_freq is not None:
+            if self.long_inv_freq.device != position_ids.device:
+                self.long_inv_freq = self.long_inv_freq.to(position_ids.device)
+            long = position_ids.float()[..., None] * self.long_inv_freq
+            freqs = torch.where(position_ids[..., None] >= self.long_from, long, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.scale != 1.0:
+            return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

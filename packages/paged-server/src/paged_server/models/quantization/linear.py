@@ -140,24 +140,20 @@ class QuantizedLinear(nn.Module):
         assert self.slices is not None, "split() on a layer that stacks no projections"
         return out.split([s.size for s in self.slices], dim=-1)
 
-    def checkpoint_tensors(self, name: str) -> dict[str, Any]:
+    def checkpoint_tensors(self, name: str) -> list[tuple[str, Any]]:
         """Where the checkpoint's bias tensors go (models/linear.py's seam; the
         weight is already in): each stacked projection's bias into its rows,
         a column-parallel bias sliced, a row-parallel one whole."""
-        from paged_server.models.linear import Part  # the stacked-projection loader's
+        from paged_server.models.linear import Part, stacked_parts  # the loader's seam
 
         if self.bias is None:
-            return {}
+            return []
         if self.slices:
-            parts, offset = {}, 0
-            for s in self.slices:
-                prefix = name if len(self.slices) == 1 else s.name
-                parts[f"{prefix}.bias"] = Part("bias", 0, s.start, s.size, s.full, offset)
-                offset += s.size
-            return parts
+            return stacked_parts(name, self.slices, bias=True, params=())
         if getattr(self, "shard_dim", None) == 0:
-            return {f"{name}.bias": Part("bias", 0, self.shard_start, self.out_features, self.full_size)}
-        return {f"{name}.bias": Part("bias")}
+            part = Part("bias", 0, self.shard_start, self.out_features, self.full_size)
+            return [(f"{name}.bias", part)]
+        return [(f"{name}.bias", Part("bias"))]
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.format}, kernel={self.kernel}"

@@ -83,7 +83,9 @@ def load_quantized_layers(
             _swap(model, module, linears[module], found[0][1], full=True)
             continue
         # Projections stored apart, run stacked (fused q/k/v, gate/up): each
-        # part cut to this rank's rows, then stacked in the layer's order.
+        # part cut to this rank's rows, then stacked in the layer's order. A
+        # checkpoint that stores them stacked (Phi-3) names one tensor in
+        # every slice, and each slice cuts its rows out of it.
         by_name = {part.name: weight for part, weight in found}
         missing = [s.name for s in slices if s.name not in by_name]
         if missing:
