@@ -12,6 +12,12 @@ pipe until it is ready to join the groups: a worker that fails or dies
 before that (an import error, a bad device, a main module spawn cannot
 import) ends start-up at once with its error, and every worker is stopped.
 
+On several nodes (``nnodes > 1``, or under torchrun) the store listens on
+``master_addr:master_port`` instead of loopback; this process spawns only
+node 0's ranks, publishes the worker spec in the store for the other nodes'
+ranks (``node_worker.py``), and waits for them with a timeout that names
+the ranks that never joined (``rendezvous.py``).
+
 Failure is all-or-nothing: once a rank dies or a collective fails the ranks
 can no longer agree on what their KV caches hold, so the engine stops all
 of them and reports which rank died and how.
@@ -20,7 +26,6 @@ of them and reports which rank died and how.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 import signal
@@ -32,12 +37,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from paged_server.config import EngineConfig
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.tensor_parallel import TensorParallel
+from paged_server.parallel import rendezvous
 from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.preflight import (
     GUARD_HINT,
@@ -50,7 +55,7 @@ from paged_server.parallel.worker import ERROR, READY, WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
 
-STORE_HOST = "127.0.0.1"  # one machine; see docs/operations.md for several
+STORE_HOST = "127.0.0.1"  # one machine; master_addr for several
 START_TIMEOUT_S = 300.0  # workers import torch and load their shard first
 STOP_TIMEOUT_S = 10.0
 
@@ -66,6 +71,10 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, device: torch.device, attention_backend: str) -> None:
         world = config.tensor_parallel_size
         self.world_size = world
+        addr, port, is_master, local, per_node = _layout(config)
+        self._local = local  # ranks 0..local-1 run on this node, spawned here
+        self._remote = list(range(local, world))  # started on other nodes (or by torchrun)
+        self._nnodes = world // per_node
         self.quantization = config.quantization
         self.device = _rank_device(device, 0)
         if self.device.type == "cuda":
@@ -74,29 +83,27 @@ class TensorParallelExecutor:
         # (restored at shutdown: the setting is process-wide).
         self._threads = torch.get_num_threads()
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, usable_cpu_cores() // world))
+            torch.set_num_threads(max(1, usable_cpu_cores() // local))
         self.recorder: RecordingOps | None = None
         self.dead: str | None = None  # why the ranks stopped, once they have
-        store = dist.TCPStore(
-            STORE_HOST, 0, world, True,
-            timeout=datetime.timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False,
-        )  # fmt: skip
+        store = rendezvous.open_store(addr, port, world, is_master, START_TIMEOUT_S)
         self._store = store
+        base = WorkerSpec(
+            rank=0,
+            world_size=world,
+            store_host=addr,
+            store_port=port or store.port,  # port 0: the one the store picked
+            config=config,
+            model_path="",  # set by load_model
+            dtype="",
+            device=str(device),
+            attention_backend=attention_backend,
+            num_threads=torch.get_num_threads(),
+            parent_pid=os.getpid(),
+        )
         self._specs = [
-            WorkerSpec(
-                rank=rank,
-                world_size=world,
-                store_host=STORE_HOST,
-                store_port=store.port,
-                config=config,
-                model_path="",  # set by load_model
-                dtype="",
-                device=str(_rank_device(device, rank)),
-                attention_backend=attention_backend,
-                num_threads=torch.get_num_threads(),
-                parent_pid=os.getpid(),
-            )
-            for rank in range(1, world)
+            dataclasses.replace(base, rank=rank, device=str(_rank_device(device, rank)))
+            for rank in range(0, local)
         ]
         self.workers: list[Any] = []  # multiprocessing processes, ranks 1..N-1
         self._reports: list[Connection] = []  # each worker's pipe (see worker.py)
@@ -110,7 +117,7 @@ class TensorParallelExecutor:
     def load_model(self, path: str, dtype: torch.dtype) -> LoadedModel:
         """Start the workers on ``path`` and load rank 0's shard; returns
         once every rank has loaded its shard. Raises ``WorkerStartError``."""
-        check_tensor_parallel(self.world_size, path, self.device)  # before any process starts
+        check_tensor_parallel(self.world_size, path, self.device, self._local)  # before any process starts
         try:
             return self._start(path, dtype)
         except BaseException:
@@ -120,7 +127,11 @@ class TensorParallelExecutor:
     def _start(self, path: str, dtype: torch.dtype) -> LoadedModel:
         dtype_name = str(dtype).removeprefix("torch.")
         context = mp.get_context("spawn")
-        for spec in self._specs:
+        if self._remote:  # what the other nodes' ranks read (rank 0's spec: theirs but rank, device)
+            rendezvous.publish_spec(
+                self._store, dataclasses.replace(self._specs[0], model_path=path, dtype=dtype_name)
+            )
+        for spec in self._specs[1:]:
             spec = dataclasses.replace(spec, model_path=path, dtype=dtype_name)
             reader, writer = context.Pipe(duplex=False)
             name = f"paged-tp-rank{spec.rank}"
@@ -132,6 +143,7 @@ class TensorParallelExecutor:
             self._last.append("")
             self._errors.append("")
         self._await_ready()
+        self._await_remote()
         try:
             self.group = TPGroup.connect(self._store, 0, self.world_size, self.device)
         except Exception as exc:
@@ -174,6 +186,25 @@ class TensorParallelExecutor:
                     waiting.discard(i)
                 elif self._errors[i] or self._reports[i].closed:
                     raise WorkerStartError(self._worker_status(wait_s=5.0))
+
+    def _await_remote(self) -> None:
+        """Wait until every rank on another node has joined the store."""
+        if not self._remote:
+            return
+
+        def local_workers_alive() -> None:
+            if status := self._worker_status(wait_s=1.0):
+                raise WorkerStartError(status)
+
+        try:
+            rendezvous.await_ranks(
+                self._store, self._remote, self._nnodes, self.world_size, START_TIMEOUT_S,
+                check=local_workers_alive,
+            )  # fmt: skip
+        except (TimeoutError, RuntimeError) as exc:
+            if isinstance(exc, WorkerStartError):
+                raise
+            raise WorkerStartError(f"tensor-parallel start-up: {exc}") from exc
 
     def _read_reports(self, i: int) -> None:
         """Take what worker ``i`` has sent so far (closing its pipe at its end)."""
@@ -252,6 +283,11 @@ class TensorParallelExecutor:
         self.dead = self.dead or reason or "the engine was shut down"
         if not healthy:  # a worker may be stuck in a collective: no grace period
             _stop_processes(self.workers, 0.0)
+        if self._remote:  # other nodes' ranks watch this key (they may be stuck in a collective)
+            try:
+                self._store.set(rendezvous.STOP_KEY, "1")
+            except Exception:
+                log.warning("could not tell the other nodes' ranks to stop (the store is gone)")
         self._finalizer()  # joins, then terminates and kills what is left
         torch.set_num_threads(self._threads)
 
@@ -286,9 +322,40 @@ class TensorParallelExecutor:
                 if main_module_imported_by_spawn():  # which runs the module's top level again
                     how += f"; {GUARD_HINT}"
             dead.append(f"tensor-parallel worker {process.name} (pid {process.pid}) {how}")
+        if self._remote:
+            try:
+                failed = rendezvous.failures(self._store, self._remote)
+            except Exception:
+                failed = {}
+            dead += [f"tensor-parallel rank {r} (on another node) failed: {e}" for r, e in failed.items()]
         if not dead:
             return ""
         return "; ".join(dead) + " (a worker's traceback, if it raised, is in this process's stderr)"
+
+
+def _layout(config: EngineConfig) -> tuple[str, int, bool, int, int]:
+    """(store address, port, whether this process hosts the store, ranks
+    spawned here, ranks per node) for one node, ``nnodes`` or torchrun."""
+    world = config.tensor_parallel_size
+    env = rendezvous.torchrun_env()
+    if env is not None and env.world_size > 1:  # torchrun started every rank
+        if env.rank != 0:
+            raise ValueError(
+                f"this process is rank {env.rank} under torchrun: the engine is rank 0; run "
+                "`paged-server worker` (or `serve`, which becomes one) on the other ranks"
+            )
+        if env.world_size != world:
+            raise ValueError(
+                f"tensor_parallel_size ({world}) must equal torchrun's WORLD_SIZE "
+                f"({env.world_size}): every rank torchrun starts is one tensor-parallel rank"
+            )
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        is_master = not rendezvous.agent_hosts_store()
+        return env.master_addr, env.master_port, is_master, 1, per_node
+    if config.nnodes > 1:
+        per_node = rendezvous.ranks_per_node(world, config.nnodes)
+        return config.master_addr, config.master_port, True, per_node, per_node
+    return STORE_HOST, 0, True, world, world
 
 
 def _stop_processes(processes: list[Any], timeout: float) -> None:
