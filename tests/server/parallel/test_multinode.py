@@ -129,6 +129,38 @@ def test_start_up_names_the_ranks_that_never_joined(
     assert "paged-server worker --nnodes 2" in message
 
 
+# A node whose model directory is missing: loading its shard raises there.
+BROKEN_NODE = """
+import sys
+import paged_server.models as models
+def load_model(path, *args, **kwargs):
+    raise FileNotFoundError(f"{path}: not on this node")
+models.load_model = load_model
+from paged_server.entrypoints.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_a_failing_rank_on_another_node_ends_start_up_with_its_error(
+    tp_checkpoints: dict[str, Path],
+) -> None:
+    port = _free_port()
+    worker = subprocess.Popen(
+        [sys.executable, "-c", BROKEN_NODE, "worker", "--master-port", str(port)],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        with pytest.raises(WorkerStartError) as info:
+            LLM(str(tp_checkpoints["llama"]), tensor_parallel_size=2, nnodes=2,
+                master_port=port, **ENGINE)  # fmt: skip
+        assert "rank 1 (node 1) failed: FileNotFoundError:" in str(info.value)
+        assert "not on this node" in str(info.value)
+        assert worker.wait(timeout=30) == 1
+    finally:
+        _stop_all([worker], [worker.pid])
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_serve_on_two_nodes_matches_one_rank_and_sigterm_stops_both(

@@ -163,6 +163,7 @@ class TensorParallelExecutor:
                     f"{self._worker_status(wait_s=5.0) or exc}"
                 ) from exc
         if not all_ok:
+            self._await_remote_failure(wait_s=5.0)  # a remote rank publishes its error after the barrier
             raise WorkerStartError(
                 "a tensor-parallel worker failed to load its shard: "
                 + (self._worker_status(wait_s=STOP_TIMEOUT_S) or "its traceback is above")
@@ -205,6 +206,17 @@ class TensorParallelExecutor:
             if isinstance(exc, WorkerStartError):
                 raise
             raise WorkerStartError(f"tensor-parallel start-up: {exc}") from exc
+
+    def _await_remote_failure(self, wait_s: float) -> None:
+        """Give a failing rank on another node ``wait_s`` to publish its error."""
+        deadline = time.monotonic() + wait_s
+        while self._remote and time.monotonic() < deadline:
+            try:
+                if rendezvous.failures(self._store, self._remote):
+                    return
+            except Exception:
+                return
+            time.sleep(0.05)
 
     def _read_reports(self, i: int) -> None:
         """Take what worker ``i`` has sent so far (closing its pipe at its end)."""
@@ -327,10 +339,12 @@ class TensorParallelExecutor:
                 failed = rendezvous.failures(self._store, self._remote)
             except Exception:
                 failed = {}
-            dead += [f"tensor-parallel rank {r} (on another node) failed: {e}" for r, e in failed.items()]
+            per_node = self.world_size // self._nnodes
+            dead += [f"tensor-parallel rank {r} (node {r // per_node}) failed: {e}" for r, e in failed.items()]
         if not dead:
             return ""
-        return "; ".join(dead) + " (a worker's traceback, if it raised, is in this process's stderr)"
+        where = "this process's stderr" + (", or its node's" if self._remote else "")
+        return "; ".join(dead) + f" (a worker's traceback, if it raised, is in {where})"
 
 
 def _layout(config: EngineConfig) -> tuple[str, int, bool, int, int]:

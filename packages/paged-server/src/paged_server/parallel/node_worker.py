@@ -48,9 +48,10 @@ def run_rank(addr: str, port: int, rank: int, local_rank: int, local_ranks: int,
         spec, rank=rank, device=device, parent_pid=os.getppid(),
         num_threads=max(1, usable_cpu_cores() // local_ranks),
     )  # fmt: skip
-    _exit_on_stop(addr, port)
+    stopped = _exit_on_stop(addr, port)
     try:
         run_worker(spec, ready=lambda: rendezvous.mark_joined(store, rank), store=store)
+        stopped.set()  # by the stop message: the store may go before this process does
     except BaseException as exc:
         with contextlib.suppress(Exception):  # the store is gone with rank 0
             rendezvous.mark_failed(store, rank, traceback.format_exception_only(exc)[-1].strip())
@@ -103,19 +104,24 @@ def _rank_main(addr: str, port: int, rank: int, local_rank: int, local_ranks: in
         os._exit(1)
 
 
-def _exit_on_stop(addr: str, port: int) -> None:
+def _exit_on_stop(addr: str, port: int) -> threading.Event:
     """Exit once rank 0 sets the stop key or its store stops answering
-    (a thread with its own connection: the rank's may be busy in a wait)."""
+    (a thread with its own connection: the rank's may be busy in a wait),
+    unless the returned event is set first (the rank stopped normally)."""
+    stopped = threading.Event()
 
     def watch() -> None:
         try:
             store = rendezvous.open_store(addr, port, None, False, 30.0)
             while not store.check([rendezvous.STOP_KEY]):
-                time.sleep(0.5)
+                if stopped.wait(0.5):
+                    return
             code = 0
         except Exception:
             code = 1  # rank 0 is gone
-        sys.stderr.flush()
-        os._exit(code)
+        if not stopped.is_set():
+            sys.stderr.flush()
+            os._exit(code)
 
     threading.Thread(target=watch, name="paged-stop-watch", daemon=True).start()
+    return stopped
