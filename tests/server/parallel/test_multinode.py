@@ -116,6 +116,18 @@ def test_torchrun_env_and_rank_layout() -> None:
         rendezvous.node_ranks(3, 2, 1)
 
 
+def test_a_remote_rank_whose_heartbeat_stops_is_reported_silent() -> None:
+    store = rendezvous.open_store("127.0.0.1", 0, None, True, 10.0)
+    watch = rendezvous.HeartbeatWatch(store, [1, 2])
+    assert watch.silent(0.2) == {}  # the first read only starts the clock
+    deadline = time.monotonic() + 0.4
+    while time.monotonic() < deadline:  # rank 1 beats, rank 2 has died
+        rendezvous.heartbeat(store, 1)
+        time.sleep(0.05)
+        silent = watch.silent(0.2)
+    assert list(silent) == [2] and silent[2] >= 0.2
+
+
 @pytest.mark.timeout(120, method="thread")
 def test_start_up_names_the_ranks_that_never_joined(
     tp_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch

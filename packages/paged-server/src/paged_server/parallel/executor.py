@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 STORE_HOST = "127.0.0.1"  # one machine; master_addr for several
 START_TIMEOUT_S = 300.0  # workers import torch and load their shard first
 STOP_TIMEOUT_S = 10.0
+# A rank on another node beats every 0.5 s (node_worker.py); this long a
+# silence means it is gone (it has no pipe, no exit code rank 0 can see).
+HEARTBEAT_STALE_S = 5.0
 
 
 class WorkerStartError(RuntimeError):
@@ -110,6 +113,7 @@ class TensorParallelExecutor:
         self._last: list[str] = []  # what each worker last reported on it
         self._errors: list[str] = []  # each worker's error line, once it sent one
         self.group: TPGroup | None = None
+        self._beats = rendezvous.HeartbeatWatch(store, self._remote)
         # Workers never outlive this object, nor the interpreter (atexit).
         self._finalizer = weakref.finalize(self, _stop_processes, self.workers, STOP_TIMEOUT_S)
 
@@ -194,7 +198,7 @@ class TensorParallelExecutor:
             return
 
         def local_workers_alive() -> None:
-            if status := self._worker_status(wait_s=1.0):
+            if status := self._worker_status(wait_s=1.0, remote=False):
                 raise WorkerStartError(status)
 
         try:
@@ -241,7 +245,7 @@ class TensorParallelExecutor:
         """Send the step ``view`` describes (its metadata is complete) to
         every worker: rank 0 then runs its own forward pass."""
         group = self._require_group()
-        if self.dead is None and (status := self._worker_status()):
+        if self.dead is None and (status := self._worker_status(remote=False)):  # no store trip per step
             self.dead = status
         if self.dead is not None:
             raise RuntimeError(self.dead)
@@ -264,6 +268,10 @@ class TensorParallelExecutor:
             if process.exitcode is not None:
                 break
         status = self._worker_status()
+        deadline = time.monotonic() + 2.0
+        while not status and self._remote and time.monotonic() < deadline:
+            time.sleep(0.1)  # a dead remote rank shows as a heartbeat that stops
+            status = self._worker_status(stale_s=1.5)
         if status:
             return status
         return (
@@ -273,7 +281,7 @@ class TensorParallelExecutor:
 
     def health(self) -> list[str]:
         """Problems with the workers (empty when every one is running)."""
-        status = self.dead or self._worker_status()
+        status = self.dead or self._worker_status(stale_s=HEARTBEAT_STALE_S)
         return [status] if status else []
 
     # -- shutdown -----------------------------------------------------------------
@@ -284,7 +292,7 @@ class TensorParallelExecutor:
             reason is None
             and self.group is not None
             and self.dead is None
-            and not self._worker_status()
+            and not self._worker_status(remote=False)
         )
         if healthy:
             try:
@@ -309,10 +317,13 @@ class TensorParallelExecutor:
             raise RuntimeError("tensor-parallel workers are not started (call load_model first)")
         return self.group
 
-    def _worker_status(self, wait_s: float = 0.0) -> str:
+    def _worker_status(
+        self, wait_s: float = 0.0, remote: bool = True, stale_s: float | None = None
+    ) -> str:
         """Which workers have failed or exited, how, and their error line
         ("" when all run). ``wait_s``: how long to give a worker whose pipe
-        says it is going to finish exiting."""
+        says it is going to finish exiting; ``remote``: also the errors ranks on
+        other nodes published; ``stale_s``: also those silent that long."""
         dead = []
         for i, process in enumerate(self.workers):
             self._read_reports(i)
@@ -334,17 +345,30 @@ class TensorParallelExecutor:
                 if main_module_imported_by_spawn():  # which runs the module's top level again
                     how += f"; {GUARD_HINT}"
             dead.append(f"tensor-parallel worker {process.name} (pid {process.pid}) {how}")
-        if self._remote:
-            try:
-                failed = rendezvous.failures(self._store, self._remote)
-            except Exception:
-                failed = {}
-            per_node = self.world_size // self._nnodes
-            dead += [f"tensor-parallel rank {r} (node {r // per_node}) failed: {e}" for r, e in failed.items()]
+        if self._remote and remote:
+            dead += self._remote_status(stale_s)
         if not dead:
             return ""
         where = "this process's stderr" + (", or its node's" if self._remote else "")
         return "; ".join(dead) + f" (a worker's traceback, if it raised, is in {where})"
+
+
+    def _remote_status(self, stale_s: float | None) -> list[str]:
+        """What is wrong with the ranks on other nodes: their published errors,
+        and (``stale_s``) heartbeats that have not moved for that long."""
+        per_node = self.world_size // self._nnodes
+        try:
+            failed = rendezvous.failures(self._store, self._remote)
+            silent = self._beats.silent(stale_s) if stale_s is not None else {}
+        except Exception as exc:  # our own store: only a broken process gets here
+            return [f"the rendezvous store failed ({exc})"]
+        found = [f"tensor-parallel rank {r} (node {r // per_node}) failed: {e}" for r, e in failed.items()]
+        found += [
+            f"tensor-parallel rank {r} (node {r // per_node}) stopped responding "
+            f"(no heartbeat for {s:.0f} s: its process or node is gone)"
+            for r, s in silent.items() if r not in failed
+        ]  # fmt: skip
+        return found
 
 
 def _layout(config: EngineConfig) -> tuple[str, int, bool, int, int]:

@@ -9,7 +9,10 @@ at the same path on every node.
 It ends with the engine: by the stop message, when a collective finds rank
 0's sockets closed, or, when the engine stopped without one (it failed), by
 the stop key a watcher thread polls in the store; a store that stops
-answering means rank 0 is gone, and the rank exits too.
+answering means rank 0 is gone, and the rank exits too. The same thread
+bumps a heartbeat counter every 0.5 s: rank 0 has no pipe to a rank on
+another node, and a silent counter is how its /health and a failed step's
+error name the rank that is gone.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def run_rank(addr: str, port: int, rank: int, local_rank: int, local_ranks: int,
         spec, rank=rank, device=device, parent_pid=os.getppid(),
         num_threads=max(1, usable_cpu_cores() // local_ranks),
     )  # fmt: skip
-    stopped = _exit_on_stop(addr, port)
+    stopped = _exit_on_stop(addr, port, rank)
     try:
         run_worker(spec, ready=lambda: rendezvous.mark_joined(store, rank), store=store)
         stopped.set()  # by the stop message: the store may go before this process does
@@ -104,16 +107,18 @@ def _rank_main(addr: str, port: int, rank: int, local_rank: int, local_ranks: in
         os._exit(1)
 
 
-def _exit_on_stop(addr: str, port: int) -> threading.Event:
-    """Exit once rank 0 sets the stop key or its store stops answering
-    (a thread with its own connection: the rank's may be busy in a wait),
-    unless the returned event is set first (the rank stopped normally)."""
+def _exit_on_stop(addr: str, port: int, rank: int) -> threading.Event:
+    """Beat for rank 0's health check, and exit once rank 0 sets the stop
+    key or its store stops answering (a thread with its own connection: the
+    rank's may be busy in a wait), unless the returned event is set first
+    (the rank stopped normally)."""
     stopped = threading.Event()
 
     def watch() -> None:
         try:
             store = rendezvous.open_store(addr, port, None, False, 30.0)
             while not store.check([rendezvous.STOP_KEY]):
+                rendezvous.heartbeat(store, rank)
                 if stopped.wait(0.5):
                     return
             code = 0

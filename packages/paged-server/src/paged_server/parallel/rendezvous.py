@@ -28,6 +28,7 @@ SPEC_KEY = "paged/spec"  # rank 0's WorkerSpec, pickled (see worker.py)
 STOP_KEY = "paged/stop"  # set when rank 0 stops every rank (remote ranks watch it)
 _JOINED = "paged/joined/"  # + rank: "host pid N" once that rank is up
 _FAILED = "paged/failed/"  # + rank: its error line
+_BEAT = "paged/beat/"  # + rank: a counter the rank's watcher thread bumps
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,32 @@ def failures(store: dist.Store, ranks: list[int]) -> dict[int, str]:
         if store.check([f"{_FAILED}{rank}"]):
             found[rank] = store.get(f"{_FAILED}{rank}").decode(errors="replace")
     return found
+
+
+def heartbeat(store: dist.Store, rank: int) -> None:
+    store.add(f"{_BEAT}{rank}", 1)
+
+
+class HeartbeatWatch:
+    """Rank 0's view of remote ranks' heartbeats: a rank whose count has not
+    moved for a while is gone (counts, not timestamps: node clocks differ)."""
+
+    def __init__(self, store: dist.Store, ranks: list[int]) -> None:
+        self._store, self._ranks = store, ranks
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (count, when it last moved)
+
+    def silent(self, stale_s: float) -> dict[int, float]:
+        """``rank -> seconds`` for ranks silent at least ``stale_s`` since
+        this watch first read them (so call it more than once)."""
+        now, found = time.monotonic(), {}
+        for rank in self._ranks:
+            count = self._store.add(f"{_BEAT}{rank}", 0)
+            seen, since = self._seen.get(rank, (-1, now))
+            if count != seen:
+                self._seen[rank] = (count, now)
+            elif now - since >= stale_s:
+                found[rank] = now - since
+        return found
 
 
 def await_ranks(
