@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from paged_server.config import EngineConfig
 from paged_server.entrypoints.llm import LLM
 from paged_server.parallel import WorkerStartError, executor, rendezvous
 from paged_server.sampling_params import SamplingParams
@@ -114,6 +115,19 @@ def test_torchrun_env_and_rank_layout() -> None:
     assert rendezvous.node_ranks(4, 2, 1) == [2, 3]  # torchrun's order: node by node
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must be a multiple of nnodes \(2\)"):
         rendezvous.node_ranks(3, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(tensor_parallel_size=3, nnodes=2), r"nnodes: tensor_parallel_size \(3\) must be a multiple of nnodes \(2\)"),
+        (dict(nnodes=0), r"nnodes: must be an integer >= 1, got 0"),
+        (dict(master_port=70000), r"master_port: must be in 0\.\.65535, got 70000"),
+    ],
+)
+def test_bad_node_settings_are_refused_in_one_line(fields: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields).validate()
 
 
 def test_a_remote_rank_whose_heartbeat_stops_is_reported_silent() -> None:

@@ -136,6 +136,8 @@ def _run_worker(args: argparse.Namespace | None) -> int:
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         print(f"paged-server worker: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C on this node: the engine reports the rank gone
+        return 130
 
 
 def _give_threads_to(thread: Any) -> None:
