@@ -89,7 +89,10 @@ class TensorParallelExecutor:
             torch.set_num_threads(max(1, usable_cpu_cores() // local))
         self.recorder: RecordingOps | None = None
         self.dead: str | None = None  # why the ranks stopped, once they have
-        store = rendezvous.open_store(addr, port, world, is_master, START_TIMEOUT_S)
+        try:
+            store = rendezvous.open_store(addr, port, world, is_master, START_TIMEOUT_S)
+        except RuntimeError as exc:
+            raise WorkerStartError(str(exc)) from exc
         self._store = store
         base = WorkerSpec(
             rank=0,
