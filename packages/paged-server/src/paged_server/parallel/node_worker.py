@@ -66,7 +66,11 @@ def run_node(addr: str, port: int, nnodes: int, node_rank: int,
     """``paged-server worker``: run node ``node_rank``'s ranks (one process
     each when there are several); the exit code is the worst of theirs."""
     store = rendezvous.open_store(addr, port, None, False, timeout_s)
-    world = rendezvous.read_spec(store).world_size
+    spec = rendezvous.read_spec(store)
+    if spec.config.nnodes != nnodes:  # the ranks this node would run are another node's
+        raise ValueError(f"--nnodes {nnodes} here, but the engine runs with --nnodes "
+                         f"{spec.config.nnodes}; pass the same on every node")
+    world = spec.world_size
     ranks = rendezvous.node_ranks(world, nnodes, node_rank)
     if 0 in ranks:
         raise ValueError("node 0 runs the engine (rank 0): start it with `paged-server serve` "

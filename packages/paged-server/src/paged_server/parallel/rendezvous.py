@@ -88,9 +88,13 @@ def open_store(
     addr: str, port: int, world_size: int | None, is_master: bool, timeout_s: float
 ) -> dist.Store:
     """A connection to the rendezvous store: ``is_master`` hosts it (port 0:
-    any free one); a client retries until ``timeout_s``. ``world_size``: None
-    when a client does not know it yet."""
+    any free one); a client waits up to ``timeout_s`` for it to listen.
+    ``world_size``: None when a client does not know it yet. ``timeout_s``
+    is also the store's timeout for every operation (a ``get`` waits that
+    long for its key)."""
     try:
+        if not is_master:
+            _await_listening(addr, port, timeout_s)
         return dist.TCPStore(
             addr, port, world_size, is_master,
             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
@@ -102,6 +106,21 @@ def open_store(
             f"({str(exc).splitlines()[0][:200]}); check --master-addr/--master-port "
             "(the same on every node: an address of node 0, a port open between the nodes)"
         ) from exc
+
+
+def _await_listening(addr: str, port: int, timeout_s: float) -> None:
+    """Poll until ``addr:port`` accepts a connection. TCPStore's own client
+    retries with exponential backoff (a node started a minute before the
+    engine would join many seconds late) and logs a C++ stack per retry."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=2.0).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nothing listened there within {timeout_s:g} s ({exc})") from None
+            time.sleep(0.2)
 
 
 def publish_spec(store: dist.Store, spec: Any) -> None:
