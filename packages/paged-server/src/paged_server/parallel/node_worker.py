@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from typing import Any
 

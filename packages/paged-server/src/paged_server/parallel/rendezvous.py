@@ -86,7 +86,7 @@ def agent_hosts_store() -> bool:
 
 def open_store(
     addr: str, port: int, world_size: int | None, is_master: bool, timeout_s: float
-) -> dist.Store:
+) -> dist.TCPStore:
     """A connection to the rendezvous store: ``is_master`` hosts it (port 0:
     any free one); a client waits up to ``timeout_s`` for it to listen.
     ``world_size``: None when a client does not know it yet. ``timeout_s``
@@ -165,7 +165,7 @@ class HeartbeatWatch:
     def silent(self, stale_s: float) -> dict[int, float]:
         """``rank -> seconds`` for ranks silent at least ``stale_s`` since
         this watch first read them (so call it more than once)."""
-        now, found = time.monotonic(), {}
+        now, found = time.monotonic(), dict[int, float]()
         for rank in self._ranks:
             count = self._store.add(f"{_BEAT}{rank}", 0)
             seen, since = self._seen.get(rank, (-1, now))
