@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,6 +70,15 @@ class EngineConfig:
     max_queue_len: int = 1024
     seed: int = 0
     tensor_parallel_size: int = 1  # >1: that many processes, one per device (parallel/)
+    # Several nodes (torchrun's flag names): this engine is rank 0 on node 0; the
+    # other nodes run `paged-server worker` (parallel/node_worker.py).
+    nnodes: int = field(default=1, metadata={"help": "nodes the tensor_parallel_size ranks span "
+        "(each runs tensor_parallel_size / nnodes); start `paged-server worker --node-rank N` on "
+        "the others. Under torchrun the ranks come from its RANK/WORLD_SIZE instead"})
+    master_addr: str = field(default="127.0.0.1", metadata={"help": "with --nnodes > 1: the "
+        "address of this node the other nodes reach (the rendezvous store listens on the port)"})
+    master_port: int = field(default=29500, metadata={"help": "with --nnodes > 1: the "
+        "rendezvous store's TCP port (torchrun's default)"})
     # None: the checkpoint's own format (dense, or its quantization_config); see
     # models/quantization/methods.py for the names (vLLM's --quantization).
     quantization: str | None = None
@@ -95,7 +104,7 @@ class EngineConfig:
             raise ValueError(
                 f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
-        for name in ("block_size", "max_batch_size", "max_queue_len", "tensor_parallel_size"):
+        for name in ("block_size", "max_batch_size", "max_queue_len", "tensor_parallel_size", "nnodes"):
             _at_least(name, getattr(self, name), 1)
         if self.max_model_len is not None:
             _at_least("max_model_len", self.max_model_len, 2)  # one prompt token + one generated
@@ -122,6 +131,13 @@ class EngineConfig:
                 "override_generation_config: must be a JSON object such as "
                 f'{{"temperature": 0.5}}, got {self.override_generation_config!r}'
             )
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"nnodes: tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                f"nnodes ({self.nnodes}), every node runs the same number of ranks"
+            )
+        if not (_is_int(self.master_port) and 0 <= self.master_port <= 65535):
+            raise ValueError(f"master_port: must be in 0..65535, got {self.master_port!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if self.model is not None and not isinstance(self.model, str):

@@ -1,4 +1,4 @@
-"""`paged-server` command line: ``serve``, ``bench-serve``, ``bench``.
+"""`paged-server` command line: ``serve``, ``bench-serve``, ``bench``, ``worker``.
 
 ``serve`` and ``bench-serve`` take one flag per ``EngineConfig`` field
 (generated from the dataclass, see ``api/engine_args.py``). ``bench`` hands
@@ -113,6 +113,44 @@ def _add_bench_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     add_engine_flags(p)
 
 
+def _add_worker(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "worker",
+        help="run this node's tensor-parallel ranks for an engine on another node",
+        description="Joins the engine started with --nnodes N on node 0 (serve or LLM) at "
+        "--master-addr:--master-port and runs this node's ranks until the engine stops. Under "
+        "torchrun it runs the rank torchrun gives it (RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="node 0's address ($MASTER_ADDR when set)")
+    p.add_argument("--master-port", type=_port, default=int(os.environ.get("MASTER_PORT", "29500")),
+                   help="the engine's rendezvous port ($MASTER_PORT when set)")
+    p.add_argument("--nnodes", type=_at_least(int, 2), default=2, help="nodes in all, node 0's included")
+    p.add_argument("--node-rank", type=_at_least(int, 1), default=1, help="this node's index (1..nnodes-1)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _run_worker(args: argparse.Namespace | None) -> int:
+    """``worker``, or a non-zero torchrun rank of ``serve``: run ranks until
+    the engine stops them."""
+    from paged_server.parallel import node_worker, rendezvous
+
+    try:
+        env = rendezvous.torchrun_env()
+        if env is not None:
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            node_worker.run_rank(env.master_addr, env.master_port, env.rank, env.local_rank, per_node)
+            return 0
+        assert args is not None
+        return node_worker.run_node(args.master_addr, args.master_port, args.nnodes, args.node_rank)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"paged-server worker: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C on this node: the engine reports the rank gone
+        return 130
+
+
 def _give_threads_to(thread: Any) -> None:
     """Leave the main thread (HTTP only) one torch thread and the engine
     thread all of them: a second OpenMP pool on the main thread makes every
@@ -136,6 +174,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         serve,
         served_model_name,
     )
+    from paged_server.parallel.rendezvous import torchrun_env
+
+    if (env := torchrun_env()) is not None and env.rank != 0:  # torchrun: rank 0 serves
+        return _run_worker(None)
 
     if args.model_tag is not None:  # `serve MODEL`, as `vllm serve MODEL`
         if args.model is not None and args.model != args.model_tag:
@@ -231,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_bench_serve(sub)
+    _add_worker(sub)
     sub.add_parser("bench", help="offline engine benchmark (paged_server.bench); "
                    "'paged-server bench --help' for its flags", add_help=False)
     return parser
@@ -249,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     if args.command == "serve":
         return _run_serve(args)
+    if args.command == "worker":
+        return _run_worker(args)
     return _run_bench_serve(args)
 
 

@@ -12,6 +12,12 @@ pipe until it is ready to join the groups: a worker that fails or dies
 before that (an import error, a bad device, a main module spawn cannot
 import) ends start-up at once with its error, and every worker is stopped.
 
+On several nodes (``nnodes > 1``, or under torchrun) the store listens on
+``master_addr:master_port`` instead of loopback; this process spawns only
+node 0's ranks, publishes the worker spec in the store for the other nodes'
+ranks (``node_worker.py``), and waits for them with a timeout that names
+the ranks that never joined (``rendezvous.py``).
+
 Failure is all-or-nothing: once a rank dies or a collective fails the ranks
 can no longer agree on what their KV caches hold, so the engine stops all
 of them and reports which rank died and how.
@@ -20,7 +26,6 @@ of them and reports which rank died and how.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 import signal
@@ -32,12 +37,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from paged_server.config import EngineConfig
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.tensor_parallel import TensorParallel
+from paged_server.parallel import rendezvous
 from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.preflight import (
     GUARD_HINT,
@@ -50,9 +55,12 @@ from paged_server.parallel.worker import ERROR, READY, WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
 
-STORE_HOST = "127.0.0.1"  # one machine; see docs/operations.md for several
+STORE_HOST = "127.0.0.1"  # one machine; master_addr for several
 START_TIMEOUT_S = 300.0  # workers import torch and load their shard first
 STOP_TIMEOUT_S = 10.0
+# A rank on another node beats every 0.5 s (node_worker.py); this long a
+# silence means it is gone (it has no pipe, no exit code rank 0 can see).
+HEARTBEAT_STALE_S = 5.0
 
 
 class WorkerStartError(RuntimeError):
@@ -66,6 +74,10 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, device: torch.device, attention_backend: str) -> None:
         world = config.tensor_parallel_size
         self.world_size = world
+        addr, port, is_master, local, per_node = _layout(config)
+        self._local = local  # ranks 0..local-1 run on this node, spawned here
+        self._remote = list(range(local, world))  # started on other nodes (or by torchrun)
+        self._nnodes = world // per_node
         self.quantization = config.quantization
         self.device = _rank_device(device, 0)
         if self.device.type == "cuda":
@@ -74,35 +86,37 @@ class TensorParallelExecutor:
         # (restored at shutdown: the setting is process-wide).
         self._threads = torch.get_num_threads()
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, usable_cpu_cores() // world))
+            torch.set_num_threads(max(1, usable_cpu_cores() // local))
         self.recorder: RecordingOps | None = None
         self.dead: str | None = None  # why the ranks stopped, once they have
-        store = dist.TCPStore(
-            STORE_HOST, 0, world, True,
-            timeout=datetime.timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False,
-        )  # fmt: skip
+        try:
+            store = rendezvous.open_store(addr, port, world, is_master, START_TIMEOUT_S)
+        except RuntimeError as exc:
+            raise WorkerStartError(str(exc)) from exc
         self._store = store
+        base = WorkerSpec(
+            rank=0,
+            world_size=world,
+            store_host=addr,
+            store_port=port or store.port,  # port 0: the one the store picked
+            config=config,
+            model_path="",  # set by load_model
+            dtype="",
+            device=str(device),
+            attention_backend=attention_backend,
+            num_threads=torch.get_num_threads(),
+            parent_pid=os.getpid(),
+        )
         self._specs = [
-            WorkerSpec(
-                rank=rank,
-                world_size=world,
-                store_host=STORE_HOST,
-                store_port=store.port,
-                config=config,
-                model_path="",  # set by load_model
-                dtype="",
-                device=str(_rank_device(device, rank)),
-                attention_backend=attention_backend,
-                num_threads=torch.get_num_threads(),
-                parent_pid=os.getpid(),
-            )
-            for rank in range(1, world)
+            dataclasses.replace(base, rank=rank, device=str(_rank_device(device, rank)))
+            for rank in range(0, local)
         ]
         self.workers: list[Any] = []  # multiprocessing processes, ranks 1..N-1
         self._reports: list[Connection] = []  # each worker's pipe (see worker.py)
         self._last: list[str] = []  # what each worker last reported on it
         self._errors: list[str] = []  # each worker's error line, once it sent one
         self.group: TPGroup | None = None
+        self._beats = rendezvous.HeartbeatWatch(store, self._remote)
         # Workers never outlive this object, nor the interpreter (atexit).
         self._finalizer = weakref.finalize(self, _stop_processes, self.workers, STOP_TIMEOUT_S)
 
@@ -110,7 +124,7 @@ class TensorParallelExecutor:
     def load_model(self, path: str, dtype: torch.dtype) -> LoadedModel:
         """Start the workers on ``path`` and load rank 0's shard; returns
         once every rank has loaded its shard. Raises ``WorkerStartError``."""
-        check_tensor_parallel(self.world_size, path, self.device)  # before any process starts
+        check_tensor_parallel(self.world_size, path, self.device, self._local)  # before any process starts
         try:
             return self._start(path, dtype)
         except BaseException:
@@ -120,7 +134,11 @@ class TensorParallelExecutor:
     def _start(self, path: str, dtype: torch.dtype) -> LoadedModel:
         dtype_name = str(dtype).removeprefix("torch.")
         context = mp.get_context("spawn")
-        for spec in self._specs:
+        if self._remote:  # what the other nodes' ranks read (rank 0's spec: theirs but rank, device)
+            rendezvous.publish_spec(
+                self._store, dataclasses.replace(self._specs[0], model_path=path, dtype=dtype_name)
+            )
+        for spec in self._specs[1:]:
             spec = dataclasses.replace(spec, model_path=path, dtype=dtype_name)
             reader, writer = context.Pipe(duplex=False)
             name = f"paged-tp-rank{spec.rank}"
@@ -132,6 +150,7 @@ class TensorParallelExecutor:
             self._last.append("")
             self._errors.append("")
         self._await_ready()
+        self._await_remote()
         try:
             self.group = TPGroup.connect(self._store, 0, self.world_size, self.device)
         except Exception as exc:
@@ -151,6 +170,7 @@ class TensorParallelExecutor:
                     f"{self._worker_status(wait_s=5.0) or exc}"
                 ) from exc
         if not all_ok:
+            self._await_remote_failure(wait_s=5.0)  # a remote rank publishes its error after the barrier
             raise WorkerStartError(
                 "a tensor-parallel worker failed to load its shard: "
                 + (self._worker_status(wait_s=STOP_TIMEOUT_S) or "its traceback is above")
@@ -175,6 +195,36 @@ class TensorParallelExecutor:
                 elif self._errors[i] or self._reports[i].closed:
                     raise WorkerStartError(self._worker_status(wait_s=5.0))
 
+    def _await_remote(self) -> None:
+        """Wait until every rank on another node has joined the store."""
+        if not self._remote:
+            return
+
+        def local_workers_alive() -> None:
+            if status := self._worker_status(wait_s=1.0, remote=False):
+                raise WorkerStartError(status)
+
+        try:
+            rendezvous.await_ranks(
+                self._store, self._remote, self._nnodes, self.world_size, START_TIMEOUT_S,
+                check=local_workers_alive,
+            )  # fmt: skip
+        except (TimeoutError, RuntimeError) as exc:
+            if isinstance(exc, WorkerStartError):
+                raise
+            raise WorkerStartError(f"tensor-parallel start-up: {exc}") from exc
+
+    def _await_remote_failure(self, wait_s: float) -> None:
+        """Give a failing rank on another node ``wait_s`` to publish its error."""
+        deadline = time.monotonic() + wait_s
+        while self._remote and time.monotonic() < deadline:
+            try:
+                if rendezvous.failures(self._store, self._remote):
+                    return
+            except Exception:
+                return
+            time.sleep(0.05)
+
     def _read_reports(self, i: int) -> None:
         """Take what worker ``i`` has sent so far (closing its pipe at its end)."""
         pipe = self._reports[i]
@@ -198,7 +248,7 @@ class TensorParallelExecutor:
         """Send the step ``view`` describes (its metadata is complete) to
         every worker: rank 0 then runs its own forward pass."""
         group = self._require_group()
-        if self.dead is None and (status := self._worker_status()):
+        if self.dead is None and (status := self._worker_status(remote=False)):  # no store trip per step
             self.dead = status
         if self.dead is not None:
             raise RuntimeError(self.dead)
@@ -221,6 +271,10 @@ class TensorParallelExecutor:
             if process.exitcode is not None:
                 break
         status = self._worker_status()
+        deadline = time.monotonic() + 2.0
+        while not status and self._remote and time.monotonic() < deadline:
+            time.sleep(0.1)  # a dead remote rank shows as a heartbeat that stops
+            status = self._worker_status(stale_s=1.5)
         if status:
             return status
         return (
@@ -230,7 +284,7 @@ class TensorParallelExecutor:
 
     def health(self) -> list[str]:
         """Problems with the workers (empty when every one is running)."""
-        status = self.dead or self._worker_status()
+        status = self.dead or self._worker_status(stale_s=HEARTBEAT_STALE_S)
         return [status] if status else []
 
     # -- shutdown -----------------------------------------------------------------
@@ -241,7 +295,7 @@ class TensorParallelExecutor:
             reason is None
             and self.group is not None
             and self.dead is None
-            and not self._worker_status()
+            and not self._worker_status(remote=False)
         )
         if healthy:
             try:
@@ -252,6 +306,11 @@ class TensorParallelExecutor:
         self.dead = self.dead or reason or "the engine was shut down"
         if not healthy:  # a worker may be stuck in a collective: no grace period
             _stop_processes(self.workers, 0.0)
+        if self._remote:  # other nodes' ranks watch this key (they may be stuck in a collective)
+            try:
+                self._store.set(rendezvous.STOP_KEY, "1")
+            except Exception:
+                log.warning("could not tell the other nodes' ranks to stop (the store is gone)")
         self._finalizer()  # joins, then terminates and kills what is left
         torch.set_num_threads(self._threads)
 
@@ -261,10 +320,13 @@ class TensorParallelExecutor:
             raise RuntimeError("tensor-parallel workers are not started (call load_model first)")
         return self.group
 
-    def _worker_status(self, wait_s: float = 0.0) -> str:
+    def _worker_status(
+        self, wait_s: float = 0.0, remote: bool = True, stale_s: float | None = None
+    ) -> str:
         """Which workers have failed or exited, how, and their error line
         ("" when all run). ``wait_s``: how long to give a worker whose pipe
-        says it is going to finish exiting."""
+        says it is going to finish exiting; ``remote``: also the errors ranks on
+        other nodes published; ``stale_s``: also those silent that long."""
         dead = []
         for i, process in enumerate(self.workers):
             self._read_reports(i)
@@ -286,9 +348,55 @@ class TensorParallelExecutor:
                 if main_module_imported_by_spawn():  # which runs the module's top level again
                     how += f"; {GUARD_HINT}"
             dead.append(f"tensor-parallel worker {process.name} (pid {process.pid}) {how}")
+        if self._remote and remote:
+            dead += self._remote_status(stale_s)
         if not dead:
             return ""
-        return "; ".join(dead) + " (a worker's traceback, if it raised, is in this process's stderr)"
+        where = "this process's stderr" + (", or its node's" if self._remote else "")
+        return "; ".join(dead) + f" (a worker's traceback, if it raised, is in {where})"
+
+
+    def _remote_status(self, stale_s: float | None) -> list[str]:
+        """What is wrong with the ranks on other nodes: their published errors,
+        and (``stale_s``) heartbeats that have not moved for that long."""
+        per_node = self.world_size // self._nnodes
+        try:
+            failed = rendezvous.failures(self._store, self._remote)
+            silent = self._beats.silent(stale_s) if stale_s is not None else {}
+        except Exception as exc:  # our own store: only a broken process gets here
+            return [f"the rendezvous store failed ({exc})"]
+        found = [f"tensor-parallel rank {r} (node {r // per_node}) failed: {e}" for r, e in failed.items()]
+        found += [
+            f"tensor-parallel rank {r} (node {r // per_node}) stopped responding "
+            f"(no heartbeat for {s:.0f} s: its process or node is gone)"
+            for r, s in silent.items() if r not in failed
+        ]  # fmt: skip
+        return found
+
+
+def _layout(config: EngineConfig) -> tuple[str, int, bool, int, int]:
+    """(store address, port, whether this process hosts the store, ranks
+    spawned here, ranks per node) for one node, ``nnodes`` or torchrun."""
+    world = config.tensor_parallel_size
+    env = rendezvous.torchrun_env()
+    if env is not None and env.world_size > 1:  # torchrun started every rank
+        if env.rank != 0:
+            raise ValueError(
+                f"this process is rank {env.rank} under torchrun: the engine is rank 0; run "
+                "`paged-server worker` (or `serve`, which becomes one) on the other ranks"
+            )
+        if env.world_size != world:
+            raise ValueError(
+                f"tensor_parallel_size ({world}) must equal torchrun's WORLD_SIZE "
+                f"({env.world_size}): every rank torchrun starts is one tensor-parallel rank"
+            )
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        is_master = not rendezvous.agent_hosts_store()
+        return env.master_addr, env.master_port, is_master, 1, per_node
+    if config.nnodes > 1:
+        per_node = rendezvous.ranks_per_node(world, config.nnodes)
+        return config.master_addr, config.master_port, True, per_node, per_node
+    return STORE_HOST, 0, True, world, world
 
 
 def _stop_processes(processes: list[Any], timeout: float) -> None:

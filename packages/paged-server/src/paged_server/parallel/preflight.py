@@ -26,12 +26,15 @@ GUARD_HINT = (
 )
 
 
-def check_tensor_parallel(world_size: int, model_path: str, device: torch.device) -> None:
+def check_tensor_parallel(
+    world_size: int, model_path: str, device: torch.device, local_ranks: int | None = None
+) -> None:
     """Raise ``ValueError`` (one line) when ``world_size`` ranks cannot run
-    ``model_path`` on ``device``, or ``RuntimeError`` when this process's
-    main module cannot be imported by a spawned worker."""
+    ``model_path`` on ``device`` (``local_ranks`` of them on this node: all
+    by default), or ``RuntimeError`` when this process's main module cannot
+    be imported by a spawned worker."""
     check_model_splits(world_size, model_path)
-    check_devices(world_size, device)
+    check_devices(world_size if local_ranks is None else local_ranks, device)
     check_spawnable_main()
 
 

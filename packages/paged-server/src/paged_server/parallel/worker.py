@@ -76,9 +76,13 @@ def worker_main(spec: WorkerSpec, report: Connection) -> None:
         os._exit(1)
 
 
-def run_worker(spec: WorkerSpec, ready: Callable[[], None] = lambda: None) -> None:
+def run_worker(
+    spec: WorkerSpec, ready: Callable[[], None] = lambda: None, store: dist.Store | None = None
+) -> None:
     """Join the groups, load the shard, then execute steps until stopped.
-    ``ready`` runs once this process is set up, just before it joins."""
+    ``ready`` runs once this process is set up, just before it joins;
+    ``store``: the rendezvous store when the caller has opened it already
+    (a rank on another node, see ``node_worker.py``)."""
     from paged_ref.attention_metadata import build_metadata
     from paged_ref.cache_view import CacheView, ViewPool
     from paged_ref.kv_quant import scale_keywords
@@ -90,7 +94,8 @@ def run_worker(spec: WorkerSpec, ready: Callable[[], None] = lambda: None) -> No
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False)
+    if store is None:
+        store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False)
     ready()
     group = TPGroup.connect(store, spec.rank, spec.world_size, device)
     tp = TensorParallel(spec.rank, spec.world_size, group)
