@@ -9,10 +9,14 @@ suite built with ``PAGED_COMPILE`` on."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from paged_server.config import EngineConfig
-from paged_server.engine.compiled_forward import compiled_graphs
+from paged_server.engine.compiled_forward import compiled_graphs, compiles_forward
 from paged_server.engine.llm_engine import LLMEngine
+from paged_server.models.llama import LlamaForCausalLM
+from paged_server.models.mixtral import MixtralForCausalLM
+from paged_server.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 @pytest.fixture
@@ -84,3 +88,15 @@ def test_enforce_eager_and_the_suite_switch_keep_it_eager(
     assert make_engine(enforce_eager=True).runner.compiled is None
     monkeypatch.setenv("PAGED_COMPILE", "0")
     assert make_engine().runner.compiled is None
+
+
+def test_models_whose_forward_syncs_with_the_host_stay_eager(monkeypatch) -> None:
+    """The experts' grouped path reads routing counts on the host: a
+    full-graph compile of it would fail at warm-up."""
+    monkeypatch.setenv("PAGED_COMPILE", "1")
+    config, cpu = EngineConfig(device="cpu"), torch.device("cpu")
+    assert compiles_forward(LlamaForCausalLM, config, cpu, "ref")
+    for family in (MixtralForCausalLM, Qwen3MoeForCausalLM):
+        assert not compiles_forward(family, config, cpu, "ref"), family.__name__
+    assert not compiles_forward(LlamaForCausalLM, config, cpu, "triton")
+    assert not compiles_forward(LlamaForCausalLM, EngineConfig(tensor_parallel_size=2), cpu, "ref")

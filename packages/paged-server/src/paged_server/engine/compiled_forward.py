@@ -35,6 +35,7 @@ from paged_core.protocols import AttentionViewProtocol
 
 if TYPE_CHECKING:
     from paged_server.config import EngineConfig
+    from paged_server.models.base import CausalLM
 
 
 class _Step(threading.local):
@@ -136,13 +137,17 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def compiles_forward(config: EngineConfig, device: torch.device, attention_backend: str) -> bool:
+def compiles_forward(
+    model: CausalLM, config: EngineConfig, device: torch.device, attention_backend: str
+) -> bool:
     """Compile on a CPU with the reference attention (where the per-op cost
     is Python's), unless ``enforce_eager`` or ``PAGED_COMPILE=0`` (the test
     suite sets it: compiling costs seconds per engine). CUDA keeps its
-    decode graphs; tensor parallelism stays eager (the ranks run eagerly)."""
+    decode graphs; tensor parallelism stays eager (the ranks run eagerly), and
+    so does a model whose forward pass syncs with the host (``graph_safe``)."""
     return (
-        not config.enforce_eager
+        model.graph_safe
+        and not config.enforce_eager
         and os.environ.get("PAGED_COMPILE", "1") != "0"
         and device.type == "cpu"
         and attention_backend == "ref"

@@ -180,7 +180,7 @@ class LLMEngine:
         )
         compiled = (
             CompiledForward(loaded.model)
-            if compiles_forward(config, device, self.attention_backend)
+            if compiles_forward(loaded.model, config, device, self.attention_backend)
             else None
         )
         self.runner = ModelRunner(
@@ -225,7 +225,7 @@ class LLMEngine:
         config = self.config
         if (
             config.enforce_eager
-            or not self.loaded.model.cuda_graph_safe  # e.g. the experts' host sync
+            or not self.loaded.model.graph_safe  # e.g. the experts' host sync
             or config.tensor_parallel_size > 1  # graphs would skip the step broadcast
             or device.type != "cuda"
             or self.attention_backend != "triton"

@@ -25,9 +25,10 @@ class CausalLM(nn.Module):
     final norm; Hugging Face weight names) and ``self.lm_head``."""
 
     model: nn.Module
-    # False where the forward pass syncs with the host (the experts' grouped
-    # path): the engine then runs decode steps eagerly instead of in CUDA graphs.
-    cuda_graph_safe = True
+    # False where the forward pass syncs with the host or has data-dependent
+    # shapes (the experts' grouped path): the engine then runs it eagerly,
+    # neither replayed from CUDA graphs nor compiled (torch.compile).
+    graph_safe = True
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

@@ -16,7 +16,7 @@ from paged_server.models.tensor_parallel import TensorParallel
 class MixtralForCausalLM(LlamaForCausalLM):
     """Every layer routes each token to ``num_experts_per_tok`` experts."""
 
-    cuda_graph_safe = False
+    graph_safe = False
     expert_names = ("w1", "w3", "w2")  # gate, up, down
 
     @classmethod

@@ -8,7 +8,7 @@ the per-expert counts on the host (one sync per layer). On CUDA the same
 computation runs as ``paged_triton.fused_moe`` (one launch per projection
 for all experts, no host sync; differential-tested against this path under
 the interpreter). Models with experts are not captured in CUDA graphs
-(``CausalLM.cuda_graph_safe``) until the fused path is proven on a GPU.
+(``CausalLM.graph_safe``) until the fused path is proven on a GPU.
 
 With tensor parallelism every rank holds every expert and ``1/world_size``
 of each expert's intermediate features (vLLM's default, not expert
