@@ -115,7 +115,8 @@ def train(
     """Train from the random default weights; returns the loss of every
     step and writes ``training.json`` (recipe, losses, held-out loss,
     seconds) beside the weights. ``eval_every``: also score the held-out
-    text every that many steps (0: only at the end); ``log``: print progress;
+    text every that many steps (0: only at the end); ``log``: print progress
+    (with each held-out score, or every twentieth of the run without them);
     ``source``: the random default model's directory (default: the cached one)."""
     source = source or ensure_default_model()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,6 +145,9 @@ def train(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        if log and not eval_every and step % max(1, steps // 20) == 0:  # progress, ~20 lines
+            print(f"step {step}/{steps}: train {losses[-1]:.3f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
         if eval_every and step % eval_every == 0 and step < steps:
             evals.append((step, heldout_loss(model, heldout, seq_len)))
             if log:

@@ -45,7 +45,7 @@ def ensure_trained_model(cache_dir: str | Path | None = None) -> Path:
                 RECIPE, target)  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix=f".{TRAINED_MODEL_NAME}-", dir=root))
     try:
-        train(tmp / "model", source=ensure_default_model(root), **RECIPE)  # type: ignore[arg-type]
+        train(tmp / "model", source=ensure_default_model(root), log=True, **RECIPE)  # type: ignore[arg-type]
         shutil.rmtree(target, ignore_errors=True)
         os.rename(tmp / "model", target)
     finally:
