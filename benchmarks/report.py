@@ -218,6 +218,31 @@ def _kv_label(row: dict[str, Any]) -> str:
     )
 
 
+def _kv_accuracy_trained_section(data: dict[str, Any] | None) -> list[str]:
+    """The KV dtypes on the trained evaluation model (opt-in run_all step)."""
+    if data is None:
+        return []
+    t, st = data["training"], data["settings"]
+    out = ["## KV cache dtypes on the trained evaluation model", ""]
+    out.append(
+        f"{data['model']}: trained {t['recipe']['steps']} steps on {t['train_tokens']:,} tokens "
+        f"({t['seconds']:.0f} s), held-out loss {t['heldout_loss']:.2f} nats (train "
+        f"{t['last_train_loss']:.2f}). Perplexity of {st['text_tokens']:,} held-out tokens in "
+        f"{st['window']}-token windows through a pool of each dtype; greedy agreement = share of "
+        f"{st['num_prompts']} prompts x {st['max_tokens']} greedy tokens before the first that "
+        "differs from `auto`'s. Measured " + data["environment"]["date"] + "."
+    )
+    out.append("")
+    rows = [
+        [_kv_label(r), str(r["block_size"]), _f(r["perplexity"], 2), f"{r['ppl_vs_auto']:.4f}x",
+         _f(r["greedy_agreement"], 2), _f(r["max_abs_delta_logprob"], 3)]
+        for r in data["rows"]
+    ]  # fmt: skip
+    out += _table(["KV cache", "block", "perplexity", "vs auto", "greedy agreement",
+                   "max abs delta logprob"], rows)  # fmt: skip
+    return out + ["", "Command: `python benchmarks/run_all.py --only kv_accuracy_trained`", ""]
+
+
 def _sliding_window_section(sw: dict[str, Any] | None) -> list[str]:
     out = ["## Sliding-window layers: blocks given back (hybrid KV cache)", ""]
     if sw is None:
@@ -790,6 +815,7 @@ def write_page(results: Path, docs: Path) -> Path:
     )
     lines += _capacity_section(_load(results, "capacity"), images, docs)
     lines += _kv_dtype_section(_load(results, "kv_dtype"), _load(results, "kv_dtype_throughput"))
+    lines += _kv_accuracy_trained_section(_load(results, "kv_accuracy_trained"))
     lines += _sliding_window_section(_load(results, "sliding_window"))
     lines += _sweep_section(_load(results, "batch_sweep"), images, docs)
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)
