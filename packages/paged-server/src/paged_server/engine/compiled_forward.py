@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch import Tensor, nn
 
@@ -113,6 +114,11 @@ class CompiledForward:
             model.model, dynamic=True, fullgraph=True
         )
         self._freezing = inductor_config.patch(freezing=True)
+        # AOT runs a new graph's first call under a dispatch mode that checks
+        # custom ops for aliasing; the attention op's own compiled decode
+        # (paged_ref.compiled_decode) would then compile for the mode's
+        # tensors and again for the real ones. Our op returns a new tensor.
+        self._no_alias_check = functorch_config.patch(check_custom_op_aliasing=False)
 
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor, kv_cache: AttentionViewProtocol | None
@@ -123,7 +129,7 @@ class CompiledForward:
         try:
             # Freezing is read when a graph compiles (torch.compile's options
             # do not reach it), so it is set around every call, not globally.
-            with self._freezing:
+            with self._freezing, self._no_alias_check:
                 return self._compiled(input_ids, position_ids, _OPAQUE)
         finally:
             _step.view = None

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from paged_ref.compiled_decode import CompiledDecodeOps
 from paged_server.config import (
     EngineConfig,
     check_max_model_len,
@@ -157,6 +158,10 @@ class LLMEngine:
         if config.calculate_kv_scales:  # before the serving pool exists (config refuses TP)
             kv_scales = calibrated_kv_scales(config, loaded, self.kv_heads_per_rank)
             log.info("calculate_kv_scales (%s): %s", config.kv_cache_dtype, kv_scales.summary())
+        compile_forward = compiles_forward(loaded.model, config, device, self.attention_backend)
+        # A compiled step also reads the paged cache in place for its decodes.
+        paged = config.kv_cache_backend == "paged"
+        decode_ops = CompiledDecodeOps if compile_forward and paged else None
         self.pool, self.capacity = build_cache_pool(
             config,
             mc,
@@ -166,7 +171,7 @@ class LLMEngine:
             # With TP, no rank-0-only profiling pass: the other ranks would not join its all-reduces.
             model=loaded.model if executor is None else None,
             num_kv_heads=self.kv_heads_per_rank,
-            wrap_ops=executor.wrap_ops if executor is not None else None,
+            wrap_ops=executor.wrap_ops if executor is not None else decode_ops,
             kv_scales=kv_scales,
         )
         log.info("%s", weights_summary(loaded.model, loaded.dtype, loaded.quantization))
@@ -178,11 +183,7 @@ class LLMEngine:
             self.capacity.sized_by,
             f"; {self.capacity.groups}" if self.capacity.groups else "",
         )
-        compiled = (
-            CompiledForward(loaded.model)
-            if compiles_forward(loaded.model, config, device, self.attention_backend)
-            else None
-        )
+        compiled = CompiledForward(loaded.model) if compile_forward else None
         self.runner = ModelRunner(
             loaded.model,
             self.pool,

@@ -143,15 +143,18 @@ class ModelRunner:
 
     def _throwaway_step(self, num_tokens: int) -> None:
         """A prefill of ``num_tokens`` through a sequence that is freed, never
-        committed (nothing enters the prefix cache). Only the pass runs in
-        inference mode: page-table rows the pool grows here outlive it."""
+        committed (nothing enters the prefix cache). The first view is built
+        outside inference mode: page-table rows the pool grows here outlive
+        the pass. The pass reads a second one built inside it, as ``execute``
+        builds its views (compiled code guards on how its inputs were made)."""
         tokens = [0] * num_tokens
         seq_id, _ = self.pool.allocate_sequence(tokens)
         try:
-            view = self.pool.step_view([seq_id], [0], [num_tokens])
-            if self.before_forward is not None:
-                self.before_forward(tokens, view)
+            self.pool.step_view([seq_id], [0], [num_tokens])
             with torch.inference_mode():
+                view = self.pool.step_view([seq_id], [0], [num_tokens])
+                if self.before_forward is not None:
+                    self.before_forward(tokens, view)
                 self._hidden_states(self._tensor(tokens), self._tensor(list(range(num_tokens))), view)
         finally:
             self.pool.free_seq(seq_id)
