@@ -21,7 +21,7 @@ an exception there (or NaN logits) fails that request only, with
 (``paged_server.parallel``): it broadcasts each step to the other ranks
 before its own forward pass, and a failed pass is fatal
 (``EngineFailedError``), since the ranks' caches may then disagree. The engine is single-threaded: the HTTP server drives it from
-one thread (``api/async_engine.py``), ``LLM`` from the caller's.
+one thread (``entrypoints/openai/async_engine.py``), ``LLM`` from the caller's.
 """
 
 from __future__ import annotations
