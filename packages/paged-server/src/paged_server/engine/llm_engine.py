@@ -87,7 +87,6 @@ class LLMEngine:
             assert path is not None
             run = config.resolve(read_model_config(path), checkpoint_dtype=checkpoint_dtype(path))
         self.config = run  # the config as run, checked before loading: all the engine reads
-        log.info("engine config as run: %s", run.summary())
         # Sampling defaults a request leaves unset (vLLM's --generation-config).
         self.default_sampling = generation_defaults(
             path, run.generation_config, run.override_generation_config
@@ -202,6 +201,7 @@ class LLMEngine:
         self.structured_output = StructuredOutput(
             self.tokenizer.hf.to_str(), loaded.config.vocab_size, self.eos_token_ids
         )
+        log.info("engine config as run: %s", config.summary())  # once, when it runs
 
     def _decode_graphs(self, device: torch.device) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps: on CUDA, with the Triton kernels
