@@ -382,7 +382,7 @@ def _is_int(value: object) -> bool:
 
 
 def _at_least(name: str, value: object, low: int) -> None:
-    if not _is_int(value) or value < low:  # type: ignore[operator]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
 
 
