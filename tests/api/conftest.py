@@ -39,6 +39,8 @@ class FakeEngine:
                  max_running: int = 1000, step_delay: float = 0.0) -> None:
         self.config = EngineConfig(max_model_len=max_model_len, max_queue_len=max_queue_len)
         self.tokenizer = tokenizer
+        self.capacity = SimpleNamespace(num_blocks=256)
+        self.default_sampling: dict[str, Any] = {}
         self.model_config = SimpleNamespace(vocab_size=tokenizer.vocab_size)
         self.max_running = max_running
         self.step_delay = step_delay
@@ -124,6 +126,12 @@ class FakeEngine:
         self._touch()
         reclaimed, self.audit_problems = list(range(len(self.audit_problems))), []
         return reclaimed
+
+    def parallel_summary(self) -> str | None:
+        return None
+
+    def shutdown(self) -> None:
+        pass
 
     def expected_text(self, prompt_len: int, max_tokens: int, index: int = 0) -> str:
         return "".join(WORDS[(prompt_len + k + index) % len(WORDS)] for k in range(max_tokens))

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from paged_server.config import (
-    EngineConfig,
-    cpu_has_bf16,
-    resolve_attention_backend,
-    resolve_device,
-    resolve_dtype,
-    resolve_max_num_batched_tokens,
-)
+from paged_server.config import EngineConfig, cpu_has_bf16
+from paged_server.models.config import ModelConfig
 from paged_server.sampling_params import SamplingParams
 from paged_server.structured_outputs import StructuredOutputsParams
+
+# A model with 4096 positions and no sliding window: all `resolve` reads of it.
+MODEL = ModelConfig.from_hf(
+    {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+     "max_position_embeddings": 4096, "rms_norm_eps": 1e-6},
+    "LlamaForCausalLM",
+)  # fmt: skip
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def test_defaults_are_valid() -> None:
@@ -56,44 +61,58 @@ def test_batched_tokens_must_cover_the_batch_and_unchunked_prompts() -> None:
     EngineConfig(max_model_len=2048, max_num_batched_tokens=512).validate()  # chunked: fine
 
 
-def test_auto_resolution_on_cpu() -> None:
-    config = EngineConfig(device="cpu")
-    device = resolve_device(config)
-    assert device.type == "cpu"
-    assert resolve_dtype(config, device, cpu_bf16=False) is torch.float32
-    assert resolve_attention_backend(config, device) == "ref"
-    assert resolve_dtype(EngineConfig(dtype="float16"), device) is torch.float16
+def test_auto_resolution_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGED_CPU_BF16", "0")
+    run = EngineConfig(device="cpu").resolve(MODEL)
+    assert run.torch_device.type == "cpu"
+    assert run.torch_dtype is torch.float32 and run.dtype_reason == "auto: CPU has no AMX/AVX512-BF16"
+    assert run.attention_backend == "ref"
+    assert (run.max_model_len, run.max_num_batched_tokens) == (4096, 256)
+    explicit = EngineConfig(dtype="float16", device="cpu").resolve(MODEL)
+    assert explicit.torch_dtype is torch.float16 and explicit.dtype_reason == ""
+
+
+def test_the_config_as_run_is_frozen_and_still_an_engine_config() -> None:
+    run = EngineConfig(device="cpu").resolve(MODEL)
+    with pytest.raises(AttributeError):
+        run.max_model_len = 8  # type: ignore[misc]
+    assert isinstance(run, EngineConfig) and "max_num_batched_tokens=256" in run.summary()
+
+
+def _dtype(monkeypatch: pytest.MonkeyPatch, bf16: str, config: EngineConfig, device=CPU) -> torch.dtype:
+    monkeypatch.setenv("PAGED_CPU_BF16", bf16)
+    return config.resolve(MODEL, device).torch_dtype
 
 
 def test_auto_dtype_is_bf16_on_a_cpu_with_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = torch.device("cpu")
-    assert resolve_dtype(EngineConfig(), cpu, cpu_bf16=True) is torch.bfloat16
-    assert resolve_dtype(EngineConfig(dtype="float32"), cpu, cpu_bf16=True) is torch.float32
-    assert resolve_dtype(EngineConfig(), torch.device("cuda"), cpu_bf16=False) is torch.bfloat16
+    assert _dtype(monkeypatch, "1", EngineConfig()) is torch.bfloat16
+    assert _dtype(monkeypatch, "1", EngineConfig(dtype="float32")) is torch.float32
+    assert _dtype(monkeypatch, "0", EngineConfig(), CUDA) is torch.bfloat16
     # Detection: AMX tiles or AVX512-BF16, as torch reports them.
     monkeypatch.delenv("PAGED_CPU_BF16", raising=False)
     for amx, avx512_bf16, expected in [(True, False, True), (False, True, True), (False, False, False)]:
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda b=avx512_bf16: b)
         assert cpu_has_bf16() is expected
-        assert resolve_dtype(EngineConfig(), cpu) is (torch.bfloat16 if expected else torch.float32)
+        dtype = EngineConfig().resolve(MODEL, CPU).torch_dtype
+        assert dtype is (torch.bfloat16 if expected else torch.float32)
     monkeypatch.setenv("PAGED_CPU_BF16", "0")  # the suite's setting: auto is float32 everywhere
     assert cpu_has_bf16() is False
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = torch.device("cpu")
+    triton = EngineConfig(attention_backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_attention_backend(EngineConfig(attention_backend="triton"), cpu) == "triton"
+    assert triton.resolve(MODEL, CPU).attention_backend == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="needs a CUDA device; on CPU set TRITON_INTERPRET=1"):
-        resolve_attention_backend(EngineConfig(attention_backend="triton"), cpu)
+        triton.resolve(MODEL, CPU)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_cuda_without_gpu_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no CUDA GPU"):
-        resolve_device(EngineConfig(device="cuda"))
+        EngineConfig(device="cuda").resolve(MODEL)
 
 
 @pytest.mark.parametrize(
@@ -138,15 +157,17 @@ def test_single_stop_string_becomes_a_list() -> None:
 
 
 def test_step_token_budget_fits_the_device() -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_max_num_batched_tokens(EngineConfig(), cpu) == 256
-    assert resolve_max_num_batched_tokens(EngineConfig(), cuda) == 2048
+    def budget(device: torch.device, **config: Any) -> int:
+        return EngineConfig(**config).resolve(MODEL, device).max_num_batched_tokens
+
+    assert budget(CPU) == 256
+    assert budget(CUDA) == 2048
     # never below what every running sequence needs to decode in one step
-    assert resolve_max_num_batched_tokens(EngineConfig(max_batch_size=300), cpu) == 300
-    # whole prompts only: the budget must hold the longest one
-    unchunked = EngineConfig(enable_chunked_prefill=False, max_model_len=4096)
-    assert resolve_max_num_batched_tokens(unchunked, cpu) == 4096
-    assert resolve_max_num_batched_tokens(EngineConfig(max_num_batched_tokens=999), cpu) == 999
+    assert budget(CPU, max_batch_size=300) == 300
+    # whole prompts only: the budget must hold the longest one (the model's 4096 when unset)
+    assert budget(CPU, enable_chunked_prefill=False, max_model_len=4096) == 4096
+    assert budget(CPU, enable_chunked_prefill=False) == 4096
+    assert budget(CPU, max_num_batched_tokens=999) == 999
 
 
 def test_engine_records_the_budget_it_runs_with(make_engine) -> None:

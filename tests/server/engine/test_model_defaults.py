@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from paged_server.config import EngineConfig, resolve_dtype
+from paged_server.config import EngineConfig
 from paged_server.engine.kv_sizing import CPU_DEFAULT_KV_BYTES, kv_budget
 from paged_server.engine.llm_engine import LLMEngine
 from paged_server.entrypoints.llm import LLM
 from paged_server.generation_defaults import generation_defaults
 from paged_server.model_dir import checkpoint_dtype
 from paged_server.models import LoadedModel
+from paged_server.models.loader import read_model_config
 
 CPU = torch.device("cpu")
 SMALL = dict(max_batch_size=4, max_num_batched_tokens=64, device="cpu", attention_backend="ref")
@@ -60,19 +61,27 @@ def test_cpu_default_pool_is_capped_for_long_model_contexts() -> None:
 
 
 def test_dtype_auto_follows_the_checkpoint(tiny_model_dir: Path, tmp_path: Path,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+                                           caplog: pytest.LogCaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     assert checkpoint_dtype(str(tiny_model_dir)) == "float32"
     bf16_dir = _copy(tiny_model_dir, tmp_path / "bf16", dtype=None, torch_dtype="bfloat16")
     assert checkpoint_dtype(str(bf16_dir)) == "bfloat16"
-    auto, cuda = EngineConfig(), torch.device("cuda")
-    assert resolve_dtype(auto, cuda, checkpoint_dtype="float16") is torch.float16
-    assert resolve_dtype(auto, cuda, checkpoint_dtype="bfloat16") is torch.bfloat16
-    assert resolve_dtype(auto, cuda, checkpoint_dtype="float32") is torch.bfloat16  # as vLLM
-    assert resolve_dtype(auto, CPU, cpu_bf16=True, checkpoint_dtype="bfloat16") is torch.bfloat16
+    model = read_model_config(tiny_model_dir)
+
+    def dtype(device: torch.device, checkpoint: str, config: EngineConfig = EngineConfig()) -> torch.dtype:
+        return config.resolve(model, device, checkpoint_dtype=checkpoint).torch_dtype
+
+    cuda = torch.device("cuda")
+    assert dtype(cuda, "float16") is torch.float16
+    assert dtype(cuda, "bfloat16") is torch.bfloat16
+    assert dtype(cuda, "float32") is torch.bfloat16  # as vLLM
+    monkeypatch.setenv("PAGED_CPU_BF16", "1")
+    assert dtype(CPU, "bfloat16") is torch.bfloat16
+    monkeypatch.setenv("PAGED_CPU_BF16", "0")
     with caplog.at_level(logging.INFO, logger="paged_server.config"):
-        assert resolve_dtype(auto, CPU, cpu_bf16=False, checkpoint_dtype="bfloat16") is torch.float32
+        assert dtype(CPU, "bfloat16") is torch.float32
     assert "checkpoint is bfloat16 but this CPU has no bf16" in caplog.text
-    assert resolve_dtype(EngineConfig(dtype="float16"), CPU, checkpoint_dtype="bfloat16") is torch.float16
+    assert dtype(CPU, "bfloat16", EngineConfig(dtype="float16")) is torch.float16
 
 
 def test_generation_config_sampling_defaults(tiny_model_dir: Path, tmp_path: Path) -> None:

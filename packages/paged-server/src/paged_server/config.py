@@ -1,8 +1,9 @@
 """Engine configuration: what the operator chooses, validated before anything is built.
 
-``EngineConfig`` stays plain data (the CLI and ``LLM(**kwargs)`` fill it);
-the ``resolve_*`` helpers turn its ``"auto"`` settings into concrete
-choices for this machine.
+``EngineConfig`` is plain frozen data (the CLI and ``LLM(**kwargs)`` fill
+it). ``EngineConfig.resolve`` is the one place its ``"auto"`` and ``None``
+settings become concrete choices for this machine and this model: it
+returns a ``RunConfig``, the config as run, which is all the engine reads.
 """
 
 from __future__ import annotations
@@ -11,11 +12,16 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from paged_server.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from paged_server.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 KV_CACHE_BACKENDS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "ref", "triton")
@@ -24,12 +30,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything that shapes one engine: cache layout, budgets, backends.
 
     ``max_num_batched_tokens=None`` picks a budget for the device (see
-    ``resolve_max_num_batched_tokens``); the engine records the one it used.
+    ``_token_budget``); the ``RunConfig`` records the one used.
     ``num_gpu_blocks=None`` sizes the paged pool from ``kv_cache_memory_bytes``
     when given, else to ``max_batch_size * max_model_len / block_size`` blocks:
     the same token capacity as the contiguous pool, for like-for-like
@@ -54,8 +60,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None  # None: 0.9 on CUDA, off on CPU
     max_batch_size: int = 64
-    max_num_batched_tokens: int | None = None  # None: by device, see resolve_max_num_batched_tokens
-    # None: the model's max_position_embeddings (see with_model_len)
+    max_num_batched_tokens: int | None = None  # None: by device, see _token_budget
+    # None: the model's max_position_embeddings (see _model_len)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # True: one page table for every layer even when some slide (no block freed early).
@@ -88,6 +94,37 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": the model's sampling defaults; "vllm": none; or a directory
     override_generation_config: dict[str, Any] | None = None  # on top of generation_config
     disable_sliding_window: bool = False  # full attention, max_model_len capped at the window
+
+    def resolve(
+        self,
+        model_config: ModelConfig,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        checkpoint_dtype: str | None = None,
+    ) -> RunConfig:
+        """This config as run for ``model_config``: validated, with every
+        ``auto`` and ``None`` the engine reads made concrete (device, dtype,
+        attention backend, ``max_model_len``, token budget). ``device`` and
+        ``dtype``: those of a model already loaded; else they come from this
+        config, and ``dtype="auto"`` from ``checkpoint_dtype`` (the name
+        config.json gives, ``model_dir.checkpoint_dtype``). Raises
+        ``ValueError`` naming the setting that cannot run here."""
+        self.validate()
+        max_model_len, one_page_table = _model_len(self, model_config)
+        _check_max_model_len(max_model_len, model_config.max_position_embeddings)
+        device = device if device is not None else _device(self)
+        dtype = dtype if dtype is not None else _dtype(self, device, checkpoint_dtype)
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
+        return RunConfig(**{
+            **given,
+            "max_model_len": max_model_len,
+            "disable_hybrid_kv_cache_manager": one_page_table,
+            "max_num_batched_tokens": _token_budget(self, max_model_len, device),
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "dtype_reason": _dtype_reason(self, device, dtype),
+            "attention_backend": _attention_backend(self, device),
+        })
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field and what to do."""
@@ -181,40 +218,61 @@ class EngineConfig:
             )
 
 
-def with_model_len(
-    config: EngineConfig, max_position_embeddings: int, sliding_window: int | None
-) -> EngineConfig:
-    """``config`` with a concrete ``max_model_len``: as given, else the
-    model's ``max_position_embeddings`` (as vLLM). ``disable_sliding_window``
-    caps it at the model's window (within it, windowed attention is full
-    attention) and keeps every layer's blocks in one page table."""
-    length = config.max_model_len
-    if config.disable_sliding_window and sliding_window is not None:
-        if length is not None and length > sliding_window:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig(EngineConfig):
+    """An ``EngineConfig`` as run, built once by ``EngineConfig.resolve``:
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``), ``dtype`` and
+    ``attention_backend`` name concrete choices, never ``auto``;
+    ``max_model_len`` and ``max_num_batched_tokens`` are numbers."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    dtype_reason: str = ""  # why "auto" chose dtype, for the start-up line
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def summary(self) -> str:
+        """Every setting as ``name=value``, for the one log line at start-up."""
+        return " ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+
+
+def _model_len(config: EngineConfig, model_config: ModelConfig) -> tuple[int, bool]:
+    """``(max_model_len, disable_hybrid_kv_cache_manager)``: the length as
+    given, else the model's ``max_position_embeddings`` (as vLLM).
+    ``disable_sliding_window`` caps it at the model's window (within it,
+    windowed attention is full attention) and keeps every layer's blocks in
+    one page table."""
+    length, window = config.max_model_len, model_config.sliding_window
+    positions = model_config.max_position_embeddings
+    if config.disable_sliding_window and window is not None:
+        if length is not None and length > window:
             raise ValueError(
                 f"max_model_len: {length} is more than the model's sliding window "
-                f"{sliding_window}; with disable_sliding_window the context is capped at the "
+                f"{window}; with disable_sliding_window the context is capped at the "
                 "window: lower --max-model-len or drop --disable-sliding-window"
             )
-        length = min(length or max_position_embeddings, sliding_window)
-        config = dataclasses.replace(config, disable_hybrid_kv_cache_manager=True)
-    if length is None:
-        length = max_position_embeddings
-    return dataclasses.replace(config, max_model_len=length)
+        return min(length or positions, window), True
+    return (positions if length is None else length), config.disable_hybrid_kv_cache_manager
 
 
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: run past the model's trained length on purpose.
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "PAGED_ALLOW_LONG_MAX_MODEL_LEN"
 
 
-def check_max_model_len(max_model_len: int, max_position_embeddings: int) -> None:
+def _check_max_model_len(max_model_len: int, max_position_embeddings: int) -> None:
     """Refuse a ``max_model_len`` beyond the model's ``max_position_embeddings``
     (as vLLM does): past its trained length a model's output degrades. With
     ``PAGED_ALLOW_LONG_MAX_MODEL_LEN=1`` it only warns."""
     if max_model_len <= max_position_embeddings:
         return
     if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").lower() in ("1", "true"):
-        logging.getLogger(__name__).warning(
+        log.warning(
             "max_model_len %d exceeds the model's max_position_embeddings %d (allowed by %s)",
             max_model_len, max_position_embeddings, ALLOW_LONG_MAX_MODEL_LEN_ENV,
         )
@@ -235,7 +293,7 @@ def check_max_model_len(max_model_len: int, max_position_embeddings: int) -> Non
 DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}
 
 
-def resolve_max_num_batched_tokens(config: EngineConfig, device: torch.device) -> int:
+def _token_budget(config: EngineConfig, max_model_len: int, device: torch.device) -> int:
     """The configured budget, or the device's default; never below
     ``max_batch_size`` (every running sequence must be able to decode in one
     step) nor, without chunked prefill, below ``max_model_len`` (whole prompts)."""
@@ -243,11 +301,11 @@ def resolve_max_num_batched_tokens(config: EngineConfig, device: torch.device) -
         return config.max_num_batched_tokens
     budget = DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cuda"])
     if not config.enable_chunked_prefill:
-        budget = max(budget, config.max_model_len or 0)
+        budget = max(budget, max_model_len)
     return max(budget, config.max_batch_size)
 
 
-def resolve_device(config: EngineConfig) -> torch.device:
+def _device(config: EngineConfig) -> torch.device:
     """``auto`` is CUDA when there is a GPU, else CPU; asking for CUDA without one fails here."""
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -259,12 +317,7 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def resolve_dtype(
-    config: EngineConfig,
-    device: torch.device,
-    cpu_bf16: bool | None = None,
-    checkpoint_dtype: str | None = None,
-) -> torch.dtype:
+def _dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
     """``auto`` is the checkpoint's dtype (config.json's ``torch_dtype`` /
     ``dtype``), as vLLM: float16 stays float16 on CUDA; float32 (and a
     checkpoint that names none) runs in bfloat16 on CUDA, as vLLM downcasts
@@ -272,22 +325,28 @@ def resolve_dtype(
     units (AMX or AVX512-BF16: oneDNN runs bf16 GEMMs several times faster
     than fp32, as vLLM's CPU backend uses them), else in float32 (one log
     line says so: half math is slow there); a float32 checkpoint keeps that
-    rule too. Softmax and logits stay float32 either way. ``cpu_bf16``
-    overrides the detection (``cpu_has_bf16``)."""
+    rule too. Softmax and logits stay float32 either way."""
     if config.dtype != "auto":
         return DTYPES[config.dtype]
     if device.type == "cuda":
         return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
-    if cpu_bf16 is None:
-        cpu_bf16 = cpu_has_bf16()
-    if cpu_bf16:
+    if cpu_has_bf16():
         return torch.bfloat16
     if checkpoint_dtype in ("bfloat16", "float16"):
-        logging.getLogger(__name__).info(
+        log.info(
             "dtype auto: the checkpoint is %s but this CPU has no bf16 matrix units "
             "(AMX/AVX512-BF16); running in float32", checkpoint_dtype,
         )
     return torch.float32
+
+
+def _dtype_reason(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """Why ``auto`` chose ``dtype``, for the start-up line ("" when it was set)."""
+    if config.dtype != "auto":
+        return ""
+    if device.type == "cuda":
+        return "auto: CUDA"
+    return f"auto: CPU {'has' if dtype == torch.bfloat16 else 'has no'} AMX/AVX512-BF16"
 
 
 def cpu_has_bf16() -> bool:
@@ -301,7 +360,7 @@ def cpu_has_bf16() -> bool:
     return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
 
 
-def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str:
+def _attention_backend(config: EngineConfig, device: torch.device) -> str:
     """``auto`` is the fused Triton kernels on CUDA, else the PyTorch reference."""
     if config.attention_backend == "auto":
         return "triton" if device.type == "cuda" else "ref"
@@ -323,7 +382,7 @@ def _is_int(value: object) -> bool:
 
 
 def _at_least(name: str, value: object, low: int) -> None:
-    if not _is_int(value) or value < low:  # type: ignore[operator]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
 
 

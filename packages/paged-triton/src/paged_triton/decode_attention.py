@@ -35,7 +35,7 @@ from paged_triton.decode_splits import (
     visible_len,
 )
 from paged_triton.interpreter_bf16 import cast
-from paged_triton.launch import Launch, device_arch, replayed, run_planned, tensor_key
+from paged_triton.launch import Launch, run_planned
 from paged_triton.launch_checks import as_index, interpreted, last_dim_contiguous
 from paged_triton.tile_config import TileConfig
 
@@ -306,32 +306,29 @@ def decode_attention(
     With ``memo``, the first layer's checked plan is replayed by the others."""
     scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
     out = torch.empty_like(q)
-    key = None
-    if memo is not None and q.stride(-1) == 1:
-        key = ("paged_triton.decode", id(block_tables), id(seq_lens), tensor_key(q),
-               tensor_key(k_cache), tensor_key(v_cache), k_scales is None, k_head_scales is None,
-               scale, sliding_window, softcap, policy)  # fmt: skip
-        if replayed(memo, key, out, q, k_cache, v_cache, scales):
-            return out
-    check_attention(_decode_kernel, q, k_cache, v_cache, "batch", **scales)
-    batch, heads, _ = q.shape
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError(
-            f"block_tables must be [batch={batch}, max_blocks] and seq_lens [batch], got "
-            f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
-        )
-    if batch == 0 or heads == 0:
-        return out
-    arch = device_arch(q.device)
-    args = (
-        last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q), as_index(seq_lens, q),
-        scale, sliding_window, softcap, out, policy or split_policy(q.device),
-        arch, _INTERPRETED, memo,
-    )  # fmt: skip
+
+    def check() -> bool:
+        check_attention(_decode_kernel, q, k_cache, v_cache, "batch", **scales)
+        batch, heads, _ = q.shape
+        if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+            raise ValueError(
+                f"block_tables must be [batch={batch}, max_blocks] and seq_lens [batch], got "
+                f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+            )
+        return batch > 0 and heads > 0
+
+    def args(arch: int | None) -> tuple[Any, ...]:
+        return (
+            last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q),
+            as_index(seq_lens, q), scale, sliding_window, softcap, out,
+            policy or split_policy(q.device), arch, _INTERPRETED, memo,
+        )  # fmt: skip
+
     # q, k, v, k_scale, v_scale, out: arguments 0-4 and 7 of the decode, out 3 of the merge
     where = [(0, 1, 2, 3, 4, 7), (-1, -1, -1, -1, -1, 3)]
-    run_planned("decode", plan_decode, args, scales, arch=arch, memo=memo, key=key,
-                traits=(sliding_window is not None, bool(softcap)), where=where)  # fmt: skip
+    run_planned("decode", plan_decode, (q, k_cache, v_cache, out), scales, check=check, args=args,
+                memo=memo, step_key=(id(block_tables), id(seq_lens), scale, sliding_window,
+                softcap, policy), traits=(sliding_window is not None, bool(softcap)), where=where)  # fmt: skip
     return out
 
 

@@ -7,8 +7,8 @@ tensors, so what it compiles ahead of time for a GPU is exactly what the
 ops would launch there, down to Triton's specialisation of each argument.
 Within one step, a :class:`Replay` kept in the step's ``memo`` lets every
 layer after the first skip the checks and the planning; :func:`run_planned`
-is that plan / autotune / run / remember sequence, shared by the attention
-ops. :func:`specialize` derives what Triton's JIT compiles from a launch.
+is that replay-or-check / plan / autotune / run / remember sequence, the one
+path of both attention ops. :func:`specialize` derives what Triton's JIT compiles from a launch.
 """
 
 from __future__ import annotations
@@ -76,48 +76,48 @@ class Replay:
             launch.run(args)
 
 
-def replayed(
-    memo: dict[Any, Any] | None,
-    key: tuple[Any, ...] | None,
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scales: dict[str, torch.Tensor],
-) -> bool:
-    """Run the plan an earlier layer of this step left in ``memo`` under
-    ``key``, with this layer's tensors (writing ``out``); ``False`` when there
-    is none, and the caller checks and plans."""
-    replay = memo.get(key) if memo is not None and key is not None else None
-    if replay is None:
-        return False
-    k_scale, v_scale, _ = scale_args(
-        k_cache, v_cache, scales.get("k_scales"), scales.get("v_scales"),
-        scales.get("k_head_scales"), scales.get("v_head_scales"),
-    )  # fmt: skip
-    replay.run(q, k_cache, v_cache, k_scale, v_scale, out)
-    return True
-
-
 def run_planned(
     kind: str,
     plan: Callable[..., list[Launch]],
-    args: tuple[Any, ...],
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     scales: dict[str, torch.Tensor],
     *,
-    arch: int | None,
-    traits: tuple[Any, ...],
+    check: Callable[[], bool],
+    args: Callable[[int | None], tuple[Any, ...]],
     memo: dict[Any, Any] | None,
-    key: tuple[Any, ...] | None,
+    step_key: tuple[Any, ...],
+    traits: tuple[Any, ...],
     where: Sequence[tuple[int, ...]],
 ) -> None:
-    """Plan an attention op's launches (``plan(*args, tile=..., **scales)``;
-    the tile timed once per shape when autotuning is on), run them, and keep
-    them in ``memo`` under ``key`` for the step's next layers. ``args`` start
-    with q, k_cache; ``traits`` (window? softcap?) pick tiles with the shapes;
-    ``where[i]``: launch ``i``'s positions of q, k, v, k_scale, v_scale, out."""
+    """Run an attention op over ``tensors`` (q, k_cache, v_cache, out).
+
+    With ``memo`` (the step's dict), a plan an earlier layer left there under
+    the same ``step_key`` (what the plan assumed besides the tensors' layout:
+    metadata tensors' ids, scale, window, ...) is replayed with this layer's
+    tensors, skipping the checks. Otherwise ``check()`` raises on bad
+    arguments and says whether there is anything to compute; then the
+    launches are planned (``plan(*args(arch), tile=..., **scales)``; the tile
+    timed once per shape when autotuning is on), run, and kept in ``memo``.
+    ``traits`` (window? softcap?) pick tiles with the shapes; ``where[i]``:
+    launch ``i``'s positions of q, k, v, k_scale, v_scale, out."""
+    q, k_cache, v_cache, out = tensors
+    key = None
+    if memo is not None and q.stride(-1) == 1:
+        key = (f"paged_triton.{kind}", *step_key, tensor_key(q), tensor_key(k_cache),
+               tensor_key(v_cache), tuple(scales))  # fmt: skip
+        replay = memo.get(key)
+        if replay is not None:
+            k_scale, v_scale, _ = scale_args(
+                k_cache, v_cache, scales.get("k_scales"), scales.get("v_scales"),
+                scales.get("k_head_scales"), scales.get("v_head_scales"),
+            )  # fmt: skip
+            replay.run(q, k_cache, v_cache, k_scale, v_scale, out)
+            return
+    if not check():
+        return
+    arch = device_arch(q.device)
+    planned = args(arch)
     tile = None
-    q, k_cache = args[0], args[1]
     if autotune_enabled(q.device):
         import triton
 
@@ -125,8 +125,8 @@ def run_planned(
         dtype = compute_dtype(q.dtype, k_cache.dtype)
         options = candidates(kind, block_d, dtype, arch, kv_quant_mode(k_cache.dtype) != 0)
         tune_key = (kind, q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype, arch, traits)
-        tile = tuned(tune_key, options, lambda t: _time_ms(plan(*args, tile=t, **scales)))
-    launches = plan(*args, tile=tile, **scales)
+        tile = tuned(tune_key, options, lambda t: _time_ms(plan(*planned, tile=t, **scales)))
+    launches = plan(*planned, tile=tile, **scales)
     for launch in launches:
         launch.run()
     if memo is not None and key is not None:

@@ -26,7 +26,7 @@ from paged_ref.kv_quant import scale_keywords
 from paged_triton.attention_layout import check_attention, layer_layout
 from paged_triton.attention_tile import attend_tile, load_kv_tile
 from paged_triton.interpreter_bf16 import cast
-from paged_triton.launch import Launch, device_arch, replayed, run_planned, tensor_key
+from paged_triton.launch import Launch, run_planned
 from paged_triton.launch_checks import as_index, interpreted, last_dim_contiguous
 from paged_triton.tile_config import TileConfig
 
@@ -237,35 +237,33 @@ def paged_prefill_attention(
     """
     scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
     out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1], if any, stay zero
-    key = None
-    if memo is not None and q.stride(-1) == 1:
-        key = ("paged_triton.prefill", id(block_tables), id(cu_seqlens_q), id(seq_lens),
-               tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), k_scales is None,
-               k_head_scales is None, scale, sliding_window, softcap)  # fmt: skip
-        if replayed(memo, key, out, q, k_cache, v_cache, scales):
-            return out
-    check_attention(_prefill_kernel, q, k_cache, v_cache, "total_q", **scales)
-    total_q, heads, _ = q.shape
-    batch = seq_lens.shape[0]
-    if (
-        cu_seqlens_q.shape != (batch + 1,)
-        or block_tables.dim() != 2
-        or block_tables.shape[0] != batch
-    ):
-        raise ValueError(
-            f"with {batch} sequences, cu_seqlens_q must be [{batch + 1}] and block_tables "
-            f"[{batch}, max_blocks]; got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
-        )
-    if total_q == 0 or batch == 0 or heads == 0:
-        return out
-    arch = device_arch(q.device)
-    args = (
-        last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q),
-        as_index(cu_seqlens_q, q), as_index(seq_lens, q), scale, sliding_window, softcap, out,
-        arch, _INTERPRETED,
-    )  # fmt: skip
-    run_planned("prefill", lambda *a, **kw: [plan_prefill(*a, **kw)], args, scales,
-                arch=arch, memo=memo, key=key, traits=(sliding_window is not None, bool(softcap)),
+
+    def check() -> bool:
+        check_attention(_prefill_kernel, q, k_cache, v_cache, "total_q", **scales)
+        total_q, heads, _ = q.shape
+        batch = seq_lens.shape[0]
+        if (
+            cu_seqlens_q.shape != (batch + 1,)
+            or block_tables.dim() != 2
+            or block_tables.shape[0] != batch
+        ):
+            raise ValueError(
+                f"with {batch} sequences, cu_seqlens_q must be [{batch + 1}] and block_tables "
+                f"[{batch}, max_blocks]; got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
+            )
+        return total_q > 0 and batch > 0 and heads > 0
+
+    def args(arch: int | None) -> tuple[Any, ...]:
+        return (
+            last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q),
+            as_index(cu_seqlens_q, q), as_index(seq_lens, q), scale, sliding_window, softcap, out,
+            arch, _INTERPRETED,
+        )  # fmt: skip
+
+    run_planned("prefill", lambda *a, **kw: [plan_prefill(*a, **kw)], (q, k_cache, v_cache, out),
+                scales, check=check, args=args, memo=memo, step_key=(id(block_tables),
+                id(cu_seqlens_q), id(seq_lens), scale, sliding_window, softcap),
+                traits=(sliding_window is not None, bool(softcap)),
                 where=[(0, 1, 2, 3, 4, 8)])  # q, k, v, k_scale, v_scale, out  # fmt: skip
     return out
 

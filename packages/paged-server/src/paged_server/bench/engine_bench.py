@@ -58,7 +58,7 @@ def engine_config(
     ``max_batch_size`` (default 256) that memory, not rows, bounds. With an
     8-bit ``kv_cache_dtype`` both get the *bytes* of that budget at the
     model's dtype (``model_config`` gives the shape), so about twice the tokens."""
-    from paged_server.config import EngineConfig, resolve_device, resolve_dtype
+    from paged_server.config import EngineConfig
 
     if backend == "contiguous":
         batch = budget.rows if max_batch_size is None else max_batch_size
@@ -74,8 +74,8 @@ def engine_config(
             raise ValueError("an 8-bit kv_cache_dtype needs model_config to size the budget in bytes")
         from paged_ref.kv_quant import kv_bytes_per_token
 
-        probe = EngineConfig(dtype=dtype, attention_backend=attention_backend)
-        model_dtype = resolve_dtype(probe, resolve_device(probe))
+        probe = EngineConfig(dtype=dtype)
+        model_dtype = probe.resolve(model_config).torch_dtype
         shape = (model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
         memory = budget.tokens * kv_bytes_per_token(*shape, model_dtype)
         blocks = None

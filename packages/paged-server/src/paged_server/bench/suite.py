@@ -54,13 +54,13 @@ class ModelCache:
         self._hf: Any = None
 
     def _device_dtype(self) -> tuple[Any, Any]:
-        from paged_server.config import resolve_device, resolve_dtype
+        from paged_server.models.loader import read_model_config
 
         cfg = engine_config(
             "paged", self.options.budget, model=self.model_dir, dtype=self.options.dtype
         )
-        device = resolve_device(cfg)
-        return device, resolve_dtype(cfg, device)
+        run = cfg.resolve(read_model_config(self.model_dir))
+        return run.torch_device, run.torch_dtype
 
     def ours(self) -> Any:
         """Our loader's ``LoadedModel`` (shared by the paged and contiguous engines)."""

@@ -21,7 +21,7 @@ an exception there (or NaN logits) fails that request only, with
 (``paged_server.parallel``): it broadcasts each step to the other ranks
 before its own forward pass, and a failed pass is fatal
 (``EngineFailedError``), since the ranks' caches may then disagree. The engine is single-threaded: the HTTP server drives it from
-one thread (``api/async_engine.py``), ``LLM`` from the caller's.
+one thread (``entrypoints/openai/async_engine.py``), ``LLM`` from the caller's.
 """
 
 from __future__ import annotations
@@ -37,15 +37,7 @@ import torch
 from torch import Tensor
 
 from paged_ref.compiled_decode import CompiledDecodeOps
-from paged_server.config import (
-    EngineConfig,
-    check_max_model_len,
-    resolve_attention_backend,
-    resolve_device,
-    resolve_dtype,
-    resolve_max_num_batched_tokens,
-    with_model_len,
-)
+from paged_server.config import EngineConfig, RunConfig
 from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam_search, ready_rows
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.decode_graphs import DecodeGraphs
@@ -88,64 +80,55 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
-        model_config = loaded.config if loaded is not None else read_model_config(_model_path(config))
-        config = with_model_len(config, model_config.max_position_embeddings, model_config.sliding_window)
+        path = _model_path(config) if loaded is None or config.model is not None else None
+        if loaded is not None:  # the model's device and dtype are the ones run
+            device = next(loaded.model.parameters()).device
+            run = config.resolve(loaded.config, device, loaded.dtype)
+        else:
+            assert path is not None
+            run = config.resolve(read_model_config(path), checkpoint_dtype=checkpoint_dtype(path))
+        self.config = run  # the config as run, checked before loading: all the engine reads
         # Sampling defaults a request leaves unset (vLLM's --generation-config).
         self.default_sampling = generation_defaults(
-            _model_path(config) if config.model is not None or loaded is None else None,
-            config.generation_config,
-            config.override_generation_config,
+            path, run.generation_config, run.override_generation_config
         )
-        assert config.max_model_len is not None
-        check_max_model_len(config.max_model_len, model_config.max_position_embeddings)  # before loading
         self.executor: TensorParallelExecutor | None = None
         self.failed: str | None = None  # set when the engine can no longer step
-        if config.tensor_parallel_size > 1:
+        if run.tensor_parallel_size > 1:
             if loaded is not None:
                 raise ValueError(
                     "tensor_parallel_size > 1 loads the model in every rank: pass the model "
                     "directory (model=...), not a LoadedModel"
                 )
             try:
-                self._init(config, self._start_ranks(config))
+                self._init(self._start_ranks(run))
             except BaseException:
                 self.shutdown()
                 raise
         else:
-            self._init(config, loaded)
+            self._init(loaded)
 
-    def _start_ranks(self, config: EngineConfig) -> LoadedModel:
+    def _start_ranks(self, config: RunConfig) -> LoadedModel:
         """Spawn ranks 1..N-1 and load this rank's (0) shard alongside theirs."""
         from paged_server.parallel import TensorParallelExecutor
 
-        device = resolve_device(config)
-        if sizes_by_memory_share(config, device):
+        if sizes_by_memory_share(config, config.torch_device):
             # Each rank would size its pool from its own free memory; their block ids must agree.
             raise ValueError(
                 "tensor_parallel_size > 1 cannot size the KV cache by memory share yet: set "
                 "--num-gpu-blocks or --kv-cache-memory-bytes (the same on every rank)"
             )
-        self.executor = TensorParallelExecutor(
-            config, device, resolve_attention_backend(config, device)
-        )
-        path = _model_path(config)
-        return self.executor.load_model(path, resolve_dtype(config, device, checkpoint_dtype=checkpoint_dtype(path)))
+        self.executor = TensorParallelExecutor(config, config.torch_device, config.attention_backend)
+        return self.executor.load_model(_model_path(config), config.torch_dtype)
 
-    def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+    def _init(self, loaded: LoadedModel | None) -> None:
+        config = self.config
         if loaded is None:
-            device = resolve_device(config)
-            path = _model_path(config)
             loaded = load_model(
-                path, resolve_dtype(config, device, checkpoint_dtype=checkpoint_dtype(path)), device,
+                _model_path(config), config.torch_dtype, config.torch_device,
                 quantization=config.quantization,
             )  # fmt: skip
         device = next(loaded.model.parameters()).device
-        # The config as run: device defaults filled in.
-        config = dataclasses.replace(
-            config, max_num_batched_tokens=resolve_max_num_batched_tokens(config, device)
-        )
-        self.config = config
-        self.attention_backend = resolve_attention_backend(config, device)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         if config.tokenizer is not None:  # vLLM's --tokenizer: another directory's
@@ -158,7 +141,7 @@ class LLMEngine:
         if config.calculate_kv_scales:  # before the serving pool exists (config refuses TP)
             kv_scales = calibrated_kv_scales(config, loaded, self.kv_heads_per_rank)
             log.info("calculate_kv_scales (%s): %s", config.kv_cache_dtype, kv_scales.summary())
-        compile_forward = compiles_forward(loaded.model, config, device, self.attention_backend)
+        compile_forward = compiles_forward(loaded.model, config, device, config.attention_backend)
         # A compiled step also reads the paged cache in place for its decodes.
         paged = config.kv_cache_backend == "paged"
         decode_ops = CompiledDecodeOps if compile_forward and paged else None
@@ -167,7 +150,7 @@ class LLMEngine:
             mc,
             loaded.dtype,
             device,
-            self.attention_backend,
+            config.attention_backend,
             # With TP, no rank-0-only profiling pass: the other ranks would not join its all-reduces.
             model=loaded.model if executor is None else None,
             num_kv_heads=self.kv_heads_per_rank,
@@ -195,7 +178,7 @@ class LLMEngine:
         if executor is not None:
             log.info("%s", self.parallel_summary())
         if device.type == "cuda":  # compile (and capture) before the first request
-            if self.attention_backend == "triton" and config.kv_cache_backend == "paged":
+            if config.attention_backend == "triton" and config.kv_cache_backend == "paged":
                 warm_up_kernels(loaded.model, loaded.dtype, self.capacity, config.max_model_len, device)
             seconds = self.runner.warm_up(min(config.max_model_len - 1, 256))
             log.info("warm-up done in %.1f s", seconds)
@@ -206,7 +189,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_size,
-            config.max_num_batched_tokens,  # type: ignore[arg-type]  # resolved above
+            config.max_num_batched_tokens,
             config.block_size,
             config.enable_chunked_prefill,
         )
@@ -219,6 +202,7 @@ class LLMEngine:
         self.structured_output = StructuredOutput(
             self.tokenizer.hf.to_str(), loaded.config.vocab_size, self.eos_token_ids
         )
+        log.info("engine config as run: %s", config.summary())  # once, when it runs
 
     def _decode_graphs(self, device: torch.device) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps: on CUDA, with the Triton kernels
@@ -229,7 +213,7 @@ class LLMEngine:
             or not self.loaded.model.graph_safe  # e.g. the experts' host sync
             or config.tensor_parallel_size > 1  # graphs would skip the step broadcast
             or device.type != "cuda"
-            or self.attention_backend != "triton"
+            or config.attention_backend != "triton"
             or config.kv_cache_backend != "paged"
         ):
             return None

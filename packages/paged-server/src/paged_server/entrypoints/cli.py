@@ -1,7 +1,7 @@
 """`paged-server` command line: ``serve``, ``bench-serve``, ``bench``, ``worker``.
 
 ``serve`` and ``bench-serve`` take one flag per ``EngineConfig`` field
-(generated from the dataclass, see ``api/engine_args.py``). ``bench`` hands
+(generated from the dataclass, see ``openai/engine_args.py``). ``bench`` hands
 its arguments to ``paged_server.bench.main`` (the offline engine benchmark).
 """
 

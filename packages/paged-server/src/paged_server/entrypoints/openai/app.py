@@ -1,30 +1,29 @@
-"""The FastAPI app: routes, guards, and the engine thread's lifetime.
+"""The FastAPI app: its routers, guards, and the engine thread's lifetime.
 
 ``create_app(engine, settings, thread)`` takes an engine that is already
 built (the model loaded), so a bad model path fails before the server binds
 a port, and the `EngineThread` that built it, which then steps it.
 The engine thread starts with the app and stops on shutdown, aborting what
-is still in flight and closing its streams.
+is still in flight and closing its streams. The routes live on two
+routers: ``api_routes.py`` (what clients call) and ``ops_routes.py`` (what
+operators and load balancers call).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from paged_server.entrypoints.openai.api_routes import api_router
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike, EngineThread
 from paged_server.entrypoints.openai.errors import APIError, install_error_handlers
-from paged_server.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
@@ -32,59 +31,10 @@ from paged_server.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
 )
-from paged_server.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    lone_surrogate_path,
-)
+from paged_server.entrypoints.openai.ops_routes import ops_router
 from paged_server.entrypoints.openai.serving import OpenAIServing
 from paged_server.entrypoints.openai.stats_logger import StatsLogger
-from paged_server.entrypoints.openai.tokenization import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    Tokenization,
-    TokenizeRequest,
-    TokenizeResponse,
-    VersionResponse,
-    version,
-)
-from paged_server.sampling_params import MAX_LOGPROBS
-
-logger = logging.getLogger("paged_server.entrypoints.openai")
-
-HEALTH_TIMEOUT_S = 10.0
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": what}
-    for status, what in {
-        400: "Invalid request (the error names the field)",
-        401: "Missing or wrong API key",
-        404: "Unknown model",
-        413: "Request body too large",
-        503: "Queue full (see Retry-After) or server shutting down",
-    }.items()
-}
-# One server-sent event (OpenAPI < 3.2: the schema describes each event).
-_SSE = {
-    "text/event-stream": {
-        "schema": {
-            "type": "object",
-            "required": ["data"],
-            "properties": {
-                "data": {
-                    "type": "string",
-                    "description": "a JSON chunk (text_completion or chat.completion.chunk; "
-                    "with include_usage a last chunk with empty choices and the usage), an "
-                    '{"error": ...} object, or the final [DONE]',
-                }
-            },
-        }
-    }
-}
+from paged_server.entrypoints.openai.tokenization import Tokenization
 
 
 @dataclass(slots=True)
@@ -121,27 +71,24 @@ def create_app(
 ) -> FastAPI:
     """The OpenAI-compatible app around ``engine`` (an ``LLMEngine``), stepped
     on ``thread``: the one that built it (``server.build_engine``), else a new one."""
-    config: Any = getattr(engine, "config", None)
-    max_model_len = int(config.max_model_len)
-    metrics = ServerMetrics(settings.model_name, max_model_len)
+    config = engine.config
+    metrics = ServerMetrics(settings.model_name, config.max_model_len)
     _cache_config_info(metrics, engine)
     async_engine = AsyncEngine(
         engine, metrics, audit_interval_s=settings.audit_interval_s, thread=thread,
         stats_logger=StatsLogger() if settings.log_stats else None,
     )
-    tokenizer: Any = getattr(engine, "tokenizer", None)
     serving = OpenAIServing(
         async_engine,
-        tokenizer,
+        engine.tokenizer,
         model_name=settings.model_name,
-        max_model_len=max_model_len,
+        max_model_len=config.max_model_len,
         tool_call_parser=settings.tool_call_parser,
         settings=settings,
-        max_logprobs=int(getattr(config, "max_logprobs", MAX_LOGPROBS)),
-        default_sampling=getattr(engine, "default_sampling", None),
+        max_logprobs=config.max_logprobs,
+        default_sampling=engine.default_sampling,
     )
-    tokenization = Tokenization(tokenizer, max_model_len, serving.render_messages)
-    created = int(time.time())
+    tokenization = Tokenization(engine.tokenizer, config.max_model_len, serving.render_messages)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -151,9 +98,7 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(async_engine.stop, settings.shutdown_timeout_s)
-            shutdown = getattr(engine, "shutdown", None)
-            if callable(shutdown):  # tensor-parallel workers exit with the server
-                await asyncio.to_thread(shutdown)
+            await asyncio.to_thread(engine.shutdown)  # tensor-parallel workers exit with the server
             if settings.announce:
                 print(
                     f"paged-server: engine stopped; {async_engine.aborted_at_shutdown} in-flight "
@@ -173,107 +118,9 @@ def create_app(
     app.state.metrics = metrics
     app.state.settings = settings
     install_error_handlers(app)
-
-    @app.post(
-        "/v1/completions",
-        response_model=CompletionResponse,
-        responses={200: {"content": _SSE}, **_ERRORS},
-        summary="Complete a prompt (stream: true for server-sent events)",
-    )
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_text(body)
-        return await serving.completions(body, request)
-
-    @app.post(
-        "/v1/chat/completions",
-        response_model=ChatCompletionResponse,
-        responses={200: {"content": _SSE}, **_ERRORS},
-        summary="Chat with the model's chat template (stream: true for server-sent events)",
-    )
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_text(body)
-        return await serving.chat(body, request)
-
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        """Token ids of a text or a conversation (vLLM's /tokenize)."""
-        _check_text(body)
-        serving.check_model(body.model)
-        return tokenization.tokenize(body)
-
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        """Text of token ids (vLLM's /detokenize)."""
-        serving.check_model(body.model)
-        return tokenization.detokenize(body)
-
-    @app.get("/version", response_model=VersionResponse)
-    async def get_version() -> dict[str, str]:
-        return version()
-
-    def model_card(name: str | None = None) -> dict[str, Any]:
-        return {
-            "id": name or settings.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "paged",
-            "root": settings.model_name,
-            "max_model_len": max_model_len,
-        }
-
-    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
-    async def models() -> dict[str, Any]:
-        names = (settings.model_name, *settings.model_aliases)
-        return {"object": "list", "data": [model_card(name) for name in names]}
-
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
-    async def model(model_id: str) -> dict[str, Any]:
-        """One model (OpenAI's retrieve-model); 404 for any other id."""
-        serving.check_model(model_id)
-        return model_card(model_id)
-
-    @app.get("/load")
-    async def load() -> dict[str, int]:
-        """Requests running or waiting (vLLM's server load, for load balancers)."""
-        m = async_engine.metrics()
-        return {"server_load": int(m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0))}
-
-    @app.get("/health", responses={503: {"description": "Engine dead or block audit failed"}})
-    # /ping: the same check under SageMaker's and vLLM's name (not in the schema: an alias)
-    @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
-    async def health() -> JSONResponse:
-        """200 when the engine thread answers and the KV block audit is clean
-        (``/ping`` is the same check, as SageMaker and vLLM ask it)."""
-        if not async_engine.alive:
-            return _unhealthy(async_engine.last_error or "engine thread is not running")
-        try:
-            problems = await async_engine.call(engine.audit, timeout=HEALTH_TIMEOUT_S)
-        except TimeoutError:
-            return _unhealthy(f"engine thread did not answer within {HEALTH_TIMEOUT_S:.0f} s")
-        except Exception as exc:
-            return _unhealthy(f"audit failed: {type(exc).__name__}: {exc}")
-        if problems:
-            return _unhealthy("KV block audit found problems", audit=list(problems))
-        return JSONResponse({"status": "ok", "audit": []})
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses={401: _ERRORS[401]})
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    @app.post(
-        "/admin/reclaim",
-        responses={401: _ERRORS[401], 403: {"description": "The server runs without an API key"}},
-        summary="Free KV blocks the audit reports as leaked (operator action)",
-    )
-    async def reclaim() -> JSONResponse:
-        """Reclaim leaked KV blocks (see docs/operations.md); the periodic audit
-        only reports them. Served only when the server has an API key."""
-        if settings.api_key is None:
-            raise APIError(403, "admin endpoints need the server to run with --api-key")
-        reclaimed = await async_engine.call(engine.reclaim_leaked, timeout=HEALTH_TIMEOUT_S)
-        problems = await async_engine.call(engine.audit, timeout=HEALTH_TIMEOUT_S)
-        return JSONResponse({"reclaimed_blocks": list(reclaimed), "audit": list(problems)})
-
+    names = (settings.model_name, *settings.model_aliases)
+    app.include_router(api_router(serving, tokenization, names, config.max_model_len))
+    app.include_router(ops_router(engine, async_engine, metrics, settings.api_key))
     _document_400_not_422(app)
     # Outermost first: the key is checked before the body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -290,12 +137,12 @@ def create_app(
     return app
 
 
-def _cache_config_info(metrics: ServerMetrics, engine: Any) -> None:
+def _cache_config_info(metrics: ServerMetrics, engine: EngineLike) -> None:
     """``paged:cache_config_info`` from the engine's settings and its pool."""
-    config, capacity = engine.config, getattr(engine, "capacity", None)
+    config = engine.config
     metrics.set_cache_config(
         block_size=str(config.block_size),
-        num_gpu_blocks=str(getattr(capacity, "num_blocks", config.num_gpu_blocks)),
+        num_gpu_blocks=str(engine.capacity.num_blocks),
         cache_dtype=str(config.kv_cache_dtype),
         enable_prefix_caching=str(config.enable_prefix_caching),
         kv_cache_backend=str(config.kv_cache_backend),
@@ -318,23 +165,6 @@ def _document_400_not_422(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-
-
-def _check_text(body: Any) -> None:
-    """A 400 naming the first field whose text cannot be encoded (a lone surrogate)."""
-    path = lone_surrogate_path(body)
-    if path is not None:
-        raise APIError(
-            400,
-            f"{path}: contains a lone UTF-16 surrogate (such as \\ud800), which is not text; "
-            "send valid Unicode",
-            param=path,
-            code="invalid_value",
-        )
-
-
-def _unhealthy(reason: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"status": "unhealthy", "reason": reason, **extra}, status_code=503)
 
 
 __all__ = ["APIError", "ServerSettings", "create_app"]

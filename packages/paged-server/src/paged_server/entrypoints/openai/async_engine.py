@@ -25,17 +25,27 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.stats_logger import StatsLogger
 from paged_server.errors import EngineFailedError
+
+if TYPE_CHECKING:
+    from paged_server.config import RunConfig
+    from paged_server.engine.pool_factory import PoolCapacity
+    from paged_server.tokenizer import Tokenizer
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
 
 
 class EngineLike(Protocol):
     """The part of `paged_server.engine.LLMEngine` the server uses (docs/contracts.md)."""
+
+    config: RunConfig  # the config as run
+    capacity: PoolCapacity  # the KV cache's size, for metrics and the start-up line
+    tokenizer: Tokenizer
+    default_sampling: dict[str, Any]  # the model's sampling defaults (generation_defaults.py)
 
     def add_request(self, request_id: str, prompt: Any, params: Any) -> int: ...
     def abort_request(self, request_id: str) -> None: ...
@@ -44,6 +54,8 @@ class EngineLike(Protocol):
     def metrics(self) -> dict[str, float]: ...
     def audit(self) -> list[str]: ...
     def reclaim_leaked(self) -> list[int]: ...
+    def parallel_summary(self) -> str | None: ...
+    def shutdown(self) -> None: ...
 
 
 @dataclass(slots=True)

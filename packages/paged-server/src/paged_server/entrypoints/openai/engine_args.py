@@ -97,10 +97,8 @@ _HELP = {
 }
 
 
-# Older spellings still accepted (the docs use only the field's own flag).
-# vLLM's names for fields we name differently are aliases too (README's table).
+# vLLM's names for fields we name differently (README's table).
 _ALIASES = {
-    "max_model_len": ("--max-seq-len",),
     "max_batch_size": ("--max-num-seqs",),
     "num_gpu_blocks": ("--num-gpu-blocks-override",),
     "tensor_parallel_size": ("-tp",),

@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import uvicorn
 
-from paged_server.config import EngineConfig, resolve_attention_backend, resolve_device
+from paged_server.config import EngineConfig
 from paged_server.entrypoints.openai.app import ServerSettings, create_app
-from paged_server.entrypoints.openai.async_engine import EngineThread
+from paged_server.entrypoints.openai.async_engine import EngineLike, EngineThread
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
 
@@ -53,28 +52,22 @@ def served_model_name(config: EngineConfig, override: str | None = None) -> str:
     return DEFAULT_MODEL_NAME
 
 
-def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
+def startup_line(engine: EngineLike, settings: ServerSettings, url: str) -> str:
     """One line an operator reads to know what is being served, how, and where."""
     config = engine.config
     m = engine.metrics()
-    try:
-        device = resolve_device(config)
-        attention = resolve_attention_backend(config, device)
-    except ValueError:
-        device, attention = torch.device("cpu"), config.attention_backend
-    loaded = getattr(engine, "loaded", None)
-    dtype = _model_dtype(loaded.dtype, config, device) if loaded is not None else config.dtype
+    dtype = f"{config.dtype} ({config.dtype_reason})" if config.dtype_reason else config.dtype
     source = config.model or "embedded default model"
     tokens = int(m.get("kv_capacity_tokens", 0))
     if config.kv_cache_backend == "contiguous":
         layout = f"{tokens // config.max_model_len} rows of {config.max_model_len}"
     else:
         layout = f"{int(m.get('kv_capacity_blocks', 0))} blocks of {config.block_size}"
-    how = getattr(getattr(engine, "capacity", None), "sized_by", "")
+    how = engine.capacity.sized_by
     sized_by = f" (sized by {how})" if how else ""
     return (
         f"paged-server: serving '{settings.model_name}' ({source}) on {url} | "
-        f"dtype={dtype} kv_cache_backend={config.kv_cache_backend} attention={attention} | "
+        f"dtype={dtype} kv_cache_backend={config.kv_cache_backend} attention={config.attention_backend} | "
         f"KV cache {_dtype_name(engine.capacity.kv_dtype)} "
         f"(kv_cache_dtype={config.kv_cache_dtype}"
         f"{', calculated scales' if config.calculate_kv_scales else ''}): "
@@ -82,28 +75,12 @@ def startup_line(engine: Any, settings: ServerSettings, url: str) -> str:
         f"{sized_by} | "
         f"max_model_len={config.max_model_len} max_batch_size={config.max_batch_size} "
         f"api_key={'on' if settings.api_key else 'off'}"
-        + (f" | {parallel}" if (parallel := _parallel_summary(engine)) else "")
+        + (f" | {parallel}" if (parallel := engine.parallel_summary()) else "")
     )
-
-
-def _model_dtype(dtype: torch.dtype, config: EngineConfig, device: torch.device) -> str:
-    """The model dtype and, for ``auto``, why: ``bfloat16 (auto: CPU has AMX/AVX512-BF16)``."""
-    name = _dtype_name(dtype)
-    if config.dtype != "auto":
-        return name
-    if device.type == "cuda":
-        return f"{name} (auto: CUDA)"
-    has = "has" if dtype == torch.bfloat16 else "has no"
-    return f"{name} (auto: CPU {has} AMX/AVX512-BF16)"
 
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _parallel_summary(engine: Any) -> str | None:
-    summary = getattr(engine, "parallel_summary", None)
-    return summary() if callable(summary) else None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

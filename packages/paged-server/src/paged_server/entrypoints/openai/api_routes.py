@@ -1,0 +1,144 @@
+"""The API clients call: OpenAI's completions, chat and models, vLLM's
+``/tokenize``, ``/detokenize`` and ``/version``, on one ``APIRouter``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from paged_server.entrypoints.openai.errors import APIError
+from paged_server.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    lone_surrogate_path,
+)
+from paged_server.entrypoints.openai.serving import OpenAIServing
+from paged_server.entrypoints.openai.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    Tokenization,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    version,
+)
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in {
+        400: "Invalid request (the error names the field)",
+        401: "Missing or wrong API key",
+        404: "Unknown model",
+        413: "Request body too large",
+        503: "Queue full (see Retry-After) or server shutting down",
+    }.items()
+}
+# One server-sent event (OpenAPI < 3.2: the schema describes each event).
+_SSE = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "type": "string",
+                    "description": "a JSON chunk (text_completion or chat.completion.chunk; "
+                    "with include_usage a last chunk with empty choices and the usage), an "
+                    '{"error": ...} object, or the final [DONE]',
+                }
+            },
+        }
+    }
+}
+
+
+def api_router(
+    serving: OpenAIServing,
+    tokenization: Tokenization,
+    model_names: tuple[str, ...],
+    max_model_len: int,
+) -> APIRouter:
+    """The client-facing routes over ``serving``; ``model_names``: the
+    served name first, then its aliases (``--served-model-name a b``)."""
+    router = APIRouter()
+    created = int(time.time())
+
+    @router.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: {"content": _SSE}, **ERRORS},
+        summary="Complete a prompt (stream: true for server-sent events)",
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_text(body)
+        return await serving.completions(body, request)
+
+    @router.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: {"content": _SSE}, **ERRORS},
+        summary="Chat with the model's chat template (stream: true for server-sent events)",
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_text(body)
+        return await serving.chat(body, request)
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """Token ids of a text or a conversation (vLLM's /tokenize)."""
+        _check_text(body)
+        serving.check_model(body.model)
+        return tokenization.tokenize(body)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """Text of token ids (vLLM's /detokenize)."""
+        serving.check_model(body.model)
+        return tokenization.detokenize(body)
+
+    @router.get("/version", response_model=VersionResponse)
+    async def get_version() -> dict[str, str]:
+        return version()
+
+    def model_card(name: str | None = None) -> dict[str, Any]:
+        return {
+            "id": name or model_names[0],
+            "object": "model",
+            "created": created,
+            "owned_by": "paged",
+            "root": model_names[0],
+            "max_model_len": max_model_len,
+        }
+
+    @router.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(name) for name in model_names]}
+
+    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+    async def model(model_id: str) -> dict[str, Any]:
+        """One model (OpenAI's retrieve-model); 404 for any other id."""
+        serving.check_model(model_id)
+        return model_card(model_id)
+
+    return router
+
+
+def _check_text(body: Any) -> None:
+    """A 400 naming the first field whose text cannot be encoded (a lone surrogate)."""
+    path = lone_surrogate_path(body)
+    if path is not None:
+        raise APIError(
+            400,
+            f"{path}: contains a lone UTF-16 surrogate (such as \\ud800), which is not text; "
+            "send valid Unicode",
+            param=path,
+            code="invalid_value",
+        )
