@@ -63,3 +63,72 @@ def test_bad_pipeline_settings_are_refused_in_one_line(tp_checkpoints: dict[str,
     # Three stages for two layers: refused before any worker process starts.
     with pytest.raises(ValueError, match=r"pipeline_parallel_size \(3\) exceeds the model's 2 layers"):
         LLM(str(tp_checkpoints["llama"]), pipeline_parallel_size=3, **BASE, **POOLS["paged"])
+
+
+def test_tp2_by_pp2_matches_one_rank_on_four_ranks(tp_checkpoints: dict[str, Path]) -> None:
+    """Four ranks: two stages of two tensor-parallel ranks (rank = stage * 2 + tp rank)."""
+    path = tp_checkpoints["qwen3"]
+    one = _generate(path)
+    four = _generate(path, tp=2, pp=2)
+    assert four["tokens"] == one["tokens"]
+    assert four["preemptions"] == one["preemptions"]
+    assert "tensor_parallel_size=2: each rank holds 1 of 2 KV heads" in four["summary"]
+    assert "pipeline_parallel_size=2: layers split 1+1" in four["summary"]
+
+
+def _pool(path: Path, stage: int, stages: int, budget: int) -> tuple[int, int]:
+    """(KV tokens, pool bytes) of stage ``stage``'s pool at ``budget`` bytes per rank."""
+    import torch
+
+    from paged_server.engine.pool_factory import build_cache_pool
+    from paged_server.models.loader import read_model_config
+    from paged_server.models.pipeline_parallel import PipelineStage
+
+    config = EngineConfig(**{**BASE, **POOLS["paged"], "num_gpu_blocks": None,
+                             "kv_cache_memory_bytes": budget})  # fmt: skip
+    pool, capacity = build_cache_pool(
+        config, read_model_config(path), torch.float32, torch.device("cpu"), "ref",
+        pp=PipelineStage(stage, stages),
+    )  # fmt: skip
+    assert capacity.kv_bytes == pool.kv_bytes()  # type: ignore[attr-defined]
+    return capacity.tokens, pool.kv_bytes()  # type: ignore[attr-defined]
+
+
+def test_each_stage_holds_twice_the_tokens_at_equal_bytes_per_rank(
+    tp_checkpoints: dict[str, Path],
+) -> None:
+    """A stage's pool stores its layers only: at PP=2 the same bytes per
+    rank hold 2x the tokens (the measured numbers are in the report)."""
+    budget = 256 * 1024
+    path = tp_checkpoints["llama"]
+    tokens1, bytes1 = _pool(path, 0, 1, budget)
+    stages = [_pool(path, r, 2, budget) for r in range(2)]
+    assert stages[0] == stages[1]  # the same blocks on both stages
+    tokens2, bytes2 = stages[0]
+    assert bytes1 <= budget and bytes2 <= budget
+    assert tokens2 == 2 * tokens1, (tokens1, tokens2)
+    # Through the engine: rank 0's pool as serving sees it.
+    with LLM(str(path), pipeline_parallel_size=2, **{**BASE, **POOLS["paged"],
+             "num_gpu_blocks": None, "kv_cache_memory_bytes": budget}) as llm:  # fmt: skip
+        assert llm.engine.capacity.tokens == tokens2
+        assert llm.engine.capacity.kv_bytes == bytes2
+
+
+def test_a_dead_stage_fails_generate_with_a_clear_error(tp_checkpoints: dict[str, Path]) -> None:
+    import os
+    import signal
+
+    from paged_server.errors import EngineFailedError
+    from paged_server.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    path = str(tp_checkpoints["llama"])
+    with LLM(path, pipeline_parallel_size=2, **BASE, **POOLS["paged"]) as llm:
+        assert llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+        (worker,) = llm.engine.executor.workers
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        with pytest.raises(EngineFailedError, match=r"paged-tp-rank1 \(pid \d+\) killed by SIGKILL"):
+            llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+        with pytest.raises(EngineFailedError):  # stays failed
+            llm.engine.step()
