@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,3 +109,39 @@ def test_serve_pp2_on_two_nodes_matches_one_rank_and_sigterm_stops_both(
         assert worker.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()[-2000:]
     finally:
         _stop_all([server, worker], pids)
+
+
+TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed")
+def test_tp2_by_pp2_under_torchrun_on_two_nodes_matches_one_rank(
+    tp_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """vLLM's multi-node shape: TP inside a node, PP across nodes. Two
+    torchrun agents (node 0 and node 1, two ranks each) run the same
+    command; node 1's ranks are the second stage."""
+    model = str(tp_checkpoints["qwen3"])
+    expected = _expected(model)
+    port = str(_free_port())
+    command = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", port, "-m", "paged_server.entrypoints.cli", "serve",
+               "--model", model, "--port", "0", "--served-model-name", "tiny", "-tp", "2",
+               "-pp", "2", "--shutdown-timeout", "1", "--log-level", "warning", *FLAGS]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    node1 = subprocess.Popen([TORCHRUN, "--node-rank", "1", *command],
+                             stderr=(tmp_path / "node1.log").open("w"), text=True, env=env)  # fmt: skip
+    node0 = subprocess.Popen([TORCHRUN, "--node-rank", "0", *command],
+                             stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    pids = [node0.pid, node1.pid]
+    try:
+        url = _serving_url(node0)
+        pids += _descendants(node0.pid) + _descendants(node1.pid)
+        assert len(pids) >= 6, "two agents and their four ranks"
+        assert _completions(url) == expected
+        node0.send_signal(signal.SIGTERM)
+        node0.wait(timeout=60)  # torchrun exits non-zero on a signal; what matters is what is left
+        node1.wait(timeout=60)  # its ranks exit once node 0's store is gone
+    finally:
+        _stop_all([node0, node1], pids)
