@@ -17,7 +17,6 @@ import pytest
 
 from paged_server.config import EngineConfig
 from paged_server.entrypoints.llm import LLM
-from paged_server.parallel import WorkerStartError
 from tests.server.parallel.test_tp_equivalence import BASE, POOLS, _workload
 
 pytestmark = pytest.mark.timeout(300)
