@@ -54,6 +54,55 @@ def test_pp2_matches_one_rank_token_for_token(tp_checkpoints: dict[str, Path], f
     assert two["sends"] > 0  # rank 0 sent its stage's activations on
 
 
+def test_stage_split_is_vllms() -> None:
+    from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
+
+    assert [len(stage_layers(26, r, 4)) for r in range(4)] == [6, 7, 7, 6]  # remainder before the last
+    assert [stage_layers(5, r, 2) for r in range(2)] == [range(0, 3), range(3, 5)]
+    last = PipelineStage(1, 2, 4)
+    assert last.holds_weight("model.layers.3.mlp.down_proj.weight", tied=False)
+    assert not last.holds_weight("model.layers.1.mlp.down_proj.weight", tied=False)
+    assert last.holds_weight("lm_head.weight", tied=False) and last.holds_weight("model.norm.weight", tied=False)
+    assert not last.holds_weight("model.embed_tokens.weight", tied=False)
+    assert last.holds_weight("model.embed_tokens.weight", tied=True)  # the tied LM head
+    assert not PipelineStage(0, 2, 4).holds_weight("lm_head.weight", tied=False)
+
+
+def test_uneven_split_with_int8_kv_and_logprobs_matches_one_rank(tmp_path: Path) -> None:
+    """Three layers over two stages (2+1): the first stage has more cache
+    layers and sets the block count for both; int8 KV per-token scales live
+    at each stage's cache layers; prompt and sample logprobs come back from
+    the last stage's logits."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged_server.default_model.tokenizer_builder import build_tokenizer
+    from paged_server.sampling_params import SamplingParams
+    from tests.server.parallel.conftest import _COMMON, VOCAB
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_key_value_heads=2, head_dim=16, **{**_COMMON, "num_hidden_layers": 3})
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    build_tokenizer(VOCAB).save(str(tmp_path / "tokenizer.json"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    runs = []
+    for pp in (1, 2):
+        with LLM(str(tmp_path), pipeline_parallel_size=pp, kv_cache_dtype="int8",
+                 **BASE, **POOLS["paged"]) as llm:  # fmt: skip
+            [out] = llm.generate(prompt_token_ids=[[5, 6, 7, 8, 9, 10]], sampling_params=params, use_tqdm=False)
+            if pp == 2:
+                assert "layers split 2+1" in (llm.engine.parallel_summary() or "")
+            runs.append(out)
+    one, two = runs
+    assert two.outputs[0].token_ids == one.outputs[0].token_ids
+    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
+    assert two.outputs[0].logprobs == pytest.approx(one.outputs[0].logprobs, abs=1e-4)
+    for a, b in zip(one.outputs[0].top_logprobs, two.outputs[0].top_logprobs, strict=True):
+        assert a.keys() == b.keys()
+
+
 def test_bad_pipeline_settings_are_refused_in_one_line(tp_checkpoints: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match=r"pipeline_parallel_size > 1 needs kv_cache_backend='paged'"):
         EngineConfig(pipeline_parallel_size=2, kv_cache_backend="contiguous").validate()
