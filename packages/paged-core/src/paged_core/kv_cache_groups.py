@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["KVCacheGroup", "kv_cache_groups", "cache_layers"]
+__all__ = ["KVCacheGroup", "kv_cache_groups", "cache_layers", "stage_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,17 @@ def kv_cache_groups(layer_windows: list[int | None], *, hybrid: bool = True) -> 
         KVCacheGroup(tuple(by_type[w][i : i + k]), w)
         for w in order
         for i in range(0, len(by_type[w]), k)
+    ]
+
+
+def stage_groups(groups: list[KVCacheGroup], layers: range) -> list[KVCacheGroup]:
+    """The groups as a pipeline stage holding ``layers`` stores them: the
+    same groups (one page table each, shared by every stage), each keeping
+    only its layers in ``layers``, maybe none. The stage's tensors need as
+    many cache layers as its fullest group has."""
+    return [
+        KVCacheGroup(tuple(layer for layer in g.layers if layer in layers), g.sliding_window)
+        for g in groups
     ]
 
 

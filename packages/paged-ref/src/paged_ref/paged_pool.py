@@ -84,11 +84,12 @@ class PagedKVPool(SeedViews, ViewsMixin):
         )  # fmt: skip
         self.num_cache_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
         self.groups = list(groups or [KVCacheGroup(tuple(range(self.num_cache_layers)), None)])
-        if any(len(g.layers) != self.num_cache_layers for g in self.groups):
+        # A pipeline stage's groups may hold fewer layers (``stage_groups``), even none.
+        if max(len(g.layers) for g in self.groups) != self.num_cache_layers:
             raise ValueError(
                 f"the cache tensors have {self.num_cache_layers} cache layers but the KV cache groups "
                 f"hold {[len(g.layers) for g in self.groups]} layers; build the tensors with "
-                "one cache layer per layer of a group"
+                "one cache layer per layer of the fullest group"
             )
         self.num_layers = sum(len(g.layers) for g in self.groups)
         self._cache_layers = cache_layers(self.groups)
@@ -128,11 +129,12 @@ class PagedKVPool(SeedViews, ViewsMixin):
         scale of 1. ``groups``: the model's KV cache groups
         (``paged_core.kv_cache_groups``; default one group of every layer);
         with several, a block holds one group's layers, so it costs fewer
-        bytes, and sliding groups free old blocks."""
+        bytes, and sliding groups free old blocks. A pipeline stage passes
+        its ``stage_groups`` and ``num_layers`` = the layers they hold."""
         groups = list(groups or [KVCacheGroup(tuple(range(num_layers)), None)])
         if sum(len(g.layers) for g in groups) != num_layers:
             raise ValueError(f"the KV cache groups hold {sum(len(g.layers) for g in groups)} layers, not {num_layers}")
-        shape = (len(groups[0].layers), num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (max(len(g.layers) for g in groups), num_blocks, block_size, num_kv_heads, head_dim)
         cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
         k_cache = torch.zeros(storage_shape(shape, cache_dtype), dtype=cache_dtype, device=device)
         v_cache = torch.zeros(storage_shape(shape, cache_dtype), dtype=cache_dtype, device=device)

@@ -76,10 +76,12 @@ class EngineConfig:
     max_queue_len: int = 1024
     seed: int = 0
     tensor_parallel_size: int = 1  # >1: that many processes, one per device (parallel/)
+    # >1: the layers split into that many stages, each tensor_parallel_size ranks (parallel/)
+    pipeline_parallel_size: int = 1
     # Several nodes (torchrun's flag names): this engine is rank 0 on node 0; the
     # other nodes run `paged-server worker` (parallel/node_worker.py).
-    nnodes: int = field(default=1, metadata={"help": "nodes the tensor_parallel_size ranks span "
-        "(each runs tensor_parallel_size / nnodes); start `paged-server worker --node-rank N` on "
+    nnodes: int = field(default=1, metadata={"help": "nodes the ranks (tensor_parallel_size x "
+        "pipeline_parallel_size) span (each runs an equal share, stage by stage); start `paged-server worker --node-rank N` on "
         "the others. Under torchrun the ranks come from its RANK/WORLD_SIZE instead"})
     master_addr: str = field(default="127.0.0.1", metadata={"help": "with --nnodes > 1: the "
         "address of this node the other nodes reach (the rendezvous store listens on the port)"})
@@ -141,7 +143,8 @@ class EngineConfig:
             raise ValueError(
                 f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
-        for name in ("block_size", "max_batch_size", "max_queue_len", "tensor_parallel_size", "nnodes"):
+        for name in ("block_size", "max_batch_size", "max_queue_len", "tensor_parallel_size",
+                     "pipeline_parallel_size", "nnodes"):  # fmt: skip
             _at_least(name, getattr(self, name), 1)
         if self.max_model_len is not None:
             _at_least("max_model_len", self.max_model_len, 2)  # one prompt token + one generated
@@ -168,11 +171,12 @@ class EngineConfig:
                 "override_generation_config: must be a JSON object such as "
                 f'{{"temperature": 0.5}}, got {self.override_generation_config!r}'
             )
-        if self.tensor_parallel_size % self.nnodes:
+        if self.world_size % self.nnodes:
             raise ValueError(
-                f"nnodes: tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                f"nnodes: {self._world_text()} must be a multiple of "
                 f"nnodes ({self.nnodes}), every node runs the same number of ranks"
             )
+        self._check_pipeline()
         if not (_is_int(self.master_port) and 0 <= self.master_port <= 65535):
             raise ValueError(f"master_port: must be in 0..65535, got {self.master_port!r}")
         if not _is_int(self.seed):
@@ -198,6 +202,29 @@ class EngineConfig:
                 "or long prompts could never be scheduled; enable chunked prefill or raise it"
             )
 
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _world_text(self) -> str:
+        if self.pipeline_parallel_size == 1:
+            return f"tensor_parallel_size ({self.tensor_parallel_size})"
+        return (
+            f"the ranks ({self.world_size} = tensor_parallel_size {self.tensor_parallel_size} x "
+            f"pipeline_parallel_size {self.pipeline_parallel_size})"
+        )
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism cannot run with, refused in one line."""
+        if self.pipeline_parallel_size == 1:
+            return
+        if self.kv_cache_backend != "paged":
+            raise ValueError(
+                "pipeline_parallel_size > 1 needs kv_cache_backend='paged' (each stage's pool "
+                "holds its own layers of the same blocks); drop --kv-cache-backend contiguous"
+            )
+
     def _check_kv_scales(self) -> None:
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError(
@@ -211,10 +238,11 @@ class EngineConfig:
                 f"{', '.join(d for d in KV_CACHE_DTYPES if d not in ('auto', 'int4'))}, not 'auto' "
                 "(the model dtype needs no scales); set --kv-cache-dtype or drop the flag"
             )
-        if self.tensor_parallel_size > 1:
+        if self.world_size > 1:
             raise ValueError(
-                "calculate_kv_scales: not supported with tensor_parallel_size > 1 yet (the "
-                "calibration pass runs on one rank); drop the flag or use one device"
+                "calculate_kv_scales: not supported with tensor_parallel_size or "
+                "pipeline_parallel_size > 1 yet (the calibration pass runs on one rank); drop "
+                "the flag or use one device"
             )
 
 

@@ -157,5 +157,5 @@ def compiles_forward(
         and os.environ.get("PAGED_COMPILE", "1") != "0"
         and device.type == "cpu"
         and attention_backend == "ref"
-        and config.tensor_parallel_size == 1
+        and config.world_size == 1
     )

@@ -17,9 +17,10 @@ A request never fails because the pool is full: it waits or is recomputed.
 After the forward pass each request's work (prompt logprobs, a beam step,
 grammar mask and match, sampling and logprobs, detokenizing) runs isolated:
 an exception there (or NaN logits) fails that request only, with
-``"<stage> failed: <error>"``, and the step goes on for the others. With ``tensor_parallel_size > 1`` this process is rank 0
+``"<stage> failed: <error>"``, and the step goes on for the others. With ``tensor_parallel_size > 1``
+or ``pipeline_parallel_size > 1`` this process is rank 0
 (``paged_server.parallel``): it broadcasts each step to the other ranks
-before its own forward pass, and a failed pass is fatal
+before its own forward pass (the first pipeline stage's), and a failed pass is fatal
 (``EngineFailedError``), since the ranks' caches may then disagree. The engine is single-threaded: the HTTP server drives it from
 one thread (``entrypoints/openai/async_engine.py``), ``LLM`` from the caller's.
 """
@@ -94,11 +95,11 @@ class LLMEngine:
         )
         self.executor: TensorParallelExecutor | None = None
         self.failed: str | None = None  # set when the engine can no longer step
-        if run.tensor_parallel_size > 1:
+        if run.world_size > 1:
             if loaded is not None:
                 raise ValueError(
-                    "tensor_parallel_size > 1 loads the model in every rank: pass the model "
-                    "directory (model=...), not a LoadedModel"
+                    "tensor_parallel_size or pipeline_parallel_size > 1 loads the model in every "
+                    "rank: pass the model directory (model=...), not a LoadedModel"
                 )
             try:
                 self._init(self._start_ranks(run))
@@ -115,8 +116,9 @@ class LLMEngine:
         if sizes_by_memory_share(config, config.torch_device):
             # Each rank would size its pool from its own free memory; their block ids must agree.
             raise ValueError(
-                "tensor_parallel_size > 1 cannot size the KV cache by memory share yet: set "
-                "--num-gpu-blocks or --kv-cache-memory-bytes (the same on every rank)"
+                "tensor_parallel_size or pipeline_parallel_size > 1 cannot size the KV cache by "
+                "memory share yet: set --num-gpu-blocks or --kv-cache-memory-bytes (the same on "
+                "every rank)"
             )
         self.executor = TensorParallelExecutor(config, config.torch_device, config.attention_backend)
         return self.executor.load_model(_model_path(config), config.torch_dtype)
@@ -156,6 +158,7 @@ class LLMEngine:
             num_kv_heads=self.kv_heads_per_rank,
             wrap_ops=executor.wrap_ops if executor is not None else decode_ops,
             kv_scales=kv_scales,
+            pp=loaded.model.pp,
         )
         log.info("%s", weights_summary(loaded.model, loaded.dtype, loaded.quantization))
         log.info(
@@ -174,6 +177,7 @@ class LLMEngine:
             self._decode_graphs(device),
             before_forward=executor.broadcast_step if executor is not None else None,
             compiled=compiled,
+            pipeline=executor.pipeline if executor is not None else None,
         )
         if executor is not None:
             log.info("%s", self.parallel_summary())
@@ -211,7 +215,7 @@ class LLMEngine:
         if (
             config.enforce_eager
             or not self.loaded.model.graph_safe  # e.g. the experts' host sync
-            or config.tensor_parallel_size > 1  # graphs would skip the step broadcast
+            or config.world_size > 1  # graphs would skip the step broadcast
             or device.type != "cuda"
             or config.attention_backend != "triton"
             or config.kv_cache_backend != "paged"
@@ -566,21 +570,35 @@ class LLMEngine:
             self.failed = self.failed or "the engine was shut down"
 
     def parallel_summary(self) -> str | None:
-        """One line on how tensor parallelism splits the KV cache (None without it)."""
-        n = self.config.tensor_parallel_size
-        if n == 1:
+        """One line on how tensor and pipeline parallelism split the KV cache
+        (None without them)."""
+        n, stages = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if n == stages == 1:
             return None
-        total, local = self.model_config.num_kv_heads, self.kv_heads_per_rank
-        gain = total / local
-        how = (
-            f"at equal per-device memory the pool holds {gain:g}x the tokens of one device"
-            if gain > 1
-            else "KV heads are replicated (fewer KV heads than ranks), so no capacity gain"
-        )
-        return (
-            f"tensor_parallel_size={n}: each rank holds {local} of {total} KV heads per layer; "
-            f"{how}"
-        )
+        parts = []
+        if n > 1:
+            total, local = self.model_config.num_kv_heads, self.kv_heads_per_rank
+            gain = total / local
+            how = (
+                f"at equal per-device memory the pool holds {gain:g}x the tokens of one device"
+                if gain > 1
+                else "KV heads are replicated (fewer KV heads than ranks), so no capacity gain"
+            )
+            parts.append(
+                f"tensor_parallel_size={n}: each rank holds {local} of {total} KV heads per layer; "
+                f"{how}"
+            )
+        if stages > 1:
+            from paged_server.models.pipeline_parallel import stage_layers
+
+            layers = self.model_config.num_layers
+            split = [len(stage_layers(layers, r, stages)) for r in range(stages)]
+            parts.append(
+                f"pipeline_parallel_size={stages}: layers split {'+'.join(map(str, split))} over "
+                f"the stages; each rank's KV pool holds its stage's layers "
+                f"({self.capacity.kv_bytes} bytes on rank 0 for {self.capacity.tokens} tokens)"
+            )
+        return "; ".join(parts)
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         seen: set[int] = set()

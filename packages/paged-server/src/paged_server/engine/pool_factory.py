@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups
+from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups, stage_groups
 from paged_core.protocols import ServingPoolProtocol
 from paged_ref import ContiguousKVPool, PagedKVPool
 from paged_ref import ops as ref_ops
@@ -27,6 +27,7 @@ from paged_server.engine.kv_calibration import (
 )
 from paged_server.engine.kv_sizing import blocks_in, kv_budget
 from paged_server.models import LoadedModel, ModelConfig
+from paged_server.models.pipeline_parallel import WHOLE, PipelineStage, for_stage, stage_layers
 
 
 @dataclass(slots=True)
@@ -109,6 +110,7 @@ def build_cache_pool(
     num_kv_heads: int | None = None,
     wrap_ops: Callable[[ModuleType], ModuleType] | None = None,
     kv_scales: KVScales | None = None,
+    pp: PipelineStage = WHOLE,
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:
     """A zeroed pool for ``model_config`` and its capacity: ``paged_pool``
     or ``contiguous_pool`` as ``kv_cache_backend`` says.
@@ -116,7 +118,9 @@ def build_cache_pool(
     With tensor parallelism the pool holds only this rank's ``num_kv_heads``
     (default: all of the model's), so a per-device budget buys more tokens;
     ``wrap_ops`` wraps the attention ops the pool uses (rank 0 records its
-    block copies that way). Bytes are those of ``kv_cache_dtype`` (int8
+    block copies that way). With pipeline parallelism (``pp``) the pool
+    holds only the stage's layers, with the same blocks on every stage.
+    Bytes are those of ``kv_cache_dtype`` (int8
     per-token scales included), so an 8-bit cache gets about twice the
     tokens from the same memory budget; with ``kv_scales`` (from
     :func:`calibrated_kv_scales`) the pool keeps static scales instead and
@@ -133,7 +137,10 @@ def build_cache_pool(
     ops = attention_ops(backend) if paged else ref_ops
     ops = wrap_ops(ops) if wrap_ops is not None else ops
     if paged:
-        return paged_pool(config, model_config.layer_sliding_windows, shape, device, model, ops)
+        stage = for_stage(pp, model_config.num_layers)
+        return paged_pool(config, model_config.layer_sliding_windows, shape, device, model, ops, stage)
+    if pp.size > 1:
+        raise ValueError("pipeline parallelism needs kv_cache_backend='paged'")
     return contiguous_pool(config, shape, device, model, ops)
 
 
@@ -165,17 +172,29 @@ class _KVShape:
 
 def paged_pool(
     config: EngineConfig, layer_windows: list[int | None], shape: _KVShape, device: torch.device,
-    model: nn.Module | None, ops: ModuleType,
+    model: nn.Module | None, ops: ModuleType, stage: PipelineStage | None = None,
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:  # fmt: skip
     """The paged pool: ``num_gpu_blocks``, else as many blocks as the memory
     budget (``kv_cache_memory_bytes``, else ``gpu_memory_utilization``, see
     ``kv_sizing``; ``model`` runs its profiling pass) holds, else
     ``max_batch_size * max_model_len / block_size`` in every KV cache group.
-    The groups are computed here, once, and handed to the pool."""
+    The groups are computed here, once, and handed to the pool.
+
+    A pipeline stage (``stage``) keeps each group's layers it holds
+    (``stage_groups``); every stage has the same block ids (rank 0's block
+    manager hands them out), so the count is the one the stage with the
+    most cache layers can afford from the budget, computed alike on every
+    rank (vLLM also takes the least over its workers)."""
     groups = kv_cache_groups(layer_windows, hybrid=not config.disable_hybrid_kv_cache_manager)
     sliding = any(g.sliding_window is not None for g in groups)
     bs = config.block_size
-    slot_bytes = shape.token_bytes(len(groups[0].layers), bs)  # a block holds one group's layers
+    num_layers = len(layer_windows)
+    stage = stage or for_stage(WHOLE, num_layers)
+    per_stage = [stage_groups(groups, stage_layers(num_layers, r, stage.size)) for r in range(stage.size)]
+    widest = max(max(len(g.layers) for g in s) for s in per_stage)  # the fullest stage's cache layers
+    slot_bytes = shape.token_bytes(widest, bs)  # a block holds one group's layers (of one stage)
+    model_groups, groups = groups, per_stage[stage.rank]
+    local_bytes = shape.token_bytes(max(len(g.layers) for g in groups), bs)
     budget = kv_budget(config, slot_bytes, device, model)
     num_blocks = budget.num_blocks
     if num_blocks is None and budget.num_bytes is not None:
@@ -188,15 +207,15 @@ def paged_pool(
     if num_blocks is None:  # the contiguous pool's tokens, in every group (+ the null block)
         num_blocks = math.ceil(config.max_batch_size * config.max_model_len / bs) * len(groups) + sliding
     pool = PagedKVPool.from_model_config(
-        shape.num_layers, shape.kv_heads, shape.head_dim, num_blocks, bs, shape.dtype, device,
-        enable_prefix_caching=config.enable_prefix_caching, ops=ops,
+        sum(len(g.layers) for g in groups), shape.kv_heads, shape.head_dim, num_blocks, bs,
+        shape.dtype, device, enable_prefix_caching=config.enable_prefix_caching, ops=ops,
         kv_cache_dtype=config.kv_cache_dtype, kv_scales=shape.static, groups=groups,
     )  # fmt: skip
     usable = num_blocks - sliding  # a sliding group's null block is never handed out
     return pool, PoolCapacity(
         usable, bs, None, usable * bs // len(groups), shape.kv_dtype,
-        num_blocks * bs * slot_bytes, budget.sized_by, shape.kv_scales,
-        describe_groups(groups), tuple(g.sliding_window for g in groups),
+        num_blocks * bs * local_bytes, budget.sized_by, shape.kv_scales,
+        describe_groups(model_groups), tuple(g.sliding_window for g in groups),
     )  # fmt: skip
 
 

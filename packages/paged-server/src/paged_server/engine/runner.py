@@ -10,6 +10,9 @@ of each sequence whose tokens are all computed after this step, plus, for a
 request that asked for ``prompt_logprobs``, the prompt rows whose next
 prompt token is not scored yet.
 
+With pipeline parallelism (``pipeline``) rank 0 runs only the first
+stage: the logits come back from the last stage (``parallel/pipeline.py``).
+
 On a GPU, pure-decode steps replay CUDA graphs instead (``decode_graphs``):
 same inputs, copied into static buffers and padded to a captured size. On a
 CPU the forward pass can run compiled (``compiled_forward``).
@@ -63,8 +66,9 @@ class ModelRunner:
         pool: ServingPoolProtocol,
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
-        before_forward: Callable[[list[int], Any], None] | None = None,
+        before_forward: Callable[[list[int], Any, list[int]], None] | None = None,
         compiled: CompiledForward | None = None,
+        pipeline: Any = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -72,9 +76,10 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self.compiled = compiled
         self._hidden_states = compiled.hidden_states if compiled else model.hidden_states
-        # Tensor parallelism: sends (token ids, the step's view) to the other
-        # ranks, which then run the same forward pass on their shards.
+        # Tensor/pipeline parallelism: sends (token ids, the step's view, the
+        # sampled rows) to the other ranks, which then run their parts of the pass.
         self.before_forward = before_forward
+        self.pipeline = pipeline  # parallel.pipeline.PipelineStep: rank 0's stage
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
@@ -108,21 +113,33 @@ class ModelRunner:
                 sampled.append(i)
         model = self.model
         graphs = self.decode_graphs
+        for _, _, row, count in scored:
+            rows += range(row, row + count)
         if graphs is not None and len(ids) == len(seq_ids) <= graphs.max_size:
             hidden = graphs.run(seq_ids, starts, self._tensor(ids))
         else:
             view = self.pool.step_view(seq_ids, starts, lens)
             if self.before_forward is not None:
-                self.before_forward(ids, view)
+                self.before_forward(ids, view, rows)
+            if self.pipeline is not None:
+                logits = self.pipeline.run(
+                    self._tensor(ids), self._tensor(positions), view, self._tensor(rows)
+                )
+                return self._step_logits(logits, sampled, scored, len(ids))
             hidden = self._hidden_states(self._tensor(ids), self._tensor(positions), view)
-        for _, _, row, count in scored:
-            rows += range(row, row + count)
         logits = model.compute_logits(hidden.index_select(0, self._tensor(rows)))  # type: ignore[operator]
+        return self._step_logits(logits, sampled, scored, len(ids))
+
+    @staticmethod
+    def _step_logits(
+        logits: Tensor, sampled: list[int], scored: list[tuple[int, int, int, int]], num_tokens: int
+    ) -> StepLogits:
+        """Split the pass's logits: sampled rows first, then prompt rows scored."""
         scores, at = [], len(sampled)
         for i, first, _, count in scored:
             scores.append(PromptScores(i, first, logits[at : at + count]))
             at += count
-        return StepLogits(logits[: len(sampled)], sampled, len(ids), scores)
+        return StepLogits(logits[: len(sampled)], sampled, num_tokens, scores)
 
     def warm_up(self, prompt_len: int) -> float:
         """Compile what the server will use before the first request: every
@@ -154,8 +171,12 @@ class ModelRunner:
             with torch.inference_mode():
                 view = self.pool.step_view([seq_id], [0], [num_tokens])
                 if self.before_forward is not None:
-                    self.before_forward(tokens, view)
-                self._hidden_states(self._tensor(tokens), self._tensor(list(range(num_tokens))), view)
+                    self.before_forward(tokens, view, [])
+                positions = self._tensor(list(range(num_tokens)))
+                if self.pipeline is not None:
+                    self.pipeline.run(self._tensor(tokens), positions, view, self._tensor([]))
+                else:
+                    self._hidden_states(self._tensor(tokens), positions, view)
         finally:
             self.pool.free_seq(seq_id)
 

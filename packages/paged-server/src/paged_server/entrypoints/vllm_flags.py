@@ -31,11 +31,9 @@ LOAD_FORMATS = ("auto", "safetensors")
 
 # Unknown vLLM flags: what to do here instead.
 FLAG_HINTS = {
-    "--pipeline-parallel-size": "no pipeline parallelism; shard with --tensor-parallel-size",
-    "-pp": "no pipeline parallelism; shard with --tensor-parallel-size",
     "--data-parallel-size": "no data parallelism in one server; run one server per replica",
     "-dp": "no data parallelism in one server; run one server per replica",
-    "--distributed-executor-backend": "tensor parallelism always runs one process per device",
+    "--distributed-executor-backend": "tensor and pipeline parallelism always run one process per device",
     "--swap-space": "no CPU swap: preempted requests are recomputed; drop the flag",
     "--preemption-mode": "preemption always recomputes; drop the flag",
     "--cpu-offload-gb": "weights are not offloaded; lower --dtype or use --quantization",

@@ -17,12 +17,15 @@ from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.config import ModelConfig
+from paged_server.models.pipeline_parallel import WHOLE, PipelineStage, for_stage
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
 
 class CausalLM(nn.Module):
     """Base for ``*ForCausalLM`` models: ``self.model`` (embeddings, layers,
-    final norm; Hugging Face weight names) and ``self.lm_head``."""
+    final norm; Hugging Face weight names) and ``self.lm_head``. A pipeline
+    stage (``pp``) holds only its part: the embeddings on the first stage,
+    its layers, the final norm and ``lm_head`` on the last."""
 
     model: nn.Module
     # False where the forward pass syncs with the host or has data-dependent
@@ -30,21 +33,25 @@ class CausalLM(nn.Module):
     # neither replayed from CUDA graphs nor compiled (torch.compile).
     graph_safe = True
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp  # this rank's shard (the LM head stays whole on every rank)
+        self.pp = for_stage(pp, config.num_layers)  # this rank's layers
 
     def _init_lm_head(self) -> None:
-        """Create ``lm_head`` after ``self.model`` so that tied checkpoints
-        name the shared weight ``model.embed_tokens.weight``."""
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        self.tie_weights()
+        """Create ``lm_head`` (on the last stage) after ``self.model`` so that
+        tied checkpoints name the shared weight ``model.embed_tokens.weight``."""
+        if self.pp.is_last:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+            self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head where the config says
         so (call again after moving a meta-built model to a real device)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.pp.is_last:
             embed = self.model.get_submodule("embed_tokens")
             assert isinstance(embed, nn.Embedding)
             self.lm_head.weight = embed.weight
@@ -66,8 +73,11 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         kv_cache: AttentionViewProtocol | None = None,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states ``[..., hidden]``."""
+        """Final-norm hidden states ``[..., hidden]``; on a pipeline stage,
+        its layers' output (normed on the last stage) from the previous
+        stage's ``intermediate`` (the embeddings on the first)."""
         if input_ids.shape != position_ids.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and position_ids "
@@ -78,7 +88,7 @@ class CausalLM(nn.Module):
                 f"with a cache view the batch is flat [num_tokens]; got input_ids of shape "
                 f"{tuple(input_ids.shape)}"
             )
-        return self.model(input_ids, position_ids, kv_cache)  # type: ignore[no-any-return]
+        return self.model(input_ids, position_ids, kv_cache, intermediate)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head in the model dtype, then float32 (and final soft-capping)."""

@@ -21,6 +21,7 @@ from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.base import CausalLM
 from paged_server.models.config import SLIDING_ATTENTION, ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
+from paged_server.models.pipeline_parallel import WHOLE, MissingLayer, PipelineStage
 from paged_server.models.rope import RotaryEmbedding
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -76,15 +77,26 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """Scaled embeddings, layers with local or global RoPE, final norm."""
 
-    def __init__(self, config: ModelConfig, qk_norm: bool, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, qk_norm: bool, tp: TensorParallel, pp: PipelineStage
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if pp.is_first or (pp.is_last and config.tie_word_embeddings)  # tied: the LM head
+            else None
+        )
         self.embed_scale = config.hidden_size**0.5
         self._scales: dict[torch.dtype, float] = {}
+        mine = pp.layers
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, qk_norm, tp) for i in range(config.num_layers)
+            Gemma3DecoderLayer(config, i, qk_norm, tp) if i in mine else MissingLayer()
+            for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+        self.stage = slice(mine.start, mine.stop)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True) if pp.is_last else None
+        )
         max_pos = config.max_position_embeddings
         self.global_rotary = RotaryEmbedding(config.rope, config.head_dim, max_pos)
         self.local_rotary = (  # Gemma 2 has one RoPE for both kinds of layer
@@ -107,19 +119,24 @@ class Gemma3Model(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         kv_cache: AttentionViewProtocol | None,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        x = x * self._rounded_scale(x.dtype)
+        if intermediate is None:
+            assert self.embed_tokens is not None, "a later pipeline stage needs the activations"
+            x = self.embed_tokens(input_ids)
+            x = x * self._rounded_scale(x.dtype)
+        else:
+            x = intermediate
         global_cos, global_sin = self.global_rotary(position_ids, x.dtype)
         local_cos, local_sin = global_cos, global_sin
         if self.local_rotary is not self.global_rotary:
             local_cos, local_sin = self.local_rotary(position_ids, x.dtype)
-        for layer in self.layers:
+        for layer in self.layers[self.stage]:
             if layer.is_sliding:
                 x = layer(x, local_cos, local_sin, kv_cache)
             else:
                 x = layer(x, global_cos, global_sin, kv_cache)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -127,7 +144,9 @@ class Gemma3ForCausalLM(CausalLM):
 
     qk_norm = True  # Gemma 2 has none (gemma2.py)
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(config, tp)
-        self.model = Gemma3Model(config, self.qk_norm, tp)
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE
+    ) -> None:
+        super().__init__(config, tp, pp)
+        self.model = Gemma3Model(config, self.qk_norm, tp, self.pp)
         self._init_lm_head()

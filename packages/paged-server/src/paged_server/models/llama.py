@@ -16,6 +16,7 @@ from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.base import CausalLM
 from paged_server.models.config import ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
+from paged_server.models.pipeline_parallel import WHOLE, MissingLayer, PipelineStage
 from paged_server.models.rope import RotaryEmbedding
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -65,17 +66,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (weights under ``model.``)."""
+    """Embeddings, decoder layers and the final norm (weights under ``model.``);
+    a pipeline stage's share of them (``pp``)."""
 
     def __init__(
-        self, config: ModelConfig, family: type[LlamaForCausalLM], tp: TensorParallel = SINGLE
+        self,
+        config: ModelConfig,
+        family: type[LlamaForCausalLM],
+        tp: TensorParallel,
+        pp: PipelineStage,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, family, tp) for i in range(config.num_layers)
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if pp.is_first or (pp.is_last and config.tie_word_embeddings)  # tied: the LM head
+            else None
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        mine = pp.layers
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, family, tp) if i in mine else MissingLayer()
+            for i in range(config.num_layers)
+        )
+        self.stage = slice(mine.start, mine.stop)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
 
     def forward(
@@ -83,12 +96,17 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         kv_cache: AttentionViewProtocol | None,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        if intermediate is None:
+            assert self.embed_tokens is not None, "a later pipeline stage needs the activations"
+            x = self.embed_tokens(input_ids)
+        else:
+            x = intermediate
         cos, sin = self.rotary(position_ids, x.dtype)
-        for layer in self.layers:
+        for layer in self.layers[self.stage]:
             x = layer(x, cos, sin, kv_cache)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
 
 class LlamaForCausalLM(CausalLM):
@@ -98,9 +116,11 @@ class LlamaForCausalLM(CausalLM):
     qk_norm = False  # RMSNorm on each head's q and k (Qwen 3)
     stacked_checkpoint = False  # the checkpoint stores qkv_proj / gate_up_proj (Phi-3)
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(config, tp)
-        self.model = LlamaModel(config, type(self), tp)
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE
+    ) -> None:
+        super().__init__(config, tp, pp)
+        self.model = LlamaModel(config, type(self), tp, self.pp)
         self._init_lm_head()
 
     @classmethod

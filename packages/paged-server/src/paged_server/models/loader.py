@@ -6,7 +6,8 @@ tokenizer and chat template, and generation_config.json for the EOS ids.
 The model is built on the meta device and filled tensor by tensor, so peak
 memory is about one copy of the weights in the target dtype. With tensor
 parallelism each rank reads only its slices of the sharded weights
-(``safe_open(...).get_slice``), so no rank holds the whole model.
+(``safe_open(...).get_slice``), so no rank holds the whole model; with
+pipeline parallelism each stage reads only its layers' tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from paged_server.models.errors import (
 )
 from paged_server.models.linear import Part
 from paged_server.models.moe import Experts
+from paged_server.models.pipeline_parallel import WHOLE, PipelineStage
 from paged_server.models.quantization import (
     Quantization,
     load_quantized_layers,
@@ -78,17 +80,18 @@ def load_model(
     device: str | torch.device = "cpu",
     tp: TensorParallel = SINGLE,
     quantization: str | None = None,
+    pp: PipelineStage = WHOLE,
 ) -> LoadedModel:
     """Load the model directory at ``path`` in ``dtype`` (``"auto"``: the
     checkpoint's own) onto ``device``, in eval mode without gradients; with
-    ``tp``, only that rank's shard. A quantized checkpoint loads in its
+    ``tp``, only that rank's shard; with ``pp``, only that stage's layers. A quantized checkpoint loads in its
     format; ``quantization`` (vLLM's ``--quantization``) may name it, or
     quantize 16/32-bit weights at load (``fp8``, ``int8``, ``int4``)."""
     path = Path(path).expanduser()
     hf, config, arch = _read_model_config(path)
     target_dtype = resolve_dtype(dtype, config)
     quant = resolve_quantization(hf, quantization)
-    model = _build_empty(arch, config, target_dtype, torch.device(device), tp)
+    model = _build_empty(arch, config, target_dtype, torch.device(device), tp, pp)
     if quant is not None and any(isinstance(m, Experts) for m in model.modules()):
         raise InvalidConfigError(
             f"{quant.name} weights are not supported for mixture-of-experts models "
@@ -180,10 +183,12 @@ def _build_empty(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallel = SINGLE,
+    pp: PipelineStage = WHOLE,
 ) -> CausalLM:
-    """The model (``tp``'s shard of it) with uninitialized weights in ``dtype`` on ``device``."""
+    """The model (``tp``'s shard of ``pp``'s stage) with uninitialized
+    weights in ``dtype`` on ``device``."""
     with torch.device("meta"):
-        model = arch.model_class(config, tp)
+        model = arch.model_class(config, tp, pp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own tensor
     return model
@@ -198,6 +203,7 @@ def load_weights(
     answer (stacked q/k/v and gate/up included); ``skip``: keys already
     loaded (quantized layers). Returns the bytes read from the files."""
     targets = checkpoint_targets(model)
+    tied = model.config.tie_word_embeddings
     bytes_read = 0
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -208,7 +214,8 @@ def load_weights(
                 if name is None or key in skip:
                     continue
                 if name not in targets:
-                    if not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                    tied_head = name == "lm_head.weight" and tied
+                    if not tied_head and model.pp.holds_weight(name, tied):  # else another stage's
                         unexpected.append(key)
                     continue
                 tensor_slice = f.get_slice(key)

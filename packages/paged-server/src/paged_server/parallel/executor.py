@@ -1,11 +1,14 @@
-"""Rank 0's side of tensor parallelism: start the workers, feed them, stop them.
+"""Rank 0's side of tensor and pipeline parallelism: start the workers, feed them, stop them.
 
 The engine process is rank 0: it keeps the scheduler and block manager,
 runs its own shard of the forward pass, and samples. ``TensorParallelExecutor``
 spawns ranks 1..N-1 (``torch.multiprocessing``, spawn), joins the process
 groups with them, and before every forward pass broadcasts that step's
 message (``broadcast_step``, one broadcast per step). Then every rank runs
-the same forward over its shard and the layers' all-reduces meet.
+the same forward over its shard and the layers' all-reduces meet. With
+pipeline parallelism the ranks form ``pipeline_parallel_size`` stages of
+``tensor_parallel_size`` ranks (rank 0 and its stage first); each runs its
+stage of the step (``pipeline.py``) and the last returns the logits.
 
 Start-up checks the size first (``preflight``), then waits on each worker's
 pipe until it is ready to join the groups: a worker that fails or dies
@@ -41,8 +44,10 @@ import torch.multiprocessing as mp
 
 from paged_server.config import EngineConfig
 from paged_server.models import LoadedModel, load_model
+from paged_server.models.pipeline_parallel import PipelineStage
 from paged_server.models.tensor_parallel import TensorParallel
 from paged_server.parallel import rendezvous
+from paged_server.parallel.pipeline import PipelineStep
 from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.preflight import (
     GUARD_HINT,
@@ -69,11 +74,14 @@ class WorkerStartError(RuntimeError):
 
 
 class TensorParallelExecutor:
-    """Workers for ranks 1..N-1 of ``config.tensor_parallel_size`` (see module doc)."""
+    """Workers for ranks 1..N-1 of ``config.world_size`` (see module doc)."""
 
     def __init__(self, config: EngineConfig, device: torch.device, attention_backend: str) -> None:
-        world = config.tensor_parallel_size
+        world = config.world_size
         self.world_size = world
+        self.tp_size = config.tensor_parallel_size
+        self.pp_size = config.pipeline_parallel_size
+        self.pipeline: PipelineStep | None = None  # rank 0's stage, with pipeline parallelism
         addr, port, is_master, local, per_node = _layout(config)
         self._local = local  # ranks 0..local-1 run on this node, spawned here
         self._remote = list(range(local, world))  # started on other nodes (or by torchrun)
@@ -83,10 +91,11 @@ class TensorParallelExecutor:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         # On CPU the ranks share the cores instead of each taking all of them
-        # (restored at shutdown: the setting is process-wide).
+        # (restored at shutdown: the setting is process-wide). Only one
+        # pipeline stage computes at a time, so a stage's ranks share them.
         self._threads = torch.get_num_threads()
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, usable_cpu_cores() // local))
+            torch.set_num_threads(max(1, usable_cpu_cores() // min(local, self.tp_size)))
         self.recorder: RecordingOps | None = None
         self.dead: str | None = None  # why the ranks stopped, once they have
         try:
@@ -124,7 +133,9 @@ class TensorParallelExecutor:
     def load_model(self, path: str, dtype: torch.dtype) -> LoadedModel:
         """Start the workers on ``path`` and load rank 0's shard; returns
         once every rank has loaded its shard. Raises ``WorkerStartError``."""
-        check_tensor_parallel(self.world_size, path, self.device, self._local)  # before any process starts
+        check_tensor_parallel(  # before any process starts
+            self.tp_size, path, self.device, self._local, pipeline_parallel_size=self.pp_size
+        )
         try:
             return self._start(path, dtype)
         except BaseException:
@@ -152,15 +163,19 @@ class TensorParallelExecutor:
         self._await_ready()
         self._await_remote()
         try:
-            self.group = TPGroup.connect(self._store, 0, self.world_size, self.device)
+            self.group = TPGroup.connect(
+                self._store, 0, self.world_size, self.device, tp_size=self.tp_size
+            )
         except Exception as exc:
             raise WorkerStartError(
                 f"tensor-parallel workers did not join: {self._worker_status(wait_s=5.0) or exc}"
             ) from exc
-        tp = TensorParallel(0, self.world_size, self.group)
+        tp = TensorParallel(0, self.tp_size, self.group)
         loaded: LoadedModel | None = None
         try:
-            loaded = load_model(path, dtype, self.device, tp, self.quantization)
+            loaded = load_model(
+                path, dtype, self.device, tp, self.quantization, pp=PipelineStage(0, self.pp_size)
+            )
         finally:
             try:
                 all_ok = self.group.barrier_ok(loaded is not None)
@@ -175,6 +190,9 @@ class TensorParallelExecutor:
                 "a tensor-parallel worker failed to load its shard: "
                 + (self._worker_status(wait_s=STOP_TIMEOUT_S) or "its traceback is above")
             )
+        assert loaded is not None
+        if self.pp_size > 1:
+            self.pipeline = PipelineStep(loaded.model, self.group, loaded.dtype, self.device)
         return loaded
 
     def _await_ready(self) -> None:
@@ -244,9 +262,10 @@ class TensorParallelExecutor:
         return self.recorder
 
     # -- each step --------------------------------------------------------------
-    def broadcast_step(self, input_ids: Sequence[int], view: Any) -> None:
-        """Send the step ``view`` describes (its metadata is complete) to
-        every worker: rank 0 then runs its own forward pass."""
+    def broadcast_step(self, input_ids: Sequence[int], view: Any, rows: Sequence[int] = ()) -> None:
+        """Send the step ``view`` describes (its metadata is complete) and
+        the ``rows`` it samples to every worker: rank 0 then runs its own
+        forward pass."""
         group = self._require_group()
         if self.dead is None and (status := self._worker_status(remote=False)):  # no store trip per step
             self.dead = status
@@ -260,6 +279,7 @@ class TensorParallelExecutor:
             block_tables=tables[0] if len(tables) == 1 else np.stack(tables),
             starts=list(meta.starts),
             new_lens=list(meta.new_lens),
+            rows=list(rows),
             copies=self.recorder.take_copies() if self.recorder is not None else [],
         )
         group.broadcast_message(message)
@@ -377,7 +397,7 @@ class TensorParallelExecutor:
 def _layout(config: EngineConfig) -> tuple[str, int, bool, int, int]:
     """(store address, port, whether this process hosts the store, ranks
     spawned here, ranks per node) for one node, ``nnodes`` or torchrun."""
-    world = config.tensor_parallel_size
+    world = config.world_size
     env = rendezvous.torchrun_env()
     if env is not None and env.world_size > 1:  # torchrun started every rank
         if env.rank != 0:
@@ -387,8 +407,8 @@ def _layout(config: EngineConfig) -> tuple[str, int, bool, int, int]:
             )
         if env.world_size != world:
             raise ValueError(
-                f"tensor_parallel_size ({world}) must equal torchrun's WORLD_SIZE "
-                f"({env.world_size}): every rank torchrun starts is one tensor-parallel rank"
+                f"tensor_parallel_size x pipeline_parallel_size ({world}) must equal torchrun's "
+                f"WORLD_SIZE ({env.world_size}): every rank torchrun starts is one engine rank"
             )
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         is_master = not rendezvous.agent_hosts_store()

@@ -1,10 +1,12 @@
-"""What ``tensor_parallel_size`` needs, checked before any worker process starts.
+"""What ``tensor_parallel_size`` and ``pipeline_parallel_size`` need, checked
+before any worker process starts.
 
 A size the model cannot be split by, or one the machine has no devices for,
 fails here in one line: started first, every rank would fail the same way
 (one traceback each), and a size like 1000 would fork until memory ran out.
 The model check builds the model's rank-0 shard on the meta device, so it
-runs the model code's own divisibility checks without reading a weight.
+runs the model code's own divisibility checks (and the stages' layer split)
+without reading a weight.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from paged_server.models.config import ModelConfig
 from paged_server.models.loader import read_config_json
+from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
 from paged_server.models.registry import resolve_architecture
 from paged_server.models.tensor_parallel import TensorParallel
 
@@ -27,29 +30,37 @@ GUARD_HINT = (
 
 
 def check_tensor_parallel(
-    world_size: int, model_path: str, device: torch.device, local_ranks: int | None = None
-) -> None:
-    """Raise ``ValueError`` (one line) when ``world_size`` ranks cannot run
+    world_size: int, model_path: str, device: torch.device, local_ranks: int | None = None,
+    pipeline_parallel_size: int = 1,
+) -> None:  # fmt: skip
+    """Raise ``ValueError`` (one line) when ``world_size`` tensor-parallel
+    ranks in each of ``pipeline_parallel_size`` stages cannot run
     ``model_path`` on ``device`` (``local_ranks`` of them on this node: all
     by default), or ``RuntimeError`` when this process's main module cannot
     be imported by a spawned worker."""
-    check_model_splits(world_size, model_path)
-    check_devices(world_size if local_ranks is None else local_ranks, device)
+    check_model_splits(world_size, model_path, pipeline_parallel_size)
+    local = world_size * pipeline_parallel_size if local_ranks is None else local_ranks
+    check_devices(local, device, busy=min(local, world_size))
     check_spawnable_main()
 
 
-def check_model_splits(world_size: int, model_path: str) -> None:
-    """The heads, KV heads and MLP of ``model_path`` divide over ``world_size`` ranks."""
+def check_model_splits(world_size: int, model_path: str, pipeline_parallel_size: int = 1) -> None:
+    """The heads, KV heads and MLP of ``model_path`` divide over ``world_size``
+    ranks, and its layers over ``pipeline_parallel_size`` stages."""
     hf = read_config_json(Path(model_path).expanduser())
     arch_name, arch = resolve_architecture(hf)
     config = ModelConfig.from_hf(arch.text_config(hf), arch_name)
+    stage = PipelineStage(0, pipeline_parallel_size)
     with torch.device("meta"):  # shapes only: no memory, no weights read
-        arch.model_class(config, TensorParallel(0, world_size))
+        arch.model_class(config, TensorParallel(0, world_size), stage)
+    for rank in range(pipeline_parallel_size):
+        stage_layers(config.num_layers, rank, pipeline_parallel_size)
 
 
-def check_devices(world_size: int, device: torch.device) -> None:
-    """One GPU per rank on CUDA; one core per rank on CPU (more ranks than
-    cores would only time-slice the same cores, slower than fewer ranks)."""
+def check_devices(world_size: int, device: torch.device, busy: int | None = None) -> None:
+    """One GPU per rank on CUDA; one core per rank computing at once on CPU
+    (``busy``: one stage's ranks with pipeline parallelism, whose stages
+    take turns; more than cores would only time-slice the same cores)."""
     if device.type == "cuda":
         first, count = device.index or 0, torch.cuda.device_count()
         if first + world_size > count:
@@ -57,7 +68,7 @@ def check_devices(world_size: int, device: torch.device) -> None:
                 f"tensor_parallel_size={world_size} needs {world_size} GPUs from cuda:{first} on "
                 f"but {count} are visible; lower it or expose more GPUs (CUDA_VISIBLE_DEVICES)"
             )
-    elif device.type == "cpu" and world_size > (cores := usable_cpu_cores()):
+    elif device.type == "cpu" and (busy or world_size) > (cores := usable_cpu_cores()):
         raise ValueError(
             f"tensor_parallel_size={world_size} needs a CPU core per rank but this process may "
             f"use {cores}; lower tensor_parallel_size to at most {cores}"

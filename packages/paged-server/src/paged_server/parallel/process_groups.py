@@ -1,10 +1,15 @@
-"""The process groups of one tensor-parallel engine, and what goes over them.
+"""The process groups of one parallel engine, and what goes over them.
 
-Two groups over one rendezvous store: the *device* group carries the
-forward pass's all-reduces (NCCL on CUDA, gloo on CPU); the *message*
-group (always gloo, on the host) carries rank 0's per-step message to the
-other ranks, as vLLM keeps its metadata off the GPU. Every collective a
-rank makes goes through ``TPGroup``, which counts them.
+Groups over one rendezvous store: the *device* group carries the forward
+pass's all-reduces among the ranks of one pipeline stage (NCCL on CUDA,
+gloo on CPU); the *message* group (always gloo, on the host, every rank)
+carries rank 0's per-step message to the other ranks, as vLLM keeps its
+metadata off the GPU; with pipeline parallelism the *pipe* group (every
+rank, the device's backend) carries activations from each stage to the
+next and the last stage's logits back to rank 0, point to point. Ranks
+are numbered as vLLM does: ``rank = stage * tensor_parallel_size +
+tp_rank``. Every collective a rank makes goes through ``TPGroup``, which
+counts them.
 
 The groups are built directly from a ``TCPStore`` (no global default
 group), so one process may hold several engines, one after another or side
@@ -40,15 +45,23 @@ class CommCounts:
     all_reduces: int = 0
     broadcasts: int = 0
     messages: int = 0  # step messages; each is 1 broadcast, 2 when over MESSAGE_BYTES
+    sends: int = 0  # point to point, pipeline parallelism only
+    recvs: int = 0
 
 
 class TPGroup:
-    """This rank's end of the device and message groups."""
+    """This rank's end of the device, message and pipe groups (``rank`` and
+    ``world_size`` count every rank; ``tp_size`` ranks form a stage)."""
 
-    def __init__(self, rank: int, world_size: int, device_pg: Any, message_pg: Any) -> None:
+    def __init__(
+        self, rank: int, world_size: int, device_pg: Any, message_pg: Any,
+        tp_size: int | None = None, pipe_pg: Any = None,
+    ) -> None:  # fmt: skip
         self.rank, self.world_size = rank, world_size
+        self.tp_size = tp_size or world_size
         self.device_pg = device_pg
         self.message_pg = message_pg
+        self.pipe_pg = pipe_pg  # None without pipeline parallelism
         self.counts = CommCounts()
         self._buffer = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
 
@@ -60,25 +73,37 @@ class TPGroup:
         world_size: int,
         device: torch.device,
         collective_timeout_s: float = 600.0,
+        tp_size: int | None = None,
     ) -> TPGroup:
-        """Join both groups (blocks until every rank has joined)."""
+        """Join the groups (blocks until every rank has joined); ``tp_size``:
+        ranks per pipeline stage (default: all, one stage)."""
+        tp = tp_size or world_size
         timeout = datetime.timedelta(seconds=collective_timeout_s)
         message_pg = dist.ProcessGroupGloo(
             dist.PrefixStore("message", store), rank, world_size, timeout
         )
-        device_store = dist.PrefixStore("device", store)
-        if device.type == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            device_pg: Any = dist.ProcessGroupNCCL(device_store, rank, world_size, options)
-        else:
-            device_pg = dist.ProcessGroupGloo(device_store, rank, world_size, timeout)
-        return cls(rank, world_size, device_pg, message_pg)
+        stage_store = dist.PrefixStore(f"device{rank // tp}", store)
+        device_pg = _device_group(stage_store, rank % tp, tp, device, timeout)
+        pipe_pg = None
+        if world_size > tp:
+            pipe_pg = _device_group(dist.PrefixStore("pipe", store), rank, world_size, device, timeout)
+        return cls(rank, world_size, device_pg, message_pg, tp, pipe_pg)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place."""
         self.counts.all_reduces += 1
         self.device_pg.allreduce([tensor]).wait()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to rank ``dst`` (pipeline parallelism)."""
+        self.counts.sends += 1
+        self.pipe_pg.send([tensor.contiguous()], dst, 0).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into ``tensor`` from rank ``src``; returns it."""
+        self.counts.recvs += 1
+        self.pipe_pg.recv([tensor], src, 0).wait()
+        return tensor
 
     def broadcast_message(self, message: object = None) -> Any:
         """Rank 0 sends ``message`` (pickled); every other rank receives it."""
@@ -116,3 +141,14 @@ class TPGroup:
         self.counts.broadcasts += 1
         timeout = IDLE_TIMEOUT if self.rank else None  # a worker waits for the next step
         self.message_pg.broadcast(tensor, 0, timeout).wait()
+
+
+def _device_group(
+    store: dist.Store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta
+) -> Any:
+    """A group on the device's backend: NCCL on CUDA, gloo on CPU."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)

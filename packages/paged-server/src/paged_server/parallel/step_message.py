@@ -28,6 +28,7 @@ class StepMessage:
     block_tables: np.ndarray | None = None
     starts: list[int] = field(default_factory=list)
     new_lens: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # rows whose logits the engine samples (pipeline)
     copies: list[list[tuple[int, int]]] = field(default_factory=list)  # copy_blocks calls, in order
     stop: bool = False
 

@@ -1,9 +1,12 @@
-"""A tensor-parallel worker: ranks 1..N-1, one process each.
+"""A tensor- or pipeline-parallel worker: ranks 1..N-1, one process each.
 
-A worker loads its shard of the model (only its slices of the checkpoint),
-builds a KV pool for its heads with the same blocks as rank 0's, reports
-ready, then runs what rank 0 broadcasts, one forward pass per message, until
-a stop message. It never samples: the LM head's rows are rank 0's alone.
+A worker loads its shard of the model (only its slices of the checkpoint;
+with pipeline parallelism only its stage's layers), builds a KV pool for
+its heads (and its stage's layers) with the same blocks as rank 0's,
+reports ready, then runs what rank 0 broadcasts, one forward pass per
+message, until a stop message. It never samples: with tensor parallelism
+only, the LM head's rows are rank 0's alone; the last pipeline stage
+computes the sampled rows' logits and sends them to rank 0.
 
 It exits when rank 0 goes: by the stop message, when rank 0's sockets close
 (a collective then raises), or, as a last resort, when its parent process
@@ -88,7 +91,9 @@ def run_worker(
     from paged_ref.kv_quant import scale_keywords
     from paged_server.engine.pool_factory import build_cache_pool
     from paged_server.models import load_model
+    from paged_server.models.pipeline_parallel import PipelineStage
     from paged_server.models.tensor_parallel import TensorParallel, shard_heads
+    from paged_server.parallel.pipeline import PipelineStep
 
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
@@ -97,17 +102,20 @@ def run_worker(
     if store is None:
         store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False)
     ready()
-    group = TPGroup.connect(store, spec.rank, spec.world_size, device)
-    tp = TensorParallel(spec.rank, spec.world_size, group)
+    tp_size = spec.config.tensor_parallel_size
+    group = TPGroup.connect(store, spec.rank, spec.world_size, device, tp_size=tp_size)
+    tp = TensorParallel(spec.rank % tp_size, tp_size, group)
+    stage = PipelineStage(spec.rank // tp_size, spec.config.pipeline_parallel_size)
     try:
         loaded = load_model(
-            spec.model_path, getattr(torch, spec.dtype), device, tp, spec.config.quantization
-        )
+            spec.model_path, getattr(torch, spec.dtype), device, tp, spec.config.quantization,
+            pp=stage,
+        )  # fmt: skip
         mc = loaded.config
         heads = shard_heads(mc.num_heads, mc.num_kv_heads, tp)
         pool, _ = build_cache_pool(
             spec.config, mc, loaded.dtype, device, spec.attention_backend,
-            num_kv_heads=heads.num_kv_heads,
+            num_kv_heads=heads.num_kv_heads, pp=loaded.model.pp,
         )  # fmt: skip
     except BaseException:
         group.barrier_ok(False)  # rank 0 learns at once that start-up failed
@@ -118,6 +126,7 @@ def run_worker(
     paged = spec.config.kv_cache_backend == "paged"
     block_size = spec.config.block_size if paged else spec.config.max_model_len
     model: Any = loaded.model
+    pipeline = PipelineStep(model, group, loaded.dtype, device) if stage.size > 1 else None
     while True:
         message: StepMessage = group.broadcast_message()
         if message.stop:
@@ -134,7 +143,12 @@ def run_worker(
                 block_size, device,
             )  # fmt: skip
             ids = torch.tensor(message.input_ids, dtype=torch.long, device=device)
-            model.hidden_states(ids, meta.positions, CacheView.over(view_pool, meta))
+            view = CacheView.over(view_pool, meta)
+            if pipeline is not None:
+                rows = torch.tensor(message.rows, dtype=torch.long, device=device)
+                pipeline.run(ids, meta.positions, view, rows)
+            else:
+                model.hidden_states(ids, meta.positions, view)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -94,6 +94,9 @@ _HELP = {
     "then capped at the window (as vLLM)",
     "tensor_parallel_size": "shard the model over this many devices (one process each; "
     "NCCL on CUDA, gloo on CPU); KV memory budgets are per device",
+    "pipeline_parallel_size": "split the layers into this many stages run one after another, "
+    "each on tensor_parallel_size devices of its own (one process each); each stage's KV cache "
+    "holds only its layers, so a per-device budget holds more tokens",
 }
 
 
@@ -102,6 +105,7 @@ _ALIASES = {
     "max_batch_size": ("--max-num-seqs",),
     "num_gpu_blocks": ("--num-gpu-blocks-override",),
     "tensor_parallel_size": ("-tp",),
+    "pipeline_parallel_size": ("-pp",),
 }
 
 

@@ -1,0 +1,182 @@
+"""PP=2 gives the same tokens as one rank, and each stage's pool holds only its layers.
+
+Real worker processes over loopback gloo, tiny random checkpoints made by
+transformers (``conftest.tp_checkpoints``, two layers: one per stage). The
+workload is the TP tests' one: shared prefixes (prefix-cache hits), prompts
+longer than the step budget (chunked prefill), more KV demand than the pool
+holds (preemption and recompute) and an ``n=2`` request (copy-on-write
+forks replayed on every stage).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from paged_server.config import EngineConfig
+from paged_server.entrypoints.llm import LLM
+from tests.server.parallel.test_tp_equivalence import BASE, POOLS, _workload
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _generate(path: Path, tp: int = 1, pp: int = 1, **extra: Any) -> dict[str, Any]:
+    prompts, params = _workload()
+    config = {**BASE, **POOLS["paged"], **extra}
+    with LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, **config) as llm:
+        engine = llm.engine
+        results = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        metrics = engine.metrics()
+        assert engine.audit() == []
+        out = {
+            "tokens": [[c.token_ids for c in r.outputs] for r in results],
+            "preemptions": metrics["num_preemptions_total"],
+            "prefix_hits": metrics["prefix_cache_hits_total"],
+            "summary": engine.parallel_summary(),
+            "sends": engine.executor.group.counts.sends if engine.executor else 0,
+        }
+        workers = list(engine.executor.workers) if engine.executor else []
+    assert all(not w.is_alive() for w in workers), "workers must exit with the LLM"
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_pp2_matches_one_rank_token_for_token(tp_checkpoints: dict[str, Path], family: str) -> None:
+    path = tp_checkpoints[family]
+    one = _generate(path)
+    two = _generate(path, pp=2)
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] == one["preemptions"] > 0
+    assert two["prefix_hits"] == one["prefix_hits"] > 0
+    assert "pipeline_parallel_size=2: layers split 1+1" in two["summary"]
+    assert two["sends"] > 0  # rank 0 sent its stage's activations on
+
+
+def test_stage_split_is_vllms() -> None:
+    from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
+
+    assert [len(stage_layers(26, r, 4)) for r in range(4)] == [6, 7, 7, 6]  # remainder before the last
+    assert [stage_layers(5, r, 2) for r in range(2)] == [range(0, 3), range(3, 5)]
+    last = PipelineStage(1, 2, 4)
+    assert last.holds_weight("model.layers.3.mlp.down_proj.weight", tied=False)
+    assert not last.holds_weight("model.layers.1.mlp.down_proj.weight", tied=False)
+    assert last.holds_weight("lm_head.weight", tied=False) and last.holds_weight("model.norm.weight", tied=False)
+    assert not last.holds_weight("model.embed_tokens.weight", tied=False)
+    assert last.holds_weight("model.embed_tokens.weight", tied=True)  # the tied LM head
+    assert not PipelineStage(0, 2, 4).holds_weight("lm_head.weight", tied=False)
+
+
+def test_uneven_split_with_int8_kv_and_logprobs_matches_one_rank(tmp_path: Path) -> None:
+    """Three layers over two stages (2+1): the first stage has more cache
+    layers and sets the block count for both; int8 KV per-token scales live
+    at each stage's cache layers; prompt and sample logprobs come back from
+    the last stage's logits."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged_server.default_model.tokenizer_builder import build_tokenizer
+    from paged_server.sampling_params import SamplingParams
+    from tests.server.parallel.conftest import _COMMON, VOCAB
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_key_value_heads=2, head_dim=16, **{**_COMMON, "num_hidden_layers": 3})
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    build_tokenizer(VOCAB).save(str(tmp_path / "tokenizer.json"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    runs = []
+    for pp in (1, 2):
+        with LLM(str(tmp_path), pipeline_parallel_size=pp, kv_cache_dtype="int8",
+                 **BASE, **POOLS["paged"]) as llm:  # fmt: skip
+            [out] = llm.generate(prompt_token_ids=[[5, 6, 7, 8, 9, 10]], sampling_params=params, use_tqdm=False)
+            if pp == 2:
+                assert "layers split 2+1" in (llm.engine.parallel_summary() or "")
+            runs.append(out)
+    one, two = runs
+    assert two.outputs[0].token_ids == one.outputs[0].token_ids
+    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
+    assert two.outputs[0].logprobs == pytest.approx(one.outputs[0].logprobs, abs=1e-4)
+    for a, b in zip(one.outputs[0].top_logprobs, two.outputs[0].top_logprobs, strict=True):
+        assert a.keys() == b.keys()
+
+
+def test_bad_pipeline_settings_are_refused_in_one_line(tp_checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size > 1 needs kv_cache_backend='paged'"):
+        EngineConfig(pipeline_parallel_size=2, kv_cache_backend="contiguous").validate()
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size: must be an integer >= 1, got 0"):
+        EngineConfig(pipeline_parallel_size=0).validate()
+    # Three stages for two layers: refused before any worker process starts.
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size \(3\) exceeds the model's 2 layers"):
+        LLM(str(tp_checkpoints["llama"]), pipeline_parallel_size=3, **BASE, **POOLS["paged"])
+
+
+def test_tp2_by_pp2_matches_one_rank_on_four_ranks(tp_checkpoints: dict[str, Path]) -> None:
+    """Four ranks: two stages of two tensor-parallel ranks (rank = stage * 2 + tp rank)."""
+    path = tp_checkpoints["qwen3"]
+    one = _generate(path)
+    four = _generate(path, tp=2, pp=2)
+    assert four["tokens"] == one["tokens"]
+    assert four["preemptions"] == one["preemptions"]
+    assert "tensor_parallel_size=2: each rank holds 1 of 2 KV heads" in four["summary"]
+    assert "pipeline_parallel_size=2: layers split 1+1" in four["summary"]
+
+
+def _pool(path: Path, stage: int, stages: int, budget: int) -> tuple[int, int]:
+    """(KV tokens, pool bytes) of stage ``stage``'s pool at ``budget`` bytes per rank."""
+    import torch
+
+    from paged_server.engine.pool_factory import build_cache_pool
+    from paged_server.models.loader import read_model_config
+    from paged_server.models.pipeline_parallel import PipelineStage
+
+    config = EngineConfig(**{**BASE, **POOLS["paged"], "num_gpu_blocks": None,
+                             "kv_cache_memory_bytes": budget})  # fmt: skip
+    pool, capacity = build_cache_pool(
+        config, read_model_config(path), torch.float32, torch.device("cpu"), "ref",
+        pp=PipelineStage(stage, stages),
+    )  # fmt: skip
+    assert capacity.kv_bytes == pool.kv_bytes()  # type: ignore[attr-defined]
+    return capacity.tokens, pool.kv_bytes()  # type: ignore[attr-defined]
+
+
+def test_each_stage_holds_twice_the_tokens_at_equal_bytes_per_rank(
+    tp_checkpoints: dict[str, Path],
+) -> None:
+    """A stage's pool stores its layers only: at PP=2 the same bytes per
+    rank hold 2x the tokens (the measured numbers are in the report)."""
+    budget = 256 * 1024
+    path = tp_checkpoints["llama"]
+    tokens1, bytes1 = _pool(path, 0, 1, budget)
+    stages = [_pool(path, r, 2, budget) for r in range(2)]
+    assert stages[0] == stages[1]  # the same blocks on both stages
+    tokens2, bytes2 = stages[0]
+    assert bytes1 <= budget and bytes2 <= budget
+    assert tokens2 == 2 * tokens1, (tokens1, tokens2)
+    # Through the engine: rank 0's pool as serving sees it.
+    with LLM(str(path), pipeline_parallel_size=2, **{**BASE, **POOLS["paged"],
+             "num_gpu_blocks": None, "kv_cache_memory_bytes": budget}) as llm:  # fmt: skip
+        assert llm.engine.capacity.tokens == tokens2
+        assert llm.engine.capacity.kv_bytes == bytes2
+
+
+def test_a_dead_stage_fails_generate_with_a_clear_error(tp_checkpoints: dict[str, Path]) -> None:
+    import os
+    import signal
+
+    from paged_server.errors import EngineFailedError
+    from paged_server.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    path = str(tp_checkpoints["llama"])
+    with LLM(path, pipeline_parallel_size=2, **BASE, **POOLS["paged"]) as llm:
+        assert llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+        (worker,) = llm.engine.executor.workers
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        with pytest.raises(EngineFailedError, match=r"paged-tp-rank1 \(pid \d+\) killed by SIGKILL"):
+            llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+        with pytest.raises(EngineFailedError):  # stays failed
+            llm.engine.step()
