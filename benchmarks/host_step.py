@@ -35,6 +35,7 @@ from paged_server.bench.model_configs import ensure_llama_100m
 from paged_server.config import EngineConfig
 from paged_server.engine.llm_engine import LLMEngine
 from paged_server.models import load_model
+from paged_server.models.pipeline_parallel import WHOLE
 from paged_server.models.tensor_parallel import SINGLE
 from paged_server.sampling_params import SamplingParams
 
@@ -44,7 +45,8 @@ class NoOpModel(nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
-        self.tp = SINGLE
+        self.tp, self.pp = SINGLE, WHOLE
+        self.graph_safe = False  # nothing to compile
         self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)  # the engine reads the device
         self.hidden_size = hidden_size
         self.logits = torch.zeros(1, vocab_size)

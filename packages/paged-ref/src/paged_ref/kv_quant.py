@@ -230,6 +230,8 @@ def round_half_away(y: Tensor) -> Tensor:
 def quantize(x: Tensor, cache_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """``x`` (``[..., head_dim]``, any float dtype) as ``cache_dtype`` codes,
     and the int8 scales (``[...]``, float16; None for other dtypes)."""
+    if cache_dtype not in FP8_MAX and cache_dtype != torch.int8:
+        return x.to(cache_dtype), None  # a 16/32-bit cache stores the values
     x32 = x.float()
     if cache_dtype == torch.int8:
         scale = (x32.abs().amax(dim=-1) / INT8_MAX).to(SCALE_DTYPE)
@@ -237,10 +239,8 @@ def quantize(x: Tensor, cache_dtype: torch.dtype) -> tuple[Tensor, Tensor | None
         # A zero scale (an all-zero token, or one whose absmax underflows fp16) stores zeros.
         y = torch.where(s32 > 0, x32 / torch.where(s32 > 0, s32, 1.0), 0.0)
         return round_half_away(y).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
-    if cache_dtype in FP8_MAX:
-        bound = FP8_MAX[cache_dtype]
-        return x32.clamp(-bound, bound).to(cache_dtype), None
-    return x.to(cache_dtype), None
+    bound = FP8_MAX[cache_dtype]
+    return x32.clamp(-bound, bound).to(cache_dtype), None
 
 
 def quantize_static(x: Tensor, cache_dtype: torch.dtype, head_scales: Tensor) -> Tensor:
