@@ -45,6 +45,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before paged_triton.ops is imported
 
 from paged_ref import ops as ref_ops  # noqa: E402
+from paged_ref.compiled_decode import compiled_decode_attention  # noqa: E402
 from paged_ref.ops import gather_context  # noqa: E402
 from paged_triton import decode_attention as decode_module  # noqa: E402
 from paged_triton import kernel_bench  # noqa: E402
@@ -140,6 +141,26 @@ def test_reference_decode(benchmark, name):
 
     benchmark.group = "decode attention"
     record(benchmark, name, step, kernel_bench.kernel_ms(fn, DEVICE), impl="ref")
+    run_timed(benchmark, fn)
+
+
+@pytest.mark.skipif(CUDA, reason="the compiled in-place decode is the CPU serving path")
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_reference_decode(benchmark, name):
+    """paged_ref.compiled_decode (the reference's decode as plain tensor ops
+    under torch.compile, K/V read in place) on the same full-size float32
+    cases as ``test_reference_decode``: the two side by side."""
+    step = kernel_bench.decode_step(CASES[name][0], **LAYOUT, dtype=torch.float32, device=DEVICE)
+
+    def fn() -> torch.Tensor:
+        return compiled_decode_attention(
+            step.q, step.k_cache, step.v_cache, step.block_tables, step.seq_lens, step.scale
+        )
+
+    fn()  # compiles
+    benchmark.group = "decode attention"
+    record(benchmark, name, step, kernel_bench.kernel_ms(fn, DEVICE), impl="ref-compiled")
+    benchmark.extra_info["timing"] = "CPU wall clock, mean of 3 calls after a warm-up"
     run_timed(benchmark, fn)
 
 
