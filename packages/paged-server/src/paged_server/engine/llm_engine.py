@@ -81,6 +81,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size: an LLMEngine is one replica, got {config.data_parallel_size}; "
+                "`paged-server serve --data-parallel-size N` runs N of them behind one server "
+                "(paged_server.data_parallel.DataParallelEngine)"
+            )
         path = _model_path(config) if loaded is None or config.model is not None else None
         if loaded is not None:  # the model's device and dtype are the ones run
             device = next(loaded.model.parameters()).device

@@ -1,0 +1,421 @@
+"""`DataParallelEngine`: N engine replicas, one process each, as one `EngineLike`.
+
+The API server drives it as it drives one `LLMEngine`, from its engine
+thread (``openai/async_engine.py``): ``add_request`` picks a replica
+(``balancer.py``), sends the request and waits for that replica's answer,
+so a bad request is still a 400 and a full queue a 503; ``step`` waits a
+few milliseconds for any replica's step outputs and returns them. Every
+replica steps on its own, in parallel with the others (``replica.py``).
+
+A replica that dies (its pipe closes) is drained: its in-flight requests
+finish with ``finish_reason="error"`` and a message naming it and how it
+died, and later requests go to the others. Only when every replica is gone
+does ``step`` raise ``EngineFailedError``, which stops the server's engine
+loop (``/health`` then fails). Metrics are the replicas' summed (KV usage
+weighted by capacity), plus ``dp_replica_<i>_<name>`` per replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import signal
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from paged_server.config import EngineConfig
+from paged_server.data_parallel.balancer import Balancer, ReplicaLoad
+from paged_server.data_parallel.replica import ReplicaInfo, replica_main
+from paged_server.errors import EngineFailedError
+from paged_server.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # replicas import torch, load and (CPU) compile their model
+STOP_TIMEOUT_S = 10.0
+STEP_WAIT_S = 0.01  # how long step() waits for outputs: new requests wait at most this long
+# Per-replica metrics exported with a replica label (the rest are summed).
+PER_REPLICA = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    replica: int
+    choices: int
+    num_prompt_tokens: int
+    finished: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Replica:
+    index: int
+    process: Any
+    conn: Connection
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    metrics: dict[str, float] = field(default_factory=dict)
+    inflight: set[str] = field(default_factory=set)
+    last_error: str | None = None  # a fatal step error it reported before exiting
+    dead: str | None = None  # how it died, once it has
+
+
+class DataParallelEngine:
+    """``config.data_parallel_size`` replicas of ``LLMEngine(config)`` (see module doc)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        from paged_server.parallel import WorkerStartError
+        from paged_server.parallel.preflight import usable_cpu_cores
+
+        n = config.data_parallel_size
+        devices = replica_devices(config.device, n)
+        threads = max(1, usable_cpu_cores() // n) if devices[0] == "cpu" else 1
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        self._replicas: list[_Replica] = []
+        self._inflight: dict[str, _InFlight] = {}
+        self._pending: list[RequestOutput] = []  # outputs read while waiting for an answer
+        self._call_ids = itertools.count()
+        self._finalizer = weakref.finalize(self, _stop, self._replicas, 0.0)
+        for i, device in enumerate(devices):
+            replica_config = dataclasses.replace(config, data_parallel_size=1, device=device)
+            mine, theirs = context.Pipe()
+            process = context.Process(
+                target=replica_main, args=(i, replica_config, theirs, threads),
+                name=f"paged-dp-replica{i}", daemon=True,
+            )  # fmt: skip
+            process.start()
+            theirs.close()  # the replica holds the only other end: its exit closes the pipe
+            self._replicas.append(_Replica(i, process, mine))
+        try:
+            infos = [self._await_ready(r) for r in self._replicas]
+        except BaseException as exc:
+            self.shutdown()
+            if isinstance(exc, RuntimeError):
+                raise WorkerStartError(str(exc)) from exc
+            raise
+        first = infos[0]
+        self.config = dataclasses.replace(first.config, data_parallel_size=n)
+        self.capacity = first.capacity  # one replica's; metrics() sums them
+        self.tokenizer = first.tokenizer
+        self.default_sampling = first.default_sampling
+        for replica, info in zip(self._replicas, infos, strict=True):
+            replica.metrics = dict(info.metrics)
+        # Locality may pick a replica up to half a batch busier than the least-loaded one.
+        self.balancer = Balancer(
+            [r.load for r in self._replicas], self.config.block_size,
+            slack=max(1, self.config.max_batch_size // 2),
+        )  # fmt: skip
+
+    # -- start-up -------------------------------------------------------------
+    def _await_ready(self, replica: _Replica) -> ReplicaInfo:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        name = f"data-parallel replica {replica.index} (pid {replica.process.pid})"
+        while time.monotonic() < deadline:
+            if not replica.conn.poll(1.0):
+                continue
+            try:
+                kind, value = replica.conn.recv()
+            except (EOFError, OSError):
+                raise RuntimeError(f"{name} {_exit_text(replica.process)} while starting") from None
+            if kind == "ready":
+                return value  # type: ignore[no-any-return]
+            raise RuntimeError(f"{name} failed to start: {value}")
+        raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S:g} s")
+
+    # -- EngineLike -------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> int:
+        """Send the request to the replica the balancer picks; returns its
+        prompt token count, or raises what that replica's engine raised."""
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        while True:
+            try:
+                index, by_prefix = self.balancer.choose(tokens)
+            except RuntimeError:
+                raise EngineFailedError(self._all_dead()) from None
+            replica = self._replicas[index]
+            if not self._send(replica, ("add", request_id, prompt, params)):
+                continue
+            reply = self._await(replica, lambda m: m[0] in ("added", "add_failed") and m[1] == request_id)
+            if reply is None:
+                continue  # it died on the way: try another replica
+            if reply[0] == "add_failed":
+                raise reply[2]
+            self.balancer.record(tokens, index, by_prefix)
+            self._inflight[request_id] = _InFlight(index, getattr(params, "n", 1), int(reply[2]))
+            replica.inflight.add(request_id)
+            self._update_load(replica)
+            return int(reply[2])
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort on its replica (its last outputs, if any, come with a later step)."""
+        flight = self._inflight.pop(request_id, None)
+        if flight is None:
+            return
+        replica = self._replicas[flight.replica]
+        replica.inflight.discard(request_id)
+        self._update_load(replica)
+        if replica.dead is None:
+            self._send(replica, ("abort", request_id))
+
+    def step(self) -> list[RequestOutput]:
+        """Outputs any replica sent (waiting up to ``STEP_WAIT_S`` for some);
+        error outputs for the requests of replicas that died."""
+        live = self._live()
+        if not live:
+            if self._pending:
+                return self._take()
+            raise EngineFailedError(self._all_dead())
+        if not self._pending:
+            wait([r.conn for r in live], timeout=STEP_WAIT_S)
+        for replica in live:
+            self._drain(replica)
+        return self._take()
+
+    def has_unfinished(self) -> bool:
+        """Requests in flight, outputs to hand over, or a replica with news
+        (a message, or its pipe closed); always true once all are dead, so
+        the next ``step`` reports it."""
+        live = self._live()
+        return bool(self._inflight or self._pending or not live or any(r.conn.poll() for r in live))
+
+    def metrics(self) -> dict[str, float]:
+        """The replicas' metrics summed (see module doc), and per replica."""
+        return merge_metrics(
+            [r.metrics for r in self._replicas],
+            [r.dead is None for r in self._replicas],
+            [r.load.routed for r in self._replicas],
+            self.balancer.by_prefix,
+        )
+
+    def audit(self) -> list[str]:
+        """Each live replica's audit; a problem only when none is alive."""
+        problems: list[str] = []
+        for replica in self._live():
+            found = self._call(replica, "audit")
+            problems += [f"replica {replica.index}: {p}" for p in found or []]
+        if not self._live():
+            return [self._all_dead()]
+        return problems
+
+    def reclaim_leaked(self) -> list[int]:
+        """Every live replica's reclaimed blocks (ids are per replica)."""
+        return [b for r in self._live() for b in (self._call(r, "reclaim_leaked") or [])]
+
+    def parallel_summary(self) -> str | None:
+        pids = ", ".join(str(r.process.pid) for r in self._replicas)
+        return (
+            f"data_parallel_size={len(self._replicas)}: replicas (pids {pids}) of "
+            f"{self.capacity.tokens} KV tokens each, balanced on load with prefix locality"
+        )
+
+    def shutdown(self) -> None:
+        """Stop every replica: a stop message, then SIGTERM, then SIGKILL. Idempotent."""
+        for replica in self._replicas:
+            if replica.dead is None:
+                self._send(replica, ("stop",))
+        _stop(self._replicas, STOP_TIMEOUT_S)
+        for replica in self._replicas:
+            replica.dead = replica.dead or "stopped"
+            replica.load.alive = False
+
+    @property
+    def replica_pids(self) -> list[int]:
+        return [r.process.pid for r in self._replicas]
+
+    # -- internals ------------------------------------------------------------------
+    def _live(self) -> list[_Replica]:
+        return [r for r in self._replicas if r.dead is None]
+
+    def _take(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def _send(self, replica: _Replica, message: tuple[Any, ...]) -> bool:
+        try:
+            replica.conn.send(message)
+        except (OSError, EOFError, ValueError):
+            self._mark_dead(replica)
+            return False
+        return True
+
+    def _await(self, replica: _Replica, match: Callable[[tuple[Any, ...]], bool]) -> tuple[Any, ...] | None:
+        """Read ``replica``'s messages until one ``match``es (returned); the
+        others are handled as ``step`` would. None: the replica died."""
+        while replica.dead is None:
+            if not replica.conn.poll(1.0):
+                continue
+            try:
+                message = replica.conn.recv()
+            except (EOFError, OSError):
+                self._mark_dead(replica)
+                return None
+            if match(message):
+                return message  # type: ignore[no-any-return]
+            self._on_message(replica, message)
+        return None
+
+    def _call(self, replica: _Replica, name: str) -> Any:
+        call_id = next(self._call_ids)
+        if not self._send(replica, ("call", call_id, name)):
+            return None
+        reply = self._await(replica, lambda m: m[0] == "result" and m[1] == call_id)
+        if reply is None:
+            return None
+        if reply[3] is not None:
+            raise reply[3]
+        return reply[2]
+
+    def _drain(self, replica: _Replica) -> None:
+        try:
+            while replica.dead is None and replica.conn.poll():
+                self._on_message(replica, replica.conn.recv())
+        except (EOFError, OSError):
+            self._mark_dead(replica)
+
+    def _on_message(self, replica: _Replica, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, outputs, metrics = message
+            replica.metrics = metrics
+            for out in outputs:
+                flight = self._inflight.get(out.request_id)
+                if flight is None or not out.finished:
+                    continue
+                flight.finished.add(out.index)
+                if len(flight.finished) >= flight.choices:
+                    del self._inflight[out.request_id]
+                    replica.inflight.discard(out.request_id)
+            self._update_load(replica)
+            self._pending.extend(outputs)
+        elif kind == "step_failed":
+            _, text, fatal = message
+            if fatal:
+                replica.last_error = text
+            self._fail_requests(replica, f"data-parallel replica {replica.index}: {text}")
+        else:
+            log.error("unexpected message %r from data-parallel replica %d", kind, replica.index)
+
+    def _update_load(self, replica: _Replica) -> None:
+        """Load from what this side knows for sure (its requests in flight)
+        split by the replica's last report (how many of them wait)."""
+        inflight = len(replica.inflight)
+        waiting = min(int(replica.metrics.get("num_requests_waiting", 0)), inflight)
+        replica.load.waiting, replica.load.running = waiting, inflight - waiting
+        replica.load.kv_usage = float(replica.metrics.get("kv_cache_usage_perc", 0.0))
+
+    def _mark_dead(self, replica: _Replica) -> None:
+        if replica.dead is not None:
+            return
+        replica.process.join(2.0)  # its pipe closed: it is exiting
+        how = _exit_text(replica.process)
+        if replica.last_error:
+            how += f" ({replica.last_error})"
+        replica.dead = f"data-parallel replica {replica.index} (pid {replica.process.pid}) {how}"
+        replica.load.alive = False
+        replica.metrics = {k: v for k, v in replica.metrics.items() if k.endswith("_total")}
+        alive = len(self._live())
+        log.error("%s; its requests failed, %d replica(s) go on", replica.dead, alive)
+        self._fail_requests(replica, f"{replica.dead}; its requests failed, the other replicas go on")
+        replica.conn.close()
+
+    def _fail_requests(self, replica: _Replica, message: str) -> None:
+        """Finish every choice of ``replica``'s in-flight requests with an error."""
+        for request_id in sorted(replica.inflight):
+            flight = self._inflight.pop(request_id)
+            for index in range(flight.choices):
+                if index not in flight.finished:
+                    self._pending.append(RequestOutput(
+                        request_id, index, [], "", None, True, "error", message,
+                        flight.num_prompt_tokens, 0,
+                    ))  # fmt: skip
+        replica.inflight.clear()
+        self._update_load(replica)
+
+    def _all_dead(self) -> str:
+        return f"all {len(self._replicas)} data-parallel replicas are dead: " + "; ".join(
+            r.dead or "?" for r in self._replicas
+        )
+
+
+def replica_devices(device: str, n: int) -> list[str]:
+    """Each replica's device: the CPU for all, or one GPU each from ``device``'s."""
+    if device == "cpu":
+        return ["cpu"] * n
+    import torch
+
+    if device == "auto" and not torch.cuda.is_available():
+        return ["cpu"] * n
+    first = int(device.split(":", 1)[1]) if ":" in device else 0
+    count = torch.cuda.device_count()
+    if first + n > count:
+        raise ValueError(
+            f"data_parallel_size: {n} replicas from cuda:{first} need {first + n} GPUs, "
+            f"this machine has {count}; lower --data-parallel-size"
+        )
+    return [f"cuda:{first + i}" for i in range(n)]
+
+
+def merge_metrics(
+    snapshots: list[dict[str, float]], alive: list[bool], routed: list[int], by_prefix: int
+) -> dict[str, float]:
+    """One engine's metrics from the replicas': counters summed over all
+    (a dead replica's last count stays), gauges over the live ones, KV usage
+    weighted by capacity; ``dp_replica_<i>_<key>`` per replica."""
+    merged: dict[str, float] = {}
+    keys = sorted({k for s in snapshots for k in s})
+    live = [s for s, up in zip(snapshots, alive, strict=True) if up]
+    for key in keys:
+        if key.endswith("_total"):
+            merged[key] = sum(s.get(key, 0.0) for s in snapshots)
+        elif key == "kv_cache_usage_perc":
+            blocks = [s.get("kv_capacity_blocks", 0.0) for s in live]
+            used = sum(s.get(key, 0.0) * b for s, b in zip(live, blocks, strict=True))
+            merged[key] = used / sum(blocks) if sum(blocks) else 0.0
+        elif key == "kv_cache_groups":
+            merged[key] = max((s.get(key, 1.0) for s in snapshots), default=1.0)
+        else:
+            merged[key] = sum(s.get(key, 0.0) for s in live)
+    for i, snapshot in enumerate(snapshots):
+        for key in PER_REPLICA:
+            merged[f"dp_replica_{i}_{key}"] = snapshot.get(key, 0.0) if alive[i] or key.endswith("_total") else 0.0
+        merged[f"dp_replica_{i}_requests_routed_total"] = float(routed[i])
+        merged[f"dp_replica_{i}_alive"] = float(alive[i])
+    merged["dp_replicas_alive"] = float(sum(alive))
+    merged["dp_requests_routed_by_prefix_total"] = float(by_prefix)
+    return merged
+
+
+def _exit_text(process: Any) -> str:
+    code = process.exitcode
+    if code is None:
+        return "closed its pipe"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _stop(replicas: list[_Replica], timeout: float) -> None:
+    """Join the replicas for up to ``timeout`` s, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + timeout
+    for replica in replicas:
+        replica.process.join(max(0.0, deadline - time.monotonic()))
+    for replica in replicas:
+        if replica.process.is_alive():
+            replica.process.terminate()
+            replica.process.join(2.0)
+        if replica.process.is_alive():
+            replica.process.kill()
+            replica.process.join(2.0)
+        replica.conn.close()
