@@ -155,3 +155,30 @@ def _await(condition: Any, timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
         time.sleep(0.02)
+
+
+def test_a_disconnected_stream_is_aborted_on_its_replica_and_sigterm_stops_all(
+    tp_checkpoints: dict[str, Path],
+) -> None:
+    proc, line = _start_dp_server(str(tp_checkpoints["qwen3"]))
+    descendants: list[int] = []
+    try:
+        match = STARTUP.search(line)
+        assert match, line
+        url = match["url"]
+        _wait_healthy(url)
+        descendants = _children(proc.pid)
+        body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            for sse in resp.iter_lines():
+                if sse.startswith("data: "):
+                    break  # the client goes away after its first token
+        # The replica frees it long before 240 tokens could have been generated.
+        _await(lambda: _metrics(url)["num_requests_running"] == 0, timeout=30)
+        m = _metrics(url)
+        assert m["dp_replicas_alive"] == 2 and m["generation_tokens_total"] < 200
+        # A server stopped while both replicas run stops them too.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        _reap(proc, descendants)

@@ -15,7 +15,10 @@ or ``("add_failed", request_id, exc)``; ``("abort", request_id)``;
 ``("step", outputs, metrics)`` and ``("step_failed", message, fatal)``.
 
 It stops on ``stop`` or when the pipe closes (the server is gone, even if
-it was killed). Ctrl-C is the server's to handle: the replica ignores SIGINT.
+it was killed). Signals are the server's to handle: the replica ignores
+SIGINT and SIGTERM, so Ctrl-C in a terminal or systemd's SIGTERM to the
+whole group lets the server drain its requests before it stops the replicas
+(which it kills if they do not stop).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class ReplicaInfo:
 def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads: int) -> None:
     """The replica process's body (``spawn`` target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s replica{index} %(name)s: %(message)s")
     import torch
 
