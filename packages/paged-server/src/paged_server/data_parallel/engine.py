@@ -183,6 +183,9 @@ class DataParallelEngine:
             wait([r.conn for r in live], timeout=STEP_WAIT_S)
         for replica in live:
             self._drain(replica)
+            if replica.dead is None and not replica.process.is_alive():
+                self._drain(replica)  # what it sent before it died, then its pipe's end
+                self._mark_dead(replica)  # a child of its own may still hold the pipe open
         return self._take()
 
     def has_unfinished(self) -> bool:
