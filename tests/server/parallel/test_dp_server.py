@@ -157,7 +157,7 @@ def _await(condition: Any, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_disconnected_stream_is_aborted_on_its_replica_and_sigterm_stops_all(
+def test_disconnect_aborts_on_the_replica_refusals_are_400s_and_sigterm_stops_all(
     tp_checkpoints: dict[str, Path],
 ) -> None:
     proc, line = _start_dp_server(str(tp_checkpoints["qwen3"]))
@@ -177,6 +177,11 @@ def test_a_disconnected_stream_is_aborted_on_its_replica_and_sigterm_stops_all(
         _await(lambda: _metrics(url)["num_requests_running"] == 0, timeout=30)
         m = _metrics(url)
         assert m["dp_replicas_alive"] == 2 and m["generation_tokens_total"] < 200
+        # A replica's refusal reaches the client as one engine's would: a 400.
+        too_long = httpx.post(url + "/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": [7] * 300, "max_tokens": 4})  # fmt: skip
+        assert too_long.status_code == 400, too_long.text
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
         # A server stopped while both replicas run stops them too.
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)

@@ -2,10 +2,13 @@
 
 The API server drives it as it drives one `LLMEngine`, from its engine
 thread (``openai/async_engine.py``): ``add_request`` picks a replica
-(``balancer.py``), sends the request and waits for that replica's answer,
-so a bad request is still a 400 and a full queue a 503; ``step`` waits a
-few milliseconds for any replica's step outputs and returns them. Every
-replica steps on its own, in parallel with the others (``replica.py``).
+(``balancer.py``), sends the request and returns a future of the replica's
+answer, which a later ``step`` resolves: the prompt's token count, or what
+that replica's engine raised (a bad request is still a 400, a full queue a
+503). Not waiting there lets a burst of requests reach every replica before
+its next step, as all reach one engine. ``step`` waits a few milliseconds
+for any replica's outputs and returns them. Every replica steps on its own,
+in parallel with the others (``replica.py``).
 
 A replica that dies (its pipe closes) is drained: its in-flight requests
 finish with ``finish_reason="error"`` and a message naming it and how it
@@ -17,6 +20,7 @@ weighted by capacity), plus ``dp_replica_<i>_<name>`` per replica.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -58,6 +62,17 @@ class _InFlight:
 
 
 @dataclass(slots=True)
+class _Adding:
+    """A request sent to a replica that has not answered yet."""
+
+    answer: concurrent.futures.Future[int]
+    replica: int
+    prompt: Any
+    params: Any
+    tokens: list[int]
+
+
+@dataclass(slots=True)
 class _Replica:
     index: int
     process: Any
@@ -85,6 +100,7 @@ class DataParallelEngine:
         context = mp.get_context("spawn")
         self._replicas: list[_Replica] = []
         self._inflight: dict[str, _InFlight] = {}
+        self._adding: dict[str, _Adding] = {}  # sent, not answered yet
         self._pending: list[RequestOutput] = []  # outputs read while waiting for an answer
         self._call_ids = itertools.count()
         self._finalizer = weakref.finalize(self, _stop, self._replicas, 0.0)
@@ -137,28 +153,36 @@ class DataParallelEngine:
         raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S:g} s")
 
     # -- EngineLike -------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Any, params: Any) -> int:
-        """Send the request to the replica the balancer picks; returns its
-        prompt token count, or raises what that replica's engine raised."""
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> concurrent.futures.Future[int]:
+        """Send the request to the replica the balancer picks; returns a
+        future of its prompt token count (or of what that replica's engine
+        raised), resolved by a later ``step``."""
+        if not self._live():
+            raise EngineFailedError(self._all_dead())
+        answer: concurrent.futures.Future[int] = concurrent.futures.Future()
+        answer.set_running_or_notify_cancel()  # only an answer ends it, never a cancel
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._dispatch(request_id, _Adding(answer, -1, prompt, params, tokens))
+        return answer
+
+    def _dispatch(self, request_id: str, adding: _Adding) -> None:
+        """Send ``adding`` to the replica the balancer picks (any live one)."""
         while True:
             try:
-                index, by_prefix = self.balancer.choose(tokens)
+                index, by_prefix = self.balancer.choose(adding.tokens)
             except RuntimeError:
-                raise EngineFailedError(self._all_dead()) from None
+                adding.answer.set_exception(EngineFailedError(self._all_dead()))
+                return
             replica = self._replicas[index]
-            if not self._send(replica, ("add", request_id, prompt, params)):
-                continue
-            reply = self._await(replica, lambda m: m[0] in ("added", "add_failed") and m[1] == request_id)
-            if reply is None:
-                continue  # it died on the way: try another replica
-            if reply[0] == "add_failed":
-                raise reply[2]
-            self.balancer.record(tokens, index, by_prefix)
-            self._inflight[request_id] = _InFlight(index, getattr(params, "n", 1), int(reply[2]))
+            if not self._send(replica, ("add", request_id, adding.prompt, adding.params)):
+                continue  # it died: try another
+            adding.replica = index
+            self._adding[request_id] = adding
+            self.balancer.record(adding.tokens, index, by_prefix)
+            self._inflight[request_id] = _InFlight(index, getattr(adding.params, "n", 1), len(adding.tokens))
             replica.inflight.add(request_id)
             self._update_load(replica)
-            return int(reply[2])
+            return
 
     def abort_request(self, request_id: str) -> None:
         """Abort on its replica (its last outputs, if any, come with a later step)."""
@@ -230,6 +254,9 @@ class DataParallelEngine:
         for replica in self._replicas:
             if replica.dead is None:
                 self._send(replica, ("stop",))
+        for adding in self._adding.values():
+            adding.answer.set_exception(EngineFailedError("the server is shutting down"))
+        self._adding.clear()
         _stop(self._replicas, STOP_TIMEOUT_S)
         for replica in self._replicas:
             replica.dead = replica.dead or "stopped"
@@ -291,7 +318,20 @@ class DataParallelEngine:
 
     def _on_message(self, replica: _Replica, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == "step":
+        if kind == "added":
+            _, request_id, n_prompt = message
+            if (flight := self._inflight.get(request_id)) is not None:
+                flight.num_prompt_tokens = n_prompt
+            if (adding := self._adding.pop(request_id, None)) is not None:
+                adding.answer.set_result(n_prompt)
+        elif kind == "add_failed":
+            _, request_id, exc = message
+            self._inflight.pop(request_id, None)
+            replica.inflight.discard(request_id)
+            self._update_load(replica)
+            if (adding := self._adding.pop(request_id, None)) is not None:
+                adding.answer.set_exception(exc)
+        elif kind == "step":
             _, outputs, metrics = message
             replica.metrics = metrics
             for out in outputs:
@@ -332,8 +372,23 @@ class DataParallelEngine:
         replica.metrics = {k: v for k, v in replica.metrics.items() if k.endswith("_total")}
         alive = len(self._live())
         log.error("%s; its requests failed, %d replica(s) go on", replica.dead, alive)
+        # Requests it never answered for never ran: they go to another replica
+        # (those aborted meanwhile only learn it died).
+        resend = []
+        for request_id, adding in list(self._adding.items()):
+            if adding.replica != replica.index:
+                continue
+            del self._adding[request_id]
+            if request_id in replica.inflight:
+                replica.inflight.discard(request_id)
+                self._inflight.pop(request_id, None)
+                resend.append((request_id, adding))
+            else:
+                adding.answer.set_exception(EngineFailedError(replica.dead))
         self._fail_requests(replica, f"{replica.dead}; its requests failed, the other replicas go on")
         replica.conn.close()
+        for request_id, adding in resend:
+            self._dispatch(request_id, adding)
 
     def _fail_requests(self, replica: _Replica, message: str) -> None:
         """Finish every choice of ``replica``'s in-flight requests with an error."""
