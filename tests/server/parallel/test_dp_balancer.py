@@ -7,7 +7,8 @@ import pytest
 
 from paged_server.config import EngineConfig
 from paged_server.data_parallel.balancer import Balancer, ReplicaLoad, block_hashes
-from paged_server.data_parallel.engine import merge_metrics
+from paged_server.data_parallel.engine import merge_metrics, replica_devices
+from paged_server.engine.llm_engine import LLMEngine
 from paged_server.entrypoints.cli import main
 
 
@@ -70,9 +71,7 @@ def test_metrics_sum_counters_of_all_and_gauges_of_the_live() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"tensor_parallel_size": 2}, "data_parallel_size .2. with tensor_parallel_size .2. is not supported"),
-        ({"pipeline_parallel_size": 2}, "data_parallel_size .2. with the ranks"),
-        ({"nnodes": 2, "tensor_parallel_size": 2}, "is not supported"),
+        ({"nnodes": 2, "tensor_parallel_size": 2}, "data_parallel_size > 1 runs its replicas on this node"),
         ({"data_parallel_size": 0}, "data_parallel_size"),
     ],
 )
@@ -81,8 +80,17 @@ def test_combinations_not_supported_are_refused(fields: dict[str, int], message:
         EngineConfig(**{"data_parallel_size": 2, **fields}).validate()
 
 
-def test_serve_refuses_dp_with_tp_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "-dp", "2", "-tp", "2", "--port", "0"]) == 2
+def test_serve_refuses_dp_across_nodes_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "-dp", "2", "-tp", "2", "--nnodes", "2", "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert "data_parallel_size (2) with tensor_parallel_size (2) is not supported yet" in err
+    assert "data_parallel_size > 1 runs its replicas on this node" in err
     assert "behind an HTTP load balancer" in err
+
+
+def test_replicas_get_consecutive_devices_for_their_ranks() -> None:
+    assert replica_devices("cpu", 3, 2) == ["cpu", "cpu", "cpu"]
+
+
+def test_an_engine_is_one_replica() -> None:
+    with pytest.raises(ValueError, match="an LLMEngine is one replica"):
+        LLMEngine(EngineConfig(data_parallel_size=2))

@@ -28,7 +28,14 @@ import pytest
 
 from paged_server.entrypoints.llm import LLM
 from paged_server.sampling_params import SamplingParams
-from tests.server.parallel.test_tp_server import FLAGS, _children, _flag_config, _reap, _wait_healthy
+from tests.server.parallel.test_tp_server import (
+    FLAGS,
+    _children,
+    _cmdline,
+    _flag_config,
+    _reap,
+    _wait_healthy,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -37,10 +44,10 @@ STARTUP = re.compile(r"on (?P<url>http://127\.0\.0\.1:\d+) .*data_parallel_size=
 PREFIX_TOKENS = 48  # 12 blocks of 4: every one a prefix-cache hit on the replica that has them
 
 
-def _start_dp_server(model: str) -> tuple[subprocess.Popen[str], str]:
+def _start_dp_server(model: str, extra: list[str] | None = None) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "paged_server.entrypoints.cli", "serve", "--model", model,
            "--port", "0", "--data-parallel-size", "2", "--shutdown-timeout", "1",
-           "--served-model-name", "tiny", "--log-level", "warning", *DP_FLAGS]  # fmt: skip
+           "--served-model-name", "tiny", "--log-level", "warning", *DP_FLAGS, *(extra or [])]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
@@ -183,6 +190,47 @@ def test_disconnect_aborts_on_the_replica_refusals_are_400s_and_sigterm_stops_al
         assert too_long.status_code == 400, too_long.text
         assert too_long.json()["error"]["code"] == "context_length_exceeded"
         # A server stopped while both replicas run stops them too.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        _reap(proc, descendants)
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = _children(pid)
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def test_serve_dp2_tp2_each_replica_its_own_ranks(tp_checkpoints: dict[str, Path]) -> None:
+    """Two replicas of two tensor-parallel ranks each: DP=1 TP=1's tokens,
+    each replica's rank 1 its own process, none left after SIGTERM."""
+    model = str(tp_checkpoints["llama"])
+    prompts = [[11, 12, 13, 14], [200, 3, 77], [5] * 20, [400, 401]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with LLM(model, max_batch_size=8, enforce_eager=True, **_flag_config()) as llm:
+        expected = [r.outputs[0].text for r in llm.generate([list(p) for p in prompts], params, use_tqdm=False)]
+
+    cmd_extra = ["--tensor-parallel-size", "2"]
+    proc, line = _start_dp_server(model, cmd_extra)
+    descendants: list[int] = []
+    try:
+        match = STARTUP.search(line)
+        assert match, line
+        url, pids = match["url"], [int(match["a"]), int(match["b"])]
+        _wait_healthy(url)
+        descendants = _descendants(proc.pid)
+        for pid in pids:  # each replica spawned its own rank 1
+            assert len([p for p in _children(pid) if "spawn_main" in _cmdline(p)]) == 1
+        got: dict[int, httpx.Response] = {}
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _complete(url, prompts[i], 10)))
+                   for i in range(len(prompts))]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert [got[i].json()["choices"][0]["text"] for i in range(len(prompts))] == expected
+        m = _metrics(url)
+        assert m["dp_replica_requests_routed_total[0]"] > 0 and m["dp_replica_requests_routed_total[1]"] > 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:

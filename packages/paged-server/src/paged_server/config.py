@@ -83,8 +83,8 @@ class EngineConfig:
     nnodes: int = field(default=1, metadata={"help": "nodes the ranks (tensor_parallel_size x "
         "pipeline_parallel_size) span (each runs an equal share, stage by stage); start `paged-server worker --node-rank N` on "
         "the others. Under torchrun the ranks come from its RANK/WORLD_SIZE instead"})
-    # >1: that many engine replicas, each its own process, behind one API server
-    # (data_parallel/); refused with tensor/pipeline parallelism or several nodes.
+    # >1: that many engine replicas, each its own process (and its own tensor and
+    # pipeline ranks), behind one API server (data_parallel/); one node only.
     data_parallel_size: int = 1
     master_addr: str = field(default="127.0.0.1", metadata={"help": "with --nnodes > 1: the "
         "address of this node the other nodes reach (the rendezvous store listens on the port)"})
@@ -233,12 +233,6 @@ class EngineConfig:
         """What data parallelism does not combine with yet, refused in one line."""
         if self.data_parallel_size == 1:
             return
-        if self.world_size > 1:
-            raise ValueError(
-                f"data_parallel_size ({self.data_parallel_size}) with {self._world_text()} is not "
-                "supported yet: a replica runs on one device; run one `serve --tensor-parallel-size` "
-                "server per replica behind an HTTP load balancer (docs/operations.md)"
-            )
         if self.nnodes > 1:
             raise ValueError(
                 "data_parallel_size > 1 runs its replicas on this node: drop --nnodes, or run one "

@@ -92,8 +92,15 @@ class DataParallelEngine:
         from paged_server.parallel import WorkerStartError
         from paged_server.parallel.preflight import usable_cpu_cores
 
+        from paged_server.parallel.rendezvous import torchrun_env
+
+        if (env := torchrun_env()) is not None and env.world_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 under torchrun: the replicas start their own ranks on "
+                "this node; run `paged-server serve --data-parallel-size N` without torchrun"
+            )
         n = config.data_parallel_size
-        devices = replica_devices(config.device, n)
+        devices = replica_devices(config.device, n, config.world_size)
         threads = max(1, usable_cpu_cores() // n) if devices[0] == "cpu" else 1
         import torch.multiprocessing as mp
 
@@ -107,9 +114,12 @@ class DataParallelEngine:
         for i, device in enumerate(devices):
             replica_config = dataclasses.replace(config, data_parallel_size=1, device=device)
             mine, theirs = context.Pipe()
+            # Not a daemon: a replica with tensor or pipeline parallelism starts
+            # its ranks' processes, which daemons may not. It still never
+            # outlives this process: it exits when its pipe closes.
             process = context.Process(
                 target=replica_main, args=(i, replica_config, theirs, threads),
-                name=f"paged-dp-replica{i}", daemon=True,
+                name=f"paged-dp-replica{i}", daemon=False,
             )  # fmt: skip
             process.start()
             theirs.close()  # the replica holds the only other end: its exit closes the pipe
@@ -126,6 +136,7 @@ class DataParallelEngine:
         self.capacity = first.capacity  # one replica's; metrics() sums them
         self.tokenizer = first.tokenizer
         self.default_sampling = first.default_sampling
+        self._replica_summary = first.parallel_summary
         for replica, info in zip(self._replicas, infos, strict=True):
             replica.metrics = dict(info.metrics)
         # Locality may pick a replica a little busier than the least-loaded one
@@ -244,9 +255,10 @@ class DataParallelEngine:
 
     def parallel_summary(self) -> str | None:
         pids = ", ".join(str(r.process.pid) for r in self._replicas)
+        each = f"; each replica: {self._replica_summary}" if self._replica_summary else ""
         return (
             f"data_parallel_size={len(self._replicas)}: replicas (pids {pids}) of "
-            f"{self.capacity.tokens} KV tokens each, balanced on load with prefix locality"
+            f"{self.capacity.tokens} KV tokens each, balanced on load with prefix locality{each}"
         )
 
     def shutdown(self) -> None:
@@ -409,8 +421,9 @@ class DataParallelEngine:
         )
 
 
-def replica_devices(device: str, n: int) -> list[str]:
-    """Each replica's device: the CPU for all, or one GPU each from ``device``'s."""
+def replica_devices(device: str, n: int, ranks: int = 1) -> list[str]:
+    """Each replica's (first) device: the CPU for all, or ``ranks`` GPUs
+    each (its tensor x pipeline ranks), in order from ``device``'s."""
     if device == "cpu":
         return ["cpu"] * n
     import torch
@@ -419,12 +432,12 @@ def replica_devices(device: str, n: int) -> list[str]:
         return ["cpu"] * n
     first = int(device.split(":", 1)[1]) if ":" in device else 0
     count = torch.cuda.device_count()
-    if first + n > count:
+    if first + n * ranks > count:
         raise ValueError(
-            f"data_parallel_size: {n} replicas from cuda:{first} need {first + n} GPUs, "
-            f"this machine has {count}; lower --data-parallel-size"
+            f"data_parallel_size: {n} replicas of {ranks} GPU(s) from cuda:{first} need "
+            f"{first + n * ranks} GPUs, this machine has {count}; lower --data-parallel-size"
         )
-    return [f"cuda:{first + i}" for i in range(n)]
+    return [f"cuda:{first + i * ranks}" for i in range(n)]
 
 
 def merge_metrics(

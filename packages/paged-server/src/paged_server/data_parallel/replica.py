@@ -48,6 +48,7 @@ class ReplicaInfo:
     default_sampling: dict[str, Any]
     tokenizer: Any
     metrics: dict[str, float]
+    parallel_summary: str | None  # its tensor/pipeline parallelism, if any
 
 
 def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads: int) -> None:
@@ -68,7 +69,10 @@ def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads
         return
     conn.send((
         "ready",
-        ReplicaInfo(engine.config, engine.capacity, engine.default_sampling, engine.tokenizer, engine.metrics()),
+        ReplicaInfo(
+            engine.config, engine.capacity, engine.default_sampling, engine.tokenizer,
+            engine.metrics(), engine.parallel_summary(),
+        ),
     ))  # fmt: skip
     inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
     threading.Thread(target=_read, args=(conn, inbox), name="paged-dp-inbox", daemon=True).start()

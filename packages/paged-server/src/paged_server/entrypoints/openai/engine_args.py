@@ -99,8 +99,9 @@ _HELP = {
     "holds only its layers, so a per-device budget holds more tokens",
     "data_parallel_size": "run this many engine replicas, each its own process with its own KV "
     "cache, behind this one API server, which balances requests on load (queue length, KV "
-    "usage) and sends requests sharing a prompt prefix to the same replica; on CUDA replica i "
-    "gets the i-th GPU, on CPU the replicas share the cores",
+    "usage) and sends requests sharing a prompt prefix to the same replica; each replica has "
+    "its own tensor/pipeline ranks; on CUDA replica i gets the i-th GPU (group of "
+    "tensor x pipeline GPUs), on CPU the replicas share the cores",
 }
 
 
