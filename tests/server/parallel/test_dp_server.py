@@ -201,9 +201,10 @@ def _descendants(pid: int) -> list[int]:
     return kids + [d for k in kids for d in _descendants(k)]
 
 
-def test_serve_dp2_tp2_each_replica_its_own_ranks(tp_checkpoints: dict[str, Path]) -> None:
+def test_serve_dp2_tp2_each_replica_its_own_ranks_and_a_dead_rank_fails_only_its_replica(tp_checkpoints: dict[str, Path]) -> None:
     """Two replicas of two tensor-parallel ranks each: DP=1 TP=1's tokens,
-    each replica's rank 1 its own process, none left after SIGTERM."""
+    each replica's rank 1 its own process; a killed rank fails only its
+    replica's request; none left after SIGTERM."""
     model = str(tp_checkpoints["llama"])
     prompts = [[11, 12, 13, 14], [200, 3, 77], [5] * 20, [400, 401]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -231,6 +232,26 @@ def test_serve_dp2_tp2_each_replica_its_own_ranks(tp_checkpoints: dict[str, Path
         assert [got[i].json()["choices"][0]["text"] for i in range(len(prompts))] == expected
         m = _metrics(url)
         assert m["dp_replica_requests_routed_total[0]"] > 0 and m["dp_replica_requests_routed_total[1]"] > 0
+
+        # A rank killed mid-stream takes down its replica only.
+        body = {"model": "tiny", "prompt": [9, 8, 7], "max_tokens": 240, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            for sse in resp.iter_lines():
+                if not sse.startswith("data: "):
+                    continue
+                events.append(sse)
+                if len(events) == 1:
+                    victim = 0 if _metrics(url)["dp_replica_num_requests_running[0]"] == 1 else 1
+                    (rank1,) = [p for p in _children(pids[victim]) if "spawn_main" in _cmdline(p)]
+                    os.kill(rank1, signal.SIGKILL)
+        payloads = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
+        errors = [p["error"]["message"] for p in payloads if "error" in p]
+        assert errors and f"replica {victim}" in errors[0] and "paged-tp-rank1" in errors[0], events[-3:]
+        assert got[0].status_code == 200 and _complete(url, [1, 2, 3]).status_code == 200
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        assert _metrics(url)["dp_replicas_alive"] == 1
+
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
