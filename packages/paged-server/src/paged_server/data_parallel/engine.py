@@ -110,7 +110,7 @@ class DataParallelEngine:
         self._adding: dict[str, _Adding] = {}  # sent, not answered yet
         self._pending: list[RequestOutput] = []  # outputs read while waiting for an answer
         self._call_ids = itertools.count()
-        self._finalizer = weakref.finalize(self, _stop, self._replicas, 0.0)
+        self._finalizer = weakref.finalize(self, _stop, self._replicas, 2.0)
         for i, device in enumerate(devices):
             replica_config = dataclasses.replace(config, data_parallel_size=1, device=device)
             mine, theirs = context.Pipe()
@@ -262,7 +262,7 @@ class DataParallelEngine:
         )
 
     def shutdown(self) -> None:
-        """Stop every replica: a stop message, then SIGTERM, then SIGKILL. Idempotent."""
+        """Stop every replica: a stop message, then (``STOP_TIMEOUT_S`` later) SIGKILL. Idempotent."""
         for replica in self._replicas:
             if replica.dead is None:
                 self._send(replica, ("stop",))
@@ -480,15 +480,16 @@ def _exit_text(process: Any) -> str:
 
 
 def _stop(replicas: list[_Replica], timeout: float) -> None:
-    """Join the replicas for up to ``timeout`` s, then SIGTERM, then SIGKILL."""
-    deadline = time.monotonic() + timeout
+    """Close the replicas' pipes (each stops when it sees that), join them
+    for up to ``timeout`` s (at least 2: they stop their own ranks), then
+    SIGKILL what is left (replicas ignore SIGTERM, see replica.py)."""
+    for replica in replicas:
+        replica.conn.close()
+    deadline = time.monotonic() + max(timeout, 2.0)
     for replica in replicas:
         replica.process.join(max(0.0, deadline - time.monotonic()))
     for replica in replicas:
         if replica.process.is_alive():
-            replica.process.terminate()
-            replica.process.join(2.0)
-        if replica.process.is_alive():
+            log.warning("data-parallel replica %d did not stop: killing it", replica.index)
             replica.process.kill()
             replica.process.join(2.0)
-        replica.conn.close()
