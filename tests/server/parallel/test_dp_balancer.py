@@ -3,6 +3,9 @@ parallelism refuses: which replica a request goes to, and why."""
 
 from __future__ import annotations
 
+import multiprocessing
+from pathlib import Path
+
 import pytest
 
 from paged_server.config import EngineConfig
@@ -94,3 +97,11 @@ def test_replicas_get_consecutive_devices_for_their_ranks() -> None:
 def test_an_engine_is_one_replica() -> None:
     with pytest.raises(ValueError, match="an LLMEngine is one replica"):
         LLMEngine(EngineConfig(data_parallel_size=2))
+
+
+def test_a_bad_model_fails_before_any_replica_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "-dp", "2", "--model", str(tmp_path / "missing"), "--port", "0"]) == 2
+    assert f"model directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+    assert not multiprocessing.active_children()

@@ -99,8 +99,16 @@ class DataParallelEngine:
                 "data_parallel_size > 1 under torchrun: the replicas start their own ranks on "
                 "this node; run `paged-server serve --data-parallel-size N` without torchrun"
             )
+        from paged_server.engine.llm_engine import model_path
+        from paged_server.model_dir import checkpoint_dtype
+        from paged_server.models.loader import read_model_config
+
         n = config.data_parallel_size
         devices = replica_devices(config.device, n, config.world_size)
+        # Resolved once, here: a bad path fails before any process starts, and
+        # replicas never race to build or train the same default model.
+        path = model_path(config)
+        config.resolve(read_model_config(path), checkpoint_dtype=checkpoint_dtype(path))  # raises if bad
         threads = max(1, usable_cpu_cores() // n) if devices[0] == "cpu" else 1
         import torch.multiprocessing as mp
 
@@ -112,7 +120,7 @@ class DataParallelEngine:
         self._call_ids = itertools.count()
         self._finalizer = weakref.finalize(self, _stop, self._replicas, 2.0)
         for i, device in enumerate(devices):
-            replica_config = dataclasses.replace(config, data_parallel_size=1, device=device)
+            replica_config = dataclasses.replace(config, data_parallel_size=1, device=device, model=path)
             mine, theirs = context.Pipe()
             # Not a daemon: a replica with tensor or pipeline parallelism starts
             # its ranks' processes, which daemons may not. It still never
@@ -132,7 +140,7 @@ class DataParallelEngine:
                 raise WorkerStartError(str(exc)) from exc
             raise
         first = infos[0]
-        self.config = dataclasses.replace(first.config, data_parallel_size=n)
+        self.config = dataclasses.replace(first.config, data_parallel_size=n, model=config.model)
         self.capacity = first.capacity  # one replica's; metrics() sums them
         self.tokenizer = first.tokenizer
         self.default_sampling = first.default_sampling
@@ -157,6 +165,7 @@ class DataParallelEngine:
             try:
                 kind, value = replica.conn.recv()
             except (EOFError, OSError):
+                replica.process.join(5.0)  # its pipe closed: it is exiting
                 raise RuntimeError(f"{name} {_exit_text(replica.process)} while starting") from None
             if kind == "ready":
                 return value  # type: ignore[no-any-return]

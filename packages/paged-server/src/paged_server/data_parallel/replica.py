@@ -23,6 +23,7 @@ whole group lets the server drain its requests before it stops the replicas
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -66,7 +67,8 @@ def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads
         engine = LLMEngine(config)
     except BaseException as exc:
         traceback.print_exc()
-        conn.send(("start_failed", describe_error(exc)))
+        with contextlib.suppress(OSError):  # the server may have stopped already
+            conn.send(("start_failed", describe_error(exc)))
         return
     conn.send((
         "ready",
