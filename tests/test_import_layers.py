@@ -27,6 +27,7 @@ SERVER_LAYERS = [
     {"models", "default_model"},  # model code and its loader; know no engine config
     {"config"},  # the engine config (names model quantization methods)
     {"engine", "parallel"},  # the engine and its tensor-parallel ranks
+    {"data_parallel"},  # engine replicas in their own processes, as one engine for the server
     {"entrypoints", "bench"},  # what a user runs: LLM, the HTTP server, the CLI, benchmarks
 ]
 

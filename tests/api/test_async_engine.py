@@ -5,6 +5,7 @@ a step."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from typing import Any
@@ -155,6 +156,55 @@ def test_add_errors_propagate_to_the_caller(fake_engine: Any) -> None:
     async def main() -> None:
         with pytest.raises(ValueError, match="max_tokens"):
             await add(ae, "bad", [1], max_tokens=10**9)
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.stop()
+
+
+class _DeferredAnswers:
+    """Wraps a fake engine the way data parallelism answers adds: a future
+    resolved by the next step (a replica's reply), failing as the add would."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.unanswered: list[tuple[concurrent.futures.Future[int], Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> concurrent.futures.Future[int]:
+        answer: concurrent.futures.Future[int] = concurrent.futures.Future()
+        answer.set_running_or_notify_cancel()
+        self.unanswered.append((answer, lambda: self.engine.add_request(request_id, prompt, params)))
+        return answer
+
+    def has_unfinished(self) -> bool:
+        return bool(self.unanswered) or self.engine.has_unfinished()
+
+    def step(self) -> list[Any]:
+        for answer, add in self.unanswered:
+            try:
+                answer.set_result(add())
+            except Exception as exc:
+                answer.set_exception(exc)
+        self.unanswered = []
+        return self.engine.step() if self.engine.has_unfinished() else []
+
+
+def test_an_add_answered_by_a_later_step_is_awaited_and_its_error_raised(fake_engine: Any) -> None:
+    engine = _DeferredAnswers(fake_engine)
+    ae = AsyncEngine(engine)
+    ae.start()
+
+    async def main() -> None:
+        q = await add(ae, "ok", [5, 5], max_tokens=3)
+        outs, end = await drain(q)
+        assert end is None and "".join(o.new_text for o in outs) == fake_engine.expected_text(2, 3, 0)
+        with pytest.raises(ValueError, match="prompt: must not be empty"):
+            await add(ae, "bad", [], max_tokens=3)
+        assert await ae.call(lambda: "bad" not in ae._tracked)  # a failed add is not tracked
 
     try:
         asyncio.run(main())

@@ -83,6 +83,9 @@ class EngineConfig:
     nnodes: int = field(default=1, metadata={"help": "nodes the ranks (tensor_parallel_size x "
         "pipeline_parallel_size) span (each runs an equal share, stage by stage); start `paged-server worker --node-rank N` on "
         "the others. Under torchrun the ranks come from its RANK/WORLD_SIZE instead"})
+    # >1: that many engine replicas, each its own process (and its own tensor and
+    # pipeline ranks), behind one API server (data_parallel/); one node only.
+    data_parallel_size: int = 1
     master_addr: str = field(default="127.0.0.1", metadata={"help": "with --nnodes > 1: the "
         "address of this node the other nodes reach (the rendezvous store listens on the port)"})
     master_port: int = field(default=29500, metadata={"help": "with --nnodes > 1: the "
@@ -144,7 +147,7 @@ class EngineConfig:
                 f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
         for name in ("block_size", "max_batch_size", "max_queue_len", "tensor_parallel_size",
-                     "pipeline_parallel_size", "nnodes"):  # fmt: skip
+                     "pipeline_parallel_size", "nnodes", "data_parallel_size"):  # fmt: skip
             _at_least(name, getattr(self, name), 1)
         if self.max_model_len is not None:
             _at_least("max_model_len", self.max_model_len, 2)  # one prompt token + one generated
@@ -177,6 +180,7 @@ class EngineConfig:
                 f"nnodes ({self.nnodes}), every node runs the same number of ranks"
             )
         self._check_pipeline()
+        self._check_data_parallel()
         if not (_is_int(self.master_port) and 0 <= self.master_port <= 65535):
             raise ValueError(f"master_port: must be in 0..65535, got {self.master_port!r}")
         if not _is_int(self.seed):
@@ -223,6 +227,16 @@ class EngineConfig:
             raise ValueError(
                 "pipeline_parallel_size > 1 needs kv_cache_backend='paged' (each stage's pool "
                 "holds its own layers of the same blocks); drop --kv-cache-backend contiguous"
+            )
+
+    def _check_data_parallel(self) -> None:
+        """What data parallelism does not combine with yet, refused in one line."""
+        if self.data_parallel_size == 1:
+            return
+        if self.nnodes > 1:
+            raise ValueError(
+                "data_parallel_size > 1 runs its replicas on this node: drop --nnodes, or run one "
+                "server per node behind an HTTP load balancer (docs/operations.md)"
             )
 
     def _check_kv_scales(self) -> None:

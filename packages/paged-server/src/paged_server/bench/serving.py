@@ -107,10 +107,21 @@ def completion_body(spec: wl.RequestSpec, model: str | None = None) -> dict[str,
 
 
 async def stream_request(
-    client: httpx.AsyncClient, body: dict[str, Any], delay: float, start: float, timing: RequestTiming
+    client: httpx.AsyncClient,
+    body: dict[str, Any],
+    delay: float,
+    start: float,
+    timing: RequestTiming,
+    limit: asyncio.Semaphore | None = None,
 ) -> None:
-    """POST ``body`` at ``start + delay`` and time every streamed chunk into ``timing``."""
+    """POST ``body`` at ``start + delay`` (once ``limit`` lets it: at most
+    ``--max-concurrency`` in flight) and time every streamed chunk into ``timing``."""
     await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
+    async with limit if limit is not None else contextlib.nullcontext():
+        await _stream(client, body, timing)
+
+
+async def _stream(client: httpx.AsyncClient, body: dict[str, Any], timing: RequestTiming) -> None:
     timing.sent = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -164,10 +175,12 @@ async def run_workload(
     seed: int,
     api_key: str | None,
     running: list[float] | None = None,
+    max_concurrency: int | None = None,
 ) -> tuple[list[RequestTiming], float]:
-    """Send every request of ``workload`` at its arrival time; returns timings
-    and wall time. ``running`` (if given) collects the server's running
-    count, sampled every ``RUNNING_SAMPLE_S`` seconds."""
+    """Send every request of ``workload`` at its arrival time, at most
+    ``max_concurrency`` at once; returns timings and wall time. ``running``
+    (if given) collects the server's running count, sampled every
+    ``RUNNING_SAMPLE_S`` seconds."""
     offsets = arrival_offsets(len(workload.requests), rate, seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -176,8 +189,9 @@ async def run_workload(
         sampler = asyncio.ensure_future(_sample_running(client, running)) if running is not None else None
         start = time.perf_counter()
         tasks = []
+        limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         for spec, delay, timing in zip(workload.requests, offsets, timings, strict=True):
-            tasks.append(stream_request(client, completion_body(spec, model), delay, start, timing))
+            tasks.append(stream_request(client, completion_body(spec, model), delay, start, timing, limit))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
         if sampler is not None:
@@ -251,6 +265,8 @@ def add_bench_serve_flags(parser: argparse.ArgumentParser) -> None:
         f"(default: the workload's own, {DEFAULT_RATES} else inf)",
     )
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's count")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight at once (vLLM's bench flag; default: no limit)")
     parser.add_argument("--bench-seed", dest="bench_seed", type=int, default=0,
                         help="seed of the workload and the arrival times")
     parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiply prompt lengths")
@@ -297,7 +313,8 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
         workload = build_workload(args.workload, wl.token_pool_from_tokenizer(tokenizer), args)
         running: list[float] = []
         timings, wall = asyncio.run(
-            run_workload(url, model, workload, rate, args.seed, args.api_key, running)
+            run_workload(url, model, workload, rate, args.seed, args.api_key, running,
+                         getattr(args, "max_concurrency", None))
         )
         server_metrics = scrape_metrics(url, args.api_key)
     finally:
@@ -316,15 +333,27 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
             "peak": max(running, default=None),
             "samples": len(running),
         },
+        "max_concurrency": getattr(args, "max_concurrency", None),
         "server": {
-            k: server_metrics.get(k)
-            for k in (
-                "num_preemptions_total",
-                "prefix_cache_queries_total",
-                "prefix_cache_hits_total",
-                "kv_capacity_tokens",
-            )
+            **{
+                k: server_metrics.get(k)
+                for k in (
+                    "num_preemptions_total",
+                    "prefix_cache_queries_total",
+                    "prefix_cache_hits_total",
+                    "kv_capacity_tokens",
+                    "dp_replicas_alive",
+                    "dp_requests_routed_by_prefix_total",
+                )
+            },
+            "prefix_cache_hit_rate": _hit_rate(server_metrics),
         },
         "engine_config": settings_info or None,
     }
     return report
+
+
+def _hit_rate(metrics: dict[str, float]) -> float | None:
+    """Prompt tokens served from the prefix cache over those looked up."""
+    queries = metrics.get("prefix_cache_queries_total")
+    return round(metrics.get("prefix_cache_hits_total", 0.0) / queries, 4) if queries else None

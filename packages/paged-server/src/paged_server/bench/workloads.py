@@ -252,10 +252,56 @@ def shared_prefix_workload(
     )
 
 
+def prefix_groups_workload(
+    pool: Sequence[int],
+    *,
+    num_requests: int = 64,
+    num_groups: int = 4,
+    system_prompt_tokens: int = 256,
+    suffix_range: tuple[int, int] = (16, 64),
+    new_tokens_range: tuple[int, int] = (16, 32),
+    seed: int = 0,
+    prompt_scale: float = 1.0,
+    new_tokens_scale: float = 1.0,
+) -> Workload:
+    """``num_groups`` system prompts (tenants), requests taking turns among
+    them, each a distinct suffix after its group's prompt: what prefix-aware
+    routing across data-parallel replicas is for (a replica that saw a
+    group's prompt serves its next requests from its prefix cache)."""
+    _check(num_requests, pool, (system_prompt_tokens, system_prompt_tokens), suffix_range, new_tokens_range)
+    rng, token_rng = random.Random(seed), random.Random(f"{seed}:tokens")
+    systems = [
+        _draw_prompt(token_rng, pool, _scaled(system_prompt_tokens, prompt_scale)) for _ in range(num_groups)
+    ]
+
+    def request(i: int) -> RequestSpec:
+        suffix = _draw_prompt(token_rng, pool, _scaled(rng.randint(*suffix_range), prompt_scale))
+        max_tokens = _scaled(rng.randint(*new_tokens_range), new_tokens_scale)
+        return RequestSpec(f"prefix_groups-{i}", systems[i % num_groups] + suffix, max_tokens)
+
+    params = {
+        "num_groups": num_groups,
+        "system_prompt_tokens": len(systems[0]),
+        "suffix_range": list(suffix_range),
+        "new_tokens_range": list(new_tokens_range),
+        "prompt_scale": prompt_scale,
+        "new_tokens_scale": new_tokens_scale,
+    }
+    return Workload(
+        "prefix_groups",
+        f"{num_groups} system prompts ({len(systems[0])} tokens) taking turns + distinct "
+        f"{suffix_range[0]}-{suffix_range[1]} token suffix, {new_tokens_range[0]}-{new_tokens_range[1]} new tokens",
+        seed,
+        [request(i) for i in range(num_requests)],
+        params,
+    )
+
+
 WORKLOADS = {
     "seed": seed_workload,
     "nano_vllm": nano_vllm_workload,
     "shared_prefix": shared_prefix_workload,
+    "prefix_groups": prefix_groups_workload,
 }
 
 
@@ -268,7 +314,7 @@ def make_workload(
     prompt_scale: float = 1.0,
     new_tokens_scale: float = 1.0,
 ) -> Workload:
-    """Build a workload by name (``seed``, ``nano_vllm``, ``shared_prefix``)."""
+    """Build a workload by name (``seed``, ``nano_vllm``, ``shared_prefix``, ``prefix_groups``)."""
     try:
         factory = WORKLOADS[name]
     except KeyError:

@@ -81,7 +81,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
-        path = _model_path(config) if loaded is None or config.model is not None else None
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size: an LLMEngine is one replica, got {config.data_parallel_size}; "
+                "`paged-server serve --data-parallel-size N` runs N of them behind one server "
+                "(paged_server.data_parallel.DataParallelEngine)"
+            )
+        path = model_path(config) if loaded is None or config.model is not None else None
         if loaded is not None:  # the model's device and dtype are the ones run
             device = next(loaded.model.parameters()).device
             run = config.resolve(loaded.config, device, loaded.dtype)
@@ -121,13 +127,13 @@ class LLMEngine:
                 "every rank)"
             )
         self.executor = TensorParallelExecutor(config, config.torch_device, config.attention_backend)
-        return self.executor.load_model(_model_path(config), config.torch_dtype)
+        return self.executor.load_model(model_path(config), config.torch_dtype)
 
     def _init(self, loaded: LoadedModel | None) -> None:
         config = self.config
         if loaded is None:
             loaded = load_model(
-                _model_path(config), config.torch_dtype, config.torch_device,
+                model_path(config), config.torch_dtype, config.torch_device,
                 quantization=config.quantization,
             )  # fmt: skip
         device = next(loaded.model.parameters()).device
@@ -675,7 +681,7 @@ class LLMEngine:
         return reclaimed
 
 
-def _model_path(config: EngineConfig) -> str:
+def model_path(config: EngineConfig) -> str:
     """The configured model directory, the trained evaluation model
     (``trained-default``, trained and cached on first use), or the embedded
     default model."""

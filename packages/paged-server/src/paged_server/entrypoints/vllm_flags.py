@@ -31,8 +31,6 @@ LOAD_FORMATS = ("auto", "safetensors")
 
 # Unknown vLLM flags: what to do here instead.
 FLAG_HINTS = {
-    "--data-parallel-size": "no data parallelism in one server; run one server per replica",
-    "-dp": "no data parallelism in one server; run one server per replica",
     "--distributed-executor-backend": "tensor and pipeline parallelism always run one process per device",
     "--swap-space": "no CPU swap: preempted requests are recomputed; drop the flag",
     "--preemption-mode": "preemption always recomputes; drop the flag",

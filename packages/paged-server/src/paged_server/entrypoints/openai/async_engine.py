@@ -47,7 +47,11 @@ class EngineLike(Protocol):
     tokenizer: Tokenizer
     default_sampling: dict[str, Any]  # the model's sampling defaults (generation_defaults.py)
 
-    def add_request(self, request_id: str, prompt: Any, params: Any) -> int: ...
+    # The prompt's token count, or (data parallelism) a future of it that the
+    # engine resolves from a later step(): it fails with what add_request would raise.
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any
+    ) -> int | concurrent.futures.Future[int]: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[Any]: ...
     def has_unfinished(self) -> bool: ...
@@ -207,16 +211,27 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
 
-        def add() -> int:
+        def add() -> int | concurrent.futures.Future[int]:
             engine_prompt = prepare(prompt) if prepare is not None else prompt
             n_prompt = self.engine.add_request(request_id, engine_prompt, params)
             self._tracked[request_id] = _Tracked(
                 loop, out, arrival, num_choices, n=num_choices,
                 max_tokens=getattr(params, "max_tokens", None),
             )
+            if isinstance(n_prompt, concurrent.futures.Future):  # answered by a later step
+                n_prompt.add_done_callback(lambda f: self._untrack_failed(request_id, f))
             return n_prompt
 
-        return int(await self.call(add))
+        n_prompt = await self.call(add)
+        if isinstance(n_prompt, concurrent.futures.Future):
+            n_prompt = await asyncio.wrap_future(n_prompt)
+        return int(n_prompt)
+
+    def _untrack_failed(self, request_id: str, answer: concurrent.futures.Future[int]) -> None:
+        """A deferred add that failed never ran: stop tracking it (engine
+        thread: the engine resolves its futures there)."""
+        if answer.exception() is not None:
+            self._tracked.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone); never blocks. Its blocks are freed

@@ -97,6 +97,11 @@ _HELP = {
     "pipeline_parallel_size": "split the layers into this many stages run one after another, "
     "each on tensor_parallel_size devices of its own (one process each); each stage's KV cache "
     "holds only its layers, so a per-device budget holds more tokens",
+    "data_parallel_size": "run this many engine replicas, each its own process with its own KV "
+    "cache, behind this one API server, which balances requests on load (queue length, KV "
+    "usage) and sends requests sharing a prompt prefix to the same replica; each replica has "
+    "its own tensor/pipeline ranks; on CUDA replica i gets the i-th GPU (group of "
+    "tensor x pipeline GPUs), on CPU the replicas share the cores",
 }
 
 
@@ -106,6 +111,7 @@ _ALIASES = {
     "num_gpu_blocks": ("--num-gpu-blocks-override",),
     "tensor_parallel_size": ("-tp",),
     "pipeline_parallel_size": ("-pp",),
+    "data_parallel_size": ("-dp",),
 }
 
 

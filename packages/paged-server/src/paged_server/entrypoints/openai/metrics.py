@@ -66,6 +66,23 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "generation_tokens_total": ("counter", "Tokens generated."),
 }
 MISSES = "prefix_cache_misses"
+# With --data-parallel-size: one sample per replica (label ``replica``), from
+# the snapshot's ``dp_replica_<i>_<key>``; the keys above are all replicas summed.
+REPLICA_METRICS: dict[str, tuple[str, str]] = {
+    "num_requests_running": ("gauge", "Requests in the replica's running batch."),
+    "num_requests_waiting": ("gauge", "Requests waiting in the replica's queue."),
+    "kv_cache_usage_perc": ("gauge", "Fraction of the replica's KV cache in use."),
+    "prefix_cache_queries_total": ("counter", "Prompt tokens the replica looked up in its prefix cache."),
+    "prefix_cache_hits_total": ("counter", "Prompt tokens the replica found in its prefix cache."),
+    "requests_routed_total": ("counter", "Requests the balancer sent to the replica."),
+    "alive": ("gauge", "1 while the replica's process runs, 0 once it died."),
+}
+DP_METRICS: dict[str, tuple[str, str]] = {
+    "dp_replicas_alive": ("gauge", "Data-parallel replicas running."),
+    "dp_requests_routed_by_prefix_total": (
+        "counter", "Requests the balancer sent to a replica for its cached prompt prefix.",
+    ),
+}
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -91,7 +108,7 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snapshot = self.source()
         labels = [self.model_name]
-        for key, (kind, help) in ENGINE_METRICS.items():
+        for key, (kind, help) in (ENGINE_METRICS | DP_METRICS).items():
             if key not in snapshot:
                 continue
             family: GaugeMetricFamily | CounterMetricFamily
@@ -125,6 +142,25 @@ class _EngineCollector(Collector):
                 groups.add_metric([self.model_name, str(g)], float(snapshot[key]))
         if groups.samples:
             yield groups
+        yield from self._per_replica(snapshot)
+
+    def _per_replica(self, snapshot: Mapping[str, float]) -> Iterator[Metric]:
+        """``paged:dp_replica_<key>{replica="i"}`` (data parallelism only)."""
+        if "dp_replicas_alive" not in snapshot:
+            return
+        count = sum(1 for k in snapshot if k.startswith("dp_replica_") and k.endswith("_alive"))
+        for key, (kind, help) in REPLICA_METRICS.items():
+            name = PREFIX + "dp_replica_" + key
+            family: GaugeMetricFamily | CounterMetricFamily
+            if kind == "gauge":
+                family = GaugeMetricFamily(name, help, labels=["model_name", "replica"])
+            else:
+                family = CounterMetricFamily(name, help, labels=["model_name", "replica"])
+            for i in range(count):
+                value = snapshot.get(f"dp_replica_{i}_{key}")
+                if value is not None:
+                    family.add_metric([self.model_name, str(i)], float(value))
+            yield family
 
 
 class ServerMetrics:

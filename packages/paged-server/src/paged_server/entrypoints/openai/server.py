@@ -29,10 +29,15 @@ logger = logging.getLogger("paged_server.entrypoints.openai")
 def build_engine(config: EngineConfig, thread: EngineThread | None = None) -> Any:
     """Validate ``config`` and build the engine (loads the model) on ``thread``,
     the thread that will step it (pass the same one to ``serve`` /
-    ``ServerThread``), or on the caller's."""
+    ``ServerThread``), or on the caller's. With ``data_parallel_size > 1``:
+    that many replica processes behind one `DataParallelEngine`."""
     from paged_server.engine.llm_engine import LLMEngine
 
     config.validate()
+    if config.data_parallel_size > 1:
+        from paged_server.data_parallel import DataParallelEngine
+
+        return DataParallelEngine(config)  # the replicas load the model, not this thread
     if thread is None:
         return LLMEngine(config)
     return thread.call(lambda: LLMEngine(config))
