@@ -110,7 +110,7 @@ def train(
     matrices only), ``lr_at``'s schedule, gradients clipped at 1.
     ``eval_every``: also score the held-out text every that many steps (0:
     only at the end); ``log``: print progress (step, loss, held-out loss,
-    elapsed, ETA), ~20 lines without held-out scores; ``source``: the random
+    elapsed, ETA) ~20 times and at every held-out score; ``source``: the random
     default model's directory (default: the cached one); ``mix``: the corpus
     streams' shares (``DEFAULT_MIX``); ``precision``: ``auto``, ``bfloat16``
     or ``float32`` matmuls (``autocast_dtype``); ``strict_corpus``: refuse a
@@ -160,8 +160,8 @@ def train(
         losses.append(loss.item())
         if eval_every and step % eval_every == 0 and step < steps:
             evals.append((step, heldout_loss(model, heldout, seq_len)))
-        if log and (evals and evals[-1][0] == step or not eval_every and step % max(1, steps // 20) == 0):
-            print(progress(step), flush=True)
+        if log and step < steps and (step % max(1, steps // 20) == 0 or evals and evals[-1][0] == step):
+            print(progress(step), flush=True)  # ~20 lines, and every held-out score
     evals.append((steps, heldout_loss(model, heldout, seq_len)))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     if log:
