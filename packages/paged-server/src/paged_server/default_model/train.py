@@ -152,7 +152,8 @@ def train(
         ctx = torch.autocast(device.split(":")[0], dtype=cast) if cast else nullcontext()
         with ctx:
             logits = model(batch[:, :-1], positions)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        targets = batch[:, 1:].flatten()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -160,7 +161,8 @@ def train(
         losses.append(loss.item())
         if eval_every and step % eval_every == 0 and step < steps:
             evals.append((step, heldout_loss(model, heldout, seq_len)))
-        if log and step < steps and (step % max(1, steps // 20) == 0 or evals and evals[-1][0] == step):
+        scored = bool(evals) and evals[-1][0] == step
+        if log and step < steps and (step % max(1, steps // 20) == 0 or scored):
             print(progress(step), flush=True)  # ~20 lines, and every held-out score
     evals.append((steps, heldout_loss(model, heldout, seq_len)))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
