@@ -68,7 +68,7 @@ def test_stdlib_corpus_is_the_pinned_files_without_the_heldout_pages():
 def test_another_stdlib_is_refused_unless_accepted(monkeypatch):
     monkeypatch.setattr(corpus, "STDLIB_SHA256", "0" * 64)
     monkeypatch.setattr(corpus, "docstrings", lambda source: [])  # (skip parsing 8 MB)
-    with pytest.raises(RuntimeError, match="standard library.*strict_corpus=False"):
+    with pytest.raises(RuntimeError, match="standard library.*--any-stdlib"):
         corpus.stdlib_texts()
     sources, _, digest = corpus.stdlib_texts(strict=False)
     assert len(sources) > 300 and digest != "0" * 64

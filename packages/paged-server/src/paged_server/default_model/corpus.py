@@ -108,8 +108,9 @@ def stdlib_texts(strict: bool = True) -> tuple[list[str], list[str], str]:
             f"(sha256 {STDLIB_SHA256[:12]}), but this interpreter's ({sys.version.split()[0]}, "
             f"{len(files)} files under {sysconfig.get_paths()['stdlib']}) hashes to "
             f"{digest[:12]}: the model would differ from the published one. Train with "
-            f"Python {STDLIB_PYTHON}, or pass strict_corpus=False (--any-stdlib) to train "
-            "on this one (training.json records its hash)."
+            f"Python {STDLIB_PYTHON}, or on this one with `python -m "
+            "paged_server.default_model.train OUT_DIR --any-stdlib` (strict_corpus=False; "
+            "training.json records its hash) and serve --model OUT_DIR."
         )
     sources = [data.decode("utf-8") for _, data in files]
     return sources, [doc for src in sources for doc in docstrings(src)], digest
