@@ -107,7 +107,7 @@ FULL_PLAN: dict[str, Any] = {
         "new_tokens_scale": 1.0,
         "kv_cache_dtypes": ["auto", "fp8", "int8"],
     },
-    # opt-in (--only kv_accuracy_trained): the first run trains the evaluation model (~12 min
+    # opt-in (--only kv_accuracy_trained): the first run trains the evaluation model (~15 min
     # on 2 cores, cached), then ~10 min of perplexity and 64 x 64 greedy tokens per row.
     "kv_accuracy_trained": {
         "model": "trained", "num_prompts": 64, "max_tokens": 64, "text_tokens": None,

@@ -1,23 +1,29 @@
-"""The trained evaluation model: a fixed held-out split, ``training.json``
-beside the weights, built once per cache folder, served as ``--model
-trained-default``, and the KV-accuracy table runs on it. (The real recipe
-trains for minutes; these tests patch it down to a few steps.)"""
+"""The trained evaluation model: a fixed held-out split, a pinned standard
+library as the rest of its text, ``training.json`` beside the weights,
+built once per cache folder, served as ``--model trained-default``, and the
+KV-accuracy table runs on it. (The real recipe trains for minutes on ~3M
+tokens; these tests patch it down to a few steps on the help() pages.)"""
 
 from __future__ import annotations
 
 import json
 import math
 import shutil
+import sys
 
 import pytest
 import torch
 
-from paged_server.default_model import ensure_default_model
+from paged_server.default_model import corpus, ensure_default_model
 from paged_server.default_model import trained as trained_module
+from paged_server.default_model.corpus import Corpus, split_texts
 from paged_server.default_model.tokenizer_builder import training_texts
-from paged_server.default_model.train import split_texts
+from paged_server.default_model.train import lr_at
 
-TINY_RECIPE = {"steps": 3, "batch_size": 2, "seq_len": 16, "lr": 3e-3, "seed": 0}
+# The help() pages alone: the standard library's ~3M tokens take ~20 s to
+# parse and tokenize, which the corpus tests below cover on their own.
+TINY_RECIPE = {"steps": 4, "batch_size": 2, "seq_len": 16, "lr": 3e-3, "warmup": 2, "seed": 0,
+               "eval_every": 2, "mix": {"topics": 1.0}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +53,66 @@ def test_heldout_text_is_the_tail_of_every_page_and_never_trained_on():
     assert not (train_paragraphs & heldout_paragraphs) - {""}  # pages repeat paragraphs: none leaks
 
 
+def test_stdlib_corpus_is_the_pinned_files_without_the_heldout_pages():
+    files = corpus.stdlib_files()
+    paths = [rel for rel, _ in files]
+    assert paths == sorted(paths) and len(files) > 300
+    assert "json/decoder.py" in paths and "asyncio/tasks.py" in paths
+    # the help() pages (the held-out text's source) and tests are never trained on
+    assert not [p for p in paths if p.startswith(("pydoc_data/", "test/")) or "/tests/" in p]
+    if sys.version.split()[0] != corpus.STDLIB_PYTHON:
+        pytest.skip(f"the corpus is pinned to Python {corpus.STDLIB_PYTHON}'s standard library")
+    assert corpus.stdlib_digest(files) == corpus.STDLIB_SHA256
+
+
+def test_another_stdlib_is_refused_unless_accepted(monkeypatch):
+    monkeypatch.setattr(corpus, "STDLIB_SHA256", "0" * 64)
+    monkeypatch.setattr(corpus, "docstrings", lambda source: [])  # (skip parsing 8 MB)
+    with pytest.raises(RuntimeError, match="standard library.*--any-stdlib"):
+        corpus.stdlib_texts()
+    sources, _, digest = corpus.stdlib_texts(strict=False)
+    assert len(sources) > 300 and digest != "0" * 64
+
+
+def test_docstrings_are_module_class_and_function_docs():
+    source = '''"""A module that says what it is for, in more than forty characters."""
+class A:
+    """A class whose docstring is long enough to count as prose here."""
+    def f(self):
+        """Short."""
+    async def g(self):
+        """An async method, documented at length like the others are."""
+'''
+    docs = corpus.docstrings(source)
+    assert [d.split()[1] for d in docs] == ["module", "class", "async"]
+
+
+def test_batches_draw_streams_by_share_and_repeat_with_the_seed():
+    streams = {"a": torch.ones(1000, dtype=torch.int32),
+               "b": torch.full((1000,), 2, dtype=torch.int32)}  # fmt: skip
+    data = Corpus(streams, {"a": 0.25, "b": 0.75}, torch.zeros(10), "")
+    batch = data.sample(400, 8, torch.Generator().manual_seed(0))
+    assert batch.shape == (400, 9) and batch.dtype == torch.long
+    assert 0.68 < float((batch[:, 0] == 2).float().mean()) < 0.82
+    again = data.sample(400, 8, torch.Generator().manual_seed(0))
+    assert torch.equal(batch, again)
+
+
+def test_lr_warms_up_then_decays_to_a_tenth():
+    lrs = [lr_at(s, 100, 1.0, 10) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert lrs[-1] == pytest.approx(0.1, abs=0.01)
+
+
 def test_trained_model_is_built_once_with_its_report(tiny_trained, cache_root, monkeypatch):
     report = json.loads((tiny_trained / "training.json").read_text())
-    assert report["recipe"] == {**TINY_RECIPE, "heldout_share": 0.1}
+    recipe = {k: v for k, v in TINY_RECIPE.items() if k != "eval_every"}
+    assert report["recipe"] == {**recipe, "weight_decay": 0.1, "heldout_share": 0.1}
     assert math.isfinite(report["heldout_loss"]) and report["heldout_tokens"] > 10_000
-    assert report["last_train_loss"] < report["first_train_loss"]
+    (step_a, loss_a), (step_b, loss_b) = report["heldout_curve"]
+    assert (step_a, step_b) == (2, 4) and loss_b < loss_a  # learning, on text never trained on
+    assert report["stream_tokens"]["topics"] == report["train_tokens"] > 80_000
 
     def fail(*args, **kw):
         raise AssertionError("trained again")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from paged_server.models.loader import cpu_has_bf16
 from paged_server.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -389,17 +390,6 @@ def _dtype_reason(config: EngineConfig, device: torch.device, dtype: torch.dtype
     if device.type == "cuda":
         return "auto: CUDA"
     return f"auto: CPU {'has' if dtype == torch.bfloat16 else 'has no'} AMX/AVX512-BF16"
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions torch uses (AMX tiles
-    or AVX512-BF16). ``PAGED_CPU_BF16=0``/``1`` overrides it (the test suite
-    sets 0 so that ``auto`` means float32 on every machine)."""
-    forced = os.environ.get("PAGED_CPU_BF16")
-    if forced in ("0", "1"):
-        return forced == "1"
-    cpu = torch.cpu
-    return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
 
 
 def _attention_backend(config: EngineConfig, device: torch.device) -> str:

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("embedded", "trained", "30m", "100m"),
         default="embedded",
         help="embedded: the tiny default model; trained: it after default_model.train's recipe "
-        "(trained once, ~12 min, and cached); 30m / 100m: a random ~30M / ~100M Llama made once "
+        "(trained once, up to ~15 min, and cached); 30m / 100m: a random ~30M / ~100M Llama made once "
         "in the cache dir",
     )
     p.add_argument(

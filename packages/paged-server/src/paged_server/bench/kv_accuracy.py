@@ -162,8 +162,8 @@ def kv_accuracy_table(
 
 
 def heldout_text() -> str:
-    """The trained model's held-out text (``default_model.train.split_texts``)."""
-    from paged_server.default_model.train import split_texts
+    """The trained model's held-out text (``default_model.corpus.split_texts``)."""
+    from paged_server.default_model.corpus import split_texts
 
     return "\n\n".join(split_texts()[1])
 
