@@ -25,9 +25,6 @@ from typing import Any
 
 import httpx
 import pytest
-
-from paged_server.entrypoints.llm import LLM
-from paged_server.sampling_params import SamplingParams
 from tests.server.parallel.test_tp_server import (
     FLAGS,
     _children,
@@ -36,6 +33,9 @@ from tests.server.parallel.test_tp_server import (
     _reap,
     _wait_healthy,
 )
+
+from paged_server.entrypoints.llm import LLM
+from paged_server.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -136,7 +136,8 @@ def test_serve_dp2(tp_checkpoints: dict[str, Path]) -> None:
                     other = threading.Thread(target=lambda: results.__setitem__(
                         "other", _complete(url, [rng.randrange(1, 500) for _ in range(7)], 120)))
                     other.start()
-                    _await(lambda: _metrics(url)[f"dp_replica_num_requests_running[{1 - victim}]"] == 1)
+                    survivor = f"dp_replica_num_requests_running[{1 - victim}]"
+                    _await(lambda key=survivor: _metrics(url)[key] == 1)
                     os.kill(pids[victim], signal.SIGKILL)
         other.join(300)
         payloads = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]

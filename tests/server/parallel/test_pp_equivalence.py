@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.server.parallel.test_tp_equivalence import BASE, POOLS, _workload
 
 from paged_server.config import EngineConfig
 from paged_server.entrypoints.llm import LLM
-from tests.server.parallel.test_tp_equivalence import BASE, POOLS, _workload
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,11 +74,11 @@ def test_uneven_split_with_int8_kv_and_logprobs_matches_one_rank(tmp_path: Path)
     at each stage's cache layers; prompt and sample logprobs come back from
     the last stage's logits."""
     import torch
+    from tests.server.parallel.conftest import _COMMON, VOCAB
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from paged_server.default_model.tokenizer_builder import build_tokenizer
     from paged_server.sampling_params import SamplingParams
-    from tests.server.parallel.conftest import _COMMON, VOCAB
 
     torch.manual_seed(0)
     config = LlamaConfig(num_key_value_heads=2, head_dim=16, **{**_COMMON, "num_hidden_layers": 3})

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from tests.server.parallel.test_multinode import (
     CLI,
     FLAGS,

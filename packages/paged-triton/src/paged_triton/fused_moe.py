@@ -19,6 +19,7 @@ published MoE shapes (``moe_jobs``).
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl

@@ -91,7 +91,6 @@ class DataParallelEngine:
         config.validate()
         from paged_server.parallel import WorkerStartError
         from paged_server.parallel.preflight import usable_cpu_cores
-
         from paged_server.parallel.rendezvous import torchrun_env
 
         if (env := torchrun_env()) is not None and env.world_size > 1:

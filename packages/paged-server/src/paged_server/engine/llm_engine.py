@@ -41,9 +41,9 @@ from paged_ref.compiled_decode import CompiledDecodeOps
 from paged_server.config import EngineConfig, RunConfig
 from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam_search, ready_rows
 from paged_server.engine.checks import audit_engine, check_prompt
+from paged_server.engine.compiled_forward import CompiledForward, compiles_forward
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
-from paged_server.engine.compiled_forward import CompiledForward, compiles_forward
 from paged_server.engine.kernel_warmup import warm_up_kernels
 from paged_server.engine.kv_sizing import sizes_by_memory_share
 from paged_server.engine.logprobs import TokenLogprobs, token_logprobs

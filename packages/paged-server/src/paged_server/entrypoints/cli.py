@@ -58,8 +58,8 @@ def _port(text: str) -> int:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from paged_server.entrypoints.openai.engine_args import add_engine_flags
-    from paged_server.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES
     from paged_server.entrypoints.openai.frontend_args import add_frontend_flags
+    from paged_server.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES
     from paged_server.entrypoints.vllm_flags import add_refused_flags
 
     p = sub.add_parser(

@@ -48,13 +48,13 @@ from paged_server.models.pipeline_parallel import PipelineStage
 from paged_server.models.tensor_parallel import TensorParallel
 from paged_server.parallel import rendezvous
 from paged_server.parallel.pipeline import PipelineStep
-from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.preflight import (
     GUARD_HINT,
     check_tensor_parallel,
     main_module_imported_by_spawn,
     usable_cpu_cores,
 )
+from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.step_message import RecordingOps, StepMessage
 from paged_server.parallel.worker import ERROR, READY, WorkerSpec, worker_main
 
