@@ -119,7 +119,10 @@ class CompiledForward:
         # packed matmuls (a 30M model's step 1.7x faster on one thread); at
         # 8 rows they tied, so the other graph keeps oneDNN and compiles faster.
         self._freezing_one_row = inductor_config.patch(
-            freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN"
+            freezing=True,
+            max_autotune=True,
+            max_autotune_gemm_backends="CPP,ATEN",
+            autotune_num_choices_displayed=0,  # its timing tables would fill the server's log
         )
         # AOT runs a new graph's first call under a dispatch mode that checks
         # custom ops for aliasing; the attention op's own compiled decode
