@@ -27,6 +27,17 @@ _INT4_GROUPS = (256, 128, 64, 32)  # what the CPU int4 kernel accepts
 _ACT_DTYPE = torch.bfloat16  # the CPU kernels' fast activation dtype
 
 
+PACKED_CPU_KERNELS = ("int8pack_mm", "int8pack_mm_grouped", "int4pack_mm")
+
+
+def uses_packed_cpu_kernels(model: nn.Module) -> bool:
+    """Whether any layer of ``model`` runs aten's packed int8/int4 CPU
+    kernels (what the compiled forward lowers to inductor's GEMM template)."""
+    return any(
+        isinstance(m, QuantizedLinear) and m.kernel in PACKED_CPU_KERNELS for m in model.modules()
+    )
+
+
 def _cpu_kernels() -> bool:
     ops = torch.ops.aten
     return hasattr(ops, "_weight_int8pack_mm") and hasattr(ops, "_weight_int4pack_mm_for_cpu")
