@@ -113,17 +113,12 @@ class CompiledForward:
         self._compiled: Callable[..., Tensor] = torch.compile(  # type: ignore[assignment]
             model.model, dynamic=True, fullgraph=True
         )
-        self._freezing = inductor_config.patch(freezing=True)
-        # The one-token graph (a single stream's decode) also autotunes its
-        # GEMMs over inductor's C++ templates: at one row they beat oneDNN's
-        # packed matmuls (a 30M model's step 1.7x faster on one thread); at
-        # 8 rows they tied, so the other graph keeps oneDNN and compiles faster.
-        self._freezing_one_row = inductor_config.patch(
-            freezing=True,
-            max_autotune=True,
-            max_autotune_gemm_backends="CPP,ATEN",
-            autotune_num_choices_displayed=0,  # its timing tables would fill the server's log
-        )
+        self._freezing = inductor_config.patch(freezing=True, **_gemm_template_options(model))
+        # The one-token graph (a single stream's decode) runs every GEMM on
+        # the template, dense models too: at one row it beats oneDNN's packed
+        # bf16 matmuls (1.37x over the 100M model's 48 projections, one
+        # thread; 1.2-1.5x for a 30M layer's); at 8 rows they tied.
+        self._freezing_one_row = inductor_config.patch(freezing=True, **_CPP_GEMM_TEMPLATE)
         # AOT runs a new graph's first call under a dispatch mode that checks
         # custom ops for aliasing; the attention op's own compiled decode
         # (paged_ref.compiled_decode) would then compile for the mode's
@@ -144,6 +139,24 @@ class CompiledForward:
                 return self._compiled(input_ids, position_ids, _OPAQUE)
         finally:
             _step.view = None
+
+
+def _gemm_template_options(model: nn.Module) -> dict[str, object]:
+    """Inductor settings for a model with packed int8/int4 weights: lower
+    aten's weight-only kernels to inductor's C++ GEMM template (its only
+    backend, so nothing is benchmarked at compile time). The template
+    dequantizes inside a register-blocked micro-kernel (AVX512 at a few
+    rows, AMX above); aten's own kernels are 1.5-1.8x slower at one token
+    and 2.5-9x slower at 8-64. Dense models keep oneDNN's packed matmuls."""
+    from paged_server.models.quantization.linear import uses_packed_cpu_kernels
+
+    if not uses_packed_cpu_kernels(model):
+        return {}
+    return _CPP_GEMM_TEMPLATE
+
+
+# Inductor's C++ GEMM template as the only GEMM backend (nothing benchmarked at compile time).
+_CPP_GEMM_TEMPLATE: dict[str, object] = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP"}
 
 
 def compiled_graphs() -> int:
