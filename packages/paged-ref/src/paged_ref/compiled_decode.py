@@ -8,8 +8,9 @@ quarters of a decode step at 32 streams. Here the same attention is
 written as plain tensor ops (index the cache with the page table, multiply,
 sum, softmax) and handed to ``torch.compile``: inductor turns it into loop
 nests that read each K/V row straight from its block, widen it to float32 in
-registers and never write the copy (measured on 2 cores, 32 sequences x
-100-528 tokens, bf16: about 2x faster than the reference with its plan memoised).
+registers and never write the copy (measured on one thread, 8-32 sequences
+x 100-528 tokens, bf16: 1.4-2x faster than the reference with its plan
+memoised).
 
 Only what the engine's decode steps need: one query per sequence, a 16- or
 32-bit cache (8- and 4-bit caches keep the reference, which dequantizes as
