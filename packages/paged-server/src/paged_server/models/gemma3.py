@@ -21,7 +21,7 @@ from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.base import CausalLM
 from paged_server.models.config import SLIDING_ATTENTION, ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
-from paged_server.models.pipeline_parallel import WHOLE, MissingLayer, PipelineStage
+from paged_server.models.pipeline_parallel import WHOLE, PipelineStage
 from paged_server.models.rope import RotaryEmbedding
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -83,17 +83,13 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size)
-            if pp.is_first or (pp.is_last and config.tie_word_embeddings)  # tied: the LM head
+            if pp.holds_embedding(config.tie_word_embeddings)
             else None
         )
         self.embed_scale = config.hidden_size**0.5
         self._scales: dict[torch.dtype, float] = {}
-        mine = pp.layers
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, qk_norm, tp) if i in mine else MissingLayer()
-            for i in range(config.num_layers)
-        )
-        self.stage = slice(mine.start, mine.stop)
+        self.layers = pp.layer_modules(lambda i: Gemma3DecoderLayer(config, i, qk_norm, tp))
+        self.stage = slice(pp.layers.start, pp.layers.stop)
         self.norm = (
             RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True) if pp.is_last else None
         )

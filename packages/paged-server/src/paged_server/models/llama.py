@@ -16,7 +16,7 @@ from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.base import CausalLM
 from paged_server.models.config import ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
-from paged_server.models.pipeline_parallel import WHOLE, MissingLayer, PipelineStage
+from paged_server.models.pipeline_parallel import WHOLE, PipelineStage
 from paged_server.models.rope import RotaryEmbedding
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -79,15 +79,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size)
-            if pp.is_first or (pp.is_last and config.tie_word_embeddings)  # tied: the LM head
+            if pp.holds_embedding(config.tie_word_embeddings)
             else None
         )
-        mine = pp.layers
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, family, tp) if i in mine else MissingLayer()
-            for i in range(config.num_layers)
-        )
-        self.stage = slice(mine.start, mine.stop)
+        self.layers = pp.layer_modules(lambda i: LlamaDecoderLayer(config, i, family, tp))
+        self.stage = slice(pp.layers.start, pp.layers.stop)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
 

@@ -16,6 +16,7 @@ passed from stage to stage is one ``[num_tokens, hidden]`` tensor.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -59,6 +60,17 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.rank == self.size - 1
 
+    def holds_embedding(self, tied: bool) -> bool:
+        """The first stage embeds the tokens; with ``tied`` (the LM head is
+        the embedding matrix) the last stage holds the matrix too."""
+        return self.is_first or (self.is_last and tied)
+
+    def layer_modules(self, make: Callable[[int], nn.Module]) -> nn.ModuleList:
+        """Every layer index: ``make(i)`` for this stage's layers, a
+        ``MissingLayer`` for the others' (weight names keep their index)."""
+        mine = self.layers
+        return nn.ModuleList(make(i) if i in mine else MissingLayer() for i in range(self.num_layers))
+
     def holds_weight(self, name: str, tied: bool) -> bool:
         """Whether checkpoint tensor ``name`` (our weight name) belongs to
         this stage (``tied``: the LM head is the embedding matrix, which
@@ -68,7 +80,7 @@ class PipelineStage:
         if (layer := _LAYER.match(name)) is not None:
             return int(layer[1]) in self.layers
         if name.startswith("model.embed_tokens."):
-            return self.is_first or (self.is_last and tied)
+            return self.holds_embedding(tied)
         if name.startswith(("model.norm.", "lm_head.")):
             return self.is_last
         return True
