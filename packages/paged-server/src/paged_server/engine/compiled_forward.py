@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch import Tensor, nn
 
@@ -119,11 +118,6 @@ class CompiledForward:
         # bf16 matmuls (1.37x over the 100M model's 48 projections, one
         # thread; 1.2-1.5x for a 30M layer's); at 8 rows they tied.
         self._freezing_one_row = inductor_config.patch(freezing=True, **_CPP_GEMM_TEMPLATE)
-        # AOT runs a new graph's first call under a dispatch mode that checks
-        # custom ops for aliasing; the attention op's own compiled decode
-        # (paged_ref.compiled_decode) would then compile for the mode's
-        # tensors and again for the real ones. Our op returns a new tensor.
-        self._no_alias_check = functorch_config.patch(check_custom_op_aliasing=False)
 
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor, kv_cache: AttentionViewProtocol | None
@@ -135,7 +129,7 @@ class CompiledForward:
             # Freezing is read when a graph compiles (torch.compile's options
             # do not reach it), so it is set around every call, not globally.
             freezing = self._freezing_one_row if input_ids.shape[0] == 1 else self._freezing
-            with freezing, self._no_alias_check:
+            with freezing:
                 return self._compiled(input_ids, position_ids, _OPAQUE)
         finally:
             _step.view = None

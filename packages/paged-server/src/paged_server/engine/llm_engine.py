@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from paged_ref.compiled_decode import CompiledDecodeOps
+from paged_ref.cpu_decode import CpuDecodeOps
 from paged_server.config import EngineConfig, RunConfig
 from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam_search, ready_rows
 from paged_server.engine.checks import audit_engine, check_prompt
@@ -150,9 +150,10 @@ class LLMEngine:
             kv_scales = calibrated_kv_scales(config, loaded, self.kv_heads_per_rank)
             log.info("calculate_kv_scales (%s): %s", config.kv_cache_dtype, kv_scales.summary())
         compile_forward = compiles_forward(loaded.model, config, device, config.attention_backend)
-        # A compiled step also reads the paged cache in place for its decodes.
+        # A compiled CPU step also runs its decodes' attention as one C loop
+        # nest that reads the paged cache in place.
         paged = config.kv_cache_backend == "paged"
-        decode_ops = CompiledDecodeOps if compile_forward and paged else None
+        decode_ops = CpuDecodeOps if compile_forward and paged else None
         self.pool, self.capacity = build_cache_pool(
             config,
             mc,

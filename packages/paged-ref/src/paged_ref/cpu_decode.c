@@ -1,0 +1,119 @@
+/* Decode attention over the paged cache, for a CPU: one query per sequence,
+ * K/V read in place from their blocks (no gather copy), float32 softmax.
+ *
+ * The same attention as ops.paged_decode_attention (the definition; the tests
+ * compare the two). Built by cpu_decode.py with the shapes that stay fixed
+ * for a model as constants, so the compiler unrolls and vectorizes the
+ * head_dim loops and keeps each head's accumulator on the stack:
+ *   HEAD_DIM, GROUP (query heads per kv head), KV_HEADS, and CACHE_BF16 /
+ *   CACHE_F16 / neither (float32) for the cache's element type.
+ *
+ * Work items are (sequence, range of kv heads): a whole token row (every kv
+ * head) is contiguous in a block, so one item per sequence reads each block
+ * front to back; with fewer sequences than threads each kv head is its own
+ * item so one sequence still fills every core.
+ *
+ * Each block is one step of an online softmax (as the Triton decode kernel
+ * does): scores for its tokens, a running max and sum per query head, the
+ * accumulator rescaled when the max grows. */
+#include <math.h>
+#include <stdint.h>
+
+#define HEADS (KV_HEADS * GROUP)
+#define ROW (KV_HEADS * HEAD_DIM)
+#define MAX_BLOCK 256
+
+#if defined(CACHE_BF16)
+typedef uint16_t cache_t;
+static inline float to_float(cache_t x) {
+    union { uint32_t u; float f; } bits = { .u = (uint32_t)x << 16 };
+    return bits.f;
+}
+#elif defined(CACHE_F16)
+typedef _Float16 cache_t;
+static inline float to_float(cache_t x) { return (float)x; }
+#else
+typedef float cache_t;
+static inline float to_float(cache_t x) { return x; }
+#endif
+
+static void attend(const float* q, const cache_t* k, const cache_t* v, const int32_t* table,
+                   int64_t len, int64_t h0, int64_t h1, float* out, int64_t block_size,
+                   int64_t num_blocks, float scale, int64_t window, float softcap) {
+    const int64_t start = (window > 0 && len > window) ? len - window : 0;
+    float qs[HEADS][HEAD_DIM], acc[HEADS][HEAD_DIM], row[ROW];
+    float score[MAX_BLOCK][HEADS], m[HEADS], sum[HEADS];
+    for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
+        for (int d = 0; d < HEAD_DIM; d++) {
+            qs[i][d] = q[i * HEAD_DIM + d] * scale;
+            acc[i][d] = 0.f;
+        }
+        m[i] = -INFINITY;
+        sum[i] = 0.f;
+    }
+    for (int64_t first = start - start % block_size; first < len; first += block_size) {
+        int64_t blk = table[first / block_size];
+        blk = blk < 0 ? 0 : (blk >= num_blocks ? num_blocks - 1 : blk);  /* junk entries */
+        const int64_t lo = first < start ? start - first : 0;
+        const int64_t hi = len - first < block_size ? len - first : block_size;
+        const cache_t* kb = k + blk * block_size * ROW;
+        const cache_t* vb = v + blk * block_size * ROW;
+        for (int64_t s = lo; s < hi; s++) {
+            for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = to_float(kb[s * ROW + d]);
+            for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
+                const float* kh = row + (i / GROUP) * HEAD_DIM;
+                float dot = 0.f;
+                for (int d = 0; d < HEAD_DIM; d++) dot += qs[i][d] * kh[d];
+                if (softcap > 0.f) dot = softcap * tanhf(dot / softcap);
+                score[s][i] = dot;
+            }
+        }
+        for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
+            float top = m[i];
+            for (int64_t s = lo; s < hi; s++) top = score[s][i] > top ? score[s][i] : top;
+            if (top > m[i]) {  /* rescale what was summed under the old max */
+                const float shrink = expf(m[i] - top);
+                for (int d = 0; d < HEAD_DIM; d++) acc[i][d] *= shrink;
+                sum[i] *= shrink;
+                m[i] = top;
+            }
+            for (int64_t s = lo; s < hi; s++) {
+                score[s][i] = expf(score[s][i] - top);
+                sum[i] += score[s][i];
+            }
+        }
+        for (int64_t s = lo; s < hi; s++) {
+            for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = to_float(vb[s * ROW + d]);
+            for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
+                const float p = score[s][i];
+                const float* vh = row + (i / GROUP) * HEAD_DIM;
+                for (int d = 0; d < HEAD_DIM; d++) acc[i][d] += p * vh[d];
+            }
+        }
+    }
+    for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
+        const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;  /* no visible key: zeros */
+        for (int d = 0; d < HEAD_DIM; d++) out[i * HEAD_DIM + d] = acc[i][d] * inv;
+    }
+}
+
+/* q, out: [batch, HEADS, HEAD_DIM] float32; k, v: [num_blocks, block_size,
+ * KV_HEADS, HEAD_DIM]; tables: [batch, width] int32; lens: [batch] int32.
+ * window <= 0: no sliding window; softcap <= 0: none. Returns 0, or -1 when
+ * block_size exceeds MAX_BLOCK (the caller then uses the reference). */
+int paged_decode(const float* q, const cache_t* k, const cache_t* v, const int32_t* tables,
+                 const int32_t* lens, float* out, int64_t batch, int64_t block_size,
+                 int64_t width, int64_t num_blocks, float scale, int64_t window, float softcap,
+                 int num_threads) {
+    if (block_size > MAX_BLOCK) return -1;
+    const int64_t split = batch < num_threads ? KV_HEADS : 1;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < batch * split; item++) {
+        const int64_t b = item / split, part = item % split;
+        const int64_t h0 = part * KV_HEADS / split, h1 = (part + 1) * KV_HEADS / split;
+        int64_t len = lens[b] < width * block_size ? lens[b] : width * block_size;
+        attend(q + b * HEADS * HEAD_DIM, k, v, tables + b * width, len, h0, h1,
+               out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap);
+    }
+    return 0;
+}

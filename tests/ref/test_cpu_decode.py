@@ -1,0 +1,94 @@
+"""The C decode kernel (``paged_ref.cpu_decode``) against the reference
+``paged_decode_attention`` on random page tables: junk table entries, a NaN
+block, zero-length sequences, sliding windows, soft-capping, GQA, every
+16/32-bit cache dtype, one thread and two (sequences split by kv head when
+there are fewer than threads); 8-bit caches and scales fall back to the
+reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_ref import cpu_decode, ops
+from paged_ref.cpu_decode import CpuDecodeOps
+from paged_ref.kv_quant import quantize
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
+NUM_BLOCKS = 64
+
+
+def random_batch(gen: torch.Generator, batch: int, max_len: int, dtype: torch.dtype):
+    """A batch whose tables point at random distinct blocks; entries past a
+    sequence's blocks are junk (-1 or out of range) and one unused block is NaN."""
+    lens = torch.randint(0, max_len + 1, (batch,), generator=gen)
+    lens[0] = max_len
+    width = max(1, -(-max_len // BLOCK))
+    tables = torch.randint(-1, NUM_BLOCKS + 8, (batch, width), generator=gen, dtype=torch.int32)
+    order = torch.randperm(NUM_BLOCKS - 1, generator=gen)
+    used = 0
+    for b in range(batch):
+        n = -(-int(lens[b]) // BLOCK)
+        tables[b, :n] = order[used : used + n].int()
+        used += n
+    k = torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k[NUM_BLOCKS - 1] = v[NUM_BLOCKS - 1] = float("nan")  # stale, reachable only through junk entries
+    tables[tables == NUM_BLOCKS - 1] = 0
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return q, k, v, tables, lens
+
+
+@pytest.fixture(autouse=True)
+def _own_build_dir(tmp_path_factory, monkeypatch):
+    """Each test session builds the kernel itself (a stale cached build would hide a source change)."""
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "paged-cache"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("dtype", "window", "softcap", "atol"),
+    [
+        (torch.float32, None, None, 1e-5),
+        (torch.bfloat16, 6, None, 2e-2),
+        (torch.float16, None, None, 2e-3),
+        (torch.float32, None, 5.0, 1e-5),
+        (torch.float32, 1, None, 1e-5),
+    ],
+)
+def test_cpu_decode_matches_the_reference(dtype, window, softcap, atol, threads) -> None:
+    gen = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batch, max_len in [(1, 1), (1, 9), (5, 4), (7, 23), (12, 40), (3, 0)]:
+            q, k, v, tables, lens = random_batch(gen, batch, max_len, dtype)
+            assert cpu_decode.supports(q, k)
+            want = ops.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5, window, softcap)
+            got = cpu_decode.decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5, window, softcap)
+            assert got.dtype == q.dtype and got.shape == q.shape
+            assert not got.isnan().any()
+            torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_block_larger_than_the_kernel_buffer_takes_the_reference() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(3, 512, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    tables, lens = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32), torch.tensor([700, 300])
+    want = ops.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5)
+    got = cpu_decode.decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_quantized_caches_take_the_reference_path() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, tables, lens = random_batch(gen, 4, 13, torch.float32)
+    (k8, ks), (v8, vs) = quantize(k, torch.int8), quantize(v, torch.int8)
+    args = (q, k8, v8, tables, lens, HEAD_DIM**-0.5)
+    want = ops.paged_decode_attention(*args, k_scales=ks, v_scales=vs)
+    got = CpuDecodeOps(ops).paged_decode_attention(*args, k_scales=ks, v_scales=vs)
+    assert torch.equal(got, want)
+    assert CpuDecodeOps(ops).write_kv is ops.write_kv  # every other op is the wrapped module's
