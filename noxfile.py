@@ -122,7 +122,8 @@ def gpu(session: nox.Session) -> None:
                 *session.posargs, env=env, success_codes=[0, 1])  # fmt: skip
     bench = f"{tmp}/gpu-kernels.json"
     session.run("pytest", "benchmarks/test_decode_attention_bench.py",
-                "benchmarks/test_prefill_attention_bench.py", "--benchmark-only", "-p", "no:randomly",
+                "benchmarks/test_prefill_attention_bench.py", "benchmarks/test_quant_matmul_bench.py",
+                "--benchmark-only", "-p", "no:randomly",
                 f"--benchmark-json={bench}", *session.posargs, env=env)  # fmt: skip
     session.run("python", "benchmarks/gpu_report.py", "--junit", *junit, "--bench", bench)
     failed = session.run(

@@ -27,7 +27,7 @@ token count changes no compiled variant within a bucket.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -46,21 +46,26 @@ MIN_SPLIT_TILES = 4  # K tiles each split keeps, so its loop still pipelines
 @dataclass(frozen=True, slots=True)
 class QuantTile:
     """Rows of x (``block_m``), output features (``block_n``) and input
-    features (``block_k``) per program step; warps and pipeline stages."""
+    features (``block_k``) per program step; warps, pipeline stages and
+    the register cap per thread (``None``: ptxas's choice)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None
 
 
 # M bucket -> tile. <= 16 rows: decode, bound by reading the weight (deep
 # pipeline, long K tiles); <= 64: small batches; more: prefill, bound by
-# arithmetic (8 warps on 128 x 128 outputs).
+# arithmetic (8 warps on 128 x 128 outputs). From the compile matrix: left
+# to itself ptxas gave the 4-warp split-K int8 tile 80 registers and spilled
+# 16 B on sm_90, and capped at 128 it spilled 16 B of the int4 asym tile;
+# with 168 (3 blocks per SM) nothing spills on sm_80/89/90.
 _TILES = (
-    (16, QuantTile(16, 64, 128, 4, 4)),
-    (64, QuantTile(64, 64, 64, 4, 4)),
+    (16, QuantTile(16, 64, 128, 4, 4, 168)),
+    (64, QuantTile(64, 64, 64, 4, 4, 168)),
     (None, QuantTile(128, 128, 64, 8, 3)),
 )
 
@@ -96,7 +101,7 @@ def tile_for(m: int, group_size: int, in_features: int) -> QuantTile:
     tile = next(t for limit, t in _TILES if limit is None or m <= limit)
     block_k = block_k_for(group_size, in_features, tile.block_k)
     assert block_k is not None, (group_size, in_features)
-    return QuantTile(tile.block_m, tile.block_n, block_k, tile.num_warps, tile.num_stages)
+    return replace(tile, block_k=block_k)
 
 
 def split_k(tile: QuantTile, m: int, n: int, k: int, sms: int | None) -> int:
@@ -223,6 +228,7 @@ def plan_quant_matmul(
         ),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        maxnreg=tile.maxnreg,
     )
 
 
