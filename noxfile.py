@@ -101,8 +101,9 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine: the `cuda`-marked tests and the Triton differential
-    tests on the GPU (bf16 included), the kernel benchmarks (do_bench, L2
-    flushed), then benchmarks/results/gpu.json and gpu.md. Without CUDA it
+    tests on the GPU (bf16 included), the kernel benchmarks (attention and
+    the quantized GEMM; do_bench, L2 flushed), then benchmarks/results/gpu.json
+    and gpu.md. Without CUDA it
     says so in one line and stops. Arguments after `--` go to both pytest runs."""
     if shutil.which("nvidia-smi") is None:
         session.skip("no NVIDIA GPU here (nvidia-smi not found); nox -s gpu needs one")
@@ -122,7 +123,8 @@ def gpu(session: nox.Session) -> None:
                 *session.posargs, env=env, success_codes=[0, 1])  # fmt: skip
     bench = f"{tmp}/gpu-kernels.json"
     session.run("pytest", "benchmarks/test_decode_attention_bench.py",
-                "benchmarks/test_prefill_attention_bench.py", "--benchmark-only", "-p", "no:randomly",
+                "benchmarks/test_prefill_attention_bench.py", "benchmarks/test_quant_matmul_bench.py",
+                "--benchmark-only", "-p", "no:randomly",
                 f"--benchmark-json={bench}", *session.posargs, env=env)  # fmt: skip
     session.run("python", "benchmarks/gpu_report.py", "--junit", *junit, "--bench", bench)
     failed = session.run(

@@ -146,9 +146,29 @@ def markdown(report: dict[str, Any]) -> str:
             case += f" (split target {r['waves_per_sm']} programs/SM)"
         lines.append(
             f"| {r['group']} | {case} | {r.get('impl', '-')} | {_num(r, 'kernel_ms', digits=3)} | "
-            f"{_num(r, 'kv_GBps')} | {_num(r, 'pct_of_peak')} | {_num(r, 'TFLOPs')} | "
+            f"{_num(r, 'kv_GBps' if 'kv_GBps' in r else 'GBps')} | {_num(r, 'pct_of_peak')} | "
+            f"{_num(r, 'TFLOPs')} | "
             f"{_num(r, 'working_set_bytes', 1e-6, 0)} |"
         )
+    quant = [r for r in report["benchmarks"] if "speedup_vs_bf16" in r]
+    if quant:
+        lines += [
+            "",
+            "## Quantized GEMM (weight-only, bf16 activations)",
+            "",
+            "Each row one run, side by side: the Triton kernel, dequantize-then-matmul "
+            "(the CUDA path before it) and the 16-bit matmul.",
+            "",
+            "| case | triton ms | dequantize ms | bf16 ms | x vs dequantize | x vs bf16 | weight GB/s |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in quant:
+            lines.append(
+                f"| {r['case']} | {_num(r, 'kernel_ms', digits=4)} | "
+                f"{_num(r, 'dequantize_ms', digits=4)} | {_num(r, 'bf16_ms', digits=4)} | "
+                f"{_num(r, 'speedup_vs_dequantize', digits=2)} | "
+                f"{_num(r, 'speedup_vs_bf16', digits=2)} | {_num(r, 'GBps')} |"
+            )
     host = [r for r in report["benchmarks"] if "us_per_call" in r]
     for r in host:
         lines += ["", f"Host overhead: {r['us_per_call']:.1f} us per call ({r['measures']})."]

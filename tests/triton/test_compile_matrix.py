@@ -201,3 +201,44 @@ def test_fused_moe_compiles_for_every_published_mixture_without_spills():
     assert {j.label.rpartition(" ")[2] for j in jobs} == {"gate_up", "down"}
     results = cm.run_jobs(jobs)
     assert not describe(results), "\n".join(describe(results))
+
+
+def test_quant_matmul_variants_depend_on_the_m_bucket_only():
+    """A step's token count changes no compiled variant of the quantized
+    GEMM within its bucket (<= 16 rows, <= 64, more): M is never
+    specialised and the split-K decision is per layer shape, not per M."""
+    from paged_triton.launch import variant_key
+    from paged_triton.quant_matmul import plan_quant_matmul, split_k, tile_for
+
+    def meta(*shape, dt):
+        return torch.empty(*shape, device="meta", dtype=dt)
+
+    n, k = 4096, 4096
+    keys = {}
+    for m in (1, 2, 5, 16, 17, 33, 64, 65, 300, 4096):
+        tile = tile_for(m, 128, k)
+        splits = split_k(tile, m, n, k, 132)
+        out = meta(m, n, dt=torch.bfloat16) if splits == 1 else meta(splits, m, n, dt=torch.float32)
+        launch = plan_quant_matmul(
+            meta(m, k, dt=torch.bfloat16), meta(n, k // 2, dt=torch.uint8),
+            meta(n, k // 128, dt=torch.float32), None, 4, 128, out, splits, tile,
+        )  # fmt: skip
+        keys.setdefault(tile.block_m, set()).add(variant_key(launch))
+    assert sorted(keys) == [16, 64, 128]
+    assert all(len(v) == 1 for v in keys.values()), keys
+
+
+@needs_ptxas
+def test_quant_matmul_compiles_for_every_format_and_bucket_without_spills():
+    """The weight-only quantized GEMM (int8 per-channel, int8 g128 asym,
+    int4 g128 sym and asym) for each M bucket, with and without split-K,
+    bf16, on sm_80, sm_89 and sm_90 (fp16 in the derived matrix)."""
+    jobs = cm.quant_matmul_jobs(dtypes=("bf16",))
+    labels = {j.label for j in jobs}
+    for name, *_ in cm.QUANT_FORMATS:
+        for bucket in ("M<=16", "M<=64", "M<=128"):
+            assert f"quant_matmul {name} bf16 {bucket}" in labels, (name, bucket)
+    assert any("split-K" in label for label in labels)
+    assert {j.arch for j in jobs} == set(cm.ARCHS)
+    results = cm.run_jobs(jobs)
+    assert not describe(results), "\n".join(describe(results))

@@ -413,8 +413,9 @@ def derived_jobs(
     (layouts that share a per-rank shape share kernels; the label names the
     first); combinations the ops refuse (fp8 e4m3 before sm_89) are left out."""
     jobs: dict[tuple[Any, ...], CompileJob] = {}
-    if layouts is None:  # every family: the experts' kernel too
+    if layouts is None:  # every family: the experts' kernel and the quantized GEMM too
         jobs.update((job.key, job) for job in moe_jobs(archs, dtypes))
+        jobs.update((job.key, job) for job in quant_matmul_jobs(archs, dtypes))
     for name, layout in derived_layouts(dtypes, kv_caches, layouts):
         for arch in archs:
             if layout.kv_cache_dtype == torch.float8_e4m3fn and arch < 89:
@@ -462,6 +463,56 @@ def moe_jobs(
                 for what, launch in launches.items():
                     for arch in archs:
                         label = f"{moe.name} tp{tp} {dtype}: fused_moe {what}"
+                        job = launch_job(label, dtype, launch, arch, block_n=False)
+                        jobs.setdefault(job.key, job)
+    return list(jobs.values())
+
+
+# Llama 3.1 8B's projections (N, K) at TP 1: what a quantized checkpoint multiplies by.
+QUANT_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                "down": (4096, 14336)}  # fmt: skip
+# (name, bits, group size (None: per output channel), zero points): the checkpoint formats.
+QUANT_FORMATS = (
+    ("int8 per-channel", 8, None, False),  # W8A16, online int8
+    ("int8 g128 asym", 8, 128, True),
+    ("int4 g128", 4, 128, False),  # W4A16 sym, GPTQ, online int4
+    ("int4 g128 asym", 4, 128, True),  # W4A16 asym, AWQ
+)
+QUANT_ROWS = (1, 48, 512)  # one M per tile bucket: decode, small batch, prefill
+
+
+def quant_matmul_jobs(
+    archs: Sequence[int] = ARCHS, dtypes: Sequence[str] = ("bf16", "fp16"), sms: int = 132
+) -> list[CompileJob]:
+    """The weight-only quantized GEMM (``quant_matmul.plan_quant_matmul``)
+    for each format in :data:`QUANT_FORMATS` x M bucket x
+    :data:`QUANT_SHAPES` (with and without split-K, as a GPU of ``sms``
+    SMs decides), deduplicated: shapes that share a variant share a job."""
+    from paged_triton.quant_matmul import plan_quant_matmul, split_k, tile_for
+
+    jobs: dict[tuple[Any, ...], CompileJob] = {}
+    for name, bits, group, asym in QUANT_FORMATS:
+        for dtype in dtypes:
+            dt = DTYPES[dtype]
+            for m in QUANT_ROWS:
+                for (n, k) in QUANT_SHAPES.values():
+                    g = group or k
+                    tile = tile_for(m, g, k)
+                    splits = split_k(tile, m, n, k, sms)
+
+                    def meta(*shape: int, dt: torch.dtype) -> torch.Tensor:
+                        return torch.empty(*shape, device="meta", dtype=dt)
+
+                    packed = meta(n, k * bits // 8, dt=torch.int8 if bits == 8 else torch.uint8)
+                    scales = meta(n, k // g, dt=torch.float32)
+                    zeros = meta(n, k // g, dt=torch.int8) if asym else None
+                    out = meta(m, n, dt=dt) if splits == 1 else meta(splits, m, n, dt=torch.float32)
+                    launch = plan_quant_matmul(
+                        meta(m, k, dt=dt), packed, scales, zeros, bits, g, out, splits, tile
+                    )
+                    split = f" split-K {splits}" if splits > 1 else ""
+                    for arch in archs:
+                        label = f"quant_matmul {name} {dtype} M<={tile.block_m}{split}"
                         job = launch_job(label, dtype, launch, arch, block_n=False)
                         jobs.setdefault(job.key, job)
     return list(jobs.values())

@@ -10,9 +10,12 @@ model's shapes at batch 1, while their float32-activation paths are 30x
 slower. In the compiled forward pass (engine/compiled_forward.py) inductor
 lowers both to its C++ GEMM template, which keeps the weight quantized and
 runs 1.1-1.8x (one token) to 9x (64 tokens) faster than these kernels on
-an AMX Xeon. Everything else (fp8, grouped int8, zero points the int4 kernel
-cannot take, CUDA) dequantizes the weight per matmul: memory stays
-quantized, the arithmetic is the dense one.
+an AMX Xeon. On CUDA, int8 and int4 weights run ``paged_triton``'s
+dequantizing GEMM (``quant_matmul``: the weight dequantized tile by tile
+in registers, split-K for decode), reading the layout kept below for
+dequantize-per-call. Everything else (fp8, int8 with zero points on CPU,
+group sizes neither kernel takes) dequantizes the weight per matmul:
+memory stays quantized, the arithmetic is the dense one.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", scale_zero.to(_ACT_DTYPE).to(device))
             self.group_size = group
             return "int4pack_mm"
-        # Fallback: keep the values (4-bit ones two to a byte) and dequantize per call.
+        # The CUDA kernel's layout, also the fallback's: the values (4-bit ones two to a
+        # byte, code + 8, even input feature in the low nibble) dequantized per call.
         self.group_size, self.bits, self.fp8 = w.group_size, w.bits, w.fp8
         q = w.qweight
         if w.bits == 4 and not w.fp8:
@@ -114,11 +118,16 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("qweight", q.to(device))
         self.register_buffer("scales", w.scales.to(device))
         self.register_buffer("zeros", None if w.zeros is None else w.zeros.to(device))
+        if device.type == "cuda" and not w.fp8:
+            from paged_triton.quant_matmul import supports  # imports triton: CUDA only
+
+            if supports(w.bits, w.group_size, w.shape[1]) is None:
+                return "quant_matmul"
         return "dequantize"
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight this layer multiplies by (the fallback's path)."""
-        assert self.kernel == "dequantize", self.kernel
+        assert self.kernel in ("dequantize", "quant_matmul"), self.kernel
         q = self.qweight
         if self.bits == 4 and not self.fp8:
             q = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(1).to(torch.int8) - 8
@@ -130,6 +139,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "dequantize":
             out = F.linear(x, self.dequantized_weight(x.dtype))
+        elif self.kernel == "quant_matmul":
+            from paged_triton.quant_matmul import quant_matmul
+
+            out = quant_matmul(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size)
         else:
             flat = x.reshape(-1, self.in_features).to(_ACT_DTYPE)
             if self.kernel == "int8pack_mm":
