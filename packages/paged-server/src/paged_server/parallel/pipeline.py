@@ -34,14 +34,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from paged_ref.attention_metadata import build_metadata
-from paged_ref.cache_view import CacheView
 from paged_server.models.base import CausalLM
 from paged_server.parallel.process_groups import Pending, TPGroup
+
+if TYPE_CHECKING:
+    from paged_ref.cache_view import CacheView
 
 # Internal knob (vLLM has no flag for it): micro-batches per step; the
 # default is one per stage. 1 is the synchronous schedule.
@@ -146,6 +148,11 @@ class PipelineStep:
 
     def _cut(self, ids: Tensor, view: CacheView, rows: Sequence[int]) -> Iterator[MicroBatch]:
         """The step as micro-batches (just the step when it stays whole)."""
+        # Imported here, as in worker.py: a worker reports that it started
+        # before it imports the attention code, so a broken install is named.
+        from paged_ref.attention_metadata import build_metadata
+        from paged_ref.cache_view import CacheView
+
         meta = view.meta
         bounds = split_batch(meta.new_lens, self.micro_batches)
         if len(bounds) == 2:
