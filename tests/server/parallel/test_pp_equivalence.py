@@ -5,7 +5,8 @@ transformers (``conftest.tp_checkpoints``, two layers: one per stage). The
 workload is the TP tests' one: shared prefixes (prefix-cache hits), prompts
 longer than the step budget (chunked prefill), more KV demand than the pool
 holds (preemption and recompute) and an ``n=2`` request (copy-on-write
-forks replayed on every stage).
+forks replayed on every stage). Steps of up to four sequences, prefill
+chunks beside decodes, run as two micro-batches by default (one per stage).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests.server.parallel.test_tp_equivalence import BASE, POOLS, _workload
 
 from paged_server.config import EngineConfig
 from paged_server.entrypoints.llm import LLM
+from paged_server.parallel.pipeline import MICRO_BATCHES_ENV, micro_batch_count, split_batch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,6 +29,15 @@ def _generate(path: Path, tp: int = 1, pp: int = 1, **extra: Any) -> dict[str, A
     config = {**BASE, **POOLS["paged"], **extra}
     with LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, **config) as llm:
         engine = llm.engine
+        steps: list[list[int]] = []  # each pass's token counts, in the runner's order (decodes first)
+        execute = engine.runner.execute
+
+        def recorded(scheduled: Any) -> Any:
+            lens = [n for _, n in scheduled]
+            steps.append(sorted(lens, key=lambda n: n != 1))
+            return execute(scheduled)
+
+        engine.runner.execute = recorded
         results = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         metrics = engine.metrics()
         assert engine.audit() == []
@@ -36,6 +47,7 @@ def _generate(path: Path, tp: int = 1, pp: int = 1, **extra: Any) -> dict[str, A
             "prefix_hits": metrics["prefix_cache_hits_total"],
             "summary": engine.parallel_summary(),
             "sends": engine.executor.group.counts.sends if engine.executor else 0,
+            "steps": steps,
         }
         workers = list(engine.executor.workers) if engine.executor else []
     assert all(not w.is_alive() for w in workers), "workers must exit with the LLM"
@@ -51,7 +63,47 @@ def test_pp2_matches_one_rank_token_for_token(tp_checkpoints: dict[str, Path], f
     assert two["preemptions"] == one["preemptions"] > 0
     assert two["prefix_hits"] == one["prefix_hits"] > 0
     assert "pipeline_parallel_size=2: layers split 1+1" in two["summary"]
-    assert two["sends"] > 0  # rank 0 sent its stage's activations on
+    # Rank 0 sends each micro-batch's activations on: two for every step of
+    # two sequences or more, among them steps of four and steps mixing
+    # decodes with prefill chunks.
+    assert two["sends"] == sum(len(split_batch(lens, 2)) - 1 for lens in two["steps"])
+    assert any(len(lens) == 4 for lens in two["steps"])
+    assert any(len(lens) >= 3 and lens[0] == 1 and lens[-1] > 1 for lens in two["steps"])
+    assert two["sends"] > len(two["steps"])
+
+
+@pytest.mark.parametrize("micro_batches", ["1", "3"])
+def test_any_number_of_micro_batches_gives_the_same_tokens(
+    tp_checkpoints: dict[str, Path], micro_batches: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One micro-batch (the synchronous schedule) and more micro-batches
+    than stages give PP=1's tokens too."""
+    path = tp_checkpoints["llama"]
+    one = _generate(path)
+    monkeypatch.setenv(MICRO_BATCHES_ENV, micro_batches)
+    two = _generate(path, pp=2)
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] == one["preemptions"] > 0
+    count = int(micro_batches)
+    assert two["sends"] == sum(min(count, len(lens)) for lens in two["steps"])
+
+
+def test_steps_split_into_whole_sequences_of_about_equal_tokens() -> None:
+    assert split_batch([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert split_batch([1] * 15 + [100], 2) == [0, 15, 16]  # decodes, then the chunk alone
+    assert split_batch([10, 1, 1, 1], 2) == [0, 1, 4]
+    assert split_batch([3] * 6, 3) == [0, 2, 4, 6]
+    assert split_batch([1, 1, 10], 3) == [0, 1, 2, 3]  # every run holds a sequence
+    assert split_batch([5, 5, 5], 4) == [0, 1, 2, 3]  # never more runs than sequences
+    assert split_batch([7], 2) == [0, 1] and split_batch([4, 4], 1) == [0, 2]
+
+
+def test_a_bad_micro_batch_count_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MICRO_BATCHES_ENV, "0")
+    with pytest.raises(ValueError, match=r"PAGED_PP_MICRO_BATCHES must be an integer >= 1, got '0'"):
+        micro_batch_count(2)
+    monkeypatch.delenv(MICRO_BATCHES_ENV)
+    assert micro_batch_count(4) == 4  # one per stage by default
 
 
 def test_stage_split_is_vllms() -> None:
@@ -72,7 +124,11 @@ def test_uneven_split_with_int8_kv_and_logprobs_matches_one_rank(tmp_path: Path)
     """Three layers over two stages (2+1): the first stage has more cache
     layers and sets the block count for both; int8 KV per-token scales live
     at each stage's cache layers; prompt and sample logprobs come back from
-    the last stage's logits."""
+    the last stage's logits, each micro-batch's put back in the step's row
+    order (sampled rows first, then scored prompt rows). Micro-batches
+    change the matmuls' shapes, so values differ by float rounding (~1e-5
+    here with a float cache), which an int8 code now and then rounds the
+    other way: hence 1e-3, not 1e-4 (one micro-batch matches to 1e-4)."""
     import torch
     from tests.server.parallel.conftest import _COMMON, VOCAB
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -85,22 +141,23 @@ def test_uneven_split_with_int8_kv_and_logprobs_matches_one_rank(tmp_path: Path)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     build_tokenizer(VOCAB).save(str(tmp_path / "tokenizer.json"))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    prompts = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23, 24, 25, 26, 27], [40, 41, 42, 43, 44]]
     runs = []
     for pp in (1, 2):
         with LLM(str(tmp_path), pipeline_parallel_size=pp, kv_cache_dtype="int8",
                  **BASE, **POOLS["paged"]) as llm:  # fmt: skip
-            [out] = llm.generate(prompt_token_ids=[[5, 6, 7, 8, 9, 10]], sampling_params=params, use_tqdm=False)
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
             if pp == 2:
                 assert "layers split 2+1" in (llm.engine.parallel_summary() or "")
-            runs.append(out)
-    one, two = runs
-    assert two.outputs[0].token_ids == one.outputs[0].token_ids
-    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
-        assert a.keys() == b.keys()
-        assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
-    assert two.outputs[0].logprobs == pytest.approx(one.outputs[0].logprobs, abs=1e-4)
-    for a, b in zip(one.outputs[0].top_logprobs, two.outputs[0].top_logprobs, strict=True):
-        assert a.keys() == b.keys()
+            runs.append(outs)
+    for one, two in zip(*runs, strict=True):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) < 1e-3 for k in a)
+        assert two.outputs[0].logprobs == pytest.approx(one.outputs[0].logprobs, abs=1e-3)
+        for a, b in zip(one.outputs[0].top_logprobs, two.outputs[0].top_logprobs, strict=True):
+            assert a.keys() == b.keys()
 
 
 def test_bad_pipeline_settings_are_refused_in_one_line(tp_checkpoints: dict[str, Path]) -> None:
@@ -120,6 +177,7 @@ def test_tp2_by_pp2_matches_one_rank_on_four_ranks(tp_checkpoints: dict[str, Pat
     four = _generate(path, tp=2, pp=2)
     assert four["tokens"] == one["tokens"]
     assert four["preemptions"] == one["preemptions"]
+    assert four["sends"] > len(four["steps"])  # in micro-batches
     assert "tensor_parallel_size=2: each rank holds 1 of 2 KV heads" in four["summary"]
     assert "pipeline_parallel_size=2: layers split 1+1" in four["summary"]
 

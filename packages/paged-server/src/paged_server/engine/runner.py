@@ -11,7 +11,8 @@ request that asked for ``prompt_logprobs``, the prompt rows whose next
 prompt token is not scored yet.
 
 With pipeline parallelism (``pipeline``) rank 0 runs only the first
-stage: the logits come back from the last stage (``parallel/pipeline.py``).
+stage, micro-batch by micro-batch: the logits come back from the last
+stage (``parallel/pipeline.py``).
 
 On a GPU, pure-decode steps replay CUDA graphs instead (``decode_graphs``):
 same inputs, copied into static buffers and padded to a captured size. On a
@@ -122,9 +123,7 @@ class ModelRunner:
             if self.before_forward is not None:
                 self.before_forward(ids, view, rows)
             if self.pipeline is not None:
-                logits = self.pipeline.run(
-                    self._tensor(ids), self._tensor(positions), view, self._tensor(rows)
-                )
+                logits = self.pipeline.run(self._tensor(ids), view, rows)
                 return self._step_logits(logits, sampled, scored, len(ids))
             hidden = self._hidden_states(self._tensor(ids), self._tensor(positions), view)
         logits = model.compute_logits(hidden.index_select(0, self._tensor(rows)))  # type: ignore[operator]
@@ -172,10 +171,10 @@ class ModelRunner:
                 view = self.pool.step_view([seq_id], [0], [num_tokens])
                 if self.before_forward is not None:
                     self.before_forward(tokens, view, [])
-                positions = self._tensor(list(range(num_tokens)))
                 if self.pipeline is not None:
-                    self.pipeline.run(self._tensor(tokens), positions, view, self._tensor([]))
+                    self.pipeline.run(self._tensor(tokens), view, [])
                 else:
+                    positions = self._tensor(list(range(num_tokens)))
                     self._hidden_states(self._tensor(tokens), positions, view)
         finally:
             self.pool.free_seq(seq_id)

@@ -8,7 +8,8 @@ message (``broadcast_step``, one broadcast per step). Then every rank runs
 the same forward over its shard and the layers' all-reduces meet. With
 pipeline parallelism the ranks form ``pipeline_parallel_size`` stages of
 ``tensor_parallel_size`` ranks (rank 0 and its stage first); each runs its
-stage of the step (``pipeline.py``) and the last returns the logits.
+stage of the step (``pipeline.py``, in micro-batches so the stages
+overlap) and the last returns the logits.
 
 Start-up checks the size first (``preflight``), then waits on each worker's
 pipe until it is ready to join the groups: a worker that fails or dies
@@ -47,7 +48,7 @@ from paged_server.models import LoadedModel, load_model
 from paged_server.models.pipeline_parallel import PipelineStage
 from paged_server.models.tensor_parallel import TensorParallel
 from paged_server.parallel import rendezvous
-from paged_server.parallel.pipeline import PipelineStep
+from paged_server.parallel.pipeline import PipelineStep, micro_batch_count
 from paged_server.parallel.preflight import (
     GUARD_HINT,
     check_tensor_parallel,
@@ -82,6 +83,8 @@ class TensorParallelExecutor:
         self.tp_size = config.tensor_parallel_size
         self.pp_size = config.pipeline_parallel_size
         self.pipeline: PipelineStep | None = None  # rank 0's stage, with pipeline parallelism
+        self.micro_batches = micro_batch_count(self.pp_size) if self.pp_size > 1 else 1
+        self._block_size = config.block_size
         addr, port, is_master, local, per_node = _layout(config)
         self._local = local  # ranks 0..local-1 run on this node, spawned here
         self._remote = list(range(local, world))  # started on other nodes (or by torchrun)
@@ -91,11 +94,13 @@ class TensorParallelExecutor:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         # On CPU the ranks share the cores instead of each taking all of them
-        # (restored at shutdown: the setting is process-wide). Only one
-        # pipeline stage computes at a time, so a stage's ranks share them.
+        # (restored at shutdown: the setting is process-wide). With one
+        # micro-batch per step only one pipeline stage computes at a time, so
+        # a stage's ranks share them; with several, every stage computes at once.
         self._threads = torch.get_num_threads()
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, usable_cpu_cores() // min(local, self.tp_size)))
+            busy = local if self.micro_batches > 1 else min(local, self.tp_size)
+            torch.set_num_threads(max(1, usable_cpu_cores() // busy))
         self.recorder: RecordingOps | None = None
         self.dead: str | None = None  # why the ranks stopped, once they have
         try:
@@ -115,6 +120,7 @@ class TensorParallelExecutor:
             attention_backend=attention_backend,
             num_threads=torch.get_num_threads(),
             parent_pid=os.getpid(),
+            micro_batches=self.micro_batches,
         )
         self._specs = [
             dataclasses.replace(base, rank=rank, device=str(_rank_device(device, rank)))
@@ -192,7 +198,9 @@ class TensorParallelExecutor:
             )
         assert loaded is not None
         if self.pp_size > 1:
-            self.pipeline = PipelineStep(loaded.model, self.group, loaded.dtype, self.device)
+            self.pipeline = PipelineStep(
+                loaded.model, self.group, loaded.dtype, self.device, self._block_size, self.micro_batches
+            )
         return loaded
 
     def _await_ready(self) -> None:

@@ -58,9 +58,10 @@ def check_model_splits(world_size: int, model_path: str, pipeline_parallel_size:
 
 
 def check_devices(world_size: int, device: torch.device, busy: int | None = None) -> None:
-    """One GPU per rank on CUDA; one core per rank computing at once on CPU
-    (``busy``: one stage's ranks with pipeline parallelism, whose stages
-    take turns; more than cores would only time-slice the same cores)."""
+    """One GPU per rank on CUDA; on CPU one core per rank of a stage
+    (``busy``: one stage's ranks with pipeline parallelism), whose
+    all-reduces need every one running; stages, whose micro-batches only
+    wait on the stage before, may time-slice the same cores."""
     if device.type == "cuda":
         first, count = device.index or 0, torch.cuda.device_count()
         if first + world_size > count:

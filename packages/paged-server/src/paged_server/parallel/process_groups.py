@@ -94,16 +94,19 @@ class TPGroup:
         self.counts.all_reduces += 1
         self.device_pg.allreduce([tensor]).wait()
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Send ``tensor`` to rank ``dst`` (pipeline parallelism)."""
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Pending:
+        """Start sending ``tensor`` to rank ``dst`` (pipeline parallelism);
+        ``wait()`` on the result before ``tensor`` is reused. A send
+        completes only once ``dst`` has posted the matching receive."""
         self.counts.sends += 1
-        self.pipe_pg.send([tensor.contiguous()], dst, 0).wait()
+        tensor = tensor.contiguous()
+        return Pending(self.pipe_pg.send([tensor], dst, tag), tensor)
 
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        """Receive into ``tensor`` from rank ``src``; returns it."""
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Pending:
+        """Start receiving into ``tensor`` from rank ``src`` (the send with
+        the same ``tag``); ``wait()`` returns it, filled."""
         self.counts.recvs += 1
-        self.pipe_pg.recv([tensor], src, 0).wait()
-        return tensor
+        return Pending(self.pipe_pg.recv([tensor], src, tag), tensor)
 
     def broadcast_message(self, message: object = None) -> Any:
         """Rank 0 sends ``message`` (pickled); every other rank receives it."""
@@ -141,6 +144,20 @@ class TPGroup:
         self.counts.broadcasts += 1
         timeout = IDLE_TIMEOUT if self.rank else None  # a worker waits for the next step
         self.message_pg.broadcast(tensor, 0, timeout).wait()
+
+
+class Pending:
+    """A point-to-point transfer in flight; holds its tensor until it is done."""
+
+    __slots__ = ("_tensor", "_work")
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self._work, self._tensor = work, tensor
+
+    def wait(self) -> torch.Tensor:
+        """Block until the transfer is done; returns its tensor."""
+        self._work.wait()
+        return self._tensor
 
 
 def _device_group(

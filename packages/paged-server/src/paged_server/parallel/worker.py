@@ -56,6 +56,7 @@ class WorkerSpec:
     attention_backend: str
     num_threads: int
     parent_pid: int
+    micro_batches: int = 1  # pipeline parallelism: a step's micro-batches at most (pipeline.py)
 
 
 STARTED, READY, ERROR = "started", "ready", "error"  # what a worker reports on its pipe
@@ -126,7 +127,9 @@ def run_worker(
     paged = spec.config.kv_cache_backend == "paged"
     block_size = spec.config.block_size if paged else spec.config.max_model_len
     model: Any = loaded.model
-    pipeline = PipelineStep(model, group, loaded.dtype, device) if stage.size > 1 else None
+    pipeline = None
+    if stage.size > 1:
+        pipeline = PipelineStep(model, group, loaded.dtype, device, block_size, spec.micro_batches)
     while True:
         message: StepMessage = group.broadcast_message()
         if message.stop:
@@ -145,8 +148,7 @@ def run_worker(
             ids = torch.tensor(message.input_ids, dtype=torch.long, device=device)
             view = CacheView.over(view_pool, meta)
             if pipeline is not None:
-                rows = torch.tensor(message.rows, dtype=torch.long, device=device)
-                pipeline.run(ids, meta.positions, view, rows)
+                pipeline.run(ids, view, message.rows)
             else:
                 model.hidden_states(ids, meta.positions, view)
 
