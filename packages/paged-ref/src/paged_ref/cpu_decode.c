@@ -37,7 +37,7 @@ typedef float cache_t;
 static inline float to_float(cache_t x) { return x; }
 #endif
 
-static void attend(const float* q, const cache_t* k, const cache_t* v, const int32_t* table,
+static inline __attribute__((always_inline)) void attend(const float* q, const cache_t* k, const cache_t* v, const int32_t* table,
                    int64_t len, int64_t h0, int64_t h1, float* out, int64_t block_size,
                    int64_t num_blocks, float scale, int64_t window, float softcap) {
     const int64_t start = (window > 0 && len > window) ? len - window : 0;
@@ -58,6 +58,16 @@ static void attend(const float* q, const cache_t* k, const cache_t* v, const int
         const int64_t hi = len - first < block_size ? len - first : block_size;
         const cache_t* kb = k + blk * block_size * ROW;
         const cache_t* vb = v + blk * block_size * ROW;
+        if (first + block_size < len) {  /* fetch the next block while this one computes */
+            int64_t next = table[first / block_size + 1];
+            next = next < 0 ? 0 : (next >= num_blocks ? num_blocks - 1 : next);
+            const char* kn = (const char*)(k + next * block_size * ROW);
+            const char* vn = (const char*)(v + next * block_size * ROW);
+            for (int64_t off = 0; off < block_size * ROW * (int64_t)sizeof(cache_t); off += 64) {
+                __builtin_prefetch(kn + off);
+                __builtin_prefetch(vn + off);
+            }
+        }
         for (int64_t s = lo; s < hi; s++) {
             for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = to_float(kb[s * ROW + d]);
             for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
@@ -112,8 +122,12 @@ int paged_decode(const float* q, const cache_t* k, const cache_t* v, const int32
         const int64_t b = item / split, part = item % split;
         const int64_t h0 = part * KV_HEADS / split, h1 = (part + 1) * KV_HEADS / split;
         int64_t len = lens[b] < width * block_size ? lens[b] : width * block_size;
-        attend(q + b * HEADS * HEAD_DIM, k, v, tables + b * width, len, h0, h1,
-               out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap);
+        if (split == 1)  /* constant head bounds: the compiler unrolls every head loop */
+            attend(q + b * HEADS * HEAD_DIM, k, v, tables + b * width, len, 0, KV_HEADS,
+                   out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap);
+        else
+            attend(q + b * HEADS * HEAD_DIM, k, v, tables + b * width, len, h0, h1,
+                   out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap);
     }
     return 0;
 }
