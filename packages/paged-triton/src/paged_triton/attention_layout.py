@@ -1,6 +1,6 @@
 """What the decode and prefill wrappers share, written once: the checks
-before a launch, and a layer's layout (head programs, constexprs, tile and
-scale arguments) from its shapes alone."""
+before a launch, and a layer's layout (head programs, constexprs, tile, and
+the cache arguments both kernels take) from its shapes alone."""
 
 from __future__ import annotations
 
