@@ -185,17 +185,18 @@ def test_dense_sdpa_anchor(benchmark):
 @pytest.mark.skipif(not CUDA, reason="tunes the split policy for this GPU: only meaningful on one")
 @pytest.mark.parametrize("waves", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", ["uniform-64x4k", "ragged-1x32k+63x1k", "single-32k"])
-def test_split_policy_sweep(benchmark, name, waves):
+def test_split_policy_sweep(benchmark, monkeypatch, name, waves):
     """Programs per SM the split aims for (decode_splits.WAVES_PER_SM is 4)."""
     step = make_step(name)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     policy = SplitPolicy(target_programs=waves * sms)
+    monkeypatch.setattr(decode_module, "split_policy", lambda device: policy)
     memo: dict = {}
 
     def fn() -> torch.Tensor:
-        return decode_module.decode_attention(
+        return decode_module.paged_decode_attention(
             step.q, step.k_cache, step.v_cache, step.block_tables, step.seq_lens, step.scale,
-            memo=memo, policy=policy,
+            memo=memo,
         )  # fmt: skip
 
     benchmark.group = "split policy"

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["paged_core", "paged_ref", "paged_triton", "paged_server"]  # lowest first
 SERVER_LAYERS = [
     # shared vocabulary: errors, outputs, request parameters, the tokenizer
-    {"errors", "outputs", "sampling_params", "structured_outputs", "tokenizer"},
+    {"errors", "outputs", "sampling_params", "output_constraint", "tokenizer"},
     # where a model lives and its recommended sampling settings (read by config and engine)
     {"model_dir", "generation_defaults"},
     {"models", "default_model"},  # model code and its loader; know no engine config

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -153,6 +154,17 @@ def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[dtype])
 
 
+def decode_attention(*args: Any, policy: Any = None, **kwargs: Any) -> Tensor:
+    """``paged_decode_attention`` with the split policy forced to ``policy``
+    (a ``SplitPolicy``; ``None``: the device's), so CPU runs cover the split path."""
+    from paged_triton import decode_attention as module
+
+    with pytest.MonkeyPatch.context() as patch:
+        if policy is not None:
+            patch.setattr(module, "split_policy", lambda device: policy)
+        return module.paged_decode_attention(*args, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def paged() -> types.SimpleNamespace:
     """The helpers above, for tests and hypothesis strategies."""
@@ -164,6 +176,7 @@ def paged() -> types.SimpleNamespace:
         random_static_quantized_caches=random_static_quantized_caches,
         blocks_needed=blocks_needed,
         assert_close=assert_close,
+        decode_attention=decode_attention,
     )
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from paged_ref import ops as ref_ops
-from paged_triton.decode_attention import decode_attention
 from paged_triton.decode_splits import SplitPolicy
 
 SPLIT = SplitPolicy(min_chunk=64, target_programs=1 << 20, max_splits=4)
@@ -59,7 +58,7 @@ def test_decode_matches_reference(
         lengths(block_size), heads, kv_heads, head_dim, block_size, dtype, gen, paged
     )
     scale = head_dim**-0.5
-    out = decode_attention(
+    out = paged.decode_attention(
         q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, policy=policy
     )
     expected = ref_ops.paged_decode_attention(
@@ -74,11 +73,11 @@ def test_empty_and_fully_masked_rows_are_zeros(policy, gen, paged):
     q, k_cache, v_cache, tables, seq_lens = make_inputs(
         lens, 4, 2, 64, 16, torch.float32, gen, paged
     )
-    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, policy=policy)
+    out = paged.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, policy=policy)
     assert torch.isfinite(out).all()
     assert (out[[0, 2]] == 0).all() and (out[[1, 3]] != 0).any()
     # A window of 0 hides every key, even the query's own position.
-    hidden = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 0, policy=policy)
+    hidden = paged.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 0, policy=policy)
     assert (hidden == 0).all()
     expected = ref_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 0)
     paged.assert_close(hidden, expected, torch.float32)
@@ -102,7 +101,7 @@ def test_stale_data_past_the_length_never_leaks(gen, paged):
             for src, dsts in ((k_cache, (clean_k, poisoned_k)), (v_cache, (clean_v, poisoned_v))):
                 for dst in dsts:
                     dst[block, off] = src[block, off]
-    out = decode_attention(q, poisoned_k, poisoned_v, tables, seq_lens, 0.125, policy=SPLIT)
+    out = paged.decode_attention(q, poisoned_k, poisoned_v, tables, seq_lens, 0.125, policy=SPLIT)
     expected = ref_ops.paged_decode_attention(q, clean_k, clean_v, tables, seq_lens, 0.125)
     paged.assert_close(out, expected, torch.float32)
 
@@ -122,7 +121,7 @@ def test_step_memo_replays_one_plan_for_every_layer(policy, gen, paged):
         if step is not None:  # later layers: the same step's block tables and lengths
             tables, seq_lens = step
         step = (tables, seq_lens)
-        out = decode_attention(
+        out = paged.decode_attention(
             q, k_cache, v_cache, tables, seq_lens, 0.125, window, memo=memo, policy=policy
         )
         expected = ref_ops.paged_decode_attention(

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_ref import ops as ref_ops
-from paged_triton.decode_attention import decode_attention
 from paged_triton.decode_splits import SplitPolicy
 from paged_triton.ops import paged_prefill_attention
 
@@ -68,7 +67,7 @@ def test_kernels_match_reference(case, paged):
     scale, window, softcap = head_dim**-0.5, case["window"], case["softcap"]
 
     q = torch.randn(len(lens), case["heads"], head_dim, generator=gen).to(paged.device, dtype)
-    out = decode_attention(
+    out = paged.decode_attention(
         q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, policy=case["policy"]
     )
     expected = ref_ops.paged_decode_attention(

@@ -13,7 +13,6 @@ import torch
 from paged_ref import PagedKVPool
 from paged_ref import ops as ref_ops
 from paged_triton import ops
-from paged_triton.decode_attention import decode_attention
 from paged_triton.decode_splits import SplitPolicy
 
 SPLIT = SplitPolicy(min_chunk=16, target_programs=1 << 20, max_splits=4)
@@ -85,7 +84,7 @@ def test_int4_decode_matches_reference(q_dtype, policy, gen, paged):
     args = (q, pool.k_cache[0], pool.v_cache[0], tables.to(paged.device),
             torch.tensor(lens, dtype=torch.int32).to(paged.device))  # fmt: skip
     for window in (None, 20):
-        out = decode_attention(*args, 0.2, window, policy=policy, **kw(pool))
+        out = paged.decode_attention(*args, 0.2, window, policy=policy, **kw(pool))
         paged.assert_close(out, ref_ops.paged_decode_attention(*args, 0.2, window, **kw(pool)), q_dtype)
 
 

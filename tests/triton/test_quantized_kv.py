@@ -14,7 +14,6 @@ from paged_ref import PagedKVPool
 from paged_ref import ops as ref_ops
 from paged_ref.kv_quant import as_bits
 from paged_triton import ops
-from paged_triton.decode_attention import decode_attention
 from paged_triton.decode_splits import SplitPolicy
 
 # Triton has no e4m3 conversions before sm_89 (the ops refuse it with a clear error there).
@@ -130,7 +129,7 @@ def test_head_scale_decode_and_prefill_match_reference(
         lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype, gen, paged, static=True
     )
     scale = head_dim**-0.5
-    out = decode_attention(*args, scale, window, softcap, policy=SPLIT, **scales)
+    out = paged.decode_attention(*args, scale, window, softcap, policy=SPLIT, **scales)
     expected = ref_ops.paged_decode_attention(*args, scale, window, softcap, **scales)
     paged.assert_close(out, expected, q_dtype)
     q_lens = [60, 2 * block_size, 1, 0, 7]
@@ -155,7 +154,7 @@ def test_quantized_decode_matches_reference(
         lens, heads, kv_heads, head_dim, block_size, kv_dtype, q_dtype, gen, paged
     )
     scale = head_dim**-0.5
-    out = decode_attention(*args, scale, window, softcap, policy=policy, **scales)
+    out = paged.decode_attention(*args, scale, window, softcap, policy=policy, **scales)
     expected = ref_ops.paged_decode_attention(*args, scale, window, softcap, **scales)
     paged.assert_close(out, expected, q_dtype)
 
@@ -192,7 +191,7 @@ def test_step_memo_replays_with_each_layers_scales(static, gen, paged):
         if step is not None:
             args = (*args[:3], *step)
         step = args[3:]
-        out = decode_attention(*args, 0.125, memo=memo, policy=SPLIT, **scales)
+        out = paged.decode_attention(*args, 0.125, memo=memo, policy=SPLIT, **scales)
         paged.assert_close(out, ref_ops.paged_decode_attention(*args, 0.125, **scales),
                            torch.float32)  # fmt: skip
     assert sum(key[0] == "paged_triton.decode" for key in memo) == 1

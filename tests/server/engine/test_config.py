@@ -9,8 +9,8 @@ import torch
 
 from paged_server.config import EngineConfig, cpu_has_bf16
 from paged_server.models.config import ModelConfig
+from paged_server.output_constraint import StructuredOutputsParams
 from paged_server.sampling_params import SamplingParams
-from paged_server.structured_outputs import StructuredOutputsParams
 
 # A model with 4096 positions and no sliding window: all `resolve` reads of it.
 MODEL = ModelConfig.from_hf(

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+import paged_server.engine.grammar_mask as structured_module
 import paged_server.engine.llm_engine as engine_module
-import paged_server.engine.structured_output as structured_module
 from paged_server.engine.llm_engine import LLMEngine
 from paged_server.entrypoints.llm import LLM
+from paged_server.output_constraint import StructuredOutputsParams
 from paged_server.sampling_params import SamplingParams
-from paged_server.structured_outputs import StructuredOutputsParams
 
 BAD = "bad"
 

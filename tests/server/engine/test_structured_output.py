@@ -17,8 +17,8 @@ import jsonschema
 import pytest
 
 from paged_server.engine.llm_engine import LLMEngine
+from paged_server.output_constraint import StructuredOutputsParams
 from paged_server.sampling_params import SamplingParams
-from paged_server.structured_outputs import StructuredOutputsParams
 
 SELF_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 NUM_SCHEMAS = 60

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from paged_server.structured_outputs import StructuredOutputsParams
+from paged_server.output_constraint import StructuredOutputsParams
 
 # Temperatures below this sample greedily (as vLLM does): so close to 0 the
 # distribution is the argmax anyway, and far smaller ones (1e-40) overflow

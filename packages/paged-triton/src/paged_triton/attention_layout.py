@@ -1,6 +1,6 @@
 """What the decode and prefill wrappers share, written once: the checks
-before a launch, and a layer's layout (head programs, constexprs, tile and
-scale arguments) from its shapes alone."""
+before a launch, and a layer's layout (head programs, constexprs, tile, and
+the cache arguments both kernels take) from its shapes alone."""
 
 from __future__ import annotations
 
@@ -52,9 +52,8 @@ class LayerLayout(NamedTuple):
     head_programs: int  # programs along the head axis
     constexprs: dict[str, Any]  # window and softcap flags aside
     tile: TileConfig
-    k_scale: Tensor | None
-    v_scale: Tensor | None
-    scale_strides: tuple[int, ...]
+    caches: tuple[Tensor, Tensor, Tensor | None, Tensor | None]  # K, V, K_SCALE, V_SCALE
+    cache_strides: tuple[int, ...]  # block, kv head, token in the block; scales: block, token
 
 
 def layer_layout(
@@ -62,7 +61,8 @@ def layer_layout(
     tile: TileConfig | None, scales: dict[str, Tensor | None],
 ) -> LayerLayout:  # fmt: skip
     """A ``"decode"`` or ``"prefill"`` launch's layout for this layer
-    (``tile``: instead of :func:`tile_config`'s choice, for autotuning)."""
+    (``tile``: instead of :func:`tile_config`'s choice, for autotuning),
+    with the cache arguments both kernels take in the same order."""
     k_head = scales.get("k_head_scales")
     head_programs, constexprs, tile = _shape_params(
         kind, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
@@ -74,7 +74,11 @@ def layer_layout(
         k_cache, v_cache, scales.get("k_scales"), scales.get("v_scales"), k_head,
         scales.get("v_head_scales"),
     )  # fmt: skip
-    return LayerLayout(head_programs, constexprs, tile, k_scale, v_scale, tuple(strides))
+    cs = k_cache.stride()
+    return LayerLayout(
+        head_programs, constexprs, tile, (k_cache, v_cache, k_scale, v_scale),
+        (cs[0], cs[2], cs[1], *strides),
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=512)

@@ -16,6 +16,74 @@ from paged_triton.interpreter_bf16 import cast, dot
 
 
 @triton.jit
+def attend_context(
+    q_rows,
+    row_mask,
+    pos,
+    K,
+    V,
+    K_SCALE,
+    V_SCALE,
+    bt_row,
+    kv_head,
+    kv_off,
+    start,
+    end,
+    window,
+    stride_block,
+    stride_tok,
+    stride_sb,
+    stride_st,
+    scale,
+    softcap,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
+):
+    """Attention of ``ROWS`` query rows (``q_rows``: each row's pointer into
+    Q, ``row_mask``: the real ones) over the context positions ``start ..
+    end`` of one sequence and KV head (``bt_row``: its page-table row,
+    ``kv_off``: the head's element offset). ``CAUSAL`` (prefill): row ``i``
+    also sees only keys at or before ``pos[i]`` and, with ``USE_WINDOW``,
+    after ``pos[i] - window``; decode instead passes a ``start`` that already
+    leaves out what its one query cannot see. Returns the normalised output
+    ``[ROWS, BLOCK_D]`` (zeros for a row that saw no key) with the running max
+    (log2 units) and sum the split decode needs for its log-sum-exp."""
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_QUANT == 0:  # 8-bit caches are dequantized to q's dtype instead
+        q = cast(q, K.dtype.element_ty, EMULATE_BF16)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        tok, tok_mask, k, v = load_kv_tile(
+            K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, end, d, d_mask, stride_block,
+            stride_tok, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
+            HEAD_SCALES, HEAD_DIM,
+        )  # fmt: skip
+        visible = row_mask[:, None] & tok_mask[None, :]
+        if CAUSAL:
+            visible = visible & (tok[None, :] <= pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (tok[None, :] > pos[:, None] - window)
+        m_i, l_i, acc = attend_tile(
+            q, k, v, visible, m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION, EMULATE_BF16
+        )
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
+
+
+@triton.jit
 def load_kv_tile(
     K,
     V,
@@ -65,53 +133,24 @@ def load_kv_tile(
         )  # fmt: skip
         k = cast(k, COMPUTE, EMULATE_BF16)
         v = cast(v, COMPUTE, EMULATE_BF16)
-    else:
-        k, v = load_codes_tile(
-            K, V, K_SCALE, V_SCALE, block, slot_in_block, rows, kv_head, kv_mask, d, tok_mask,
-            stride_sb, stride_st, KV_QUANT, COMPUTE, EMULATE_BF16, HEAD_SCALES,
-        )  # fmt: skip
+    else:  # the model's dtype, or 8-bit codes dequantized with their scales
+        k = tl.load(K + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if HEAD_SCALES:
+            k_scale = tl.load(K_SCALE + kv_head)
+            v_scale = tl.load(V_SCALE + kv_head)
+            k = cast(k.to(tl.float32) * k_scale, COMPUTE, EMULATE_BF16)
+            v = cast(v.to(tl.float32) * v_scale, COMPUTE, EMULATE_BF16)
+        elif KV_QUANT == 2:
+            scale_rows = block * stride_sb + slot_in_block * stride_st + kv_head
+            k_scale = tl.load(K_SCALE + scale_rows, mask=tok_mask, other=0.0).to(tl.float32)
+            v_scale = tl.load(V_SCALE + scale_rows, mask=tok_mask, other=0.0).to(tl.float32)
+            k = cast(k.to(tl.float32) * k_scale[:, None], COMPUTE, EMULATE_BF16)
+            v = cast(v.to(tl.float32) * v_scale[:, None], COMPUTE, EMULATE_BF16)
+        elif KV_QUANT == 1:
+            k = cast(k.to(tl.float32), COMPUTE, EMULATE_BF16)
+            v = cast(v.to(tl.float32), COMPUTE, EMULATE_BF16)
     return tok, tok_mask, k, v
-
-
-@triton.jit
-def load_codes_tile(
-    K,
-    V,
-    K_SCALE,
-    V_SCALE,
-    block,
-    slot_in_block,
-    rows,
-    kv_head,
-    kv_mask,
-    d,
-    tok_mask,
-    stride_sb,
-    stride_st,
-    KV_QUANT: tl.constexpr,
-    COMPUTE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    HEAD_SCALES: tl.constexpr,
-):
-    """K and V tiles of a cache in the model's dtype or an 8-bit one (see
-    ``load_kv_tile``)."""
-    k = tl.load(K + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if HEAD_SCALES:
-        k_scale = tl.load(K_SCALE + kv_head)
-        v_scale = tl.load(V_SCALE + kv_head)
-        k = cast(k.to(tl.float32) * k_scale, COMPUTE, EMULATE_BF16)
-        v = cast(v.to(tl.float32) * v_scale, COMPUTE, EMULATE_BF16)
-    elif KV_QUANT == 2:
-        scale_rows = block * stride_sb + slot_in_block * stride_st + kv_head
-        k_scale = tl.load(K_SCALE + scale_rows, mask=tok_mask, other=0.0).to(tl.float32)
-        v_scale = tl.load(V_SCALE + scale_rows, mask=tok_mask, other=0.0).to(tl.float32)
-        k = cast(k.to(tl.float32) * k_scale[:, None], COMPUTE, EMULATE_BF16)
-        v = cast(v.to(tl.float32) * v_scale[:, None], COMPUTE, EMULATE_BF16)
-    elif KV_QUANT == 1:
-        k = cast(k.to(tl.float32), COMPUTE, EMULATE_BF16)
-        v = cast(v.to(tl.float32), COMPUTE, EMULATE_BF16)
-    return k, v
 
 
 @triton.jit

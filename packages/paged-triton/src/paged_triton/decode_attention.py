@@ -26,7 +26,7 @@ from torch import Tensor
 
 from paged_ref.kv_quant import scale_keywords
 from paged_triton.attention_layout import check_attention, layer_layout
-from paged_triton.attention_tile import attend_tile, load_kv_tile
+from paged_triton.attention_tile import attend_context
 from paged_triton.decode_splits import (
     SplitPolicy,
     plan_merge,
@@ -137,32 +137,14 @@ def _decode_kernel(
     g = tl.arange(0, BLOCK_H)
     head_mask = (g < HEADS_PER_PROG) & (first + g < Q_PER_KV)
     heads = kv_head * Q_PER_KV + first + g
+    out, m_i, l_i = attend_context(
+        Q + b * stride_qb + heads * stride_qh, head_mask, seq_len, K, V, K_SCALE, V_SCALE,
+        BT + b.to(tl.int64) * stride_btb, kv_head, kv_head.to(tl.int64) * stride_ch, start, end,
+        window, stride_cb, stride_ct, stride_sb, stride_st, scale, softcap, BLOCK_H, HEAD_DIM,
+        BLOCK_D, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, USE_SOFTCAP, PRECISION, EMULATE_BF16,
+        KV_QUANT, HEAD_SCALES,
+    )  # fmt: skip
     d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    qd_mask = head_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0
-    )
-    if KV_QUANT == 0:  # 8-bit caches are dequantized to q's dtype instead
-        q = cast(q, K.dtype.element_ty, EMULATE_BF16)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    bt_row = BT + b.to(tl.int64) * stride_btb
-    kv_off = kv_head.to(tl.int64) * stride_ch
-    for t0 in range(start, end, BLOCK_N):
-        tok, tok_mask, k, v = load_kv_tile(
-            K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, end, d, d_mask, stride_cb,
-            stride_ct, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
-            HEAD_SCALES, HEAD_DIM,
-        )  # fmt: skip
-        m_i, l_i, acc = attend_tile(
-            q, k, v, tok_mask[None, :], m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION,
-            EMULATE_BF16,
-        )  # fmt: skip
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key -> zeros
     if pieces > 1:
         # Piece `split` of b: partial rows [partial_rows, num_heads, BLOCK_D] and [.., num_heads].
         row = row0 + split
@@ -175,7 +157,8 @@ def _decode_kernel(
         tl.store(PART_LSE + part, lse, mask=keep)
     else:
         o_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, cast(out, OUT.dtype.element_ty, EMULATE_BF16), mask=qd_mask)
+        o_mask = head_mask[:, None] & (d < HEAD_DIM)[None, :]
+        tl.store(o_ptrs, cast(out, OUT.dtype.element_ty, EMULATE_BF16), mask=o_mask)
 
 
 def plan_decode(
@@ -203,7 +186,7 @@ def plan_decode(
     block_size, kv_heads]``, or ``k_head_scales``/``v_head_scales``, static
     scales, ``[kv_heads]`` float32 (absent or None for other caches)."""
     batch, heads, _ = q.shape
-    head_programs, constexprs, tile, k_scale, v_scale, scale_strides = layer_layout(
+    head_programs, constexprs, tile, caches, cache_strides = layer_layout(
         "decode", q, k_cache, v_cache, arch, interpret, tile, scales
     )
     block_d = constexprs["BLOCK_D"]
@@ -217,41 +200,15 @@ def plan_decode(
     part_acc, part_lse = _partials(memo, rows, heads, block_d, q.device)
     window = int(sliding_window or 0)
     use_window = sliding_window is not None
-    qs, cs, os = q.stride(), k_cache.stride(), out.stride()
     decode = Launch(
         _decode_kernel,
         (batch, head_programs, splits),
         (
-            q,
-            k_cache,
-            v_cache,
-            k_scale,
-            v_scale,
-            tables,
-            lens,
-            out,
-            part_acc,
-            part_lse,
-            qs[0],
-            qs[1],
-            cs[0],  # block
-            cs[2],  # kv head
-            cs[1],  # token within the block
-            *scale_strides,  # scales: block, token within the block
-            tables.stride(0),
-            os[0],
-            os[1],
-            float(scale),
-            float(softcap or 1.0),
-            heads,
-            head_programs,
-            batch,
-            window,
-            policy.min_chunk,
-            policy.target_programs,
-            splits,
-            rows,
-        ),
+            q, *caches, tables, lens, out, part_acc, part_lse, q.stride(0), q.stride(1),
+            *cache_strides, tables.stride(0), out.stride(0), out.stride(1), float(scale),
+            float(softcap or 1.0), heads, head_programs, batch, window, policy.min_chunk,
+            policy.target_programs, splits, rows,
+        ),  # fmt: skip
         dict(constexprs, USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap)),
         tile.num_warps,
         tile.num_stages,
@@ -284,54 +241,6 @@ def _partials(
     return buffers
 
 
-def decode_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    *,
-    memo: dict[Any, Any] | None = None,
-    policy: SplitPolicy | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
-) -> Tensor:
-    """:func:`paged_decode_attention` with the split policy exposed
-    (``None``: :func:`split_policy` for the device; tests force splits).
-    With ``memo``, the first layer's checked plan is replayed by the others."""
-    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
-    out = torch.empty_like(q)
-
-    def check() -> bool:
-        check_attention(_decode_kernel, q, k_cache, v_cache, "batch", **scales)
-        batch, heads, _ = q.shape
-        if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-            raise ValueError(
-                f"block_tables must be [batch={batch}, max_blocks] and seq_lens [batch], got "
-                f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
-            )
-        return batch > 0 and heads > 0
-
-    def args(arch: int | None) -> tuple[Any, ...]:
-        return (
-            last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q),
-            as_index(seq_lens, q), scale, sliding_window, softcap, out,
-            policy or split_policy(q.device), arch, _INTERPRETED, memo,
-        )  # fmt: skip
-
-    # q, k, v, k_scale, v_scale, out: arguments 0-4 and 7 of the decode, out 3 of the merge
-    where = [(0, 1, 2, 3, 4, 7), (-1, -1, -1, -1, -1, 3)]
-    run_planned("decode", plan_decode, (q, k_cache, v_cache, out), scales, check=check, args=args,
-                memo=memo, step_key=(id(block_tables), id(seq_lens), scale, sliding_window,
-                softcap, policy), traits=(sliding_window is not None, bool(softcap)), where=where)  # fmt: skip
-    return out
-
-
 def paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -352,16 +261,39 @@ def paged_decode_attention(
     ``seq_lens[b] - 1`` over its paged context, read straight from the cache
     blocks (no gather copy). ``seq_lens`` includes the new token; 0 gives
     zeros. Same contract as ``paged_ref.ops.paged_decode_attention``; with
-    ``memo`` (the caller's per-step dict) the split buffers are allocated
-    once per step instead of once per layer. An 8-bit cache is dequantized
-    tile by tile in registers (int8 with ``k_scales``/``v_scales``; static
-    per-head scales with ``k_head_scales``/``v_head_scales``, ``[kv_heads]``).
+    ``memo`` (the caller's per-step dict) the first layer's checked plan is
+    replayed by the others and the split buffers are allocated once per
+    step. An 8-bit cache is dequantized tile by tile in registers (int8 with
+    ``k_scales``/``v_scales``; static per-head scales with
+    ``k_head_scales``/``v_head_scales``, ``[kv_heads]``). Contexts are split
+    as :func:`split_policy` says for the device (tests patch it to force splits).
     """
-    return decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, memo=memo,
-        k_scales=k_scales, v_scales=v_scales, k_head_scales=k_head_scales,
-        v_head_scales=v_head_scales,
-    )  # fmt: skip
+    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
+    out = torch.empty_like(q)
+
+    def check() -> bool:
+        check_attention(_decode_kernel, q, k_cache, v_cache, "batch", **scales)
+        batch, heads, _ = q.shape
+        if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+            raise ValueError(
+                f"block_tables must be [batch={batch}, max_blocks] and seq_lens [batch], got "
+                f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+            )
+        return batch > 0 and heads > 0
+
+    def args(arch: int | None) -> tuple[Any, ...]:
+        return (
+            last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q),
+            as_index(seq_lens, q), scale, sliding_window, softcap, out, split_policy(q.device),
+            arch, _INTERPRETED, memo,
+        )  # fmt: skip
+
+    # q, k, v, k_scale, v_scale, out: arguments 0-4 and 7 of the decode, out 3 of the merge
+    where = [(0, 1, 2, 3, 4, 7), (-1, -1, -1, -1, -1, 3)]
+    run_planned("decode", plan_decode, (q, k_cache, v_cache, out), scales, check=check, args=args,
+                memo=memo, step_key=(id(block_tables), id(seq_lens), scale, sliding_window,
+                softcap), traits=(sliding_window is not None, bool(softcap)), where=where)  # fmt: skip
+    return out
 
 
 _INTERPRETED = interpreted(_decode_kernel)  # Triton decides once, at import

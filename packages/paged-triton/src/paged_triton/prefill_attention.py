@@ -24,7 +24,7 @@ from torch import Tensor
 
 from paged_ref.kv_quant import scale_keywords
 from paged_triton.attention_layout import check_attention, layer_layout
-from paged_triton.attention_tile import attend_tile, load_kv_tile
+from paged_triton.attention_tile import attend_context
 from paged_triton.interpreter_bf16 import cast
 from paged_triton.launch import Launch, run_planned
 from paged_triton.launch_checks import as_index, interpreted, last_dim_contiguous
@@ -105,16 +105,6 @@ def _prefill_kernel(
     row_mask = (qi < q_len) & (g < HEADS_PER_PROG) & (first + g < Q_PER_KV)
     heads = kv_head * Q_PER_KV + first + g
     tokens = (q_start + qi).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    qd_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        Q + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=qd_mask,
-        other=0.0,
-    )
-    if KV_QUANT == 0:  # 8-bit caches are dequantized to q's dtype instead
-        q = cast(q, K.dtype.element_ty, EMULATE_BF16)
 
     # Absolute positions of this tile's queries, and the keys any of them can see.
     seq_len = tl.load(LENS + b)
@@ -125,28 +115,17 @@ def _prefill_kernel(
     lo = seq_len * 0
     if USE_WINDOW:
         lo = tl.maximum(first_pos - window + 1, 0)
-
-    m_i = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
-    bt_row = BT + b.to(tl.int64) * stride_btb
-    kv_off = kv_head.to(tl.int64) * stride_ch
-    for t0 in range(lo, hi, BLOCK_N):
-        tok, tok_mask, k, v = load_kv_tile(
-            K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, hi, d, d_mask, stride_cb,
-            stride_ct, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
-            HEAD_SCALES, HEAD_DIM,
-        )  # fmt: skip
-        visible = row_mask[:, None] & tok_mask[None, :] & (tok[None, :] <= pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (tok[None, :] > pos[:, None] - window)
-        m_i, l_i, acc = attend_tile(
-            q, k, v, visible, m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION, EMULATE_BF16
-        )
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key -> zeros
+    out, _, _ = attend_context(
+        Q + tokens * stride_qt + heads * stride_qh, row_mask, pos, K, V, K_SCALE, V_SCALE,
+        BT + b.to(tl.int64) * stride_btb, kv_head, kv_head.to(tl.int64) * stride_ch, lo, hi,
+        window, stride_cb, stride_ct, stride_sb, stride_st, scale, softcap, BLOCK_ROWS, HEAD_DIM,
+        BLOCK_D, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, USE_SOFTCAP, PRECISION, EMULATE_BF16,
+        KV_QUANT, HEAD_SCALES,
+    )  # fmt: skip
+    d = tl.arange(0, BLOCK_D)
+    o_mask = row_mask[:, None] & (d < HEAD_DIM)[None, :]
     o_ptrs = OUT + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, cast(out, OUT.dtype.element_ty, EMULATE_BF16), mask=qd_mask)
+    tl.store(o_ptrs, cast(out, OUT.dtype.element_ty, EMULATE_BF16), mask=o_mask)
 
 
 def plan_prefill(
@@ -171,7 +150,7 @@ def plan_prefill(
     the per-sequence tiles without reading ``cu_seqlens_q``. ``tile``:
     instead of :func:`tile_config`'s choice (autotuning); ``scales``: as
     :func:`paged_triton.decode_attention.plan_decode`'s."""
-    head_programs, constexprs, tile, k_scale, v_scale, scale_strides = layer_layout(
+    head_programs, constexprs, tile, caches, cache_strides = layer_layout(
         "prefill", q, k_cache, v_cache, arch, interpret, tile, scales
     )
     batch = lens.shape[0]
@@ -179,29 +158,10 @@ def plan_prefill(
         _prefill_kernel,
         (q.shape[0] // constexprs["BLOCK_Q"] + batch, head_programs),
         (
-            q,
-            k_cache,
-            v_cache,
-            k_scale,
-            v_scale,
-            tables,
-            cu_q,
-            lens,
-            out,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),  # block
-            k_cache.stride(2),  # kv head
-            k_cache.stride(1),  # token within the block
-            *scale_strides,  # scales: block, token within the block
-            tables.stride(0),
-            out.stride(0),
-            out.stride(1),
-            float(scale),
-            float(softcap or 1.0),
-            int(sliding_window or 0),
-            batch,
-        ),
+            q, *caches, tables, cu_q, lens, out, q.stride(0), q.stride(1), *cache_strides,
+            tables.stride(0), out.stride(0), out.stride(1), float(scale), float(softcap or 1.0),
+            int(sliding_window or 0), batch,
+        ),  # fmt: skip
         dict(constexprs, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(softcap)),
         tile.num_warps,
         tile.num_stages,

@@ -44,6 +44,7 @@ from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.compiled_forward import CompiledForward, compiles_forward
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.grammar_mask import StructuredOutput
 from paged_server.engine.kernel_warmup import warm_up_kernels
 from paged_server.engine.kv_sizing import sizes_by_memory_share
 from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
@@ -54,7 +55,6 @@ from paged_server.engine.runner import ModelRunner, PromptScores
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
-from paged_server.engine.structured_output import StructuredOutput
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.generation_defaults import generation_defaults
 from paged_server.model_dir import checkpoint_dtype, resolve_model_dir

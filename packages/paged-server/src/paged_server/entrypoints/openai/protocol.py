@@ -15,7 +15,7 @@ the schema:
 - ``logit_bias``: token id (a JSON string key) -> bias in [-100, 100].
 - ``response_format`` (``text``, ``json_object``, ``json_schema``) on both
   endpoints and ``tools`` / ``tool_choice`` on chat are enforced by a grammar
-  (see ``structured.py`` and ``tool_calls.py``).
+  (see ``response_format.py`` and ``tool_calls.py``).
 - Fields OpenAI has that this server cannot honour (``suffix``,
   ``best_of`` other than ``n`` without beam search, non-text content) are
   rejected with a 400 naming the field, never ignored.

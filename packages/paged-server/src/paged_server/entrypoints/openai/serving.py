@@ -35,21 +35,21 @@ from paged_server.entrypoints.openai.protocol import (
     _SamplingFields,
     normalize_prompt,
 )
+from paged_server.entrypoints.openai.response_format import (
+    request_constraint,
+    response_format_constraint,
+    tool_constraint,
+)
 from paged_server.entrypoints.openai.responses import CollectedChoice, Echo, ResponseFormat
 from paged_server.entrypoints.openai.streaming import (
     EventStreamResponse,
     stream_chat,
     stream_completion,
 )
-from paged_server.entrypoints.openai.structured import (
-    request_constraint,
-    response_format_constraint,
-    tool_constraint,
-)
 from paged_server.entrypoints.openai.tool_calls import detect_parser
 from paged_server.generation_defaults import NEUTRAL
+from paged_server.output_constraint import StructuredOutputsParams
 from paged_server.sampling_params import MAX_LOGPROBS, SamplingParams
-from paged_server.structured_outputs import StructuredOutputsParams
 
 T = TypeVar("T")
 log = logging.getLogger("paged_server.entrypoints.openai")

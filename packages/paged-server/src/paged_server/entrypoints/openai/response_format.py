@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged_server.engine.structured_output import grammar_source
+from paged_server.engine.grammar_mask import grammar_source
 from paged_server.entrypoints.openai.errors import APIError
 from paged_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -15,7 +15,7 @@ from paged_server.entrypoints.openai.protocol import (
     ResponseFormatParam,
 )
 from paged_server.entrypoints.openai.tool_calls import call_grammar
-from paged_server.structured_outputs import StructuredOutputsParams
+from paged_server.output_constraint import StructuredOutputsParams
 
 
 def response_format_constraint(fmt: ResponseFormatParam | None) -> StructuredOutputsParams | None:

@@ -32,7 +32,7 @@ from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 from torch import Tensor
 
 from paged_server.errors import describe_error
-from paged_server.structured_outputs import StructuredOutputsParams
+from paged_server.output_constraint import StructuredOutputsParams
 
 # Compact JSON: no optional whitespace, so a model cannot pad forever.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
