@@ -8,6 +8,7 @@ out with a note rather than failing.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -620,7 +621,7 @@ def _llamacpp_section(data: dict[str, Any] | None, quantized: bool = False) -> l
     out += [
         f"{_model_line(data['model'])}, converted to GGUF ({sizes}) by llama.cpp's own `convert_hf_to_gguf.py` "
         f"(llama.cpp vendored in the llama-cpp-python {lcpp['version']} sdist, built CPU-only: "
-        f"`{' '.join(lcpp['flags'])}`). Greedy text (32 tokens) of the first prompts identical to paged's, "
+        f"`{shlex.join(lcpp['flags'])}`). Greedy text (32 tokens) of the first prompts identical to paged's, "
         f"per GGUF type: {agree}"
         + (" (the formats round weights differently, so a random model's near-flat logits part ways: reported, "
            "not required)." if quantized else "."),
@@ -638,7 +639,10 @@ def _llamacpp_section(data: dict[str, Any] | None, quantized: bool = False) -> l
     ]  # fmt: skip
     rows = []
     for row in data["table"]:
-        for peer, m in row["medians"].items():
+        # quantized: each pair's two rows together (the JSON's keys come back sorted)
+        order = [p for pair in data["pairs"] for p in pair] if quantized else list(row["medians"])
+        for peer in order:
+            m = row["medians"][peer]
             theirs = m["output_tokens_per_s"]
             ours = row["medians"].get(partner.get(peer, "paged"), {}).get("output_tokens_per_s")
             rows.append(

@@ -214,6 +214,7 @@ def test_quantized_page_section_compares_each_pair(tmp_path: Path) -> None:
     med = {"paged int8": _head(120.0), "llama.cpp q8_0": _head(100.0), "paged int4": _head(90.0),
            "llama.cpp q4_0": _head(150.0)}  # fmt: skip
     pairs = [("paged int8", "llama.cpp q8_0"), ("paged int4", "llama.cpp q4_0")]
+    med = dict(sorted(med.items()))  # as json.dump(sort_keys=True) leaves it
     data.update(pairs=[list(p) for p in pairs], table=[{"concurrency": 1, "medians": med, "ratios": ps.pair_ratios(med, pairs)}],
                 agreement={"q8_0": {"agree": 1, "of": 5, "paged_peer": "paged int8"},
                            "q4_0": {"agree": 0, "of": 5, "paged_peer": "paged int4"}})  # fmt: skip
@@ -229,6 +230,8 @@ def test_quantized_page_section_compares_each_pair(tmp_path: Path) -> None:
     assert "| 1 | llama.cpp q4_0 | 150.0 |" in section and "| 0.60x |" in section  # int4 / Q4_0, not int8's
     assert "| 1 | paged int8 | 120.0 |" in section and "paged int8 vs q8_0 1/5" in section
     assert "paged int4 / llama.cpp q4_0: 1 streams 0.60x" in section
+    lines = [ln for ln in section.splitlines() if ln.startswith("| 1 |")]
+    assert [ln.split(" | ")[1] for ln in lines] == ["paged int8", "llama.cpp q8_0", "paged int4", "llama.cpp q4_0"]
 
 
 @pytest.mark.slow
