@@ -8,6 +8,7 @@ out with a note rather than failing.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -587,39 +588,63 @@ def _serving_section(data: dict[str, Any] | None) -> list[str]:
     return out
 
 
-def _llamacpp_section(data: dict[str, Any] | None) -> list[str]:
-    out = ["## llama.cpp as a peer: the same model and requests in `llama-server`", ""]
+def _llamacpp_section(data: dict[str, Any] | None, quantized: bool = False) -> list[str]:
+    """The llama.cpp peer results; ``quantized``: llamacpp_quantized.json, where
+    each paged ``--quantization`` peer is compared with its own GGUF type."""
+    if quantized:
+        out = ["## llama.cpp with quantized weights: paged int8 / int4 against Q8_0 / Q4_0 GGUF", ""]
+        todo = "`python benchmarks/llamacpp_peer.py --quantized`"
+    else:
+        out = ["## llama.cpp as a peer: the same model and requests in `llama-server`", ""]
+        todo = "`python benchmarks/llamacpp_peer.py`"
     if data is None:
         return out + [
             "_Not run yet: `python benchmarks/llamacpp_peer.py --build` once (compiles llama.cpp, ~15+ min on "
-            "2 cores), then `python benchmarks/llamacpp_peer.py`; see Reproduce._",
+            f"2 cores), then {todo}; see Reproduce._",
             "",
         ]
     env, plan, lcpp, w = data["environment"], data["plan"], data["llamacpp"], data["workload"]
-    agree = ", ".join(f"{t} {a['agree']}/{a['of']}" for t, a in data["agreement"].items())
+    # which paged peer each llama.cpp peer is compared with (older files: plain paged for all)
+    partner = {theirs: ours for ours, theirs in data.get("pairs", [])}
+    compared = {"paged", *partner.values()}  # the rows the column compares with, so "-" there
+    agree = ", ".join(
+        f"{a.get('paged_peer', 'paged')} vs {t} {a['agree']}/{a['of']}" if quantized else f"{t} {a['agree']}/{a['of']}"
+        for t, a in data["agreement"].items()
+    )
     sizes = ", ".join(f"{t} {b / 1e6:.0f} MB" for t, b in lcpp["gguf_bytes"].items())
+    paged_line = (
+        "`paged-server serve --quantization METHOD` (otherwise defaults: weight-only int8 per channel, int4 in groups "
+        "of 128)"
+        if quantized
+        else "`paged-server serve` with defaults"
+    )
     out += [
         f"{_model_line(data['model'])}, converted to GGUF ({sizes}) by llama.cpp's own `convert_hf_to_gguf.py` "
         f"(llama.cpp vendored in the llama-cpp-python {lcpp['version']} sdist, built CPU-only: "
-        f"`{' '.join(lcpp['flags'])}`). Greedy text (32 tokens) of the first prompts identical to paged's, "
-        f"per GGUF type: {agree}.",
+        f"`{shlex.join(lcpp['flags'])}`). Greedy text (32 tokens) of the first prompts identical to paged's, "
+        f"per GGUF type: {agree}"
+        + (" (the formats round weights differently, so a random model's near-flat logits part ways: reported, "
+           "not required)." if quantized else "."),
         "",
         f"Requests: {w['prompt_tokens']['min']}-{w['prompt_tokens']['max']} token-id prompts, "
         f"{w['max_tokens']['max']} new tokens, EOS ignored, greedy, streamed to `/v1/completions`; closed loop "
         f"(each of N streams sends its next request when the last ends), {plan['num_requests']} requests per run "
-        f"({plan['single_stream_requests']} at 1 stream). `paged-server serve` with defaults against "
+        f"({plan['single_stream_requests']} at 1 stream). {paged_line} against "
         f"`llama-server {lcpp['server_args']}`; each run starts its server fresh and warms it with one request; "
         f"peer order rotates per run; medians of {plan['repeats']} runs. **Busy cores** = CPU seconds of the "
         "server's process tree / wall seconds; **other load** = the rest of the machine's busy cores "
         "(not the server, not the client): the machine is shared, so runs with other load are slower. "
         f"Measured {env['date']} on {env['hardware']}.",
         "",
-    ]
+    ]  # fmt: skip
     rows = []
     for row in data["table"]:
-        ours = row["medians"]["paged"]["output_tokens_per_s"]
-        for peer, m in row["medians"].items():
+        # quantized: each pair's two rows together (the JSON's keys come back sorted)
+        order = [p for pair in data["pairs"] for p in pair] if quantized else list(row["medians"])
+        for peer in order:
+            m = row["medians"][peer]
             theirs = m["output_tokens_per_s"]
+            ours = row["medians"].get(partner.get(peer, "paged"), {}).get("output_tokens_per_s")
             rows.append(
                 [
                     str(row["concurrency"]),
@@ -629,18 +654,25 @@ def _llamacpp_section(data: dict[str, Any] | None) -> list[str]:
                     f"{_f(m['itl_p50_ms'])} / {_f(m['itl_p99_ms'])}",
                     _f(m["busy_cores"], 2),
                     _f(m["other_cores"], 2),
-                    "-" if peer == "paged" or not theirs or not ours else f"{ours / theirs:.2f}x",
+                    "-" if peer in compared or not theirs or not ours else f"{ours / theirs:.2f}x",
                 ]
             )
     out += _table(
         ["streams", "server", "output tokens/s", "TTFT p50 ms", "ITL p50 / p99 ms", "busy cores",
-         "other load (cores)", "paged / this"],
+         "other load (cores)", "its paged peer / this" if quantized else "paged / this"],
         rows,
     )  # fmt: skip
-    best = [
-        f"{row['concurrency']}: {_f(row['ratios']['paged / best llama.cpp'], 2)}x" for row in data["table"]
-    ]
-    out += ["", f"paged / best llama.cpp output tokens/s, by streams: {', '.join(best)}.", ""]
+    if quantized:
+        best = [
+            f"{key}: " + ", ".join(f"{row['concurrency']} streams {_f(row['ratios'][key], 2)}x" for row in data["table"])
+            for key in data["table"][0]["ratios"]
+        ]
+        out += ["", f"Output tokens/s ratios: {'; '.join(best)}.", ""]
+    else:
+        best = [
+            f"{row['concurrency']}: {_f(row['ratios']['paged / best llama.cpp'], 2)}x" for row in data["table"]
+        ]
+        out += ["", f"paged / best llama.cpp output tokens/s, by streams: {', '.join(best)}.", ""]
     out += [f"Command: `{data['command']}`", ""]
     return out
 
@@ -821,6 +853,7 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)
     lines += _serving_section(_load(results, "serving_latency"))
     lines += _llamacpp_section(_load(results, "llamacpp_peer"))
+    lines += _llamacpp_section(_load(results, "llamacpp_quantized"), quantized=True)
     lines += _micro_section(_load(results, "microbench"))
     lines += _history_section(results)
     info = _load(results, "run_info")
@@ -841,6 +874,7 @@ def write_page(results: Path, docs: Path) -> Path:
         "paged-server bench-serve --num-requests 96 --request-rate 8   # serving latency, CPU default budget",
         "python benchmarks/llamacpp_peer.py --build --build-only   # once: llama.cpp from the llama-cpp-python sdist",
         "python benchmarks/llamacpp_peer.py --model-config 30m --concurrency 1,8,16,32   # paged vs llama-server",
+        "python benchmarks/llamacpp_peer.py --quantized   # paged int8/int4 vs llama-server Q8_0/Q4_0, 100M model",
         "```",
         "",
     ]

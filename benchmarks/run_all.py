@@ -14,6 +14,7 @@ numbers printed.
     python benchmarks/run_all.py --quick    # tiny sizes, a smoke test (~1-2 min)
     python benchmarks/run_all.py --page-only  # re-render the page and plots from results/
     python benchmarks/run_all.py --only llamacpp_peer  # opt-in: paged vs llama.cpp (needs its build)
+    python benchmarks/run_all.py --only llamacpp_quantized  # opt-in: int8/int4 vs llama.cpp Q8_0/Q4_0
     python benchmarks/run_all.py --only kv_accuracy_trained  # opt-in: int4/8-bit KV on the trained model
 """
 
@@ -121,6 +122,14 @@ FULL_PLAN: dict[str, Any] = {
         "num_requests": 64,
         "single_stream_requests": 8,
     },
+    "llamacpp_quantized": {  # opt-in: paged int8/int4 vs Q8_0/Q4_0 (issue 30), ~25 min, needs the build
+        "model": "100m",
+        "pairs": "int8=q8_0,int4=q4_0",
+        "concurrency": [1, 8],
+        "repeats": 2,
+        "num_requests": 64,
+        "single_stream_requests": 8,
+    },
 }
 QUICK_PLAN: dict[str, Any] = {
     "seed_embedded": {
@@ -202,9 +211,17 @@ QUICK_PLAN: dict[str, Any] = {
         "num_requests": 4,
         "single_stream_requests": 2,
     },
+    "llamacpp_quantized": {
+        "model": "embedded",
+        "pairs": "int8=q8_0",
+        "concurrency": [2],
+        "repeats": 1,
+        "num_requests": 4,
+        "single_stream_requests": 2,
+    },
 }
 # Steps a plain run leaves out: run them with --only.
-OPT_IN = ("llamacpp_peer", "kv_accuracy_trained")
+OPT_IN = ("llamacpp_peer", "llamacpp_quantized", "kv_accuracy_trained")
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -546,21 +563,24 @@ def run_kv_dtype_throughput(bench: Bench) -> dict[str, Any]:
     return data
 
 
-def run_llamacpp_peer(bench: Bench) -> dict[str, Any]:
-    """paged-server against llama.cpp's llama-server (benchmarks/llamacpp_peer.py);
-    skipped with a message when llama.cpp is not built."""
+def run_llamacpp_peer(bench: Bench, key: str = "llamacpp_peer") -> dict[str, Any]:
+    """paged-server against llama.cpp's llama-server (benchmarks/llamacpp_peer.py;
+    ``llamacpp_quantized``: its ``--quantized`` pairs); skipped with a message
+    when llama.cpp is not built."""
     import llamacpp_peer
 
-    spec = bench.plan["llamacpp_peer"]
+    spec = bench.plan[key]
+    kind = ["--quantized", spec["pairs"]] if "pairs" in spec else ["--outtypes", ",".join(spec["outtypes"])]
     argv = [
-        "--model-config", spec["model"], "--outtypes", ",".join(spec["outtypes"]),
+        "--model-config", spec["model"], *kind,
         "--concurrency", ",".join(map(str, spec["concurrency"])), "--repeats", str(spec["repeats"]),
         "--num-requests", str(spec["num_requests"]),
         "--single-stream-requests", str(spec["single_stream_requests"]),
         "--out", str(RESULTS), "--no-page",
     ]  # fmt: skip
     llamacpp_peer.main(argv)
-    path = RESULTS / f"{llamacpp_peer.RESULTS_NAME}.json"
+    name = llamacpp_peer.QUANTIZED_RESULTS_NAME if "pairs" in spec else llamacpp_peer.RESULTS_NAME
+    path = RESULTS / f"{name}.json"
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
@@ -616,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help="comma-separated subset: capacity,seed_embedded,seed_100m,seed_100m_full,"
         "nano_vllm_embedded,batch_sweep,prefix_cache,serving_latency,tensor_parallel,kv_dtype,"
-        "kv_dtype_throughput; opt-in, only when named: llamacpp_peer, kv_accuracy_trained",
+        "kv_dtype_throughput; opt-in, only when named: llamacpp_peer, llamacpp_quantized, kv_accuracy_trained",
     )
     args = parser.parse_args(argv)
     global RESULTS, DOCS
@@ -646,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
             "sliding_window": lambda: run_sliding_window(bench),
             "kv_dtype_throughput": lambda: run_kv_dtype_throughput(bench),
             "llamacpp_peer": lambda: run_llamacpp_peer(bench),
+            "llamacpp_quantized": lambda: run_llamacpp_peer(bench, "llamacpp_quantized"),
             "kv_accuracy_trained": lambda: run_kv_accuracy_trained(bench),
         }
         only = [s.strip() for s in args.only.split(",")] if args.only else [s for s in steps if s not in OPT_IN]
@@ -669,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
                     not in (
                         "capacity", "serving_latency", "tensor_parallel", "kv_dtype",
                         "kv_dtype_throughput", "sliding_window", "llamacpp_peer",
-                        "kv_accuracy_trained",
+                        "llamacpp_quantized", "kv_accuracy_trained",
                     )  # fmt: skip
                 },
                 bench.env,

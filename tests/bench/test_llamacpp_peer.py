@@ -80,13 +80,86 @@ def test_benchmark_skips_with_the_message_when_not_built(
         ps.compare(tmp_path)
 
 
-def test_built_tree_is_found(tmp_path: Path) -> None:
-    server = tmp_path / "0.3.9" / "llama_cpp_python-0.3.9" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+def _fake_server(root: Path, build_dir: str) -> Path:
+    server = root / "0.3.9" / "llama_cpp_python-0.3.9" / "vendor" / "llama.cpp" / build_dir / "bin" / "llama-server"
     server.parent.mkdir(parents=True)
     server.write_text("#!/bin/sh\n")
     server.chmod(0o755)
+    return server
+
+
+def test_built_tree_is_found(tmp_path: Path) -> None:
+    server = _fake_server(tmp_path, lc.BUILD_DIR)
     tree = lc.find_llamacpp(tmp_path)
     assert tree is not None and tree.version == "0.3.9" and tree.server == server
+
+
+def test_a_tree_built_with_amx_is_not_used(tmp_path: Path) -> None:
+    """build/ (the folder before AMX was compiled out) dies on Q8_0/Q4_0 on an AMX CPU."""
+    _fake_server(tmp_path, "build")
+    assert lc.find_llamacpp(tmp_path) is None
+
+
+SAPPHIRE_RAPIDS = frozenset({"fma", "f16c", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile",
+                             "amx_int8"})  # fmt: skip
+EPYC = frozenset({"fma", "f16c", "avx2", "bmi2"})
+
+
+def test_amx_is_compiled_out_only_where_native_would_turn_it_on() -> None:
+    amx = lc.cmake_flags(SAPPHIRE_RAPIDS)
+    assert amx[: len(lc.BASE_CMAKE_FLAGS)] == lc.BASE_CMAKE_FLAGS and "-DGGML_NATIVE=ON" in amx
+    extra = amx[len(lc.BASE_CMAKE_FLAGS) :]
+    # C and C++ both: ggml-cpu has sources of each; every AMX extension off, nothing else touched
+    assert {f.split("=", 1)[0] for f in extra} == {"-DCMAKE_C_FLAGS", "-DCMAKE_CXX_FLAGS"}
+    for flag in extra:
+        assert set(flag.split("=", 1)[1].split()) == {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"}
+    assert lc.cmake_flags(EPYC) == lc.BASE_CMAKE_FLAGS  # no AMX: the flags of every earlier build
+    assert lc.cmake_flags(frozenset()) == lc.BASE_CMAKE_FLAGS  # no /proc/cpuinfo (not Linux)
+
+
+def test_no_amx_flags_leave_the_other_native_extensions_on() -> None:
+    """GCC takes an explicit -mno-* over -march=native in either order: the
+    build keeps AVX512/VNNI/BF16 and loses only AMX (checked with the compiler
+    that builds llama.cpp, where there is one)."""
+    import shutil
+    import subprocess
+
+    gcc = shutil.which("gcc")
+    if gcc is None or "amx_tile" not in lc.cpu_flags():
+        pytest.skip("needs gcc on a CPU with AMX")
+    cmd = [gcc, *lc.NO_AMX_CFLAGS.split(), "-march=native", "-dM", "-E", "-"]
+    macros = subprocess.run(cmd, input="", capture_output=True, text=True, check=True).stdout
+    assert "__AMX_INT8__" not in macros and "__AMX_TILE__" not in macros
+    assert "__AVX512VNNI__" in macros and "__AVX512F__" in macros
+
+
+def test_quantized_pairs_parse_and_bad_ones_are_refused() -> None:
+    assert ps.parse_pairs("int8=q8_0, int4=q4_0") == [("int8", "q8_0"), ("int4", "q4_0")] == list(ps.QUANTIZED_PAIRS)
+    for bad in ("int8", "int8=q3_x", "=q8_0"):
+        with pytest.raises(ValueError, match="METHOD=GGUF_TYPE"):
+            ps.parse_pairs(bad)
+
+
+def test_quantized_flag_switches_the_defaults_to_the_100m_model_at_1_and_8_streams() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import llamacpp_peer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    dense, quant = llamacpp_peer.parse_args([]), llamacpp_peer.parse_args(["--quantized"])
+    assert (dense.model_config, dense.concurrency, dense.quantized) == ("30m", "1,8,16,32", None)
+    assert (quant.model_config, quant.concurrency, quant.quantized) == ("100m", "1,8", "int8=q8_0,int4=q4_0")
+    mine = llamacpp_peer.parse_args(["--quantized", "int4=q4_k_m", "--model-config", "30m", "--concurrency", "4"])
+    assert (mine.model_config, mine.concurrency, mine.quantized) == ("30m", "4", "int4=q4_k_m")
+
+
+def test_pair_ratios_compare_each_paged_peer_with_its_own_gguf() -> None:
+    pairs = [("paged int8", "llama.cpp q8_0"), ("paged int4", "llama.cpp q4_0")]
+    by_peer = {"paged int8": _head(120.0), "llama.cpp q8_0": _head(100.0), "paged int4": _head(90.0),
+               "llama.cpp q4_0": _head(150.0)}  # fmt: skip
+    assert ps.pair_ratios(by_peer, pairs) == {"paged int8 / llama.cpp q8_0": 1.2, "paged int4 / llama.cpp q4_0": 0.6}
+    by_peer["llama.cpp q4_0"] = _head(None)
+    assert ps.pair_ratios(by_peer, pairs)["paged int4 / llama.cpp q4_0"] is None
 
 
 def test_outtype_is_checked_before_any_work(tmp_path: Path) -> None:
@@ -134,6 +207,31 @@ def test_page_section_shows_the_json_numbers(tmp_path: Path) -> None:
     assert "| 8 | paged | 250.0 | 40.0 | 5.0 / 9.0 | 1.90 |" in section
     assert "| 8 | llama.cpp f32 | 200.0 | 90.0 | 5.0 / 9.0 | 1.95 | 0.00 | 1.25x |" in section
     assert "8: 1.25x" in section and "f32 5/5" in section
+
+
+def test_quantized_page_section_compares_each_pair(tmp_path: Path) -> None:
+    data = _fake_results()
+    med = {"paged int8": _head(120.0), "llama.cpp q8_0": _head(100.0), "paged int4": _head(90.0),
+           "llama.cpp q4_0": _head(150.0)}  # fmt: skip
+    pairs = [("paged int8", "llama.cpp q8_0"), ("paged int4", "llama.cpp q4_0")]
+    med = dict(sorted(med.items()))  # as json.dump(sort_keys=True) leaves it
+    data.update(pairs=[list(p) for p in pairs], table=[{"concurrency": 1, "medians": med, "ratios": ps.pair_ratios(med, pairs)}],
+                agreement={"q8_0": {"agree": 1, "of": 5, "paged_peer": "paged int8"},
+                           "q4_0": {"agree": 0, "of": 5, "paged_peer": "paged int4"}})  # fmt: skip
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import report
+
+        section = "\n".join(report._llamacpp_section(data, quantized=True))
+        assert "llamacpp_peer.py --quantized" in "\n".join(report._llamacpp_section(None, quantized=True))
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert "| 1 | llama.cpp q8_0 | 100.0 |" in section and section.count("| 1.20x |") == 1  # int8 / Q8_0
+    assert "| 1 | llama.cpp q4_0 | 150.0 |" in section and "| 0.60x |" in section  # int4 / Q4_0, not int8's
+    assert "| 1 | paged int8 | 120.0 |" in section and "paged int8 vs q8_0 1/5" in section
+    assert "paged int4 / llama.cpp q4_0: 1 streams 0.60x" in section
+    lines = [ln for ln in section.splitlines() if ln.startswith("| 1 |")]
+    assert [ln.split(" | ")[1] for ln in lines] == ["paged int8", "llama.cpp q8_0", "paged int4", "llama.cpp q4_0"]
 
 
 @pytest.mark.slow

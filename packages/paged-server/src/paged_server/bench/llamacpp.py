@@ -4,7 +4,9 @@ Nothing of llama.cpp lives in this repository. Its source is the tree the
 ``llama-cpp-python`` sdist vendors (``vendor/llama.cpp``), downloaded with
 pip and built CPU-only under ``nice`` into the paged cache dir, once:
 
-    ~/.cache/paged/llama.cpp/<sdist version>/llama_cpp_python-<version>/vendor/llama.cpp/build/bin/llama-server
+    ~/.cache/paged/llama.cpp/<sdist version>/llama_cpp_python-<version>/vendor/llama.cpp/build-noamx/bin/llama-server
+
+(``build-noamx``: see ``cmake_flags`` for why ggml's AMX kernels are left out.)
 
 A checkpoint is converted with that tree's own ``convert_hf_to_gguf.py``
 (``gguf_convert.py`` runs it), cached next to the build under ``gguf/``.
@@ -26,7 +28,7 @@ from pathlib import Path
 import httpx
 
 SDIST = "llama-cpp-python"
-CMAKE_FLAGS = (
+BASE_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
@@ -36,10 +38,43 @@ CMAKE_FLAGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
 )
+# ggml's AMX kernels (Q4_0/Q4_1/Q8_0/K-quants only; f32/f16/bf16 never use them)
+# die with SIGILL under GCC 12: its `_tile_loadconfig` declares an 8-byte memory
+# operand, so -O3 deletes the 64-byte tile config's row/column stores as dead,
+# `ldtilecfg` loads every tile as 0 x 0, and the first `tilezero` raises #UD
+# (upstream: ggml-org/llama.cpp PR 26954, open). `-march=native` turns AMX on
+# wherever the CPU has it, and an explicit -mno-* wins over -march whatever the
+# order, so these leave every other native extension on (AVX512, VNNI, BF16, FP16)
+# and quantized types take ggml's AVX512 repacked kernels instead.
+NO_AMX_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# The build folder in the vendored tree: a new name, so a tree built with AMX
+# (build/, which cannot serve Q8_0/Q4_0 on an AMX CPU) is never picked up.
+BUILD_DIR = "build-noamx"
 # Output types convert_hf_to_gguf.py writes itself; the rest go through llama-quantize.
 CONVERTER_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 QUANTIZE_OUTTYPES = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 OUTTYPES = (*CONVERTER_OUTTYPES, *QUANTIZE_OUTTYPES)
+
+
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` line of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cmake_flags(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The cmake configure flags for this CPU (``flags``: its /proc/cpuinfo
+    flags): native, with AMX compiled out where the CPU has it (above)."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags & {"amx_tile", "amx_int8", "amx_bf16"}:
+        return BASE_CMAKE_FLAGS  # -march=native enables no AMX: nothing to turn off
+    return (*BASE_CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX_CFLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_CFLAGS}")
 
 
 def llamacpp_root(cache_dir: str | Path | None = None) -> Path:
@@ -58,7 +93,7 @@ class LlamaCpp:
 
     @property
     def bin_dir(self) -> Path:
-        return self.source / "build" / "bin"
+        return self.source / BUILD_DIR / "bin"
 
     @property
     def server(self) -> Path:
@@ -81,7 +116,7 @@ def find_llamacpp(root: Path | None = None) -> LlamaCpp | None:
     """The newest cached tree whose ``llama-server`` is built, else None."""
     root = root or llamacpp_root()
     found = []
-    for server in root.glob("*/llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"):
+    for server in root.glob(f"*/llama_cpp_python-*/vendor/llama.cpp/{BUILD_DIR}/bin/llama-server"):
         if os.access(server, os.X_OK):
             found.append(LlamaCpp(server.parents[5].name, server.parents[2]))
     return max(found, key=lambda t: _version_key(t.version), default=None)
@@ -140,9 +175,9 @@ def build_llamacpp(
         with tarfile.open(sdist) as tar:
             tar.extractall(root / version, filter="data")
     nice = ["nice", "-n", "19"]
-    build_dir = source / "build"
+    build_dir = source / BUILD_DIR
     if not (build_dir / "CMakeCache.txt").is_file():
-        subprocess.run([*nice, "cmake", "-B", str(build_dir), *CMAKE_FLAGS], cwd=source, check=True)
+        subprocess.run([*nice, "cmake", "-B", str(build_dir), *cmake_flags()], cwd=source, check=True)
     _log(f"building {' '.join(targets)} with {jobs} jobs (slow: ~15+ min on 2 cores)")
     subprocess.run(
         [*nice, "cmake", "--build", str(build_dir), f"-j{jobs}", "--target", *targets],

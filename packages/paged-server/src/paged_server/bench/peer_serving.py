@@ -34,8 +34,30 @@ AGREEMENT_TOKENS = 32
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+# paged's weight-only --quantization against the GGUF type llama.cpp users run
+# for the same bits: int8 (per channel) ~ Q8_0, int4 (groups of 128) ~ Q4_0 (blocks of 32).
+QUANTIZED_PAIRS = (("int8", "q8_0"), ("int4", "q4_0"))
+
+
 def llamacpp_peer(outtype: str) -> str:
     return f"llama.cpp {outtype}"
+
+
+def paged_quantized_peer(method: str) -> str:
+    return f"{PAGED} {method}"
+
+
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    """``"int8=q8_0,int4=q4_0"`` -> ``[("int8", "q8_0"), ("int4", "q4_0")]``."""
+    pairs = []
+    for item in (t.strip() for t in text.split(",")):
+        method, sep, outtype = item.partition("=")
+        if not item:
+            continue
+        if not sep or not method.strip() or outtype.strip() not in lc.OUTTYPES:
+            raise ValueError(f"{item!r} is not METHOD=GGUF_TYPE with a type of {', '.join(lc.OUTTYPES)}")
+        pairs.append((method.strip(), outtype.strip()))
+    return pairs
 
 
 def peer_workload(pool: Sequence[int], num_requests: int, seed: int = 0) -> wl.Workload:
@@ -195,6 +217,15 @@ def ratios(by_peer: dict[str, dict[str, float | None]]) -> dict[str, float | Non
     return out
 
 
+def pair_ratios(by_peer: dict[str, dict[str, float | None]], pairs: Sequence[tuple[str, str]]) -> dict[str, float | None]:
+    """Each paged peer's output tokens/s over its llama.cpp partner's."""
+    out: dict[str, float | None] = {}
+    for ours, theirs in pairs:
+        a, b = by_peer[ours]["output_tokens_per_s"], by_peer[theirs]["output_tokens_per_s"]
+        out[f"{ours} / {theirs}"] = round(a / b, 3) if a and b else None
+    return out
+
+
 def greedy_agreement(start_server: Callable[[int], Any], prompts: Sequence[Sequence[int]],
                      max_tokens: int = AGREEMENT_TOKENS) -> list[str]:  # fmt: skip
     """The greedy completion text of each prompt on one server (started, then stopped)."""
@@ -248,10 +279,15 @@ def compare(
     log_dir: Path | None = None,
     emit: Callable[[dict[str, Any]], None] = print,
     paged_variants: Sequence[str] = (),
+    quantized: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """The whole side-by-side comparison on one model; the results JSON.
     ``paged_variants``: more paged-server peers, each with these extra flags
     (e.g. ``"--enforce-eager"``), named ``"paged <flags>"``.
+    ``quantized``: ``(method, outtype)`` pairs instead (e.g. ``QUANTIZED_PAIRS``):
+    ``paged --quantization method`` (named ``"paged <method>"``) against llama.cpp
+    serving the ``outtype`` GGUF, no dense peers; ``outtypes`` is ignored.
+    Greedy text is compared within each pair, and ratios are pair by pair.
     Raises ``FileNotFoundError`` (with ``lc.missing_message()``) without a build."""
     import json
 
@@ -265,6 +301,8 @@ def compare(
     largest = max(requests_for(c, num_requests, single_stream_requests) for c in concurrencies)
     workload = peer_workload(pool, largest, seed)
     ctx = -(-workload.max_model_len // 256) * 256  # per sequence, rounded up
+    if quantized:
+        outtypes = [t for _, t in quantized]
     ggufs = {t: lc.convert_to_gguf(tree, model_dir, t) for t in outtypes}
 
     def log(name: str) -> Path | None:
@@ -280,18 +318,32 @@ def compare(
 
         return start
 
-    starters: dict[str, Starter] = {PAGED: paged}
-    for flags in paged_variants:
-        starters[f"{PAGED} {flags}"] = functools.partial(paged, extra=flags)
-    starters.update({llamacpp_peer(t): llama(t) for t in outtypes})
+    starters: dict[str, Starter] = {}
+    if quantized:
+        pairs = [(paged_quantized_peer(m), llamacpp_peer(t)) for m, t in quantized]
+        for (ours, theirs), (method, t) in zip(pairs, quantized, strict=True):
+            starters[ours] = functools.partial(paged, extra=f"--quantization {method}")
+            starters[theirs] = llama(t)
+    else:
+        pairs = [(PAGED, llamacpp_peer(t)) for t in outtypes]
+        starters[PAGED] = paged
+        for flags in paged_variants:
+            starters[f"{PAGED} {flags}"] = functools.partial(paged, extra=flags)
+        starters.update({llamacpp_peer(t): llama(t) for t in outtypes})
     prompts = [r.prompt_token_ids for r in workload.requests[:agreement_prompts]]
-    reference = greedy_agreement(lambda port: paged(port, 1, log("agree-paged")), prompts)
+    texts: dict[str, list[str]] = {}  # greedy text per peer, each asked once
     agreement = {}
-    for t in outtypes:
-        texts = greedy_agreement(lambda port, t=t: starters[llamacpp_peer(t)](port, 1, log(f"agree-{t}")), prompts)
-        same = [a == b for a, b in zip(reference, texts, strict=True)]
-        agreement[t] = {"agree": sum(same), "of": len(same), "paged": reference, "llama.cpp": texts}
-        emit({"kind": "agreement", "outtype": t, "agree": sum(same), "of": len(same)})
+    for (ours, theirs), t in zip(pairs, outtypes, strict=True):
+        for peer in (ours, theirs):
+            if peer not in texts:
+                slug = peer.replace(" ", "-")
+                texts[peer] = greedy_agreement(lambda port, p=peer, s=slug: starters[p](port, 1, log(f"agree-{s}")),
+                                               prompts)  # fmt: skip
+        same = [a == b for a, b in zip(texts[ours], texts[theirs], strict=True)]
+        # quantized formats round differently (per channel / groups of 128 vs blocks of 32): reported, not required
+        agreement[t] = {"agree": sum(same), "of": len(same), "paged_peer": ours, "paged": texts[ours],
+                        "llama.cpp": texts[theirs]}  # fmt: skip
+        emit({"kind": "agreement", "outtype": t, "paged_peer": ours, "agree": sum(same), "of": len(same)})
 
     peers = list(starters)
     runs: list[dict[str, Any]] = []
@@ -307,18 +359,21 @@ def compare(
             peer: medians([headline(r) for r in runs if r["peer"] == peer and r["concurrency"] == concurrency])
             for peer in peers
         }
-        row = {"concurrency": concurrency, "medians": by_peer, "ratios": ratios(by_peer)}
+        row = {"concurrency": concurrency, "medians": by_peer,
+               "ratios": pair_ratios(by_peer, pairs) if quantized else ratios(by_peer)}  # fmt: skip
         emit({"kind": "peer_medians", **row})
         table.append(row)
     return {
         "llamacpp": {
             "version": tree.version,
-            "flags": list(lc.CMAKE_FLAGS),
+            "flags": list(lc.cmake_flags()),
             "server_args": f"--parallel N -c N*{ctx} --cont-batching -t {threads} -tb {threads}",
             "gguf_bytes": {t: p.stat().st_size for t, p in ggufs.items()},
         },
-        "paged_args": "serve --model DIR (defaults)",
+        "paged_args": "serve --model DIR (defaults)"
+        + (" --quantization METHOD" if quantized else ""),
         "paged_variants": list(paged_variants),
+        "pairs": [list(p) for p in pairs],
         "workload": workload.summary(),
         "plan": {
             "outtypes": list(outtypes), "concurrencies": list(concurrencies), "repeats": repeats,
