@@ -22,6 +22,10 @@ K loop is then split over programs (split-K) whose float32 partials are
 summed. Which split and tile a layer gets depends on its N and K and on
 the bucket of M (<= 16, <= 64, more), never on the exact M, so a step's
 token count changes no compiled variant within a bucket.
+
+From :data:`DENSE_ROWS` rows on (prefill) the layer does not call this
+kernel: it dequantizes the weight once (``quant_dequantize``) and lets
+cuBLAS multiply, as vLLM's AWQ path does from 256 rows (:func:`prefers_dense`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,18 @@ from paged_triton.launch_checks import check_runnable, dot_precision, interprete
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLIT_WAVES = 2  # split-K aims at this many programs per SM
 MIN_SPLIT_TILES = 4  # K tiles each split keeps, so its loop still pipelines
+# Rows from which dequantize-then-cuBLAS beats this kernel. On an H100
+# (benchmarks/test_quant_matmul_bench.py) the kernel reaches ~250 TFLOP/s at
+# 2048 rows against cuBLAS's ~700, while dequantizing a 4096 x 4096 weight in
+# one pass costs about one 16-bit read and write of it (~20 us); vLLM's AWQ
+# path switches at the same 256.
+DENSE_ROWS = 256
+
+
+def prefers_dense(rows: int) -> bool:
+    """Whether ``rows`` rows of x are better served by dequantizing the
+    weight into a dense buffer and a 16-bit matmul than by this kernel."""
+    return rows >= DENSE_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +110,13 @@ def supports(bits: int, group_size: int, in_features: int) -> str | None:
     if block_k_for(group_size, in_features, 16) is None:
         return f"group size {group_size} (not a multiple of 16)"
     return None
+
+
+def _bucket(m: int) -> int:
+    """One row count for ``m``'s whole tile bucket (the bucket's largest;
+    past the last limit, the smallest), so caches keyed by it stay small."""
+    small = [limit for limit, _ in _TILES if limit is not None]
+    return next((limit for limit in small if m <= limit), small[-1] + 1)
 
 
 def tile_for(m: int, group_size: int, in_features: int) -> QuantTile:
@@ -264,9 +287,10 @@ def quant_matmul(
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     m = flat.shape[0]
-    tile = tile_for(m, group_size, k)
     if splits is None:
-        splits = split_k(tile, m, n, k, _sm_count(x.device))
+        tile, splits = _variant(_bucket(m), group_size, n, k, _sm_count(x.device))
+    else:
+        tile = tile_for(m, group_size, k)
     interpret = interpreted(_quant_matmul_kernel)
     if splits == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -282,6 +306,14 @@ def quant_matmul(
     if out.dim() == 3:
         out = out.sum(0).to(x.dtype)
     return out.reshape(*lead, n)
+
+
+@functools.cache
+def _variant(rows: int, group_size: int, n: int, k: int, sms: int | None) -> tuple[QuantTile, int]:
+    """Tile and split for a layer and a row bucket, worked out once: the
+    wrapper runs per layer per step, eagerly outside CUDA graphs."""
+    tile = tile_for(rows, group_size, k)
+    return tile, split_k(tile, rows, n, k, sms)
 
 
 def _sm_count(device: torch.device) -> int | None:
