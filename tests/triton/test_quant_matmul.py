@@ -129,7 +129,9 @@ def test_split_k_fills_the_gpu_only_for_few_output_tiles():
     assert len({split_k(decode, m, 4096, 4096, 132) for m in range(1, 17)}) == 1
 
 
-@pytest.mark.parametrize(("bits", "group", "asym"), [(8, 160, False), (8, 32, True), (4, 128, True)])
+@pytest.mark.parametrize(
+    ("bits", "group", "asym"), [(8, 160, False), (8, 32, True), (4, 128, True)]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_dequantize_writes_the_weight_the_kernel_multiplies(bits, group, asym, dtype, paged):
     """The prefill path's dense weight: every value exactly ``(code - zero) *
@@ -168,7 +170,8 @@ def test_quantized_linear_on_the_kernels_path(rows, monkeypatch, paged):
     layer = linear.QuantizedLinear(w, None, paged.device)
     layer.kernel = "quant_matmul"  # what a CUDA device picks (built here on any device)
     calls = []
-    monkeypatch.setattr(quant_dequantize, "dequantize", _counting(quant_dequantize.dequantize, calls))
+    counting = _counting(quant_dequantize.dequantize, calls)
+    monkeypatch.setattr(quant_dequantize, "dequantize", counting)
     x = torch.randn(1, rows, 256, generator=gen).to(paged.device, torch.float16)
     got = layer(x)
     expected = F.linear(x.float(), layer.dequantized_weight(torch.float32).half().float())

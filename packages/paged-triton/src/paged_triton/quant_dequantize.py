@@ -74,7 +74,8 @@ def _dequantize_kernel(
         zero = tl.load(Z + n64 * stride_sn + group, mask=n_ok, other=0).to(tl.float32)
         q = q - zero[:, None]
     w = cast(q * scale[:, None], OUT.dtype.element_ty, EMULATE_BF16)
-    tl.store(OUT + n64[:, None] * stride_on + kk[None, :], w, mask=n_ok[:, None] & (kk < K)[None, :])
+    mask = n_ok[:, None] & (kk < K)[None, :]
+    tl.store(OUT + n64[:, None] * stride_on + kk[None, :], w, mask=mask)
 
 
 def plan_dequantize(
