@@ -288,7 +288,7 @@ def quant_matmul(
         flat = flat.contiguous()
     m = flat.shape[0]
     if splits is None:
-        tile, splits = _variant(_bucket(m), group_size, n, k, _sm_count(x.device))
+        tile, splits = variant(m, n, k, group_size, x.device)
     else:
         tile = tile_for(m, group_size, k)
     interpret = interpreted(_quant_matmul_kernel)
@@ -306,6 +306,14 @@ def quant_matmul(
     if out.dim() == 3:
         out = out.sum(0).to(x.dtype)
     return out.reshape(*lead, n)
+
+
+def variant(
+    m: int, n: int, k: int, group_size: int, device: torch.device
+) -> tuple[QuantTile, int]:
+    """The tile and split-K width :func:`quant_matmul` runs ``m`` rows of x
+    with on ``device``, for an ``[n, k]`` weight in groups of ``group_size``."""
+    return _variant(_bucket(m), group_size, n, k, _sm_count(device))
 
 
 @functools.cache
