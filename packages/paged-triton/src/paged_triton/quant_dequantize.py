@@ -23,7 +23,7 @@ from torch import Tensor
 from paged_triton.interpreter_bf16 import cast
 from paged_triton.launch import Launch
 from paged_triton.launch_checks import check_runnable, interpreted
-from paged_triton.quant_matmul import ACT_DTYPES, block_k_for
+from paged_triton.quant_matmul import ACT_DTYPES, block_k_for, ceil_div
 
 BLOCK_N = 64
 BLOCK_K = 128  # preferred; smaller for groups it does not divide (block_k_for)
@@ -94,7 +94,7 @@ def plan_dequantize(
     assert block_k is not None, (group_size, k)
     return Launch(
         _dequantize_kernel,
-        (triton.cdiv(n, BLOCK_N), triton.cdiv(k, block_k)),
+        (ceil_div(n, BLOCK_N), ceil_div(k, block_k)),
         (
             qweight, scales, zeros if zeros is not None else scales, out,
             n, k, group_size, qweight.stride(0), scales.stride(0), out.stride(0),
