@@ -101,8 +101,9 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine: the `cuda`-marked tests and the Triton differential
-    tests on the GPU (bf16 included), the kernel benchmarks (attention and
-    the quantized GEMM; do_bench, L2 flushed), then benchmarks/results/gpu.json
+    tests on the GPU (bf16 included), the kernel benchmarks (attention:
+    do_bench, L2 flushed; the quantized GEMM: CUDA graphs over cold weight
+    copies), then benchmarks/results/gpu.json
     and gpu.md. Without CUDA it
     says so in one line and stops. Arguments after `--` go to both pytest runs."""
     if shutil.which("nvidia-smi") is None:

@@ -1,24 +1,40 @@
 """Weight-only quantized GEMM on a GPU: ``paged_triton.quant_matmul``
-against what the CUDA path did before it (dequantize the weight, then a
-16-bit matmul) and against the 16-bit matmul alone, side by side.
+against the layer's dense path (``quant_dequantize``: the weight
+dequantized in one pass, then cuBLAS) and against the 16-bit matmul alone,
+side by side.
 
 Llama 3.1 8B's o_proj (4096 x 4096) and fused gate/up (28672 x 4096)
 projections, bf16 activations, M = 1 (decode) to 2048 (prefill) rows, for
 int8 per output channel, int4 in groups of 128, and int4 with zero points
-(AWQ / W4A16 asym). Each case builds a real ``QuantizedLinear`` on the GPU
-(so the layer's own dispatch runs) and times three things with
-``triton.testing.do_bench`` (L2 flushed before each timed call):
-``triton`` (the layer), ``dequantize`` (its dense weight rebuilt per call,
-then ``F.linear``) and ``bf16`` (``F.linear`` on the dense weight).
-``extra_info`` holds all three, the ratios, and the weight bytes read per
-second by the kernel (decode is bound by them: int4 reads a quarter of
-bf16's bytes).
+(AWQ / W4A16 asym).
 
-Needs CUDA (``nox -s gpu`` runs it); skipped elsewhere.
+How it times, and why: the engine replays decode steps from CUDA graphs
+(engine/decode_graphs.py), and in a model each layer reads a weight the
+previous layers have pushed out of L2. So ``kernel_ms``, ``dequantize_ms``
+and ``bf16_ms`` are GPU time per call inside one CUDA graph that cycles
+over enough copies of the weight (3x the L2 cache) that every call reads
+it from HBM, with no host in the loop. An eager call costs more than its
+kernels: ``host_us`` is the Python and launch time of one eager layer call
+(measured with the GPU kept busy, so it is the host's alone), ``launch_us``
+the part of it that is Triton's launch of the planned kernel, and
+``eager_ms`` what ``triton.testing.do_bench`` reports for the eager layer
+call with L2 flushed (it reads the host's time, not the GPU's, whenever
+the host is the slower of the two). ``layer_ms`` is the path the layer
+takes at this M (``quant_matmul.prefers_dense``).
+
+``test_decode_split_k`` times the decode kernel at each split-K width, to
+check :func:`quant_matmul.split_k`'s choice.
+
+Needs CUDA (``nox -s gpu`` runs it; benchmarks/quant_matmul_gpu_check.sh
+runs it alone and prints the table); skipped elsewhere.
 Run: ``pytest benchmarks/test_quant_matmul_bench.py --benchmark-only -p no:randomly``.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -31,10 +47,12 @@ pytestmark = [
 ]
 
 SHAPES = {"o 4096x4096": (4096, 4096), "gate_up 28672x4096": (28672, 4096)}
-ROWS = (1, 16, 64, 512, 2048)
+ROWS = (1, 16, 64, 256, 512, 2048)
 # name -> (bits, group size (None: per output channel), zero points)
 FORMATS = {"int8 per-channel": (8, None, False), "int4 g128": (4, 128, False),
            "int4 g128 asym": (4, 128, True)}  # fmt: skip
+ROUNDS = 5  # passes over the weight copies captured in one graph
+SPLITS = (1, 2, 4, 8, 16)
 
 
 def _layer(n: int, k: int, bits: int, group: int | None, asym: bool):
@@ -52,6 +70,61 @@ def _layer(n: int, k: int, bits: int, group: int | None, asym: bool):
     return layer
 
 
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _copies(tensors: tuple[torch.Tensor | None, ...]) -> list[tuple[torch.Tensor | None, ...]]:
+    """Enough clones of ``tensors`` (the first is themselves) to fill 3x the
+    L2 cache, so a graph cycling over them reads each from HBM."""
+    l2 = getattr(torch.cuda.get_device_properties(), "L2_cache_size", 50 << 20)
+    count = min(32, max(1, -(-3 * l2 // _nbytes(*tensors))))
+    clone = [tuple(None if t is None else t.clone() for t in tensors) for _ in range(count - 1)]
+    return [tensors, *clone]
+
+
+def _graph_ms(calls: list[Callable[[], object]]) -> float:
+    """GPU ms per call: every call once per round, :data:`ROUNDS` rounds
+    captured in one CUDA graph, the median of five replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, and warm the allocator, outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ROUNDS):
+            for call in calls:
+                call()
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (ROUNDS * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+def _host_us(call: Callable[[], object], count: int = 40) -> float:
+    """Host microseconds per ``call``, the GPU kept busy meanwhile (a sleep
+    kernel ahead of them) so no call waits for it."""
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than the calls' host time
+    start = time.perf_counter()
+    for _ in range(count):
+        call()
+    host = (time.perf_counter() - start) / count
+    torch.cuda.synchronize()
+    return host * 1e6
+
+
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -59,25 +132,37 @@ def test_quant_matmul(benchmark, fmt, shape, m):
     import triton.testing
 
     from paged_triton import kernel_bench
+    from paged_triton import quant_matmul as qm
+    from paged_triton.quant_dequantize import dequantize
 
     n, k = SHAPES[shape]
     bits, group, asym = FORMATS[fmt]
     layer = _layer(n, k, bits, group, asym)
+    g = layer.group_size
     dense = layer.dequantized_weight(torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    got, want = layer(x), F.linear(x, dense)
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    want = F.linear(x, dense)
+    for got in (layer(x), qm.quant_matmul(x, layer.qweight, layer.scales, layer.zeros, bits, g)):
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
-    def ms(fn) -> float:
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+    weights = _copies((layer.qweight, layer.scales, layer.zeros))
+    kernel_ms = _graph_ms([lambda w=w: qm.quant_matmul(x, *w, bits, g) for w in weights])
+    dequantize_ms = _graph_ms(
+        [lambda w=w: F.linear(x, dequantize(*w, bits, g, x.dtype)) for w in weights]
+    )
+    bf16_ms = _graph_ms([lambda w=w: F.linear(x, w) for (w,) in _copies((dense,))])
+    dense_path = qm.prefers_dense(m)
+    layer_ms = dequantize_ms if dense_path else kernel_ms
 
-    triton_ms = ms(lambda: layer(x))
-    dequantize_ms = ms(lambda: F.linear(x, layer.dequantized_weight(torch.bfloat16)))
-    bf16_ms = ms(lambda: F.linear(x, dense))
-    weight_bytes = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales))
-    if layer.zeros is not None:
-        weight_bytes += layer.zeros.numel()
-    gbps = weight_bytes / (triton_ms * 1e-3) / 1e9
+    tile, splits = qm.variant(m, n, k, g, x.device)
+    out = torch.empty(m, n, device="cuda", dtype=x.dtype)
+    if splits > 1:
+        out = torch.empty(splits, m, n, device="cuda", dtype=torch.float32)
+    launch = qm.plan_quant_matmul(x, layer.qweight, layer.scales, layer.zeros, bits, g, out,
+                                  splits, tile)  # fmt: skip
+    eager_ms = float(triton.testing.do_bench(lambda: layer(x), warmup=5, rep=20))
+    weight_bytes = _nbytes(layer.qweight, layer.scales, layer.zeros)
+    gbps = weight_bytes / (kernel_ms * 1e-3) / 1e9
     peak = kernel_bench.peak_bandwidth(x.device)
     benchmark.group = "quant matmul"
     benchmark.extra_info.update(
@@ -88,20 +173,55 @@ def test_quant_matmul(benchmark, fmt, shape, m):
         m=m,
         n=n,
         k=k,
-        kernel_ms=triton_ms,
+        splits=splits,
+        copies=len(weights),
+        kernel_ms=kernel_ms,
         dequantize_ms=dequantize_ms,
         bf16_ms=bf16_ms,
-        speedup_vs_dequantize=dequantize_ms / triton_ms,
-        speedup_vs_bf16=bf16_ms / triton_ms,
+        path="dense" if dense_path else "kernel",
+        layer_ms=layer_ms,
+        speedup_vs_dequantize=dequantize_ms / kernel_ms,
+        speedup_vs_bf16=bf16_ms / layer_ms,
+        eager_ms=eager_ms,
+        host_us=_host_us(lambda: layer(x)),
+        launch_us=_host_us(launch.run),
         weight_bytes=weight_bytes,
         GBps=gbps,
         pct_of_peak=None if peak is None else 100 * gbps * 1e9 / peak,
-        TFLOPs=2 * m * n * k / (triton_ms * 1e-3) / 1e12,
-        timing="do_bench, L2 flushed",
+        TFLOPs=2 * m * n * k / (kernel_ms * 1e-3) / 1e12,
+        timing="CUDA graph over cold weight copies; eager_ms: do_bench, L2 flushed",
     )
 
     def call() -> None:
         layer(x)
         torch.cuda.synchronize()
 
-    benchmark.pedantic(call, rounds=10, warmup_rounds=1)
+    benchmark.pedantic(call, rounds=3, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("m", (1, 16))
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("fmt", ["int8 per-channel", "int4 g128"])
+def test_decode_split_k(benchmark, fmt, shape, m):
+    """The decode kernel at each split-K width (GPU ms per call, cold weights)."""
+    from paged_triton import quant_matmul as qm
+
+    n, k = SHAPES[shape]
+    bits, group, asym = FORMATS[fmt]
+    layer = _layer(n, k, bits, group, asym)
+    g = layer.group_size
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weights = _copies((layer.qweight, layer.scales, layer.zeros))
+    chosen = qm.variant(m, n, k, g, x.device)[1]
+    ms = {
+        s: _graph_ms([lambda w=w, s=s: qm.quant_matmul(x, *w, bits, g, splits=s) for w in weights])
+        for s in SPLITS
+    }
+    benchmark.group = "quant matmul split-K"
+    benchmark.extra_info.update(
+        case=f"{fmt} {shape} M={m}",
+        chosen_splits=chosen,
+        split_ms={str(s): v for s, v in ms.items()},
+        best_splits=min(ms, key=ms.__getitem__),
+    )
+    benchmark.pedantic(lambda: None, rounds=1)

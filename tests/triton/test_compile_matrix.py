@@ -232,12 +232,14 @@ def test_quant_matmul_variants_depend_on_the_m_bucket_only():
 def test_quant_matmul_compiles_for_every_format_and_bucket_without_spills():
     """The weight-only quantized GEMM (int8 per-channel, int8 g128 asym,
     int4 g128 sym and asym) for each M bucket, with and without split-K,
-    bf16, on sm_80, sm_89 and sm_90 (fp16 in the derived matrix)."""
+    and the dense path's one-pass dequantize, bf16, on sm_80, sm_89 and
+    sm_90 (fp16 in the derived matrix)."""
     jobs = cm.quant_matmul_jobs(dtypes=("bf16",))
     labels = {j.label for j in jobs}
     for name, *_ in cm.QUANT_FORMATS:
         for bucket in ("M<=16", "M<=64", "M<=128"):
             assert f"quant_matmul {name} bf16 {bucket}" in labels, (name, bucket)
+        assert f"quant_dequantize {name} bf16" in labels, name  # the dense path, from DENSE_ROWS
     assert any("split-K" in label for label in labels)
     assert {j.arch for j in jobs} == set(cm.ARCHS)
     results = cm.run_jobs(jobs)

@@ -3,7 +3,8 @@ dequantize-then-matmul in PyTorch, on the layout ``QuantizedLinear`` keeps
 for it: int8 and int4 (two codes per byte), per output channel and in
 groups of 128 input features, symmetric and with zero points, decode-,
 batch- and prefill-sized M (1, 5, 33: each tile bucket's masking), N not a
-multiple of the tile, split-K.
+multiple of the tile, split-K; and the prefill path (``quant_dequantize``,
+the dense weight in one pass, then cuBLAS) with the row count that picks it.
 
 Tolerance: both sides dequantize the same codes the same way ((code -
 zero) * scale in float32, rounded once to the activations' dtype) and
@@ -19,7 +20,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_triton.quant_matmul import block_k_for, quant_matmul, split_k, supports, tile_for
+from paged_triton.quant_dequantize import dequantize
+from paged_triton.quant_matmul import (
+    DENSE_ROWS,
+    block_k_for,
+    prefers_dense,
+    quant_matmul,
+    split_k,
+    supports,
+    tile_for,
+)
 
 
 def _weight(n, k, bits, group, asym, gen):
@@ -43,13 +53,17 @@ def _pack(q, bits):
     return u[:, 0::2] | (u[:, 1::2] << 4)
 
 
-def _reference(x, q, scales, zeros, group):
-    """Dequantize in float32, round to x's dtype (what the kernel multiplies),
-    then a float32 matmul rounded once to x's dtype."""
+def _dense(q, scales, zeros, group, dtype):
+    """Dequantized in float32, rounded once to ``dtype`` (what the kernel multiplies)."""
     w = q.float()
     if zeros is not None:
         w = w - zeros.float().repeat_interleave(group, dim=1)
-    w = (w * scales.repeat_interleave(group, dim=1)).to(x.dtype)
+    return (w * scales.repeat_interleave(group, dim=1)[:, : w.shape[1]]).to(dtype)
+
+
+def _reference(x, q, scales, zeros, group):
+    """The dense weight in x's dtype, then a float32 matmul rounded once to x's dtype."""
+    w = _dense(q, scales, zeros, group, x.dtype)
     return F.linear(x.float(), w.float()).to(x.dtype)
 
 
@@ -113,6 +127,66 @@ def test_split_k_fills_the_gpu_only_for_few_output_tiles():
     assert split_k(prefill, 512, 4096, 4096, sms=132) == 1
     # Within a bucket the split depends on N and K only, never on M.
     assert len({split_k(decode, m, 4096, 4096, 132) for m in range(1, 17)}) == 1
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "asym"), [(8, 160, False), (8, 32, True), (4, 128, True)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dequantize_writes_the_weight_the_kernel_multiplies(bits, group, asym, dtype, paged):
+    """The prefill path's dense weight: every value exactly ``(code - zero) *
+    scale`` rounded once to the dtype, for N and K (per channel: 160, a
+    masked K tail) that are not multiples of the tile."""
+    gen = torch.Generator().manual_seed(bits + group)
+    q, scales, zeros = _weight(72, 160 if group == 160 else 256, bits, group, asym, gen)
+    dev = paged.device
+    got = dequantize(
+        _pack(q, bits).to(dev), scales.to(dev), None if zeros is None else zeros.to(dev),
+        bits, group, dtype,
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.cpu(), _dense(q, scales, zeros, group, dtype), rtol=0, atol=0)
+
+
+def test_many_rows_take_the_dense_path():
+    """Decode and small batches run the kernel; prefill-sized row counts
+    dequantize once and let cuBLAS multiply."""
+    assert not any(prefers_dense(m) for m in (1, 16, 64, DENSE_ROWS - 1))
+    assert all(prefers_dense(m) for m in (DENSE_ROWS, 2048, 8192))
+
+
+@pytest.mark.parametrize("rows", [3, DENSE_ROWS], ids=["kernel", "dense"])
+def test_quantized_linear_on_the_kernels_path(rows, monkeypatch, paged):
+    """A ``QuantizedLinear`` on the Triton path gives the same output as
+    dequantize-then-matmul whichever way its row count sends it (leading
+    dims flattened), and the dense way dequantizes exactly when it should."""
+    from paged_server.models.quantization import linear
+    from paged_server.models.quantization.weights import quantize_int
+    from paged_triton import quant_dequantize
+
+    monkeypatch.setattr(linear, "_cpu_kernels", lambda: False)
+    gen = torch.Generator().manual_seed(rows)
+    w = quantize_int(torch.randn(48, 256, generator=gen) * 0.1, 4, 128)
+    layer = linear.QuantizedLinear(w, None, paged.device)
+    layer.kernel = "quant_matmul"  # what a CUDA device picks (built here on any device)
+    calls = []
+    counting = _counting(quant_dequantize.dequantize, calls)
+    monkeypatch.setattr(quant_dequantize, "dequantize", counting)
+    x = torch.randn(1, rows, 256, generator=gen).to(paged.device, torch.bfloat16)
+    got = layer(x)
+    dense = layer.dequantized_weight(torch.float32).to(torch.bfloat16)  # rounded once
+    expected = F.linear(x.float(), dense.float()).to(torch.bfloat16)
+    assert got.shape == (1, rows, 48)
+    assert len(calls) == (rows >= DENSE_ROWS)
+    paged.assert_close(got.cpu(), expected.cpu(), torch.bfloat16)
+
+
+def _counting(fn, calls):
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+
+    return wrapped
 
 
 @pytest.mark.parametrize(("bits", "group", "asym"), [(8, None, False), (8, 128, True), (4, 128, True)])

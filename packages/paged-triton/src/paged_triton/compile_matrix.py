@@ -478,7 +478,9 @@ QUANT_FORMATS = (
     ("int4 g128", 4, 128, False),  # W4A16 sym, GPTQ, online int4
     ("int4 g128 asym", 4, 128, True),  # W4A16 asym, AWQ
 )
-QUANT_ROWS = (1, 48, 512)  # one M per tile bucket: decode, small batch, prefill
+# One M per tile bucket: decode, small batch, and the largest the kernel runs
+# (from quant_matmul.DENSE_ROWS rows on the layer dequantizes instead).
+QUANT_ROWS = (1, 48, 255)
 
 
 def quant_matmul_jobs(
@@ -487,13 +489,30 @@ def quant_matmul_jobs(
     """The weight-only quantized GEMM (``quant_matmul.plan_quant_matmul``)
     for each format in :data:`QUANT_FORMATS` x M bucket x
     :data:`QUANT_SHAPES` (with and without split-K, as a GPU of ``sms``
-    SMs decides), deduplicated: shapes that share a variant share a job."""
-    from paged_triton.quant_matmul import plan_quant_matmul, split_k, tile_for
+    SMs decides), and the one-pass dequantize the layer runs instead from
+    ``DENSE_ROWS`` rows (``quant_dequantize.plan_dequantize``), deduplicated:
+    shapes that share a variant share a job."""
+    from paged_triton.quant_dequantize import plan_dequantize
+    from paged_triton.quant_matmul import DENSE_ROWS, plan_quant_matmul, split_k, tile_for
 
+    assert max(QUANT_ROWS) < DENSE_ROWS, "QUANT_ROWS should stay on the kernel's path"
     jobs: dict[tuple[Any, ...], CompileJob] = {}
     for name, bits, group, asym in QUANT_FORMATS:
         for dtype in dtypes:
             dt = DTYPES[dtype]
+            for n, k in QUANT_SHAPES.values():
+                g = group or k
+                code = torch.int8 if bits == 8 else torch.uint8
+                dense = plan_dequantize(
+                    torch.empty(n, k * bits // 8, device="meta", dtype=code),
+                    torch.empty(n, k // g, device="meta", dtype=torch.float32),
+                    torch.empty(n, k // g, device="meta", dtype=torch.int8) if asym else None,
+                    bits, g, torch.empty(n, k, device="meta", dtype=dt),
+                )  # fmt: skip
+                label = f"quant_dequantize {name} {dtype}"
+                for arch in archs:
+                    job = launch_job(label, dtype, dense, arch, block_n=False)
+                    jobs.setdefault(job.key, job)
             for m in QUANT_ROWS:
                 for (n, k) in QUANT_SHAPES.values():
                     g = group or k

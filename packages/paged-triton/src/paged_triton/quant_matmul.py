@@ -22,6 +22,10 @@ K loop is then split over programs (split-K) whose float32 partials are
 summed. Which split and tile a layer gets depends on its N and K and on
 the bucket of M (<= 16, <= 64, more), never on the exact M, so a step's
 token count changes no compiled variant within a bucket.
+
+From :data:`DENSE_ROWS` rows on (prefill) the layer does not call this
+kernel: it dequantizes the weight once (``quant_dequantize``) and lets
+cuBLAS multiply, as vLLM's AWQ path does from 256 rows (:func:`prefers_dense`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,18 @@ from paged_triton.launch_checks import check_runnable, dot_precision, interprete
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLIT_WAVES = 2  # split-K aims at this many programs per SM
 MIN_SPLIT_TILES = 4  # K tiles each split keeps, so its loop still pipelines
+# Rows from which dequantize-then-cuBLAS beats this kernel. On an H100
+# (benchmarks/test_quant_matmul_bench.py) the kernel reaches ~250 TFLOP/s at
+# 2048 rows against cuBLAS's ~700, while dequantizing a 4096 x 4096 weight in
+# one pass costs about one 16-bit read and write of it (~20 us); vLLM's AWQ
+# path switches at the same 256.
+DENSE_ROWS = 256
+
+
+def prefers_dense(rows: int) -> bool:
+    """Whether ``rows`` rows of x are better served by dequantizing the
+    weight into a dense buffer and a 16-bit matmul than by this kernel."""
+    return rows >= DENSE_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +86,13 @@ _TILES = (
 )
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code: ``triton.cdiv`` is a constexpr function
+    whose call costs microseconds (six of them were a third of this
+    wrapper's host time)."""
+    return -(-a // b)
+
+
 def block_k_for(group_size: int, in_features: int, preferred: int) -> int | None:
     """The K tile for ``group_size``: ``preferred`` or the largest power of
     two below it (>= 16) that divides the group, so no tile spans two
@@ -96,6 +119,13 @@ def supports(bits: int, group_size: int, in_features: int) -> str | None:
     return None
 
 
+def _bucket(m: int) -> int:
+    """One row count for ``m``'s whole tile bucket (the bucket's largest;
+    past the last limit, the smallest), so caches keyed by it stay small."""
+    small = [limit for limit, _ in _TILES if limit is not None]
+    return next((limit for limit in small if m <= limit), small[-1] + 1)
+
+
 def tile_for(m: int, group_size: int, in_features: int) -> QuantTile:
     """The tile for ``m`` rows of x (its bucket) and the weight's groups."""
     tile = next(t for limit, t in _TILES if limit is None or m <= limit)
@@ -112,9 +142,9 @@ def split_k(tile: QuantTile, m: int, n: int, k: int, sms: int | None) -> int:
     without a GPU (``sms=None``)."""
     if sms is None or tile.block_m > _TILES[1][0]:  # type: ignore[operator]
         return 1
-    tiles = triton.cdiv(n, tile.block_n)  # one M tile in the small buckets
-    k_tiles = triton.cdiv(k, tile.block_k)
-    want = triton.cdiv(SPLIT_WAVES * sms, tiles)
+    tiles = ceil_div(n, tile.block_n)  # one M tile in the small buckets
+    k_tiles = ceil_div(k, tile.block_k)
+    want = ceil_div(SPLIT_WAVES * sms, tiles)
     return max(1, min(want, k_tiles // MIN_SPLIT_TILES))
 
 
@@ -203,11 +233,11 @@ def plan_quant_matmul(
     float32 partials (to be summed). Reads no tensor (meta tensors plan)."""
     m, k = x.shape
     n = scales.shape[0]
-    k_tiles = triton.cdiv(k, tile.block_k)
-    k_per_split = triton.cdiv(k_tiles, splits) * tile.block_k
-    splits = triton.cdiv(k, k_per_split)  # no empty split
+    k_tiles = ceil_div(k, tile.block_k)
+    k_per_split = ceil_div(k_tiles, splits) * tile.block_k
+    splits = ceil_div(k, k_per_split)  # no empty split
     assert splits == 1 or out.dim() == 3, "split-K writes float32 partials [splits, M, N]"
-    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), splits)
+    grid = (ceil_div(m, tile.block_m), ceil_div(n, tile.block_n), splits)
     return Launch(
         _quant_matmul_kernel,
         grid,
@@ -250,7 +280,7 @@ def quant_matmul(
     if x.dtype not in ACT_DTYPES:
         raise ValueError(f"activations must be one of {ACT_DTYPES}, got {x.dtype}")
     stored_k = qweight.shape[1] * (2 if bits == 4 else 1)
-    if qweight.shape[0] != n or stored_k != k or scales.shape[1] != triton.cdiv(k, group_size):
+    if qweight.shape[0] != n or stored_k != k or scales.shape[1] != ceil_div(k, group_size):
         raise ValueError(
             f"x has {k} input features but the {bits}-bit weight is {tuple(qweight.shape)} with "
             f"scales {tuple(scales.shape)} (group size {group_size}); they must describe one "
@@ -264,9 +294,10 @@ def quant_matmul(
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     m = flat.shape[0]
-    tile = tile_for(m, group_size, k)
     if splits is None:
-        splits = split_k(tile, m, n, k, _sm_count(x.device))
+        tile, splits = variant(m, n, k, group_size, x.device)
+    else:
+        tile = tile_for(m, group_size, k)
     interpret = interpreted(_quant_matmul_kernel)
     if splits == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -282,6 +313,22 @@ def quant_matmul(
     if out.dim() == 3:
         out = out.sum(0).to(x.dtype)
     return out.reshape(*lead, n)
+
+
+def variant(
+    m: int, n: int, k: int, group_size: int, device: torch.device
+) -> tuple[QuantTile, int]:
+    """The tile and split-K width :func:`quant_matmul` runs ``m`` rows of x
+    with on ``device``, for an ``[n, k]`` weight in groups of ``group_size``."""
+    return _variant(_bucket(m), group_size, n, k, _sm_count(device))
+
+
+@functools.cache
+def _variant(rows: int, group_size: int, n: int, k: int, sms: int | None) -> tuple[QuantTile, int]:
+    """Tile and split for a layer and a row bucket, worked out once: the
+    wrapper runs per layer per step, eagerly outside CUDA graphs."""
+    tile = tile_for(rows, group_size, k)
+    return tile, split_k(tile, rows, n, k, sms)
 
 
 def _sm_count(device: torch.device) -> int | None:

@@ -13,7 +13,9 @@ runs 1.1-1.8x (one token) to 9x (64 tokens) faster than these kernels on
 an AMX Xeon. On CUDA, int8 and int4 weights run ``paged_triton``'s
 dequantizing GEMM (``quant_matmul``: the weight dequantized tile by tile
 in registers, split-K for decode), reading the layout kept below for
-dequantize-per-call. Everything else (fp8, int8 with zero points on CPU,
+dequantize-per-call; from ``DENSE_ROWS`` rows (prefill) they dequantize
+the weight in one Triton pass into a temporary dense buffer and let cuBLAS
+multiply, which is faster there. Everything else (fp8, int8 with zero points on CPU,
 group sizes neither kernel takes) dequantizes the weight per matmul:
 memory stays quantized, the arithmetic is the dense one.
 """
@@ -140,9 +142,14 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "dequantize":
             out = F.linear(x, self.dequantized_weight(x.dtype))
         elif self.kernel == "quant_matmul":
-            from paged_triton.quant_matmul import quant_matmul
+            from paged_triton import quant_matmul as qm
+            from paged_triton.quant_dequantize import dequantize
 
-            out = quant_matmul(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+            w = (self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+            if qm.prefers_dense(x.numel() // self.in_features):  # prefill: cuBLAS wins
+                out = F.linear(x, dequantize(*w, x.dtype))
+            else:
+                out = qm.quant_matmul(x, *w)
         else:
             flat = x.reshape(-1, self.in_features).to(_ACT_DTYPE)
             if self.kernel == "int8pack_mm":
