@@ -150,7 +150,7 @@ def _attend(
         attn_mask=mask,
         scale=scale,
     )
-    return out.view(batch, heads, q_len, head_dim)
+    return out.reshape(batch, heads, q_len, head_dim)  # CUDA's SDPA may return it non-contiguous
 
 
 def _gqa_mask(visible: Tensor, q_per_kv: int) -> Tensor:
