@@ -157,19 +157,20 @@ def markdown(report: dict[str, Any]) -> str:
             "## Quantized GEMM (weight-only, bf16 activations)",
             "",
             "Each row one run, side by side, GPU ms per call in a CUDA graph over cold "
-            "weight copies: the Triton kernel, the dense path (one-pass dequantize, then "
-            "cuBLAS) and the 16-bit matmul; the path the layer takes at this M and its "
-            "speed against bf16; the eager layer call (do_bench) and its host microseconds.",
+            "weight copies: the Triton kernel and the dense path (one-pass dequantize, then "
+            "cuBLAS), each forced at every M, the fallback's tensor-op dequantize + cuBLAS, "
+            "and the 16-bit matmul; the path the layer takes at this M and its speed against "
+            "bf16; the eager layer call (do_bench) and its host microseconds.",
             "",
-            "| case | triton ms | dense ms | bf16 ms | x vs dense | path | layer x vs bf16 "
-            "| weight GB/s | eager ms | host us |",
-            "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+            "| case | triton ms | dense ms | torch deq ms | bf16 ms | path | best "
+            "| layer x vs bf16 | weight GB/s | eager ms | host us |",
+            "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
         ]
         for r in quant:
             lines.append(
                 f"| {r['case']} | {_num(r, 'kernel_ms', digits=4)} | "
-                f"{_num(r, 'dequantize_ms', digits=4)} | {_num(r, 'bf16_ms', digits=4)} | "
-                f"{_num(r, 'speedup_vs_dequantize', digits=2)} | {r.get('path', '-')} | "
+                f"{_num(r, 'dense_ms', digits=4)} | {_num(r, 'torch_dense_ms', digits=4)} | "
+                f"{_num(r, 'bf16_ms', digits=4)} | {r.get('path', '-')} | {r.get('best', '-')} | "
                 f"{_num(r, 'speedup_vs_bf16', digits=2)} | {_num(r, 'GBps')} | "
                 f"{_num(r, 'eager_ms', digits=4)} | {_num(r, 'host_us', digits=0)} |"
             )

@@ -1,7 +1,19 @@
-"""Weight-only quantized GEMM on a GPU: ``paged_triton.quant_matmul``
-against the layer's dense path (``quant_dequantize``: the weight
-dequantized in one pass, then cuBLAS) and against the 16-bit matmul alone,
-side by side.
+"""Weight-only quantized GEMM on a GPU: each of the layer's two CUDA paths
+at every M, side by side, so :data:`quant_matmul.DENSE_ROWS` (where the
+layer switches) can be set from the numbers:
+
+- ``kernel_ms``: ``paged_triton.quant_matmul``, forced at every M (above
+  ``DENSE_ROWS`` the layer would not run it; its prefill tile may then
+  JIT-compile here, which the timing excludes);
+- ``dense_ms``: the layer's dense path, forced at every M: the weight
+  dequantized in one Triton pass (``quant_dequantize``), then cuBLAS;
+- ``torch_dense_ms``: the fallback's dense path,
+  ``QuantizedLinear.dequantized_weight`` (tensor ops) then cuBLAS, for
+  comparison with the one-pass dequantize;
+- ``bf16_ms``: the 16-bit matmul alone;
+- ``path`` / ``layer_ms``: the path the layer picks at this M
+  (``quant_matmul.prefers_dense``) and its time;
+- ``best``: the faster of ``kernel`` and ``dense`` at this M.
 
 Llama 3.1 8B's o_proj (4096 x 4096) and fused gate/up (28672 x 4096)
 projections, bf16 activations, M = 1 (decode) to 2048 (prefill) rows, for
@@ -10,17 +22,16 @@ int8 per output channel, int4 in groups of 128, and int4 with zero points
 
 How it times, and why: the engine replays decode steps from CUDA graphs
 (engine/decode_graphs.py), and in a model each layer reads a weight the
-previous layers have pushed out of L2. So ``kernel_ms``, ``dequantize_ms``
-and ``bf16_ms`` are GPU time per call inside one CUDA graph that cycles
-over enough copies of the weight (3x the L2 cache) that every call reads
-it from HBM, with no host in the loop. An eager call costs more than its
-kernels: ``host_us`` is the Python and launch time of one eager layer call
-(measured with the GPU kept busy, so it is the host's alone), ``launch_us``
-the part of it that is Triton's launch of the planned kernel, and
-``eager_ms`` what ``triton.testing.do_bench`` reports for the eager layer
-call with L2 flushed (it reads the host's time, not the GPU's, whenever
-the host is the slower of the two). ``layer_ms`` is the path the layer
-takes at this M (``quant_matmul.prefers_dense``).
+previous layers have pushed out of L2. So the ``*_ms`` columns are GPU
+time per call inside one CUDA graph that cycles over enough copies of the
+weight (3x the L2 cache) that every call reads it from HBM, with no host
+in the loop. An eager call costs more than its kernels: ``host_us`` is
+the Python and launch time of one eager layer call (measured with the GPU
+kept busy, so it is the host's alone), ``launch_us`` the part of it that
+is Triton's launch of the planned kernel, and ``eager_ms`` what
+``triton.testing.do_bench`` reports for the eager layer call with L2
+flushed (it reads the host's time, not the GPU's, whenever the host is
+the slower of the two).
 
 ``test_decode_split_k`` times the decode kernel at each split-K width, to
 check :func:`quant_matmul.split_k`'s choice.
@@ -32,13 +43,18 @@ Run: ``pytest benchmarks/test_quant_matmul_bench.py --benchmark-only -p no:rando
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from paged_server.models.quantization.linear import QuantizedLinear
 
 CUDA = torch.cuda.is_available()
 pytestmark = [
@@ -47,7 +63,7 @@ pytestmark = [
 ]
 
 SHAPES = {"o 4096x4096": (4096, 4096), "gate_up 28672x4096": (28672, 4096)}
-ROWS = (1, 16, 64, 256, 512, 2048)
+ROWS = (1, 16, 64, 128, 256, 512, 2048)  # both paths at each: the crossover
 # name -> (bits, group size (None: per output channel), zero points)
 FORMATS = {"int8 per-channel": (8, None, False), "int4 g128": (4, 128, False),
            "int4 g128 asym": (4, 128, True)}  # fmt: skip
@@ -55,7 +71,7 @@ ROUNDS = 5  # passes over the weight copies captured in one graph
 SPLITS = (1, 2, 4, 8, 16)
 
 
-def _layer(n: int, k: int, bits: int, group: int | None, asym: bool):
+def _layer(n: int, k: int, bits: int, group: int | None, asym: bool) -> QuantizedLinear:
     from paged_server.models.quantization.linear import QuantizedLinear
     from paged_server.models.quantization.weights import QuantizedWeight, quantize_int
 
@@ -74,13 +90,23 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _copies(tensors: tuple[torch.Tensor | None, ...]) -> list[tuple[torch.Tensor | None, ...]]:
-    """Enough clones of ``tensors`` (the first is themselves) to fill 3x the
-    L2 cache, so a graph cycling over them reads each from HBM."""
+def _count(nbytes: int) -> int:
+    """How many copies of ``nbytes`` fill 3x the L2 cache, so a graph
+    cycling over them reads each from HBM."""
     l2 = getattr(torch.cuda.get_device_properties(), "L2_cache_size", 50 << 20)
-    count = min(32, max(1, -(-3 * l2 // _nbytes(*tensors))))
-    clone = [tuple(None if t is None else t.clone() for t in tensors) for _ in range(count - 1)]
-    return [tensors, *clone]
+    return min(32, max(1, -(-3 * l2 // nbytes)))
+
+
+def _copies(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Enough clones of ``tensor`` (the first is itself) to read it cold."""
+    return [tensor, *(tensor.clone() for _ in range(_count(_nbytes(tensor)) - 1))]
+
+
+def _layers(layer: QuantizedLinear) -> list[QuantizedLinear]:
+    """Enough copies of a quantized ``layer`` (the first is itself; the
+    others own clones of its weight) to read its weight cold."""
+    count = _count(_nbytes(layer.qweight, layer.scales, layer.zeros))
+    return [layer, *(copy.deepcopy(layer) for _ in range(count - 1))]
 
 
 def _graph_ms(calls: list[Callable[[], object]]) -> float:
@@ -142,17 +168,26 @@ def test_quant_matmul(benchmark, fmt, shape, m):
     dense = layer.dequantized_weight(torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     want = F.linear(x, dense)
-    for got in (layer(x), qm.quant_matmul(x, layer.qweight, layer.scales, layer.zeros, bits, g)):
+
+    def forced_kernel(q: QuantizedLinear) -> torch.Tensor:  # even from DENSE_ROWS rows
+        return qm.quant_matmul(x, q.qweight, q.scales, q.zeros, bits, g)
+
+    def forced_dense(q: QuantizedLinear) -> torch.Tensor:  # the layer's path from DENSE_ROWS
+        return F.linear(x, dequantize(q.qweight, q.scales, q.zeros, bits, g, x.dtype))
+
+    def torch_dense(q: QuantizedLinear) -> torch.Tensor:  # the fallback's path
+        return F.linear(x, q.dequantized_weight(x.dtype))
+
+    paths = {"kernel": forced_kernel, "dense": forced_dense, "torch_dense": torch_dense}
+    for got in (layer(x), *(path(layer) for path in paths.values())):
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
-    weights = _copies((layer.qweight, layer.scales, layer.zeros))
-    kernel_ms = _graph_ms([lambda w=w: qm.quant_matmul(x, *w, bits, g) for w in weights])
-    dequantize_ms = _graph_ms(
-        [lambda w=w: F.linear(x, dequantize(*w, bits, g, x.dtype)) for w in weights]
-    )
-    bf16_ms = _graph_ms([lambda w=w: F.linear(x, w) for (w,) in _copies((dense,))])
-    dense_path = qm.prefers_dense(m)
-    layer_ms = dequantize_ms if dense_path else kernel_ms
+    layers = _layers(layer)
+    ms = {name: _graph_ms([lambda q=q, f=f: f(q) for q in layers]) for name, f in paths.items()}
+    layer_ms = _graph_ms([lambda q=q: q(x) for q in layers])  # whichever path it picks
+    bf16_ms = _graph_ms([lambda w=w: F.linear(x, w) for w in _copies(dense)])
+    kernel_ms, dense_ms = ms["kernel"], ms["dense"]
+    path = "dense" if qm.prefers_dense(m) else "kernel"
 
     tile, splits = qm.variant(m, n, k, g, x.device)
     out = torch.empty(m, n, device="cuda", dtype=x.dtype)
@@ -174,13 +209,15 @@ def test_quant_matmul(benchmark, fmt, shape, m):
         n=n,
         k=k,
         splits=splits,
-        copies=len(weights),
+        copies=len(layers),
         kernel_ms=kernel_ms,
-        dequantize_ms=dequantize_ms,
+        dense_ms=dense_ms,
+        torch_dense_ms=ms["torch_dense"],
         bf16_ms=bf16_ms,
-        path="dense" if dense_path else "kernel",
+        path=path,
+        best="dense" if dense_ms < kernel_ms else "kernel",
         layer_ms=layer_ms,
-        speedup_vs_dequantize=dequantize_ms / kernel_ms,
+        speedup_vs_dense=dense_ms / kernel_ms,
         speedup_vs_bf16=bf16_ms / layer_ms,
         eager_ms=eager_ms,
         host_us=_host_us(lambda: layer(x)),
@@ -211,10 +248,15 @@ def test_decode_split_k(benchmark, fmt, shape, m):
     layer = _layer(n, k, bits, group, asym)
     g = layer.group_size
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    weights = _copies((layer.qweight, layer.scales, layer.zeros))
+    layers = _layers(layer)
     chosen = qm.variant(m, n, k, g, x.device)[1]
     ms = {
-        s: _graph_ms([lambda w=w, s=s: qm.quant_matmul(x, *w, bits, g, splits=s) for w in weights])
+        s: _graph_ms(
+            [
+                lambda q=q, s=s: qm.quant_matmul(x, q.qweight, q.scales, q.zeros, bits, g, splits=s)
+                for q in layers
+            ]
+        )
         for s in SPLITS
     }
     benchmark.group = "quant matmul split-K"
