@@ -40,7 +40,7 @@ for r in rows:
              f"{r['bf16_ms']:.4f}", r["path"], r["best"], f"{r['layer_ms']:.4f}",
              f"{r['speedup_vs_bf16']:.2f}", f"{r['GBps']:.0f}", f"{r['eager_ms']:.4f}",
              f"{r['host_us']:.0f}", f"{r['launch_us']:.0f}", r["splits"])
-    print(f"{r["case"]:<46}" + "".join(f"{c:>10}" for c in cells))
+    print(f"{r['case']:<46}" + "".join(f"{c:>10}" for c in cells))
 # Where dense starts to win, per format and shape: what DENSE_ROWS should be.
 cross = {}
 for r in rows:
