@@ -143,7 +143,8 @@ class LinearTimer:
     """Wall time spent inside a model's ``nn.Linear`` layers while active
     (forward hooks around each call). On a CPU the linear layers are the
     bound of a decoding engine: the matrix products any engine must run.
-    Not for CUDA (kernels run asynchronously; timing them needs syncs)."""
+    Not for CUDA (kernels run asynchronously; timing them needs syncs), nor
+    for a compiled forward (its graph calls no module, so no hook fires)."""
 
     def __init__(self, model: Any) -> None:
         import torch
@@ -197,7 +198,10 @@ def run_engine(
     peak_pool = 0.0
     peak_running = 0
     on_cpu = next(engine.loaded.model.parameters()).device.type == "cpu"
-    timer = LinearTimer(engine.loaded.model) if on_cpu else None
+    # A compiled forward runs its GEMMs inside the graph (no module call for
+    # a hook to time, some inside inductor's own kernels): no share then.
+    eager = getattr(engine.runner, "compiled", None) is None
+    timer = LinearTimer(engine.loaded.model) if on_cpu and eager else None
     with timer if timer is not None else contextlib.nullcontext():
         while engine.has_unfinished():
             outputs = engine.step()
