@@ -64,7 +64,7 @@ def masked_attention(
             f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}) for GQA/MQA"
         )
     q_per_kv = heads // kv_heads
-    # [B, H, Lq, D] -> [B, KVH, G*Lq, D]: each kv head serves its q_per_kv query heads.
+    # [B, H, Lq, D] -> [B, KVH, q_per_kv*Lq, D]: each kv head serves its q_per_kv query heads.
     qf = q.float().reshape(batch, kv_heads, q_per_kv * q_len, head_dim)
     scores = torch.matmul(qf, k.float().transpose(-1, -2)) * scale
     if softcap is not None:

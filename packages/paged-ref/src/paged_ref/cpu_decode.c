@@ -5,7 +5,7 @@
  * compare the two). Built by cpu_decode.py with the shapes that stay fixed
  * for a model as constants, so the compiler unrolls and vectorizes the
  * head_dim loops and keeps each head's accumulator on the stack:
- *   HEAD_DIM, GROUP (query heads per kv head), KV_HEADS, and CACHE_BF16 /
+ *   HEAD_DIM, Q_PER_KV (query heads per kv head), KV_HEADS, and CACHE_BF16 /
  *   CACHE_F16 / neither (float32) for the cache's element type.
  *
  * Work items are (sequence, range of kv heads): a whole token row (every kv
@@ -19,7 +19,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#define HEADS (KV_HEADS * GROUP)
+#define HEADS (KV_HEADS * Q_PER_KV)
 #define ROW (KV_HEADS * HEAD_DIM)
 #define MAX_BLOCK 256
 
@@ -43,7 +43,7 @@ static inline __attribute__((always_inline)) void attend(const float* q, const c
     const int64_t start = (window > 0 && len > window) ? len - window : 0;
     float qs[HEADS][HEAD_DIM], acc[HEADS][HEAD_DIM], row[ROW];
     float score[MAX_BLOCK][HEADS], m[HEADS], sum[HEADS];
-    for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
+    for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
         for (int d = 0; d < HEAD_DIM; d++) {
             qs[i][d] = q[i * HEAD_DIM + d] * scale;
             acc[i][d] = 0.f;
@@ -70,15 +70,15 @@ static inline __attribute__((always_inline)) void attend(const float* q, const c
         }
         for (int64_t s = lo; s < hi; s++) {
             for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = to_float(kb[s * ROW + d]);
-            for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
-                const float* kh = row + (i / GROUP) * HEAD_DIM;
+            for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
+                const float* kh = row + (i / Q_PER_KV) * HEAD_DIM;
                 float dot = 0.f;
                 for (int d = 0; d < HEAD_DIM; d++) dot += qs[i][d] * kh[d];
                 if (softcap > 0.f) dot = softcap * tanhf(dot / softcap);
                 score[s][i] = dot;
             }
         }
-        for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
+        for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
             float top = m[i];
             for (int64_t s = lo; s < hi; s++) top = score[s][i] > top ? score[s][i] : top;
             if (top > m[i]) {  /* rescale what was summed under the old max */
@@ -94,14 +94,14 @@ static inline __attribute__((always_inline)) void attend(const float* q, const c
         }
         for (int64_t s = lo; s < hi; s++) {
             for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = to_float(vb[s * ROW + d]);
-            for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
+            for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
                 const float p = score[s][i];
-                const float* vh = row + (i / GROUP) * HEAD_DIM;
+                const float* vh = row + (i / Q_PER_KV) * HEAD_DIM;
                 for (int d = 0; d < HEAD_DIM; d++) acc[i][d] += p * vh[d];
             }
         }
     }
-    for (int64_t i = h0 * GROUP; i < h1 * GROUP; i++) {
+    for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
         const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;  /* no visible key: zeros */
         for (int d = 0; d < HEAD_DIM; d++) out[i * HEAD_DIM + d] = acc[i][d] * inv;
     }

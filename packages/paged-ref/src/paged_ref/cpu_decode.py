@@ -58,15 +58,15 @@ def compiler() -> str | None:
 
 
 @functools.cache
-def _library(head_dim: int, group: int, kv_heads: int, dtype: torch.dtype) -> Any:
+def _library(head_dim: int, q_per_kv: int, kv_heads: int, dtype: torch.dtype) -> Any:
     """The built kernel for one layout, or None when it cannot be built."""
     cc = compiler()
     if cc is None:
         return None
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DKV_HEADS={kv_heads}", _CACHE_DEFINES[dtype])
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DQ_PER_KV={q_per_kv}", f"-DKV_HEADS={kv_heads}", _CACHE_DEFINES[dtype])
     command = [cc, *_FLAGS, *filter(None, defines)]
     key = hashlib.sha256((SOURCE.read_text() + " ".join(command)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"decode-d{head_dim}-g{group}-kv{kv_heads}-{str(dtype)[6:]}-{key}.so"
+    path = cache_dir() / f"decode-d{head_dim}-q{q_per_kv}-kv{kv_heads}-{str(dtype)[6:]}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)

@@ -25,7 +25,7 @@ from paged_triton.launch_checks import (
 )
 from paged_triton.tile_config import MIN_DOT, TileConfig, tile_config
 
-# Query heads one program serves at most; larger GQA/MQA groups are split over programs.
+# Query heads one program serves at most; more heads per kv head are split over programs.
 MAX_HEADS_PER_PROGRAM = {"decode": 64, "prefill": 16}
 
 
@@ -88,7 +88,7 @@ def _shape_params(
 ) -> tuple[int, dict[str, Any], TileConfig]:  # fmt: skip
     """What depends only on the layer's shapes (``dtype``: what the products
     run in, ``compute_dtype``). Decode pads its query heads to ``BLOCK_H``
-    rows; prefill stacks ``BLOCK_Q`` queries of ``G_PAD`` heads each."""
+    rows; prefill stacks ``BLOCK_Q`` queries of ``HEADS_PAD`` heads each."""
     q_per_kv = check_gqa(heads, kv_heads)
     heads_per_prog = min(q_per_kv, MAX_HEADS_PER_PROGRAM[kind])
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
@@ -102,6 +102,6 @@ def _shape_params(
     if kind == "decode":
         constexprs.update(BLOCK_H=max(MIN_DOT, triton.next_power_of_2(heads_per_prog)), BLOCK_B=BLOCK_B)
     else:
-        g_pad = triton.next_power_of_2(heads_per_prog)
-        constexprs.update(G_PAD=g_pad, BLOCK_Q=max(1, tile.block_m // g_pad))
+        heads_pad = triton.next_power_of_2(heads_per_prog)
+        constexprs.update(HEADS_PAD=heads_pad, BLOCK_Q=max(1, tile.block_m // heads_pad))
     return kv_heads * triton.cdiv(q_per_kv, heads_per_prog), constexprs, tile

@@ -3,7 +3,7 @@ real GPUs (sm_80, sm_89, sm_90), on any machine, GPU or not.
 
 A *variant* is one kernel with one set of constexprs, warps and stages. The
 variants come from the head layouts of the families ``paged`` serves
-(:data:`FAMILIES`) plus a few layouts that keep GQA groups 1-8, soft-capping
+(:data:`FAMILIES`) plus a few layouts that keep 1-8 query heads per kv head, soft-capping
 and 32-token blocks covered (:data:`COVERAGE`), in fp16 and bf16 (fp32 where
 a CPU pool uses it). Each is planned by the ops' own planning functions
 (``plan_decode``, ``plan_prefill``, ...) on ``meta`` tensors, then
@@ -122,9 +122,9 @@ def core_variants() -> list[Variant]:
     family per head_dim (64, 128, 256: Llama 3.2 1B, Llama 3.2 3B, Gemma 3
     1B) decode, its split merge, prefill and write_kv in fp16 and bf16;
     Gemma's windowed layers; soft-capping, 32-token blocks and fp32 once
-    each; GQA groups 1 and 8; copy_blocks. Family layouts left out share
-    these kernels' code paths and differ only in constexpr masks (GQA group
-    2 and 4 both pad to 16 decode rows, for instance);
+    each; 1 and 8 query heads per kv head; copy_blocks. Family layouts left
+    out share these kernels' code paths and differ only in constexpr masks
+    (2 and 4 query heads per kv head both pad to 16 decode rows, for instance);
     :func:`exhaustive_variants` compiles them all. Whether a decode step is
     split is decided on the device, so one decode variant serves both."""
     llama_1b, llama_3b, gemma_1b = FAMILIES[0], FAMILIES[1], FAMILIES[4]
@@ -143,7 +143,7 @@ def core_variants() -> list[Variant]:
         Variant("decode", llama_3b, "fp32"),
         Variant("prefill", llama_3b, "fp32"),
     ]
-    for layout in COVERAGE[:2]:  # GQA group 1 (MHA) and 8
+    for layout in COVERAGE[:2]:  # 1 (MHA) and 8 query heads per kv head
         out += [Variant("decode", layout, "bf16"), Variant("prefill", layout, "bf16")]
     out += [Variant("copy_blocks", llama_3b, dtype) for dtype in ("bf16", "fp32")]
     out += quantized_variants()

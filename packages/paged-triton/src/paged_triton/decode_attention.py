@@ -134,9 +134,9 @@ def _decode_kernel(
     head_blocks: tl.constexpr = (Q_PER_KV + HEADS_PER_PROG - 1) // HEADS_PER_PROG
     kv_head = pid_h // head_blocks
     first = (pid_h % head_blocks) * HEADS_PER_PROG
-    g = tl.arange(0, BLOCK_H)
-    head_mask = (g < HEADS_PER_PROG) & (first + g < Q_PER_KV)
-    heads = kv_head * Q_PER_KV + first + g
+    qh = tl.arange(0, BLOCK_H)  # query head in this program
+    head_mask = (qh < HEADS_PER_PROG) & (first + qh < Q_PER_KV)
+    heads = kv_head * Q_PER_KV + first + qh
     out, m_i, l_i = attend_context(
         Q + b * stride_qb + heads * stride_qh, head_mask, seq_len, K, V, K_SCALE, V_SCALE,
         BT + b.to(tl.int64) * stride_btb, kv_head, kv_head.to(tl.int64) * stride_ch, start, end,
@@ -151,7 +151,7 @@ def _decode_kernel(
         part = row * num_heads + heads
         # (The scalar test is broadcast: Triton's interpreter turns `bool tensor &
         # bool scalar` into integers, which a store rejects as a mask.)
-        keep = head_mask & (g * 0 + row < partial_rows)
+        keep = head_mask & (qh * 0 + row < partial_rows)
         tl.store(PART_ACC + part[:, None] * BLOCK_D + d[None, :], out, mask=keep[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(PART_LSE + part, lse, mask=keep)

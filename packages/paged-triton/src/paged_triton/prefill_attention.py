@@ -5,7 +5,7 @@ K/V are already in the cache (``write_kv`` first), and query ``i`` of a
 sequence sits at position ``seq_len - q_len + i`` (causal with an offset).
 
 A program takes ``BLOCK_Q`` consecutive queries of one sequence and the
-``Q_PER_KV`` query heads sharing one kv head, stacked as ``BLOCK_Q * G_PAD``
+``Q_PER_KV`` query heads sharing one kv head, stacked as ``BLOCK_Q * HEADS_PAD``
 rows, so each K/V tile read through the page table serves all of them. The grid
 has ``total_q // BLOCK_Q + batch`` programs along the query axis, an upper
 bound on the per-sequence tiles that needs no device sync; each program
@@ -62,7 +62,7 @@ def _prefill_kernel(
     batch,
     Q_PER_KV: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
-    G_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -98,12 +98,12 @@ def _prefill_kernel(
     kv_head = pid_h // head_blocks
     first = (pid_h % head_blocks) * HEADS_PER_PROG
 
-    BLOCK_ROWS: tl.constexpr = BLOCK_Q * G_PAD
+    BLOCK_ROWS: tl.constexpr = BLOCK_Q * HEADS_PAD
     r = tl.arange(0, BLOCK_ROWS)
-    qi = q_tile * BLOCK_Q + r // G_PAD
-    g = r % G_PAD
-    row_mask = (qi < q_len) & (g < HEADS_PER_PROG) & (first + g < Q_PER_KV)
-    heads = kv_head * Q_PER_KV + first + g
+    qi = q_tile * BLOCK_Q + r // HEADS_PAD
+    qh = r % HEADS_PAD  # query head in this program
+    row_mask = (qi < q_len) & (qh < HEADS_PER_PROG) & (first + qh < Q_PER_KV)
+    heads = kv_head * Q_PER_KV + first + qh
     tokens = (q_start + qi).to(tl.int64)
 
     # Absolute positions of this tile's queries, and the keys any of them can see.

@@ -51,7 +51,7 @@ SMALL_SMEM = 101376  # sm_86, sm_89, sm_120 and unknown GPUs
 
 @dataclass(frozen=True, slots=True)
 class TileConfig:
-    """``block_m``: query rows per program (prefill; queries x padded group);
+    """``block_m``: query rows per program (prefill; queries x padded query heads);
     ``block_n``: keys per tile; Triton's ``num_warps`` and ``num_stages``;
     ``maxnreg``: registers per thread ptxas may use (``None``: its choice)."""
 
