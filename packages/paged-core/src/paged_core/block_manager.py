@@ -93,10 +93,7 @@ class BlockManager:
         num_reserved: int | None = None,
     ) -> bool:  # fmt: skip
         """Whether ``allocate`` would succeed now (exact, never optimistic)."""
-        needed = self.num_blocks_needed(
-            token_ids, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
-        )
-        return needed <= self.num_free_blocks()
+        return self._plan(token_ids, skip_prefix_cache, num_reserved)[2] <= self.num_free_blocks()
 
     def allocate(
         self, seq_id: int, token_ids: Sequence[int], *,
@@ -172,9 +169,8 @@ class BlockManager:
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
         """Record that the first ``num_computed_tokens`` tokens' KV is written.
-        Full blocks now computed enter the prefix
-        index; sliding groups then free the blocks that left their window
-        (returns whether any did; they stay cached)."""
+        Full blocks now computed enter the prefix index; sliding groups then free
+        the blocks that left their window (returns whether any did; they stay cached)."""
         seq = self._seqs.get(seq_id) or self._seq(seq_id)
         if not 0 <= num_computed_tokens <= len(seq.tokens):
             raise ValueError(

@@ -177,7 +177,6 @@ class BlockPool:
         return problems
 
     def _enqueue(self, block: Block) -> None:
-        """A block that just lost its last reference joins the free queue."""
         self._count_used(block.group, -1)
         self.free_queue[block] = None
         if block.block_hash is None:

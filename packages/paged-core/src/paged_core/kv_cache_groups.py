@@ -7,8 +7,7 @@ counts, so every type splits into whole groups with no padding (Gemma 3 1B:
 4 global + 22 local layers -> k = 2, 2 full groups and 11 sliding ones).
 Every group then stores the same bytes per block (``k`` layers' worth), so
 one pool of blocks serves them all: layer ``l`` lives at *cache layer*
-``j`` (the cache tensors' first index) inside its group's blocks. A model with one
-attention type gets one group of all its layers: today's layout exactly.
+``j`` (the cache tensors' first index) inside its group's blocks.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ def kv_cache_groups(layer_windows: list[int | None], *, hybrid: bool = True) -> 
     for layer, window in enumerate(layer_windows):
         by_type.setdefault(window, []).append(layer)
     if len(by_type) == 1 or not hybrid:
-        windows = set(layer_windows)
-        common = windows.pop() if len(windows) == 1 else None
+        common = layer_windows[0] if len(by_type) == 1 else None
         return [KVCacheGroup(tuple(range(len(layer_windows))), common)]
     k = math.gcd(*(len(layers) for layers in by_type.values()))
     order = sorted(by_type, key=lambda w: (w is not None, w or 0))
