@@ -301,17 +301,15 @@ def quant_matmul(
     interpret = interpreted(_quant_matmul_kernel)
     if splits == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        plan = plan_quant_matmul(flat, qweight, scales, zeros, bits, group_size, out, 1, tile, interpret)
     else:
         out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        plan = plan_quant_matmul(
-            flat, qweight, scales, zeros, bits, group_size, out, splits, tile, interpret
-        )
-        out = out[: plan.grid[2]]
+    plan = plan_quant_matmul(
+        flat, qweight, scales, zeros, bits, group_size, out, splits, tile, interpret
+    )
     if m:
         plan.run()
-    if out.dim() == 3:
-        out = out.sum(0).to(x.dtype)
+    if out.dim() == 3:  # the partials of the splits the plan kept
+        out = out[: plan.grid[2]].sum(0).to(x.dtype)
     return out.reshape(*lead, n)
 
 
