@@ -63,7 +63,7 @@ def test_cpu_decode_matches_the_reference(dtype, window, softcap, atol, threads)
     try:
         for batch, max_len in [(1, 1), (1, 9), (5, 4), (7, 23), (12, 40), (3, 0)]:
             q, k, v, tables, lens = random_batch(gen, batch, max_len, dtype)
-            assert cpu_decode.supports(q, k)
+            assert cpu_decode.supports(q, k, v)
             want = ops.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5, window, softcap)
             got = cpu_decode.decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5, window, softcap)
             assert got.dtype == q.dtype and got.shape == q.shape
@@ -91,4 +91,53 @@ def test_quantized_caches_take_the_reference_path() -> None:
     want = ops.paged_decode_attention(*args, k_scales=ks, v_scales=vs)
     got = CpuDecodeOps(ops).paged_decode_attention(*args, k_scales=ks, v_scales=vs)
     assert torch.equal(got, want)
-    assert CpuDecodeOps(ops).write_kv is ops.write_kv  # every other op is the wrapped module's
+    assert CpuDecodeOps(ops).copy_blocks is ops.copy_blocks  # every other op is the wrapped module's
+    k_new, v_new = (torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    k_want, v_want, k_got, v_got = k8.clone(), v8.clone(), k8.clone(), v8.clone()
+    ks_want, vs_want, ks_got, vs_got = ks.clone(), vs.clone(), ks.clone(), vs.clone()
+    slots = torch.tensor([5, -1, 17])
+    ops.write_kv(k_want, v_want, k_new, v_new, slots, k_scales=ks_want, v_scales=vs_want)
+    CpuDecodeOps(ops).write_kv(k_got, v_got, k_new, v_new, slots, k_scales=ks_got, v_scales=vs_got)
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert torch.equal(ks_got.nan_to_num(), ks_want.nan_to_num())  # the test data's NaN block
+
+
+@pytest.mark.parametrize(
+    ("act", "cache"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)  # fmt: skip
+def test_cpu_write_and_decode_take_activations_in_their_own_dtype(act, cache) -> None:
+    """q, k and v as a model hands them over: slices of one projection (rows
+    apart by more than a row), in the activations' dtype, which may differ
+    from the cache's; NaN and infinities survive the write as torch's cast keeps them."""
+    gen = torch.Generator().manual_seed(3)
+    _, k_cache, v_cache, tables, lens = random_batch(gen, 6, 21, cache)
+    k_cache[NUM_BLOCKS - 1] = v_cache[NUM_BLOCKS - 1] = 0
+    fused = torch.randn(6, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(act)
+    fused[0, HEADS, :3] = torch.tensor([float("nan"), float("inf"), -1e30])
+    q, k, v = fused.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=gen)[:6]
+    slots[2] = -1
+    k_want, v_want, k_got, v_got = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    ops.write_kv(k_want, v_want, k, v, slots)
+    CpuDecodeOps(ops).write_kv(k_got, v_got, k, v, slots)
+    assert torch.equal(k_got.isnan(), k_want.isnan())
+    assert torch.equal(k_got.nan_to_num(), k_want.nan_to_num()) and torch.equal(v_got, v_want)
+    assert cpu_decode.supports(q, k_want, v_want)
+    k_want[k_want.isnan() | k_want.isinf()] = 0
+    want = ops.paged_decode_attention(q, k_want, v_want, tables, lens, HEAD_DIM**-0.5)
+    got = cpu_decode.decode_attention(q, k_want, v_want, tables, lens, HEAD_DIM**-0.5)
+    assert got.dtype == act
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if torch.bfloat16 in (act, cache) else 2e-3, rtol=0)
+
+
+def test_an_out_of_range_slot_writes_nothing_and_raises_as_the_reference() -> None:
+    gen = torch.Generator().manual_seed(4)
+    _, k_cache, v_cache, _, _ = random_batch(gen, 2, 8, torch.float32)
+    before = k_cache.clone()
+    k, v = (torch.randn(2, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    assert not cpu_decode.write_kv(k_cache, v_cache, k, v, torch.tensor([3, NUM_BLOCKS * BLOCK]))
+    assert torch.equal(k_cache.nan_to_num(), before.nan_to_num())
+    with pytest.raises((IndexError, RuntimeError)):
+        CpuDecodeOps(ops).write_kv(k_cache, v_cache, k, v, torch.tensor([3, NUM_BLOCKS * BLOCK]))

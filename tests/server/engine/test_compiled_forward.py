@@ -16,6 +16,8 @@ from torch._dynamo.utils import counters
 
 from paged_server.config import EngineConfig
 from paged_server.engine.compiled_forward import (
+    GRAPHS_PER_ENGINE,
+    CompiledForward,
     _gemm_template_options,
     compiled_graphs,
     compiles_forward,
@@ -166,3 +168,33 @@ def test_quantized_model_compiles_its_linears_to_the_gemm_template(
         if method == "int8":
             assert got.token_ids == want.token_ids, request_id
             assert got.logprobs == pytest.approx(want.logprobs, abs=5e-2), request_id
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids, position_ids, kv_cache):
+        return self.lin(torch.ones(input_ids.shape[0], 8) * position_ids[:, None])
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Inner()
+
+
+def test_many_compiled_engines_in_one_process(monkeypatch) -> None:
+    """Every instance's graphs share one code object's Dynamo cache: with the
+    limit at one engine's worth, a second engine's graphs must still compile
+    (the default limit of 8 failed the fifth engine of a benchmark)."""
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", GRAPHS_PER_ENGINE)
+    with torch.inference_mode():
+        for _ in range(2):
+            forward = CompiledForward(_Outer())
+            for rows in (1, 3):  # both graphs
+                out = forward.hidden_states(torch.zeros(rows, dtype=torch.long), torch.arange(rows), object())
+                assert out.shape == (rows, 8)

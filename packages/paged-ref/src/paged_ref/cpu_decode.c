@@ -5,8 +5,10 @@
  * compare the two). Built by cpu_decode.py with the shapes that stay fixed
  * for a model as constants, so the compiler unrolls and vectorizes the
  * head_dim loops and keeps each head's accumulator on the stack:
- *   HEAD_DIM, Q_PER_KV (query heads per kv head), KV_HEADS, and CACHE_BF16 /
- *   CACHE_F16 / neither (float32) for the cache's element type.
+ *   HEAD_DIM, Q_PER_KV (query heads per kv head), KV_HEADS, CACHE_BF16 /
+ *   CACHE_F16 / neither (float32) for the cache's element type, and ACT_BF16 /
+ *   ACT_F16 / neither for the activations' (q, the output, the new K/V rows),
+ *   so no caller converts them around the call.
  *
  * Work items are (sequence, range of kv heads): a whole token row (every kv
  * head) is contiguous in a block, so one item per sequence reads each block
@@ -23,29 +25,54 @@
 #define ROW (KV_HEADS * HEAD_DIM)
 #define MAX_BLOCK 256
 
-#if defined(CACHE_BF16)
-typedef uint16_t cache_t;
-static inline float to_float(cache_t x) {
+static inline float bf16_to_float(uint16_t x) {
     union { uint32_t u; float f; } bits = { .u = (uint32_t)x << 16 };
     return bits.f;
 }
+
+static inline uint16_t bf16_from_float(float f) {  /* round to nearest even, as torch */
+    union { float f; uint32_t u; } bits = { .f = f };
+    if ((bits.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits.u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
+}
+
+#if defined(CACHE_BF16)
+typedef uint16_t cache_t;
+static inline float to_float(cache_t x) { return bf16_to_float(x); }
+static inline cache_t to_cache(float x) { return bf16_from_float(x); }
 #elif defined(CACHE_F16)
 typedef _Float16 cache_t;
 static inline float to_float(cache_t x) { return (float)x; }
+static inline cache_t to_cache(float x) { return (cache_t)x; }
 #else
 typedef float cache_t;
 static inline float to_float(cache_t x) { return x; }
+static inline cache_t to_cache(float x) { return x; }
 #endif
 
-static inline __attribute__((always_inline)) void attend(const float* q, const cache_t* k, const cache_t* v, const int32_t* table,
-                   int64_t len, int64_t h0, int64_t h1, float* out, int64_t block_size,
+#if defined(ACT_BF16)
+typedef uint16_t act_t;
+static inline float act_to_float(act_t x) { return bf16_to_float(x); }
+static inline act_t to_act(float x) { return bf16_from_float(x); }
+#elif defined(ACT_F16)
+typedef _Float16 act_t;
+static inline float act_to_float(act_t x) { return (float)x; }
+static inline act_t to_act(float x) { return (act_t)x; }
+#else
+typedef float act_t;
+static inline float act_to_float(act_t x) { return x; }
+static inline act_t to_act(float x) { return x; }
+#endif
+
+static inline __attribute__((always_inline)) void attend(const act_t* q, const cache_t* k, const cache_t* v, const int32_t* table,
+                   int64_t len, int64_t h0, int64_t h1, act_t* out, int64_t block_size,
                    int64_t num_blocks, float scale, int64_t window, float softcap) {
     const int64_t start = (window > 0 && len > window) ? len - window : 0;
     float qs[HEADS][HEAD_DIM], acc[HEADS][HEAD_DIM], row[ROW];
     float score[MAX_BLOCK][HEADS], m[HEADS], sum[HEADS];
     for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
         for (int d = 0; d < HEAD_DIM; d++) {
-            qs[i][d] = q[i * HEAD_DIM + d] * scale;
+            qs[i][d] = act_to_float(q[i * HEAD_DIM + d]) * scale;
             acc[i][d] = 0.f;
         }
         m[i] = -INFINITY;
@@ -103,18 +130,19 @@ static inline __attribute__((always_inline)) void attend(const float* q, const c
     }
     for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
         const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;  /* no visible key: zeros */
-        for (int d = 0; d < HEAD_DIM; d++) out[i * HEAD_DIM + d] = acc[i][d] * inv;
+        for (int d = 0; d < HEAD_DIM; d++) out[i * HEAD_DIM + d] = to_act(acc[i][d] * inv);
     }
 }
 
-/* q, out: [batch, HEADS, HEAD_DIM] float32; k, v: [num_blocks, block_size,
- * KV_HEADS, HEAD_DIM]; tables: [batch, width] int32; lens: [batch] int32.
- * window <= 0: no sliding window; softcap <= 0: none. Returns 0, or -1 when
- * block_size exceeds MAX_BLOCK (the caller then uses the reference). */
-int paged_decode(const float* q, const cache_t* k, const cache_t* v, const int32_t* tables,
-                 const int32_t* lens, float* out, int64_t batch, int64_t block_size,
-                 int64_t width, int64_t num_blocks, float scale, int64_t window, float softcap,
-                 int num_threads) {
+/* q: [batch, HEADS, HEAD_DIM] with rows q_stride apart; out: the same,
+ * contiguous; k, v: [num_blocks, block_size, KV_HEADS, HEAD_DIM]; tables:
+ * [batch, width] int32; lens: [batch] int32. window <= 0: no sliding window;
+ * softcap <= 0: none. Returns 0, or -1 when block_size exceeds MAX_BLOCK (the
+ * caller then uses the reference). */
+int paged_decode(const act_t* q, const cache_t* k, const cache_t* v, const int32_t* tables,
+                 const int32_t* lens, act_t* out, int64_t batch, int64_t q_stride,
+                 int64_t block_size, int64_t width, int64_t num_blocks, float scale,
+                 int64_t window, float softcap, int num_threads) {
     if (block_size > MAX_BLOCK) return -1;
     const int64_t split = batch < num_threads ? KV_HEADS : 1;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -123,11 +151,32 @@ int paged_decode(const float* q, const cache_t* k, const cache_t* v, const int32
         const int64_t h0 = part * KV_HEADS / split, h1 = (part + 1) * KV_HEADS / split;
         int64_t len = lens[b] < width * block_size ? lens[b] : width * block_size;
         if (split == 1)  /* constant head bounds: the compiler unrolls every head loop */
-            attend(q + b * HEADS * HEAD_DIM, k, v, tables + b * width, len, 0, KV_HEADS,
+            attend(q + b * q_stride, k, v, tables + b * width, len, 0, KV_HEADS,
                    out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap);
         else
-            attend(q + b * HEADS * HEAD_DIM, k, v, tables + b * width, len, h0, h1,
+            attend(q + b * q_stride, k, v, tables + b * width, len, h0, h1,
                    out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap);
+    }
+    return 0;
+}
+
+/* Scatter n new K/V rows (k, v: [n, KV_HEADS, HEAD_DIM], rows *_stride
+ * apart) into the cache viewed as [num_slots, KV_HEADS, HEAD_DIM]; a negative
+ * slot is padding. Returns -1, writing nothing, when a slot is out of range (the
+ * caller then lets the reference raise its error). */
+int paged_write(const act_t* k, const act_t* v, int64_t k_stride, int64_t v_stride,
+                const int64_t* slots, int64_t n, cache_t* k_cache, cache_t* v_cache,
+                int64_t num_slots) {
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] >= num_slots) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        cache_t* kd = k_cache + slots[i] * ROW;
+        cache_t* vd = v_cache + slots[i] * ROW;
+        for (int64_t d = 0; d < ROW; d++) {
+            kd[d] = to_cache(act_to_float(k[i * k_stride + d]));
+            vd[d] = to_cache(act_to_float(v[i * v_stride + d]));
+        }
     }
     return 0;
 }

@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,7 +41,8 @@ from paged_ref import ops as ref_ops
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-_CACHE_DEFINES = {torch.bfloat16: "-DCACHE_BF16", torch.float16: "-DCACHE_F16", torch.float32: ""}
+# -D{CACHE,ACT}_BF16 / _F16 / nothing (float32): the cache's and the activations' element types
+_DTYPE_DEFINES = {torch.bfloat16: "-D{}_BF16", torch.float16: "-D{}_F16", torch.float32: ""}
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
 
 
@@ -57,16 +58,25 @@ def compiler() -> str | None:
     return None
 
 
+class _Kernels(NamedTuple):
+    decode: Any  # cpu_decode.c's paged_decode
+    write: Any  # and paged_write
+
+
 @functools.cache
-def _library(head_dim: int, q_per_kv: int, kv_heads: int, dtype: torch.dtype) -> Any:
-    """The built kernel for one layout, or None when it cannot be built."""
+def _library(head_dim: int, q_per_kv: int, kv_heads: int, cache: torch.dtype, act: torch.dtype) -> _Kernels | None:
+    """The built kernels for one layout, or None when they cannot be built."""
     cc = compiler()
     if cc is None:
         return None
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DQ_PER_KV={q_per_kv}", f"-DKV_HEADS={kv_heads}", _CACHE_DEFINES[dtype])
+    defines = (
+        f"-DHEAD_DIM={head_dim}", f"-DQ_PER_KV={q_per_kv}", f"-DKV_HEADS={kv_heads}",
+        _DTYPE_DEFINES[cache].format("CACHE"), _DTYPE_DEFINES[act].format("ACT"),
+    )  # fmt: skip
     command = [cc, *_FLAGS, *filter(None, defines)]
     key = hashlib.sha256((SOURCE.read_text() + " ".join(command)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"decode-d{head_dim}-q{q_per_kv}-kv{kv_heads}-{str(dtype)[6:]}-{key}.so"
+    name = f"decode-d{head_dim}-q{q_per_kv}-kv{kv_heads}-{str(cache)[6:]}-{str(act)[6:]}-{key}.so"
+    path = cache_dir() / name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
@@ -79,23 +89,40 @@ def _library(head_dim: int, q_per_kv: int, kv_heads: int, dtype: torch.dtype) ->
             log.warning("cpu_decode: the C decode kernel did not build (%s); using the reference", err.stderr[-500:])
             return None
     lib = ctypes.CDLL(str(path))
-    fn = lib.paged_decode
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p] * 6 + [i64] * 4 + [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    decode, write = lib.paged_decode, lib.paged_write
+    decode.argtypes = [p] * 6 + [i64] * 5 + [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
+    write.argtypes = [p, p, i64, i64, p, i64, p, p, i64]
+    decode.restype = write.restype = ctypes.c_int
+    return _Kernels(decode, write)
 
 
-def supports(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether :func:`decode_attention` runs this call (a 16/32-bit cache on a
-    CPU, heads a multiple of kv heads, the kernel built)."""
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
-    return (
-        q.device.type == "cpu"
-        and k_cache.dtype in _CACHE_DEFINES
+def _kernels(x: Tensor, cache: Tensor) -> _Kernels | None:
+    """The kernels for activations like ``x`` (``[rows, heads, head_dim]``)
+    over a layer's ``cache``, when they apply: a CPU, 16/32-bit dtypes, heads
+    a multiple of kv heads, a contiguous cache (a copy of it would be read or
+    written instead) and the library built."""
+    heads, kv_heads = x.shape[1], cache.shape[2]
+    if not (
+        x.device.type == "cpu"
+        and cache.dtype in _DTYPE_DEFINES
+        and x.dtype in _DTYPE_DEFINES
         and heads % kv_heads == 0
-        and _library(q.shape[2], heads // kv_heads, kv_heads, k_cache.dtype) is not None
-    )
+        and cache.is_contiguous()
+    ):
+        return None
+    return _library(x.shape[2], heads // kv_heads, kv_heads, cache.dtype, x.dtype)
+
+
+def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether :func:`decode_attention` runs this call (see ``_kernels``)."""
+    return v_cache.is_contiguous() and _kernels(q, k_cache) is not None
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` (``[rows, heads, head_dim]``) with each row contiguous, the rows
+    any stride apart (q, k and v are often slices of one projection)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def decode_attention(
@@ -113,27 +140,46 @@ def decode_attention(
     caches ``[num_blocks, block_size, kv_heads, head_dim]``, returns
     ``[batch, heads, head_dim]`` in ``q.dtype``."""
     batch, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
-    fn = _library(head_dim, heads // kv_heads, kv_heads, k_cache.dtype)
-    qf = q.float().contiguous()
-    out = torch.empty(batch, heads, head_dim)
+    num_blocks, block_size, _, _ = k_cache.shape
+    kernels = _kernels(q, k_cache)
+    if kernels is None or not v_cache.is_contiguous():
+        raise ValueError("cpu_decode cannot run this layout; check supports() first")
+    q = _rows(q)
+    out = torch.empty(batch, heads, head_dim, dtype=q.dtype)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # views of the pool: no copy
-    status = fn(
-        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), batch, block_size, tables.shape[1], num_blocks, scale,
+    status = kernels.decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), batch, q.stride(0), block_size, tables.shape[1], num_blocks, scale,
         sliding_window or 0, softcap or 0.0, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:  # a block larger than the kernel's buffer
         return ref_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)  # type: ignore[no-any-return]
-    return out.to(q.dtype)
+    return out
+
+
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> bool:
+    """``ops.write_kv`` for a 16/32-bit cache with no scales, as one C loop;
+    False (nothing written) where it does not apply or a slot is out of
+    range, so the caller can let the reference write or raise."""
+    kernels = _kernels(k, k_cache)
+    if kernels is None or v.dtype != k.dtype or not v_cache.is_contiguous() or slot_mapping.dtype != torch.long:
+        return False
+    k, v, slots = _rows(k), _rows(v), slot_mapping.contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    status = kernels.write(
+        k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), slots.shape[0],
+        k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
+    )  # fmt: skip
+    return status == 0
 
 
 class CpuDecodeOps:
-    """An attention-ops module whose ``paged_decode_attention`` runs the C
-    kernel where it applies (a 16/32-bit cache on a CPU, no scales);
-    everything else, and every other op, is the wrapped module's."""
+    """An attention-ops module whose ``write_kv`` and ``paged_decode_attention``
+    run the C kernels where they apply (16/32-bit caches on a CPU, no
+    scales); everything else, and every other op, is the wrapped module's.
+    At one stream the ops' Python around a layer's few microseconds of
+    attention was most of its cost (0.17 ms of a ~1.4 ms layer, bf16)."""
 
     def __init__(self, ops: ModuleType = ref_ops) -> None:
         self._ops = ops
@@ -155,9 +201,16 @@ class CpuDecodeOps:
         memo: dict[Any, Any] | None = None,
         **scales: Tensor | None,
     ) -> Tensor:
-        if q.shape[0] > 0 and all(s is None for s in scales.values()) and supports(q, k_cache):
+        if q.shape[0] > 0 and all(s is None for s in scales.values()) and supports(q, k_cache, v_cache):
             return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
         return self._ops.paged_decode_attention(  # type: ignore[no-any-return]
             q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
             memo=memo, **scales,
         )  # fmt: skip
+
+    def write_kv(
+        self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor,
+        **scales: Tensor | None,
+    ) -> None:  # fmt: skip
+        if any(s is not None for s in scales.values()) or not write_kv(k_cache, v_cache, k, v, slot_mapping):
+            self._ops.write_kv(k_cache, v_cache, k, v, slot_mapping, **scales)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 from torch import Tensor, nn
 
@@ -46,6 +47,8 @@ class _Step(threading.local):
 
 
 _step = _Step()
+
+GRAPHS_PER_ENGINE = 2  # single-token steps, and the rest
 
 
 @torch.library.custom_op("paged::attention", mutates_args=())
@@ -109,6 +112,10 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        # Every engine's graphs sit in Dynamo's cache of the one code object
+        # its model class's forward shares; at the default limit (8) the fifth
+        # compiled engine in a process failed (fullgraph). Each makes room for its own.
+        dynamo_config.recompile_limit += GRAPHS_PER_ENGINE
         self._compiled: Callable[..., Tensor] = torch.compile(  # type: ignore[assignment]
             model.model, dynamic=True, fullgraph=True
         )
