@@ -29,8 +29,9 @@ from paged_server.sampling_params import SamplingParams
 FORMATS = {
     "float32": dict(dtype="float32"),
     "bfloat16": dict(dtype="bfloat16"),
-    "int8": dict(dtype="float32", quantization="int8"),
-    "int4": dict(dtype="float32", quantization="int4"),
+    # Activations as served (``--dtype auto``): bf16 on a CPU with bf16 units, else float32.
+    "int8": dict(dtype="auto", quantization="int8"),
+    "int4": dict(dtype="auto", quantization="int4"),
 }
 
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         wall = {n: statistics.median(walls[(n, c)]) for n in engines}
         cpu = {n: statistics.median(cpus[(n, c)]) for n in engines}
         for name, engine in engines.items():
-            row: dict[str, Any] = {"format": name, "concurrency": c}
+            row: dict[str, Any] = {"format": name, "concurrency": c, "activations": str(engine.loaded.dtype)[6:]}
             for label, rate in (("wall", wall), ("cpu", cpu)):
                 row[f"{label}_tok_s"] = round(rate[name], 2)
                 for ref in ("float32", "bfloat16"):
