@@ -5,10 +5,10 @@
  * compare the two). Built by cpu_decode.py with the shapes that stay fixed
  * for a model as constants, so the compiler unrolls and vectorizes the
  * head_dim loops and keeps each head's accumulator on the stack:
- *   HEAD_DIM, Q_PER_KV (query heads per kv head), KV_HEADS, CACHE_BF16 /
- *   CACHE_F16 / neither (float32) for the cache's element type, and ACT_BF16 /
- *   ACT_F16 / neither for the activations' (q, the output, the new K/V rows),
- *   so no caller converts them around the call.
+ *   HEAD_DIM, Q_PER_KV (query heads per kv head), KV_HEADS, and the element
+ *   types cache_t (the cache's) and act_t (the activations': q, the output,
+ *   the new K/V rows, so no caller converts them around the call), each
+ *   uint16_t (bf16 bits), _Float16 or float.
  *
  * Work items are (sequence, range of kv heads): a whole token row (every kv
  * head) is contiguous in a block, so one item per sequence reads each block
@@ -36,33 +36,14 @@ static inline uint16_t bf16_from_float(float f) {  /* round to nearest even, as 
     return (uint16_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
 }
 
-#if defined(CACHE_BF16)
-typedef uint16_t cache_t;
-static inline float to_float(cache_t x) { return bf16_to_float(x); }
-static inline cache_t to_cache(float x) { return bf16_from_float(x); }
-#elif defined(CACHE_F16)
-typedef _Float16 cache_t;
-static inline float to_float(cache_t x) { return (float)x; }
-static inline cache_t to_cache(float x) { return (cache_t)x; }
-#else
-typedef float cache_t;
-static inline float to_float(cache_t x) { return x; }
-static inline cache_t to_cache(float x) { return x; }
-#endif
+static inline float f16_to_float(_Float16 x) { return (float)x; }
+static inline _Float16 f16_from_float(float x) { return (_Float16)x; }
+static inline float f32_as_is(float x) { return x; }
 
-#if defined(ACT_BF16)
-typedef uint16_t act_t;
-static inline float act_to_float(act_t x) { return bf16_to_float(x); }
-static inline act_t to_act(float x) { return bf16_from_float(x); }
-#elif defined(ACT_F16)
-typedef _Float16 act_t;
-static inline float act_to_float(act_t x) { return (float)x; }
-static inline act_t to_act(float x) { return (act_t)x; }
-#else
-typedef float act_t;
-static inline float act_to_float(act_t x) { return x; }
-static inline act_t to_act(float x) { return x; }
-#endif
+/* cache_t and act_t come from the build flags: uint16_t holds bf16 bits. */
+#define TO_FLOAT(x) _Generic((x), uint16_t: bf16_to_float, _Float16: f16_to_float, float: f32_as_is)(x)
+#define FROM_FLOAT(type, x) \
+    _Generic((type){0}, uint16_t: bf16_from_float, _Float16: f16_from_float, float: f32_as_is)(x)
 
 static inline __attribute__((always_inline)) void attend(const act_t* q, const cache_t* k, const cache_t* v, const int32_t* table,
                    int64_t len, int64_t h0, int64_t h1, act_t* out, int64_t block_size,
@@ -72,7 +53,7 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
     float score[MAX_BLOCK][HEADS], m[HEADS], sum[HEADS];
     for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
         for (int d = 0; d < HEAD_DIM; d++) {
-            qs[i][d] = act_to_float(q[i * HEAD_DIM + d]) * scale;
+            qs[i][d] = TO_FLOAT(q[i * HEAD_DIM + d]) * scale;
             acc[i][d] = 0.f;
         }
         m[i] = -INFINITY;
@@ -96,7 +77,7 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
             }
         }
         for (int64_t s = lo; s < hi; s++) {
-            for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = to_float(kb[s * ROW + d]);
+            for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = TO_FLOAT(kb[s * ROW + d]);
             for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
                 const float* kh = row + (i / Q_PER_KV) * HEAD_DIM;
                 float dot = 0.f;
@@ -120,7 +101,7 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
             }
         }
         for (int64_t s = lo; s < hi; s++) {
-            for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = to_float(vb[s * ROW + d]);
+            for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = TO_FLOAT(vb[s * ROW + d]);
             for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
                 const float p = score[s][i];
                 const float* vh = row + (i / Q_PER_KV) * HEAD_DIM;
@@ -130,7 +111,7 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
     }
     for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
         const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;  /* no visible key: zeros */
-        for (int d = 0; d < HEAD_DIM; d++) out[i * HEAD_DIM + d] = to_act(acc[i][d] * inv);
+        for (int d = 0; d < HEAD_DIM; d++) out[i * HEAD_DIM + d] = FROM_FLOAT(act_t, acc[i][d] * inv);
     }
 }
 
@@ -174,8 +155,8 @@ int paged_write(const act_t* k, const act_t* v, int64_t k_stride, int64_t v_stri
         cache_t* kd = k_cache + slots[i] * ROW;
         cache_t* vd = v_cache + slots[i] * ROW;
         for (int64_t d = 0; d < ROW; d++) {
-            kd[d] = to_cache(act_to_float(k[i * k_stride + d]));
-            vd[d] = to_cache(act_to_float(v[i * v_stride + d]));
+            kd[d] = FROM_FLOAT(cache_t, TO_FLOAT(k[i * k_stride + d]));
+            vd[d] = FROM_FLOAT(cache_t, TO_FLOAT(v[i * v_stride + d]));
         }
     }
     return 0;

@@ -41,8 +41,8 @@ from paged_ref import ops as ref_ops
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-# -D{CACHE,ACT}_BF16 / _F16 / nothing (float32): the cache's and the activations' element types
-_DTYPE_DEFINES = {torch.bfloat16: "-D{}_BF16", torch.float16: "-D{}_F16", torch.float32: ""}
+# The C element types of cache_t and act_t (the cache's and the activations'); uint16_t holds bf16 bits.
+_C_TYPES = {torch.bfloat16: "uint16_t", torch.float16: "_Float16", torch.float32: "float"}
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
 
 
@@ -71,9 +71,9 @@ def _library(head_dim: int, q_per_kv: int, kv_heads: int, cache: torch.dtype, ac
         return None
     defines = (
         f"-DHEAD_DIM={head_dim}", f"-DQ_PER_KV={q_per_kv}", f"-DKV_HEADS={kv_heads}",
-        _DTYPE_DEFINES[cache].format("CACHE"), _DTYPE_DEFINES[act].format("ACT"),
+        f"-Dcache_t={_C_TYPES[cache]}", f"-Dact_t={_C_TYPES[act]}",
     )  # fmt: skip
-    command = [cc, *_FLAGS, *filter(None, defines)]
+    command = [cc, *_FLAGS, *defines]
     key = hashlib.sha256((SOURCE.read_text() + " ".join(command)).encode()).hexdigest()[:16]
     name = f"decode-d{head_dim}-q{q_per_kv}-kv{kv_heads}-{str(cache)[6:]}-{str(act)[6:]}-{key}.so"
     path = cache_dir() / name
@@ -105,8 +105,8 @@ def _kernels(x: Tensor, cache: Tensor) -> _Kernels | None:
     heads, kv_heads = x.shape[1], cache.shape[2]
     if not (
         x.device.type == "cpu"
-        and cache.dtype in _DTYPE_DEFINES
-        and x.dtype in _DTYPE_DEFINES
+        and cache.dtype in _C_TYPES
+        and x.dtype in _C_TYPES
         and heads % kv_heads == 0
         and cache.is_contiguous()
     ):
