@@ -46,9 +46,6 @@ class ViewPool(Protocol):
     def v_cache(self) -> Tensor: ...
 
     @property
-    def layer_caches(self) -> tuple[tuple[Tensor, Tensor], ...]: ...
-
-    @property
     def k_scales(self) -> Tensor | None: ...
 
     @property
@@ -161,7 +158,7 @@ class CacheView:
             )
         meta, cache_layer, scales = self._write(layer_idx, k, v, where)
         ops = self.pool.ops
-        k_cache, v_cache = self.pool.layer_caches[cache_layer]
+        k_cache, v_cache = self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer]
         softcap = softcap or None  # 0 means off, as in vLLM
         dec, pre = meta.decode, meta.prefill
         if dec is not None and pre is None and dec.rows is None:
@@ -208,7 +205,9 @@ class CacheView:
             raise ValueError(
                 f"k/v hold {k.shape[0]} tokens but this view's seq_ids bring {meta.num_tokens}"
             )
-        self.pool.ops.write_kv(*self.pool.layer_caches[cache_layer], k, v, meta.slot_mapping, **scales)
+        self.pool.ops.write_kv(
+            self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer], k, v, meta.slot_mapping, **scales
+        )
         return meta, cache_layer, scales
 
     def _scales(self, layer_idx: int, cache_layer: int) -> dict[str, Tensor]:
@@ -234,7 +233,6 @@ class ViewsMixin:
 
     k_cache: Tensor
     v_cache: Tensor
-    layer_caches: tuple[tuple[Tensor, Tensor], ...]
     k_scales: Tensor | None
     v_scales: Tensor | None
     k_head_scales: Tensor | None
@@ -275,9 +273,6 @@ class ViewsMixin:
         check_scales(k_cache, k_scales, "k_scales", k_head)
         check_scales(v_cache, v_scales, "v_scales", v_head)
         self.k_cache, self.v_cache = k_cache, v_cache
-        # Each cache layer's (k, v), made once: indexing the 5-d tensors for
-        # every layer of every step cost more than one stream's decode attention.
-        self.layer_caches = tuple(zip(k_cache.unbind(0), v_cache.unbind(0), strict=True))
         # int8 only: float16, one per token and kv head ([layers, <layout>, kv_heads]).
         self.k_scales, self.v_scales = k_scales, v_scales
         self.ops = ops

@@ -139,18 +139,11 @@ def decode_attention(
     CPU (check :func:`supports` first): ``q [batch, heads, head_dim]``,
     caches ``[num_blocks, block_size, kv_heads, head_dim]``, returns
     ``[batch, heads, head_dim]`` in ``q.dtype``."""
+    batch, heads, head_dim = q.shape
+    num_blocks, block_size, _, _ = k_cache.shape
     kernels = _kernels(q, k_cache)
     if kernels is None or not v_cache.is_contiguous():
         raise ValueError("cpu_decode cannot run this layout; check supports() first")
-    return _decode(kernels, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
-
-
-def _decode(
-    kernels: _Kernels, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-    seq_lens: Tensor, scale: float, sliding_window: int | None, softcap: float | None,
-) -> Tensor:  # fmt: skip
-    batch, heads, head_dim = q.shape
-    num_blocks, block_size, _, _ = k_cache.shape
     q = _rows(q)
     out = torch.empty(batch, heads, head_dim, dtype=q.dtype)
     tables = block_tables.to(torch.int32).contiguous()
@@ -208,10 +201,8 @@ class CpuDecodeOps:
         memo: dict[Any, Any] | None = None,
         **scales: Tensor | None,
     ) -> Tensor:
-        if q.shape[0] > 0 and all(s is None for s in scales.values()) and v_cache.is_contiguous():
-            kernels = _kernels(q, k_cache)
-            if kernels is not None:
-                return _decode(kernels, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+        if q.shape[0] > 0 and all(s is None for s in scales.values()) and supports(q, k_cache, v_cache):
+            return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
         return self._ops.paged_decode_attention(  # type: ignore[no-any-return]
             q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
             memo=memo, **scales,
