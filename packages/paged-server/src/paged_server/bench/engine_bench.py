@@ -200,7 +200,7 @@ def run_engine(
     on_cpu = next(engine.loaded.model.parameters()).device.type == "cpu"
     # A compiled forward runs its GEMMs inside the graph (no module call for
     # a hook to time, some inside inductor's own kernels): no share then.
-    eager = getattr(engine.runner, "compiled", None) is None
+    eager = engine.runner.compiled is None
     timer = LinearTimer(engine.loaded.model) if on_cpu and eager else None
     with timer if timer is not None else contextlib.nullcontext():
         while engine.has_unfinished():
