@@ -494,6 +494,29 @@ def _micro_section(micro: dict[str, Any] | None) -> list[str]:
     return out + [""]
 
 
+def _gpu_section(gpu: dict[str, Any] | None) -> list[str]:
+    """The last ``nox -s gpu`` run: its tests and targets (the whole table is
+    ``benchmarks/results/gpu.md``, written by ``benchmarks/gpu_report.py``)."""
+    if gpu is None:
+        return []
+    tests = gpu["tests"]
+    rows = [[t["target"], f"{_f(t['value'], 2)} {t['unit']}", "yes" if t["met"] else "no"]
+            for t in gpu["targets"]]  # fmt: skip
+    failed = "".join(f"\n- failed: `{name}`" for name in tests["failures"])
+    return [
+        "## Triton kernels on a GPU (`nox -s gpu`)",
+        "",
+        f"{gpu['device']}; torch {gpu['torch']}, Triton {gpu['triton']}. Tests on the GPU: "
+        f"{tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped.{failed}",
+        "",
+        *_table(["target", "measured", "met"], rows),
+        "",
+        "Every kernel benchmark, the quantized GEMM's table and the compile matrix for this GPU: "
+        "[`benchmarks/results/gpu.md`](../benchmarks/results/gpu.md).",
+        "",
+    ]
+
+
 def _history_section(results: Path) -> list[str]:
     out = ["## History (SERVING_LOG)", ""]
     path = results / "history.jsonl"
@@ -855,6 +878,7 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _llamacpp_section(_load(results, "llamacpp_peer"))
     lines += _llamacpp_section(_load(results, "llamacpp_quantized"), quantized=True)
     lines += _micro_section(_load(results, "microbench"))
+    lines += _gpu_section(_load(results, "gpu"))
     lines += _history_section(results)
     info = _load(results, "run_info")
     timing = ""
@@ -875,6 +899,7 @@ def write_page(results: Path, docs: Path) -> Path:
         "python benchmarks/llamacpp_peer.py --build --build-only   # once: llama.cpp from the llama-cpp-python sdist",
         "python benchmarks/llamacpp_peer.py --model-config 30m --concurrency 1,8,16,32   # paged vs llama-server",
         "python benchmarks/llamacpp_peer.py --quantized   # paged int8/int4 vs llama-server Q8_0/Q4_0, 100M model",
+        "nox -s gpu                                     # on a CUDA machine: GPU tests, kernel benchmarks, gpu.md",
         "```",
         "",
     ]

@@ -186,7 +186,7 @@ def test_dense_sdpa_anchor(benchmark):
 @pytest.mark.parametrize("waves", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", ["uniform-64x4k", "ragged-1x32k+63x1k", "single-32k"])
 def test_split_policy_sweep(benchmark, monkeypatch, name, waves):
-    """Programs per SM the split aims for (decode_splits.WAVES_PER_SM is 4)."""
+    """Programs per SM the split aims for (decode_splits.WAVES_PER_SM is the default)."""
     step = make_step(name)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     policy = SplitPolicy(target_programs=waves * sms)

@@ -11,6 +11,9 @@ import torch
 from paged_server.models.moe import Experts
 from paged_triton.fused_moe import BLOCK_M, align_to_experts, fused_experts
 
+# The kernel runs on the GPU when there is one, else in Triton's interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def _experts(num_experts, hidden, inter, dtype, gen):
     """Random experts whose weights are exactly representable in ``dtype``."""
@@ -55,8 +58,8 @@ def test_fused_experts_equal_the_grouped_reference(tokens, dtype):
     x = torch.randn(tokens, 48, generator=gen).to(dtype)
     weights, ids = _routing(tokens, 8, 2, gen)
     want = experts(x.float(), weights, ids)
-    w13, w2 = experts.w13.detach().to(dtype), experts.w2.detach().to(dtype)
-    got = fused_experts(x, w13, w2, weights, ids, experts.act)
+    w13, w2 = (w.detach().to(DEVICE, dtype) for w in (experts.w13, experts.w2))
+    got = fused_experts(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE), experts.act)
     assert got.dtype == dtype and got.shape == (tokens, 48)
     tol = dict(atol=1e-5, rtol=0) if dtype == torch.float32 else dict(atol=2e-3, rtol=1e-2)
-    torch.testing.assert_close(got.float(), want, **tol)
+    torch.testing.assert_close(got.float().cpu(), want, **tol)

@@ -171,4 +171,5 @@ def test_captured_graphs_replay_the_eager_results(prompt_of, greedy, tiny_model_
             for o in engine.step():
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         out[eager] = tokens
+        del engine  # its pool holds 90% of the GPU: the next engine sizes from what is free
     assert out[True] == out[False]

@@ -163,4 +163,5 @@ def test_engine_start_compiles_every_variant_and_says_so(checkpoint_dirs, caplog
     layout = attention_layout(loaded.model, loaded.dtype, engine.capacity, config.max_model_len)
     names = [v.name for v in kernel_variants(layout, DEVICE)]
     assert int(lines[0].split()[1]) == len(names)
-    assert "decode_merge" in names  # 2048-token contexts split on a GPU
+    # 2048-token contexts split on a GPU (Gemma 3's variants carry "softcap")
+    assert any(name.startswith("decode_merge") for name in names)

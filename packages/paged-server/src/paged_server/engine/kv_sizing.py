@@ -22,6 +22,7 @@ A budget that holds no block refuses to start, saying what used the memory.
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,7 @@ def _cuda_budget(
     config: EngineConfig, utilization: float, device: torch.device, model: nn.Module | None
 ) -> tuple[int, str]:
     torch.cuda.synchronize(device)
+    gc.collect()  # an engine dropped in a reference cycle still holds its pool until collected
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
