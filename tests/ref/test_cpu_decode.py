@@ -141,3 +141,49 @@ def test_an_out_of_range_slot_writes_nothing_and_raises_as_the_reference() -> No
     assert torch.equal(k_cache.nan_to_num(), before.nan_to_num())
     with pytest.raises((IndexError, RuntimeError)):
         CpuDecodeOps(ops).write_kv(k_cache, v_cache, k, v, torch.tensor([3, NUM_BLOCKS * BLOCK]))
+
+
+@pytest.mark.parametrize(("act", "cache"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_write_and_decode_equals_the_two_reference_ops_layer_after_layer(act, cache) -> None:
+    """A decode-only step through ``write_and_decode``: each layer's cache
+    written and attended as ``write_kv`` then ``paged_decode_attention``
+    would, the step's int32 tables made once (by the first layer) and a new
+    step's tables made anew."""
+    gen = torch.Generator().manual_seed(5)
+    for _step in range(2):
+        _, _, _, tables, lens = random_batch(gen, 5, 19, cache)
+        lens = lens.clamp(min=1)
+        slots = torch.stack([tables[b, (int(n) - 1) // BLOCK].long() * BLOCK + (int(n) - 1) % BLOCK
+                             for b, n in enumerate(lens)])  # fmt: skip
+        memo: dict = {}
+        for _layer in range(3):
+            _, k_cache, v_cache, _, _ = random_batch(gen, 1, 1, cache)
+            fused = torch.randn(5, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(act)
+            q, k, v = fused.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+            k_want, v_want = k_cache.clone(), v_cache.clone()
+            ops.write_kv(k_want, v_want, k, v, slots)
+            want = ops.paged_decode_attention(q, k_want, v_want, tables, lens, HEAD_DIM**-0.5, 7, None)
+            got = cpu_decode.write_and_decode(k_cache, v_cache, q, k, v, slots, tables, lens,
+                                              HEAD_DIM**-0.5, 7, None, memo)  # fmt: skip
+            assert got is not None and got.dtype == act
+            assert torch.equal(k_cache.nan_to_num(), k_want.nan_to_num()) and torch.equal(v_cache.nan_to_num(), v_want.nan_to_num())
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if torch.bfloat16 in (act, cache) else 1e-5, rtol=0)
+            plan = memo[cpu_decode._PLAN]
+            assert plan.block_tables is tables and plan.tables.dtype == torch.int32
+
+
+def test_write_and_decode_declines_what_the_kernels_do_not_take() -> None:
+    """None, nothing written: a slot out of range (the reference then raises),
+    and a block larger than the kernel's buffer."""
+    gen = torch.Generator().manual_seed(6)
+    q, k_cache, v_cache, tables, lens = random_batch(gen, 2, 8, torch.float32)
+    k, v = (torch.randn(2, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    before = k_cache.clone()
+    bad = torch.tensor([3, NUM_BLOCKS * BLOCK])
+    assert cpu_decode.write_and_decode(k_cache, v_cache, q, k, v, bad, tables, lens, 1.0, None, None, {}) is None
+    assert torch.equal(k_cache.nan_to_num(), before.nan_to_num())
+    big = torch.zeros(2, cpu_decode.MAX_BLOCK + 1, KV_HEADS, HEAD_DIM)
+    slots = torch.tensor([0, 1])
+    assert cpu_decode.write_and_decode(big, big.clone(), q, k, v, slots, tables, lens, 1.0, None, None, {}) is None
+    assert not big.any()

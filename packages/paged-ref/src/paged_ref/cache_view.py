@@ -17,7 +17,7 @@ it was, apart from KV written where no one reads it yet.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Protocol
 
@@ -156,10 +156,15 @@ class CacheView:
                 f"cache group {group} frees blocks outside a window of {window} tokens; "
                 "build the pool's groups from the model's layer windows (kv_cache_groups)"
             )
-        meta, cache_layer, scales = self._write(layer_idx, k, v, where)
         ops = self.pool.ops
-        k_cache, v_cache = self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer]
         softcap = softcap or None  # 0 means off, as in vLLM
+        fused = getattr(ops, "write_and_decode", None)  # an ops module may fuse a decode step's two calls
+        if fused is not None:
+            out = self._write_and_decode(fused, where, layer_idx, q, k, v, scale, sliding_window, softcap)
+            if out is not None:
+                return out
+        meta, cache_layer, scales = self._write(layer_idx, k, v, where)
+        k_cache, v_cache = self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer]
         dec, pre = meta.decode, meta.prefill
         if dec is not None and pre is None and dec.rows is None:
             return ops.paged_decode_attention(  # type: ignore[no-any-return]
@@ -192,6 +197,26 @@ class CacheView:
         return out
 
     # -- internals ---------------------------------------------------------------
+    def _write_and_decode(
+        self, fused: Callable[..., Tensor | None], where: tuple[int, int, int | None], layer_idx: int, q: Tensor, k: Tensor,
+        v: Tensor, scale: float, sliding_window: int | None, softcap: float | None,
+    ) -> Tensor | None:  # fmt: skip
+        """``fused``'s answer for a decode-only step of a cache without scales,
+        else None (nothing written: ``attend`` takes the two ops)."""
+        group, cache_layer, _ = where
+        meta = self.meta.for_group(group)
+        dec = meta.decode
+        if (
+            dec is None or meta.prefill is not None or dec.rows is not None
+            or k.shape[0] != meta.num_tokens or self._scales(layer_idx, cache_layer)
+        ):  # fmt: skip
+            return None
+        return fused(
+            self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer], q, k, v,
+            meta.slot_mapping, dec.block_tables, dec.seq_lens, scale, sliding_window, softcap,
+            meta.memo,
+        )  # fmt: skip
+
     def _write(
         self, layer_idx: int, k: Tensor, v: Tensor, where: tuple[int, int, int | None] | None = None
     ) -> tuple[AttentionMetadata, int, dict[str, Tensor]]:

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # The C element types of cache_t and act_t (the cache's and the activations'); uint16_t holds bf16 bits.
 _C_TYPES = {torch.bfloat16: "uint16_t", torch.float16: "_Float16", torch.float32: "float"}
+MAX_BLOCK = 256  # cpu_decode.c's: the largest block_size the decode kernel takes
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
 
 
@@ -174,6 +175,81 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     return status == 0
 
 
+class _StepPlan(NamedTuple):
+    """What every layer of one decode-only step passes to the C kernels,
+    prepared by the step's first layer (``write_and_decode``)."""
+
+    block_tables: Tensor  # the metadata's own tensor: identifies the step
+    key: tuple[Any, ...]  # the layout the kernels were picked for
+    kernels: _Kernels
+    tables: Tensor  # int32, contiguous
+    lens: Tensor
+    slots: Tensor
+    num_threads: int
+
+
+_PLAN = "cpu_decode.plan"  # the key of a step's plan in its metadata memo
+
+
+def write_and_decode(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    memo: dict[Any, Any],
+) -> Tensor | None:
+    """``write_kv`` then ``paged_decode_attention`` for one layer of a
+    decode-only step (one new token per sequence, no scales), as two C calls;
+    None, writing nothing, where the kernels do not apply. Between the GEMMs
+    of a step, each layer's Python runs with cold caches (~200 us a layer
+    through the two ops); the int32 tables, lengths and slots the layers
+    share are converted once per step, by the first layer, into ``memo``."""
+    key = (q.shape, q.dtype, k.dtype, v.dtype, k_cache.shape, k_cache.dtype, v_cache.dtype)
+    plan = memo.get(_PLAN)
+    if plan is None or plan.block_tables is not block_tables or plan.key != key:
+        kernels = _kernels(q, k_cache)
+        if (
+            kernels is None
+            or k.dtype != q.dtype
+            or v.dtype != q.dtype
+            or v_cache.dtype != k_cache.dtype
+            or slot_mapping.dtype != torch.long
+            or k_cache.shape[1] > MAX_BLOCK
+        ):
+            return None
+        plan = _StepPlan(
+            block_tables, key, kernels, block_tables.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(), slot_mapping.contiguous(), torch.get_num_threads(),
+        )  # fmt: skip
+        memo[_PLAN] = plan
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    kernels, tables = plan.kernels, plan.tables
+    k_ptr, v_ptr = k_cache.data_ptr(), v_cache.data_ptr()
+    if kernels.write(
+        k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), plan.slots.data_ptr(),
+        plan.slots.shape[0], k_ptr, v_ptr, num_blocks * block_size,
+    ) != 0:  # fmt: skip
+        return None  # a slot out of range: nothing written, the reference raises
+    batch = q.shape[0]
+    out = torch.empty(batch, q.shape[1], q.shape[2], dtype=q.dtype)
+    kernels.decode(
+        q.data_ptr(), k_ptr, v_ptr, tables.data_ptr(), plan.lens.data_ptr(), out.data_ptr(),
+        batch, q.stride(0), block_size, tables.shape[1], num_blocks, scale,
+        sliding_window or 0, softcap or 0.0, plan.num_threads,
+    )  # fmt: skip
+    return out
+
+
 class CpuDecodeOps:
     """An attention-ops module whose ``write_kv`` and ``paged_decode_attention``
     run the C kernels where they apply (16/32-bit caches on a CPU, no
@@ -207,6 +283,8 @@ class CpuDecodeOps:
             q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
             memo=memo, **scales,
         )  # fmt: skip
+
+    write_and_decode = staticmethod(write_and_decode)
 
     def write_kv(
         self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor,
