@@ -185,14 +185,15 @@ class _Outer(torch.nn.Module):
         self.model = _Inner()
 
 
-def test_many_compiled_engines_in_one_process(monkeypatch) -> None:
+def test_many_compiled_engines_in_one_process() -> None:
     """Every instance's graphs share one code object's Dynamo cache: with the
     limit at one engine's worth, a second engine's graphs must still compile
     (the default limit of 8 failed the fifth engine of a benchmark)."""
     import torch._dynamo.config as dynamo_config
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", GRAPHS_PER_ENGINE)
-    with torch.inference_mode():
+    # config.patch, not monkeypatch: pytest's undo deletes a config module's
+    # attribute (it reads no old value there), which hides it from later engines.
+    with dynamo_config.patch(recompile_limit=GRAPHS_PER_ENGINE), torch.inference_mode():
         for _ in range(2):
             forward = CompiledForward(_Outer())
             for rows in (1, 3):  # both graphs
