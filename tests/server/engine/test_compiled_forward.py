@@ -183,6 +183,10 @@ class _Outer(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.model = _Inner()
+        self.head = torch.nn.Linear(8, 3)
+
+    def compute_logits(self, hidden):
+        return self.head(hidden).float()
 
 
 def test_many_compiled_engines_in_one_process() -> None:
@@ -199,3 +203,4 @@ def test_many_compiled_engines_in_one_process() -> None:
             for rows in (1, 3):  # both graphs
                 out = forward.hidden_states(torch.zeros(rows, dtype=torch.long), torch.arange(rows), object())
                 assert out.shape == (rows, 8)
+                assert forward.compute_logits(out).shape == (rows, 3)

@@ -77,6 +77,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self.compiled = compiled
         self._hidden_states = compiled.hidden_states if compiled else model.hidden_states
+        self._compute_logits = compiled.compute_logits if compiled else model.compute_logits
         # Tensor/pipeline parallelism: sends (token ids, the step's view, the
         # sampled rows) to the other ranks, which then run their parts of the pass.
         self.before_forward = before_forward
@@ -112,7 +113,6 @@ class ModelRunner:
             if end == seq.num_tokens:
                 rows.append(len(ids) - 1)
                 sampled.append(i)
-        model = self.model
         graphs = self.decode_graphs
         for _, _, row, count in scored:
             rows += range(row, row + count)
@@ -126,7 +126,7 @@ class ModelRunner:
                 logits = self.pipeline.run(self._tensor(ids), view, rows)
                 return self._step_logits(logits, sampled, scored, len(ids))
             hidden = self._hidden_states(self._tensor(ids), self._tensor(positions), view)
-        logits = model.compute_logits(hidden.index_select(0, self._tensor(rows)))  # type: ignore[operator]
+        logits = self._compute_logits(hidden.index_select(0, self._tensor(rows)))
         return self._step_logits(logits, sampled, scored, len(ids))
 
     @staticmethod
@@ -175,7 +175,9 @@ class ModelRunner:
                     self.pipeline.run(self._tensor(tokens), view, [])
                 else:
                     positions = self._tensor(list(range(num_tokens)))
-                    self._hidden_states(self._tensor(tokens), positions, view)
+                    hidden = self._hidden_states(self._tensor(tokens), positions, view)
+                    if self.compiled is not None:  # the head's graphs: one row, and more
+                        self._compute_logits(hidden[: min(num_tokens, 2)])
         finally:
             self.pool.free_seq(seq_id)
 
