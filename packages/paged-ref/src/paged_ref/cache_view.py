@@ -198,8 +198,9 @@ class CacheView:
 
     # -- internals ---------------------------------------------------------------
     def _write_and_decode(
-        self, fused: Callable[..., Tensor | None], where: tuple[int, int, int | None], layer_idx: int, q: Tensor, k: Tensor,
-        v: Tensor, scale: float, sliding_window: int | None, softcap: float | None,
+        self, fused: Callable[..., Tensor | None], where: tuple[int, int, int | None],
+        layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float,
+        sliding_window: int | None, softcap: float | None,
     ) -> Tensor | None:  # fmt: skip
         """``fused``'s answer for a decode-only step of a cache without scales,
         else None (nothing written: ``attend`` takes the two ops)."""

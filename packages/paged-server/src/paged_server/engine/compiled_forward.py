@@ -145,7 +145,6 @@ class CompiledForward:
         finally:
             _step.view = None
 
-
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """The model's ``compute_logits`` compiled: one graph for one row
         (one sampled sequence), one for more."""
