@@ -17,7 +17,7 @@ it was, apart from KV written where no one reads it yet.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Protocol
 
@@ -158,17 +158,24 @@ class CacheView:
             )
         ops = self.pool.ops
         softcap = softcap or None  # 0 means off, as in vLLM
-        fused = getattr(ops, "write_and_decode", None)  # an ops module may fuse a decode step's two calls
-        if fused is not None:
-            out = self._write_and_decode(fused, where, layer_idx, q, k, v, scale, sliding_window, softcap)
-            if out is not None:
-                return out
-        meta, cache_layer, scales = self._write(layer_idx, k, v, where)
+        meta, cache_layer, scales = self._layer(layer_idx, k, where)
         k_cache, v_cache = self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer]
         dec, pre = meta.decode, meta.prefill
-        if dec is not None and pre is None and dec.rows is None:
+        only = dec if pre is None and dec is not None and dec.rows is None else None  # decodes only
+        if only is not None and not scales:
+            # An ops module may make such a layer's write and attention one call
+            # (None from it: nothing written, the two ops below run instead).
+            fused = getattr(ops, "write_and_decode", None)
+            out = None if fused is None else fused(
+                k_cache, v_cache, q, k, v, meta.slot_mapping, only.block_tables, only.seq_lens,
+                scale, sliding_window, softcap, meta.memo,
+            )  # fmt: skip
+            if out is not None:
+                return out  # type: ignore[no-any-return]
+        ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **scales)
+        if only is not None:
             return ops.paged_decode_attention(  # type: ignore[no-any-return]
-                q, k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
+                q, k_cache, v_cache, only.block_tables, only.seq_lens, scale,
                 sliding_window, softcap, memo=meta.memo, **scales,
             )  # fmt: skip
         out = torch.empty_like(q)
@@ -197,44 +204,27 @@ class CacheView:
         return out
 
     # -- internals ---------------------------------------------------------------
-    def _write_and_decode(
-        self, fused: Callable[..., Tensor | None], where: tuple[int, int, int | None],
-        layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float,
-        sliding_window: int | None, softcap: float | None,
-    ) -> Tensor | None:  # fmt: skip
-        """``fused``'s answer for a decode-only step of a cache without scales,
-        else None (nothing written: ``attend`` takes the two ops)."""
-        group, cache_layer, _ = where
-        meta = self.meta.for_group(group)
-        dec = meta.decode
-        if (
-            dec is None or meta.prefill is not None or dec.rows is not None
-            or k.shape[0] != meta.num_tokens or self._scales(layer_idx, cache_layer)
-        ):  # fmt: skip
-            return None
-        return fused(
-            self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer], q, k, v,
-            meta.slot_mapping, dec.block_tables, dec.seq_lens, scale, sliding_window, softcap,
-            meta.memo,
-        )  # fmt: skip
+    def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[AttentionMetadata, int, dict[str, Tensor]]:
+        """Write the layer's new K/V; returns what ``_layer`` does."""
+        meta, cache_layer, scales = self._layer(layer_idx, k)
+        self.pool.ops.write_kv(
+            self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer], k, v, meta.slot_mapping, **scales
+        )
+        return meta, cache_layer, scales
 
-    def _write(
-        self, layer_idx: int, k: Tensor, v: Tensor, where: tuple[int, int, int | None] | None = None
+    def _layer(
+        self, layer_idx: int, k: Tensor, where: tuple[int, int, int | None] | None = None
     ) -> tuple[AttentionMetadata, int, dict[str, Tensor]]:
-        """Write the layer's new K/V (``where``: ``locate_layer``'s answer, if
-        the caller has it); returns its group's metadata, its cache layer and
-        its scales as the ops' keywords."""
+        """The layer's group metadata, cache layer and scales as the ops'
+        keywords (``where``: ``locate_layer``'s answer, if the caller has it),
+        after checking ``k`` brings the view's tokens."""
         group, cache_layer, _ = where if where is not None else self.pool.locate_layer(layer_idx)
-        scales = self._scales(layer_idx, cache_layer)
         meta = self.meta.for_group(group)
         if k.shape[0] != meta.num_tokens:
             raise ValueError(
                 f"k/v hold {k.shape[0]} tokens but this view's seq_ids bring {meta.num_tokens}"
             )
-        self.pool.ops.write_kv(
-            self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer], k, v, meta.slot_mapping, **scales
-        )
-        return meta, cache_layer, scales
+        return meta, cache_layer, self._scales(layer_idx, cache_layer)
 
     def _scales(self, layer_idx: int, cache_layer: int) -> dict[str, Tensor]:
         """The layer's scales as the ops' keywords: int8 per-token scales (at

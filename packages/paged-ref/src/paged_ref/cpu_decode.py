@@ -140,23 +140,44 @@ def decode_attention(
     CPU (check :func:`supports` first): ``q [batch, heads, head_dim]``,
     caches ``[num_blocks, block_size, kv_heads, head_dim]``, returns
     ``[batch, heads, head_dim]`` in ``q.dtype``."""
-    batch, heads, head_dim = q.shape
-    num_blocks, block_size, _, _ = k_cache.shape
     kernels = _kernels(q, k_cache)
     if kernels is None or not v_cache.is_contiguous():
         raise ValueError("cpu_decode cannot run this layout; check supports() first")
-    q = _rows(q)
-    out = torch.empty(batch, heads, head_dim, dtype=q.dtype)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    out = _c_decode(kernels, q, k_cache, v_cache, tables, lens, scale, sliding_window, softcap, torch.get_num_threads())
+    if out is None:  # a block larger than the kernel's buffer
+        return ref_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)  # type: ignore[no-any-return]
+    return out
+
+
+def _c_decode(
+    kernels: _Kernels, q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor,
+    scale: float, sliding_window: int | None, softcap: float | None, num_threads: int,
+) -> Tensor | None:  # fmt: skip
+    """The C decode over int32 ``tables`` / ``lens``; None when a block is
+    larger than the kernel's buffer (nothing computed)."""
+    q = _rows(q)
+    batch, heads, head_dim = q.shape
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    out = torch.empty(batch, heads, head_dim, dtype=q.dtype)
     status = kernels.decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), batch, q.stride(0), block_size, tables.shape[1], num_blocks, scale,
-        sliding_window or 0, softcap or 0.0, torch.get_num_threads(),
+        sliding_window or 0, softcap or 0.0, num_threads,
     )  # fmt: skip
-    if status != 0:  # a block larger than the kernel's buffer
-        return ref_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)  # type: ignore[no-any-return]
-    return out
+    return out if status == 0 else None
+
+
+def _c_write(kernels: _Kernels, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> bool:
+    """The C write of rows ``k``/``v`` at int64 ``slots``; False, writing
+    nothing, when a slot is out of range."""
+    k, v = _rows(k), _rows(v)
+    status = kernels.write(
+        k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), slots.shape[0],
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
+    )  # fmt: skip
+    return status == 0
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> bool:
@@ -166,13 +187,7 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     kernels = _kernels(k, k_cache)
     if kernels is None or v.dtype != k.dtype or not v_cache.is_contiguous() or slot_mapping.dtype != torch.long:
         return False
-    k, v, slots = _rows(k), _rows(v), slot_mapping.contiguous()
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    status = kernels.write(
-        k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), slots.shape[0],
-        k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
-    )  # fmt: skip
-    return status == 0
+    return _c_write(kernels, k_cache, v_cache, k, v, slot_mapping.contiguous())
 
 
 class _StepPlan(NamedTuple):
@@ -232,23 +247,10 @@ def write_and_decode(
         memo[_PLAN] = plan
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    q, k, v = _rows(q), _rows(k), _rows(v)
-    kernels, tables = plan.kernels, plan.tables
-    k_ptr, v_ptr = k_cache.data_ptr(), v_cache.data_ptr()
-    if kernels.write(
-        k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), plan.slots.data_ptr(),
-        plan.slots.shape[0], k_ptr, v_ptr, num_blocks * block_size,
-    ) != 0:  # fmt: skip
+    if not _c_write(plan.kernels, k_cache, v_cache, k, v, plan.slots):
         return None  # a slot out of range: nothing written, the reference raises
-    batch = q.shape[0]
-    out = torch.empty(batch, q.shape[1], q.shape[2], dtype=q.dtype)
-    kernels.decode(
-        q.data_ptr(), k_ptr, v_ptr, tables.data_ptr(), plan.lens.data_ptr(), out.data_ptr(),
-        batch, q.stride(0), block_size, tables.shape[1], num_blocks, scale,
-        sliding_window or 0, softcap or 0.0, plan.num_threads,
-    )  # fmt: skip
-    return out
+    # The block size was checked against the kernel's buffer, so this decode runs.
+    return _c_decode(plan.kernels, q, k_cache, v_cache, plan.tables, plan.lens, scale, sliding_window, softcap, plan.num_threads)
 
 
 class CpuDecodeOps:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -137,10 +138,7 @@ class CompiledForward:
             return self.model.hidden_states(input_ids, position_ids, None)  # type: ignore[operator,no-any-return]
         _step.view = kv_cache
         try:
-            # Freezing is read when a graph compiles (torch.compile's options
-            # do not reach it), so it is set around every call, not globally.
-            freezing = self._freezing_one_row if input_ids.shape[0] == 1 else self._freezing
-            with freezing:
+            with self._freezing_for(input_ids.shape[0]):
                 return self._compiled(input_ids, position_ids, _OPAQUE)
         finally:
             _step.view = None
@@ -148,8 +146,14 @@ class CompiledForward:
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """The model's ``compute_logits`` compiled: one graph for one row
         (one sampled sequence), one for more."""
-        with self._freezing_one_row if hidden.shape[0] == 1 else self._freezing:
+        with self._freezing_for(hidden.shape[0]):
             return self._logits(hidden)
+
+    def _freezing_for(self, rows: int) -> AbstractContextManager[object]:
+        """Inductor's settings for a graph of ``rows`` rows. Freezing is read
+        when a graph compiles (torch.compile's options do not reach it), so
+        it is set around every call, not globally."""
+        return self._freezing_one_row if rows == 1 else self._freezing
 
 
 def _gemm_template_options(model: nn.Module) -> dict[str, object]:
