@@ -58,6 +58,18 @@ def assert_same(run, reference, requests) -> None:
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4), request_id
 
 
+def test_a_step_that_samples_nothing_compiles_nothing(
+    compiling, make_engine, run_engine, prompt_of, greedy
+) -> None:
+    """A long prompt alone, in chunks: the steps before its last chunk sample
+    no row, and must not compile a 0-row LM-head graph while serving."""
+    engine = make_engine(max_batch_size=2, max_num_batched_tokens=16)
+    after_warm_up = compiled_graphs()
+    run = run_engine(engine, [("long", prompt_of(40, 3), greedy(2))])
+    assert compiled_graphs() == after_warm_up, "serving compiled a new graph"
+    assert run.choices[("long", 0)].error is None
+
+
 @pytest.mark.parametrize("pool", ["paged", "contiguous"])
 def test_compiled_matches_eager_and_never_recompiles(
     compiling, make_engine, run_engine, prompt_of, greedy, pool

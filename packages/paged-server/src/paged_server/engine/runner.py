@@ -126,6 +126,8 @@ class ModelRunner:
                 logits = self.pipeline.run(self._tensor(ids), view, rows)
                 return self._step_logits(logits, sampled, scored, len(ids))
             hidden = self._hidden_states(self._tensor(ids), self._tensor(positions), view)
+        if not rows:  # chunks that end no prompt: no logits (and no 0-row graph to compile)
+            return StepLogits(hidden.new_empty(0, 0), sampled, len(ids), [])
         logits = self._compute_logits(hidden.index_select(0, self._tensor(rows)))
         return self._step_logits(logits, sampled, scored, len(ids))
 
