@@ -19,9 +19,11 @@ import asyncio
 import contextlib
 import json
 import math
+import multiprocessing
 import random
 import re
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -201,6 +203,33 @@ async def run_workload(
         return timings, wall
 
 
+def _run_client(
+    url: str,
+    model: str | None,
+    workload: Any,
+    rate: float,
+    seed: int,
+    api_key: str | None,
+    max_concurrency: int | None,
+) -> tuple[list[RequestTiming], float, list[float]]:
+    """``run_workload`` to completion: timings, wall time, running-count samples."""
+    running: list[float] = []
+    timings, wall = asyncio.run(
+        run_workload(url, model, workload, rate, seed, api_key, running, max_concurrency)
+    )
+    return timings, wall, running
+
+
+def _client_in_own_process(
+    client_args: tuple[Any, ...],
+) -> tuple[list[RequestTiming], float, list[float]]:
+    """The client in a child process, as a real client is: in the server's
+    process it would share one GIL with the HTTP and engine threads, and the
+    time it spends parsing chunks would show up as the server's latency."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_client, *client_args).result()
+
+
 def summarize(timings: list[RequestTiming], wall_s: float) -> dict[str, Any]:
     """Throughput and latency percentiles (ms) over the successful requests."""
     from paged_server.bench.results import percentiles
@@ -311,11 +340,12 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
             url, model, tokenizer = server.url, name, engine.tokenizer
             settings_info = asdict(engine.config)  # as run: defaults resolved
         workload = build_workload(args.workload, wl.token_pool_from_tokenizer(tokenizer), args)
-        running: list[float] = []
-        timings, wall = asyncio.run(
-            run_workload(url, model, workload, rate, args.seed, args.api_key, running,
-                         getattr(args, "max_concurrency", None))
-        )
+        client_args = (url, model, workload, rate, args.seed, args.api_key,
+                       getattr(args, "max_concurrency", None))  # fmt: skip
+        if server is None:
+            timings, wall, running = _run_client(*client_args)
+        else:
+            timings, wall, running = _client_in_own_process(client_args)
         server_metrics = scrape_metrics(url, args.api_key)
     finally:
         if server is not None:
