@@ -3,6 +3,7 @@ framing, choice numbering, guards, queue-full, disconnects."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import Iterator
@@ -180,3 +181,14 @@ def test_unsupported_search_options_are_400_never_ignored(
     assert fake_engine.added == []  # refused before reaching the engine
     off = {**body, "use_beam_search": False, "best_of": None, "max_tokens": 2}
     assert httpx.post(fake_server.url + path, json=off, timeout=30).status_code == 200
+
+
+def test_a_running_server_freezes_its_start_up_heap(fake_engine: Any) -> None:
+    """The objects alive at start-up are frozen while the server runs (the
+    collector's full passes skip them) and released when it stops."""
+    assert gc.get_freeze_count() == 0
+    with ServerThread(fake_engine, ServerSettings(model_name="fake-model")) as srv:
+        assert gc.get_freeze_count() > 0
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                          timeout=30).status_code == 200  # fmt: skip
+    assert gc.get_freeze_count() == 0
