@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from paged_server.engine.sampler import SamplingRow, apply_penalties, sample, sampling_distribution
+from paged_server.engine.sampler import (
+    SamplingRow,
+    apply_penalties,
+    row_max,
+    sample,
+    sampling_distribution,
+)
 from paged_server.sampling_params import SamplingParams
 
 # probabilities 0.5, 0.25, 0.15, 0.07, 0.03 (in shuffled order)
@@ -213,3 +219,22 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
 def test_top_k_minus_one_means_off() -> None:
     assert SamplingParams(top_k=-1).top_k == 0
     assert dist(top_k=-1) == pytest.approx(PROBS.tolist())
+
+
+@pytest.mark.parametrize("vocab", [64, 4096, 32000, 1000])
+def test_row_max_is_torch_max_first_occurrence_included(vocab: int) -> None:
+    """The CPU's blockwise max (and the plain path for a vocabulary that is
+    not a multiple of its block) gives torch.max's values and first indices,
+    with ties, NaN and all -inf rows."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    logits[1, :] = 0.5  # every entry tied: index 0
+    logits[2, vocab // 3] = logits[2, vocab - 1] = 9.0  # tie across blocks: the first
+    logits[3, vocab // 2] = float("nan")
+    logits[4, :] = float("-inf")
+    logits[5, vocab - 1] = float("inf")
+    values, indices = row_max(logits)
+    want = logits.max(dim=-1)
+    assert torch.equal(indices, want.indices)
+    assert torch.equal(values.nan_to_num(), want.values.nan_to_num())
+    assert indices.tolist()[:4] == [want.indices[0].item(), 0, vocab // 3, vocab // 2]

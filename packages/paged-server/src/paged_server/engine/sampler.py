@@ -88,20 +88,20 @@ def _sample_batch(
     errors: list[str | None] = [None] * batch
     # One pass finds each row's greedy token and checks it: the max is NaN
     # if the row holds a NaN, +inf if it holds +inf, -inf if every entry is.
-    top = logits.max(dim=-1)
-    bad = ~torch.isfinite(top.values)
+    top_values, top_indices = row_max(logits)
+    bad = ~torch.isfinite(top_values)
     if bool(bad.any()):
         for i in bad.nonzero().flatten().tolist():
             errors[i] = "model produced non-finite logits (NaN or inf) for this request"
         logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
-        top = logits.max(dim=-1)
+        top_values, top_indices = row_max(logits)
 
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
     processed = apply_penalties(apply_logits_processors(logits, rows), rows)
     # Greedy rows keep this; without penalties or biases the max above is it.
-    tokens = top.indices if processed is logits else processed.argmax(dim=-1)
+    tokens = top_indices if processed is logits else row_max(processed)[1]
     logits = processed
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
@@ -131,6 +131,25 @@ def _sample_batch(
         if err is not None:
             token_list[i], logprob_list[i] = -1, None
     return SamplerOutput(token_list, logprob_list, errors)
+
+
+_MAX_BLOCK = 64  # row_max's block width on a CPU
+
+
+def row_max(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's largest value and the index of its first occurrence (a NaN
+    counts as largest), as ``logits.max(dim=-1)``. On a CPU it is taken in two
+    passes over 64-wide blocks: torch's max-with-index runs 3-4x slower there
+    than a plain ``amax`` (256 x 4,096 fp32: 1.2 ms against 0.37 on one
+    thread), which made it most of a large batch's sampling time."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab % _MAX_BLOCK or not logits.is_contiguous():
+        top = logits.max(dim=-1)
+        return top.values, top.indices
+    blocks = logits.view(rows, vocab // _MAX_BLOCK, _MAX_BLOCK)
+    values, block = blocks.amax(dim=-1).max(dim=-1)  # the first block holding the max
+    inner = blocks[torch.arange(rows), block].max(dim=-1).indices
+    return values, block * _MAX_BLOCK + inner
 
 
 def sampling_distribution(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
