@@ -835,7 +835,8 @@ def write_page(results: Path, docs: Path) -> Path:
         "token slots allocated to sequences, at the step holding the most tokens. **Peak pool allocated** = highest share "
         "of all token slots allocated. **Time in linear layers** = share of our engine's wall time spent inside the "
         "model's `nn.Linear` layers: the matrix products any engine must run, so tokens/s divided by the "
-        "linear-layers-only bound. Ratios divide the row's tokens/s by the column's, measured in the same run. "
+        "linear-layers-only bound (timed by module hooks when eager; for the compiled forward, the self time of the "
+        "GEMM ops torch's profiler records, a floor since the profiler's own cost counts as other time). Ratios divide the row's tokens/s by the column's, measured in the same run. "
         "On CPU every configuration runs the same float32 weights; ours uses the PyTorch reference attention path.",
         "",
     ]

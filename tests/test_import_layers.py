@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["paged_core", "paged_ref", "paged_triton", "paged_server"]  # lowest first
 SERVER_LAYERS = [
+    {"start_up_heap"},  # process-wide helpers that import nothing of ours
     # shared vocabulary: errors, outputs, request parameters, the tokenizer
     {"errors", "outputs", "sampling_params", "output_constraint", "tokenizer"},
     # where a model lives and its recommended sampling settings (read by config and engine)

@@ -4,11 +4,13 @@ numbers that must agree between the workload and what was measured."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from paged_server.bench.engine_bench import KVBudget, kv_occupancy
+from paged_server.bench.engine_bench import KVBudget, ProfiledLinearTimer, kv_occupancy
 from paged_server.bench.results import RESULT_KEYS, percentiles
 from paged_server.bench.suite import ALL_CONFIGS
 
@@ -141,3 +143,19 @@ def test_physical_tokens_count_shared_blocks_once() -> None:
     assert physical_tokens_held(bm) == 40
     bm.allocate(2, list(range(5)))
     assert physical_tokens_held(bm) == 45
+
+
+def test_profiled_linear_timer_counts_gemms_only() -> None:
+    """The compiled engines' timer: a matmul's time counts, an elementwise
+    op's does not."""
+    x = torch.randn(256, 512)
+    with ProfiledLinearTimer() as gemm:
+        start = time.perf_counter()
+        for _ in range(5):
+            torch.mm(x, x.T)
+        wall = time.perf_counter() - start
+    with ProfiledLinearTimer() as other:
+        for _ in range(5):
+            torch.exp(x).sum()
+    assert 0 < gemm.seconds <= wall * 1.05
+    assert other.seconds == 0.0

@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(so about twice its tokens)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument(
+        "--profile-linears",
+        action="store_true",
+        help="time a compiled CPU engine's linear layers with torch's profiler (its "
+        "linear_share then; the profiler slows the run, so its tokens/s are not comparable)",
+    )
     p.add_argument("--capacity", action="store_true", help="also print the measured capacity table")
     p.add_argument("--output", help="also append every JSON line to this file")
     return p
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             seed=args.seed,
+            profile_linears=args.profile_linears,
         )
         emit({**describe_environment(), "model": model_name, "model_dir": model_dir})
         if args.capacity:

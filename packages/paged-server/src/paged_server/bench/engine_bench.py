@@ -172,6 +172,52 @@ class LinearTimer:
         self._handles = []
 
 
+class ProfiledLinearTimer:
+    """``LinearTimer`` for a compiled forward on a CPU, where no module hook
+    fires: torch's profiler records the GEMM ops the graph calls (oneDNN's
+    packed linears, aten's matmuls and weight-only kernels), and ``seconds``
+    is their self time, taken on the thread that steps (its intra-op workers
+    run inside). The profiler's own cost per op counts as wall time, not
+    linear time, so the share it gives is a floor. GEMMs that inductor
+    generates itself (int8/int4 weights, ``_gemm_template_options``) are not
+    separate ops: no share for quantized engines."""
+
+    GEMM_OPS = frozenset({
+        "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
+        "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+    })  # fmt: skip
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.seconds = 0.0
+        self._profile = profile(activities=[ProfilerActivity.CPU])
+
+    def __enter__(self) -> ProfiledLinearTimer:
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._profile.__exit__(*exc)
+        events = self._profile.key_averages()
+        self.seconds = sum(e.self_cpu_time_total for e in events if e.key in self.GEMM_OPS) / 1e6
+
+
+def _linear_timer(engine: Any, profile: bool) -> LinearTimer | ProfiledLinearTimer | None:
+    """How this engine's time in its linear layers is measured: hooks when
+    eager; when compiled with dense weights, the profiler if ``profile``
+    (it slows the run); else, on a GPU, or for a compiled quantized model,
+    not at all."""
+    from paged_server.models.quantization.linear import uses_packed_cpu_kernels
+
+    model = engine.loaded.model
+    if next(model.parameters()).device.type != "cpu":
+        return None
+    if engine.runner.compiled is None:
+        return LinearTimer(model)
+    return ProfiledLinearTimer() if profile and not uses_packed_cpu_kernels(model) else None
+
+
 def _greedy(max_tokens: int) -> Any:
     from paged_server.sampling_params import SamplingParams
 
@@ -179,9 +225,15 @@ def _greedy(max_tokens: int) -> Any:
 
 
 def run_engine(
-    engine: Any, workload: Workload, *, config_name: str, model_name: str = ""
+    engine: Any,
+    workload: Workload,
+    *,
+    config_name: str,
+    model_name: str = "",
+    profile_linears: bool = False,
 ) -> RunResult:
-    """Run ``workload`` to completion on ``engine`` (fresh, idle) and measure it."""
+    """Run ``workload`` to completion on ``engine`` (fresh, idle) and measure
+    it (``profile_linears``: see ``_linear_timer``)."""
     pool = engine.pool
     for r in workload.warmup:  # untimed; only the burst below is measured
         engine.add_request(r.request_id, list(r.prompt_token_ids), _greedy(r.max_tokens))
@@ -197,11 +249,7 @@ def run_engine(
     peak_held = (0.0, 1.0)
     peak_pool = 0.0
     peak_running = 0
-    on_cpu = next(engine.loaded.model.parameters()).device.type == "cpu"
-    # A compiled forward runs its GEMMs inside the graph (no module call for
-    # a hook to time, some inside inductor's own kernels): no share then.
-    eager = engine.runner.compiled is None
-    timer = LinearTimer(engine.loaded.model) if on_cpu and eager else None
+    timer = _linear_timer(engine, profile_linears)
     with timer if timer is not None else contextlib.nullcontext():
         while engine.has_unfinished():
             outputs = engine.step()

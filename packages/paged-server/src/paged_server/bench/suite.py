@@ -37,6 +37,8 @@ class SuiteOptions:
     kv_cache_dtype: str = "auto"  # 8-bit: the same bytes as the model-dtype budget
     seed: int = 0
     static_batch_size: int = 8
+    # A compiled engine's linear layers timed by torch's profiler (slows the run).
+    profile_linears: bool = False
 
 
 def log(msg: str) -> None:
@@ -142,7 +144,10 @@ def run_config(
         engine = LLMEngine(cfg, loaded=models.ours())
         try:
             result = in_worker_thread(
-                lambda: run_engine(engine, workload, config_name=label, model_name=model_name)
+                lambda: run_engine(
+                    engine, workload, config_name=label, model_name=model_name,
+                    profile_linears=options.profile_linears,
+                )  # fmt: skip
             )
         finally:
             del engine

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from paged_server import start_up_heap
 from paged_server.config import EngineConfig
 from paged_server.errors import EngineFailedError, describe_error
 
@@ -77,6 +78,7 @@ def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads
             engine.metrics(), engine.parallel_summary(),
         ),
     ))  # fmt: skip
+    start_up_heap.freeze()  # the process lives as long as this engine
     inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
     threading.Thread(target=_read, args=(conn, inbox), name="paged-dp-inbox", daemon=True).start()
     try:

@@ -12,7 +12,6 @@ operators and load balancers call).
 from __future__ import annotations
 
 import asyncio
-import gc
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from paged_server import start_up_heap
 from paged_server.entrypoints.openai.api_routes import api_router
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike, EngineThread
 from paged_server.entrypoints.openai.errors import APIError, install_error_handlers
@@ -95,16 +95,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.loop = asyncio.get_running_loop()  # for checks of leftover tasks
         async_engine.start()
-        # What exists now (model, caches, compiled graphs, libraries) lives as
-        # long as the server: frozen, the collector's full passes skip it. A
-        # full pass over it stalled every thread for ~0.3-0.5 s a few times a
-        # minute under load (vLLM freezes its start-up heap too).
-        gc.collect()
-        gc.freeze()
+        start_up_heap.freeze()
         try:
             yield
         finally:
-            gc.unfreeze()  # a server stopped in a longer-lived process leaves nothing pinned
+            start_up_heap.unfreeze()
             await asyncio.to_thread(async_engine.stop, settings.shutdown_timeout_s)
             await asyncio.to_thread(engine.shutdown)  # tensor-parallel workers exit with the server
             if settings.announce:
