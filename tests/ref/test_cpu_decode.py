@@ -187,3 +187,32 @@ def test_write_and_decode_declines_what_the_kernels_do_not_take() -> None:
     slots = torch.tensor([0, 1])
     assert cpu_decode.write_and_decode(big, big.clone(), q, k, v, slots, tables, lens, 1.0, None, None, {}) is None
     assert not big.any()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "window", "softcap", "atol"),
+    [
+        (torch.bfloat16, None, None, 3e-2),
+        (torch.bfloat16, 6, None, 3e-2),
+        (torch.float16, None, None, 4e-3),
+        (torch.bfloat16, None, 5.0, 0.0),  # soft-capped: the float32 reference itself
+        (torch.float32, None, None, 0.0),  # 32-bit: the reference itself
+    ],
+)
+def test_cpu_prefill_in_the_model_dtype_matches_the_reference(dtype, window, softcap, atol) -> None:
+    """CpuDecodeOps' prefill (SDPA in a 16-bit model's dtype) against the
+    float32 reference: chunks after cached context, several sequences, GQA."""
+    gen = torch.Generator().manual_seed(1)
+    _, k, v, tables, lens = random_batch(gen, 3, 14, dtype)
+    lens = torch.tensor([14, 9, 5])
+    q_lens = torch.tensor([5, 9, 2])  # the second has no cached context
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int()
+    q = torch.randn(int(q_lens.sum()), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    args = (q, k, v, tables, cu, lens.int(), 0.3, window, softcap)
+    want = ops.paged_prefill_attention(*args, memo={})
+    got = CpuDecodeOps().paged_prefill_attention(*args, memo={})
+    assert got.dtype == dtype and not got.isnan().any()
+    if atol:
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+    else:
+        assert torch.equal(got, want)

@@ -89,6 +89,6 @@ def test_a_step_memo_shared_by_layers_and_parts_changes_nothing(
 
     memo: dict = {}
     shared = run(memo)
-    assert "scratch" in memo
+    assert ("scratch", torch.float32) in memo  # one float32 buffer for all layers and parts
     for got, want in zip(shared, run(None), strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -289,6 +289,19 @@ class CpuDecodeOps:
 
     write_and_decode = staticmethod(write_and_decode)
 
+    def paged_prefill_attention(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+        cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, sliding_window: int | None = None,
+        softcap: float | None = None, *, memo: dict[Any, Any] | None = None, **scales: Tensor | None,
+    ) -> Tensor:  # fmt: skip
+        """The reference prefill, in a 16-bit model's own dtype when its cache
+        holds that dtype (no scales, no soft-cap): 2-2.5x faster SDPA."""
+        call = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap)
+        sixteen_bit = q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
+        if not sixteen_bit or softcap or any(s is not None for s in scales.values()):
+            return self._ops.paged_prefill_attention(*call, memo=memo, **scales)  # type: ignore[no-any-return]
+        return ref_ops.prefill_attention(call, memo, (None,) * 4, q.dtype)
+
     def write_kv(
         self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor,
         **scales: Tensor | None,

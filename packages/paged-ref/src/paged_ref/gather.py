@@ -138,7 +138,8 @@ def gather(
     *,
     is_key: bool = True,
 ) -> Tensor:
-    """``[n, num_keys, kv_heads, head_dim]`` float32 copy of the chunk's keys
+    """``[n, num_keys, kv_heads, head_dim]`` float32 copy (or in ``out``'s
+    dtype: a 16-bit cache's own, for ``ops.prefill_attention``) of the chunk's keys
     (or values), zero where a position is not the sequence's own. An 8-bit
     cache is dequantized here (int8 codes times their ``scales``,
     ``[num_blocks, block_size, kv_heads]``, or codes times the layer's static

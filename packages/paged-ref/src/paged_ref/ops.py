@@ -102,17 +102,17 @@ def _memo_get(memo: dict[Any, Any] | None, key: tuple[Any, ...], build: Any) -> 
 
 
 def _scratch_kv(
-    memo: dict[Any, Any] | None, cache: Tensor, chunk: GatherChunk
-) -> tuple[Tensor | None, Tensor | None]:
-    """Where ``gather`` copies the chunk's K and V: two halves of one float32
-    buffer kept in ``memo`` for the whole step (grown when a chunk needs
-    more), so no layer allocates; without a memo, new tensors."""
+    memo: dict[Any, Any] | None, cache: Tensor, chunk: GatherChunk, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """Where ``gather`` copies the chunk's K and V: two halves of one
+    ``dtype`` buffer kept in ``memo`` for the whole step (grown when a chunk
+    needs more), so no layer allocates; without a memo, new ones."""
     if memo is None:
-        return None, None
+        memo = {}
     numel = chunk_numel(cache, chunk)
-    buf = memo.get("scratch")
+    buf = memo.get(("scratch", dtype))
     if buf is None or buf.numel() < 2 * numel:
-        buf = memo["scratch"] = torch.empty(2 * numel, dtype=torch.float32, device=cache.device)
+        buf = memo[("scratch", dtype)] = torch.empty(2 * numel, dtype=dtype, device=cache.device)
     return buf[:numel], buf[numel : 2 * numel]
 
 
@@ -127,7 +127,8 @@ def _attend(
 ) -> Tensor:
     """``q [B, H, Lq, D]`` over ``k``/``v`` ``[B, L, KVH, D]``; ``mask`` is
     ``[B, 1, G * Lq, L]`` float, 0 where visible and -inf elsewhere (see
-    ``_gqa_mask``). Returns ``[B, H, Lq, D]`` float32.
+    ``_gqa_mask``). Returns ``[B, H, Lq, D]`` in ``k``'s dtype (float32 but
+    for ``prefill_attention``'s 16-bit one).
 
     GQA without copying K/V: the ``G`` query heads that share a kv head are
     folded into the query axis, so SDPA sees ``KVH`` heads of ``G * Lq``
@@ -144,7 +145,7 @@ def _attend(
             q, k.transpose(1, 2), v.transpose(1, 2), visible, scale, softcap
         ).float()
     out = F.scaled_dot_product_attention(
-        q.float().reshape(batch, kv_heads, -1, head_dim),
+        q.to(k.dtype).reshape(batch, kv_heads, -1, head_dim),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
@@ -247,6 +248,26 @@ def paged_prefill_attention(
     padded to its longest query run for one SDPA call; padding rows are dropped.
     8-bit caches are read as for ``paged_decode_attention``.
     """
+    call = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap)
+    scales = (k_scales, v_scales, k_head_scales, v_head_scales)
+    return prefill_attention(call, memo, scales, torch.float32)
+
+
+def prefill_attention(
+    call: tuple[Any, ...],
+    memo: dict[Any, Any] | None,
+    scales: tuple[Tensor | None, ...],
+    compute_dtype: torch.dtype,
+) -> Tensor:
+    """``paged_prefill_attention(*call, memo=memo, ...)`` (``call``: its nine
+    positional arguments; ``scales``: its four scale keywords, in order)
+    with its products in ``compute_dtype``. The reference op is float32; a
+    CPU server with a 16-bit model and cache runs its prefills in that dtype
+    (``cpu_decode.CpuDecodeOps``): SDPA's CPU kernel accumulates and takes
+    the softmax in float32 either way, and runs 2-2.5x faster on 16-bit
+    inputs (AMX / AVX512-BF16)."""
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap = call
+    k_scales, v_scales, k_head_scales, v_head_scales = scales
     total_q, heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     if total_q == 0 or batch == 0:
@@ -284,7 +305,7 @@ def paged_prefill_attention(
     for c in _memo_get(memo, ("prefill", sliding_window), plan):
         q_padded = q.new_zeros(c.keys.size, heads, c.max_q, head_dim)
         q_padded[c.seq_of_row, :, c.row_in_seq] = q[c.rows]
-        k_out, v_out = _scratch_kv(memo, k_cache, c.keys)
+        k_out, v_out = _scratch_kv(memo, k_cache, c.keys, compute_dtype)
         k = gather(k_cache, c.keys, k_scales, k_head_scales, k_out)
         v = gather(v_cache, c.keys, v_scales, v_head_scales, v_out, is_key=False)
         o = _attend(q_padded, k, v, c.mask, scale, softcap)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import multiprocessing
 import random
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -203,31 +205,22 @@ async def run_workload(
         return timings, wall
 
 
-def _run_client(
-    url: str,
-    model: str | None,
-    workload: Any,
-    rate: float,
-    seed: int,
-    api_key: str | None,
-    max_concurrency: int | None,
-) -> tuple[list[RequestTiming], float, list[float]]:
-    """``run_workload`` to completion: timings, wall time, running-count samples."""
+def _run_client(send: Callable[..., Any]) -> tuple[list[RequestTiming], float, list[float]]:
+    """``send`` (``run_workload`` with its arguments) to completion: timings,
+    wall time, and the server's running count sampled meanwhile."""
     running: list[float] = []
-    timings, wall = asyncio.run(
-        run_workload(url, model, workload, rate, seed, api_key, running, max_concurrency)
-    )
+    timings, wall = asyncio.run(send(running=running))
     return timings, wall, running
 
 
 def _client_in_own_process(
-    client_args: tuple[Any, ...],
+    send: Callable[..., Any],
 ) -> tuple[list[RequestTiming], float, list[float]]:
-    """The client in a child process, as a real client is: in the server's
-    process it would share one GIL with the HTTP and engine threads, and the
-    time it spends parsing chunks would show up as the server's latency."""
+    """``_run_client`` in a child process, as a real client is: in the
+    server's process it would share one GIL with the HTTP and engine threads,
+    and the time it spends parsing chunks would show up as server latency."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_run_client, *client_args).result()
+        return pool.submit(_run_client, send).result()
 
 
 def summarize(timings: list[RequestTiming], wall_s: float) -> dict[str, Any]:
@@ -340,12 +333,14 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
             url, model, tokenizer = server.url, name, engine.tokenizer
             settings_info = asdict(engine.config)  # as run: defaults resolved
         workload = build_workload(args.workload, wl.token_pool_from_tokenizer(tokenizer), args)
-        client_args = (url, model, workload, rate, args.seed, args.api_key,
-                       getattr(args, "max_concurrency", None))  # fmt: skip
+        send = functools.partial(
+            run_workload, url, model, workload, rate, args.seed, args.api_key,
+            max_concurrency=getattr(args, "max_concurrency", None),
+        )  # fmt: skip
         if server is None:
-            timings, wall, running = _run_client(*client_args)
+            timings, wall, running = _run_client(send)
         else:
-            timings, wall, running = _client_in_own_process(client_args)
+            timings, wall, running = _client_in_own_process(send)
         server_metrics = scrape_metrics(url, args.api_key)
     finally:
         if server is not None:
