@@ -156,6 +156,24 @@ def test_one_budget_for_decodes_and_prefill_chunks_oldest_first() -> None:
     assert pool.audit() == []
 
 
+def test_long_prefill_token_threshold_bounds_each_prompt_chunk() -> None:
+    """vLLM's ``long_prefill_token_threshold``: at most that many of one
+    prompt's tokens per step, admitted or running; the budget's rest goes to
+    the next sequences; decodes are untouched; no effect without chunking."""
+    sched = scheduler(paged_pool(), budget=12, long_prefill_token_threshold=4)
+    a, b, c = make_seq(10), make_seq(3), make_seq(9)
+    for s in (a, b, c):
+        sched.add(s)
+    assert run_step(sched) == [(a, 4), (b, 3), (c, 4)]
+    assert run_step(sched) == [(a, 4), (b, 1), (c, 4)]  # b decodes
+    assert run_step(sched) == [(a, 2), (b, 1), (c, 1)]  # each finishes its prompt
+    whole = scheduler(paged_pool(), budget=12, enable_chunked_prefill=False,
+                      long_prefill_token_threshold=4)  # fmt: skip
+    d = make_seq(10)
+    whole.add(d)
+    assert run_step(whole) == [(d, 10)]
+
+
 def test_unchunked_prefill_runs_whole_prompts_and_never_starves_the_first() -> None:
     sched = scheduler(paged_pool(), budget=8, enable_chunked_prefill=False)
     a, b = make_seq(10), make_seq(7)

@@ -68,6 +68,8 @@ class EngineConfig:
     # True: one page table for every layer even when some slide (no block freed early).
     disable_hybrid_kv_cache_manager: bool = False
     enable_chunked_prefill: bool = True
+    # > 0: at most this many of one prompt's tokens per step (vLLM's name; 0: off)
+    long_prefill_token_threshold: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no torch.compile (CPU), no CUDA graphs (CUDA)
     dtype: str = "auto"
@@ -188,6 +190,11 @@ class EngineConfig:
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model: must be a path string or None, got {self.model!r}")
+        if not (_is_int(self.long_prefill_token_threshold) and self.long_prefill_token_threshold >= 0):
+            raise ValueError(
+                "long_prefill_token_threshold: must be an integer >= 0 (0: off), got "
+                f"{self.long_prefill_token_threshold!r}"
+            )
         if self.max_num_batched_tokens is None:
             return
         if self.max_num_batched_tokens < self.max_batch_size:

@@ -203,6 +203,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.block_size,
             config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self._requests: dict[str, Request] = {}  # submitted and not fully reported
         self._rng = random.Random(config.seed)

@@ -77,6 +77,7 @@ class Scheduler:
         block_size: int = 16,
         enable_chunked_prefill: bool = True,
         reserve_fraction: float = RESERVE_FRACTION,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.pool = pool
         self.max_batch_size = max_batch_size
@@ -84,6 +85,8 @@ class Scheduler:
         self.block_size = block_size
         self.enable_chunked_prefill = enable_chunked_prefill
         self.reserve_fraction = reserve_fraction
+        # A prompt's chunk per step, at most (0: the budget's rest); chunked prefill only.
+        self.max_chunk = long_prefill_token_threshold if enable_chunked_prefill else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -148,7 +151,7 @@ class Scheduler:
             if seq.is_finished or wanted <= 0:
                 i += 1
                 continue
-            n = min(wanted, budget)
+            n = self._chunk(wanted, budget)
             if n < wanted and not self.enable_chunked_prefill:
                 if has_prefill:  # whole prompts only; the first one may overshoot
                     i += 1
@@ -167,6 +170,14 @@ class Scheduler:
         return out
 
     # -- internals -------------------------------------------------------------
+    def _chunk(self, wanted: int, budget: int) -> int:
+        """Tokens one sequence computes this step: what it wants, within the
+        step's budget and ``long_prefill_token_threshold`` (which bounds a
+        prompt chunk, so a step that carries one stays short for the decodes
+        beside it: steadier inter-token latency, later first tokens)."""
+        n = min(wanted, budget)
+        return min(n, self.max_chunk) if self.max_chunk else n
+
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> int | None:
         """Reserve room for ``seq``'s next ``n`` tokens, preempting the newest
         running units while the pool is full. Returns how many it computes:
@@ -307,7 +318,7 @@ class Scheduler:
                 kv_budget -= cost
             for s in unit:
                 wanted = s.num_tokens - s.num_computed_tokens
-                n = min(wanted, budget) if self.enable_chunked_prefill else wanted
+                n = self._chunk(wanted, budget) if self.enable_chunked_prefill else wanted
                 if n:  # the prompt is reserved; a recompute past it gets what fits
                     n = min(n, self._grow(s, s.num_computed_tokens + n) - s.num_computed_tokens)
                 out.admitted.append(s)
