@@ -44,6 +44,8 @@ def test_defaults_are_valid() -> None:
         ({"block_size": 2.5}, "block_size"),
         ({"max_batch_size": True}, "max_batch_size"),
         ({"seed": "x"}, "seed"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        ({"long_prefill_token_threshold": 1.5}, "long_prefill_token_threshold"),
     ],
 )
 def test_engine_config_rejects_bad_field(overrides: dict, field: str) -> None:
