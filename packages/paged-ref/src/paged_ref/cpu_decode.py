@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from paged_ref import ops as ref_ops
+from paged_ref.op_args import DecodeArgs, PrefillArgs, WriteKVArgs, op
 
 log = logging.getLogger(__name__)
 
@@ -262,49 +263,31 @@ class CpuDecodeOps:
 
     def __init__(self, ops: ModuleType = ref_ops) -> None:
         self._ops = ops
+        self.paged_decode_attention = op(DecodeArgs)(self._decode)
+        self.paged_prefill_attention = op(PrefillArgs)(self._prefill)
+        self.write_kv = op(WriteKVArgs)(self._write)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ops, name)
 
-    def paged_decode_attention(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        scale: float,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        *,
-        memo: dict[Any, Any] | None = None,
-        **scales: Tensor | None,
-    ) -> Tensor:
-        if q.shape[0] > 0 and all(s is None for s in scales.values()) and supports(q, k_cache, v_cache):
-            return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
-        return self._ops.paged_decode_attention(  # type: ignore[no-any-return]
-            q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-            memo=memo, **scales,
-        )  # fmt: skip
+    def _decode(self, a: DecodeArgs) -> Tensor:
+        if a.q.shape[0] > 0 and a.unscaled and supports(a.q, a.k_cache, a.v_cache):
+            return decode_attention(
+                a.q, a.k_cache, a.v_cache, a.block_tables, a.seq_lens, a.scale, a.sliding_window,
+                a.softcap,
+            )  # fmt: skip
+        return a.pass_to(self._ops.paged_decode_attention)
 
     write_and_decode = staticmethod(write_and_decode)
 
-    def paged_prefill_attention(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-        cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, sliding_window: int | None = None,
-        softcap: float | None = None, *, memo: dict[Any, Any] | None = None, **scales: Tensor | None,
-    ) -> Tensor:  # fmt: skip
+    def _prefill(self, a: PrefillArgs) -> Tensor:
         """The reference prefill, in a 16-bit model's own dtype when its cache
         holds that dtype (no scales, no soft-cap): 2-2.5x faster SDPA."""
-        call = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap)
-        sixteen_bit = q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
-        if not sixteen_bit or softcap or any(s is not None for s in scales.values()):
-            return self._ops.paged_prefill_attention(*call, memo=memo, **scales)  # type: ignore[no-any-return]
-        return ref_ops.prefill_attention(call, memo, (None,) * 4, q.dtype)
+        sixteen_bit = a.q.dtype in (torch.bfloat16, torch.float16) and a.k_cache.dtype == a.q.dtype
+        if not sixteen_bit or a.softcap or not a.unscaled:
+            return a.pass_to(self._ops.paged_prefill_attention)
+        return ref_ops.prefill_attention(a, a.q.dtype)
 
-    def write_kv(
-        self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor,
-        **scales: Tensor | None,
-    ) -> None:  # fmt: skip
-        if any(s is not None for s in scales.values()) or not write_kv(k_cache, v_cache, k, v, slot_mapping):
-            self._ops.write_kv(k_cache, v_cache, k, v, slot_mapping, **scales)
+    def _write(self, a: WriteKVArgs) -> None:
+        if not a.unscaled or not write_kv(a.k_cache, a.v_cache, a.k, a.v, a.slot_mapping):
+            a.pass_to(self._ops.write_kv)

@@ -19,7 +19,6 @@ one float32 scratch buffer that every chunk of every layer gathers into.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,22 +37,13 @@ from paged_ref.kv_quant import (
     quantize,
     quantize_static,
 )
+from paged_ref.op_args import CopyBlocksArgs, DecodeArgs, PrefillArgs, WriteKVArgs, op
 
 __all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
 
-def write_kv(
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k: Tensor,
-    v: Tensor,
-    slot_mapping: Tensor,
-    *,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
-) -> None:
+@op(WriteKVArgs)
+def write_kv(a: WriteKVArgs) -> None:
     """Scatter ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``) into the cache.
 
     ``slot_mapping[i] = block_id * block_size + offset`` says where token
@@ -68,19 +58,20 @@ def write_kv(
     block scales in ``k_scales``/``v_scales``: values per token, and every
     key group a new token joins re-quantized (``kv_int4.write_keys``).
     """
-    check_scales(k_cache, k_scales, "k_scales", k_head_scales)
-    check_scales(v_cache, v_scales, "v_scales", v_head_scales)
-    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    k_cache, v_cache, k, v = a.k_cache, a.v_cache, a.k, a.v
+    check_scales(k_cache, a.k_scales, "k_scales", a.k_head_scales)
+    check_scales(v_cache, a.v_scales, "v_scales", a.v_head_scales)
+    slots = a.slot_mapping.to(device=k_cache.device, dtype=torch.long)
     if slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     if is_int4(k_cache.dtype):  # keys per channel (group re-quantized), values per token
-        write_keys(k_cache, k_scales, k, slots)  # type: ignore[arg-type]
-        write_values(v_cache, v_scales, v, slots)  # type: ignore[arg-type]
+        write_keys(k_cache, a.k_scales, k, slots)  # type: ignore[arg-type]
+        write_values(v_cache, a.v_scales, v, slots)  # type: ignore[arg-type]
         return
     rows = k_cache.shape[0] * k_cache.shape[1]
     for cache, scales, head_scales, new in (
-        (k_cache, k_scales, k_head_scales, k), (v_cache, v_scales, v_head_scales, v)
+        (k_cache, a.k_scales, a.k_head_scales, k), (v_cache, a.v_scales, a.v_head_scales, v)
     ):
         if head_scales is not None:
             codes, new_scales = quantize_static(new, cache.dtype, head_scales), None
@@ -164,22 +155,8 @@ def _gqa_mask(visible: Tensor, q_per_kv: int) -> Tensor:
     return mask.expand(batch, q_per_kv, q_len, num_keys).reshape(batch, 1, q_per_kv * q_len, num_keys)
 
 
-def paged_decode_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    *,
-    memo: dict[Any, Any] | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
-) -> Tensor:
+@op(DecodeArgs)
+def paged_decode_attention(a: DecodeArgs) -> Tensor:
     """One query per sequence (``q``: ``[batch, heads, head_dim]``) at position
     ``seq_lens[b] - 1`` over its paged context; ``seq_lens`` includes the new
     token and 0 gives zeros. Returns ``[batch, heads, head_dim]`` in ``q.dtype``.
@@ -187,24 +164,25 @@ def paged_decode_attention(
     is dequantized as it is gathered (int8 with ``k_scales``/``v_scales``;
     static scales: ``k_head_scales``/``v_head_scales``).
     """
+    q, k_cache, v_cache, window, memo = a.q, a.k_cache, a.v_cache, a.sliding_window, a.memo
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
 
     def plan() -> list[tuple[GatherChunk, Tensor]]:
-        lens = seq_lens.to(device=q.device, dtype=torch.long)
-        if sliding_window is None:
+        lens = a.seq_lens.to(device=q.device, dtype=torch.long)
+        if window is None:
             lo = torch.zeros_like(lens)
         else:  # keys (pos - window, pos]; a window of 0 sees nothing
-            lo = (lens - sliding_window).clamp(min=0).minimum(lens)
-        chunks = plan_chunks(block_tables.to(q.device), lens, lo, k_cache)
+            lo = (lens - window).clamp(min=0).minimum(lens)
+        chunks = plan_chunks(a.block_tables.to(q.device), lens, lo, k_cache)
         return [(c, _gqa_mask(c.in_range.unsqueeze(1), 1)) for c in chunks]
 
     out = torch.empty_like(q)
-    for chunk, mask in _memo_get(memo, ("decode", sliding_window), plan):
+    for chunk, mask in _memo_get(memo, ("decode", window), plan):
         k_out, v_out = _scratch_kv(memo, k_cache, chunk)
-        k = gather(k_cache, chunk, k_scales, k_head_scales, k_out)
-        v = gather(v_cache, chunk, v_scales, v_head_scales, v_out, is_key=False)
-        o = _attend(q[chunk.seqs].unsqueeze(2), k, v, mask, scale, softcap)
+        k = gather(k_cache, chunk, a.k_scales, a.k_head_scales, k_out)
+        v = gather(v_cache, chunk, a.v_scales, a.v_head_scales, v_out, is_key=False)
+        o = _attend(q[chunk.seqs].unsqueeze(2), k, v, mask, a.scale, a.softcap)
         out[chunk.seqs] = o.squeeze(2)
     return out
 
@@ -221,23 +199,8 @@ class _PrefillChunk:
     max_q: int
 
 
-def paged_prefill_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    *,
-    memo: dict[Any, Any] | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
-) -> Tensor:
+@op(PrefillArgs)
+def paged_prefill_attention(a: PrefillArgs) -> Tensor:
     """Packed (varlen) queries over cached + new context, causal per sequence.
 
     ``q``: ``[total_q, heads, head_dim]``; sequence ``b`` owns rows
@@ -248,41 +211,32 @@ def paged_prefill_attention(
     padded to its longest query run for one SDPA call; padding rows are dropped.
     8-bit caches are read as for ``paged_decode_attention``.
     """
-    call = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap)
-    scales = (k_scales, v_scales, k_head_scales, v_head_scales)
-    return prefill_attention(call, memo, scales, torch.float32)
+    return prefill_attention(a, torch.float32)
 
 
-def prefill_attention(
-    call: tuple[Any, ...],
-    memo: dict[Any, Any] | None,
-    scales: tuple[Tensor | None, ...],
-    compute_dtype: torch.dtype,
-) -> Tensor:
-    """``paged_prefill_attention(*call, memo=memo, ...)`` (``call``: its nine
-    positional arguments; ``scales``: its four scale keywords, in order)
-    with its products in ``compute_dtype``. The reference op is float32; a
+def prefill_attention(a: PrefillArgs, compute_dtype: torch.dtype) -> Tensor:
+    """``paged_prefill_attention`` with its products in ``compute_dtype``.
+    The reference op is float32; a
     CPU server with a 16-bit model and cache runs its prefills in that dtype
     (``cpu_decode.CpuDecodeOps``): SDPA's CPU kernel accumulates and takes
     the softmax in float32 either way, and runs 2-2.5x faster on 16-bit
     inputs (AMX / AVX512-BF16)."""
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap = call
-    k_scales, v_scales, k_head_scales, v_head_scales = scales
+    q, k_cache, v_cache, window, memo = a.q, a.k_cache, a.v_cache, a.sliding_window, a.memo
     total_q, heads, head_dim = q.shape
-    batch = seq_lens.shape[0]
+    batch = a.seq_lens.shape[0]
     if total_q == 0 or batch == 0:
         return q.new_zeros(q.shape)
     q_per_kv = heads // max(k_cache.shape[2], 1)
 
     def plan() -> list[_PrefillChunk]:
         device = q.device
-        cu = cu_seqlens_q.to(device=device, dtype=torch.long)
-        lens = seq_lens.to(device=device, dtype=torch.long)
+        cu = a.cu_seqlens_q.to(device=device, dtype=torch.long)
+        lens = a.seq_lens.to(device=device, dtype=torch.long)
         q_lens = cu[1:] - cu[:-1]
         first_q = lens - q_lens
-        lo = torch.zeros_like(lens) if sliding_window is None else first_q - sliding_window + 1
+        lo = torch.zeros_like(lens) if window is None else first_q - window + 1
         out = []
-        for keys in plan_chunks(block_tables.to(device), lens, lo.clamp(min=0), k_cache):
+        for keys in plan_chunks(a.block_tables.to(device), lens, lo.clamp(min=0), k_cache):
             s = keys.seqs
             n_q = q_lens[s]
             max_q = max(int(n_q.max()), 1)
@@ -293,8 +247,8 @@ def prefill_attention(
             q_pos = first_q[s].unsqueeze(1) + torch.arange(max_q, device=device)  # [n, max_q]
             kpos = keys.key_pos.unsqueeze(1)  # [n, 1, L]
             visible = keys.in_range.unsqueeze(1) & (kpos <= q_pos.unsqueeze(2))
-            if sliding_window is not None:
-                visible &= kpos > q_pos.unsqueeze(2) - sliding_window
+            if window is not None:
+                visible &= kpos > q_pos.unsqueeze(2) - window
             rows = slice(int(cu[s.start]), int(cu[s.stop]))
             out.append(
                 _PrefillChunk(keys, _gqa_mask(visible, q_per_kv), rows, seq_of_row, row_in_seq, max_q)
@@ -302,13 +256,13 @@ def prefill_attention(
         return out
 
     out = torch.empty_like(q)
-    for c in _memo_get(memo, ("prefill", sliding_window), plan):
+    for c in _memo_get(memo, ("prefill", window), plan):
         q_padded = q.new_zeros(c.keys.size, heads, c.max_q, head_dim)
         q_padded[c.seq_of_row, :, c.row_in_seq] = q[c.rows]
         k_out, v_out = _scratch_kv(memo, k_cache, c.keys, compute_dtype)
-        k = gather(k_cache, c.keys, k_scales, k_head_scales, k_out)
-        v = gather(v_cache, c.keys, v_scales, v_head_scales, v_out, is_key=False)
-        o = _attend(q_padded, k, v, c.mask, scale, softcap)
+        k = gather(k_cache, c.keys, a.k_scales, a.k_head_scales, k_out)
+        v = gather(v_cache, c.keys, a.v_scales, a.v_head_scales, v_out, is_key=False)
+        o = _attend(q_padded, k, v, c.mask, a.scale, a.softcap)
         out[c.rows] = o[c.seq_of_row, :, c.row_in_seq]
     return out
 
@@ -339,14 +293,8 @@ def gather_context(
     return out.transpose(1, 2)
 
 
-def copy_blocks(
-    k_caches: Tensor,
-    v_caches: Tensor,
-    src_to_dst: Tensor | Sequence[Sequence[int]],
-    *,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-) -> None:
+@op(CopyBlocksArgs)
+def copy_blocks(a: CopyBlocksArgs) -> None:
     """Copy whole blocks ``src -> dst`` in every layer (copy-on-write).
 
     ``k_caches``: ``[layers, num_blocks, block_size, kv_heads, head_dim]``;
@@ -356,15 +304,15 @@ def copy_blocks(
     (``[layers, num_blocks, block_size, kv_heads]``) are copied with it; a
     cache with static scales (per layer, not per block) passes none.
     """
-    if k_scales is not None or v_scales is not None:
-        check_scales(k_caches, k_scales, "k_scales")
-        check_scales(v_caches, v_scales, "v_scales")
-    pairs = torch.as_tensor(src_to_dst, dtype=torch.long).reshape(-1, 2)
+    if a.k_scales is not None or a.v_scales is not None:
+        check_scales(a.k_caches, a.k_scales, "k_scales")
+        check_scales(a.v_caches, a.v_scales, "v_scales")
+    pairs = torch.as_tensor(a.src_to_dst, dtype=torch.long).reshape(-1, 2)
     if pairs.shape[0] == 0:
         return
-    pairs = pairs.to(device=k_caches.device, non_blocking=True)
+    pairs = pairs.to(device=a.k_caches.device, non_blocking=True)
     src, dst = pairs[:, 0], pairs[:, 1]
-    for tensor in (k_caches, v_caches, k_scales, v_scales):
+    for tensor in (a.k_caches, a.v_caches, a.k_scales, a.v_scales):
         if tensor is not None:
             bits = as_bits(tensor)
             bits[:, dst] = bits[:, src]

@@ -12,14 +12,13 @@ checked there, and reach the device in one copy; nothing is read back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from paged_ref.kv_quant import as_bits
+from paged_ref.op_args import CopyBlocksArgs, op
 from paged_triton.launch import Launch
 from paged_triton.launch_checks import check_cache, check_quantized_cache, check_runnable
 
@@ -78,14 +77,8 @@ def plan_copy_blocks(
     )
 
 
-def copy_blocks(
-    k_caches: Tensor,
-    v_caches: Tensor,
-    src_to_dst: Tensor | Sequence[Sequence[int]],
-    *,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-) -> None:
+@op(CopyBlocksArgs)
+def copy_blocks(a: CopyBlocksArgs) -> None:
     """Copy blocks ``src -> dst`` in all layers of ``k_caches``/``v_caches``
     (``[layers, num_blocks, block_size, kv_heads, head_dim]``). ``src_to_dst``:
     host pairs, a list of ``(src, dst)`` or a CPU int64 tensor ``[n, 2]``
@@ -95,6 +88,7 @@ def copy_blocks(
     layer, so a cache with them passes none. Same contract as
     ``paged_ref.ops.copy_blocks``; one host-to-device copy per call.
     """
+    k_caches, v_caches, k_scales, v_scales = a.k_caches, a.v_caches, a.k_scales, a.v_scales
     check_runnable(_copy_blocks_kernel, k_caches, v_caches)
     check_cache(k_caches, v_caches, ndim=5)
     check_quantized_cache(k_caches, k_scales, v_scales, copy=True)
@@ -105,7 +99,7 @@ def copy_blocks(
             f"each cache block must be contiguous (strides {k_caches.stride()}); "
             "allocate the caches with torch.empty/zeros"
         )
-    pairs = torch.as_tensor(src_to_dst, dtype=torch.int64).reshape(-1, 2).cpu()
+    pairs = torch.as_tensor(a.src_to_dst, dtype=torch.int64).reshape(-1, 2).cpu()
     if pairs.shape[0] == 0 or layers == 0:
         return
     if int(pairs.min()) < 0 or int(pairs.max()) >= num_blocks:

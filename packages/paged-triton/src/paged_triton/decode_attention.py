@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from paged_ref.kv_quant import scale_keywords
+from paged_ref.op_args import DecodeArgs, op
 from paged_triton.attention_layout import check_attention, layer_layout
 from paged_triton.attention_tile import attend_context
 from paged_triton.decode_splits import (
@@ -241,22 +242,8 @@ def _partials(
     return buffers
 
 
-def paged_decode_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    *,
-    memo: dict[Any, Any] | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
-) -> Tensor:
+@op(DecodeArgs)
+def paged_decode_attention(a: DecodeArgs) -> Tensor:
     """One query per sequence (``q``: ``[batch, heads, head_dim]``) at position
     ``seq_lens[b] - 1`` over its paged context, read straight from the cache
     blocks (no gather copy). ``seq_lens`` includes the new token; 0 gives
@@ -268,31 +255,32 @@ def paged_decode_attention(
     ``k_head_scales``/``v_head_scales``, ``[kv_heads]``). Contexts are split
     as :func:`split_policy` says for the device (tests patch it to force splits).
     """
-    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
+    q, tables, lens = a.q, a.block_tables, a.seq_lens
+    scales: dict[str, Any] = scale_keywords(a.k_scales, a.v_scales, a.k_head_scales, a.v_head_scales)
     out = torch.empty_like(q)
 
     def check() -> bool:
-        check_attention(_decode_kernel, q, k_cache, v_cache, "batch", **scales)
+        check_attention(_decode_kernel, q, a.k_cache, a.v_cache, "batch", **scales)
         batch, heads, _ = q.shape
-        if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        if tables.dim() != 2 or tables.shape[0] != batch or lens.shape != (batch,):
             raise ValueError(
                 f"block_tables must be [batch={batch}, max_blocks] and seq_lens [batch], got "
-                f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+                f"{tuple(tables.shape)} and {tuple(lens.shape)}"
             )
         return batch > 0 and heads > 0
 
     def args(arch: int | None) -> tuple[Any, ...]:
         return (
-            last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q),
-            as_index(seq_lens, q), scale, sliding_window, softcap, out, split_policy(q.device),
-            arch, _INTERPRETED, memo,
+            last_dim_contiguous(q), a.k_cache, a.v_cache, as_index(tables, q), as_index(lens, q),
+            a.scale, a.sliding_window, a.softcap, out, split_policy(q.device), arch, _INTERPRETED,
+            a.memo,
         )  # fmt: skip
 
     # q, k, v, k_scale, v_scale, out: arguments 0-4 and 7 of the decode, out 3 of the merge
     where = [(0, 1, 2, 3, 4, 7), (-1, -1, -1, -1, -1, 3)]
-    run_planned("decode", plan_decode, (q, k_cache, v_cache, out), scales, check=check, args=args,
-                memo=memo, step_key=(id(block_tables), id(seq_lens), scale, sliding_window,
-                softcap), traits=(sliding_window is not None, bool(softcap)), where=where)  # fmt: skip
+    run_planned("decode", plan_decode, (q, a.k_cache, a.v_cache, out), scales, check=check,
+                args=args, memo=a.memo, step_key=(id(tables), id(lens), a.scale, a.sliding_window,
+                a.softcap), traits=(a.sliding_window is not None, bool(a.softcap)), where=where)  # fmt: skip
     return out
 
 

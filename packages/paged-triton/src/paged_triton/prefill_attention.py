@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from paged_ref.kv_quant import scale_keywords
+from paged_ref.op_args import PrefillArgs, op
 from paged_triton.attention_layout import check_attention, layer_layout
 from paged_triton.attention_tile import attend_context
 from paged_triton.interpreter_bf16 import cast
@@ -169,23 +170,8 @@ def plan_prefill(
     )
 
 
-def paged_prefill_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    *,
-    memo: dict[Any, Any] | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
-) -> Tensor:
+@op(PrefillArgs)
+def paged_prefill_attention(a: PrefillArgs) -> Tensor:
     """Packed queries (``q``: ``[total_q, heads, head_dim]``; sequence ``b``
     owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) attending causally to
     their paged context, whose K/V (new tokens included) are already in the
@@ -195,35 +181,31 @@ def paged_prefill_attention(
     is dequantized tile by tile in registers (int8 with ``k_scales``/``v_scales``;
     static per-head scales with ``k_head_scales``/``v_head_scales``, ``[kv_heads]``).
     """
-    scales: dict[str, Any] = scale_keywords(k_scales, v_scales, k_head_scales, v_head_scales)
+    q, tables, cu_q, lens = a.q, a.block_tables, a.cu_seqlens_q, a.seq_lens
+    scales: dict[str, Any] = scale_keywords(a.k_scales, a.v_scales, a.k_head_scales, a.v_head_scales)
     out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1], if any, stay zero
 
     def check() -> bool:
-        check_attention(_prefill_kernel, q, k_cache, v_cache, "total_q", **scales)
+        check_attention(_prefill_kernel, q, a.k_cache, a.v_cache, "total_q", **scales)
         total_q, heads, _ = q.shape
-        batch = seq_lens.shape[0]
-        if (
-            cu_seqlens_q.shape != (batch + 1,)
-            or block_tables.dim() != 2
-            or block_tables.shape[0] != batch
-        ):
+        batch = lens.shape[0]
+        if cu_q.shape != (batch + 1,) or tables.dim() != 2 or tables.shape[0] != batch:
             raise ValueError(
                 f"with {batch} sequences, cu_seqlens_q must be [{batch + 1}] and block_tables "
-                f"[{batch}, max_blocks]; got {tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}"
+                f"[{batch}, max_blocks]; got {tuple(cu_q.shape)} and {tuple(tables.shape)}"
             )
         return total_q > 0 and batch > 0 and heads > 0
 
     def args(arch: int | None) -> tuple[Any, ...]:
         return (
-            last_dim_contiguous(q), k_cache, v_cache, as_index(block_tables, q),
-            as_index(cu_seqlens_q, q), as_index(seq_lens, q), scale, sliding_window, softcap, out,
-            arch, _INTERPRETED,
+            last_dim_contiguous(q), a.k_cache, a.v_cache, as_index(tables, q), as_index(cu_q, q),
+            as_index(lens, q), a.scale, a.sliding_window, a.softcap, out, arch, _INTERPRETED,
         )  # fmt: skip
 
-    run_planned("prefill", lambda *a, **kw: [plan_prefill(*a, **kw)], (q, k_cache, v_cache, out),
-                scales, check=check, args=args, memo=memo, step_key=(id(block_tables),
-                id(cu_seqlens_q), id(seq_lens), scale, sliding_window, softcap),
-                traits=(sliding_window is not None, bool(softcap)),
+    run_planned("prefill", lambda *p, **kw: [plan_prefill(*p, **kw)], (q, a.k_cache, a.v_cache, out),
+                scales, check=check, args=args, memo=a.memo, step_key=(id(tables), id(cu_q),
+                id(lens), a.scale, a.sliding_window, a.softcap),
+                traits=(a.sliding_window is not None, bool(a.softcap)),
                 where=[(0, 1, 2, 3, 4, 8)])  # q, k, v, k_scale, v_scale, out  # fmt: skip
     return out
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from paged_ref.kv_int4 import is_int4
 from paged_ref.kv_quant import FP8_MAX, logical_shape
+from paged_ref.op_args import WriteKVArgs, op
 from paged_triton.interpreter_bf16 import cast, round_to_fp8
 from paged_triton.launch import Launch
 from paged_triton.launch_checks import (
@@ -226,18 +227,8 @@ def plan_write_kv(
     )
 
 
-def write_kv(
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k: Tensor,
-    v: Tensor,
-    slot_mapping: Tensor,
-    *,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
-) -> None:
+@op(WriteKVArgs)
+def write_kv(a: WriteKVArgs) -> None:
     """Write ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``, any dtype,
     e.g. views into a fused QKV output) into the cache at
     ``slot_mapping[i] = block_id * block_size + offset``; slot ``-1`` is skipped.
@@ -245,11 +236,12 @@ def write_kv(
     with static ``k_head_scales``/``v_head_scales``, codes of value / scale).
     Same contract as ``paged_ref.ops.write_kv``.
     """
+    k_cache, v_cache, k, v = a.k_cache, a.v_cache, a.k, a.v
     check_runnable(_write_kv_kernel, k_cache, v_cache, k, v)
     check_cache(k_cache, v_cache)
-    check_quantized_cache(k_cache, k_scales, v_scales, k_head_scales, v_head_scales)
+    check_quantized_cache(k_cache, a.k_scales, a.v_scales, a.k_head_scales, a.v_head_scales)
     _, _, kv_heads, head_dim = logical_shape(k_cache)
-    expected = (slot_mapping.shape[0], kv_heads, head_dim)
+    expected = (a.slot_mapping.shape[0], kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(
             f"k and v must be [num_tokens, kv_heads, head_dim] = {expected} to match slot_mapping "
@@ -258,12 +250,12 @@ def write_kv(
     if k.shape[0] == 0:
         return
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
-    slots = as_index(slot_mapping, k_cache, torch.int64)
+    slots = as_index(a.slot_mapping, k_cache, torch.int64)
     if is_int4(k_cache.dtype) and k_cache.stride(1) != kv_heads * head_dim // 2:
         raise ValueError(f"an int4 cache needs contiguous blocks, got strides {k_cache.stride()}")
     plan_write_kv(
-        k_cache, v_cache, k, v, slots, _INTERPRETED, k_scales, v_scales, k_head_scales,
-        v_head_scales,
+        k_cache, v_cache, k, v, slots, _INTERPRETED, a.k_scales, a.v_scales, a.k_head_scales,
+        a.v_head_scales,
     ).run()  # fmt: skip
 
 
