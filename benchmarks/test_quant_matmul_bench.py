@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from paged_server.models.quantization.linear import QuantizedLinear
+    from paged_triton.quant_matmul import QuantWeight
 
 CUDA = torch.cuda.is_available()
 pytestmark = [
@@ -84,6 +85,12 @@ def _layer(n: int, k: int, bits: int, group: int | None, asym: bool) -> Quantize
     layer = QuantizedLinear(w, None, torch.device("cuda"))
     assert layer.kernel == "quant_matmul", layer.kernel
     return layer
+
+
+def _weight(layer: QuantizedLinear) -> QuantWeight:
+    from paged_triton.quant_matmul import QuantWeight  # imports triton: CUDA only
+
+    return QuantWeight(layer.qweight, layer.scales, layer.zeros, layer.bits, layer.group_size)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -170,10 +177,10 @@ def test_quant_matmul(benchmark, fmt, shape, m):
     want = F.linear(x, dense)
 
     def forced_kernel(q: QuantizedLinear) -> torch.Tensor:  # even from DENSE_ROWS rows
-        return qm.quant_matmul(x, q.qweight, q.scales, q.zeros, bits, g)
+        return qm.quant_matmul(x, _weight(q))
 
     def forced_dense(q: QuantizedLinear) -> torch.Tensor:  # the layer's path from DENSE_ROWS
-        return F.linear(x, dequantize(q.qweight, q.scales, q.zeros, bits, g, x.dtype))
+        return F.linear(x, dequantize(_weight(q), x.dtype))
 
     def torch_dense(q: QuantizedLinear) -> torch.Tensor:  # the fallback's path
         return F.linear(x, q.dequantized_weight(x.dtype))
@@ -193,8 +200,7 @@ def test_quant_matmul(benchmark, fmt, shape, m):
     out = torch.empty(m, n, device="cuda", dtype=x.dtype)
     if splits > 1:
         out = torch.empty(splits, m, n, device="cuda", dtype=torch.float32)
-    launch = qm.plan_quant_matmul(x, layer.qweight, layer.scales, layer.zeros, bits, g, out,
-                                  splits, tile)  # fmt: skip
+    launch = qm.plan_quant_matmul(x, _weight(layer), out, splits, tile)
     eager_ms = float(triton.testing.do_bench(lambda: layer(x), warmup=5, rep=20))
     weight_bytes = _nbytes(layer.qweight, layer.scales, layer.zeros)
     gbps = weight_bytes / (kernel_ms * 1e-3) / 1e9
@@ -253,7 +259,7 @@ def test_decode_split_k(benchmark, fmt, shape, m):
     ms = {
         s: _graph_ms(
             [
-                lambda q=q, s=s: qm.quant_matmul(x, q.qweight, q.scales, q.zeros, bits, g, splits=s)
+                lambda q=q, s=s: qm.quant_matmul(x, _weight(q), splits=s)
                 for q in layers
             ]
         )

@@ -208,7 +208,7 @@ def test_quant_matmul_variants_depend_on_the_m_bucket_only():
     GEMM within its bucket (<= 16 rows, <= 64, more): M is never
     specialised and the split-K decision is per layer shape, not per M."""
     from paged_triton.launch import variant_key
-    from paged_triton.quant_matmul import plan_quant_matmul, split_k, tile_for
+    from paged_triton.quant_matmul import QuantWeight, plan_quant_matmul, split_k, tile_for
 
     def meta(*shape, dt):
         return torch.empty(*shape, device="meta", dtype=dt)
@@ -219,10 +219,8 @@ def test_quant_matmul_variants_depend_on_the_m_bucket_only():
         tile = tile_for(m, 128, k)
         splits = split_k(tile, m, n, k, 132)
         out = meta(m, n, dt=torch.bfloat16) if splits == 1 else meta(splits, m, n, dt=torch.float32)
-        launch = plan_quant_matmul(
-            meta(m, k, dt=torch.bfloat16), meta(n, k // 2, dt=torch.uint8),
-            meta(n, k // 128, dt=torch.float32), None, 4, 128, out, splits, tile,
-        )  # fmt: skip
+        weight = QuantWeight(meta(n, k // 2, dt=torch.uint8), meta(n, k // 128, dt=torch.float32), None, 4, 128)
+        launch = plan_quant_matmul(meta(m, k, dt=torch.bfloat16), weight, out, splits, tile)
         keys.setdefault(tile.block_m, set()).add(variant_key(launch))
     assert sorted(keys) == [16, 64, 128]
     assert all(len(v) == 1 for v in keys.values()), keys

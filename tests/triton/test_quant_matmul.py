@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from paged_triton.quant_dequantize import dequantize
 from paged_triton.quant_matmul import (
     DENSE_ROWS,
+    QuantWeight,
     block_k_for,
     prefers_dense,
     quant_matmul,
@@ -73,10 +74,8 @@ def _check(paged, m, n, k, bits, group, asym, dtype, splits=None, seed=0):
     x = torch.randn(m, k, generator=gen).to(dtype)
     expected = _reference(x, q, scales, zeros, group)
     dev = paged.device
-    got = quant_matmul(
-        x.to(dev), _pack(q, bits).to(dev), scales.to(dev),
-        None if zeros is None else zeros.to(dev), bits, group, splits=splits,
-    )  # fmt: skip
+    w = QuantWeight(_pack(q, bits).to(dev), scales.to(dev), None if zeros is None else zeros.to(dev), bits, group)
+    got = quant_matmul(x.to(dev), w, splits=splits)
     paged.assert_close(got.cpu(), expected, dtype)
 
 
@@ -140,10 +139,8 @@ def test_dequantize_writes_the_weight_the_kernel_multiplies(bits, group, asym, d
     gen = torch.Generator().manual_seed(bits + group)
     q, scales, zeros = _weight(72, 160 if group == 160 else 256, bits, group, asym, gen)
     dev = paged.device
-    got = dequantize(
-        _pack(q, bits).to(dev), scales.to(dev), None if zeros is None else zeros.to(dev),
-        bits, group, dtype,
-    )  # fmt: skip
+    w = QuantWeight(_pack(q, bits).to(dev), scales.to(dev), None if zeros is None else zeros.to(dev), bits, group)
+    got = dequantize(w, dtype)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.cpu(), _dense(q, scales, zeros, group, dtype), rtol=0, atol=0)
 
@@ -208,8 +205,8 @@ def test_quantized_linear_layout_is_the_kernels(bits, group, asym, monkeypatch, 
     expected = layer(x)
     dev = paged.device
     zeros = None if layer.zeros is None else layer.zeros.to(dev)
-    got = quant_matmul(x.to(dev), layer.qweight.to(dev), layer.scales.to(dev), zeros,
-                       layer.bits, layer.group_size)  # fmt: skip
+    w = QuantWeight(layer.qweight.to(dev), layer.scales.to(dev), zeros, layer.bits, layer.group_size)
+    got = quant_matmul(x.to(dev), w)
     paged.assert_close(got.cpu(), expected, torch.float16)
 
 

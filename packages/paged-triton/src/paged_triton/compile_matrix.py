@@ -493,7 +493,13 @@ def quant_matmul_jobs(
     ``DENSE_ROWS`` rows (``quant_dequantize.plan_dequantize``), deduplicated:
     shapes that share a variant share a job."""
     from paged_triton.quant_dequantize import plan_dequantize
-    from paged_triton.quant_matmul import DENSE_ROWS, plan_quant_matmul, split_k, tile_for
+    from paged_triton.quant_matmul import (
+        DENSE_ROWS,
+        QuantWeight,
+        plan_quant_matmul,
+        split_k,
+        tile_for,
+    )
 
     assert max(QUANT_ROWS) < DENSE_ROWS, "QUANT_ROWS should stay on the kernel's path"
     jobs: dict[tuple[Any, ...], CompileJob] = {}
@@ -504,10 +510,13 @@ def quant_matmul_jobs(
                 g = group or k
                 code = torch.int8 if bits == 8 else torch.uint8
                 dense = plan_dequantize(
-                    torch.empty(n, k * bits // 8, device="meta", dtype=code),
-                    torch.empty(n, k // g, device="meta", dtype=torch.float32),
-                    torch.empty(n, k // g, device="meta", dtype=torch.int8) if asym else None,
-                    bits, g, torch.empty(n, k, device="meta", dtype=dt),
+                    QuantWeight(
+                        torch.empty(n, k * bits // 8, device="meta", dtype=code),
+                        torch.empty(n, k // g, device="meta", dtype=torch.float32),
+                        torch.empty(n, k // g, device="meta", dtype=torch.int8) if asym else None,
+                        bits, g,
+                    ),
+                    torch.empty(n, k, device="meta", dtype=dt),
                 )  # fmt: skip
                 label = f"quant_dequantize {name} {dtype}"
                 for arch in archs:
@@ -526,9 +535,8 @@ def quant_matmul_jobs(
                     scales = meta(n, k // g, dt=torch.float32)
                     zeros = meta(n, k // g, dt=torch.int8) if asym else None
                     out = meta(m, n, dt=dt) if splits == 1 else meta(splits, m, n, dt=torch.float32)
-                    launch = plan_quant_matmul(
-                        meta(m, k, dt=dt), packed, scales, zeros, bits, g, out, splits, tile
-                    )
+                    weight = QuantWeight(packed, scales, zeros, bits, g)
+                    launch = plan_quant_matmul(meta(m, k, dt=dt), weight, out, splits, tile)
                     split = f" split-K {splits}" if splits > 1 else ""
                     for arch in archs:
                         label = f"quant_matmul {name} {dtype} M<={tile.block_m}{split}"

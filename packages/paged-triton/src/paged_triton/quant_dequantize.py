@@ -23,7 +23,7 @@ from torch import Tensor
 from paged_triton.interpreter_bf16 import cast
 from paged_triton.launch import Launch
 from paged_triton.launch_checks import check_runnable, interpreted
-from paged_triton.quant_matmul import ACT_DTYPES, block_k_for, ceil_div
+from paged_triton.quant_matmul import ACT_DTYPES, QuantWeight, block_k_for, ceil_div
 
 BLOCK_N = 64
 BLOCK_K = 128  # preferred; smaller for groups it does not divide (block_k_for)
@@ -78,30 +78,22 @@ def _dequantize_kernel(
     tl.store(OUT + n64[:, None] * stride_on + kk[None, :], w, mask=mask)
 
 
-def plan_dequantize(
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor | None,
-    bits: int,
-    group_size: int,
-    out: Tensor,
-    interpret: bool = False,
-) -> Launch:
-    """The launch writing ``dequant(qweight)`` into ``out`` (``[N, K]``,
-    the activations' dtype). Reads no tensor (meta tensors plan)."""
+def plan_dequantize(w: QuantWeight, out: Tensor, interpret: bool = False) -> Launch:
+    """The launch writing ``dequant(w)`` into ``out`` (``[N, K]``, the
+    activations' dtype). Reads no tensor (meta tensors plan)."""
     n, k = out.shape
-    block_k = block_k_for(group_size, k, BLOCK_K)
-    assert block_k is not None, (group_size, k)
+    block_k = block_k_for(w.group_size, k, BLOCK_K)
+    assert block_k is not None, (w.group_size, k)
     return Launch(
         _dequantize_kernel,
         (ceil_div(n, BLOCK_N), ceil_div(k, block_k)),
         (
-            qweight, scales, zeros if zeros is not None else scales, out,
-            n, k, group_size, qweight.stride(0), scales.stride(0), out.stride(0),
+            w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, out,
+            n, k, w.group_size, w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         ),  # fmt: skip
         dict(
-            BITS=bits,
-            HAS_ZEROS=zeros is not None,
+            BITS=w.bits,
+            HAS_ZEROS=w.zeros is not None,
             EMULATE_BF16=interpret and out.dtype == torch.bfloat16,
             BLOCK_N=BLOCK_N,
             BLOCK_K=block_k,
@@ -111,23 +103,14 @@ def plan_dequantize(
     )
 
 
-def dequantize(
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor | None,
-    bits: int,
-    group_size: int,
-    dtype: torch.dtype,
-) -> Tensor:
+def dequantize(w: QuantWeight, dtype: torch.dtype) -> Tensor:
     """The dense ``[N, K]`` weight in ``dtype`` (a fresh tensor), as
     ``quant_matmul`` multiplies by it."""
-    check_runnable(_dequantize_kernel, qweight, scales)
+    check_runnable(_dequantize_kernel, w.qweight, w.scales)
     if dtype not in ACT_DTYPES:
         raise ValueError(f"dtype must be one of {ACT_DTYPES}, got {dtype}")
-    n = scales.shape[0]
-    k = qweight.shape[1] * (2 if bits == 4 else 1)
-    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    n, k = w.scales.shape[0], w.in_features
+    out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
     if n and k:
-        interpret = interpreted(_dequantize_kernel)
-        plan_dequantize(qweight, scales, zeros, bits, group_size, out, interpret).run()
+        plan_dequantize(w, out, interpreted(_dequantize_kernel)).run()
     return out

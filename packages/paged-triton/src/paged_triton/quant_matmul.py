@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -51,6 +52,21 @@ MIN_SPLIT_TILES = 4  # K tiles each split keeps, so its loop still pipelines
 # one pass costs about one 16-bit read and write of it (~20 us); vLLM's AWQ
 # path switches at the same 256.
 DENSE_ROWS = 256
+
+
+class QuantWeight(NamedTuple):
+    """A quantized ``[N, K]`` weight in this module's layout (its docstring),
+    as ``QuantizedLinear`` stores it: one argument for the kernels' wrappers."""
+
+    qweight: Tensor
+    scales: Tensor
+    zeros: Tensor | None
+    bits: int
+    group_size: int
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * (2 if self.bits == 4 else 1)
 
 
 def prefers_dense(rows: int) -> bool:
@@ -217,22 +233,13 @@ def _quant_matmul_kernel(
 
 
 def plan_quant_matmul(
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor | None,
-    bits: int,
-    group_size: int,
-    out: Tensor,
-    splits: int,
-    tile: QuantTile,
-    interpret: bool = False,
+    x: Tensor, w: QuantWeight, out: Tensor, splits: int, tile: QuantTile, interpret: bool = False
 ) -> Launch:
-    """The launch computing ``x [M, K] @ dequant(qweight).T`` into ``out``:
+    """The launch computing ``x [M, K] @ dequant(w).T`` into ``out``:
     ``[M, N]`` in x's dtype when ``splits == 1``, else ``[splits, M, N]``
     float32 partials (to be summed). Reads no tensor (meta tensors plan)."""
     m, k = x.shape
-    n = scales.shape[0]
+    n = w.scales.shape[0]
     k_tiles = ceil_div(k, tile.block_k)
     k_per_split = ceil_div(k_tiles, splits) * tile.block_k
     splits = ceil_div(k, k_per_split)  # no empty split
@@ -242,14 +249,14 @@ def plan_quant_matmul(
         _quant_matmul_kernel,
         grid,
         (
-            x, qweight, scales, zeros if zeros is not None else scales, out,
-            m, n, k, group_size, k_per_split,
-            x.stride(0), qweight.stride(0), scales.stride(0), out.stride(-2),
+            x, w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, out,
+            m, n, k, w.group_size, k_per_split,
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(-2),
             out.stride(0) if out.dim() == 3 else 0,
         ),  # fmt: skip
         dict(
-            BITS=bits,
-            HAS_ZEROS=zeros is not None,
+            BITS=w.bits,
+            HAS_ZEROS=w.zeros is not None,
             PRECISION=dot_precision(x.dtype),
             EMULATE_BF16=interpret and x.dtype == torch.bfloat16,
             BLOCK_M=tile.block_m,
@@ -262,31 +269,21 @@ def plan_quant_matmul(
     )
 
 
-def quant_matmul(
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor | None,
-    bits: int,
-    group_size: int,
-    *,
-    splits: int | None = None,
-) -> Tensor:
-    """``x [..., K] @ dequant(qweight).T`` -> ``[..., N]`` in x's dtype (the
+def quant_matmul(x: Tensor, w: QuantWeight, *, splits: int | None = None) -> Tensor:
+    """``x [..., K] @ dequant(w).T`` -> ``[..., N]`` in x's dtype (the
     layout: this module's docstring). ``splits``: split-K programs per
     output tile (default: :func:`split_k` for this GPU; 1 in the interpreter)."""
-    check_runnable(_quant_matmul_kernel, x, qweight, scales)
-    n, k = scales.shape[0], x.shape[-1]
+    check_runnable(_quant_matmul_kernel, x, w.qweight, w.scales)
+    n, k = w.scales.shape[0], x.shape[-1]
     if x.dtype not in ACT_DTYPES:
         raise ValueError(f"activations must be one of {ACT_DTYPES}, got {x.dtype}")
-    stored_k = qweight.shape[1] * (2 if bits == 4 else 1)
-    if qweight.shape[0] != n or stored_k != k or scales.shape[1] != ceil_div(k, group_size):
+    if w.qweight.shape[0] != n or w.in_features != k or w.scales.shape[1] != ceil_div(k, w.group_size):
         raise ValueError(
-            f"x has {k} input features but the {bits}-bit weight is {tuple(qweight.shape)} with "
-            f"scales {tuple(scales.shape)} (group size {group_size}); they must describe one "
-            f"[N, K] weight"
+            f"x has {k} input features but the {w.bits}-bit weight is {tuple(w.qweight.shape)} "
+            f"with scales {tuple(w.scales.shape)} (group size {w.group_size}); they must "
+            f"describe one [N, K] weight"
         )
-    why = supports(bits, group_size, k)
+    why = supports(w.bits, w.group_size, k)
     if why is not None:
         raise ValueError(f"quant_matmul cannot run {why}; dequantize the weight instead")
     lead = x.shape[:-1]
@@ -295,17 +292,15 @@ def quant_matmul(
         flat = flat.contiguous()
     m = flat.shape[0]
     if splits is None:
-        tile, splits = variant(m, n, k, group_size, x.device)
+        tile, splits = variant(m, n, k, w.group_size, x.device)
     else:
-        tile = tile_for(m, group_size, k)
+        tile = tile_for(m, w.group_size, k)
     interpret = interpreted(_quant_matmul_kernel)
     if splits == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    plan = plan_quant_matmul(
-        flat, qweight, scales, zeros, bits, group_size, out, splits, tile, interpret
-    )
+    plan = plan_quant_matmul(flat, w, out, splits, tile, interpret)
     if m:
         plan.run()
     if out.dim() == 3:  # the partials of the splits the plan kept

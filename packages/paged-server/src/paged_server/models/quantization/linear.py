@@ -145,11 +145,11 @@ class QuantizedLinear(nn.Module):
             from paged_triton import quant_matmul as qm
             from paged_triton.quant_dequantize import dequantize
 
-            w = (self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+            w = qm.QuantWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size)
             if qm.prefers_dense(x.numel() // self.in_features):  # prefill: cuBLAS wins
-                out = F.linear(x, dequantize(*w, x.dtype))
+                out = F.linear(x, dequantize(w, x.dtype))
             else:
-                out = qm.quant_matmul(x, *w)
+                out = qm.quant_matmul(x, w)
         else:
             flat = x.reshape(-1, self.in_features).to(_ACT_DTYPE)
             if self.kernel == "int8pack_mm":
