@@ -222,6 +222,7 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
     buffer (8 is what ``attention_metadata.to_device`` can give)."""
     from paged_ref.kv_int4 import scale_shapes
     from paged_ref.kv_quant import storage_shape
+    from paged_ref.op_args import WriteKVArgs
     from paged_triton.copy_blocks import plan_copy_blocks
     from paged_triton.decode_attention import plan_decode
     from paged_triton.decode_splits import SplitPolicy
@@ -260,7 +261,7 @@ def plan(variant: Variant, arch: int, batch: int = 64, width: int = 256, offset:
     tables, lens = step_tensor(batch, width), step_tensor(batch)
     if variant.kernel == "write_kv":
         new = empty(batch, kv_heads, head_dim)
-        return plan_write_kv(cache, cache, new, new, step_tensor(batch, dt=torch.int64), **scales)
+        return plan_write_kv(WriteKVArgs(cache, cache, new, new, step_tensor(batch, dt=torch.int64), **scales))
     if variant.kernel == "copy_blocks":
         caches = empty(4, *cache_shape, dt=kv_dtype)
         return plan_copy_blocks(

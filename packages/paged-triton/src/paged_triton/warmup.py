@@ -164,13 +164,12 @@ class _Planner:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def write_kv(self) -> Launch:
+        from paged_ref.op_args import WriteKVArgs
         from paged_triton.write_kv import plan_write_kv
 
         kv = self._zeros(1, self.layout.num_kv_heads, self.layout.head_dim, dtype=self.layout.dtype)
         slots = torch.zeros(1, dtype=torch.int64, device=self.device)
-        return plan_write_kv(
-            self.k_cache, self.v_cache, kv, kv, slots, self.interpret, **self.scales
-        )
+        return plan_write_kv(WriteKVArgs(self.k_cache, self.v_cache, kv, kv, slots, **self.scales), self.interpret)
 
     def copy_blocks(self) -> list[tuple[str, Launch]]:
         """The caches' copy, and an int8 cache's scales' (same kernel, other

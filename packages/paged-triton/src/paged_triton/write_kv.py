@@ -14,12 +14,12 @@ and write no scale.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
 from paged_ref.kv_int4 import is_int4
 from paged_ref.kv_quant import FP8_MAX, logical_shape
@@ -174,28 +174,17 @@ def _constexprs(
     )
 
 
-def plan_write_kv(
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k: Tensor,
-    v: Tensor,
-    slots: Tensor,
-    interpret: bool = False,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-    k_head_scales: Tensor | None = None,
-    v_head_scales: Tensor | None = None,
-) -> Launch:
-    """One program per token; ``slots`` is int64 on the cache's device;
-    ``k_scales``/``v_scales`` (int8 only) ``[num_blocks, block_size, kv_heads]``,
-    or static ``k_head_scales``/``v_head_scales`` ``[kv_heads]``. An int4
-    cache gets its own kernel (``write_kv_int4``)."""
+def plan_write_kv(a: WriteKVArgs, interpret: bool = False) -> Launch:
+    """One program per token; ``a.slot_mapping`` is int64 on the cache's
+    device; ``k_scales``/``v_scales`` (int8 only) ``[num_blocks, block_size,
+    kv_heads]``, or static ``k_head_scales``/``v_head_scales`` ``[kv_heads]``.
+    An int4 cache gets its own kernel (``write_kv_int4``)."""
+    k_cache, v_cache, k, v, slots = a.k_cache, a.v_cache, a.k, a.v, a.slot_mapping
     if is_int4(k_cache.dtype):
-        return plan_write_kv_int4(k_cache, v_cache, k, v, slots, k_scales, v_scales)  # type: ignore[arg-type]
+        return plan_write_kv_int4(k_cache, v_cache, k, v, slots, a.k_scales, a.v_scales)  # type: ignore[arg-type]
     _, block_size, kv_heads, head_dim = k_cache.shape
     ks, vs, cs = k.stride(), v.stride(), k_cache.stride()
-    k_scale, v_scale, ss = scale_args(k_cache, v_cache, k_scales, v_scales, k_head_scales,
-                                      v_head_scales)  # fmt: skip
+    k_scale, v_scale, ss = scale_args(k_cache, v_cache, *a.scales.values())
     return Launch(
         _write_kv_kernel,
         (k.shape[0],),
@@ -220,7 +209,7 @@ def plan_write_kv(
         _constexprs(
             kv_heads, head_dim, block_size,
             interpret and torch.bfloat16 in (k_cache.dtype, k.dtype), k_cache.dtype, interpret,
-            k_head_scales is not None,
+            a.k_head_scales is not None,
         ),  # fmt: skip
         num_warps=4,
         num_stages=1,
@@ -249,14 +238,11 @@ def write_kv(a: WriteKVArgs) -> None:
         )
     if k.shape[0] == 0:
         return
-    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
-    slots = as_index(a.slot_mapping, k_cache, torch.int64)
     if is_int4(k_cache.dtype) and k_cache.stride(1) != kv_heads * head_dim // 2:
         raise ValueError(f"an int4 cache needs contiguous blocks, got strides {k_cache.stride()}")
-    plan_write_kv(
-        k_cache, v_cache, k, v, slots, _INTERPRETED, a.k_scales, a.v_scales, a.k_head_scales,
-        a.v_head_scales,
-    ).run()  # fmt: skip
+    slots = as_index(a.slot_mapping, k_cache, torch.int64)
+    kernel_args = replace(a, k=last_dim_contiguous(k), v=last_dim_contiguous(v), slot_mapping=slots)
+    plan_write_kv(kernel_args, _INTERPRETED).run()
 
 
 _INTERPRETED = interpreted(_write_kv_kernel)
