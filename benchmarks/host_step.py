@@ -2,8 +2,11 @@
 
 The model is replaced by a no-op of the same shapes (the ~100M bench
 model's hidden size and vocabulary: ``hidden_states`` returns an empty
-``[num_tokens, hidden]`` tensor, ``compute_logits`` a constant
-``[rows, vocab]``), so what is timed is what a GPU would wait for on the
+``[num_tokens, hidden]`` tensor, ``compute_logits`` rows of one
+preallocated contiguous ``[max rows, vocab]`` zero tensor, laid out as a real
+LM head's output is: a stride-0 ``expand()`` would send the sampler's
+``row_max`` down torch's slow strided path, ~1 ms per step no real model
+pays), so what is timed is what a GPU would wait for on the
 host each step: retire, schedule (room reserved per sequence), the step's
 metadata (``step_view``), the runner's batch layout, commit
 (``mark_computed``), sampling (greedy here), detokenization and stop checks.
@@ -49,13 +52,17 @@ class NoOpModel(nn.Module):
         self.graph_safe = False  # nothing to compile
         self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)  # the engine reads the device
         self.hidden_size = hidden_size
-        self.logits = torch.zeros(1, vocab_size)
+        self.vocab_size = vocab_size
+        self.logits = torch.zeros(0, vocab_size)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
         return torch.empty(input_ids.shape[0], self.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits.expand(hidden.shape[0], -1)
+        rows = hidden.shape[0]
+        if rows > self.logits.shape[0]:
+            self.logits = torch.zeros(rows, self.vocab_size)
+        return self.logits[:rows]
 
 
 def build(num_seqs: int, context: int, steps: int) -> LLMEngine:
