@@ -44,7 +44,6 @@ from paged_server.models.pipeline_parallel import WHOLE
 from paged_server.models.tensor_parallel import SINGLE
 from paged_server.sampling_params import SamplingParams
 
-
 _FIRST_WORD = 300  # above the embedded tokenizer's special ids (0-2)
 
 

@@ -626,7 +626,8 @@ class LLMEngine:
             out = take_output(seq)
             if out is not None and out.index < request.params.n:  # not a dropped beam
                 outputs.append(out)
-            if seq.is_finished and request.finished and all(s.finish_reported for s in request.seqs):
+            done = seq.is_finished and request.finished  # request.finished: every choice
+            if done and all(s.finish_reported for s in request.seqs):
                 self._requests.pop(request.request_id, None)
         self._touched = []
         return outputs

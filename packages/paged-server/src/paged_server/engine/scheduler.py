@@ -307,8 +307,10 @@ class Scheduler:
                 wanted = s.num_tokens - s.num_computed_tokens
                 n = self._chunk(wanted, budget) if self.enable_chunked_prefill else wanted
                 if n:  # the prompt is reserved; a recompute past it gets what fits
-                    upto = s.num_computed_tokens + n
-                    n = min(n, self.pool.reserve(s.pool_seq_id, s.token_ids, upto) - s.num_computed_tokens)
+                    upto, seq_id = s.num_computed_tokens + n, s.pool_seq_id
+                    assert seq_id is not None  # allocated above
+                    reserved = self.pool.reserve(seq_id, s.token_ids, upto)
+                    n = min(n, reserved - s.num_computed_tokens)
                 out.admitted.append(s)
                 if n:
                     out.scheduled.append((s, n))
