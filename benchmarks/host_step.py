@@ -2,8 +2,13 @@
 
 The model is replaced by a no-op of the same shapes (the ~100M bench
 model's hidden size and vocabulary: ``hidden_states`` returns an empty
-``[num_tokens, hidden]`` tensor, ``compute_logits`` a constant
-``[rows, vocab]``), so what is timed is what a GPU would wait for on the
+``[num_tokens, hidden]`` tensor, ``compute_logits`` rows of one
+preallocated contiguous ``[max rows, vocab]`` tensor, laid out as a real
+LM head's output is: a stride-0 ``expand()`` would send the sampler's
+``row_max`` down torch's slow strided path, ~1 ms per step no real model
+pays; row ``r`` peaks at an ordinary token, ``_FIRST_WORD + r``, so every
+sampled token is detokenized as real text is: the special token 0 that an
+all-zero row gives is skipped by the detokenizer for free), so what is timed is what a GPU would wait for on the
 host each step: retire, schedule (room reserved per sequence), the step's
 metadata (``step_view``), the runner's batch layout, commit
 (``mark_computed``), sampling (greedy here), detokenization and stop checks.
@@ -39,6 +44,8 @@ from paged_server.models.pipeline_parallel import WHOLE
 from paged_server.models.tensor_parallel import SINGLE
 from paged_server.sampling_params import SamplingParams
 
+_FIRST_WORD = 300  # above the embedded tokenizer's special ids (0-2)
+
 
 class NoOpModel(nn.Module):
     """The forward contract of ``models/base.py`` with no work behind it."""
@@ -49,13 +56,23 @@ class NoOpModel(nn.Module):
         self.graph_safe = False  # nothing to compile
         self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)  # the engine reads the device
         self.hidden_size = hidden_size
-        self.logits = torch.zeros(1, vocab_size)
+        self.vocab_size = vocab_size
+        self.logits = self._peaked_rows(0)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
         return torch.empty(input_ids.shape[0], self.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits.expand(hidden.shape[0], -1)
+        rows = hidden.shape[0]
+        if rows > self.logits.shape[0]:
+            self.logits = self._peaked_rows(rows)
+        return self.logits[:rows]
+
+    def _peaked_rows(self, rows: int) -> torch.Tensor:
+        logits = torch.zeros(rows, self.vocab_size)
+        peaks = (_FIRST_WORD + torch.arange(rows)) % self.vocab_size
+        logits[torch.arange(rows), peaks] = 1.0
+        return logits
 
 
 def build(num_seqs: int, context: int, steps: int) -> LLMEngine:

@@ -221,7 +221,7 @@ class BlockManager:
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens reserved for the sequence (prompt + appended)."""
-        return len(self._seq(seq_id).tokens)
+        return len((self._seqs.get(seq_id) or self._seq(seq_id)).tokens)  # get: per step
 
     def num_computed_tokens(self, seq_id: int) -> int:
         """Tokens whose KV is written (prefix hits + ``mark_computed``)."""

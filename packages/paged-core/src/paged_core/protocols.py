@@ -186,6 +186,14 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
         """Tokens ``seq_id`` has room for: committed plus reserved ahead."""
         ...
 
+    def reserve(self, seq_id: int, token_ids: Sequence[int], upto: int) -> int:
+        """Reserve room for ``token_ids[get_num_reserved(seq_id):upto]`` (the
+        sequence's whole history is passed), one token at a time while room
+        lasts; returns ``get_num_reserved(seq_id)`` after, short of ``upto``
+        when the pool ran out. The scheduler's per-step call: one call per
+        sequence, however many tokens it reserves."""
+        ...
+
     def step_view(
         self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
     ) -> AttentionViewProtocol:

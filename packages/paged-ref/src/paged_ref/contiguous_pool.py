@@ -174,6 +174,13 @@ class ContiguousKVPool(SeedViews, ViewsMixin):
         self._check_live(seq_id)
         return max(self.reserved[seq_id], self.seq_lens[seq_id])
 
+    def reserve(self, seq_id: int, token_ids: Sequence[int], upto: int) -> int:
+        """Room up to ``upto`` tokens, at most ``max_model_len`` (the row's end)."""
+        reserved = self.get_num_reserved(seq_id)
+        if upto > reserved:
+            reserved = self.reserved[seq_id] = min(upto, self.max_model_len)
+        return reserved
+
     def fork_seq(self, seq_id: int) -> int:
         """A new seq_id holding a copy of ``seq_id``'s rows (one whole "block":
         every change to the KV tensors outside a forward pass goes through

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from paged_core.block_manager import BlockManager
+from paged_core.errors import OutOfBlocksError
 from paged_core.kv_cache_groups import KVCacheGroup, cache_layers
 from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
@@ -242,15 +243,23 @@ class PagedKVPool(SeedViews, ViewsMixin):
     def append_token(self, seq_id: int, token_id: int) -> None:
         """Reserve room for ``token_id``. If its block is shared, the seq_id gets
         a private copy, made before the next view reads or writes the cache."""
-        bm = self.block_manager
-        at_boundary = bm.num_tokens(seq_id) % self.block_size == 0
-        copies = bm.append(seq_id, token_id)
-        if copies or at_boundary:  # else the token fits the seq_id's own last blocks
-            self._sync_table(seq_id, copies)
+        self._append(seq_id, token_id, self.block_manager.num_tokens(seq_id))
 
     def get_num_reserved(self, seq_id: int) -> int:
         """Tokens the seq_id has room for (committed + reserved ahead)."""
         return self.block_manager.num_tokens(seq_id)
+
+    def reserve(self, seq_id: int, token_ids: Sequence[int], upto: int) -> int:
+        """``append_token`` for ``token_ids[reserved:upto]`` while blocks last;
+        returns how many tokens have room (``< upto``: out of blocks)."""
+        reserved = self.block_manager.num_tokens(seq_id)
+        try:
+            while reserved < upto:
+                self._append(seq_id, token_ids[reserved], reserved)
+                reserved += 1
+        except OutOfBlocksError:  # all or nothing per token: the pool is unchanged
+            pass
+        return reserved
 
     def fork_seq(self, seq_id: int) -> int:
         """A new seq_id sharing all of ``seq_id``'s blocks copy-on-write."""
@@ -342,6 +351,12 @@ class PagedKVPool(SeedViews, ViewsMixin):
         return build_metadata(tables, starts, new_lens, bs, self.k_cache.device)
 
     # -- internals -----------------------------------------------------------
+    def _append(self, seq_id: int, token_id: int, num_reserved: int) -> None:
+        """``append_token`` given the seq_id's ``num_reserved`` tokens so far."""
+        copies = self.block_manager.append(seq_id, token_id)
+        if copies or num_reserved % self.block_size == 0:  # else it fits the last blocks
+            self._sync_table(seq_id, copies)
+
     def _sync_table(self, seq_id: int, copies: Sequence[tuple[int, int, int]] = ()) -> None:
         """Mirror the block manager's table change for ``seq_id`` into every
         group's buffer: a copy-on-write (``(group, src, dst)``) swaps that

@@ -39,14 +39,19 @@ class IncrementalDetokenizer:
         # one (a decoder that strips the first token's space would hit the
         # next token instead).
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._decode = tokenizer.hf.decode  # the Rust call itself: two per token
         self._ids = [i for i in context_ids if i not in self._skip]
         self._read_offset = len(self._ids)
         self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Append new tokens; returns the text they complete (may be "")."""
-        new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        self._ids.extend(i for i in new if i not in self._skip)
+        if isinstance(token_ids, int):  # the engine's case: one token per step
+            if token_ids in self._skip:
+                return ""
+            self._ids.append(token_ids)
+        else:
+            self._ids.extend(i for i in token_ids if i not in self._skip)
         return self._emit(final=False)
 
     def flush(self) -> str:
@@ -55,14 +60,13 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
-        if self._read_offset == len(self._ids):
+        ids, prefix, read = self._ids, self._prefix_offset, self._read_offset
+        if read == len(ids):
             return ""
-        decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip)
-        new_text = decode(self._ids[self._prefix_offset :], skip)
+        decode, skip = self._decode, self.skip_special_tokens
+        prefix_text = decode(ids[prefix:read], skip_special_tokens=skip)
+        new_text = decode(ids[prefix:], skip_special_tokens=skip)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT)):
             return ""  # mid-character, or nothing visible yet: wait for more tokens
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._prefix_offset, self._read_offset = read, len(ids)
         return new_text[len(prefix_text) :]

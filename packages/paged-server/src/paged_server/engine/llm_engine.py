@@ -420,9 +420,11 @@ class LLMEngine:
             if seq.request.beam is not None:
                 with self._isolated(seq, "beam search"):
                     self._beam_row(seq, step.logits[j])
-            else:
+            elif seq.forks_choices:
                 with self._isolated(seq, "starting choices"):
                     rows += self._start_choices(seq, j)
+            else:  # most rows: one choice, sampled alone
+                rows.append((seq, j))
         self._sample(rows, step.logits)
 
     def _isolated(self, seq: Sequence, stage: str) -> _Isolated:
@@ -430,6 +432,11 @@ class LLMEngine:
         traceback and fail that request (every beam of a beam search) with
         ``"<stage> failed: <error>"``; the step goes on."""
         return _Isolated(self, seq, stage)
+
+    def _fail_isolated(self, seq: Sequence, stage: str, exc: Exception) -> None:
+        """What ``_isolated`` does with an exception raised in ``stage``."""
+        log.exception("%s failed for request %s", stage, seq.request.request_id, exc_info=exc)
+        self._fail(seq, f"{stage} failed: {describe_error(exc)}")
 
     def _score_prompt(self, seq: Sequence, scores: PromptScores) -> None:
         """Append the prompt logprobs this step computed to the request's."""
@@ -462,13 +469,12 @@ class LLMEngine:
             self._touched += finish_beams(request)
 
     def _start_choices(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
-        """Rows to sample for ``seq``. When choice 0 of an ``n > 1`` request has
-        computed its prompt, it forks the other choices (shared blocks) first,
-        and all sample from the same logits with their own generators."""
+        """Rows to sample for ``seq`` (``forks_choices``: choice 0 of an ``n > 1``
+        request that has computed its prompt): it forks the other choices
+        (shared blocks) first, and all sample from the same logits with their
+        own generators."""
         request = seq.request
         rows = [(seq, row)]
-        if seq.index != 0 or request.forked or request.params.n == 1:
-            return rows
         request.forked = True
         assert seq.pool_seq_id is not None
         for child in request.seqs[1:]:
@@ -516,8 +522,10 @@ class LLMEngine:
             if mask_error is not None or error is not None:
                 self._fail(seq, mask_error or error or "")
                 continue
-            with self._isolated(seq, "detokenization"):
+            try:  # as ``_isolated``, without a context object per row
                 self._append(seq, token, logprob, now)
+            except Exception as exc:
+                self._fail_isolated(seq, "detokenization", exc)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(
@@ -618,7 +626,8 @@ class LLMEngine:
             out = take_output(seq)
             if out is not None and out.index < request.params.n:  # not a dropped beam
                 outputs.append(out)
-            if request.finished and all(s.finish_reported for s in request.seqs):
+            done = seq.is_finished and request.finished  # request.finished: every choice
+            if done and all(s.finish_reported for s in request.seqs):
                 self._requests.pop(request.request_id, None)
         self._touched = []
         return outputs
@@ -714,6 +723,5 @@ class _Isolated:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         if exc is None or not isinstance(exc, Exception):
             return False
-        log.exception("%s failed for request %s", self.stage, self.seq.request.request_id, exc_info=exc)
-        self.engine._fail(self.seq, f"{self.stage} failed: {describe_error(exc)}")
+        self.engine._fail_isolated(self.seq, self.stage, exc)
         return True

@@ -97,7 +97,8 @@ def release_text(seq: Sequence) -> None:
 def take_output(seq: Sequence) -> RequestOutput | None:
     """The delta since the last output of ``seq`` (``None`` if nothing is new);
     a finished sequence reports exactly one final output."""
-    if seq.is_finished:
+    finished = seq.is_finished
+    if finished:
         if seq.finish_reported:
             return None
         release_text(seq)
@@ -115,7 +116,7 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         new_token_ids=seq.new_token_ids,
         new_text=seq.new_text,
         new_logprobs=seq.new_logprobs if params.logprobs is not None else None,
-        finished=seq.is_finished,
+        finished=finished,
         finish_reason=seq.finish_reason,
         error=seq.error,
         num_prompt_tokens=seq.num_prompt_tokens,
@@ -130,5 +131,5 @@ def take_output(seq: Sequence) -> RequestOutput | None:
     )
     seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
     seq.new_top_logprobs = []
-    seq.finish_reported = seq.is_finished
+    seq.finish_reported = finished
     return out

@@ -39,7 +39,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from paged_core import OutOfBlocksError
 from paged_core.protocols import ServingPoolProtocol
 from paged_server.engine.sequence import Sequence, SequenceStatus
 
@@ -186,7 +185,7 @@ class Scheduler:
         follows next step); ``None`` when its unit had to go."""
         assert seq.pool_seq_id is not None, f"running sequence {seq.seq_id} has no cache seq_id"
         upto = seq.num_computed_tokens + n
-        while (reserved := self._grow(seq, upto)) < upto:
+        while (reserved := self.pool.reserve(seq.pool_seq_id, seq.token_ids, upto)) < upto:
             unit = self._unit(self._newest(), self.running)
             if seq not in unit:
                 self._preempt(unit, out)
@@ -201,18 +200,6 @@ class Scheduler:
                 self._preempt(unit, out)
             return None
         return n
-
-    def _grow(self, seq: Sequence, upto: int) -> int:
-        """Reserve ``seq``'s tokens below ``upto`` while the pool has room;
-        returns how many are reserved (``< upto`` when it ran out)."""
-        pool, seq_id = self.pool, seq.pool_seq_id
-        assert seq_id is not None
-        while (reserved := pool.get_num_reserved(seq_id)) < upto:
-            try:
-                pool.append_token(seq_id, seq.token_ids[reserved])
-            except OutOfBlocksError:  # all or nothing: the pool is unchanged
-                return reserved
-        return reserved
 
     def _newest(self) -> Sequence:
         seq = next((s for s in reversed(self.running) if not s.is_finished), None)
@@ -320,7 +307,10 @@ class Scheduler:
                 wanted = s.num_tokens - s.num_computed_tokens
                 n = self._chunk(wanted, budget) if self.enable_chunked_prefill else wanted
                 if n:  # the prompt is reserved; a recompute past it gets what fits
-                    n = min(n, self._grow(s, s.num_computed_tokens + n) - s.num_computed_tokens)
+                    upto, seq_id = s.num_computed_tokens + n, s.pool_seq_id
+                    assert seq_id is not None  # allocated above
+                    reserved = self.pool.reserve(seq_id, s.token_ids, upto)
+                    n = min(n, reserved - s.num_computed_tokens)
                 out.admitted.append(s)
                 if n:
                     out.scheduled.append((s, n))

@@ -131,6 +131,12 @@ class Sequence:
         return 1
 
     @property
+    def forks_choices(self) -> bool:
+        """Choice 0 of an ``n > 1`` request whose other choices are not yet
+        forked from it (they are, once its prompt is computed)."""
+        return self.index == 0 and not self.request.forked and self.request.params.n > 1
+
+    @property
     def moves_with_siblings(self) -> bool:
         """A beam of a forked beam search: its beams advance in lock step (each
         waits for every other's logits), so the scheduler admits, preempts and
