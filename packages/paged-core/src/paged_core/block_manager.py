@@ -223,6 +223,14 @@ class BlockManager:
         """Tokens reserved for the sequence (prompt + appended)."""
         return len((self._seqs.get(seq_id) or self._seq(seq_id)).tokens)  # get: per step
 
+    def num_tokens_of(self, seq_ids: Sequence[int]) -> list[int]:
+        """``num_tokens`` of each listed sequence in one call (a step's room check)."""
+        seqs = self._seqs
+        try:
+            return [len(seqs[s].tokens) for s in seq_ids]
+        except KeyError:
+            return [self.num_tokens(s) for s in seq_ids]  # names the unknown one
+
     def num_computed_tokens(self, seq_id: int) -> int:
         """Tokens whose KV is written (prefix hits + ``mark_computed``)."""
         return self._seq(seq_id).num_computed

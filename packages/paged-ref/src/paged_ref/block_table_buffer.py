@@ -91,12 +91,9 @@ class BlockTableBuffer:
     def handles(self) -> list[int]:
         return list(self._row_of)
 
-    def rows(self, handles: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Row index and table length of each sequence (``KeyError`` for one
-        without a row)."""
-        row_of, lens = self._row_of, self._lens
-        rows = [row_of[h] for h in handles]
-        return rows, [lens[r] for r in rows]
+    def rows(self, handles: Sequence[int]) -> list[int]:
+        """Row index of each sequence (``KeyError`` for one without a row)."""
+        return list(map(self._row_of.__getitem__, handles))
 
     def gather(self, rows: Sequence[int], width: int) -> Tensor:
         """``[len(rows), width]`` tables of these rows (entries past a table's

@@ -310,7 +310,7 @@ class ViewsMixin:
         metadata is complete before the forward pass starts."""
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a view must cover distinct seq_ids, got {list(seq_ids)}")
-        if len(new_lens) != len(seq_ids) or any(n < 0 for n in new_lens):
+        if len(new_lens) != len(seq_ids) or min(new_lens, default=0) < 0:
             raise ValueError(f"need a new token count >= 0 per seq_id, got {list(new_lens)} for {list(seq_ids)}")
         meta = self.build_metadata(seq_ids, starts, new_lens)  # type: ignore[attr-defined]
         return CacheView(self, meta, seq_ids)  # type: ignore[arg-type]

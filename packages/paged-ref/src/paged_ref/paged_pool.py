@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import ModuleType
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -332,22 +333,22 @@ class PagedKVPool(SeedViews, ViewsMixin):
         """A view's step metadata; copies pending from copy-on-write run first,
         so every block the step reads or writes holds its data."""
         bs = self.block_size
-        rooms = [self.block_manager.num_tokens(s) for s in seq_ids]
-        ends = [start + n for start, n in zip(starts, new_lens, strict=True)]
-        over = [i for i, (end, room) in enumerate(zip(ends, rooms, strict=True)) if end > room]
-        if over:
-            i = over[0]
+        rooms = self.block_manager.num_tokens_of(seq_ids)
+        ends = np.add(starts, new_lens, dtype=np.int64)  # one array op, not one per sequence
+        over = np.flatnonzero(ends > rooms)
+        if len(over):
+            i = int(over[0])
             raise RuntimeError(
                 f"seq_id {seq_ids[i]} has room for {rooms[i]} tokens but this step writes up to "
                 f"position {ends[i] - 1}; reserve first (allocate_sequence / append_token)"
             )
-        width = -(-max(ends, default=1) // bs) or 1
+        width = -(-int(ends.max(initial=1)) // bs)
         self._flush_copies()
         if len(self._tables) == 1:
             buffer = self._tables[0]
-            tables = buffer.gather(buffer.rows(seq_ids)[0], width)
+            tables = buffer.gather(buffer.rows(seq_ids), width)
         else:  # [groups, batch, width]: one metadata build and device copy for all groups
-            tables = torch.stack([b.gather(b.rows(seq_ids)[0], width) for b in self._tables])
+            tables = torch.stack([b.gather(b.rows(seq_ids), width) for b in self._tables])
         return build_metadata(tables, starts, new_lens, bs, self.k_cache.device)
 
     # -- internals -----------------------------------------------------------

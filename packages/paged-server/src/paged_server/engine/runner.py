@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -87,49 +87,24 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """Compute ``n`` more tokens of each ``(seq, n)`` in one forward pass,
         starting at ``seq.num_computed_tokens`` (room already reserved)."""
-        order = [i for i, (_, n) in enumerate(scheduled) if n == 1]
-        order += [i for i, (_, n) in enumerate(scheduled) if n != 1]
-        seq_ids: list[int] = []
-        starts: list[int] = []
-        lens: list[int] = []
-        ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        sampled: list[int] = []
-        scored: list[tuple[int, int, int, int]] = []  # (index, first token, row, count)
-        for i in order:
-            seq, n = scheduled[i]
-            assert seq.pool_seq_id is not None, f"sequence {seq.seq_id} has no cache seq_id"
-            start = seq.num_computed_tokens
-            end = start + n
-            seq_ids.append(seq.pool_seq_id)
-            starts.append(start)
-            lens.append(n)
-            first, count = _prompt_rows_to_score(seq, start, end)
-            if count:
-                scored.append((i, first, len(ids) + first - 1 - start, count))
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            if end == seq.num_tokens:
-                rows.append(len(ids) - 1)
-                sampled.append(i)
+        batch = _decode_batch(scheduled) or _flat_batch(scheduled)
+        ids, rows, sampled, scored = batch.ids, batch.rows, batch.sampled, batch.scored
         graphs = self.decode_graphs
-        for _, _, row, count in scored:
-            rows += range(row, row + count)
-        if graphs is not None and len(ids) == len(seq_ids) <= graphs.max_size:
-            hidden = graphs.run(seq_ids, starts, self._tensor(ids))
+        if graphs is not None and len(ids) == len(batch.seq_ids) <= graphs.max_size:
+            hidden = graphs.run(batch.seq_ids, batch.starts, self._tensor(ids))
         else:
-            view = self.pool.step_view(seq_ids, starts, lens)
+            view = self.pool.step_view(batch.seq_ids, batch.starts, batch.lens)
             if self.before_forward is not None:
                 self.before_forward(ids, view, rows)
             if self.pipeline is not None:
                 logits = self.pipeline.run(self._tensor(ids), view, rows)
                 return self._step_logits(logits, sampled, scored, len(ids))
-            hidden = self._hidden_states(self._tensor(ids), self._tensor(positions), view)
+            hidden = self._hidden_states(self._tensor(ids), self._tensor(batch.positions), view)
         if not rows:  # chunks that end no prompt: no logits (and no 0-row graph to compile)
             return StepLogits(hidden.new_empty(0, 0), sampled, len(ids), [])
-        logits = self._compute_logits(hidden.index_select(0, self._tensor(rows)))
-        return self._step_logits(logits, sampled, scored, len(ids))
+        if not batch.every_row:  # else the head reads hidden as it is: no copy
+            hidden = hidden.index_select(0, self._tensor(rows))
+        return self._step_logits(self._compute_logits(hidden), sampled, scored, len(ids))
 
     @staticmethod
     def _step_logits(
@@ -185,6 +160,77 @@ class ModelRunner:
 
     def _tensor(self, data: list[int]) -> Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A step's flat layout: per sequence in batch order its pool seq_id,
+    first position and token count; per token its id and position; the
+    token ``rows`` whose logits are computed; the entries of the scheduled
+    list that sample (``sampled``) and that score prompt rows (``scored``:
+    (index, first token, row, count))."""
+
+    seq_ids: list[int]
+    starts: list[int]
+    lens: list[int]
+    ids: list[int]
+    positions: list[int]
+    rows: list[int]
+    sampled: list[int]
+    scored: list[tuple[int, int, int, int]]
+    every_row: bool = False  # rows are all the token rows, in order
+
+
+def _decode_batch(scheduled: list[tuple[Sequence, int]]) -> _Batch | None:
+    """The common step, one token per sequence and no prompt to score, laid
+    out one list at a time: token ``i`` is entry ``i``, so it needs none of
+    ``_flat_batch``'s per-token work. ``None`` for any other step."""
+    if any(n != 1 or seq.request.params.prompt_logprobs is not None for seq, n in scheduled):
+        return None
+    seqs = [seq for seq, _ in scheduled]
+    seq_ids = [seq.pool_seq_id for seq in seqs]
+    if None in seq_ids:
+        return None  # _flat_batch names the sequence
+    starts = [seq.num_computed_tokens for seq in seqs]
+    ids = [seq.token_ids[start] for seq, start in zip(seqs, starts, strict=True)]
+    sampled = [i for i, seq in enumerate(seqs) if len(seq.token_ids) == starts[i] + 1]
+    return _Batch(
+        seq_ids=cast(list[int], seq_ids),
+        starts=starts,
+        lens=[1] * len(seqs),
+        ids=ids,
+        positions=starts,  # one token each, at its start
+        rows=sampled,  # token row i is entry i
+        sampled=sampled,
+        scored=[],
+        every_row=len(sampled) == len(seqs),
+    )
+
+
+def _flat_batch(scheduled: list[tuple[Sequence, int]]) -> _Batch:
+    """Any step: sequences with one new token first, then prefill chunks."""
+    order = [i for i, (_, n) in enumerate(scheduled) if n == 1]
+    order += [i for i, (_, n) in enumerate(scheduled) if n != 1]
+    b = _Batch([], [], [], [], [], [], [], [])
+    for i in order:
+        seq, n = scheduled[i]
+        assert seq.pool_seq_id is not None, f"sequence {seq.seq_id} has no cache seq_id"
+        start = seq.num_computed_tokens
+        end = start + n
+        b.seq_ids.append(seq.pool_seq_id)
+        b.starts.append(start)
+        b.lens.append(n)
+        first, count = _prompt_rows_to_score(seq, start, end)
+        if count:
+            b.scored.append((i, first, len(b.ids) + first - 1 - start, count))
+        b.ids += seq.token_ids[start:end]
+        b.positions += range(start, end)
+        if end == seq.num_tokens:
+            b.rows.append(len(b.ids) - 1)
+            b.sampled.append(i)
+    for _, _, row, count in b.scored:
+        b.rows += range(row, row + count)
+    return b
 
 
 def _prompt_rows_to_score(seq: Sequence, start: int, end: int) -> tuple[int, int]:
