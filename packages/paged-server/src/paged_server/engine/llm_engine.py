@@ -528,9 +528,19 @@ class LLMEngine:
                 self._fail_isolated(seq, "detokenization", exc)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return SamplingRow(
-            seq.request.params, seq.generator, seq.token_ids, seq.num_prompt_tokens, self.eos_token_ids
-        )
+        """The sampler's view of ``seq``, built once: of its fields only
+        ``token_ids`` changes, in place (a fork or a beam that replaces the
+        list gets a new row)."""
+        row = seq.sampling_row
+        if row is None or row.token_ids is not seq.token_ids:
+            row = seq.sampling_row = SamplingRow(
+                seq.request.params,
+                seq.generator,
+                seq.token_ids,
+                seq.num_prompt_tokens,
+                self.eos_token_ids,
+            )
+        return row
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None, now: float) -> None:
         """One sampled token: advance the grammar, the text and the stop checks."""

@@ -23,7 +23,7 @@ rows are unharmed.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -42,6 +42,24 @@ class SamplingRow:
     token_ids: Sequence[int]  # prompt + output so far (read only for penalties)
     num_prompt_tokens: int
     eos_token_ids: Collection[int] = ()  # masked until min_tokens
+    # From ``params``, read once per row and step: a batch where no row edits
+    # its logits (bias, min_tokens, bad words, allowed ids, penalties) skips
+    # those passes, and a greedy row draws no uniform.
+    greedy: bool = field(init=False)
+    edits_logits: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.greedy = p.greedy
+        self.edits_logits = bool(
+            p.logit_bias
+            or p.min_tokens
+            or p.bad_words_token_ids
+            or p.allowed_token_ids
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+        )
 
 
 @dataclass(slots=True)
@@ -64,7 +82,7 @@ def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [batch={len(rows)}, vocab], got {tuple(logits.shape)}")
-    uniforms = [0.0 if r.params.greedy else _uniform(r.generator) for r in rows]
+    uniforms = [0.0 if r.greedy else _uniform(r.generator) for r in rows]
     try:
         return _sample_batch(logits, rows, uniforms)
     except Exception:  # isolate the failing row(s)
@@ -90,20 +108,23 @@ def _sample_batch(
     # if the row holds a NaN, +inf if it holds +inf, -inf if every entry is.
     top_values, top_indices = row_max(logits)
     bad = ~torch.isfinite(top_values)
-    if bool(bad.any()):
-        for i in bad.nonzero().flatten().tolist():
+    bad_rows = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
+    if bad_rows:
+        for i in bad_rows:
             errors[i] = "model produced non-finite logits (NaN or inf) for this request"
         logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
         top_values, top_indices = row_max(logits)
 
     want_logprobs = [r.params.logprobs is not None for r in rows]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if True in want_logprobs else None
 
-    processed = apply_penalties(apply_logits_processors(logits, rows), rows)
+    processed = logits
+    if any(r.edits_logits for r in rows):
+        processed = apply_penalties(apply_logits_processors(logits, rows), rows)
     # Greedy rows keep this; without penalties or biases the max above is it.
     tokens = top_indices if processed is logits else row_max(processed)[1]
     logits = processed
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
         sub_rows = [rows[i] for i in sampled]
         probs = _filtered_probs(logits[sampled], sub_rows)
@@ -127,9 +148,8 @@ def _sample_batch(
         )
         for i, entry in zip(asked, found, strict=True):
             logprob_list[i] = entry
-    for i, err in enumerate(errors):
-        if err is not None:
-            token_list[i], logprob_list[i] = -1, None
+    for i in bad_rows:
+        token_list[i], logprob_list[i] = -1, None
     return SamplerOutput(token_list, logprob_list, errors)
 
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from paged_server.engine.beam_scorer import BeamScorer
     from paged_server.engine.logprobs import TokenLogprobs
+    from paged_server.engine.sampler import SamplingRow
     from paged_server.sampling_params import SamplingParams
 
 
@@ -104,6 +105,7 @@ class Sequence:
     new_text: str = ""
     finish_reported: bool = False
     prompt_logprobs_reported: bool = False
+    sampling_row: SamplingRow | None = None  # the sampler's view of it, kept by the engine
 
     @property
     def num_prompt_tokens(self) -> int:
