@@ -41,17 +41,18 @@ def _patch_score_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _patch_sample(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The batched sampler raises whenever the bad request (seed 666) is in it."""
+    """The batched sampler raises whenever the bad request (seed 666) is in it
+    (in the filters every batch with a sampled row runs)."""
     import paged_server.engine.sampler as sampler_module
 
-    real = sampler_module.apply_penalties
+    real = sampler_module._filtered_probs
 
-    def penalties(logits: Any, rows: Any) -> Any:
+    def filtered(logits: Any, rows: Any) -> Any:
         if any(r.params.seed == 666 for r in rows):
             _raise("sampling")
         return real(logits, rows)
 
-    monkeypatch.setattr(sampler_module, "apply_penalties", penalties)
+    monkeypatch.setattr(sampler_module, "_filtered_probs", filtered)
 
 
 def _patch_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -402,10 +402,11 @@ class LLMEngine:
             for seq, _ in scheduled:
                 self._fail(seq, f"model forward pass failed: {type(exc).__name__}: {exc}")
             return
+        mark_computed = self.pool.mark_computed  # once per sequence: bound once
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             assert seq.pool_seq_id is not None
-            self.pool.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
+            mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
         # From here on, each request's work is its own: an exception fails
         # that request (``_isolated``), never the step or its neighbours.
         for scores in step.prompt_scores:
@@ -627,11 +628,7 @@ class LLMEngine:
         return "; ".join(parts)
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        seen: set[int] = set()
-        for seq in self._touched:
-            if id(seq) in seen:
-                continue
-            seen.add(id(seq))
+        for seq in dict.fromkeys(self._touched):  # each once, in order (hashed by identity)
             request = seq.request
             out = take_output(seq)
             if out is not None and out.index < request.params.n:  # not a dropped beam

@@ -29,7 +29,8 @@ def append_token(
     Raises whatever the detokenizer raises; the engine fails that one request.
     """
     params = seq.request.params
-    seq.token_ids.append(token_id)
+    token_ids = seq.token_ids
+    token_ids.append(token_id)
     seq.new_token_ids.append(token_id)
     if logprob is not None:
         seq.logprobs.append(logprob.logprob)
@@ -43,8 +44,9 @@ def append_token(
         _add_text(seq, kept + seq.text_stream.flush())
     else:
         _add_text(seq, seq.text_stream.add(token_id))
+        n = len(token_ids)
         if not seq.is_finished and (
-            seq.num_generated >= params.max_tokens or len(seq.token_ids) >= max_model_len
+            n - seq.num_prompt_tokens >= params.max_tokens or n >= max_model_len
         ):
             seq.finish("length")
             _add_text(seq, seq.text_stream.flush())

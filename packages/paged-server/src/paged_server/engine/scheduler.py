@@ -150,7 +150,7 @@ class Scheduler:
             if seq.is_finished or wanted <= 0:
                 i += 1
                 continue
-            n = self._chunk(wanted, budget)
+            n = 1 if wanted == 1 else self._chunk(wanted, budget)  # a decode fits any budget left
             if n < wanted and not self.enable_chunked_prefill:
                 if has_prefill:  # whole prompts only; the first one may overshoot
                     i += 1
@@ -164,7 +164,7 @@ class Scheduler:
                 budget -= n
                 has_prefill = has_prefill or n > 1
             i += 1
-        if not out.preempted and not out.refused:
+        if self.waiting and not out.preempted and not out.refused:
             self._admit(budget, has_prefill, out)
         return out
 

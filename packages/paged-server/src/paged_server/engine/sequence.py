@@ -106,10 +106,10 @@ class Sequence:
     finish_reported: bool = False
     prompt_logprobs_reported: bool = False
     sampling_row: SamplingRow | None = None  # the sampler's view of it, kept by the engine
+    num_prompt_tokens: int = field(init=False)  # read every step: kept, not recounted
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.request.prompt_token_ids)  # a prompt never changes
 
     @property
     def num_tokens(self) -> int:
