@@ -84,6 +84,22 @@ def test_kernel_computes_the_dequantized_weight(
     assert stored <= 64 * k * bits // 8 + 64 * (k // group) * 8
 
 
+@pytest.mark.parametrize(
+    ("bits", "group", "kernel"),
+    [(8, 256, "int8pack_mm"), (8, 128, "int8pack_mm_grouped"), (4, 128, "int4pack_mm")],
+)
+def test_packed_kernels_take_a_strided_bfloat16_input(bits: int, group: int, kernel: str) -> None:
+    """bf16 activations (a CPU with bf16 units) reach the kernel without a
+    cast, so a column slice must be made contiguous first: aten's int4
+    kernel refuses a strided input."""
+    layer = QuantizedLinear(_weight(64, 256, bits, group, False), None, torch.device("cpu"))
+    assert layer.kernel == kernel
+    wide = torch.randn(3, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x = wide[:, 128:384]
+    assert not x.is_contiguous()
+    torch.testing.assert_close(layer(x), layer(x.contiguous()), rtol=0, atol=0)
+
+
 def _fake_quantized(hf_model: Any, method: str, ours: Any) -> Any:
     """transformers' model with each projection replaced by its quantize ->
     dequantize image, quantized together as our model stacks them (a fused

@@ -7,7 +7,12 @@ decode through each engine in turn (alternating, so machine noise hits all
 alike) at each concurrency, and reports median decode tokens/s and the
 ratio to float32 and to bfloat16. Only decode steps are timed (the first
 step, which prefills, is not). Prints one JSON line per format and
-concurrency, then a table.
+concurrency, then a table. Each row says how the engine ran: ``forward``
+compiled (serving's default on CPU) or eager (``PAGED_COMPILE=0``, as the
+test suite sets, or ``--enforce-eager``), and the activation dtype (``auto``
+is bfloat16 only on a CPU with bf16 units, and float32 under the test
+suite's ``PAGED_CPU_BF16=0``): set both as served to measure what users get.
+``bench.quantized_gemm`` times the projections alone.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ def decode_rate(
         steps += 1
     done = concurrency * steps
     return done / (time.perf_counter() - start), done / (time.process_time() - cpu)
+
+
+def forward_mode(engine: LLMEngine) -> str:
+    """``compiled`` when the engine runs the torch.compile'd forward pass, else ``eager``."""
+    return "compiled" if engine.runner.compiled is not None else "eager"
 
 
 def cpu_name() -> str:
@@ -103,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         wall = {n: statistics.median(walls[(n, c)]) for n in engines}
         cpu = {n: statistics.median(cpus[(n, c)]) for n in engines}
         for name, engine in engines.items():
-            row: dict[str, Any] = {"format": name, "concurrency": c, "activations": str(engine.loaded.dtype)[6:]}
+            row: dict[str, Any] = {"format": name, "concurrency": c, "activations": str(engine.loaded.dtype)[6:],
+                                   "forward": forward_mode(engine)}  # fmt: skip
             for label, rate in (("wall", wall), ("cpu", cpu)):
                 row[f"{label}_tok_s"] = round(rate[name], 2)
                 for ref in ("float32", "bfloat16"):
@@ -112,10 +123,10 @@ def main(argv: list[str] | None = None) -> None:
             row["weight_bytes"] = weight_bytes(engine.loaded.model)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'format':10} {'conc':>4} {'wall tok/s':>10} {'vs fp32':>8} {'vs bf16':>8} "
+    print(f"\n{'format':10} {'forward':8} {'act':8} {'conc':>4} {'wall tok/s':>10} {'vs fp32':>8} {'vs bf16':>8} "
           f"{'cpu tok/s':>10} {'vs fp32':>8} {'vs bf16':>8} {'weights MB':>10}")  # fmt: skip
     for r in rows:
-        print(f"{r['format']:10} {r['concurrency']:>4} {r['wall_tok_s']:>10} {r['wall_vs_float32']!s:>8} "
+        print(f"{r['format']:10} {r['forward']:8} {r['activations']:8} {r['concurrency']:>4} {r['wall_tok_s']:>10} {r['wall_vs_float32']!s:>8} "
               f"{r['wall_vs_bfloat16']!s:>8} {r['cpu_tok_s']:>10} {r['cpu_vs_float32']!s:>8} "
               f"{r['cpu_vs_bfloat16']!s:>8} {r['weight_bytes'] / 1e6:>10.1f}")  # fmt: skip
     for engine in engines.values():

@@ -151,7 +151,9 @@ class QuantizedLinear(nn.Module):
             else:
                 out = qm.quant_matmul(x, w)
         else:
-            flat = x.reshape(-1, self.in_features).to(_ACT_DTYPE)
+            # bf16 input is not cast, so a strided view (a column slice) arrives as
+            # it is, and aten's int4 kernel refuses one: contiguous, no copy otherwise.
+            flat = x.reshape(-1, self.in_features).to(_ACT_DTYPE).contiguous()
             if self.kernel == "int8pack_mm":
                 y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
             elif self.kernel == "int8pack_mm_grouped":
