@@ -178,3 +178,23 @@ def test_stream_error_hands_over_to_the_window_path():
     assert detok._stream is None
     slow = IncrementalDetokenizer(Tokenizer(_PythonOnly(tok.hf)))
     assert deltas + [detok.flush()] == [slow.add(i) for i in ids] + [slow.flush()]
+
+
+def test_without_the_rust_stream_the_window_path_serves(monkeypatch):
+    """An older tokenizers (no DecodeStream, or one that cannot start from
+    ids) leaves the detokenizer on the window path, same text."""
+    from paged_server.engine import detokenize
+
+    tok = ALL_TOKENIZERS[sorted(TOKENIZERS)[0]]
+    ids = tok.encode(" naïve 😀 café", add_special_tokens=False)
+    with_stream = IncrementalDetokenizer(tok)
+    expected = [with_stream.add(i) for i in ids] + [with_stream.flush()]
+
+    def too_old(*args, **kwargs):
+        raise TypeError("DecodeStream.__new__() got an unexpected keyword argument")
+
+    for stand_in in (None, too_old):
+        monkeypatch.setattr(detokenize, "DecodeStream", stand_in)
+        detok = IncrementalDetokenizer(tok)
+        assert detok._stream is None
+        assert [detok.add(i) for i in ids] + [detok.flush()] == expected

@@ -18,7 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21 (an image with its own, older pin): the window path
+    DecodeStream = None  # type: ignore[assignment,misc]
 
 from paged_server.tokenizer import Tokenizer
 
@@ -59,9 +63,14 @@ class IncrementalDetokenizer:
         not match the window path: a tokenizer that is not a Rust one, or a
         context ending mid-character (the stream would emit the context)."""
         window = self._ids[self._prefix_offset :]
-        if not isinstance(self._hf, HFTokenizer) or self._decode(window).endswith(_REPLACEMENT):
+        if DecodeStream is None or not isinstance(self._hf, HFTokenizer):
             return None
-        return DecodeStream(window, skip_special_tokens=self.skip_special_tokens)
+        if self._decode(window).endswith(_REPLACEMENT):
+            return None
+        try:
+            return DecodeStream(window, skip_special_tokens=self.skip_special_tokens)
+        except TypeError:  # tokenizers 0.21: no ids to start from
+            return None
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Append new tokens; returns the text they complete (may be "")."""
