@@ -19,6 +19,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from torch import Tensor
 
+from paged_ref.kv_quant import scale_keywords
+
 P = ParamSpec("P")
 A = TypeVar("A")
 R = TypeVar("R")
@@ -53,12 +55,9 @@ class KVScales:
     k_head_scales: Tensor | None = None
     v_head_scales: Tensor | None = None
 
-    @property
-    def scales(self) -> dict[str, Tensor | None]:
-        return {
-            "k_scales": self.k_scales, "v_scales": self.v_scales,
-            "k_head_scales": self.k_head_scales, "v_head_scales": self.v_head_scales,
-        }  # fmt: skip
+    def scale_keywords(self) -> dict[str, Tensor]:
+        """The scales that are set, as keywords (``kv_quant.scale_keywords``)."""
+        return scale_keywords(self.k_scales, self.v_scales, self.k_head_scales, self.v_head_scales)
 
     @property
     def unscaled(self) -> bool:  # (no dict: the CPU decode asks every layer)

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_ref.kv_quant import scale_keywords
 from paged_ref.op_args import DecodeArgs, op
 from paged_triton.attention_layout import check_attention, layer_layout
 from paged_triton.attention_tile import attend_context
@@ -256,7 +255,7 @@ def paged_decode_attention(a: DecodeArgs) -> Tensor:
     as :func:`split_policy` says for the device (tests patch it to force splits).
     """
     q, tables, lens = a.q, a.block_tables, a.seq_lens
-    scales: dict[str, Any] = scale_keywords(a.k_scales, a.v_scales, a.k_head_scales, a.v_head_scales)
+    scales: dict[str, Any] = a.scale_keywords()
     out = torch.empty_like(q)
 
     def check() -> bool:

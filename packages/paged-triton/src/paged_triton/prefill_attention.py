@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_ref.kv_quant import scale_keywords
 from paged_ref.op_args import PrefillArgs, op
 from paged_triton.attention_layout import check_attention, layer_layout
 from paged_triton.attention_tile import attend_context
@@ -182,7 +181,7 @@ def paged_prefill_attention(a: PrefillArgs) -> Tensor:
     static per-head scales with ``k_head_scales``/``v_head_scales``, ``[kv_heads]``).
     """
     q, tables, cu_q, lens = a.q, a.block_tables, a.cu_seqlens_q, a.seq_lens
-    scales: dict[str, Any] = scale_keywords(a.k_scales, a.v_scales, a.k_head_scales, a.v_head_scales)
+    scales: dict[str, Any] = a.scale_keywords()
     out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1], if any, stay zero
 
     def check() -> bool:

@@ -184,7 +184,9 @@ def plan_write_kv(a: WriteKVArgs, interpret: bool = False) -> Launch:
         return plan_write_kv_int4(k_cache, v_cache, k, v, slots, a.k_scales, a.v_scales)  # type: ignore[arg-type]
     _, block_size, kv_heads, head_dim = k_cache.shape
     ks, vs, cs = k.stride(), v.stride(), k_cache.stride()
-    k_scale, v_scale, ss = scale_args(k_cache, v_cache, *a.scales.values())
+    k_scale, v_scale, ss = scale_args(
+        k_cache, v_cache, a.k_scales, a.v_scales, a.k_head_scales, a.v_head_scales
+    )
     return Launch(
         _write_kv_kernel,
         (k.shape[0],),
