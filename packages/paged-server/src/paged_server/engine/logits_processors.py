@@ -17,6 +17,15 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from paged_server.engine.sampler import SamplingRow
+    from paged_server.sampling_params import SamplingParams
+
+
+def edits_logits(params: SamplingParams) -> bool:
+    """Whether :func:`apply_logits_processors` changes this request's row."""
+    return bool(
+        params.logit_bias or params.min_tokens or params.bad_words_token_ids
+        or params.allowed_token_ids
+    )  # fmt: skip
 
 
 def apply_logits_processors(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from paged_server.engine.logits_processors import apply_logits_processors
+from paged_server.engine.logits_processors import apply_logits_processors, edits_logits
 from paged_server.engine.logprobs import TokenLogprobs, gather_logprobs
 from paged_server.sampling_params import SamplingParams
 
@@ -43,23 +43,14 @@ class SamplingRow:
     num_prompt_tokens: int
     eos_token_ids: Collection[int] = ()  # masked until min_tokens
     # From ``params``, read once per row and step: a batch where no row edits
-    # its logits (bias, min_tokens, bad words, allowed ids, penalties) skips
-    # those passes, and a greedy row draws no uniform.
+    # its logits (processors or penalties) skips those passes, and a greedy
+    # row draws no uniform.
     greedy: bool = field(init=False)
     edits_logits: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        p = self.params
-        self.greedy = p.greedy
-        self.edits_logits = bool(
-            p.logit_bias
-            or p.min_tokens
-            or p.bad_words_token_ids
-            or p.allowed_token_ids
-            or p.repetition_penalty != 1.0
-            or p.presence_penalty
-            or p.frequency_penalty
-        )
+        self.greedy = self.params.greedy
+        self.edits_logits = edits_logits(self.params) or penalizes(self.params)
 
 
 @dataclass(slots=True)
@@ -217,16 +208,25 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator).item())
 
 
+def penalizes(params: SamplingParams) -> bool:
+    """Whether :func:`apply_penalties` changes this request's row."""
+    return _repeats(params) or _counts(params)
+
+
+def _repeats(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0
+
+
+def _counts(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
 def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     """Repetition penalty over prompt + output tokens (divide positive logits,
     multiply negative ones); presence and frequency penalties over output
     token counts, subtracted (OpenAI semantics)."""
-    rep_rows = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    count_rows = [
-        i
-        for i, r in enumerate(rows)
-        if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
-    ]
+    rep_rows = [i for i, r in enumerate(rows) if _repeats(r.params)]
+    count_rows = [i for i, r in enumerate(rows) if _counts(r.params)]
     if not rep_rows and not count_rows:
         return logits
     logits = logits.clone()
