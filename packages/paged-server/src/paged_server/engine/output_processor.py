@@ -44,9 +44,8 @@ def append_token(
         _add_text(seq, kept + seq.text_stream.flush())
     else:
         _add_text(seq, seq.text_stream.add(token_id))
-        n = len(token_ids)
         if not seq.is_finished and (
-            n - seq.num_prompt_tokens >= params.max_tokens or n >= max_model_len
+            seq.num_generated >= params.max_tokens or len(token_ids) >= max_model_len
         ):
             seq.finish("length")
             _add_text(seq, seq.text_stream.flush())
