@@ -27,16 +27,12 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
+from paged_server.engine.compiled_forward import ONE_ROW_OPTIONS as _COMPILE_OPTIONS
 from paged_server.models.quantization.linear import QuantizedLinear
-from paged_server.models.quantization.load import ONLINE_INT4_GROUP
-from paged_server.models.quantization.weights import quantize_int
+from paged_server.models.quantization.load import quantize_online
 
 FORMATS = ("bfloat16", "int8", "int4")
 MODES = ("eager", "compiled")
-# CompiledForward's one-row settings (engine/compiled_forward.py).
-_COMPILE_OPTIONS: dict[str, object] = {
-    "freezing": True, "max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP",
-}  # fmt: skip
 
 
 def projection_shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
@@ -51,12 +47,7 @@ def _layer(weight: torch.Tensor, fmt: str) -> nn.Module:
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
         return linear
-    quantized = (
-        quantize_int(weight, 8, None)
-        if fmt == "int8"
-        else quantize_int(weight, 4, ONLINE_INT4_GROUP)
-    )
-    return QuantizedLinear(quantized, None, torch.device("cpu"))
+    return QuantizedLinear(quantize_online(weight, fmt), None, torch.device("cpu"))  # as served
 
 
 class Projections(nn.Module):

@@ -129,7 +129,7 @@ class CompiledForward:
         # the template, dense models too: at one row it beats oneDNN's packed
         # bf16 matmuls (1.37x over the 100M model's 48 projections, one
         # thread; 1.2-1.5x for a 30M layer's); at 8 rows they tied.
-        self._freezing_one_row = inductor_config.patch(freezing=True, **_CPP_GEMM_TEMPLATE)
+        self._freezing_one_row = inductor_config.patch(**ONE_ROW_OPTIONS)
 
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor, kv_cache: AttentionViewProtocol | None
@@ -172,6 +172,8 @@ def _gemm_template_options(model: nn.Module) -> dict[str, object]:
 
 # Inductor's C++ GEMM template as the only GEMM backend (nothing benchmarked at compile time).
 _CPP_GEMM_TEMPLATE: dict[str, object] = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP"}
+# Inductor's settings for the one-token graph (also what bench/quantized_gemm compiles with).
+ONE_ROW_OPTIONS: dict[str, object] = {"freezing": True, **_CPP_GEMM_TEMPLATE}
 
 
 def compiled_graphs() -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
-from torch import nn
+from torch import Tensor, nn
 
 from paged_server.models.base import CausalLM
 from paged_server.models.errors import CheckpointMismatchError
@@ -117,15 +117,19 @@ def _checkpoint_layers(linears: dict[str, nn.Linear]) -> dict[str, tuple[str, An
 def quantize_layers(model: CausalLM, quant: Quantization) -> None:
     """Online quantization of the loaded (this rank's) linear weights."""
     for name, linear in quantizable_linears(model).items():
-        w = linear.weight
-        if quant.name == "fp8":
-            weight = quantize_fp8(w)
-        elif quant.name == "int8":
-            weight = quantize_int(w, 8, None)
-        else:
-            k = w.shape[1]
-            weight = quantize_int(w, 4, ONLINE_INT4_GROUP if k % ONLINE_INT4_GROUP == 0 else None)
-        _swap(model, name, linear, weight, full=False)
+        _swap(model, name, linear, quantize_online(linear.weight, quant.name), full=False)
+
+
+def quantize_online(w: Tensor, method: str) -> QuantizedWeight:
+    """``--quantization method`` (fp8, int8, int4) of a 16/32-bit weight at
+    load: fp8 with one scale per tensor, int8 per channel, int4 in groups of
+    ``ONLINE_INT4_GROUP`` (per channel when they do not divide its inputs)."""
+    if method == "fp8":
+        return quantize_fp8(w)
+    if method == "int8":
+        return quantize_int(w, 8, None)
+    k = w.shape[1]
+    return quantize_int(w, 4, ONLINE_INT4_GROUP if k % ONLINE_INT4_GROUP == 0 else None)
 
 
 def _swap(
