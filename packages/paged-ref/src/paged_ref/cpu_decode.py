@@ -11,11 +11,8 @@ softmax over its blocks, as the Triton decode kernel does): measured on one
 thread, 8 sequences x 190-380 tokens of the 30M bench model's layout, bf16,
 1.9x faster than the compiled tensor ops and 4x faster than the reference.
 
-It is built on first use with the C compiler ``torch.compile`` uses on a CPU
-(``-march=native``, OpenMP; the library shares torch's OpenMP runtime, so
-it adds no thread pool), once per head size, query heads per kv head, kv
-head count and cache dtype, into ``~/.cache/paged/cpu_decode`` (atomically:
-replicas and ranks may build at once). ``ops.paged_decode_attention`` stays
+It is built on first use (``c_library``), once per head size, query heads
+per kv head, kv head count and cache dtype, into ``~/.cache/paged/cpu_decode``. ``ops.paged_decode_attention`` stays
 the definition; the tests compare the two on random page tables.
 """
 
@@ -23,12 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -36,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from paged_ref import c_library
 from paged_ref import ops as ref_ops
 from paged_ref.op_args import DecodeArgs, PrefillArgs, WriteKVArgs, op
 
@@ -45,19 +38,7 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 # The C element types of cache_t and act_t (the cache's and the activations'); uint16_t holds bf16 bits.
 _C_TYPES = {torch.bfloat16: "uint16_t", torch.float16: "_Float16", torch.float32: "float"}
 MAX_BLOCK = 256  # cpu_decode.c's: the largest block_size the decode kernel takes
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGED_CACHE_DIR", Path.home() / ".cache" / "paged")) / "cpu_decode"
-
-
-def compiler() -> str | None:
-    """The C compiler inductor would use (``CC``, else ``cc``/``gcc``), or None."""
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return name
-    return None
+_FLAGS = ("-ffast-math", "-fno-finite-math-only")  # beside c_library.FLAGS
 
 
 class _Kernels(NamedTuple):
@@ -68,29 +49,14 @@ class _Kernels(NamedTuple):
 @functools.cache
 def _library(head_dim: int, q_per_kv: int, kv_heads: int, cache: torch.dtype, act: torch.dtype) -> _Kernels | None:
     """The built kernels for one layout, or None when they cannot be built."""
-    cc = compiler()
-    if cc is None:
-        return None
     defines = (
         f"-DHEAD_DIM={head_dim}", f"-DQ_PER_KV={q_per_kv}", f"-DKV_HEADS={kv_heads}",
         f"-Dcache_t={_C_TYPES[cache]}", f"-Dact_t={_C_TYPES[act]}",
     )  # fmt: skip
-    command = [cc, *_FLAGS, *defines]
-    key = hashlib.sha256((SOURCE.read_text() + " ".join(command)).encode()).hexdigest()[:16]
-    name = f"decode-d{head_dim}-q{q_per_kv}-kv{kv_heads}-{str(cache)[6:]}-{str(act)[6:]}-{key}.so"
-    path = cache_dir() / name
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            subprocess.run([*command, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
-            os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
-        except subprocess.CalledProcessError as err:
-            os.unlink(tmp)
-            log.warning("cpu_decode: the C decode kernel did not build (%s); using the reference", err.stderr[-500:])
-            return None
-    lib = ctypes.CDLL(str(path))
+    name = f"decode-d{head_dim}-q{q_per_kv}-kv{kv_heads}-{str(cache)[6:]}-{str(act)[6:]}"
+    lib = c_library.build(SOURCE, (*_FLAGS, *defines), "cpu_decode", name)
+    if lib is None:
+        return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     decode, write = lib.paged_decode, lib.paged_write
     decode.argtypes = [p] * 6 + [i64] * 5 + [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_server.models.quantization import cpu_gemv
 from paged_server.models.quantization.weights import QuantizedWeight
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -77,6 +78,7 @@ class QuantizedLinear(nn.Module):
         self.tp = tp  # row-parallel: partial products are summed over ranks
         self.slices: list[Any] | None = None  # stacked projections (models/linear.py's)
         self.kernel = self._pack(weight, device)
+        self.one_row = self._one_row_kernel()
 
     def _pack(self, w: QuantizedWeight, device: torch.device) -> str:
         cpu = device.type == "cpu" and _cpu_kernels()
@@ -127,6 +129,15 @@ class QuantizedLinear(nn.Module):
                 return "quant_matmul"
         return "dequantize"
 
+    def _one_row_kernel(self) -> bool:
+        """Whether a single row runs ``cpu_gemv`` instead of aten's kernel
+        (same buffers, same numerics: a decode step of one stream)."""
+        if self.kernel == "int8pack_mm":
+            return cpu_gemv.int8_applies(self.in_features)
+        if self.kernel == "int4pack_mm":
+            return cpu_gemv.int4_applies(self.out_features, self.in_features, self.group_size)
+        return False
+
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight this layer multiplies by (the fallback's path)."""
         assert self.kernel in ("dequantize", "quant_matmul"), self.kernel
@@ -154,7 +165,12 @@ class QuantizedLinear(nn.Module):
             # bf16 input is not cast, so a strided view (a column slice) arrives as
             # it is, and aten's int4 kernel refuses one: contiguous, no copy otherwise.
             flat = x.reshape(-1, self.in_features).to(_ACT_DTYPE).contiguous()
-            if self.kernel == "int8pack_mm":
+            if self.one_row and flat.shape[0] == 1:  # a compiled graph of one row only
+                if self.kernel == "int8pack_mm":
+                    y = cpu_gemv.int8_gemv(flat, self.qweight, self.scales)
+                else:
+                    y = cpu_gemv.int4_gemv(flat, self.qweight, self.scales, self.group_size)
+            elif self.kernel == "int8pack_mm":
                 y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
             elif self.kernel == "int8pack_mm_grouped":
                 parts = flat.split(self.group_size, dim=-1)
