@@ -1,8 +1,10 @@
-"""``cpu_gemv``: the one-row int4/int8 kernels against aten's packed kernels
-on the same buffers, and against the exact float product of the dequantized
-weight (both round only their bf16 output, so they agree within a bf16 step
-of the output's scale). Skipped where the kernels cannot be built (no C
-compiler, no AVX512-BF16)."""
+"""``cpu_gemv``: the one-row int4/int8 kernels against the exact float
+product of their int8-rounded activations (``quantize_row``) and the
+dequantized weight: both round only their bf16 output, so they agree within
+a bf16 step of the output's largest value. Against aten's kernels on the
+same buffers (bf16 activations) they differ by the activation rounding:
+within 3% of the largest value on these random rows. Skipped where the
+kernels cannot be built (no C compiler, no AVX512 VNNI/VBMI)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 from paged_server.models.quantization import QuantizedLinear, QuantizedWeight, cpu_gemv
 
 pytestmark = pytest.mark.skipif(
-    not cpu_gemv.available(), reason="cpu_gemv needs a C compiler and AVX512-BF16"
+    not cpu_gemv.available(), reason="cpu_gemv needs a C compiler and AVX512 VNNI/VBMI"
 )
 
 CPU = torch.device("cpu")
@@ -33,11 +35,14 @@ def _row(k: int, seed: int) -> torch.Tensor:
     return torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Within one bf16 step (2^-8 relative) of the output's largest value:
-    the float32 sums differ only in order."""
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 2**-8) -> None:
+    """Within ``rel`` of the output's largest value (default: one bf16 step:
+    float32 sums in another order may round to the neighbouring bf16)."""
     assert got.shape == want.shape and got.dtype == want.dtype
-    assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= rel * want.float().abs().max()
+
+
+ROUNDING = 3e-2  # int8 activations against bf16 ones (~1% seen)
 
 
 @pytest.mark.parametrize(
@@ -58,12 +63,19 @@ def test_int4_matches_aten_and_the_dequantized_product(
         got = cpu_gemv.int4_gemv(x, layer.qweight, layer.scales, layer.group_size)
     finally:
         torch.set_num_threads(before)
+    # the weight as the layer keeps it: scales and zero terms rounded to bf16
+    scales = w.scales.to(torch.bfloat16).float()
+    zero = 0 if w.zeros is None else (-w.zeros.float() * w.scales).to(torch.bfloat16).float()
+    weight = w.qweight.float() * scales.repeat_interleave(group, 1)
+    if w.zeros is not None:
+        weight += zero.repeat_interleave(group, 1)
+    exact = F.linear(cpu_gemv.quantize_row(x, group), weight)
+    _close(got, exact.to(torch.bfloat16))
     aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, layer.group_size, layer.scales)
-    _close(got, aten)
-    _close(got, F.linear(x.float(), w.dequantize()).to(torch.bfloat16))
+    _close(got, aten, ROUNDING)
 
 
-@pytest.mark.parametrize(("n", "k"), [(64, 256), (100, 768), (7, 32)])  # rows past a multiple of 8
+@pytest.mark.parametrize(("n", "k"), [(64, 256), (102, 768), (7, 128)])  # rows past a multiple of 4
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_matches_aten_and_the_dequantized_product(n: int, k: int, threads: int) -> None:
     w = _weight(n, k, 8, k, False, seed=n + k)
@@ -76,17 +88,17 @@ def test_int8_matches_aten_and_the_dequantized_product(n: int, k: int, threads: 
         got = cpu_gemv.int8_gemv(x, layer.qweight, layer.scales)
     finally:
         torch.set_num_threads(before)
-    _close(got, torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales))
     # the scale is rounded to bf16 as aten's kernel takes it
-    exact = F.linear(x.float(), w.qweight.float()) * layer.scales.float()
-    _close(got, exact.to(torch.bfloat16))
+    exact = F.linear(cpu_gemv.quantize_row(x, cpu_gemv.INT8_BLOCK), w.qweight.float())
+    _close(got, (exact * layer.scales.float()).to(torch.bfloat16))
+    _close(got, torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales), ROUNDING)
 
 
 def test_layers_the_kernels_cannot_take_keep_aten() -> None:
     """int4 outputs not a multiple of 64 columns (aten's last block is laid
-    out differently) and int8 inputs not a multiple of 16 stay on aten."""
+    out differently) and int8 inputs not a multiple of 128 stay on aten."""
     assert not QuantizedLinear(_weight(96, 256, 4, 128, False, 0), None, CPU).one_row
-    assert not QuantizedLinear(_weight(64, 40, 8, 40, False, 0), None, CPU).one_row
+    assert not QuantizedLinear(_weight(64, 192, 8, 192, False, 0), None, CPU).one_row
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -98,7 +110,7 @@ def test_one_row_layers_call_the_kernel_eager_and_compiled(bits: int) -> None:
     x = _row(256, seed=5)
     eager = layer(x)
     layer.one_row = False
-    _close(eager, layer(x))
+    _close(eager, layer(x), ROUNDING)
     layer.one_row = True
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
     with torch.no_grad():

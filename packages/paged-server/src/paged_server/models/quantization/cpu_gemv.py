@@ -1,21 +1,25 @@
-"""One-row int4/int8 products on a CPU with AVX512-BF16 (``cpu_gemv.c``).
+"""One-row int4/int8 products on a CPU with AVX512 VNNI (``cpu_gemv.c``).
 
 A single stream's decode step multiplies one row of activations by every
-weight: the step is bound by reading the weights, and inductor's C++ GEMM
-template (what the compiled forward runs for int4/int8) dequantizes at
-~6.6 GB/s on one core, compute-bound. ``cpu_gemv.c`` reads the same packed
-buffers (no second copy) with several memory streams in flight and
-multiplies int4 codes with bf16 dot products: measured on the ~100M model's
-48 projections, one thread, 2-core Xeon (AMX/AVX512-BF16), int4 5.7-6.9 ms
-against aten's 7.6-9.8 and int8 10.4-12.2 against 17-23
-(``python -m paged_server.bench.quantized_gemm``).
+weight. Inductor's C++ GEMM template (what the compiled forward runs for
+int4/int8) dequantizes to bf16 and was compute-bound at one row (~6.6 GB/s
+of int4 on one core, below the bf16 product's bytes per second). These
+kernels quantize the row to int8 per block of input features and multiply
+with int8 dot products, as vLLM's CPU path for AWQ/GPTQ does (IPEX, lowp_mode
+INT8): on the ~100M model's 48 projections, one thread, 2-core Xeon, int4
+3.7-4.2 ms against aten's 7.3-7.8 and bf16's 14.6 (compiled), int8 7.4-8.5
+against 17.9-18.4 (``python -m paged_server.bench.quantized_gemm``). The
+activation rounding costs ~1% of a product's largest value (tests/server/
+models/test_cpu_gemv.py states it exactly); more rows (prefill, batches)
+keep bf16 activations.
 
 The kernels are torch operators (``paged::int4_gemv``, ``paged::int8_gemv``)
 registered through ``torch.library.Library``: the compiled graph calls them
-as opaque ops for ~6 us each (a ``custom_op`` costs ~16). The library is
-built on first use (``paged_ref.c_library``); where it cannot be (no
-compiler, no AVX512-BF16, aten packing int4 for another vector width)
-``available()`` is False and QuantizedLinear keeps aten's kernels.
+as opaque ops for ~6 us each (a ``custom_op`` costs ~16). They read the
+buffers QuantizedLinear keeps for aten's kernels (no second copy). The
+library is built on first use (``paged_ref.c_library``); where it cannot be
+(no compiler, no AVX512 VNNI/VBMI, aten packing int4 for another vector
+width) ``available()`` is False and QuantizedLinear keeps aten's kernels.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from paged_ref import c_library
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 INT4_BLOCK = 64  # output columns per block of aten's AVX512 int4 layout
+INT8_BLOCK = 128  # cpu_gemv.c's: input features per activation scale of an int8 product
 
 
 @functools.cache
@@ -55,22 +60,39 @@ def available() -> bool:
 
 
 def int4_applies(out_features: int, in_features: int, group_size: int) -> bool:
-    return available() and out_features % INT4_BLOCK == 0 and in_features % group_size == 0
+    return (
+        available()
+        and out_features % INT4_BLOCK == 0
+        and in_features % group_size == 0
+        and group_size % 4 == 0
+    )
 
 
 def int8_applies(in_features: int) -> bool:
-    return available() and in_features % 16 == 0
+    return available() and in_features % INT8_BLOCK == 0
 
 
 def int4_gemv(x: Tensor, packed: Tensor, scales_zeros: Tensor, group_size: int) -> Tensor:
     """``aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros)``
-    for one bf16 row ``x`` (``[1, K]``); check ``int4_applies`` first."""
+    for one bf16 row ``x`` (``[1, K]``), the row quantized to int8 per group
+    (``quantize_row``); check ``int4_applies`` first."""
     return torch.ops.paged.int4_gemv(x, packed, scales_zeros, group_size)  # type: ignore[no-any-return]
 
 
 def int8_gemv(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
-    """``aten._weight_int8pack_mm(x, qweight, scales)`` for one bf16 row ``x``."""
+    """``aten._weight_int8pack_mm(x, qweight, scales)`` for one bf16 row ``x``,
+    quantized to int8 per ``INT8_BLOCK`` input features."""
     return torch.ops.paged.int8_gemv(x, qweight, scales)  # type: ignore[no-any-return]
+
+
+def quantize_row(x: Tensor, block: int) -> Tensor:
+    """The activations the kernels multiply by: ``x`` rounded to int8 steps
+    of ``absmax / 127`` per ``block`` features (ties to even), in float32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = (blocks * inv).round().clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(x.shape)
 
 
 def _int4_cpu(x: Tensor, packed: Tensor, scales_zeros: Tensor, group_size: int) -> Tensor:
