@@ -10,7 +10,9 @@ model's shapes at batch 1, while their float32-activation paths are 30x
 slower. In the compiled forward pass (engine/compiled_forward.py) inductor
 lowers both to its C++ GEMM template, which keeps the weight quantized and
 runs 1.1-1.8x (one token) to 9x (64 tokens) faster than these kernels on
-an AMX Xeon. On CUDA, int8 and int4 weights run ``paged_triton``'s
+an AMX Xeon. A single row (one stream's decode step) runs ``cpu_gemv``
+where the CPU has AVX512 VNNI: the row rounded to int8, as vLLM's CPU
+AWQ/GPTQ path, 2-3x faster than either. On CUDA, int8 and int4 weights run ``paged_triton``'s
 dequantizing GEMM (``quant_matmul``: the weight dequantized tile by tile
 in registers, split-K for decode), reading the layout kept below for
 dequantize-per-call; from ``DENSE_ROWS`` rows (prefill) they dequantize
