@@ -8,12 +8,15 @@ kernels cannot be built (no C compiler, no AVX512 VNNI/VBMI)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.server.models.test_quantization_online import _weight
 from torch._inductor.utils import run_and_get_code
 
-from paged_server.models.quantization import QuantizedLinear, QuantizedWeight, cpu_gemv
+from paged_server.models.quantization import QuantizedLinear, cpu_gemv
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemv.available(), reason="cpu_gemv needs a C compiler and AVX512 VNNI/VBMI"
@@ -22,13 +25,14 @@ pytestmark = pytest.mark.skipif(
 CPU = torch.device("cpu")
 
 
-def _weight(n: int, k: int, bits: int, group: int, asym: bool, seed: int) -> QuantizedWeight:
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1)
-    q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
-    scales = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
-    zeros = torch.randint(lo, hi, (n, k // group), generator=g, dtype=torch.int8) if asym else None
-    return QuantizedWeight(q, scales, zeros, bits, group)
+def _threads(threads: int, product: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``product()`` on ``threads`` torch (and so OpenMP) threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return product()
+    finally:
+        torch.set_num_threads(before)
 
 
 def _row(k: int, seed: int) -> torch.Tensor:
@@ -57,12 +61,7 @@ def test_int4_matches_aten_and_the_dequantized_product(
     layer = QuantizedLinear(w, None, CPU)
     assert layer.kernel == "int4pack_mm" and layer.one_row
     x = _row(k, seed=k)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = cpu_gemv.int4_gemv(x, layer.qweight, layer.scales, layer.group_size)
-    finally:
-        torch.set_num_threads(before)
+    got = _threads(threads, lambda: cpu_gemv.int4_gemv(x, layer.qweight, layer.scales, group))
     # the weight as the layer keeps it: scales and zero terms rounded to bf16
     scales = w.scales.to(torch.bfloat16).float()
     zero = 0 if w.zeros is None else (-w.zeros.float() * w.scales).to(torch.bfloat16).float()
@@ -82,12 +81,7 @@ def test_int8_matches_aten_and_the_dequantized_product(n: int, k: int, threads: 
     layer = QuantizedLinear(w, None, CPU)
     assert layer.kernel == "int8pack_mm" and layer.one_row
     x = _row(k, seed=k)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = cpu_gemv.int8_gemv(x, layer.qweight, layer.scales)
-    finally:
-        torch.set_num_threads(before)
+    got = _threads(threads, lambda: cpu_gemv.int8_gemv(x, layer.qweight, layer.scales))
     # the scale is rounded to bf16 as aten's kernel takes it
     exact = F.linear(cpu_gemv.quantize_row(x, cpu_gemv.INT8_BLOCK), w.qweight.float())
     _close(got, (exact * layer.scales.float()).to(torch.bfloat16))

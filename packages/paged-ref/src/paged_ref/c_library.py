@@ -24,7 +24,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+HEADER = Path(__file__).with_name("bf16.h")
+
+# this folder holds bf16.h, which every kernel may include
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")
 
 
 def cache_dir(subdir: str) -> Path:
@@ -47,7 +50,8 @@ def build(source: Path, flags: Sequence[str], subdir: str, name: str) -> ctypes.
     if cc is None:
         return None
     command = [cc, *FLAGS, *flags]
-    key = hashlib.sha256((source.read_text() + " ".join(command)).encode()).hexdigest()[:16]
+    text = source.read_text() + HEADER.read_text() + " ".join(command)
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     path = cache_dir(subdir) / f"{name}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,16 +25,7 @@
 #define ROW (KV_HEADS * HEAD_DIM)
 #define MAX_BLOCK 256
 
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } bits = { .u = (uint32_t)x << 16 };
-    return bits.f;
-}
-
-static inline uint16_t bf16_from_float(float f) {  /* round to nearest even, as torch */
-    union { float f; uint32_t u; } bits = { .f = f };
-    if ((bits.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits.u >> 16) | 0x40);  /* NaN */
-    return (uint16_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 static inline float f16_to_float(_Float16 x) { return (float)x; }
 static inline _Float16 f16_from_float(float x) { return (_Float16)x; }

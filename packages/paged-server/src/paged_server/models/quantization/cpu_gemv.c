@@ -1,5 +1,5 @@
 /* One-row products with int4 and int8 weights on a CPU with AVX512 VNNI and
- * VBMI: what a single stream's decode step runs in every projection.
+ * VBMI (Ice Lake and later Xeons, Zen 4): what a single stream's decode step runs in every projection.
  *
  * The activations are quantized to int8 on the fly, per block of input
  * features (absmax / 127, round to nearest even), and multiplied with
@@ -36,15 +36,17 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } bits = { .u = (uint32_t)x << 16 };
-    return bits.f;
-}
+#include "bf16.h"
 
-static inline uint16_t bf16_from_float(float f) {  /* round to nearest even, as torch */
-    union { float f; uint32_t u; } bits = { .f = f };
-    if ((bits.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits.u >> 16) | 0x40);  /* NaN */
-    return (uint16_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
+/* 16 floats to bf16 as bf16_from_float does (AVX512F only: no AVX512-BF16 needed). */
+static inline __m256i bf16_from_floats(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i even = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), even)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
 }
 
 /* x (K bf16) as int8 per block of B: xq = round(x / xs), xs = absmax / 127,
@@ -118,8 +120,7 @@ static inline __attribute__((always_inline)) void int4_blocks(
     }
     for (int s = 0; s < S; s++)
         for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i*)(y + (b + s) * 64 + j * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out[s] + j * 16)));
+            _mm256_storeu_si256((__m256i*)(y + (b + s) * 64 + j * 16), bf16_from_floats(_mm512_load_ps(out[s] + j * 16)));
 }
 
 /* x: K bf16; w: [N/64][K][32] bytes; sz: [K/G][N][2] bf16; y: N bf16.
