@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,18 @@ INT4_BLOCK = 64  # output columns per block of aten's AVX512 int4 layout
 INT8_BLOCK = 128  # cpu_gemv.c's: input features per activation scale of an int8 product
 
 
-@functools.cache
+_build_lock = threading.Lock()  # engines loading on two threads register the operators once
+_kernels: Any = None  # the loaded library, once built
+
+
 def _library() -> Any | None:
+    with _build_lock:
+        return _build()
+
+
+@functools.cache
+def _build() -> Any | None:
+    global _kernels
     if torch.backends.cpu.get_cpu_capability() != "AVX512":  # aten's int4 layout is per vector width
         return None
     lib = c_library.build(SOURCE, (), "cpu_gemv", "gemv")
@@ -50,6 +61,7 @@ def _library() -> Any | None:
     lib.int4_gemv.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
     lib.int8_gemv.argtypes = [p, p, p, p, i64, i64, ctypes.c_int]
     lib.int4_gemv.restype = lib.int8_gemv.restype = None
+    _kernels = lib
     _register()
     return lib
 
@@ -99,7 +111,7 @@ def _int4_cpu(x: Tensor, packed: Tensor, scales_zeros: Tensor, group_size: int) 
     x = x.contiguous()
     n, k = scales_zeros.shape[1], x.shape[-1]
     out = x.new_empty(1, n)
-    _library().int4_gemv(
+    _kernels.int4_gemv(
         x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), n, k, group_size,
         torch.get_num_threads(),
     )  # fmt: skip
@@ -110,7 +122,7 @@ def _int8_cpu(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
     x = x.contiguous()
     n, k = qweight.shape
     out = x.new_empty(1, n)
-    _library().int8_gemv(
+    _kernels.int8_gemv(
         x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k,
         torch.get_num_threads(),
     )  # fmt: skip
