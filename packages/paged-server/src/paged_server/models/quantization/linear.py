@@ -12,7 +12,8 @@ lowers both to its C++ GEMM template, which keeps the weight quantized and
 runs 1.1-1.8x (one token) to 9x (64 tokens) faster than these kernels on
 an AMX Xeon. A single row (one stream's decode step) runs ``cpu_gemv``
 where the CPU has AVX512 VNNI: the row rounded to int8, as vLLM's CPU
-AWQ/GPTQ path, 2-3x faster than either. On CUDA, int8 and int4 weights run ``paged_triton``'s
+AWQ/GPTQ path, 2-3x faster than either. On CUDA, int8 and int4 weights
+run ``paged_triton``'s
 dequantizing GEMM (``quant_matmul``: the weight dequantized tile by tile
 in registers, split-K for decode), reading the layout kept below for
 dequantize-per-call; from ``DENSE_ROWS`` rows (prefill) they dequantize
@@ -132,8 +133,8 @@ class QuantizedLinear(nn.Module):
         return "dequantize"
 
     def _one_row_kernel(self) -> bool:
-        """Whether a single row runs ``cpu_gemv`` instead of aten's kernel
-        (same buffers, same numerics: a decode step of one stream)."""
+        """Whether a single row (one stream's decode step) runs ``cpu_gemv``
+        instead of aten's kernel: the same buffers, the row rounded to int8."""
         if self.kernel == "int8pack_mm":
             return cpu_gemv.int8_applies(self.in_features)
         if self.kernel == "int4pack_mm":
@@ -167,7 +168,7 @@ class QuantizedLinear(nn.Module):
             # bf16 input is not cast, so a strided view (a column slice) arrives as
             # it is, and aten's int4 kernel refuses one: contiguous, no copy otherwise.
             flat = x.reshape(-1, self.in_features).to(_ACT_DTYPE).contiguous()
-            if self.one_row and flat.shape[0] == 1:  # a compiled graph of one row only
+            if self.one_row and flat.shape[0] == 1:  # decided when a graph is traced
                 if self.kernel == "int8pack_mm":
                     y = cpu_gemv.int8_gemv(flat, self.qweight, self.scales)
                 else:
