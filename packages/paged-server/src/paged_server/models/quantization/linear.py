@@ -13,9 +13,8 @@ runs 1.1-1.8x (one token) to 9x (64 tokens) faster than these kernels on
 an AMX Xeon. A single row (one stream's decode step) runs ``cpu_gemv``
 where the CPU has AVX512 VNNI: the row rounded to int8, as vLLM's CPU
 AWQ/GPTQ path, 2-3x faster than either. On CUDA, int8 and int4 weights
-run ``paged_triton``'s
-dequantizing GEMM (``quant_matmul``: the weight dequantized tile by tile
-in registers, split-K for decode), reading the layout kept below for
+run ``paged_triton``'s dequantizing GEMM (``quant_matmul``: the weight
+dequantized tile by tile in registers, split-K for decode), reading the layout kept below for
 dequantize-per-call; from ``DENSE_ROWS`` rows (prefill) they dequantize
 the weight in one Triton pass into a temporary dense buffer and let cuBLAS
 multiply, which is faster there. Everything else (fp8, int8 with zero points on CPU,
