@@ -116,3 +116,16 @@ def test_one_row_layers_call_the_kernel_eager_and_compiled(bits: int) -> None:
         out, code = run_and_get_code(compiled, rows)
     assert "gemv" not in "\n".join(code)
     _close(out, layer(rows))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_nan_or_inf_in_the_row_gives_nan_outputs(bits: int) -> None:
+    """As a float product would: the engine must see a poisoned row as NaN,
+    not as finite numbers made from rounded garbage."""
+    w = _weight(64, 256, bits, 128 if bits == 4 else 256, False, seed=7)
+    layer = QuantizedLinear(w, None, CPU)
+    assert layer.one_row
+    for bad in (float("nan"), float("inf")):
+        x = _row(256, seed=8)
+        x[0, 3] = bad
+        assert layer(x).isnan().all(), bad

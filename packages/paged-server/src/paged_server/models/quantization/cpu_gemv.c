@@ -50,12 +50,18 @@ static inline __m256i bf16_from_floats(__m512 v) {
 }
 
 /* x (K bf16) as int8 per block of B: xq = round(x / xs), xs = absmax / 127,
- * qsum = sum of the block's xq. */
+ * qsum = sum of the block's xq. A block holding inf or NaN gets a NaN scale
+ * (codes 0), so the outputs are NaN, as a float product's would be. */
 static void quantize_blocks(const uint16_t* x, int64_t K, int64_t B, int8_t* xq, float* xs, int32_t* qsum) {
     for (int64_t b = 0; b < K / B; b++) {
         float amax = 0.0f;
-        for (int64_t k = b * B; k < (b + 1) * B; k++) amax = fmaxf(amax, fabsf(bf16_to_float(x[k])));
-        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int finite = 1;
+        for (int64_t k = b * B; k < (b + 1) * B; k++) {
+            const float v = fabsf(bf16_to_float(x[k]));
+            finite &= v <= 3.4028235e38f;  /* false for inf and NaN */
+            amax = fmaxf(amax, v);
+        }
+        const float scale = finite ? amax / 127.0f : NAN, inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int64_t k = b * B; k < (b + 1) * B; k++) {
             const int32_t q = (int32_t)nearbyintf(bf16_to_float(x[k]) * inv);
