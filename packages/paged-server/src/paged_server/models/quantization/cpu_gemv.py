@@ -33,8 +33,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from paged_ref import c_library
-
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 INT4_BLOCK = 64  # output columns per block of aten's AVX512 int4 layout
 INT8_BLOCK = 128  # cpu_gemv.c's: input features per activation scale of an int8 product
@@ -54,6 +52,10 @@ def _build() -> Any | None:
     global _kernels
     if torch.backends.cpu.get_cpu_capability() != "AVX512":  # aten's int4 layout is per vector width
         return None
+    # imported here: a tensor-parallel worker imports this module before its
+    # start-up guard runs, and must report a broken paged_ref from inside it
+    from paged_ref import c_library
+
     lib = c_library.build(SOURCE, (), "cpu_gemv", "gemv")
     if lib is None:
         return None
