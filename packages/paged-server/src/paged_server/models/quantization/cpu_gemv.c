@@ -1,5 +1,6 @@
 /* One-row products with int4 and int8 weights on a CPU with AVX512 VNNI and
- * VBMI (Ice Lake and later Xeons, Zen 4): what a single stream's decode step runs in every projection.
+ * VBMI (Ice Lake and later Xeons, Zen 4): what a single stream's decode
+ * step runs in every projection.
  *
  * The activations are quantized to int8 on the fly, per block of input
  * features (absmax / 127, round to nearest even), and multiplied with
@@ -64,7 +65,7 @@ static void quantize_blocks(const uint16_t* x, int64_t K, int64_t B, int8_t* xq,
         const float scale = finite ? amax / 127.0f : NAN, inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int64_t k = b * B; k < (b + 1) * B; k++) {
-            const int32_t q = (int32_t)nearbyintf(bf16_to_float(x[k]) * inv);
+            const int32_t q = finite ? (int32_t)nearbyintf(bf16_to_float(x[k]) * inv) : 0;
             xq[k] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
             sum += xq[k];
         }
