@@ -12,15 +12,15 @@ thread, 8 sequences x 190-380 tokens of the 30M bench model's layout, bf16,
 1.9x faster than the compiled tensor ops and 4x faster than the reference.
 
 It is built on first use (``c_library``), once per head size, query heads
-per kv head, kv head count and cache dtype, into ``~/.cache/paged/cpu_decode``. ``ops.paged_decode_attention`` stays
-the definition; the tests compare the two on random page tables.
+per kv head, kv head count and cache dtype, into ``~/.cache/paged/cpu_decode``.
+``ops.paged_decode_attention`` stays the definition; the tests compare the
+two on random page tables.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -31,8 +31,6 @@ from torch import Tensor
 from paged_ref import c_library
 from paged_ref import ops as ref_ops
 from paged_ref.op_args import DecodeArgs, PrefillArgs, WriteKVArgs, op
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # The C element types of cache_t and act_t (the cache's and the activations'); uint16_t holds bf16 bits.
