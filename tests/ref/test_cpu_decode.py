@@ -13,6 +13,7 @@ import torch
 from paged_ref import cpu_decode, ops
 from paged_ref.cpu_decode import CpuDecodeOps
 from paged_ref.kv_quant import quantize
+from paged_ref.paged_pool import PagedKVPool
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
 NUM_BLOCKS = 64
@@ -216,3 +217,62 @@ def test_cpu_prefill_in_the_model_dtype_matches_the_reference(dtype, window, sof
         torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
     else:
         assert torch.equal(got, want)
+
+
+def _mixed_step(ops_module, gen: torch.Generator, dtype: torch.dtype, window: int | None):
+    """One step of a paged pool with ``ops_module``: a decode between two
+    prompt chunks (so rows are picked out of the flat batch), one chunk fresh
+    and one after 6 cached tokens. Returns each layer's output, the caches
+    and the step's metadata."""
+    pool = PagedKVPool.from_model_config(2, KV_HEADS, HEAD_DIM, 32, BLOCK, dtype, ops=ops_module)
+    lens = {"a": 6, "b": 9, "c": 5}  # a: cached 6, then a chunk of 5; b: decode at 9; c: fresh 5
+    seqs = {name: pool.allocate_sequence(list(range(1, n + 1)))[0] for name, n in lens.items()}
+    first = pool.step_view([seqs["a"], seqs["b"]], [0, 0], [6, 8])
+    for layer in range(2):
+        k, v = (torch.randn(14, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+        first.attend(layer, torch.randn(14, HEADS, HEAD_DIM, generator=gen).to(dtype), k, v,
+                     scale=HEAD_DIM**-0.5, sliding_window=window)  # fmt: skip
+    first.advance()
+    pool.reserve(seqs["a"], list(range(1, 12)), 11)
+    view = pool.step_view([seqs["a"], seqs["b"], seqs["c"]], [6, 8, 0], [5, 1, 5])
+    outs = []
+    for layer in range(2):
+        fused = torch.randn(11, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        q, k, v = fused.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+        outs.append(view.attend(layer, q, k, v, scale=HEAD_DIM**-0.5, sliding_window=window))
+    return outs, pool, view.meta
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_short_prompt_chunk_attends_as_decodes_like_the_prefill(monkeypatch, window, dtype) -> None:
+    """A step whose prompt chunks read few keys runs each row as a decode of
+    its own through ``write_and_decode`` (``CacheView.attend``): same
+    outputs and caches as the reference prefill, which a threshold of 0 keeps."""
+    results = {}
+    for threshold in (0, 10**6):
+        monkeypatch.setattr(CpuDecodeOps, "prefill_as_decodes", threshold)
+        results[threshold] = _mixed_step(CpuDecodeOps(ops), torch.Generator().manual_seed(3), dtype, window)
+    (want, want_pool, want_meta), (got, got_pool, got_meta) = results[0], results[10**6]
+    assert "as_decodes" in got_meta.memo and "as_decodes" not in want_meta.memo
+    assert got_meta.decode.rows is not None  # the rows were out of order
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=0)
+    assert torch.equal(got_pool.k_cache, want_pool.k_cache) and torch.equal(got_pool.v_cache, want_pool.v_cache)
+
+
+def test_prefill_key_reads_and_the_rows_as_decodes(monkeypatch) -> None:
+    """The keys a step's prompt chunks read (decodes not counted), and each
+    row as a decode: its sequence's page table, its position + 1 keys; the
+    threshold is inclusive."""
+    for threshold, expect in ((6 * 5 + 15 + 15 - 1, False), (6 * 5 + 15 + 15, True)):
+        monkeypatch.setattr(CpuDecodeOps, "prefill_as_decodes", threshold)
+        _, _, meta = _mixed_step(CpuDecodeOps(ops), torch.Generator().manual_seed(4), torch.float32, None)
+        assert meta.prefill_key_reads() == 6 * 5 + 15 + 15  # a: 7..11, c: 1..5
+        assert ("as_decodes" in meta.memo) is expect
+    rows = meta.as_decodes()
+    assert rows.seq_lens.tolist() == [7, 8, 9, 10, 11, 9, 1, 2, 3, 4, 5]
+    assert torch.equal(rows.block_tables[0], meta.block_tables[0])
+    assert torch.equal(rows.block_tables[5], meta.block_tables[1])
+    assert torch.equal(rows.block_tables[10], meta.block_tables[2])

@@ -73,6 +73,30 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 
+    def prefill_key_reads(self) -> int:
+        """Keys the prefill part's queries read in all, each query at
+        position ``p`` reading ``p + 1`` (a window only lowers it): what
+        attending each prompt row as a decode of its own costs."""
+        return sum(
+            n * start + n * (n + 1) // 2
+            for start, n in zip(self.starts, self.new_lens, strict=True)
+            if n > 1
+        )
+
+    def as_decodes(self) -> DecodePart:
+        """Every token row as a decode of its own, in row order: row ``i`` of
+        sequence ``b`` at position ``p`` reads ``b``'s page table up to
+        ``p + 1`` keys, which is the causal prefill's mask. Made once per
+        step (kept in ``memo``)."""
+        part = self.memo.get("as_decodes")
+        if part is None:
+            seq_of_row = np.repeat(np.arange(len(self.new_lens)), self.new_lens)
+            index = torch.from_numpy(seq_of_row).to(self.block_tables.device)
+            part = self.memo["as_decodes"] = DecodePart(
+                None, self.block_tables.index_select(0, index), (self.positions + 1).to(torch.int32)
+            )
+        return part  # type: ignore[no-any-return]
+
 
 def build_metadata(
     block_tables: Tensor,

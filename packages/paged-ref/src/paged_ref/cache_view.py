@@ -162,16 +162,24 @@ class CacheView:
         k_cache, v_cache = self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer]
         dec, pre = meta.decode, meta.prefill
         only = dec if pre is None and dec is not None and dec.rows is None else None  # decodes only
-        if only is not None and not scales:
-            # An ops module may make such a layer's write and attention one call
-            # (None from it: nothing written, the two ops below run instead).
-            fused = getattr(ops, "write_and_decode", None)
-            out = None if fused is None else fused(
-                k_cache, v_cache, q, k, v, meta.slot_mapping, only.block_tables, only.seq_lens,
-                scale, sliding_window, softcap, meta.memo,
-            )  # fmt: skip
-            if out is not None:
-                return out  # type: ignore[no-any-return]
+        fused = getattr(ops, "write_and_decode", None)
+        if fused is not None and not scales:
+            # An ops module may make a decode-only layer's write and attention
+            # one call (None from it: nothing written, the ops below run
+            # instead); and take a short prompt chunk the same way, each row
+            # a decode of its own, where that costs it less than a prefill
+            # (its ``prefill_as_decodes``: the most keys read in all).
+            rows = only
+            short = pre is not None and meta.prefill_key_reads() <= getattr(ops, "prefill_as_decodes", 0)
+            if rows is None and short:
+                rows = meta.as_decodes()
+            if rows is not None:
+                out = fused(
+                    k_cache, v_cache, q, k, v, meta.slot_mapping, rows.block_tables, rows.seq_lens,
+                    scale, sliding_window, softcap, meta.memo,
+                )  # fmt: skip
+                if out is not None:
+                    return out  # type: ignore[no-any-return]
         ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **scales)
         if only is not None:
             return ops.paged_decode_attention(  # type: ignore[no-any-return]
