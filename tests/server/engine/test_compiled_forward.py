@@ -17,10 +17,15 @@ from torch._dynamo.utils import counters
 from paged_server.config import EngineConfig
 from paged_server.engine.compiled_forward import (
     GRAPHS_PER_ENGINE,
+    ROW_BUCKET,
     CompiledForward,
     _gemm_template_options,
+    _step,
+    attention_op,
     compiled_graphs,
     compiles_forward,
+    padded_rows,
+    row_buckets,
 )
 from paged_server.engine.llm_engine import LLMEngine
 from paged_server.models import load_model
@@ -220,3 +225,57 @@ def test_many_compiled_engines_in_one_process() -> None:
                 out = forward.hidden_states(torch.zeros(rows, dtype=torch.long), torch.arange(rows), object())
                 assert out.shape == (rows, 8)
                 assert forward.compute_logits(out).shape == (rows, 3)
+
+
+def test_rows_are_padded_to_buckets_the_warm_up_runs() -> None:
+    """One row stays one; more are rounded up to a multiple of ROW_BUCKET,
+    and ``row_buckets`` lists every count that gives, so a warm-up over them
+    leaves serving no new row count (oneDNN builds a matmul per row count)."""
+    assert [padded_rows(n) for n in (0, 1, 2, ROW_BUCKET, ROW_BUCKET + 1)] == [
+        0, 1, ROW_BUCKET, ROW_BUCKET, 2 * ROW_BUCKET,
+    ]  # fmt: skip
+    buckets = row_buckets(5 * ROW_BUCKET - 3)
+    assert buckets == [1, *(ROW_BUCKET * i for i in range(1, 6))]
+    assert {padded_rows(n) for n in range(1, 5 * ROW_BUCKET - 2)} == set(buckets)
+
+
+class _RecordingView:
+    """Records the rows ``attend`` is given; answers ``q + 1``."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def attend(self, layer_idx, q, k, v, *, scale, sliding_window=None, softcap=None):
+        assert k.shape[0] == v.shape[0] == q.shape[0]
+        self.rows.append(q.shape[0])
+        return q + 1
+
+
+def test_padding_rows_never_reach_the_view() -> None:
+    """``paged::attention`` hands the view only the step's own rows (nothing
+    written for padding) and gives the padding rows zeros."""
+    view = _RecordingView()
+    _step.view, _step.rows = view, 5
+    try:
+        q, k, v = torch.randn(8, 2, 4), torch.randn(8, 1, 4), torch.randn(8, 1, 4)
+        out = attention_op(q, k, v, 0, 1.0, None, None)
+    finally:
+        _step.view = None
+    assert view.rows == [5]
+    assert torch.equal(out[:5], q[:5] + 1) and not out[5:].any()
+
+
+def test_warm_up_runs_every_row_bucket(compiling, make_engine, monkeypatch) -> None:
+    """The compiled engine's warm-up passes every padded row count up to
+    its step budget through the model and the LM head."""
+    seen: list[int] = []
+    real = CompiledForward.hidden_states
+
+    def spy(self, input_ids, position_ids, kv_cache):
+        seen.append(padded_rows(input_ids.shape[0]))
+        return real(self, input_ids, position_ids, kv_cache)
+
+    monkeypatch.setattr(CompiledForward, "hidden_states", spy)
+    engine = make_engine(max_batch_size=4, max_num_batched_tokens=3 * ROW_BUCKET)
+    assert engine.runner.compiled is not None
+    assert sorted(set(seen)) == row_buckets(3 * ROW_BUCKET)

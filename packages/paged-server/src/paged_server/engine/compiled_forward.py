@@ -18,6 +18,15 @@ still use those), so the projections' weights take twice the memory.
 The token dimension is dynamic: one graph for single-token steps (torch
 specialises size 1) and one for everything else, both compiled by the
 runner's warm-up so serving never compiles. ``--enforce-eager`` turns it off.
+
+The rows of a multi-row step are padded to a multiple of ``ROW_BUCKET``
+(``padded_rows``), and the runner's warm-up runs every bucket once: oneDNN
+builds (JIT-compiles) a matmul the first time it sees a row count, ~0.7 ms a
+projection, so a step whose row count was new took 8-17 ms longer (the
+embedded model, 8 decodes beside a 37-149-token chunk), and under serving,
+where decodes and prompt chunks make row counts of every size, those steps
+were the inter-token latency's tail. Padding rows never reach attention:
+``paged::attention`` attends the real rows and returns zeros for the rest.
 """
 
 from __future__ import annotations
@@ -42,14 +51,28 @@ if TYPE_CHECKING:
 
 class _Step(threading.local):
     """The view of the step being computed on this thread (engines on two
-    threads in one process each see their own)."""
+    threads in one process each see their own), and how many of the
+    graph's rows are the step's tokens (the rest are padding)."""
 
     view: AttentionViewProtocol | None = None
+    rows: int = 0
 
 
 _step = _Step()
 
 GRAPHS_PER_ENGINE = 2  # per code object: single-token steps (one row), and the rest
+ROW_BUCKET = 8  # a multi-row step's rows are padded to a multiple of this
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a step of ``rows`` tokens (or sampled rows) runs with: one
+    stays one (its own graph), more are rounded up to a ``ROW_BUCKET``."""
+    return rows if rows <= 1 else -(-rows // ROW_BUCKET) * ROW_BUCKET
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every row count ``padded_rows`` gives for 1..``max_rows`` rows."""
+    return [1, *range(ROW_BUCKET, padded_rows(max_rows) + 1, ROW_BUCKET)]
 
 
 @torch.library.custom_op("paged::attention", mutates_args=())
@@ -63,13 +86,21 @@ def attention_op(
     softcap: float | None,
 ) -> Tensor:
     """``_step.view.attend(...)``: writes this layer's k/v into the cache and
-    attends; the cache is not an argument, so the graph cannot see it."""
-    view = _step.view
+    attends; the cache is not an argument, so the graph cannot see it.
+    Padding rows (past ``_step.rows``) are neither written nor attended."""
+    view, rows = _step.view, _step.rows
     if view is None:
         raise RuntimeError("paged::attention called outside a compiled step")
-    return view.attend(  # type: ignore[no-any-return]
-        layer_idx, q, k, v, scale=scale, sliding_window=sliding_window, softcap=softcap
-    )
+    if rows == q.shape[0]:
+        return view.attend(  # type: ignore[no-any-return]
+            layer_idx, q, k, v, scale=scale, sliding_window=sliding_window, softcap=softcap
+        )
+    out = q.new_zeros(q.shape)
+    out[:rows] = view.attend(
+        layer_idx, q[:rows], k[:rows], v[:rows], scale=scale, sliding_window=sliding_window,
+        softcap=softcap,
+    )  # fmt: skip
+    return out
 
 
 @attention_op.register_fake
@@ -136,24 +167,35 @@ class CompiledForward:
     ) -> Tensor:
         if kv_cache is None:  # scoring without a cache: not what serving runs
             return self.model.hidden_states(input_ids, position_ids, None)  # type: ignore[operator,no-any-return]
-        _step.view = kv_cache
+        rows = input_ids.shape[0]
+        _step.view, _step.rows = kv_cache, rows
         try:
-            with self._freezing_for(input_ids.shape[0]):
-                return self._compiled(input_ids, position_ids, _OPAQUE)
+            with self._freezing_for(rows):
+                return self._compiled(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
         finally:
             _step.view = None
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """The model's ``compute_logits`` compiled: one graph for one row
-        (one sampled sequence), one for more."""
-        with self._freezing_for(hidden.shape[0]):
-            return self._logits(hidden)
+        (one sampled sequence), one for more (padded as the step's rows)."""
+        rows = hidden.shape[0]
+        with self._freezing_for(rows):
+            return self._logits(_pad(hidden))[:rows]
 
     def _freezing_for(self, rows: int) -> AbstractContextManager[object]:
         """Inductor's settings for a graph of ``rows`` rows. Freezing is read
         when a graph compiles (torch.compile's options do not reach it), so
         it is set around every call, not globally."""
         return self._freezing_one_row if rows == 1 else self._freezing
+
+
+def _pad(x: Tensor) -> Tensor:
+    """``x`` with zero rows appended up to ``padded_rows`` (``x`` itself when none are)."""
+    rows = x.shape[0]
+    extra = padded_rows(rows) - rows
+    if not extra:
+        return x
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
 
 def _gemm_template_options(model: nn.Module) -> dict[str, object]:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from paged_core.protocols import ServingPoolProtocol
-from paged_server.engine.compiled_forward import CompiledForward
+from paged_server.engine.compiled_forward import CompiledForward, row_buckets
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.sequence import Sequence
 
@@ -121,14 +121,17 @@ class ModelRunner:
         """Compile what the server will use before the first request: every
         decode batch size (captured as graphs when there are graphs), one
         prefill of ``prompt_len`` tokens through a throwaway sequence, and,
-        with a compiled forward pass, its one-token graph too. Returns the
-        seconds it took."""
+        with a compiled forward pass, its one-token graph and every padded
+        row count up to ``prompt_len`` (``row_buckets``: each builds oneDNN's
+        matmuls for it). Returns the seconds it took."""
         start = time.perf_counter()
         if self.decode_graphs is not None:
             with torch.inference_mode():
                 self.decode_graphs.capture_all()
-        # A compiled pass has one graph for one-token steps and one for the rest.
-        for num_tokens in (prompt_len, 1) if self.compiled is not None else (prompt_len,):
+        sizes = [prompt_len]
+        if self.compiled is not None:  # the largest first: it compiles the multi-row graph
+            sizes += [n for n in reversed(row_buckets(prompt_len)) if n != prompt_len]
+        for num_tokens in sizes:
             self._throwaway_step(num_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -153,8 +156,8 @@ class ModelRunner:
                 else:
                     positions = self._tensor(list(range(num_tokens)))
                     hidden = self._hidden_states(self._tensor(tokens), positions, view)
-                    if self.compiled is not None:  # the head's graphs: one row, and more
-                        self._compute_logits(hidden[: min(num_tokens, 2)])
+                    if self.compiled is not None:  # the head's graphs, at this row count
+                        self._compute_logits(hidden)
         finally:
             self.pool.free_seq(seq_id)
 
