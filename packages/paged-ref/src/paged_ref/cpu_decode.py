@@ -278,11 +278,11 @@ class CpuDecodeOps:
     # A prompt chunk whose queries read at most this many keys in all runs
     # through ``write_and_decode``, each row a decode (``CacheView.attend``).
     # Measured on the embedded model, 8 decodes beside the chunk, bf16, 2
-    # threads: a 16-64-token first chunk makes the step 25-28% faster (the
-    # reference prefill's gathers, padding, mask and SDPA call per layer are
-    # gone); the rows' reads grow with the square of the chunk, and the two
-    # break even at 15-20k keys (64 tokens after 192-256 cached, 128 after ~100).
-    prefill_as_decodes = 12288
+    # threads: a 16-96-token first chunk makes the step 17-23% faster than
+    # ``prefill_by_sequence`` (one SDPA call, its copies and the op calls
+    # around it, per layer); the rows' reads grow with the square of the
+    # chunk, and the two break even between 96 and 128 tokens (4.6-8.3k keys).
+    prefill_as_decodes = 6144
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ops, name)
