@@ -215,12 +215,12 @@ def paged_prefill_attention(a: PrefillArgs) -> Tensor:
 
 
 def prefill_attention(a: PrefillArgs, compute_dtype: torch.dtype) -> Tensor:
-    """``paged_prefill_attention`` with its products in ``compute_dtype``.
-    The reference op is float32; a
-    CPU server with a 16-bit model and cache runs its prefills in that dtype
-    (``cpu_decode.CpuDecodeOps``): SDPA's CPU kernel accumulates and takes
-    the softmax in float32 either way, and runs 2-2.5x faster on 16-bit
-    inputs (AMX / AVX512-BF16)."""
+    """``paged_prefill_attention`` with its products in ``compute_dtype``
+    (the reference op's is float32; a cache's own 16-bit dtype also works,
+    SDPA's CPU kernel accumulating and taking the softmax in float32 either
+    way). A CPU server's 16-bit prefill takes ``cpu_decode.prefill_by_sequence``
+    instead: one SDPA call per sequence, without this chunked gather's
+    padding and step-wide mask."""
     q, k_cache, v_cache, window, memo = a.q, a.k_cache, a.v_cache, a.sliding_window, a.memo
     total_q, heads, head_dim = q.shape
     batch = a.seq_lens.shape[0]
