@@ -249,17 +249,34 @@ def prefill_by_sequence(a: PrefillArgs) -> Tensor:
         k, v = (c.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)[None] for c in (k_cache, v_cache))
         mask = None
         if seq_len != q_len or window is not None:
-            q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-            keys = torch.arange(seq_len)
-            mask = keys <= q_pos
-            if window is not None:
-                mask &= keys > q_pos - window
+            mask = _memo_mask(a.memo, q_len, seq_len, window, q.dtype)
         o = torch.nn.functional.scaled_dot_product_attention(
             q[first:last].transpose(0, 1).contiguous()[None], k, v, attn_mask=mask,
             is_causal=mask is None, scale=a.scale, enable_gqa=True,
         )  # fmt: skip
         out[first:last] = o[0].transpose(0, 1)
     return out
+
+
+def _memo_mask(
+    memo: dict[Any, Any] | None, q_len: int, seq_len: int, window: int | None, dtype: torch.dtype
+) -> Tensor:
+    """The additive mask (0 visible, -inf hidden, in ``dtype``: SDPA would
+    convert a boolean one in every call) of ``q_len`` queries ending at
+    ``seq_len``: keys at or before each query's position, inside its
+    window. Made once per step for every layer (``memo``)."""
+    key = ("cpu_decode.mask", q_len, seq_len, window, dtype)
+    mask = None if memo is None else memo.get(key)
+    if mask is None:
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        keys = torch.arange(seq_len)
+        visible = keys <= q_pos
+        if window is not None:
+            visible &= keys > q_pos - window
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+        if memo is not None:
+            memo[key] = mask
+    return mask
 
 
 class CpuDecodeOps:
