@@ -228,15 +228,14 @@ def test_many_compiled_engines_in_one_process() -> None:
 
 
 def test_rows_are_padded_to_buckets_the_warm_up_runs() -> None:
-    """One row stays one; more are rounded up to a multiple of ROW_BUCKET,
-    and ``row_buckets`` lists every count that gives, so a warm-up over them
-    leaves serving no new row count (oneDNN builds a matmul per row count)."""
-    assert [padded_rows(n) for n in (0, 1, 2, ROW_BUCKET, ROW_BUCKET + 1)] == [
-        0, 1, ROW_BUCKET, ROW_BUCKET, 2 * ROW_BUCKET,
-    ]  # fmt: skip
-    buckets = row_buckets(5 * ROW_BUCKET - 3)
-    assert buckets == [1, *(ROW_BUCKET * i for i in range(1, 6))]
-    assert {padded_rows(n) for n in range(1, 5 * ROW_BUCKET - 2)} == set(buckets)
+    """One row stays one; more are rounded up to a multiple of ROW_BUCKET
+    (8), of 16 above 64 rows; ``row_buckets`` lists every count that gives,
+    so a warm-up over them leaves serving no new row count (oneDNN builds a
+    matmul per row count)."""
+    assert ROW_BUCKET == 8
+    assert [padded_rows(n) for n in (0, 1, 2, 8, 9, 64, 65, 80, 81)] == [0, 1, 8, 8, 16, 64, 80, 80, 96]
+    assert row_buckets(100) == [1, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112]
+    assert row_buckets(1) == [1]
 
 
 class _RecordingView:
@@ -267,7 +266,8 @@ def test_padding_rows_never_reach_the_view() -> None:
 
 def test_warm_up_runs_every_row_bucket(compiling, make_engine, monkeypatch) -> None:
     """The compiled engine's warm-up passes every padded row count up to
-    its step budget through the model and the LM head."""
+    its step budget through the model, and up to its batch size through
+    the LM head."""
     seen: list[int] = []
     real = CompiledForward.hidden_states
 
@@ -275,7 +275,16 @@ def test_warm_up_runs_every_row_bucket(compiling, make_engine, monkeypatch) -> N
         seen.append(padded_rows(input_ids.shape[0]))
         return real(self, input_ids, position_ids, kv_cache)
 
+    head: list[int] = []
+    real_head = CompiledForward.compute_logits
+
+    def spy_head(self, hidden):
+        head.append(padded_rows(hidden.shape[0]))
+        return real_head(self, hidden)
+
     monkeypatch.setattr(CompiledForward, "hidden_states", spy)
+    monkeypatch.setattr(CompiledForward, "compute_logits", spy_head)
     engine = make_engine(max_batch_size=4, max_num_batched_tokens=3 * ROW_BUCKET)
     assert engine.runner.compiled is not None
-    assert sorted(set(seen)) == row_buckets(3 * ROW_BUCKET)
+    assert sorted(set(seen)) == row_buckets(3 * ROW_BUCKET) == [1, 8, 16, 24]
+    assert sorted(set(head)) == [1, 8]  # at most max_batch_size (4) rows: padded to 8

@@ -229,7 +229,7 @@ def prefill_by_sequence(a: PrefillArgs) -> Tensor:
     ``index_select`` of whole blocks per tensor, read as ``[tokens, kv_heads,
     head_dim]``), GQA by SDPA's ``enable_gqa``. A chunk with no cached
     context and no window is plainly causal (``is_causal``, no mask); one
-    after cached tokens, or with a window, gets a boolean mask. The
+    after cached tokens, or with a window, gets a mask (``_memo_mask``). The
     reference's chunked gather, padded queries and step-wide masks cost
     ~1 ms of a step with a 192-248-token chunk (the embedded model, 8
     decodes beside it: 8-11% of the step). SDPA's CPU kernel accumulates

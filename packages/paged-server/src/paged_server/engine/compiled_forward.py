@@ -61,18 +61,23 @@ class _Step(threading.local):
 _step = _Step()
 
 GRAPHS_PER_ENGINE = 2  # per code object: single-token steps (one row), and the rest
-ROW_BUCKET = 8  # a multi-row step's rows are padded to a multiple of this
+ROW_BUCKET = 8  # a multi-row step's rows are padded to a multiple of this, twice it above 64
 
 
 def padded_rows(rows: int) -> int:
     """The rows a step of ``rows`` tokens (or sampled rows) runs with: one
-    stays one (its own graph), more are rounded up to a ``ROW_BUCKET``."""
-    return rows if rows <= 1 else -(-rows // ROW_BUCKET) * ROW_BUCKET
+    stays one (its own graph); more are rounded up to a multiple of
+    ``ROW_BUCKET``, of twice it above 64 rows (half as many counts to warm
+    up where each costs more, at most 15 rows of padding)."""
+    if rows <= 1:
+        return rows
+    bucket = ROW_BUCKET if rows <= 64 else 2 * ROW_BUCKET
+    return -(-rows // bucket) * bucket
 
 
 def row_buckets(max_rows: int) -> list[int]:
-    """Every row count ``padded_rows`` gives for 1..``max_rows`` rows."""
-    return [1, *range(ROW_BUCKET, padded_rows(max_rows) + 1, ROW_BUCKET)]
+    """Every row count ``padded_rows`` gives for 1..``max_rows`` rows, ascending."""
+    return sorted({padded_rows(n) for n in range(1, max_rows + 1)})
 
 
 @torch.library.custom_op("paged::attention", mutates_args=())

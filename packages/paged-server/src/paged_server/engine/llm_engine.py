@@ -195,7 +195,8 @@ class LLMEngine:
             log.info("warm-up done in %.1f s", seconds)
         elif compiled is not None:
             log.info("compiling the forward pass (torch.compile; --enforce-eager skips this)")
-            seconds = self.runner.warm_up(min(config.max_model_len - 1, config.max_num_batched_tokens, 512))
+            prompt_len = min(config.max_model_len - 1, config.max_num_batched_tokens, 512)
+            seconds = self.runner.warm_up(prompt_len, head_rows=config.max_batch_size)
             log.info("compiled the forward pass in %.1f s", seconds)
         self.scheduler = Scheduler(
             self.pool,

@@ -117,13 +117,14 @@ class ModelRunner:
             at += count
         return StepLogits(logits[: len(sampled)], sampled, num_tokens, scores)
 
-    def warm_up(self, prompt_len: int) -> float:
+    def warm_up(self, prompt_len: int, head_rows: int = 1) -> float:
         """Compile what the server will use before the first request: every
         decode batch size (captured as graphs when there are graphs), one
         prefill of ``prompt_len`` tokens through a throwaway sequence, and,
         with a compiled forward pass, its one-token graph and every padded
         row count up to ``prompt_len`` (``row_buckets``: each builds oneDNN's
-        matmuls for it). Returns the seconds it took."""
+        matmuls for it), the LM head's up to ``head_rows`` (the sampled rows
+        of a step: one per running sequence). Returns the seconds it took."""
         start = time.perf_counter()
         if self.decode_graphs is not None:
             with torch.inference_mode():
@@ -132,12 +133,12 @@ class ModelRunner:
         if self.compiled is not None:  # the largest first: it compiles the multi-row graph
             sizes += [n for n in reversed(row_buckets(prompt_len)) if n != prompt_len]
         for num_tokens in sizes:
-            self._throwaway_step(num_tokens)
+            self._throwaway_step(num_tokens, head_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
-    def _throwaway_step(self, num_tokens: int) -> None:
+    def _throwaway_step(self, num_tokens: int, head_rows: int) -> None:
         """A prefill of ``num_tokens`` through a sequence that is freed, never
         committed (nothing enters the prefix cache). The first view is built
         outside inference mode: page-table rows the pool grows here outlive
@@ -157,7 +158,7 @@ class ModelRunner:
                     positions = self._tensor(list(range(num_tokens)))
                     hidden = self._hidden_states(self._tensor(tokens), positions, view)
                     if self.compiled is not None:  # the head's graphs, at this row count
-                        self._compute_logits(hidden)
+                        self._compute_logits(hidden[: max(1, min(num_tokens, head_rows))])
         finally:
             self.pool.free_seq(seq_id)
 
