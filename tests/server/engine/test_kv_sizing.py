@@ -43,8 +43,10 @@ def test_cpu_share_of_available_ram_holds_what_the_startup_line_claims(
 
 
 def test_real_available_ram_sizes_the_pool(make_engine) -> None:
-    share = 1e-7  # a few KB of this machine's free RAM, whatever it is
     before = kv_sizing.available_cpu_memory()
+    # ~8 blocks of this machine's free RAM, whatever it is (a fixed share of
+    # 1e-7 left less than one block once free RAM fell below ~20 GiB).
+    share = TOKEN_BYTES * 4 * 8 / before
     engine = make_engine(gpu_memory_utilization=share, max_model_len=16)
     after = kv_sizing.available_cpu_memory()
     blocks = engine.capacity.num_blocks
