@@ -35,6 +35,7 @@ from torch import Tensor
 
 from paged_ref import c_library
 from paged_ref import ops as ref_ops
+from paged_ref.attention import context_mask
 from paged_ref.op_args import DecodeArgs, PrefillArgs, WriteKVArgs, op
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -263,20 +264,15 @@ def _memo_mask(
 ) -> Tensor:
     """The additive mask (0 visible, -inf hidden, in ``dtype``: SDPA would
     convert a boolean one in every call) of ``q_len`` queries ending at
-    ``seq_len``: keys at or before each query's position, inside its
-    window. Made once per step for every layer (``memo``)."""
-    key = ("cpu_decode.mask", q_len, seq_len, window, dtype)
-    mask = None if memo is None else memo.get(key)
-    if mask is None:
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        keys = torch.arange(seq_len)
-        visible = keys <= q_pos
-        if window is not None:
-            visible &= keys > q_pos - window
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-        if memo is not None:
-            memo[key] = mask
-    return mask
+    ``seq_len``: ``attention.context_mask``'s keys. Made once per step for
+    every layer (``memo``)."""
+
+    def build() -> Tensor:
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(0)
+        visible = context_mask(q_pos, torch.tensor([seq_len]), seq_len, window)[0]
+        return ref_ops._additive(visible).to(dtype)
+
+    return ref_ops._memo_get(memo, ("cpu_decode.mask", q_len, seq_len, window, dtype), build)  # type: ignore[no-any-return]
 
 
 class CpuDecodeOps:
