@@ -269,10 +269,12 @@ def test_warm_up_runs_every_row_bucket(compiling, make_engine, monkeypatch) -> N
     its step budget through the model, and up to its batch size through
     the LM head."""
     seen: list[int] = []
+    tokens: list[int] = []
     real = CompiledForward.hidden_states
 
     def spy(self, input_ids, position_ids, kv_cache):
         seen.append(padded_rows(input_ids.shape[0]))
+        tokens.append(input_ids.shape[0])
         return real(self, input_ids, position_ids, kv_cache)
 
     head: list[int] = []
@@ -288,3 +290,8 @@ def test_warm_up_runs_every_row_bucket(compiling, make_engine, monkeypatch) -> N
     assert engine.runner.compiled is not None
     assert sorted(set(seen)) == row_buckets(3 * ROW_BUCKET) == [1, 8, 16, 24]
     assert sorted(set(head)) == [1, 8]  # at most max_batch_size (4) rows: padded to 8
+    # max_model_len 10: passes of at most 9 tokens, the top bucket (16) run once, by 9
+    seen.clear()
+    tokens.clear()
+    make_engine(max_batch_size=4, max_num_batched_tokens=3 * ROW_BUCKET, max_model_len=10)
+    assert sorted(seen) == [1, 8, 16] and max(tokens) == 9

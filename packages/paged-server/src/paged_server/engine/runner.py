@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from paged_core.protocols import ServingPoolProtocol
-from paged_server.engine.compiled_forward import CompiledForward, row_buckets
+from paged_server.engine.compiled_forward import CompiledForward, padded_rows, row_buckets
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.sequence import Sequence
 
@@ -131,7 +131,10 @@ class ModelRunner:
                 self.decode_graphs.capture_all()
         sizes = [prompt_len]
         if self.compiled is not None:  # the largest first: it compiles the multi-row graph
-            sizes += [n for n in reversed(row_buckets(prompt_len)) if n != prompt_len]
+            # prompt_len's pass runs the top bucket; every lower one is shorter than
+            # prompt_len, so no pass runs a bucket twice or outgrows max_model_len
+            top = padded_rows(prompt_len)
+            sizes += [n for n in reversed(row_buckets(prompt_len)) if n != top]
         for num_tokens in sizes:
             self._throwaway_step(num_tokens, head_rows)
         if self.device.type == "cuda":
@@ -158,7 +161,7 @@ class ModelRunner:
                     positions = self._tensor(list(range(num_tokens)))
                     hidden = self._hidden_states(self._tensor(tokens), positions, view)
                     if self.compiled is not None:  # the head's graphs, at this row count
-                        self._compute_logits(hidden[: max(1, min(num_tokens, head_rows))])
+                        self._compute_logits(hidden[: min(num_tokens, head_rows)])
         finally:
             self.pool.free_seq(seq_id)
 
