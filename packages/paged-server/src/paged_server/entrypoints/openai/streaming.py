@@ -26,9 +26,17 @@ from paged_server.entrypoints.openai.tool_calls import ToolStreamParser
 DONE = b"data: [DONE]\n\n"
 
 
+# Characters JSON leaves raw (ensure_ascii=False) that str.splitlines breaks a
+# line at: clients reading the stream line by line that way (httpx's
+# aiter_lines) cut an event in two when generated text holds one.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict[str, Any]) -> bytes:
-    """One SSE event carrying ``payload`` as compact JSON."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One SSE event carrying ``payload`` as compact JSON, on one line by
+    any line-splitting rule (see ``_LINE_BREAKS``)."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 async def stream_completion(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[bytes]:
