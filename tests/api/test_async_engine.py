@@ -149,6 +149,40 @@ def test_event_loop_keeps_running_during_a_slow_step(fake_engine: Any) -> None:
     assert worst_gap < 0.25, f"event loop stalled for {worst_gap:.3f} s while a 0.3 s step ran"
 
 
+def test_a_step_wakes_the_event_loop_once_whatever_the_streams(fake_engine: Any) -> None:
+    """Every stream's output of a step arrives in one hand-off to the event
+    loop: a wake-up per stream made the engine thread wait for the HTTP
+    thread once per request, every step."""
+    fake_engine.step_delay = 0.002
+    ae = AsyncEngine(fake_engine)
+    ae.start()
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        handoffs: list[int] = []
+        plain = loop.call_soon_threadsafe
+
+        def counted(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            handoffs.append(fake_engine.steps)
+            return plain(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        qs = [await add(ae, f"r{i}", [5], max_tokens=40) for i in range(8)]
+        handoffs.clear()
+        first_step = fake_engine.steps
+        for q in qs:
+            outs, end = await drain(q)
+            assert end is None and sum(len(o.new_token_ids) > 0 for o in outs) == 40
+        return len(handoffs), fake_engine.steps - first_step
+
+    try:
+        handoffs, steps = asyncio.run(main())
+    finally:
+        ae.stop()
+    assert steps >= 30  # most of the 8 x 40 tokens came after the last add
+    assert handoffs <= steps + 1, f"{handoffs} hand-offs to the event loop in {steps} steps of 8 streams"
+
+
 def test_add_errors_propagate_to_the_caller(fake_engine: Any) -> None:
     ae = AsyncEngine(fake_engine)
     ae.start()

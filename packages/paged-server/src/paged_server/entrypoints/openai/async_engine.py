@@ -84,6 +84,12 @@ class _Tracked:
     generated: dict[int, int] = field(default_factory=dict)  # choice -> tokens so far
 
 
+def _put_each(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    """On the event loop: hand each request's outputs of one step to its stream."""
+    for out_queue, item in items:
+        out_queue.put_nowait(item)
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread is not running; the server cannot take requests."""
 
@@ -350,6 +356,7 @@ class AsyncEngine:
     def _route(self, outputs: list[Any]) -> None:
         now = time.monotonic()
         by_request: dict[str, list[Any]] = {}
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         for out in outputs:
             by_request.setdefault(out.request_id, []).append(out)
         for request_id, outs in by_request.items():
@@ -365,7 +372,14 @@ class AsyncEngine:
                 if self.server_metrics is not None:  # one per request, as vLLM
                     self.server_metrics.finished(outs[-1].finish_reason or "stop")
                 self._observe_finished(tracked, outs[-1], now)
-            self._deliver(tracked, outs)
+            deliveries.setdefault(tracked.loop, []).append((tracked.queue, outs))
+        for loop, items in deliveries.items():
+            # One wake-up of the event loop per step, not one per request: each
+            # call_soon_threadsafe writes to the loop's wake-up pipe, releasing
+            # the GIL, and the HTTP thread woken by it runs while this thread
+            # waits to start the next step.
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                loop.call_soon_threadsafe(_put_each, items)
 
     def _observe(self, tracked: _Tracked, out: Any, now: float) -> None:
         n_new = len(out.new_token_ids)
