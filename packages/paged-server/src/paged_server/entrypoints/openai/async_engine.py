@@ -73,6 +73,9 @@ class StreamEnd:
 
 @dataclass(slots=True)
 class _Tracked:
+    """A request in flight: ``remaining`` is the engine thread's; the timing
+    fields below it are the event loop's (observed as outputs arrive there)."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
     arrival: float
@@ -82,12 +85,6 @@ class _Tracked:
     first_token_at: float | None = None
     last_token_at: dict[int, float] = field(default_factory=dict)
     generated: dict[int, int] = field(default_factory=dict)  # choice -> tokens so far
-
-
-def _put_each(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
-    """On the event loop: hand each request's outputs of one step to its stream."""
-    for out_queue, item in items:
-        out_queue.put_nowait(item)
 
 
 class EngineDeadError(RuntimeError):
@@ -354,32 +351,39 @@ class AsyncEngine:
         return m.get("prompt_tokens_total", 0.0) + m.get("generation_tokens_total", 0.0)
 
     def _route(self, outputs: list[Any]) -> None:
+        """Hand each tracked request's outputs of this step to its stream: one
+        call per event loop for all of them (each hand-off wakes the loop's
+        thread, which then holds the GIL while this thread waits to start the
+        next step), and the latency histograms observed there, not here."""
         now = time.monotonic()
         by_request: dict[str, list[Any]] = {}
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         for out in outputs:
             by_request.setdefault(out.request_id, []).append(out)
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[_Tracked, list[Any], bool]]] = {}
         for request_id, outs in by_request.items():
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue  # aborted while the step ran
+            tracked.remaining -= sum(1 for out in outs if out.finished)
+            done = tracked.remaining <= 0
+            if done:
+                del self._tracked[request_id]
+            deliveries.setdefault(tracked.loop, []).append((tracked, outs, done))
+        for loop, items in deliveries.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                loop.call_soon_threadsafe(self._deliver_step, items, now)
+
+    def _deliver_step(self, items: list[tuple[_Tracked, list[Any], bool]], now: float) -> None:
+        """On the event loop: observe one step's outputs (``now``: when the
+        step ended) and put each request's on its queue."""
+        for tracked, outs, done in items:
             for out in outs:
                 self._observe(tracked, out, now)
-                if out.finished:
-                    tracked.remaining -= 1
-            if tracked.remaining <= 0:
-                del self._tracked[request_id]
+            if done:
                 if self.server_metrics is not None:  # one per request, as vLLM
                     self.server_metrics.finished(outs[-1].finish_reason or "stop")
                 self._observe_finished(tracked, outs[-1], now)
-            deliveries.setdefault(tracked.loop, []).append((tracked.queue, outs))
-        for loop, items in deliveries.items():
-            # One wake-up of the event loop per step, not one per request: each
-            # call_soon_threadsafe writes to the loop's wake-up pipe, releasing
-            # the GIL, and the HTTP thread woken by it runs while this thread
-            # waits to start the next step.
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
-                loop.call_soon_threadsafe(_put_each, items)
+            tracked.queue.put_nowait(outs)
 
     def _observe(self, tracked: _Tracked, out: Any, now: float) -> None:
         n_new = len(out.new_token_ids)
