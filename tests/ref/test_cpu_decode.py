@@ -202,10 +202,15 @@ def test_write_and_decode_declines_what_the_kernels_do_not_take() -> None:
 )
 def test_cpu_prefill_in_the_model_dtype_matches_the_reference(dtype, window, softcap, atol) -> None:
     """CpuDecodeOps' prefill (SDPA in a 16-bit model's dtype) against the
-    float32 reference: chunks after cached context, several sequences, GQA."""
+    float32 reference: chunks after cached context, several sequences, GQA,
+    lengths SDPA gets padded to a multiple of 16 (the padding taken from
+    stale NaN slots of a last block, and past a sequence's blocks)."""
     gen = torch.Generator().manual_seed(1)
     _, k, v, tables, lens = random_batch(gen, 3, 14, dtype)
     lens = torch.tensor([14, 9, 5])
+    for b, n in enumerate(lens.tolist()):  # a last block's unwritten slots: stale, here NaN
+        last = int(tables[b, (n - 1) // BLOCK])
+        k[last, n % BLOCK or BLOCK :] = v[last, n % BLOCK or BLOCK :] = float("nan")
     q_lens = torch.tensor([5, 9, 2])  # the second has no cached context
     cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int()
     q = torch.randn(int(q_lens.sum()), HEADS, HEAD_DIM, generator=gen).to(dtype)

@@ -224,6 +224,13 @@ def write_and_decode(
     return _c_decode(plan.kernels, q, k_cache, v_cache, plan.tables, plan.lens, scale, sliding_window, softcap, plan.num_threads)
 
 
+# SDPA's CPU flash kernel on 16-bit inputs runs 1.5-2.6x slower when the query
+# or key count is not a multiple of 16 (one layer of the embedded model's
+# shape, bf16, 2 threads: 253 fresh tokens 318-354 us against 124-138 for
+# 256; 253 queries over 509 keys 448 us against 299), so both are padded.
+SDPA_MULTIPLE = 16
+
+
 def prefill_by_sequence(a: PrefillArgs) -> Tensor:
     """``ops.paged_prefill_attention``'s contract on a CPU, in the model's own
     dtype, one SDPA call per sequence: its blocks taken in order (one
@@ -235,8 +242,10 @@ def prefill_by_sequence(a: PrefillArgs) -> Tensor:
     ~1 ms of a step with a 192-248-token chunk (the embedded model, 8
     decodes beside it: 8-11% of the step). SDPA's CPU kernel accumulates
     and takes the softmax in float32, 2-2.5x faster on 16-bit inputs
-    (AMX / AVX512-BF16) than on float32 ones. The lengths are host reads:
-    free on a CPU."""
+    (AMX / AVX512-BF16) than on float32 ones. Queries and keys are padded
+    to a multiple of ``SDPA_MULTIPLE``: zero keys no real query sees (the
+    causal diagonal, or the mask), query rows whose outputs are dropped.
+    The lengths are host reads: free on a CPU."""
     q, k_cache, v_cache, window = a.q, a.k_cache, a.v_cache, a.sliding_window
     block_size = k_cache.shape[1]
     cu, lens = a.cu_seqlens_q.tolist(), a.seq_lens.tolist()
@@ -247,16 +256,33 @@ def prefill_by_sequence(a: PrefillArgs) -> Tensor:
             continue
         blocks = a.block_tables[b, : -(-seq_len // block_size)].long()
         # [1, heads, tokens, head_dim]: unbatched (3-D) inputs take SDPA's slow math path (~7x).
-        k, v = (c.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)[None] for c in (k_cache, v_cache))
+        k, v = (_keys(c, blocks, seq_len, _padded(seq_len)) for c in (k_cache, v_cache))
         mask = None
         if seq_len != q_len or window is not None:
             mask = _memo_mask(a.memo, q_len, seq_len, window, q.dtype)
+        queries = q.new_zeros(1, q.shape[1], _padded(q_len), q.shape[2])
+        queries[0, :, :q_len] = q[first:last].transpose(0, 1)
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[first:last].transpose(0, 1).contiguous()[None], k, v, attn_mask=mask,
-            is_causal=mask is None, scale=a.scale, enable_gqa=True,
+            queries, k, v, attn_mask=mask, is_causal=mask is None, scale=a.scale, enable_gqa=True,
         )  # fmt: skip
-        out[first:last] = o[0].transpose(0, 1)
+        out[first:last] = o[0, :, :q_len].transpose(0, 1)
     return out
+
+
+def _padded(n: int) -> int:
+    return -(-n // SDPA_MULTIPLE) * SDPA_MULTIPLE
+
+
+def _keys(cache: Tensor, blocks: Tensor, seq_len: int, padded: int) -> Tensor:
+    """``[1, kv_heads, padded, head_dim]``: the sequence's first ``seq_len``
+    tokens of ``cache`` (its ``blocks``, in order), then zeros (appended
+    where its blocks hold fewer than ``padded`` tokens)."""
+    tokens = cache.index_select(0, blocks).flatten(0, 1)  # a copy: its tail is ours to zero
+    if tokens.shape[0] < padded:
+        tokens = torch.cat([tokens, tokens.new_zeros(padded - tokens.shape[0], *tokens.shape[1:])])
+    tokens = tokens[:padded]
+    tokens[seq_len:] = 0  # stale or unwritten slots: 0 x NaN would leak into the sums
+    return tokens.transpose(0, 1)[None]
 
 
 def _memo_mask(
@@ -264,13 +290,18 @@ def _memo_mask(
 ) -> Tensor:
     """The additive mask (0 visible, -inf hidden, in ``dtype``: SDPA would
     convert a boolean one in every call) of ``q_len`` queries ending at
-    ``seq_len``: ``attention.context_mask``'s keys. Made once per step for
+    ``seq_len``: ``attention.context_mask``'s keys, padded as
+    ``prefill_by_sequence`` pads: padding keys hidden, padding queries see
+    every real key (a row of only -inf would be NaN). Made once per step for
     every layer (``memo``)."""
 
     def build() -> Tensor:
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(0)
         visible = context_mask(q_pos, torch.tensor([seq_len]), seq_len, window)[0]
-        return ref_ops._additive(visible).to(dtype)
+        padded = torch.zeros(_padded(q_len), _padded(seq_len), dtype=torch.bool)
+        padded[:q_len, :seq_len] = visible
+        padded[q_len:, :seq_len] = True
+        return ref_ops._additive(padded).to(dtype)
 
     return ref_ops._memo_get(memo, ("cpu_decode.mask", q_len, seq_len, window, dtype), build)  # type: ignore[no-any-return]
 
