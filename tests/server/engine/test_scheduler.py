@@ -156,17 +156,38 @@ def test_one_budget_for_decodes_and_prefill_chunks_oldest_first() -> None:
     assert pool.audit() == []
 
 
+def test_a_prompt_that_needs_several_chunks_gets_equal_ones() -> None:
+    """As many steps as the budget's chunks would take, each carrying an
+    equal share: the first token comes no later, and no step carries more
+    prompt than it must beside the decodes (9 tokens at a budget of 8 with
+    a decode running: 5 + 4, not 7 + 2)."""
+    sched = scheduler(paged_pool(), budget=8)
+    d = make_seq(3)
+    sched.add(d)
+    assert run_step(sched) == [(d, 3)]
+    p = make_seq(9)
+    sched.add(p)
+    assert run_step(sched) == [(d, 1), (p, 5)]  # two chunks of at most 7: 5 + 4
+    assert run_step(sched) == [(d, 1), (p, 4)]
+    assert run_step(sched) == [(d, 1), (p, 1)]  # its first token came after two chunks
+    alone = scheduler(paged_pool(), budget=8)
+    q = make_seq(17)  # three chunks of at most 8: 6 + 6 + 5, not 8 + 8 + 1
+    alone.add(q)
+    assert [run_step(alone)[0][1] for _ in range(3)] == [6, 6, 5]
+
+
 def test_long_prefill_token_threshold_bounds_each_prompt_chunk() -> None:
     """vLLM's ``long_prefill_token_threshold``: at most that many of one
-    prompt's tokens per step, admitted or running; the budget's rest goes to
-    the next sequences; decodes are untouched; no effect without chunking."""
+    prompt's tokens per step, admitted or running (in chunks of equal size:
+    10 tokens as 4 + 3 + 3); the budget's rest goes to the next sequences;
+    decodes are untouched; no effect without chunking."""
     sched = scheduler(paged_pool(), budget=12, long_prefill_token_threshold=4)
     a, b, c = make_seq(10), make_seq(3), make_seq(9)
     for s in (a, b, c):
         sched.add(s)
-    assert run_step(sched) == [(a, 4), (b, 3), (c, 4)]
-    assert run_step(sched) == [(a, 4), (b, 1), (c, 4)]  # b decodes
-    assert run_step(sched) == [(a, 2), (b, 1), (c, 1)]  # each finishes its prompt
+    assert run_step(sched) == [(a, 4), (b, 3), (c, 3)]
+    assert run_step(sched) == [(a, 3), (b, 1), (c, 3)]  # b decodes
+    assert run_step(sched) == [(a, 3), (b, 1), (c, 3)]  # each finishes its prompt
     whole = scheduler(paged_pool(), budget=12, enable_chunked_prefill=False,
                       long_prefill_token_threshold=4)  # fmt: skip
     d = make_seq(10)

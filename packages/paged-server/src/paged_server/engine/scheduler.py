@@ -173,9 +173,14 @@ class Scheduler:
         """Tokens one sequence computes this step: what it wants, within the
         step's budget and ``long_prefill_token_threshold`` (which bounds a
         prompt chunk, so a step that carries one stays short for the decodes
-        beside it: steadier inter-token latency, later first tokens)."""
-        n = min(wanted, budget)
-        return min(n, self.max_chunk) if self.max_chunk else n
+        beside it: steadier inter-token latency, later first tokens). What
+        needs several chunks of that size gets as many, of equal size: the
+        same steps to its first token, and no step carries more than it must
+        (311 tokens beside 3 decodes at a budget of 256: 156 + 155, not 253 + 58)."""
+        cap = min(budget, self.max_chunk) if self.max_chunk else budget
+        if wanted <= cap:
+            return wanted
+        return -(-wanted // -(-wanted // cap))  # ceil(wanted / number of chunks)
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> int | None:
         """Reserve room for ``seq``'s next ``n`` tokens, preempting the newest
