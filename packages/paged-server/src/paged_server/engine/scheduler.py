@@ -4,7 +4,8 @@ Every running sequence wants ``num_tokens - num_computed_tokens`` tokens
 computed: 1 for a decode, a chunk of its prompt while prefilling, its whole
 history after a preemption. Each step the scheduler walks the running set
 oldest first and gives each sequence what the ``max_num_batched_tokens``
-budget still allows (whole prompts only when chunked prefill is off), making
+budget still allows (a prompt that needs several chunks in chunks of equal
+size; whole prompts only when chunked prefill is off), making
 sure the pool has room for every scheduled token; if it has none, the newest
 running *unit* is preempted (its seq_ids freed, and it goes back to the front
 of the queue to be recomputed) until it does. If nothing was preempted,
