@@ -85,6 +85,7 @@ def test_serve_logs_startup_and_shuts_down_cleanly_on_sigterm(tmp_path: Any) -> 
 
 
 def test_bench_serve_reports_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
+    engine_threads = {t for t in threading.enumerate() if t.name == "paged-engine"}
     rc = main(["bench-serve", "--workload", "continuous_batching", "--num-requests", "8",
                "--request-rate", "20", "--prompt-scale", "0.1", "--new-tokens-scale", "0.1",
                "--max-model-len", "256", "--device", "cpu", "--attention-backend", "ref"])
@@ -103,6 +104,9 @@ def test_bench_serve_reports_one_json_line(capsys: pytest.CaptureFixture[str]) -
     # The engine config as run: the CPU default step budget is filled in.
     assert report["engine_config"]["max_num_batched_tokens"] == 256
     assert set(report["running"]) == {"mean", "peak", "samples"}
+    # Its engine thread ended with the run: a later run in this process must not
+    # step beside an idle OpenMP pool.
+    assert {t for t in threading.enumerate() if t.name == "paged-engine"} <= engine_threads
 
 
 def test_bench_hook_runs_the_offline_benchmark_cli(capsys: pytest.CaptureFixture[str]) -> None:
