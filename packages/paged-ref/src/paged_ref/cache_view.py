@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from paged_ref.attention_metadata import AttentionMetadata
+from paged_ref.attention_metadata import AttentionMetadata, DecodePart
 from paged_ref.kv_quant import HEAD_SCALE_DTYPE, check_scales, logical_shape, scale_keywords
 from paged_ref.ops import gather_context
 
@@ -86,6 +86,11 @@ def static_scales(cache: Tensor, scales: Tensor, name: str, num_layers: int) -> 
     padded = torch.ones(layers, -(-kv_heads // 4) * 4, dtype=HEAD_SCALE_DTYPE, device=cache.device)
     padded[:, :kv_heads] = scales.to(device=cache.device, dtype=HEAD_SCALE_DTYPE)
     return padded[:, :kv_heads]
+
+
+def _rows_of(q: Tensor, dec: DecodePart, num_decodes: int) -> Tensor:
+    """The decode rows' queries (a view when they come first)."""
+    return q[:num_decodes] if dec.rows is None else q[dec.rows]
 
 
 class CacheView:
@@ -163,12 +168,16 @@ class CacheView:
         dec, pre = meta.decode, meta.prefill
         only = dec if pre is None and dec is not None and dec.rows is None else None  # decodes only
         fused = getattr(ops, "write_and_decode", None)
+        num_decodes = 0 if dec is None else dec.seq_lens.shape[0]
+        decoded = None  # the decode rows' outputs, where the write's call attended them
         if fused is not None and not scales:
             # An ops module may make a decode-only layer's write and attention
             # one call (None from it: nothing written, the ops below run
             # instead); and take a short prompt chunk the same way, each row
             # a decode of its own, where that costs it less than a prefill
-            # (its ``prefill_as_decodes``: the most keys read in all).
+            # (its ``prefill_as_decodes``: the most keys read in all). In any
+            # other step with decodes, that call writes every row and attends
+            # the decodes, and the prefill op attends the prompt chunks.
             rows = only
             short = pre is not None and meta.prefill_key_reads() <= getattr(ops, "prefill_as_decodes", 0)
             if rows is None and short:
@@ -180,21 +189,26 @@ class CacheView:
                 )  # fmt: skip
                 if out is not None:
                     return out  # type: ignore[no-any-return]
-        ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **scales)
+            elif dec is not None:
+                decoded = fused(
+                    k_cache, v_cache, _rows_of(q, dec, num_decodes), k, v, meta.slot_mapping, dec.block_tables, dec.seq_lens,
+                    scale, sliding_window, softcap, meta.memo,
+                )  # fmt: skip
+        if decoded is None:
+            ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **scales)
         if only is not None:
             return ops.paged_decode_attention(  # type: ignore[no-any-return]
                 q, k_cache, v_cache, only.block_tables, only.seq_lens, scale,
                 sliding_window, softcap, memo=meta.memo, **scales,
             )  # fmt: skip
         out = torch.empty_like(q)
-        num_decodes = 0
         if dec is not None:
-            num_decodes = dec.seq_lens.shape[0]
-            q_dec = q[:num_decodes] if dec.rows is None else q[dec.rows]
-            o = ops.paged_decode_attention(
-                q_dec, k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
-                sliding_window, softcap, memo=meta.memo, **scales,
-            )  # fmt: skip
+            o = decoded
+            if o is None:
+                o = ops.paged_decode_attention(
+                    _rows_of(q, dec, num_decodes), k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
+                    sliding_window, softcap, memo=meta.memo, **scales,
+                )  # fmt: skip
             if dec.rows is None:
                 out[:num_decodes] = o
             else:
