@@ -73,8 +73,9 @@ class StreamEnd:
 
 @dataclass(slots=True)
 class _Tracked:
-    """A request in flight: ``remaining`` is the engine thread's; the timing
-    fields below it are the event loop's (observed as outputs arrive there)."""
+    """A request in flight: ``remaining`` is the engine thread's;
+    ``first_token_at``, ``last_token_at`` and ``generated`` are the event
+    loop's (observed as outputs arrive there); the rest never change."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
