@@ -74,6 +74,36 @@ def test_cpu_decode_matches_the_reference(dtype, window, softcap, atol, threads)
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("q_scale", [8.0, 60.0])
+def test_a_sharp_softmax_matches_the_reference(q_scale) -> None:
+    """Scores hundreds apart: the kernel's own exp (``exp_simd``) runs over
+    its whole range, down to arguments where e^x underflows to 0, and keeps
+    each step's running max right."""
+    gen = torch.Generator().manual_seed(3)
+    for batch, max_len in [(4, 37), (5, 44)]:
+        q, k, v, tables, lens = random_batch(gen, batch, max_len, torch.float32)
+        q = q * q_scale
+        want = ops.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5)
+        got = cpu_decode.decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_nan_key_makes_its_query_nan_as_in_the_reference() -> None:
+    """A NaN in a visible key reaches its query heads' output (the sampler
+    then fails that request), as in the reference; the other heads and
+    sequences are unharmed."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, _, _ = random_batch(gen, 3, 20, torch.float32)
+    tables = torch.arange(15, dtype=torch.int32).view(3, 5)  # 20 tokens each, own blocks
+    lens = torch.full((3,), 20)
+    k[1, 2, 0, 5] = float("nan")  # the first sequence's 7th token
+    want = ops.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5)
+    got = cpu_decode.decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5)
+    nan = HEADS // KV_HEADS  # the query heads of kv head 0
+    assert got[0, :nan].isnan().all() and torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0, equal_nan=True)
+
+
 def test_a_block_larger_than_the_kernel_buffer_takes_the_reference() -> None:
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(2, HEADS, HEAD_DIM, generator=gen)

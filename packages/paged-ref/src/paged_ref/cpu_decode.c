@@ -17,7 +17,10 @@
  *
  * Each block is one step of an online softmax (as the Triton decode kernel
  * does): scores for its tokens, a running max and sum per query head, the
- * accumulator rescaled when the max grows. */
+ * accumulator rescaled when the max grows. A head's scores lie side by side
+ * so its max and exponentials run as vector loops (exp_simd). The hardware
+ * prefetcher reads a block's rows well enough: software prefetch of the next
+ * block made the kernel slower. */
 #include <math.h>
 #include <stdint.h>
 
@@ -36,12 +39,31 @@ static inline float f32_as_is(float x) { return x; }
 #define FROM_FLOAT(type, x) \
     _Generic((type){0}, uint16_t: bf16_from_float, _Float16: f16_from_float, float: f32_as_is)(x)
 
+/* e^x, vectorizable (glibc's expf is a call per element here): Cody-Waite
+ * range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf; 0
+ * below -87 (expf's results there are under 1e-38), NaN stays NaN. */
+static inline float exp_simd(float x) {
+    const float c = x > 88.f ? 88.f : x;
+    const float n = __builtin_rintf(c * 1.44269504f);
+    const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
+    const float y = x < -87.f ? 0.f : p * two_n.f;
+    return x != x ? x : y;
+}
+
 static inline __attribute__((always_inline)) void attend(const act_t* q, const cache_t* k, const cache_t* v, const int32_t* table,
                    int64_t len, int64_t h0, int64_t h1, act_t* out, int64_t block_size,
                    int64_t num_blocks, float scale, int64_t window, float softcap) {
     const int64_t start = (window > 0 && len > window) ? len - window : 0;
     float qs[HEADS][HEAD_DIM], acc[HEADS][HEAD_DIM], row[ROW];
-    float score[MAX_BLOCK][HEADS], m[HEADS], sum[HEADS];
+    float score[HEADS][MAX_BLOCK], m[HEADS], sum[HEADS];
     for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
         for (int d = 0; d < HEAD_DIM; d++) {
             qs[i][d] = TO_FLOAT(q[i * HEAD_DIM + d]) * scale;
@@ -57,16 +79,6 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
         const int64_t hi = len - first < block_size ? len - first : block_size;
         const cache_t* kb = k + blk * block_size * ROW;
         const cache_t* vb = v + blk * block_size * ROW;
-        if (first + block_size < len) {  /* fetch the next block while this one computes */
-            int64_t next = table[first / block_size + 1];
-            next = next < 0 ? 0 : (next >= num_blocks ? num_blocks - 1 : next);
-            const char* kn = (const char*)(k + next * block_size * ROW);
-            const char* vn = (const char*)(v + next * block_size * ROW);
-            for (int64_t off = 0; off < block_size * ROW * (int64_t)sizeof(cache_t); off += 64) {
-                __builtin_prefetch(kn + off);
-                __builtin_prefetch(vn + off);
-            }
-        }
         for (int64_t s = lo; s < hi; s++) {
             for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = TO_FLOAT(kb[s * ROW + d]);
             for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
@@ -74,27 +86,32 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
                 float dot = 0.f;
                 for (int d = 0; d < HEAD_DIM; d++) dot += qs[i][d] * kh[d];
                 if (softcap > 0.f) dot = softcap * tanhf(dot / softcap);
-                score[s][i] = dot;
+                score[i][s] = dot;
             }
         }
         for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
             float top = m[i];
-            for (int64_t s = lo; s < hi; s++) top = score[s][i] > top ? score[s][i] : top;
+            float* sc = score[i];
+            #pragma omp simd reduction(max:top)
+            for (int64_t s = lo; s < hi; s++) top = sc[s] > top ? sc[s] : top;
             if (top > m[i]) {  /* rescale what was summed under the old max */
                 const float shrink = expf(m[i] - top);
                 for (int d = 0; d < HEAD_DIM; d++) acc[i][d] *= shrink;
                 sum[i] *= shrink;
                 m[i] = top;
             }
+            float total = 0.f;
+            #pragma omp simd reduction(+:total)
             for (int64_t s = lo; s < hi; s++) {
-                score[s][i] = expf(score[s][i] - top);
-                sum[i] += score[s][i];
+                sc[s] = exp_simd(sc[s] - top);
+                total += sc[s];
             }
+            sum[i] += total;
         }
         for (int64_t s = lo; s < hi; s++) {
             for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = TO_FLOAT(vb[s * ROW + d]);
             for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
-                const float p = score[s][i];
+                const float p = score[i][s];
                 const float* vh = row + (i / Q_PER_KV) * HEAD_DIM;
                 for (int d = 0; d < HEAD_DIM; d++) acc[i][d] += p * vh[d];
             }
