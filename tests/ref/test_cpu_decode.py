@@ -114,6 +114,55 @@ def test_a_block_larger_than_the_kernel_buffer_takes_the_reference() -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("cache", "codes"),
+    [
+        (torch.float8_e4m3fn, torch.arange(256, dtype=torch.uint8)),
+        (torch.float8_e5m2, torch.arange(256, dtype=torch.uint8)),
+        (torch.float16, torch.arange(-(2**15), 2**15, dtype=torch.int16)),
+    ],
+)
+def test_the_kernel_reads_every_cache_code_as_torch_converts_it(cache, codes) -> None:
+    """Each code, as a sequence's only value row (its one key and query are
+    zero, so the output is that row), comes out as torch's own conversion:
+    subnormals, the largest values, infinities and NaNs included."""
+    v = codes.view(cache).reshape(-1, 1, 1, 16).expand(-1, 1, KV_HEADS, 16).contiguous()
+    rows = v.shape[0]
+    tables = torch.arange(rows, dtype=torch.int32).unsqueeze(1)
+    q = torch.zeros(rows, HEADS, 16)
+    got = cpu_decode.decode_attention(q, torch.zeros_like(v), v, tables, torch.ones(rows), 1.0)
+    want = v[:, 0].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0, 1.0, -1.0), want.nan_to_num(0.0, 1.0, -1.0))
+
+
+@pytest.mark.parametrize("cache", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_an_unscaled_fp8_cache_decodes_in_c_as_the_reference(monkeypatch, cache, act) -> None:
+    """vLLM's plain ``fp8`` cache (no scales): the C kernel reads it; its rows
+    are written by the reference's saturating cast (the fused write and
+    decode declines it)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, tables, lens = random_batch(gen, 7, 23, torch.float32)
+    k8, v8 = (quantize(x, cache)[0] for x in (k, v))
+    q = q.to(act)
+    assert cpu_decode.supports(q, k8, v8)
+    want = ops.paged_decode_attention(q, k8, v8, tables, lens, HEAD_DIM**-0.5)
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the reference decode ran")
+
+    cpu_ops = CpuDecodeOps(ops)
+    monkeypatch.setattr(ops, "paged_decode_attention", no_reference)
+    got = cpu_ops.paged_decode_attention(q, k8, v8, tables, lens, HEAD_DIM**-0.5)
+    assert got.dtype == act
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if act == torch.bfloat16 else 1e-5, rtol=0)
+    new = torch.randn(2, KV_HEADS, HEAD_DIM, generator=gen).to(act)
+    slots = torch.tensor([3, 9])
+    assert cpu_decode.write_and_decode(k8, v8, q[:2], new, new, slots, tables[:2], lens[:2], 1.0, None, None, {}) is None
+    assert not cpu_decode.write_kv(k8, v8, new, new, slots)
+
+
 def test_quantized_caches_take_the_reference_path() -> None:
     gen = torch.Generator().manual_seed(1)
     q, k, v, tables, lens = random_batch(gen, 4, 13, torch.float32)

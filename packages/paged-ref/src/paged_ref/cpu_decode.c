@@ -8,7 +8,10 @@
  *   HEAD_DIM, Q_PER_KV (query heads per kv head), KV_HEADS, and the element
  *   types cache_t (the cache's) and act_t (the activations': q, the output,
  *   the new K/V rows, so no caller converts them around the call), each
- *   uint16_t (bf16 bits), _Float16 or float.
+ *   uint16_t (bf16 bits), _Float16 or float. An 8-bit float cache (vLLM's
+ *   unscaled fp8: CACHE_FP8_E4M3 or CACHE_FP8_E5M2 defined, cache_t
+ *   uint8_t) is read here too, at half the bytes a 16-bit one takes; its
+ *   rows are written by the reference's saturating cast (no paged_write).
  *
  * Work items are (sequence, range of kv heads): a whole token row (every kv
  * head) is contiguous in a block, so one item per sequence reads each block
@@ -30,12 +33,58 @@
 
 #include "bf16.h"
 
-static inline float f16_to_float(_Float16 x) { return (float)x; }
+static inline float float_from_bits(uint32_t u) {
+    const union { uint32_t u; float f; } bits = { .u = u };
+    return bits.f;
+}
+
+static inline uint32_t float_bits(float f) {
+    const union { float f; uint32_t u; } bits = { .f = f };
+    return bits.u;
+}
+
+/* float16 bits widened exactly, in integer and float operations that
+ * vectorize (a _Float16 cast here is a call per element, ~4x slower): the
+ * exponent rebiased, which is right for a normal number; a subnormal one
+ * (exponent 0, mantissa m: m 2^-24) then reads 2^-15 (1 + m/1024), and
+ * twice that less 2^-14 is its value; infinities and NaNs kept. */
+static inline float half_bits_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, mag = h & 0x7fff;
+    const float f = float_from_bits((mag << 13) + (112u << 23));
+    const float special = float_from_bits(0x7f800000u | (mag & 0x3ff) << 13);  /* inf, NaN */
+    const float value = mag < 0x400 ? 2.f * f - 0x1p-14f : (mag >= 0x7c00 ? special : f);
+    return float_from_bits(sign | float_bits(value));
+}
+
+static inline float f16_to_float(_Float16 x) {
+    const union { _Float16 h; uint16_t u; } bits = { .h = x };
+    return half_bits_to_float(bits.u);
+}
 static inline _Float16 f16_from_float(float x) { return (_Float16)x; }
 static inline float f32_as_is(float x) { return x; }
 
+#if defined(CACHE_FP8_E4M3) || defined(CACHE_FP8_E5M2)
+#define CACHE_FP8
+/* An fp8 code widened exactly. e5m2 is the top byte of a float16. e4m3
+ * (bias 7, no infinities, NaN at 0x7f/0xff) is rebiased the same way: a
+ * subnormal code m (m 2^-9) reads 2^-7 (1 + m/8), twice that less 2^-6. */
+static inline float fp8_to_float(uint8_t x) {
+#ifdef CACHE_FP8_E5M2
+    return half_bits_to_float((uint16_t)(x << 8));
+#else
+    const uint32_t sign = (uint32_t)(x & 0x80) << 24, mag = x & 0x7f;
+    const float f = float_from_bits(((mag << 20) + (120u << 23)));
+    const float value = mag < 8 ? 2.f * f - 0x1p-6f : f;
+    return mag == 0x7f ? NAN : float_from_bits(sign | float_bits(value));
+#endif
+}
+#define FP8_CASE uint8_t: fp8_to_float,
+#else
+#define FP8_CASE
+#endif
+
 /* cache_t and act_t come from the build flags: uint16_t holds bf16 bits. */
-#define TO_FLOAT(x) _Generic((x), uint16_t: bf16_to_float, _Float16: f16_to_float, float: f32_as_is)(x)
+#define TO_FLOAT(x) _Generic((x), FP8_CASE uint16_t: bf16_to_float, _Float16: f16_to_float, float: f32_as_is)(x)
 #define FROM_FLOAT(type, x) \
     _Generic((type){0}, uint16_t: bf16_from_float, _Float16: f16_from_float, float: f32_as_is)(x)
 
@@ -149,6 +198,7 @@ int paged_decode(const act_t* q, const cache_t* k, const cache_t* v, const int32
     return 0;
 }
 
+#ifndef CACHE_FP8
 /* Scatter n new K/V rows (k, v: [n, KV_HEADS, HEAD_DIM], rows *_stride
  * apart) into the cache viewed as [num_slots, KV_HEADS, HEAD_DIM]; a negative
  * slot is padding. Returns -1, writing nothing, when a slot is out of range (the
@@ -169,3 +219,4 @@ int paged_write(const act_t* k, const act_t* v, int64_t k_stride, int64_t v_stri
     }
     return 0;
 }
+#endif

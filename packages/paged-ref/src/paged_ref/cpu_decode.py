@@ -42,6 +42,9 @@ from paged_ref.op_args import DecodeArgs, PrefillArgs, WriteKVArgs, op
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # The C element types of cache_t and act_t (the cache's and the activations'); uint16_t holds bf16 bits.
 _C_TYPES = {torch.bfloat16: "uint16_t", torch.float16: "_Float16", torch.float32: "float"}
+# Unscaled fp8 caches (vLLM's "fp8" with its uncalibrated scale of 1.0): the
+# decode kernel reads them (uint8_t codes); their rows are written by the reference.
+_FP8_CACHES = {torch.float8_e4m3fn: "E4M3", torch.float8_e5m2: "E5M2"}
 MAX_BLOCK = 256  # cpu_decode.c's: the largest block_size the decode kernel takes
 # Beside c_library.FLAGS. GCC's x86 default is 256-bit vectors even where the
 # CPU has AVX-512; 512-bit ones made the decode kernel 10-20% faster on the
@@ -54,37 +57,44 @@ _FLAGS = ("-ffast-math", "-fno-finite-math-only") + (
 
 class _Kernels(NamedTuple):
     decode: Any  # cpu_decode.c's paged_decode
-    write: Any  # and paged_write
+    write: Any  # and paged_write (None for an fp8 cache)
 
 
 @functools.cache
 def _library(head_dim: int, q_per_kv: int, kv_heads: int, cache: torch.dtype, act: torch.dtype) -> _Kernels | None:
     """The built kernels for one layout, or None when they cannot be built."""
+    fp8 = _FP8_CACHES.get(cache)
+    cache_type = ("-Dcache_t=uint8_t", f"-DCACHE_FP8_{fp8}") if fp8 else (f"-Dcache_t={_C_TYPES[cache]}",)
     defines = (
         f"-DHEAD_DIM={head_dim}", f"-DQ_PER_KV={q_per_kv}", f"-DKV_HEADS={kv_heads}",
-        f"-Dcache_t={_C_TYPES[cache]}", f"-Dact_t={_C_TYPES[act]}",
+        *cache_type, f"-Dact_t={_C_TYPES[act]}",
     )  # fmt: skip
     name = f"decode-d{head_dim}-q{q_per_kv}-kv{kv_heads}-{str(cache)[6:]}-{str(act)[6:]}"
     lib = c_library.build(SOURCE, (*_FLAGS, *defines), "cpu_decode", name)
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    decode, write = lib.paged_decode, lib.paged_write
+    decode = lib.paged_decode
     decode.argtypes = [p] * 6 + [i64] * 5 + [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
+    decode.restype = ctypes.c_int
+    if fp8:
+        return _Kernels(decode, None)
+    write = lib.paged_write
     write.argtypes = [p, p, i64, i64, p, i64, p, p, i64]
-    decode.restype = write.restype = ctypes.c_int
+    write.restype = ctypes.c_int
     return _Kernels(decode, write)
 
 
 def _kernels(x: Tensor, cache: Tensor) -> _Kernels | None:
     """The kernels for activations like ``x`` (``[rows, heads, head_dim]``)
-    over a layer's ``cache``, when they apply: a CPU, 16/32-bit dtypes, heads
-    a multiple of kv heads, a contiguous cache (a copy of it would be read or
-    written instead) and the library built."""
+    over a layer's ``cache``, when they apply: a CPU, 16/32-bit activations,
+    a 16/32-bit or unscaled fp8 cache, heads a multiple of kv heads, a
+    contiguous cache (a copy of it would be read or written instead) and the
+    library built."""
     heads, kv_heads = x.shape[1], cache.shape[2]
     if not (
         x.device.type == "cpu"
-        and cache.dtype in _C_TYPES
+        and (cache.dtype in _C_TYPES or cache.dtype in _FP8_CACHES)
         and x.dtype in _C_TYPES
         and heads % kv_heads == 0
         and cache.is_contiguous()
@@ -163,7 +173,10 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     False (nothing written) where it does not apply or a slot is out of
     range, so the caller can let the reference write or raise."""
     kernels = _kernels(k, k_cache)
-    if kernels is None or v.dtype != k.dtype or not v_cache.is_contiguous() or slot_mapping.dtype != torch.long:
+    if (
+        kernels is None or kernels.write is None or v.dtype != k.dtype
+        or not v_cache.is_contiguous() or slot_mapping.dtype != torch.long
+    ):  # fmt: skip
         return False
     return _c_write(kernels, k_cache, v_cache, k, v, slot_mapping.contiguous())
 
@@ -211,6 +224,7 @@ def write_and_decode(
         kernels = _kernels(q, k_cache)
         if (
             kernels is None
+            or kernels.write is None  # an fp8 cache: the reference writes, then the decode op
             or k.dtype != q.dtype
             or v.dtype != q.dtype
             or v_cache.dtype != k_cache.dtype
