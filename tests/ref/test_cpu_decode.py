@@ -139,9 +139,8 @@ def test_the_kernel_reads_every_cache_code_as_torch_converts_it(cache, codes) ->
 @pytest.mark.parametrize("cache", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 def test_an_unscaled_fp8_cache_decodes_in_c_as_the_reference(monkeypatch, cache, act) -> None:
-    """vLLM's plain ``fp8`` cache (no scales): the C kernel reads it; its rows
-    are written by the reference's saturating cast (the fused write and
-    decode declines it)."""
+    """vLLM's plain ``fp8`` cache (no scales): the C kernels read it, and
+    write a decode step's rows as the reference's saturating cast does."""
     gen = torch.Generator().manual_seed(5)
     q, k, v, tables, lens = random_batch(gen, 7, 23, torch.float32)
     k8, v8 = (quantize(x, cache)[0] for x in (k, v))
@@ -157,10 +156,41 @@ def test_an_unscaled_fp8_cache_decodes_in_c_as_the_reference(monkeypatch, cache,
     got = cpu_ops.paged_decode_attention(q, k8, v8, tables, lens, HEAD_DIM**-0.5)
     assert got.dtype == act
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if act == torch.bfloat16 else 1e-5, rtol=0)
-    new = torch.randn(2, KV_HEADS, HEAD_DIM, generator=gen).to(act)
-    slots = torch.tensor([3, 9])
-    assert cpu_decode.write_and_decode(k8, v8, q[:2], new, new, slots, tables[:2], lens[:2], 1.0, None, None, {}) is None
-    assert not cpu_decode.write_kv(k8, v8, new, new, slots)
+    k_new, v_new = (torch.randn(7, KV_HEADS, HEAD_DIM, generator=gen).to(act) * 300 for _ in range(2))
+    slots = (tables[:, 0].long() * BLOCK + 1).clamp(min=0)  # a slot in each sequence's first block
+    k_want, v_want = k8.clone(), v8.clone()
+    monkeypatch.undo()
+    ops.write_kv(k_want, v_want, k_new, v_new, slots)
+    want = ops.paged_decode_attention(q, k_want, v_want, tables, lens.clamp(min=2), HEAD_DIM**-0.5)
+    memo: dict = {}
+    got = cpu_decode.write_and_decode(k8, v8, q, k_new, v_new, slots, tables, lens.clamp(min=2), HEAD_DIM**-0.5, None, None, memo)
+    assert got is not None  # some values saturate: 300 x randn reaches past e4m3's 448
+    assert torch.equal(k8.view(torch.uint8), k_want.view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), v_want.view(torch.uint8))
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if act == torch.bfloat16 else 1e-5, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_fp8_write_rounds_and_saturates_as_the_reference(cache) -> None:
+    """Every code's value, every midpoint between neighbouring codes (ties
+    go to the even code), values past the largest, subnormals, zeros of
+    both signs, infinities and NaNs: the C write stores the reference's
+    code bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8).view(cache).float()
+    finite = codes[codes.isfinite()].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 1e-30, -1e-45, 1e30])
+    gen = torch.Generator().manual_seed(8)
+    spread = torch.randn(4096, generator=gen) * torch.pow(10.0, torch.empty(4096).uniform_(-9, 6, generator=gen))
+    values = torch.cat([finite, mids, mids.nextafter(torch.tensor(float("inf"))), special, spread])
+    values = torch.cat([values, values.new_zeros(-values.numel() % (KV_HEADS * HEAD_DIM))])
+    rows = values.view(-1, KV_HEADS, HEAD_DIM)
+    n = rows.shape[0]
+    want, got = (torch.zeros(n, 1, KV_HEADS, HEAD_DIM, dtype=cache) for _ in range(2))
+    slots = torch.arange(n)
+    ops.write_kv(want, want.clone(), rows, rows, slots)
+    assert cpu_decode.write_kv(got, got.clone(), rows, rows, slots)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_quantized_caches_take_the_reference_path() -> None:
@@ -277,15 +307,20 @@ def test_write_and_decode_declines_what_the_kernels_do_not_take() -> None:
         (torch.float16, None, None, 4e-3),
         (torch.bfloat16, None, 5.0, 0.0),  # soft-capped: the float32 reference itself
         (torch.float32, None, None, 0.0),  # 32-bit: the reference itself
+        (torch.float8_e4m3fn, None, None, 3e-2),  # a bf16 model over an fp8 cache
+        (torch.float8_e5m2, 6, None, 3e-2),
     ],
 )
-def test_cpu_prefill_in_the_model_dtype_matches_the_reference(dtype, window, softcap, atol) -> None:
+def test_cpu_prefill_in_the_model_dtype_matches_the_reference(monkeypatch, dtype, window, softcap, atol) -> None:
     """CpuDecodeOps' prefill (SDPA in a 16-bit model's dtype) against the
     float32 reference: chunks after cached context, several sequences, GQA,
     lengths SDPA gets padded to a multiple of 16 (the padding taken from
     stale NaN slots of a last block, and past a sequence's blocks)."""
     gen = torch.Generator().manual_seed(1)
-    _, k, v, tables, lens = random_batch(gen, 3, 14, dtype)
+    cache = dtype
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        dtype = torch.bfloat16
+    _, k, v, tables, lens = random_batch(gen, 3, 14, cache)
     lens = torch.tensor([14, 9, 5])
     for b, n in enumerate(lens.tolist()):  # a last block's unwritten slots: stale, here NaN
         last = int(tables[b, (n - 1) // BLOCK])
@@ -295,6 +330,12 @@ def test_cpu_prefill_in_the_model_dtype_matches_the_reference(dtype, window, sof
     q = torch.randn(int(q_lens.sum()), HEADS, HEAD_DIM, generator=gen).to(dtype)
     args = (q, k, v, tables, cu, lens.int(), 0.3, window, softcap)
     want = ops.paged_prefill_attention(*args, memo={})
+    if atol:  # the 16-bit path, never the reference
+
+        def no_reference(*args, **kwargs):
+            raise AssertionError("the reference prefill ran")
+
+        monkeypatch.setattr(ops, "paged_prefill_attention", no_reference)
     got = CpuDecodeOps().paged_prefill_attention(*args, memo={})
     assert got.dtype == dtype and not got.isnan().any()
     if atol:

@@ -10,8 +10,8 @@
  *   the new K/V rows, so no caller converts them around the call), each
  *   uint16_t (bf16 bits), _Float16 or float. An 8-bit float cache (vLLM's
  *   unscaled fp8: CACHE_FP8_E4M3 or CACHE_FP8_E5M2 defined, cache_t
- *   uint8_t) is read here too, at half the bytes a 16-bit one takes; its
- *   rows are written by the reference's saturating cast (no paged_write).
+ *   uint8_t) is read and written here too, at half the bytes a 16-bit one
+ *   takes.
  *
  * Work items are (sequence, range of kv heads): a whole token row (every kv
  * head) is contiguous in a block, so one item per sequence reads each block
@@ -78,15 +78,38 @@ static inline float fp8_to_float(uint8_t x) {
     return mag == 0x7f ? NAN : float_from_bits(sign | float_bits(value));
 #endif
 }
+
+/* The reference's saturating cast (kv_quant.quantize: clamped to the
+ * largest finite value, then rounded to nearest even), bit for bit; NaN
+ * keeps its sign. A subnormal code is the value in units of the smallest
+ * one, rounded; a normal one is the float's exponent and top mantissa bits
+ * after rounding the bits below them, rebiased. */
+static inline uint8_t float_to_fp8(float x) {
+#ifdef CACHE_FP8_E5M2
+    enum { MAN = 2, REBIAS = (127 - 15) << 2 };
+    const float largest = 57344.f, smallest_normal = 0x1p-14f, subnormal_units = 0x1p16f;
+#else
+    enum { MAN = 3, REBIAS = (127 - 7) << 3 };
+    const float largest = 448.f, smallest_normal = 0x1p-6f, subnormal_units = 0x1p9f;
+#endif
+    const uint32_t sign = (float_bits(x) >> 24) & 0x80;
+    const float a = fabsf(x) > largest ? largest : fabsf(x);
+    const uint32_t u = float_bits(a), low = 23 - MAN;
+    const uint32_t normal = (u + (1u << (low - 1)) - 1 + ((u >> low) & 1)) >> low;
+    const uint32_t code = a < smallest_normal ? (uint32_t)__builtin_rintf(a * subnormal_units) : normal - REBIAS;
+    return (uint8_t)(sign | (x != x ? 0x7f : code));
+}
 #define FP8_CASE uint8_t: fp8_to_float,
+#define FP8_FROM_CASE uint8_t: float_to_fp8,
 #else
 #define FP8_CASE
+#define FP8_FROM_CASE
 #endif
 
 /* cache_t and act_t come from the build flags: uint16_t holds bf16 bits. */
 #define TO_FLOAT(x) _Generic((x), FP8_CASE uint16_t: bf16_to_float, _Float16: f16_to_float, float: f32_as_is)(x)
 #define FROM_FLOAT(type, x) \
-    _Generic((type){0}, uint16_t: bf16_from_float, _Float16: f16_from_float, float: f32_as_is)(x)
+    _Generic((type){0}, FP8_FROM_CASE uint16_t: bf16_from_float, _Float16: f16_from_float, float: f32_as_is)(x)
 
 /* e^x, vectorizable (glibc's expf is a call per element here): Cody-Waite
  * range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf; 0
@@ -198,7 +221,6 @@ int paged_decode(const act_t* q, const cache_t* k, const cache_t* v, const int32
     return 0;
 }
 
-#ifndef CACHE_FP8
 /* Scatter n new K/V rows (k, v: [n, KV_HEADS, HEAD_DIM], rows *_stride
  * apart) into the cache viewed as [num_slots, KV_HEADS, HEAD_DIM]; a negative
  * slot is padding. Returns -1, writing nothing, when a slot is out of range (the
@@ -219,4 +241,3 @@ int paged_write(const act_t* k, const act_t* v, int64_t k_stride, int64_t v_stri
     }
     return 0;
 }
-#endif

@@ -42,8 +42,7 @@ from paged_ref.op_args import DecodeArgs, PrefillArgs, WriteKVArgs, op
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # The C element types of cache_t and act_t (the cache's and the activations'); uint16_t holds bf16 bits.
 _C_TYPES = {torch.bfloat16: "uint16_t", torch.float16: "_Float16", torch.float32: "float"}
-# Unscaled fp8 caches (vLLM's "fp8" with its uncalibrated scale of 1.0): the
-# decode kernel reads them (uint8_t codes); their rows are written by the reference.
+# Unscaled fp8 caches (vLLM's "fp8" with its uncalibrated scale of 1.0), held as uint8_t codes.
 _FP8_CACHES = {torch.float8_e4m3fn: "E4M3", torch.float8_e5m2: "E5M2"}
 MAX_BLOCK = 256  # cpu_decode.c's: the largest block_size the decode kernel takes
 # Beside c_library.FLAGS. GCC's x86 default is 256-bit vectors even where the
@@ -57,7 +56,7 @@ _FLAGS = ("-ffast-math", "-fno-finite-math-only") + (
 
 class _Kernels(NamedTuple):
     decode: Any  # cpu_decode.c's paged_decode
-    write: Any  # and paged_write (None for an fp8 cache)
+    write: Any  # and paged_write
 
 
 @functools.cache
@@ -74,14 +73,10 @@ def _library(head_dim: int, q_per_kv: int, kv_heads: int, cache: torch.dtype, ac
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    decode = lib.paged_decode
+    decode, write = lib.paged_decode, lib.paged_write
     decode.argtypes = [p] * 6 + [i64] * 5 + [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
-    decode.restype = ctypes.c_int
-    if fp8:
-        return _Kernels(decode, None)
-    write = lib.paged_write
     write.argtypes = [p, p, i64, i64, p, i64, p, p, i64]
-    write.restype = ctypes.c_int
+    decode.restype = write.restype = ctypes.c_int
     return _Kernels(decode, write)
 
 
@@ -124,8 +119,8 @@ def decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> Tensor:
-    """``ops.paged_decode_attention``'s contract for a 16/32-bit cache on a
-    CPU (check :func:`supports` first): ``q [batch, heads, head_dim]``,
+    """``ops.paged_decode_attention``'s contract for a 16/32-bit or unscaled
+    fp8 cache on a CPU (check :func:`supports` first): ``q [batch, heads, head_dim]``,
     caches ``[num_blocks, block_size, kv_heads, head_dim]``, returns
     ``[batch, heads, head_dim]`` in ``q.dtype``."""
     kernels = _kernels(q, k_cache)
@@ -169,14 +164,11 @@ def _c_write(kernels: _Kernels, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: 
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> bool:
-    """``ops.write_kv`` for a 16/32-bit cache with no scales, as one C loop;
+    """``ops.write_kv`` for a 16/32-bit or fp8 cache with no scales, as one C loop;
     False (nothing written) where it does not apply or a slot is out of
     range, so the caller can let the reference write or raise."""
     kernels = _kernels(k, k_cache)
-    if (
-        kernels is None or kernels.write is None or v.dtype != k.dtype
-        or not v_cache.is_contiguous() or slot_mapping.dtype != torch.long
-    ):  # fmt: skip
+    if kernels is None or v.dtype != k.dtype or not v_cache.is_contiguous() or slot_mapping.dtype != torch.long:
         return False
     return _c_write(kernels, k_cache, v_cache, k, v, slot_mapping.contiguous())
 
@@ -224,7 +216,6 @@ def write_and_decode(
         kernels = _kernels(q, k_cache)
         if (
             kernels is None
-            or kernels.write is None  # an fp8 cache: the reference writes, then the decode op
             or k.dtype != q.dtype
             or v.dtype != q.dtype
             or v_cache.dtype != k_cache.dtype
@@ -277,7 +268,7 @@ def prefill_by_sequence(a: PrefillArgs) -> Tensor:
             continue
         blocks = a.block_tables[b, : -(-seq_len // block_size)].long()
         # [1, heads, tokens, head_dim]: unbatched (3-D) inputs take SDPA's slow math path (~7x).
-        k, v = (_keys(c, blocks, seq_len, _padded(seq_len)) for c in (k_cache, v_cache))
+        k, v = (_keys(c, blocks, seq_len, _padded(seq_len), q.dtype) for c in (k_cache, v_cache))
         mask = None
         if seq_len != q_len or window is not None:
             mask = _memo_mask(a.memo, q_len, seq_len, window, q.dtype)
@@ -294,11 +285,12 @@ def _padded(n: int) -> int:
     return -(-n // SDPA_MULTIPLE) * SDPA_MULTIPLE
 
 
-def _keys(cache: Tensor, blocks: Tensor, seq_len: int, padded: int) -> Tensor:
-    """``[1, kv_heads, padded, head_dim]``: the sequence's first ``seq_len``
-    tokens of ``cache`` (its ``blocks``, in order), then zeros (appended
-    where its blocks hold fewer than ``padded`` tokens)."""
-    tokens = cache.index_select(0, blocks).flatten(0, 1)  # a copy: its tail is ours to zero
+def _keys(cache: Tensor, blocks: Tensor, seq_len: int, padded: int, dtype: torch.dtype) -> Tensor:
+    """``[1, kv_heads, padded, head_dim]`` in ``dtype``: the sequence's first
+    ``seq_len`` tokens of ``cache`` (its ``blocks``, in order), then zeros
+    (appended where its blocks hold fewer than ``padded`` tokens). An fp8
+    cache's codes widen exactly to a 16-bit ``dtype``."""
+    tokens = cache.index_select(0, blocks).flatten(0, 1).to(dtype)  # a copy: its tail is ours to zero
     if tokens.shape[0] < padded:
         tokens = torch.cat([tokens, tokens.new_zeros(padded - tokens.shape[0], *tokens.shape[1:])])
     tokens = tokens[:padded]
@@ -329,8 +321,8 @@ def _memo_mask(
 
 class CpuDecodeOps:
     """An attention-ops module whose ``write_kv`` and ``paged_decode_attention``
-    run the C kernels where they apply (16/32-bit caches on a CPU, no
-    scales); everything else, and every other op, is the wrapped module's.
+    run the C kernels where they apply (16/32-bit and fp8 caches on a CPU,
+    no scales); everything else, and every other op, is the wrapped module's.
     The reference write checks its slots with a host sync and runs two
     ``index_copy_``: ~60 µs a layer at one stream, for a few hundred bytes."""
 
@@ -363,9 +355,10 @@ class CpuDecodeOps:
     write_and_decode = staticmethod(write_and_decode)
 
     def _prefill(self, a: PrefillArgs) -> Tensor:
-        """A 16-bit model over a cache of its own dtype (no scales, no
-        soft-cap): ``prefill_by_sequence``. Anything else: the reference."""
-        sixteen_bit = a.q.dtype in (torch.bfloat16, torch.float16) and a.k_cache.dtype == a.q.dtype
+        """A 16-bit model over a cache of its own dtype or an unscaled fp8
+        one (no soft-cap): ``prefill_by_sequence``. Anything else: the reference."""
+        cache = a.k_cache.dtype
+        sixteen_bit = a.q.dtype in (torch.bfloat16, torch.float16) and (cache == a.q.dtype or cache in _FP8_CACHES)
         no_keys = a.sliding_window is not None and a.sliding_window < 1  # rows of zeros: the reference's
         if not sixteen_bit or a.softcap or not a.unscaled or a.q.device.type != "cpu" or no_keys:
             return a.pass_to(self._ops.paged_prefill_attention)
