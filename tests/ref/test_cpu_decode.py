@@ -193,14 +193,36 @@ def test_the_fp8_write_rounds_and_saturates_as_the_reference(cache) -> None:
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_quantized_caches_take_the_reference_path() -> None:
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_an_int8_cache_decodes_in_c_with_its_token_scales(monkeypatch, act) -> None:
+    """int8 codes times their token's float16 scale, read in place; static
+    per-head scales (``calculate_kv_scales``) still take the reference."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, tables, lens = random_batch(gen, 6, 21, torch.float32)
+    q = q.to(act)
+    (k8, ks), (v8, vs) = quantize(k * 3, torch.int8), quantize(v, torch.int8)
+    args = (q, k8, v8, tables, lens, HEAD_DIM**-0.5)
+    want = ops.paged_decode_attention(*args, k_scales=ks, v_scales=vs)
+    heads = torch.rand(KV_HEADS, generator=gen) + 0.5
+    want_static = ops.paged_decode_attention(*args, k_head_scales=heads, v_head_scales=heads)
+    reference = ops.paged_decode_attention
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the reference decode ran")
+
+    monkeypatch.setattr(ops, "paged_decode_attention", no_reference)
+    got = CpuDecodeOps(ops).paged_decode_attention(*args, k_scales=ks, v_scales=vs)
+    assert got.dtype == act
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if act == torch.bfloat16 else 1e-5, rtol=0)
+    monkeypatch.setattr(ops, "paged_decode_attention", reference)
+    static = CpuDecodeOps(ops).paged_decode_attention(*args, k_head_scales=heads, v_head_scales=heads)
+    assert torch.equal(static, want_static)
+
+
+def test_quantized_caches_are_written_by_the_reference() -> None:
     gen = torch.Generator().manual_seed(1)
     q, k, v, tables, lens = random_batch(gen, 4, 13, torch.float32)
     (k8, ks), (v8, vs) = quantize(k, torch.int8), quantize(v, torch.int8)
-    args = (q, k8, v8, tables, lens, HEAD_DIM**-0.5)
-    want = ops.paged_decode_attention(*args, k_scales=ks, v_scales=vs)
-    got = CpuDecodeOps(ops).paged_decode_attention(*args, k_scales=ks, v_scales=vs)
-    assert torch.equal(got, want)
     assert CpuDecodeOps(ops).copy_blocks is ops.copy_blocks  # every other op is the wrapped module's
     k_new, v_new = (torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
     k_want, v_want, k_got, v_got = k8.clone(), v8.clone(), k8.clone(), v8.clone()

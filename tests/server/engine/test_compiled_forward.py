@@ -91,17 +91,19 @@ def test_compiled_matches_eager_and_never_recompiles(
     assert engine.audit() == []
 
 
-def test_a_compiled_engine_over_an_fp8_cache_matches_eager(
-    compiling, make_engine, run_engine, prompt_of, greedy
+@pytest.mark.parametrize(("kv_cache_dtype", "codes"), [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
+def test_a_compiled_engine_over_an_8_bit_cache_matches_eager(
+    compiling, make_engine, run_engine, prompt_of, greedy, kv_cache_dtype, codes
 ) -> None:
-    """An fp8 KV cache: the compiled step's C kernels write the codes and
-    read them in place (``cpu_decode``); the eager engine takes the
-    reference ops. Same tokens, same logprobs."""
+    """An 8-bit KV cache: the compiled step's C kernels read the codes in
+    place (``cpu_decode``; fp8 rows are written by C too, int8 rows and
+    scales by the reference); the eager engine takes the reference ops.
+    Same tokens, same logprobs."""
     requests = mixed_workload(prompt_of, greedy)
-    settings = dict(kv_cache_dtype="fp8", max_batch_size=4, max_num_batched_tokens=16)
+    settings = dict(kv_cache_dtype=kv_cache_dtype, max_batch_size=4, max_num_batched_tokens=16)
     eager = run_engine(make_engine(enforce_eager=True, **settings), requests)
     engine = make_engine(**settings)
-    assert engine.runner.compiled is not None and engine.pool.k_cache.dtype == torch.float8_e4m3fn
+    assert engine.runner.compiled is not None and engine.pool.k_cache.dtype == codes
     assert_same(run_engine(engine, requests), eager, requests)
     assert engine.audit() == []
 

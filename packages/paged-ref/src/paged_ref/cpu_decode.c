@@ -11,7 +11,8 @@
  *   uint16_t (bf16 bits), _Float16 or float. An 8-bit float cache (vLLM's
  *   unscaled fp8: CACHE_FP8_E4M3 or CACHE_FP8_E5M2 defined, cache_t
  *   uint8_t) is read and written here too, at half the bytes a 16-bit one
- *   takes.
+ *   takes; an int8 cache (CACHE_INT8, cache_t int8_t) is read with its
+ *   per-token scales.
  *
  * Work items are (sequence, range of kv heads): a whole token row (every kv
  * head) is contiguous in a block, so one item per sequence reads each block
@@ -106,8 +107,16 @@ static inline uint8_t float_to_fp8(float x) {
 #define FP8_FROM_CASE
 #endif
 
+#ifdef CACHE_INT8
+/* An int8 cache: codes times their token's float16 scale (per kv head), applied after widening. */
+static inline float int8_as_float(int8_t x) { return (float)x; }
+#define INT8_CASE int8_t: int8_as_float,
+#else
+#define INT8_CASE
+#endif
+
 /* cache_t and act_t come from the build flags: uint16_t holds bf16 bits. */
-#define TO_FLOAT(x) _Generic((x), FP8_CASE uint16_t: bf16_to_float, _Float16: f16_to_float, float: f32_as_is)(x)
+#define TO_FLOAT(x) _Generic((x), FP8_CASE INT8_CASE uint16_t: bf16_to_float, _Float16: f16_to_float, float: f32_as_is)(x)
 #define FROM_FLOAT(type, x) \
     _Generic((type){0}, FP8_FROM_CASE uint16_t: bf16_from_float, _Float16: f16_from_float, float: f32_as_is)(x)
 
@@ -130,9 +139,21 @@ static inline float exp_simd(float x) {
     return x != x ? x : y;
 }
 
+#ifdef CACHE_INT8
+/* One token's widened int8 row times its kv heads' float16 scales (the
+ * reference's dequantization: one float32 product per value). */
+static inline void scale_row(float* row, const uint16_t* scales, int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; h++) {
+        const float f = half_bits_to_float(scales[h]);
+        for (int d = 0; d < HEAD_DIM; d++) row[h * HEAD_DIM + d] *= f;
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void attend(const act_t* q, const cache_t* k, const cache_t* v, const int32_t* table,
                    int64_t len, int64_t h0, int64_t h1, act_t* out, int64_t block_size,
-                   int64_t num_blocks, float scale, int64_t window, float softcap) {
+                   int64_t num_blocks, float scale, int64_t window, float softcap,
+                   const uint16_t* k_scales, const uint16_t* v_scales) {
     const int64_t start = (window > 0 && len > window) ? len - window : 0;
     float qs[HEADS][HEAD_DIM], acc[HEADS][HEAD_DIM], row[ROW];
     float score[HEADS][MAX_BLOCK], m[HEADS], sum[HEADS];
@@ -153,6 +174,9 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
         const cache_t* vb = v + blk * block_size * ROW;
         for (int64_t s = lo; s < hi; s++) {
             for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = TO_FLOAT(kb[s * ROW + d]);
+#ifdef CACHE_INT8
+            scale_row(row, k_scales + (blk * block_size + s) * KV_HEADS, h0, h1);
+#endif
             for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
                 const float* kh = row + (i / Q_PER_KV) * HEAD_DIM;
                 float dot = 0.f;
@@ -182,6 +206,9 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
         }
         for (int64_t s = lo; s < hi; s++) {
             for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = TO_FLOAT(vb[s * ROW + d]);
+#ifdef CACHE_INT8
+            scale_row(row, v_scales + (blk * block_size + s) * KV_HEADS, h0, h1);
+#endif
             for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
                 const float p = score[i][s];
                 const float* vh = row + (i / Q_PER_KV) * HEAD_DIM;
@@ -198,12 +225,14 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
 /* q: [batch, HEADS, HEAD_DIM] with rows q_stride apart; out: the same,
  * contiguous; k, v: [num_blocks, block_size, KV_HEADS, HEAD_DIM]; tables:
  * [batch, width] int32; lens: [batch] int32. window <= 0: no sliding window;
- * softcap <= 0: none. Returns 0, or -1 when block_size exceeds MAX_BLOCK (the
+ * softcap <= 0: none. k_scales, v_scales: an int8 cache's float16 scales,
+ * [num_blocks, block_size, KV_HEADS] (read only in a CACHE_INT8 build). Returns 0, or -1 when block_size exceeds MAX_BLOCK (the
  * caller then uses the reference). */
 int paged_decode(const act_t* q, const cache_t* k, const cache_t* v, const int32_t* tables,
                  const int32_t* lens, act_t* out, int64_t batch, int64_t q_stride,
                  int64_t block_size, int64_t width, int64_t num_blocks, float scale,
-                 int64_t window, float softcap, int num_threads) {
+                 int64_t window, float softcap, int num_threads, const uint16_t* k_scales,
+                 const uint16_t* v_scales) {
     if (block_size > MAX_BLOCK) return -1;
     const int64_t split = batch < num_threads ? KV_HEADS : 1;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -213,14 +242,17 @@ int paged_decode(const act_t* q, const cache_t* k, const cache_t* v, const int32
         int64_t len = lens[b] < width * block_size ? lens[b] : width * block_size;
         if (split == 1)  /* constant head bounds: the compiler unrolls every head loop */
             attend(q + b * q_stride, k, v, tables + b * width, len, 0, KV_HEADS,
-                   out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap);
+                   out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap,
+                   k_scales, v_scales);
         else
             attend(q + b * q_stride, k, v, tables + b * width, len, h0, h1,
-                   out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap);
+                   out + b * HEADS * HEAD_DIM, block_size, num_blocks, scale, window, softcap,
+                   k_scales, v_scales);
     }
     return 0;
 }
 
+#ifndef CACHE_INT8  /* an int8 cache's rows and scales are written by the reference */
 /* Scatter n new K/V rows (k, v: [n, KV_HEADS, HEAD_DIM], rows *_stride
  * apart) into the cache viewed as [num_slots, KV_HEADS, HEAD_DIM]; a negative
  * slot is padding. Returns -1, writing nothing, when a slot is out of range (the
@@ -241,3 +273,4 @@ int paged_write(const act_t* k, const act_t* v, int64_t k_stride, int64_t v_stri
     }
     return 0;
 }
+#endif

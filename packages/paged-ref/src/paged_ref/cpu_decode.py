@@ -56,14 +56,19 @@ _FLAGS = ("-ffast-math", "-fno-finite-math-only") + (
 
 class _Kernels(NamedTuple):
     decode: Any  # cpu_decode.c's paged_decode
-    write: Any  # and paged_write
+    write: Any  # and paged_write (None for an int8 cache)
 
 
 @functools.cache
 def _library(head_dim: int, q_per_kv: int, kv_heads: int, cache: torch.dtype, act: torch.dtype) -> _Kernels | None:
     """The built kernels for one layout, or None when they cannot be built."""
     fp8 = _FP8_CACHES.get(cache)
-    cache_type = ("-Dcache_t=uint8_t", f"-DCACHE_FP8_{fp8}") if fp8 else (f"-Dcache_t={_C_TYPES[cache]}",)
+    if fp8:
+        cache_type: tuple[str, ...] = ("-Dcache_t=uint8_t", f"-DCACHE_FP8_{fp8}")
+    elif cache == torch.int8:
+        cache_type = ("-Dcache_t=int8_t", "-DCACHE_INT8")
+    else:
+        cache_type = (f"-Dcache_t={_C_TYPES[cache]}",)
     defines = (
         f"-DHEAD_DIM={head_dim}", f"-DQ_PER_KV={q_per_kv}", f"-DKV_HEADS={kv_heads}",
         *cache_type, f"-Dact_t={_C_TYPES[act]}",
@@ -73,23 +78,27 @@ def _library(head_dim: int, q_per_kv: int, kv_heads: int, cache: torch.dtype, ac
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    decode, write = lib.paged_decode, lib.paged_write
-    decode.argtypes = [p] * 6 + [i64] * 5 + [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
+    decode = lib.paged_decode
+    decode.argtypes = [p] * 6 + [i64] * 5 + [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int, p, p]
+    decode.restype = ctypes.c_int
+    if cache == torch.int8:  # written by the reference (its scales too)
+        return _Kernels(decode, None)
+    write = lib.paged_write
     write.argtypes = [p, p, i64, i64, p, i64, p, p, i64]
-    decode.restype = write.restype = ctypes.c_int
+    write.restype = ctypes.c_int
     return _Kernels(decode, write)
 
 
 def _kernels(x: Tensor, cache: Tensor) -> _Kernels | None:
     """The kernels for activations like ``x`` (``[rows, heads, head_dim]``)
     over a layer's ``cache``, when they apply: a CPU, 16/32-bit activations,
-    a 16/32-bit or unscaled fp8 cache, heads a multiple of kv heads, a
+    a 16/32-bit, fp8 or int8 cache, heads a multiple of kv heads, a
     contiguous cache (a copy of it would be read or written instead) and the
     library built."""
     heads, kv_heads = x.shape[1], cache.shape[2]
     if not (
         x.device.type == "cpu"
-        and (cache.dtype in _C_TYPES or cache.dtype in _FP8_CACHES)
+        and (cache.dtype in _C_TYPES or cache.dtype in _FP8_CACHES or cache.dtype == torch.int8)
         and x.dtype in _C_TYPES
         and heads % kv_heads == 0
         and cache.is_contiguous()
@@ -118,28 +127,50 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Tensor:
-    """``ops.paged_decode_attention``'s contract for a 16/32-bit or unscaled
-    fp8 cache on a CPU (check :func:`supports` first): ``q [batch, heads, head_dim]``,
-    caches ``[num_blocks, block_size, kv_heads, head_dim]``, returns
-    ``[batch, heads, head_dim]`` in ``q.dtype``."""
+    """``ops.paged_decode_attention``'s contract for a 16/32-bit, unscaled
+    fp8 or int8 cache on a CPU (check :func:`supports` first): ``q [batch,
+    heads, head_dim]``, caches ``[num_blocks, block_size, kv_heads,
+    head_dim]``, an int8 cache's float16 ``k_scales``/``v_scales``
+    ``[num_blocks, block_size, kv_heads]``; returns ``[batch, heads,
+    head_dim]`` in ``q.dtype``."""
     kernels = _kernels(q, k_cache)
-    if kernels is None or not v_cache.is_contiguous():
+    int8 = k_cache.dtype == torch.int8
+    if kernels is None or not v_cache.is_contiguous() or int8 != _token_scales_fit(k_cache, k_scales, v_scales):
         raise ValueError("cpu_decode cannot run this layout; check supports() first")
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    out = _c_decode(kernels, q, k_cache, v_cache, tables, lens, scale, sliding_window, softcap, torch.get_num_threads())
+    out = _c_decode(
+        kernels, q, k_cache, v_cache, tables, lens, scale, sliding_window, softcap,
+        torch.get_num_threads(), k_scales, v_scales,
+    )  # fmt: skip
     if out is None:  # a block larger than the kernel's buffer
-        return ref_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)  # type: ignore[no-any-return]
+        return ref_ops.paged_decode_attention(  # type: ignore[no-any-return]
+            q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+            k_scales=k_scales, v_scales=v_scales,
+        )  # fmt: skip
     return out
+
+
+def _token_scales_fit(cache: Tensor, k_scales: Tensor | None, v_scales: Tensor | None) -> bool:
+    """Whether ``k_scales``/``v_scales`` are per-token int8 scales the kernel
+    reads: float16, contiguous, ``[num_blocks, block_size, kv_heads]``."""
+    return all(
+        s is not None and s.dtype == torch.float16 and s.shape == cache.shape[:3] and s.is_contiguous()
+        for s in (k_scales, v_scales)
+    )
 
 
 def _c_decode(
     kernels: _Kernels, q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor,
     scale: float, sliding_window: int | None, softcap: float | None, num_threads: int,
+    k_scales: Tensor | None = None, v_scales: Tensor | None = None,
 ) -> Tensor | None:  # fmt: skip
-    """The C decode over int32 ``tables`` / ``lens``; None when a block is
-    larger than the kernel's buffer (nothing computed)."""
+    """The C decode over int32 ``tables`` / ``lens`` (and an int8 cache's
+    scales); None when a block is larger than the kernel's buffer (nothing
+    computed)."""
     q = _rows(q)
     batch, heads, head_dim = q.shape
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
@@ -148,6 +179,8 @@ def _c_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), batch, q.stride(0), block_size, tables.shape[1], num_blocks, scale,
         sliding_window or 0, softcap or 0.0, num_threads,
+        k_scales.data_ptr() if k_scales is not None else None,
+        v_scales.data_ptr() if v_scales is not None else None,
     )  # fmt: skip
     return out if status == 0 else None
 
@@ -168,7 +201,10 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     False (nothing written) where it does not apply or a slot is out of
     range, so the caller can let the reference write or raise."""
     kernels = _kernels(k, k_cache)
-    if kernels is None or v.dtype != k.dtype or not v_cache.is_contiguous() or slot_mapping.dtype != torch.long:
+    if (
+        kernels is None or kernels.write is None or v.dtype != k.dtype
+        or not v_cache.is_contiguous() or slot_mapping.dtype != torch.long
+    ):  # fmt: skip
         return False
     return _c_write(kernels, k_cache, v_cache, k, v, slot_mapping.contiguous())
 
@@ -216,6 +252,7 @@ def write_and_decode(
         kernels = _kernels(q, k_cache)
         if (
             kernels is None
+            or kernels.write is None  # an int8 cache: its scales are written by the reference
             or k.dtype != q.dtype
             or v.dtype != q.dtype
             or v_cache.dtype != k_cache.dtype
@@ -321,8 +358,8 @@ def _memo_mask(
 
 class CpuDecodeOps:
     """An attention-ops module whose ``write_kv`` and ``paged_decode_attention``
-    run the C kernels where they apply (16/32-bit and fp8 caches on a CPU,
-    no scales); everything else, and every other op, is the wrapped module's.
+    run the C kernels where they apply (on a CPU: 16/32-bit and fp8 caches,
+    and int8 ones with per-token scales, which the reference writes); everything else, and every other op, is the wrapped module's.
     The reference write checks its slots with a host sync and runs two
     ``index_copy_``: ~60 µs a layer at one stream, for a few hundred bytes."""
 
@@ -345,10 +382,16 @@ class CpuDecodeOps:
         return getattr(self._ops, name)
 
     def _decode(self, a: DecodeArgs) -> Tensor:
-        if a.q.shape[0] > 0 and a.unscaled and supports(a.q, a.k_cache, a.v_cache):
+        """The C kernel for an unscaled 16/32-bit or fp8 cache, or an int8
+        one with per-token scales; the reference for static and int4 scales."""
+        if a.k_cache.dtype == torch.int8:
+            fits = a.k_head_scales is None and a.v_head_scales is None and _token_scales_fit(a.k_cache, a.k_scales, a.v_scales)
+        else:
+            fits = a.unscaled
+        if a.q.shape[0] > 0 and fits and supports(a.q, a.k_cache, a.v_cache):
             return decode_attention(
                 a.q, a.k_cache, a.v_cache, a.block_tables, a.seq_lens, a.scale, a.sliding_window,
-                a.softcap,
+                a.softcap, a.k_scales, a.v_scales,
             )  # fmt: skip
         return a.pass_to(self._ops.paged_decode_attention)
 
