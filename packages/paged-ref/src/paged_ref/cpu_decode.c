@@ -134,8 +134,7 @@ static inline float exp_simd(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.f;
-    const union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
-    const float y = x < -87.f ? 0.f : p * two_n.f;
+    const float y = x < -87.f ? 0.f : p * float_from_bits((uint32_t)((int32_t)n + 127) << 23);
     return x != x ? x : y;
 }
 
