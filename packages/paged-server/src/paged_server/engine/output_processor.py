@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from paged_server.engine.logprobs import TokenLogprobs
-from paged_server.engine.sequence import Sequence
+from paged_server.engine.sequence import Sequence, SequenceStatus
 from paged_server.outputs import RequestOutput
 
 
@@ -44,12 +44,14 @@ def append_token(
         _add_text(seq, kept + seq.text_stream.flush())
     else:
         _add_text(seq, seq.text_stream.add(token_id))
-        if not seq.is_finished and (
-            seq.num_generated >= params.max_tokens or len(token_ids) >= max_model_len
+        if seq.status is not SequenceStatus.FINISHED and (
+            len(token_ids) - seq.num_prompt_tokens >= params.max_tokens
+            or len(token_ids) >= max_model_len
         ):
             seq.finish("length")
             _add_text(seq, seq.text_stream.flush())
-    release_text(seq)
+    if params.stop or seq.status is SequenceStatus.FINISHED:  # else _add_text released it all
+        release_text(seq)
 
 
 def finish_early(seq: Sequence, reason: str) -> None:
@@ -68,6 +70,10 @@ def _add_text(seq: Sequence, piece: str) -> None:
     old_len = len(seq.output_text)
     seq.output_text += piece
     params = seq.request.params
+    if not params.stop:  # no text is held back: all of it streams now
+        seq.new_text += piece
+        seq.emitted_text_len = old_len + len(piece)
+        return
     cut = find_stop(seq.output_text, params.stop, old_len)
     if cut is not None:
         if params.include_stop_str_in_output:
