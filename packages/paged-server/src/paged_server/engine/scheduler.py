@@ -151,7 +151,7 @@ class Scheduler:
             if seq.is_finished or wanted <= 0:
                 i += 1
                 continue
-            n = self._chunk(wanted, budget)
+            n = 1 if wanted == 1 else self._chunk(wanted, budget)  # a decode needs no chunking
             if n < wanted and not self.enable_chunked_prefill:
                 if has_prefill:  # whole prompts only; the first one may overshoot
                     i += 1
