@@ -21,7 +21,7 @@ A server's engine thread also hands each step's outputs to the event loop
 with the server's Prometheus histograms and an event loop that runs the
 hand-off between steps, outside the timing.
 
-Run: ``python benchmarks/host_step.py [--seqs 256] [--context 2048]``; prints
+Run: ``python benchmarks/host_step.py [--seqs 256] [--context 2048] [--no-detokenize]``; prints
 one JSON line: median wall and thread-CPU ms per step (``--profile``: a
 cProfile list on stderr).
 """
@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--profile", action="store_true", help="cProfile the timed steps (stderr)")
     p.add_argument(
+        "--detokenize", action=argparse.BooleanOptionalAction, default=True,
+        help="SamplingParams.detokenize (--no-detokenize: token ids only, as an offline "
+        "token-id workload runs)",
+    )  # fmt: skip
+    p.add_argument(
         "--threads", type=int, default=1,
         help="torch threads (1: the host work is Python and small ops; on a shared machine "
         "OpenMP's busy-wait makes multi-threaded small ops wait for descheduled workers)",
@@ -115,7 +120,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = build(args.seqs, args.context, args.steps)
-    params = SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=0)
+    params = SamplingParams(
+        max_tokens=args.steps + 64, ignore_eos=True, temperature=0, detokenize=args.detokenize
+    )
     for i in range(args.seqs):  # distinct prompts, context - 1 tokens each
         engine.add_request(f"r{i}", [(i + j) % 4000 + 10 for j in range(args.context - 1)], params)
     while any(s.num_computed_tokens < args.context - 1 for s in engine.scheduler.running) or (
@@ -160,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "host_cpu_ms_per_step_median": round(statistics.median(cpu_times) * 1e3, 3),
         "route_ms_per_step_median": round(statistics.median(route_times) * 1e3, 3),
         "torch_threads": torch.get_num_threads(),
+        "detokenize": args.detokenize,
     }
     print(json.dumps(result), flush=True)
     return result

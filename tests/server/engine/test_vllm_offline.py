@@ -91,3 +91,38 @@ def test_tokenizer_from_another_directory(tiny_model_dir: Path, tmp_path: Path) 
     llm = LLM(str(tiny_model_dir), tokenizer=str(other), **SMALL)
     out = llm.chat([{"role": "user", "content": "x"}], GREEDY, use_tqdm=False)[0]
     assert llm.get_tokenizer().decode(out.prompt_token_ids) == "OTHERx"
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = dict(temperature=0.0, max_tokens=6, ignore_eos=True, n=2)
+    texted = llm.generate("hello there", SamplingParams(**params), use_tqdm=False)[0]
+    stop_at = texted.outputs[0].token_ids[2]
+    first = texted.outputs[0].token_ids.index(stop_at)
+
+    def no_decoding(*args: object, **kwargs: object) -> str:
+        raise AssertionError("a detokenize=False request was detokenized")
+
+    from paged_server.engine.detokenize import IncrementalDetokenizer
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add", no_decoding)
+    monkeypatch.setattr(IncrementalDetokenizer, "flush", no_decoding)
+    bare = llm.generate("hello there", SamplingParams(**params, detokenize=False), use_tqdm=False)[0]
+    assert [c.token_ids for c in bare.outputs] == [c.token_ids for c in texted.outputs]
+    assert all(c.text == "" and c.finish_reason == "length" for c in bare.outputs)
+    assert all(c.text for c in texted.outputs)  # the model's tokens do have text
+    # Stop tokens end it as before: they are checked on ids, not text.
+    stopped = llm.generate(
+        "hello there",
+        SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_at], detokenize=False),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert stopped.token_ids == texted.outputs[0].token_ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_detokenize_false_refuses_stop_strings() -> None:
+    with pytest.raises(ValueError, match="stop: stop strings are only supported when detokenize"):
+        SamplingParams(stop=["x"], detokenize=False).validate(64)
+    with pytest.raises(ValueError, match="detokenize: must be true or false"):
+        SamplingParams(detokenize="no").validate(64)  # type: ignore[arg-type]

@@ -82,6 +82,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # vLLM's output and token-set controls:
     skip_special_tokens: bool = True  # False: special tokens' text is in the output
+    detokenize: bool = True  # False: token ids only, no text (and no stop strings)
     # Accepted as vLLM with a fast tokenizer (tokenizer.json), which ignores it:
     # special tokens join the text as the tokenizer decodes them.
     spaces_between_special_tokens: bool = True
@@ -159,9 +160,11 @@ class SamplingParams:
             self.structured_outputs.validate()
         self._validate_token_sets()
         for name in ("ignore_eos", "use_beam_search", "include_stop_str_in_output",
-                     "skip_special_tokens", "spaces_between_special_tokens"):
+                     "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:  # a stop string is found in the text
+            raise ValueError("stop: stop strings are only supported when detokenize is True")
         self._validate_beam_search()
 
     def _validate_token_sets(self) -> None:

@@ -115,3 +115,14 @@ class IncrementalDetokenizer:
             return ""  # mid-character, or nothing visible yet: wait for more tokens
         self._prefix_offset, self._read_offset = read, len(ids)
         return new_text[len(prefix_text) :]
+
+
+class NoText:
+    """The text stream of a request with ``detokenize=False``: its outputs
+    carry token ids only, and no step spends time decoding them."""
+
+    def add(self, token_ids: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

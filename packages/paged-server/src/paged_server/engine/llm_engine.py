@@ -43,7 +43,7 @@ from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam
 from paged_server.engine.checks import audit_engine, check_prompt
 from paged_server.engine.compiled_forward import CompiledForward, compiles_forward
 from paged_server.engine.decode_graphs import DecodeGraphs
-from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.detokenize import IncrementalDetokenizer, NoText
 from paged_server.engine.grammar_mask import StructuredOutput
 from paged_server.engine.kernel_warmup import warm_up_kernels
 from paged_server.engine.kv_sizing import sizes_by_memory_share
@@ -661,7 +661,9 @@ class LLMEngine:
                         self.tokenizer,
                         skip_special_tokens=params.skip_special_tokens,
                         context_ids=token_ids,
-                    ),
+                    )
+                    if params.detokenize
+                    else NoText(),
                     status=SequenceStatus.WAITING if index == 0 else SequenceStatus.PENDING_FORK,
                 )
             )

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 
 class TextStream(Protocol):
-    """Incremental detokenizer of one choice (``IncrementalDetokenizer``)."""
+    """Incremental detokenizer of one choice (``IncrementalDetokenizer``, or
+    ``NoText`` with ``detokenize=False``)."""
 
     def add(self, token_ids: int) -> str:
         """Text completed by a new token (may be empty)."""
