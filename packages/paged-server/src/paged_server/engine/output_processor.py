@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from paged_server.engine.logprobs import TokenLogprobs
-from paged_server.engine.sequence import Sequence, SequenceStatus
+from paged_server.engine.sequence import Sequence
 from paged_server.outputs import RequestOutput
 
 
@@ -44,13 +44,12 @@ def append_token(
         _add_text(seq, kept + seq.text_stream.flush())
     else:
         _add_text(seq, seq.text_stream.add(token_id))
-        if seq.status is not SequenceStatus.FINISHED and (
-            len(token_ids) - seq.num_prompt_tokens >= params.max_tokens
-            or len(token_ids) >= max_model_len
+        if not seq.is_finished and (
+            seq.num_generated >= params.max_tokens or len(token_ids) >= max_model_len
         ):
             seq.finish("length")
             _add_text(seq, seq.text_stream.flush())
-    if params.stop or seq.status is SequenceStatus.FINISHED:  # else _add_text released it all
+    if params.stop or seq.is_finished:  # else _add_text released it all
         release_text(seq)
 
 
