@@ -21,7 +21,8 @@ A server's engine thread also hands each step's outputs to the event loop
 with the server's Prometheus histograms and an event loop that runs the
 hand-off between steps, outside the timing.
 
-Run: ``python benchmarks/host_step.py [--seqs 256] [--context 2048] [--no-detokenize]``; prints
+Run: ``python benchmarks/host_step.py [--seqs 256] [--context 2048] [--no-detokenize]
+[--async-output-proc]``; prints
 one JSON line: median wall and thread-CPU ms per step (``--profile``: a
 cProfile list on stderr).
 """
@@ -83,7 +84,7 @@ class NoOpModel(nn.Module):
         return logits
 
 
-def build(num_seqs: int, context: int, steps: int) -> LLMEngine:
+def build(num_seqs: int, context: int, steps: int, async_output_proc: bool = False) -> LLMEngine:
     loaded = load_model(str(ensure_llama_100m()), torch.float32, torch.device("cpu"))
     mc = loaded.config
     tiny_kv = dataclasses.replace(mc, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
@@ -97,8 +98,24 @@ def build(num_seqs: int, context: int, steps: int) -> LLMEngine:
         max_num_batched_tokens=max(num_seqs, 65536),  # prefill in a few steps
         num_gpu_blocks=num_seqs * (-(-max_len // 16)) + 16,
         enable_prefix_caching=False,
+        async_output_proc=async_output_proc,
     )
     return LLMEngine(config, loaded)
+
+
+def _time_overlapped_part(engine: LLMEngine) -> list[float]:
+    """Seconds each step spends making the last step's text and outputs
+    (``async_output_proc``; 0 otherwise): work a GPU's pass would overlap."""
+    spent = [0.0]
+    inner = engine._text_of_last_step
+
+    def timed() -> None:
+        start = time.perf_counter()
+        inner()
+        spent[0] += time.perf_counter() - start
+
+    engine._text_of_last_step = timed  # type: ignore[method-assign]
+    return spent
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -107,6 +124,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--profile", action="store_true", help="cProfile the timed steps (stderr)")
+    p.add_argument(
+        "--async-output-proc", action="store_true",
+        help="EngineConfig.async_output_proc: also report the critical path, the step less "
+        "the text and outputs of the last step (made while a GPU's pass would run)",
+    )  # fmt: skip
     p.add_argument(
         "--detokenize", action=argparse.BooleanOptionalAction, default=True,
         help="SamplingParams.detokenize (--no-detokenize: token ids only, as an offline "
@@ -119,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = build(args.seqs, args.context, args.steps)
+    engine = build(args.seqs, args.context, args.steps, args.async_output_proc)
     params = SamplingParams(
         max_tokens=args.steps + 64, ignore_eos=True, temperature=0, detokenize=args.detokenize
     )
@@ -136,14 +158,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     server = AsyncEngine(engine, ServerMetrics("host_step"))
     for i in range(args.seqs):  # as add_request tracks them (the loop is never started)
         server._tracked[f"r{i}"] = _Tracked(loop, asyncio.Queue(), time.monotonic(), 1)
+    overlapped = _time_overlapped_part(engine)
     profiler = cProfile.Profile() if args.profile else None
-    times, cpu_times, route_times = [], [], []
+    times, cpu_times, route_times, critical = [], [], [], []
     for _ in range(args.steps):
         if profiler is not None:
             profiler.enable()
+        overlapped[0] = 0.0
         start, cpu_start = time.perf_counter(), time.thread_time()
         outputs = engine.step()
         times.append(time.perf_counter() - start)
+        critical.append(times[-1] - overlapped[0])
         cpu_times.append(time.thread_time() - cpu_start)
         start = time.perf_counter()
         server._route(outputs)
@@ -166,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # shared machine adds (wall time above includes being descheduled).
         "host_cpu_ms_per_step_median": round(statistics.median(cpu_times) * 1e3, 3),
         "route_ms_per_step_median": round(statistics.median(route_times) * 1e3, 3),
+        # --async-output-proc: the step less what a GPU's forward pass would hide
+        "critical_ms_per_step_median": round(statistics.median(critical) * 1e3, 3),
+        "async_output_proc": args.async_output_proc,
         "torch_threads": torch.get_num_threads(),
         "detokenize": args.detokenize,
     }

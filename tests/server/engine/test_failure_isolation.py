@@ -92,14 +92,14 @@ def _patch_accept(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _patch_append(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = engine_module.append_token
+    real = engine_module.add_token_text
 
-    def append(seq: Any, *args: Any) -> None:
+    def add_text(seq: Any, *args: Any) -> None:
         if _is_bad(seq):
             _raise("detokenizer")
         real(seq, *args)
 
-    monkeypatch.setattr(engine_module, "append_token", append)
+    monkeypatch.setattr(engine_module, "add_token_text", add_text)
 
 
 def _patch_beam_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,9 +155,10 @@ CASES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], SamplingParams, str
 }
 
 
+@pytest.mark.parametrize("async_output_proc", [False, True], ids=["in_step", "async_output"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_fault_in_one_requests_post_forward_work_fails_that_request_only(
-    case, make_engine, run_engine, prompt_of, greedy, monkeypatch
+    case, async_output_proc, make_engine, run_engine, prompt_of, greedy, monkeypatch
 ) -> None:
     patch, bad_params, message = CASES[case]
     neighbours = [
@@ -166,7 +167,7 @@ def test_a_fault_in_one_requests_post_forward_work_fails_that_request_only(
     ]
     ref = run_engine(make_engine(), neighbours)
     patch(monkeypatch)
-    engine = make_engine()
+    engine = make_engine(async_output_proc=async_output_proc)
     # Submitted together: the bad request's first token comes in the neighbours' step.
     run = run_engine(engine, [(BAD, prompt_of(9, 3), bad_params), *neighbours])
     for index in range(bad_params.n):

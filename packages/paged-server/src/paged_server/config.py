@@ -72,6 +72,10 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no torch.compile (CPU), no CUDA graphs (CUDA)
+    # Make the text of step N's tokens while step N+1's forward pass runs: a
+    # GPU's pass is asynchronous, so that host work leaves its critical path;
+    # outputs then come one step later. A CPU's pass is not: off there.
+    async_output_proc: bool = False
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False

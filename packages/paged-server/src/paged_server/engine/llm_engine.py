@@ -32,6 +32,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +50,7 @@ from paged_server.engine.kernel_warmup import warm_up_kernels
 from paged_server.engine.kv_sizing import sizes_by_memory_share
 from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
-from paged_server.engine.output_processor import append_token, finish_early, take_output
+from paged_server.engine.output_processor import add_token_text, commit_token, take_output
 from paged_server.engine.pool_factory import build_cache_pool, calibrated_kv_scales
 from paged_server.engine.runner import ModelRunner, PromptScores
 from paged_server.engine.sampler import SamplingRow, sample
@@ -210,6 +211,10 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._touched: list[Sequence] = []
+        # --async-output-proc: tokens sampled last step whose text waits for
+        # this step's forward pass to be launched, and the outputs made then.
+        self._untexted: list[tuple[Sequence, int]] = []
+        self._made: list[RequestOutput] = []
         self.counters = EngineCounters()
         self._preemption_log = RateLimitedLog(log)
         self.structured_output = StructuredOutput(
@@ -340,7 +345,7 @@ class LLMEngine:
         freeing sequences that finished or were aborted since the last step)."""
         if self.failed is not None:
             return False
-        return self.scheduler.has_work() or bool(self._touched)
+        return self.scheduler.has_work() or bool(self._touched or self._untexted or self._made)
 
     # -- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -358,6 +363,8 @@ class LLMEngine:
         self._count(plan)
         if plan.scheduled:
             self._run(plan.scheduled)
+        else:  # no forward pass to overlap with
+            self._text_of_last_step()
         return self._collect_outputs()
 
     # -- step parts -------------------------------------------------------------
@@ -402,7 +409,12 @@ class LLMEngine:
             log.exception("forward pass failed for %d sequences", len(scheduled))
             for seq, _ in scheduled:
                 self._fail(seq, f"model forward pass failed: {type(exc).__name__}: {exc}")
+            self._text_of_last_step()
             return
+        # On CUDA the pass is still running: last step's text is made meanwhile,
+        # and a stop string found there finishes its sequence before this
+        # step's token is appended (the rows below skip finished sequences).
+        self._text_of_last_step()
         mark_computed = self.pool.mark_computed  # once per sequence: bound once
         for seq, n in scheduled:
             seq.num_computed_tokens += n
@@ -545,21 +557,39 @@ class LLMEngine:
         return row
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None, now: float) -> None:
-        """One sampled token: advance the grammar, the text and the stop checks."""
+        """One sampled token: advance the grammar and the stop checks on ids;
+        then its text, now or (``async_output_proc``) during the next pass."""
         request = seq.request
         if request.first_token_time is None:
             request.first_token_time = now
         self.counters.generation_tokens += 1
-        self._touched.append(seq)
         complete = False
         if seq.grammar is not None:
             complete, error = self.structured_output.accept(seq.grammar, token)
             if error is not None:
                 self._fail(seq, error)
                 return
-        append_token(seq, token, logprob, self.eos_token_ids, self.config.max_model_len)
+        commit_token(seq, token, logprob, self.eos_token_ids, self.config.max_model_len)
         if complete and not seq.is_finished:  # the grammar admits nothing more
-            finish_early(seq, "stop")
+            seq.finish("stop")
+        if self.config.async_output_proc:
+            self._untexted.append((seq, token))
+            return
+        self._touched.append(seq)
+        add_token_text(seq, token, self.eos_token_ids)
+
+    def _text_of_last_step(self) -> None:
+        """``async_output_proc``: the text of the tokens sampled last step, and
+        their outputs, taken now, before this step's tokens join them."""
+        if not self._untexted:
+            return
+        untexted, self._untexted = self._untexted, []
+        for seq, token in untexted:
+            try:
+                add_token_text(seq, token, self.eos_token_ids)
+            except Exception as exc:
+                self._fail_isolated(seq, "detokenization", exc)
+        self._made += self._take_outputs(seq for seq, _ in untexted)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Finish ``seq``; choices that were waiting to fork from it finish too,
@@ -628,8 +658,19 @@ class LLMEngine:
             )
         return "; ".join(parts)
     def _collect_outputs(self) -> list[RequestOutput]:
+        """This step's outputs: those made while its pass ran, then every
+        sequence touched since (one whose text is still to come waits for it)."""
+        touched, self._touched = self._touched, []
+        if self._untexted:
+            waiting = {id(seq) for seq, _ in self._untexted}
+            self._touched = [seq for seq in touched if id(seq) in waiting]
+            touched = [seq for seq in touched if id(seq) not in waiting]
+        outputs, self._made = self._made + self._take_outputs(touched), []
+        return outputs
+
+    def _take_outputs(self, seqs: Iterable[Sequence]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        for seq in dict.fromkeys(self._touched):  # each once, in order (hashed by identity)
+        for seq in dict.fromkeys(seqs):  # each once, in order (hashed by identity)
             request = seq.request
             out = take_output(seq)
             if out is not None and out.index < request.params.n:  # not a dropped beam
@@ -637,7 +678,6 @@ class LLMEngine:
             done = seq.is_finished and request.finished  # request.finished: every choice
             if done and all(s.finish_reported for s in request.seqs):
                 self._requests.pop(request.request_id, None)
-        self._touched = []
         return outputs
 
     # -- submission helpers -----------------------------------------------------

@@ -24,10 +24,25 @@ def append_token(
     eos_token_ids: Collection[int],
     max_model_len: int,
 ) -> None:
-    """Record one sampled token and finish the sequence if a stop condition holds.
+    """Record one sampled token and finish the sequence if a stop condition
+    holds: ``commit_token``, then ``add_token_text``.
 
     Raises whatever the detokenizer raises; the engine fails that one request.
     """
+    commit_token(seq, token_id, logprob, eos_token_ids, max_model_len)
+    add_token_text(seq, token_id, eos_token_ids)
+
+
+def commit_token(
+    seq: Sequence,
+    token_id: int,
+    logprob: TokenLogprobs | None,
+    eos_token_ids: Collection[int],
+    max_model_len: int,
+) -> None:
+    """The half of a token that needs no text: its id and logprobs, and the
+    stop conditions on ids (a stop token, EOS, ``max_tokens``,
+    ``max_model_len``), so the scheduler knows at once whether it goes on."""
     params = seq.request.params
     token_ids = seq.token_ids
     token_ids.append(token_id)
@@ -37,48 +52,53 @@ def append_token(
         seq.new_logprobs.append(logprob.logprob)
         if params.logprobs:
             seq.new_top_logprobs.append(logprob.top)
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+    if _is_stop_token(seq, token_id, eos_token_ids):
         seq.finish("stop")
-        # the stop token's own text only with include_stop_str_in_output
+    elif seq.num_generated >= params.max_tokens or len(token_ids) >= max_model_len:
+        seq.finish("length")
+
+
+def add_token_text(seq: Sequence, token_id: int, eos_token_ids: Collection[int]) -> None:
+    """The text half of a committed token: its text (none for a stop token
+    unless ``include_stop_str_in_output``), cut at a stop string, which
+    finishes the sequence; once it is finished, the text held back too.
+
+    Raises whatever the detokenizer raises."""
+    params = seq.request.params
+    if _is_stop_token(seq, token_id, eos_token_ids):
         kept = seq.text_stream.add(token_id) if params.include_stop_str_in_output else ""
         _add_text(seq, kept + seq.text_stream.flush())
-    else:
-        _add_text(seq, seq.text_stream.add(token_id))
-        if not seq.is_finished and (
-            seq.num_generated >= params.max_tokens or len(token_ids) >= max_model_len
-        ):
-            seq.finish("length")
-            _add_text(seq, seq.text_stream.flush())
+    elif not _add_text(seq, seq.text_stream.add(token_id)) and seq.is_finished:
+        _add_text(seq, seq.text_stream.flush())  # max_tokens, max_model_len or a grammar
     if params.stop or seq.is_finished:  # else _add_text released it all
         release_text(seq)
 
 
-def finish_early(seq: Sequence, reason: str) -> None:
-    """Finish ``seq`` for a reason outside the token itself (a completed
-    grammar), releasing the text still held back."""
-    seq.finish(reason)
-    _add_text(seq, seq.text_stream.flush())
-    release_text(seq)
+def _is_stop_token(seq: Sequence, token_id: int, eos_token_ids: Collection[int]) -> bool:
+    params = seq.request.params
+    return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)
 
 
-def _add_text(seq: Sequence, piece: str) -> None:
+def _add_text(seq: Sequence, piece: str) -> bool:
     """Append detokenized text, cutting (and finishing) at a stop string
-    (after it with ``include_stop_str_in_output``)."""
+    (after it with ``include_stop_str_in_output``); whether it cut."""
     if not piece:
-        return
+        return False
     old_len = len(seq.output_text)
     seq.output_text += piece
     params = seq.request.params
     if not params.stop:  # no text is held back: all of it streams now
         seq.new_text += piece
         seq.emitted_text_len = old_len + len(piece)
-        return
+        return False
     cut = find_stop(seq.output_text, params.stop, old_len)
-    if cut is not None:
-        if params.include_stop_str_in_output:
-            cut += max(len(s) for s in params.stop if seq.output_text.startswith(s, cut))
-        seq.output_text = seq.output_text[:cut]
-        seq.finish("stop")
+    if cut is None:
+        return False
+    if params.include_stop_str_in_output:
+        cut += max(len(s) for s in params.stop if seq.output_text.startswith(s, cut))
+    seq.output_text = seq.output_text[:cut]
+    seq.finish("stop")
+    return True
 
 
 def find_stop(text: str, stops: list[str], old_len: int) -> int | None:

@@ -38,6 +38,10 @@ FLAG_HINTS = {
     "--kv-cache-memory": "use --kv-cache-memory-bytes",
     "--max-num-partial-prefills": "chunked prefill shares one token budget: --max-num-batched-tokens",
     "--scheduling-policy": "scheduling is first come, first served; drop the flag",
+    "--disable-async-output-proc": "output processing overlaps the next forward pass only with "
+    "--async-output-proc (off by default); drop the flag",
+    "--async-scheduling": "steps are scheduled one after another; --async-output-proc "
+    "overlaps each step's text and outputs with the next forward pass",
     "--tokenizer-mode": "the checkpoint's tokenizer.json (fast tokenizer) is always used",
     "--hf-overrides": "edit the checkpoint's config.json instead",
     "--max-seq-len-to-capture": "decode steps of any length replay CUDA graphs; see --enforce-eager",

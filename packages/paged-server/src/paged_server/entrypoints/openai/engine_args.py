@@ -70,6 +70,10 @@ _HELP = {
     "enforce_eager": "run every step eagerly; otherwise, on CPU the forward pass is compiled "
     "(torch.compile) at start-up, and on CUDA with the triton backend decode steps replay "
     "CUDA graphs captured at start-up",
+    "async_output_proc": "make each step's text and outputs while the next forward pass runs "
+    "(on a GPU the pass is asynchronous, so the host work overlaps it); outputs then arrive "
+    "one step later, and a stop string is found one token late (that token is dropped). "
+    "Helps large batches on CUDA; no gain on CPU, where the pass holds the cores",
     "dtype": "weights dtype: auto = bfloat16 on CUDA, float32 on CPU",
     "kv_cache_dtype": "what the KV cache stores: auto = the model dtype; fp8 (= fp8_e4m3) and "
     "fp8_e5m2 with a per-tensor scale of 1.0; int8 with a scale per token and kv head. "
