@@ -143,6 +143,16 @@ def test_tp2_matches_tp1_token_for_token(
         }
 
 
+def test_tp2_with_async_output_proc_matches_tp1(tp_checkpoints: dict[str, Path]) -> None:
+    """``async_output_proc`` moves only rank 0's text making, so a TP=2
+    engine under preemption streams what a TP=1 engine without it does."""
+    path = tp_checkpoints["llama"]
+    one = _generate(path, 1, "paged")
+    two = _generate(path, 2, "paged", async_output_proc=True)
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] == one["preemptions"] > 0
+
+
 @pytest.mark.parametrize("pool", ["paged", "contiguous"])
 def test_tp2_int8_kv_cache_matches_tp1(tp_checkpoints: dict[str, Path], pool: str) -> None:
     """int8 scales are per kv head, so each rank's shard quantizes its heads
