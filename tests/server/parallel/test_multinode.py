@@ -142,6 +142,37 @@ def test_a_remote_rank_whose_heartbeat_stops_is_reported_silent() -> None:
     assert list(silent) == [2] and silent[2] >= 0.2
 
 
+_STOP_WATCH = """
+import sys, time
+import torch.distributed as dist
+from paged_server.parallel import node_worker
+node_worker.STOP_GRACE_S = 2.0
+store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+stopped = node_worker._exit_on_stop("127.0.0.1", store.port, 1)
+time.sleep(1.2)  # beats while rank 0 runs
+del store  # rank 0 exits: its store stops answering
+time.sleep(0.8)
+if sys.argv[1] == "stop":  # this rank's own thread got the stop message meanwhile
+    stopped.set()
+time.sleep(node_worker.STOP_GRACE_S + 1.5)
+print("still running", flush=True)
+"""
+
+
+@pytest.mark.parametrize("rank_stops", [True, False], ids=["stop_message", "rank0_crashed"])
+def test_a_remote_rank_told_to_stop_exits_0_even_if_rank_0_is_gone_first(rank_stops: bool) -> None:
+    """Rank 0 sends the stop message and exits; the remote rank's watcher can
+    see the store gone before the rank's own thread has stopped. That rank
+    must still end normally; with no stop message it exits 1 (rank 0 crashed)."""
+    arg = "stop" if rank_stops else "crash"
+    proc = subprocess.run([sys.executable, "-c", _STOP_WATCH, arg], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    if rank_stops:
+        assert (proc.returncode, proc.stdout.strip()) == (0, "still running"), proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 1 and "still running" not in proc.stdout
+
+
 @pytest.mark.timeout(120, method="thread")
 def test_start_up_names_the_ranks_that_never_joined(
     tp_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch

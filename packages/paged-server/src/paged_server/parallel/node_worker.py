@@ -33,6 +33,9 @@ from paged_server.parallel.preflight import usable_cpu_cores
 from paged_server.parallel.worker import _exit_with_parent, run_worker
 
 JOIN_TIMEOUT_S = 600.0  # a node may be started well before the engine loads
+# A store that stops answering may be rank 0 exiting right after its stop
+# message: the rank's own thread is then about to stop normally.
+STOP_GRACE_S = 5.0
 
 
 def run_rank(addr: str, port: int, rank: int, local_rank: int, local_ranks: int,
@@ -114,7 +117,8 @@ def _exit_on_stop(addr: str, port: int, rank: int) -> threading.Event:
     """Beat for rank 0's health check, and exit once rank 0 sets the stop
     key or its store stops answering (a thread with its own connection: the
     rank's may be busy in a wait), unless the returned event is set first
-    (the rank stopped normally)."""
+    (the rank stopped normally; within ``STOP_GRACE_S`` of the store going,
+    since rank 0 may exit right after its stop message)."""
     stopped = threading.Event()
 
     def watch() -> None:
@@ -126,7 +130,9 @@ def _exit_on_stop(addr: str, port: int, rank: int) -> threading.Event:
                     return
             code = 0
         except Exception:
-            code = 1  # rank 0 is gone
+            code = 1  # rank 0 is gone: crashed, or stopped us and exited
+            if stopped.wait(STOP_GRACE_S):
+                return
         if not stopped.is_set():
             sys.stderr.flush()
             os._exit(code)
