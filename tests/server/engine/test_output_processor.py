@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from paged_server.engine.logprobs import TokenLogprobs
-from paged_server.engine.output_processor import append_token, take_output
+from paged_server.engine.output_processor import add_token_text, commit_token, take_output
 from paged_server.engine.sequence import Request, Sequence
 from paged_server.sampling_params import SamplingParams
 
@@ -29,11 +29,17 @@ def new_seq(max_model_len_prompt: int = 3, **params) -> Sequence:
     return seq
 
 
+def append_token(seq: Sequence, token: int, logprob: TokenLogprobs | None, max_model_len: int) -> None:
+    """One token as the engine records it in the step that sampled it."""
+    commit_token(seq, token, logprob, {EOS}, max_model_len)
+    add_token_text(seq, token, {EOS})
+
+
 def feed(seq: Sequence, tokens: list[int], max_model_len: int = 100) -> list[str]:
     """Append tokens one by one; returns the text delta streamed after each."""
     deltas = []
     for t in tokens:
-        append_token(seq, t, None, {EOS}, max_model_len)
+        append_token(seq, t, None, max_model_len)
         out = take_output(seq)
         deltas.append(out.new_text if out else "")
         if seq.is_finished:
@@ -92,7 +98,7 @@ def test_max_model_len_ends_generation_with_length() -> None:
 
 def test_finished_sequence_reports_exactly_once() -> None:
     seq = new_seq(max_tokens=1)
-    append_token(seq, 10, TokenLogprobs(10, -0.5), {EOS}, 100)
+    append_token(seq, 10, TokenLogprobs(10, -0.5), 100)
     out = take_output(seq)
     assert out is not None and out.finished and out.new_token_ids == [10]
     assert out.new_logprobs is None  # not asked for

@@ -17,22 +17,6 @@ from paged_server.engine.sequence import Sequence
 from paged_server.outputs import RequestOutput
 
 
-def append_token(
-    seq: Sequence,
-    token_id: int,
-    logprob: TokenLogprobs | None,
-    eos_token_ids: Collection[int],
-    max_model_len: int,
-) -> None:
-    """Record one sampled token and finish the sequence if a stop condition
-    holds: ``commit_token``, then ``add_token_text``.
-
-    Raises whatever the detokenizer raises; the engine fails that one request.
-    """
-    commit_token(seq, token_id, logprob, eos_token_ids, max_model_len)
-    add_token_text(seq, token_id, eos_token_ids)
-
-
 def commit_token(
     seq: Sequence,
     token_id: int,
