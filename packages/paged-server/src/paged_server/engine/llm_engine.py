@@ -661,7 +661,7 @@ class LLMEngine:
         """This step's outputs: those made while its pass ran, then every
         sequence touched since (one whose text is still to come waits for it)."""
         touched, self._touched = self._touched, []
-        if self._untexted:
+        if self._untexted and touched:  # (a decode touches none: its outputs were made)
             waiting = {id(seq) for seq, _ in self._untexted}
             self._touched = [seq for seq in touched if id(seq) in waiting]
             touched = [seq for seq in touched if id(seq) not in waiting]

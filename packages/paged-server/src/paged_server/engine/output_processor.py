@@ -38,7 +38,7 @@ def commit_token(
             seq.new_top_logprobs.append(logprob.top)
     if _is_stop_token(seq, token_id, eos_token_ids):
         seq.finish("stop")
-    elif seq.num_generated >= params.max_tokens or len(token_ids) >= max_model_len:
+    elif (n := len(token_ids)) - seq.num_prompt_tokens >= params.max_tokens or n >= max_model_len:
         seq.finish("length")
 
 
