@@ -26,8 +26,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -166,7 +167,8 @@ class ModelRunner:
             self.pool.free_seq(seq_id)
 
     def _tensor(self, data: list[int]) -> Tensor:
-        return torch.tensor(data, dtype=torch.long, device=self.device)
+        # through numpy: ~4 us for a step's 256 ids against ~15 for torch.tensor(list)
+        return torch.from_numpy(np.array(data, dtype=np.int64)).to(self.device)
 
 
 @dataclass(slots=True)
@@ -190,27 +192,31 @@ class _Batch:
 
 def _decode_batch(scheduled: list[tuple[Sequence, int]]) -> _Batch | None:
     """The common step, one token per sequence and no prompt to score, laid
-    out one list at a time: token ``i`` is entry ``i``, so it needs none of
+    out in one pass: token ``i`` is entry ``i``, so it needs none of
     ``_flat_batch``'s per-token work. ``None`` for any other step."""
-    if any(n != 1 or seq.request.params.prompt_logprobs is not None for seq, n in scheduled):
-        return None
-    seqs = [seq for seq, _ in scheduled]
-    seq_ids = [seq.pool_seq_id for seq in seqs]
-    if None in seq_ids:
-        return None  # _flat_batch names the sequence
-    starts = [seq.num_computed_tokens for seq in seqs]
-    ids = [seq.token_ids[start] for seq, start in zip(seqs, starts, strict=True)]
-    sampled = [i for i, seq in enumerate(seqs) if len(seq.token_ids) == starts[i] + 1]
+    seq_ids: list[int] = []
+    starts: list[int] = []
+    ids: list[int] = []
+    sampled: list[int] = []
+    for i, (seq, n) in enumerate(scheduled):
+        if n != 1 or seq.request.params.prompt_logprobs is not None or seq.pool_seq_id is None:
+            return None  # (no seq_id: _flat_batch names the sequence)
+        start, token_ids = seq.num_computed_tokens, seq.token_ids
+        seq_ids.append(seq.pool_seq_id)
+        starts.append(start)
+        ids.append(token_ids[start])
+        if len(token_ids) == start + 1:
+            sampled.append(i)
     return _Batch(
-        seq_ids=cast(list[int], seq_ids),
+        seq_ids=seq_ids,
         starts=starts,
-        lens=[1] * len(seqs),
+        lens=[1] * len(seq_ids),
         ids=ids,
         positions=starts,  # one token each, at its start
         rows=sampled,  # token row i is entry i
         sampled=sampled,
         scored=[],
-        every_row=len(sampled) == len(seqs),
+        every_row=len(sampled) == len(seq_ids),
     )
 
 

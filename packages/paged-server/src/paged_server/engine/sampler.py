@@ -95,6 +95,11 @@ def _sample_batch(
     logits = logits.float()
     batch = logits.shape[0]
     errors: list[str | None] = [None] * batch
+    # The rows' needs, read before the first wait for the device (``bad.any()``
+    # below): on a GPU this host work runs while the pass still does.
+    want_logprobs = [r.params.logprobs is not None for r in rows]
+    edits = any(r.edits_logits for r in rows)
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
     # One pass finds each row's greedy token and checks it: the max is NaN
     # if the row holds a NaN, +inf if it holds +inf, -inf if every entry is.
     top_values, top_indices = row_max(logits)
@@ -106,16 +111,14 @@ def _sample_batch(
         logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
         top_values, top_indices = row_max(logits)
 
-    want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if True in want_logprobs else None
 
     processed = logits
-    if any(r.edits_logits for r in rows):
+    if edits:
         processed = apply_penalties(apply_logits_processors(logits, rows), rows)
     # Greedy rows keep this; without penalties or biases the max above is it.
     tokens = top_indices if processed is logits else row_max(processed)[1]
     logits = processed
-    sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
         sub_rows = [rows[i] for i in sampled]
         probs = _filtered_probs(logits[sampled], sub_rows)

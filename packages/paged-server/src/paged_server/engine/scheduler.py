@@ -144,14 +144,22 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         has_prefill = False
+        reserve, finished = self.pool.reserve, SequenceStatus.FINISHED
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            wanted = seq.num_tokens - seq.num_computed_tokens
-            if seq.is_finished or wanted <= 0:
+            done = seq.num_computed_tokens
+            wanted = len(seq.token_ids) - done
+            if seq.status is finished or wanted <= 0:
                 i += 1
                 continue
-            n = 1 if wanted == 1 else self._chunk(wanted, budget)  # a decode needs no chunking
+            # Most of a step: a decode whose room is there (no chunk, nothing to preempt).
+            if wanted == 1 and reserve(seq.pool_seq_id, seq.token_ids, done + 1) > done:  # type: ignore[arg-type]
+                out.scheduled.append((seq, 1))
+                budget -= 1
+                i += 1
+                continue
+            n = self._chunk(wanted, budget)
             if n < wanted and not self.enable_chunked_prefill:
                 if has_prefill:  # whole prompts only; the first one may overshoot
                     i += 1
