@@ -26,7 +26,7 @@ a GPU's forward pass would overlap: the host part from launching the pass
 to first waiting for the device (``_DeviceWindow``).
 
 Run: ``python benchmarks/host_step.py [--seqs 256] [--context 2048] [--no-detokenize]
-[--async-output-proc]``; prints one JSON line: median wall, thread-CPU and
+[--async-output-proc] [--model DIR]``; prints one JSON line: median wall, thread-CPU and
 critical-path ms per step (``--profile``: a cProfile list on stderr).
 """
 
@@ -88,8 +88,10 @@ class NoOpModel(nn.Module):
         return logits
 
 
-def build(num_seqs: int, context: int, steps: int, async_output_proc: bool = False) -> LLMEngine:
-    loaded = load_model(str(ensure_llama_100m()), torch.float32, torch.device("cpu"))
+def build(
+    num_seqs: int, context: int, steps: int, async_output_proc: bool = False, model: str | None = None
+) -> LLMEngine:
+    loaded = load_model(model or str(ensure_llama_100m()), torch.float32, torch.device("cpu"))
     mc = loaded.config
     tiny_kv = dataclasses.replace(mc, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
     loaded = dataclasses.replace(loaded, model=NoOpModel(mc.hidden_size, mc.vocab_size), config=tiny_kv)
@@ -141,6 +143,11 @@ class _DeviceWindow:
 
         engine.runner.execute = timed_execute  # type: ignore[method-assign]
         sampler.row_max = timed_row_max
+        self._row_max = row_max
+
+    def close(self) -> None:
+        """Put the sampler's own ``row_max`` back (the engine is dropped)."""
+        sampler.row_max = self._row_max
 
     def next_step(self) -> None:
         self.launched = None
@@ -150,6 +157,10 @@ class _DeviceWindow:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model", default=None,
+        help="checkpoint whose shapes and tokenizer the no-op takes (default: the ~100M bench model)",
+    )  # fmt: skip
     p.add_argument("--seqs", type=int, default=256)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=48)
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = build(args.seqs, args.context, args.steps, args.async_output_proc)
+    engine = build(args.seqs, args.context, args.steps, args.async_output_proc, args.model)
     params = SamplingParams(
         max_tokens=args.steps + 64, ignore_eos=True, temperature=0, detokenize=args.detokenize
     )
@@ -191,22 +202,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     window = _DeviceWindow(engine)
     profiler = cProfile.Profile() if args.profile else None
     times, cpu_times, route_times = [], [], []
-    for _ in range(args.steps):
-        if profiler is not None:
-            profiler.enable()
-        window.next_step()
-        start, cpu_start = time.perf_counter(), time.thread_time()
-        outputs = engine.step()
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.thread_time() - cpu_start)
-        start = time.perf_counter()
-        server._route(outputs)
-        route_times.append(time.perf_counter() - start)
-        if profiler is not None:
-            profiler.disable()
-        loop.run_until_complete(asyncio.sleep(0))  # the event loop's side of the hand-off
-        assert len(outputs) == args.seqs, (len(outputs), engine.metrics())
-    loop.close()
+    try:
+        for _ in range(args.steps):
+            if profiler is not None:
+                profiler.enable()
+            window.next_step()
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            outputs = engine.step()
+            times.append(time.perf_counter() - start)
+            cpu_times.append(time.thread_time() - cpu_start)
+            start = time.perf_counter()
+            server._route(outputs)
+            route_times.append(time.perf_counter() - start)
+            if profiler is not None:
+                profiler.disable()
+            loop.run_until_complete(asyncio.sleep(0))  # the event loop's side of the hand-off
+            assert len(outputs) == args.seqs, (len(outputs), engine.metrics())
+    finally:
+        window.close()
+        loop.close()
     if profiler is not None:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
     result = {
