@@ -8,11 +8,12 @@ LM head's output is: a stride-0 ``expand()`` would send the sampler's
 ``row_max`` down torch's slow strided path, ~1 ms per step no real model
 pays; row ``r`` peaks at an ordinary token, ``_FIRST_WORD + r``, so every
 sampled token is detokenized as real text is: the special token 0 that an
-all-zero row gives is skipped by the detokenizer for free), so what is timed is what a GPU would wait for on the
-host each step: retire, schedule (room reserved per sequence), the step's
-metadata (``step_view``), the runner's batch layout, commit
-(``mark_computed``), sampling (greedy here), detokenization and stop checks.
-256 running sequences at a 2,048-token context (issue 29's target: <= 1 ms).
+all-zero row gives is skipped by the detokenizer for free), so what is
+timed is the host's work each step: retire, schedule (room reserved per
+sequence), the step's metadata (``step_view``), the runner's batch layout,
+commit (``mark_computed``), sampling (greedy here), detokenization and stop
+checks. 256 running sequences at a 2,048-token context (issue 29's target:
+<= 1 ms on the critical path, below).
 The KV pool has one layer of one 8-wide head: the no-op never reads it, and
 only its page tables matter for host time.
 
