@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from paged_server.entrypoints.openai import async_engine
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, StreamEnd
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.sampling_params import SamplingParams
@@ -181,6 +182,57 @@ def test_a_step_wakes_the_event_loop_once_whatever_the_streams(fake_engine: Any)
         ae.stop()
     assert steps >= 30  # most of the 8 x 40 tokens came after the last add
     assert handoffs <= steps + 1, f"{handoffs} hand-offs to the event loop in {steps} steps of 8 streams"
+
+
+def test_a_steps_outputs_are_taken_before_the_next_step_starts(
+    fake_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine thread waits for the event loop to run the streams a step
+    woke before it steps again: a compiled forward holds the GIL, so a
+    delivery left pending waits for the next step to end. Each step's token
+    then reaches its stream while the engine still counts that step (no
+    bound on the wait here, so a slow loop cannot fail it)."""
+    monkeypatch.setattr(async_engine, "HANDOFF_WAIT_S", 30.0)
+    ae = AsyncEngine(fake_engine)
+    ae.start()
+
+    async def main() -> list[int]:
+        q = await add(ae, "r", [5], max_tokens=60)
+        seen: list[int] = []
+        while True:
+            item = await q.get()  # as a stream awaits it (no wait_for: a task between)
+            seen += [fake_engine.steps] * len(item)  # one output per step
+            if any(o.finished for o in item):
+                return seen
+
+    try:
+        seen = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        ae.stop()
+    assert len(seen) == 60
+    assert seen == list(range(seen[0], seen[0] + 60)), f"tokens reached the stream at steps {seen}"
+
+
+def test_a_stalled_event_loop_holds_each_step_at_most_the_hand_off_wait(fake_engine: Any) -> None:
+    """The wait is bounded: while the loop is blocked, the engine keeps
+    stepping, each step waiting ``HANDOFF_WAIT_S`` at most."""
+    ae = AsyncEngine(fake_engine)
+    ae.start()
+
+    async def main() -> tuple[int, int]:
+        q = await add(ae, "r", [5], max_tokens=250)
+        await asyncio.wait_for(q.get(), 10)
+        before = fake_engine.steps
+        time.sleep(0.2)  # blocks this loop: nothing is delivered meanwhile
+        return before, fake_engine.steps
+
+    try:
+        before, after = asyncio.run(main())
+    finally:
+        ae.stop()
+    assert after - before >= 0.2 / async_engine.HANDOFF_WAIT_S / 4, (
+        f"{after - before} steps in 0.2 s while the event loop was blocked"
+    )
 
 
 def test_add_errors_propagate_to_the_caller(fake_engine: Any) -> None:

@@ -4,7 +4,10 @@ The event loop never runs a forward pass. Everything that touches the engine
 (add, abort, audit, step) runs on the engine thread, in order, so the engine
 needs no locks. Handlers talk to it through commands (a thread-safe queue,
 answered with `concurrent.futures.Future`s) and receive outputs on their own
-`asyncio.Queue`, fed with ``loop.call_soon_threadsafe`` after every step.
+`asyncio.Queue`, fed with ``loop.call_soon_threadsafe`` after every step;
+the engine thread then waits (at most ``HANDOFF_WAIT_S``) until the loop has
+run the streams it woke, so a step's tokens are written before the next
+forward pass takes the GIL.
 
 The thread that steps the engine should be the one that loaded its model
 (`EngineThread`): torch's OpenMP pool belongs to the thread that first runs a
@@ -37,6 +40,16 @@ if TYPE_CHECKING:
     from paged_server.tokenizer import Tokenizer
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
+
+# How long the engine thread waits, after handing a step's outputs to the
+# event loop, for the loop to write them before it starts the next step. A
+# compiled forward pass holds the GIL for most of its length (inductor's CPU
+# kernels do not release it), so a delivery still pending when the pass
+# starts waits for the pass to end: on a 2-core CPU, step end to SSE write
+# had a p99 of 2.6 ms, and late writes were a third of the inter-token gaps
+# over 3x the median (bench-serve, 96 requests at 8/s). Bounded: a busy or
+# stuck loop never holds the engine longer than this per step.
+HANDOFF_WAIT_S = 0.002
 
 
 class EngineLike(Protocol):
@@ -355,7 +368,8 @@ class AsyncEngine:
         """Hand each tracked request's outputs of this step to its stream: one
         call per event loop for all of them (each hand-off wakes the loop's
         thread, which then holds the GIL while this thread waits to start the
-        next step), and the latency histograms observed there, not here."""
+        next step), and the latency histograms observed there, not here; then
+        wait (``HANDOFF_WAIT_S`` at most) until each loop has written them."""
         now = time.monotonic()
         by_request: dict[str, list[Any]] = {}
         for out in outputs:
@@ -370,13 +384,25 @@ class AsyncEngine:
             if done:
                 del self._tracked[request_id]
             deliveries.setdefault(tracked.loop, []).append((tracked, outs, done))
+        written: list[threading.Event] = []
         for loop, items in deliveries.items():
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
-                loop.call_soon_threadsafe(self._deliver_step, items, now)
+            ack = threading.Event()
+            try:
+                loop.call_soon_threadsafe(self._deliver_step, items, now, ack)
+            except RuntimeError:  # the loop is closed: nobody listens
+                continue
+            written.append(ack)
+        deadline = time.monotonic() + HANDOFF_WAIT_S
+        for ack in written:
+            ack.wait(max(0.0, deadline - time.monotonic()))
 
-    def _deliver_step(self, items: list[tuple[_Tracked, list[Any], bool]], now: float) -> None:
+    def _deliver_step(
+        self, items: list[tuple[_Tracked, list[Any], bool]], now: float, written: threading.Event
+    ) -> None:
         """On the event loop: observe one step's outputs (``now``: when the
-        step ended) and put each request's on its queue."""
+        step ended), put each request's on its queue, and set ``written``
+        once the streams this wakes have run (callbacks run in order: their
+        wake-ups are queued before it), each up to its write."""
         for tracked, outs, done in items:
             for out in outs:
                 self._observe(tracked, out, now)
@@ -385,6 +411,7 @@ class AsyncEngine:
                     self.server_metrics.finished(outs[-1].finish_reason or "stop")
                 self._observe_finished(tracked, outs[-1], now)
             tracked.queue.put_nowait(outs)
+        asyncio.get_running_loop().call_soon(written.set)
 
     def _observe(self, tracked: _Tracked, out: Any, now: float) -> None:
         n_new = len(out.new_token_ids)
