@@ -46,9 +46,10 @@ logger = logging.getLogger("paged_server.entrypoints.openai")
 # compiled forward pass holds the GIL for most of its length (inductor's CPU
 # kernels do not release it), so a delivery still pending when the pass
 # starts waits for the pass to end: on a 2-core CPU, step end to SSE write
-# had a p99 of 2.6 ms, and late writes were a third of the inter-token gaps
-# over 3x the median (bench-serve, 96 requests at 8/s). Bounded: a busy or
-# stuck loop never holds the engine longer than this per step.
+# had a p99 of 2.6 ms, and late writes were a fifth to a third of the
+# inter-token gaps over 3x the median (bench-serve, 96 requests at 8/s,
+# docs/operations.md). Bounded: a busy or stuck loop never holds the engine
+# longer than this per step.
 HANDOFF_WAIT_S = 0.002
 
 
