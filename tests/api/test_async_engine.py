@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -233,6 +234,14 @@ def test_a_stalled_event_loop_holds_each_step_at_most_the_hand_off_wait(fake_eng
     assert after - before >= 0.2 / async_engine.HANDOFF_WAIT_S / 4, (
         f"{after - before} steps in 0.2 s while the event loop was blocked"
     )
+
+
+def test_only_a_cpu_engine_waits_for_the_event_loop(fake_engine: Any) -> None:
+    """A GPU's forward leaves the GIL free, so the loop writes meanwhile:
+    waiting there would only idle the device."""
+    for device, wait in (("cpu", async_engine.HANDOFF_WAIT_S), ("cuda", 0.0), ("cuda:1", 0.0)):
+        fake_engine.config = SimpleNamespace(device=device)
+        assert AsyncEngine(fake_engine).handoff_wait_s == wait, device
 
 
 def test_add_errors_propagate_to_the_caller(fake_engine: Any) -> None:

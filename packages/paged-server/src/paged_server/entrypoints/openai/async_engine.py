@@ -5,9 +5,9 @@ The event loop never runs a forward pass. Everything that touches the engine
 needs no locks. Handlers talk to it through commands (a thread-safe queue,
 answered with `concurrent.futures.Future`s) and receive outputs on their own
 `asyncio.Queue`, fed with ``loop.call_soon_threadsafe`` after every step;
-the engine thread then waits (at most ``HANDOFF_WAIT_S``) until the loop has
-run the streams it woke, so a step's tokens are written before the next
-forward pass takes the GIL.
+on a CPU, the engine thread then waits (at most ``HANDOFF_WAIT_S``) until the
+loop has run the streams it woke, so a step's tokens are written before the
+next forward pass takes the GIL.
 
 The thread that steps the engine should be the one that loaded its model
 (`EngineThread`): torch's OpenMP pool belongs to the thread that first runs a
@@ -49,7 +49,9 @@ logger = logging.getLogger("paged_server.entrypoints.openai")
 # had a p99 of 2.6 ms, and late writes were a fifth to a third of the
 # inter-token gaps over 3x the median (bench-serve, 96 requests at 8/s,
 # docs/operations.md). Bounded: a busy or stuck loop never holds the engine
-# longer than this per step.
+# longer than this per step. Not on a GPU: its pass leaves the GIL free while
+# the device computes, so the loop writes meanwhile, and waiting would idle
+# the device.
 HANDOFF_WAIT_S = 0.002
 
 
@@ -159,6 +161,8 @@ class AsyncEngine:
         stats_logger: StatsLogger | None = None,
     ) -> None:
         self.engine = engine
+        on_gpu = str(engine.config.device).startswith("cuda")
+        self.handoff_wait_s = 0.0 if on_gpu else HANDOFF_WAIT_S
         self.stats_logger = stats_logger  # the periodic stats line (None: off)
         self._engine_thread = thread  # the thread that built the engine, if known
         self._own_thread = False  # True: started here, ended by stop()
@@ -370,7 +374,7 @@ class AsyncEngine:
         call per event loop for all of them (each hand-off wakes the loop's
         thread, which then holds the GIL while this thread waits to start the
         next step), and the latency histograms observed there, not here; then
-        wait (``HANDOFF_WAIT_S`` at most) until each loop has written them."""
+        wait (``handoff_wait_s`` at most) until each loop has written them."""
         now = time.monotonic()
         by_request: dict[str, list[Any]] = {}
         for out in outputs:
@@ -393,7 +397,7 @@ class AsyncEngine:
             except RuntimeError:  # the loop is closed: nobody listens
                 continue
             written.append(ack)
-        deadline = time.monotonic() + HANDOFF_WAIT_S
+        deadline = time.monotonic() + self.handoff_wait_s
         for ack in written:
             ack.wait(max(0.0, deadline - time.monotonic()))
 
