@@ -38,6 +38,7 @@ def commit_token(
             seq.new_top_logprobs.append(logprob.top)
     if _is_stop_token(seq, token_id, eos_token_ids):
         seq.finish("stop")
+    # seq.num_generated, read inline (once per token on the host critical path)
     elif (n := len(token_ids)) - seq.num_prompt_tokens >= params.max_tokens or n >= max_model_len:
         seq.finish("length")
 
