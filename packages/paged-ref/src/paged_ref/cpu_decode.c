@@ -22,15 +22,22 @@
  * Each block is one step of an online softmax (as the Triton decode kernel
  * does): scores for its tokens, a running max and sum per query head, the
  * accumulator rescaled when the max grows. A head's scores lie side by side
- * so its max and exponentials run as vector loops (exp_simd). The hardware
- * prefetcher reads a block's rows well enough: software prefetch of the next
- * block made the kernel slower. */
+ * so its max and exponentials run as vector loops (exp_simd).
+ *
+ * While a block's scores are computed, the K and V rows PREFETCH_ROWS tokens
+ * ahead are requested (into the next block at its end): the blocks of a
+ * sequence lie anywhere in the cache, and a row's first load otherwise waits
+ * on memory. With the KV of 12 layers cycled (the ~100M model, 48 sequences
+ * x 330 tokens, out of cache as in a step) a layer took 1.25 ms against 1.63;
+ * the embedded model's 8 and 32 sequences 17-20% less. Fetching a whole next
+ * block at once did not help (too many requests in flight at once). */
 #include <math.h>
 #include <stdint.h>
 
 #define HEADS (KV_HEADS * Q_PER_KV)
 #define ROW (KV_HEADS * HEAD_DIM)
 #define MAX_BLOCK 256
+#define PREFETCH_ROWS 4  /* token rows of K and V requested ahead of the row in use */
 
 #include "bf16.h"
 
@@ -149,6 +156,13 @@ static inline void scale_row(float* row, const uint16_t* scales, int64_t h0, int
 }
 #endif
 
+/* Ask for kv heads [h0, h1) of a token row ahead of its use. */
+static inline void prefetch_heads(const cache_t* row, int64_t h0, int64_t h1) {
+    const char* first = (const char*)(row + h0 * HEAD_DIM);
+    const char* end = (const char*)(row + h1 * HEAD_DIM);
+    for (const char* line = first; line < end; line += 64) __builtin_prefetch(line, 0, 3);
+}
+
 static inline __attribute__((always_inline)) void attend(const act_t* q, const cache_t* k, const cache_t* v, const int32_t* table,
                    int64_t len, int64_t h0, int64_t h1, act_t* out, int64_t block_size,
                    int64_t num_blocks, float scale, int64_t window, float softcap,
@@ -171,7 +185,18 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
         const int64_t hi = len - first < block_size ? len - first : block_size;
         const cache_t* kb = k + blk * block_size * ROW;
         const cache_t* vb = v + blk * block_size * ROW;
+        const cache_t* kn = kb;  /* the next block's rows: where the prefetch goes past this one */
+        const cache_t* vn = vb;
+        if (first + block_size < len) {
+            int64_t next = table[first / block_size + 1];
+            next = next < 0 ? 0 : (next >= num_blocks ? num_blocks - 1 : next);
+            kn = k + next * block_size * ROW;
+            vn = v + next * block_size * ROW;
+        }
         for (int64_t s = lo; s < hi; s++) {
+            const int64_t ahead = s + PREFETCH_ROWS;
+            prefetch_heads(ahead < block_size ? kb + ahead * ROW : kn + (ahead - block_size) * ROW, h0, h1);
+            prefetch_heads(ahead < block_size ? vb + ahead * ROW : vn + (ahead - block_size) * ROW, h0, h1);
             for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = TO_FLOAT(kb[s * ROW + d]);
 #ifdef CACHE_INT8
             scale_row(row, k_scales + (blk * block_size + s) * KV_HEADS, h0, h1);
