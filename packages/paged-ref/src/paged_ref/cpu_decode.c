@@ -228,16 +228,27 @@ static inline __attribute__((always_inline)) void attend(const act_t* q, const c
             }
             sum[i] += total;
         }
-        for (int64_t s = lo; s < hi; s++) {
-            for (int64_t d = h0 * HEAD_DIM; d < h1 * HEAD_DIM; d++) row[d] = TO_FLOAT(vb[s * ROW + d]);
+        /* One kv head at a time, so its query heads' accumulators stay in
+         * registers over the block's tokens (all heads' do not fit). */
+        for (int64_t h = h0; h < h1; h++) {
+            float a[Q_PER_KV][HEAD_DIM];
+            for (int j = 0; j < Q_PER_KV; j++)
+                for (int d = 0; d < HEAD_DIM; d++) a[j][d] = acc[h * Q_PER_KV + j][d];
+            for (int64_t s = lo; s < hi; s++) {
+                const cache_t* vh = vb + s * ROW + h * HEAD_DIM;
+                float vr[HEAD_DIM];
+                for (int d = 0; d < HEAD_DIM; d++) vr[d] = TO_FLOAT(vh[d]);
 #ifdef CACHE_INT8
-            scale_row(row, v_scales + (blk * block_size + s) * KV_HEADS, h0, h1);
+                const float f = half_bits_to_float(v_scales[(blk * block_size + s) * KV_HEADS + h]);
+                for (int d = 0; d < HEAD_DIM; d++) vr[d] *= f;
 #endif
-            for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
-                const float p = score[i][s];
-                const float* vh = row + (i / Q_PER_KV) * HEAD_DIM;
-                for (int d = 0; d < HEAD_DIM; d++) acc[i][d] += p * vh[d];
+                for (int j = 0; j < Q_PER_KV; j++) {
+                    const float p = score[h * Q_PER_KV + j][s];
+                    for (int d = 0; d < HEAD_DIM; d++) a[j][d] += p * vr[d];
+                }
             }
+            for (int j = 0; j < Q_PER_KV; j++)
+                for (int d = 0; d < HEAD_DIM; d++) acc[h * Q_PER_KV + j][d] = a[j][d];
         }
     }
     for (int64_t i = h0 * Q_PER_KV; i < h1 * Q_PER_KV; i++) {
