@@ -372,12 +372,13 @@ class CpuDecodeOps:
 
     # A prompt chunk whose queries read at most this many keys in all runs
     # through ``write_and_decode``, each row a decode (``CacheView.attend``).
-    # Measured on the embedded model, 8 decodes beside the chunk, bf16, 2
-    # threads: a 16-96-token first chunk makes the step 17-23% faster than
+    # Measured on the embedded model, 3 and 8 decodes beside a fresh chunk,
+    # bf16, 2 threads, with the prefetching kernel: the step 8-17% faster than
     # ``prefill_by_sequence`` (one SDPA call, its copies and the op calls
-    # around it, per layer); the rows' reads grow with the square of the
-    # chunk, and the two break even between 96 and 128 tokens (4.6-8.3k keys).
-    prefill_as_decodes = 6144
+    # around it, per layer) at 96-160 tokens (4.7-12.9k keys), 7% at 192
+    # (18.5k), 3% at 240 (28.9k): the rows' reads grow with the square of the
+    # chunk. (The kernel before it broke even between 96 and 128 tokens.)
+    prefill_as_decodes = 16384
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ops, name)
