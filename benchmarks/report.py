@@ -837,7 +837,9 @@ def write_page(results: Path, docs: Path) -> Path:
         "model's `nn.Linear` layers: the matrix products any engine must run, so tokens/s divided by the "
         "linear-layers-only bound (timed by module hooks when eager; for the compiled forward, the self time of the "
         "GEMM ops torch's profiler records, a floor since the profiler's own cost counts as other time). Ratios divide the row's tokens/s by the column's, measured in the same run. "
-        "On CPU every configuration runs the same float32 weights; ours uses the PyTorch reference attention path.",
+        "Every configuration runs the same weights in the dtype `--dtype auto` picks (on a CPU, bfloat16 where it "
+        "has AMX / AVX512-BF16, else float32); ours uses the reference "
+        "attention path (on a CPU, its C decode kernel and SDPA for prompt chunks).",
         "",
     ]
     lines += _summary(results)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_server.bench.capacity import capacity_table
-from paged_server.bench.engine_bench import KVBudget
+from paged_server.bench.engine_bench import KVBudget, allow_rows_past_positions
 from paged_server.bench.environment import describe_environment
 from paged_server.bench.kv_dtype_capacity import kv_dtype_capacity_table
 from paged_server.bench.results import RunResult
@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``paged-server bench`` (and ``python -m paged_server.bench``)."""
     args = build_parser().parse_args(argv)
+    allow_rows_past_positions()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(configs) - set(ALL_CONFIGS))
     if unknown:

@@ -10,6 +10,7 @@ sequences, KV usage over time and preemptions.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,18 @@ class KVBudget:
     @property
     def num_blocks(self) -> int:
         return self.tokens // self.block_size
+
+
+def allow_rows_past_positions() -> None:
+    """Let ``KVBudget``'s rows (the contiguous baseline's shape, 8 x 4,096
+    token slots by default, as ``max_model_len``) pass a model's shorter
+    ``max_position_embeddings`` (the embedded model's 2,048), for this
+    process: they size the KV memory every configuration gets, and the
+    benchmark measures speed and memory on random weights, not output
+    quality. Without it ``EngineConfig`` refuses them, as vLLM does."""
+    from paged_server.config import ALLOW_LONG_MAX_MODEL_LEN_ENV
+
+    os.environ.setdefault(ALLOW_LONG_MAX_MODEL_LEN_ENV, "1")
 
 
 def engine_config(
