@@ -657,55 +657,56 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         from paged_server.bench.engine_bench import allow_rows_past_positions
 
-        allow_rows_past_positions()  # the 8 x 4,096-slot budget on the embedded model's 2,048 positions
-        bench = Bench(QUICK_PLAN if args.quick else FULL_PLAN)
-        steps = {
-            "capacity": lambda: run_capacity(bench),
-            "seed_embedded": lambda: run_comparison(bench, "seed_embedded", timelines=True),
-            "seed_100m": lambda: run_comparison(bench, "seed_100m"),
-            "seed_100m_full": lambda: run_comparison(bench, "seed_100m_full"),
-            "nano_vllm_embedded": lambda: run_comparison(bench, "nano_vllm_embedded"),
-            "batch_sweep": lambda: run_batch_sweep(bench),
-            "prefix_cache": lambda: run_prefix_cache(bench),
-            "serving_latency": lambda: run_serving_latency(bench),
-            "tensor_parallel": lambda: run_tensor_parallel(bench),
-            "kv_dtype": lambda: run_kv_dtype(bench),
-            "sliding_window": lambda: run_sliding_window(bench),
-            "kv_dtype_throughput": lambda: run_kv_dtype_throughput(bench),
-            "llamacpp_peer": lambda: run_llamacpp_peer(bench),
-            "llamacpp_quantized": lambda: run_llamacpp_peer(bench, "llamacpp_quantized"),
-            "kv_accuracy_trained": lambda: run_kv_accuracy_trained(bench),
-        }
-        only = [s.strip() for s in args.only.split(",")] if args.only else [s for s in steps if s not in OPT_IN]
-        unknown = set(only) - set(steps)
-        if unknown:
-            parser.error(f"unknown --only steps {sorted(unknown)}; choose from {', '.join(steps)}")
-        done: dict[str, dict[str, Any]] = {}
-        durations: dict[str, float] = {}
-        for name in only:
-            t0 = time.perf_counter()
-            done[name] = steps[name]()
-            durations[name] = round(time.perf_counter() - t0, 1)
-            print(f"[run_all] {name}: {durations[name]} s", file=sys.stderr, flush=True)
-        total = round(time.perf_counter() - started, 1)
-        if not args.quick and not args.only:
-            append_history(
-                {
-                    k: v
-                    for k, v in done.items()
-                    if k
-                    not in (
-                        "capacity", "serving_latency", "tensor_parallel", "kv_dtype",
-                        "kv_dtype_throughput", "sliding_window", "llamacpp_peer",
-                        "llamacpp_quantized", "kv_accuracy_trained",
-                    )  # fmt: skip
-                },
-                bench.env,
-            )
-            save(
-                "run_info",
-                {"date": bench.env["date"], "seconds": durations, "total_seconds": total},
-            )
+        # the 8 x 4,096-slot budget on the embedded model's 2,048 positions
+        with allow_rows_past_positions():
+            bench = Bench(QUICK_PLAN if args.quick else FULL_PLAN)
+            steps = {
+                "capacity": lambda: run_capacity(bench),
+                "seed_embedded": lambda: run_comparison(bench, "seed_embedded", timelines=True),
+                "seed_100m": lambda: run_comparison(bench, "seed_100m"),
+                "seed_100m_full": lambda: run_comparison(bench, "seed_100m_full"),
+                "nano_vllm_embedded": lambda: run_comparison(bench, "nano_vllm_embedded"),
+                "batch_sweep": lambda: run_batch_sweep(bench),
+                "prefix_cache": lambda: run_prefix_cache(bench),
+                "serving_latency": lambda: run_serving_latency(bench),
+                "tensor_parallel": lambda: run_tensor_parallel(bench),
+                "kv_dtype": lambda: run_kv_dtype(bench),
+                "sliding_window": lambda: run_sliding_window(bench),
+                "kv_dtype_throughput": lambda: run_kv_dtype_throughput(bench),
+                "llamacpp_peer": lambda: run_llamacpp_peer(bench),
+                "llamacpp_quantized": lambda: run_llamacpp_peer(bench, "llamacpp_quantized"),
+                "kv_accuracy_trained": lambda: run_kv_accuracy_trained(bench),
+            }
+            only = [s.strip() for s in args.only.split(",")] if args.only else [s for s in steps if s not in OPT_IN]
+            unknown = set(only) - set(steps)
+            if unknown:
+                parser.error(f"unknown --only steps {sorted(unknown)}; choose from {', '.join(steps)}")
+            done: dict[str, dict[str, Any]] = {}
+            durations: dict[str, float] = {}
+            for name in only:
+                t0 = time.perf_counter()
+                done[name] = steps[name]()
+                durations[name] = round(time.perf_counter() - t0, 1)
+                print(f"[run_all] {name}: {durations[name]} s", file=sys.stderr, flush=True)
+            total = round(time.perf_counter() - started, 1)
+            if not args.quick and not args.only:
+                append_history(
+                    {
+                        k: v
+                        for k, v in done.items()
+                        if k
+                        not in (
+                            "capacity", "serving_latency", "tensor_parallel", "kv_dtype",
+                            "kv_dtype_throughput", "sliding_window", "llamacpp_peer",
+                            "llamacpp_quantized", "kv_accuracy_trained",
+                        )  # fmt: skip
+                    },
+                    bench.env,
+                )
+                save(
+                    "run_info",
+                    {"date": bench.env["date"], "seconds": durations, "total_seconds": total},
+                )
         print(f"[run_all] total {total} s", file=sys.stderr, flush=True)
     page = write_page(RESULTS, DOCS)
     print(f"[run_all] wrote {page}", file=sys.stderr)

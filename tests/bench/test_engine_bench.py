@@ -4,13 +4,19 @@ numbers that must agree between the workload and what was measured."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from paged_server.bench.engine_bench import KVBudget, ProfiledLinearTimer, kv_occupancy
+from paged_server.bench.engine_bench import (
+    KVBudget,
+    ProfiledLinearTimer,
+    allow_rows_past_positions,
+    kv_occupancy,
+)
 from paged_server.bench.results import RESULT_KEYS, percentiles
 from paged_server.bench.suite import ALL_CONFIGS
 
@@ -31,6 +37,33 @@ def test_kv_occupancy_reads_both_pool_kinds() -> None:
 def test_kv_budget_equal_tokens() -> None:
     b = KVBudget(8, 4096, 16)
     assert b.tokens == 32768 and b.num_blocks * b.block_size == b.tokens
+
+
+def test_budget_rows_pass_the_models_positions_only_inside_the_bench(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The budget's 4,096-slot rows on the embedded model's 2,048 positions:
+    allowed within the block, refused again after it (``paged-server bench``
+    runs in-process in tests, beside tests that expect the refusal)."""
+    from paged_server.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, EngineConfig
+    from paged_server.default_model import ensure_default_model
+    from paged_server.models.loader import read_model_config
+
+    monkeypatch.delenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, raising=False)
+    model = read_model_config(str(ensure_default_model()))
+    config = EngineConfig(max_model_len=KVBudget().max_model_len, device="cpu")
+    assert model.max_position_embeddings < config.max_model_len
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        config.resolve(model)
+    with allow_rows_past_positions():
+        assert config.resolve(model).max_model_len == config.max_model_len
+    assert ALLOW_LONG_MAX_MODEL_LEN_ENV not in os.environ
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        config.resolve(model)
+    monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0")  # a caller's own value comes back
+    with allow_rows_past_positions():
+        pass
+    assert os.environ[ALLOW_LONG_MAX_MODEL_LEN_ENV] == "0"
 
 
 def test_cli_prints_one_json_line_per_configuration(

@@ -112,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``paged-server bench`` (and ``python -m paged_server.bench``)."""
     args = build_parser().parse_args(argv)
-    allow_rows_past_positions()
+    with allow_rows_past_positions():
+        return _bench(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(configs) - set(ALL_CONFIGS))
     if unknown:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +39,26 @@ class KVBudget:
         return self.tokens // self.block_size
 
 
-def allow_rows_past_positions() -> None:
-    """Let ``KVBudget``'s rows (the contiguous baseline's shape, 8 x 4,096
-    token slots by default, as ``max_model_len``) pass a model's shorter
-    ``max_position_embeddings`` (the embedded model's 2,048), for this
-    process: they size the KV memory every configuration gets, and the
-    benchmark measures speed and memory on random weights, not output
-    quality. Without it ``EngineConfig`` refuses them, as vLLM does."""
+@contextlib.contextmanager
+def allow_rows_past_positions() -> Iterator[None]:
+    """Within the block, let ``KVBudget``'s rows (the contiguous baseline's
+    shape, 8 x 4,096 token slots by default, as ``max_model_len``) pass a
+    model's shorter ``max_position_embeddings`` (the embedded model's 2,048):
+    they size the KV memory every configuration gets, and the benchmark
+    measures speed and memory on random weights, not output quality. Without
+    it ``EngineConfig`` refuses them, as vLLM does. The variable is put back
+    after, so a caller in the same process (a test) keeps the refusal."""
     from paged_server.config import ALLOW_LONG_MAX_MODEL_LEN_ENV
 
-    os.environ.setdefault(ALLOW_LONG_MAX_MODEL_LEN_ENV, "1")
+    before = os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV)
+    os.environ[ALLOW_LONG_MAX_MODEL_LEN_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ALLOW_LONG_MAX_MODEL_LEN_ENV]
+        else:
+            os.environ[ALLOW_LONG_MAX_MODEL_LEN_ENV] = before
 
 
 def engine_config(
