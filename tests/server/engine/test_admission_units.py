@@ -122,3 +122,27 @@ def test_the_refusal_is_logged(make_engine, prompt_of, greedy, caplog) -> None:
         for _ in range(3):
             engine.step()
     assert any("'big' can never be scheduled" in r.getMessage() for r in caplog.records)
+
+
+def test_beams_left_without_budget_compute_next_step(make_engine, run_engine, prompt_of,
+                                                     greedy) -> None:
+    """Issue 53: a preempted beam search comes back as one unit, and when
+    its first beam's recompute took what was left of the step's token
+    budget, the next beam's chunk was cut from a budget of 0
+    (``ZeroDivisionError`` in ``Scheduler._chunk``): the step raised and
+    every request in flight failed. A beam left without budget computes
+    next step."""
+    beams = BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True).to_sampling_params()
+    requests = []
+    for i in range(3):
+        requests += [(f"beam{i}", prompt_of(7, i), beams), (f"plain{i}", prompt_of(7, 50 + i), greedy())]
+    cfg = dict(max_model_len=64, max_num_batched_tokens=16, enable_prefix_caching=False)
+    tight = make_engine(num_gpu_blocks=16, **cfg)
+    run = run_engine(tight, requests, max_steps=500)
+    assert tight.metrics()["num_preemptions_total"] > 0, "no beam search was preempted"
+    assert tight.audit() == []
+    want = run_engine(make_engine(num_gpu_blocks=256, **cfg), requests)
+    assert run.choices.keys() == want.choices.keys()
+    for key, choice in run.choices.items():
+        assert (choice.finish_reason, choice.error) == ("length", None), key
+        assert choice.token_ids == want.choices[key].token_ids, key

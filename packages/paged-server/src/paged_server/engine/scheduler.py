@@ -187,8 +187,12 @@ class Scheduler:
         beside it: steadier inter-token latency, later first tokens). What
         needs several chunks of that size gets as many, of equal size: the
         same steps to its first token, and no step carries more than it must
-        (311 tokens beside 3 decodes at a budget of 256: 156 + 155, not 253 + 58)."""
+        (311 tokens beside 3 decodes at a budget of 256: 156 + 155, not 253 + 58).
+        0 once the budget is spent: a beam readmitted with siblings that took
+        the rest of it holds its room and computes next step."""
         cap = min(budget, self.max_chunk) if self.max_chunk else budget
+        if cap <= 0:
+            return 0
         if wanted <= cap:
             return wanted
         return -(-wanted // -(-wanted // cap))  # ceil(wanted / number of chunks)
