@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from tests.e2e.conftest import MODEL, start_server
 
+from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.protocol import (
     REFUSED_FIELDS,
     ChatCompletionRequest,
@@ -264,12 +267,25 @@ def _prompt_text(http: httpx.Client, **body: Any) -> str:
     return "".join(next(iter(e.values()))["decoded_token"] for e in scores[1:])
 
 
-def test_chat_template_fields_render_the_prompt(http: httpx.Client) -> None:
+@pytest.fixture(scope="module")
+def trusting_http() -> Iterator[httpx.Client]:
+    """A server started with --trust-request-chat-template."""
+    srv = start_server(ServerSettings(model_name=MODEL, trust_request_chat_template=True))
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield c
+    srv.stop()
+
+
+def test_chat_template_fields_render_the_prompt(http: httpx.Client, trusting_http: httpx.Client) -> None:
     template = ("{{ documents[0].text }}|{{ flavor }}|{{ reasoning_effort }}|"
                 "{% for m in messages %}{{ m.content }}{% endfor %}")
-    text = _prompt_text(http, messages=CHAT, chat_template=template, documents=[{"text": "doc one"}],
-                        chat_template_kwargs={"flavor": "mint"}, reasoning_effort="low")
+    fields = dict(messages=CHAT, chat_template=template, documents=[{"text": "doc one"}],
+                  chat_template_kwargs={"flavor": "mint"}, reasoning_effort="low")
+    text = _prompt_text(trusting_http, **fields)
     assert text.endswith(" one|mint|low|Tell me a story"), text  # "doc", the first token, has no score
+    # vLLM's default: a request's template is refused unless the server trusts them
+    refused = http.post("/v1/chat/completions", json={"max_tokens": 1, **fields})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
     history = [*CHAT, {"role": "assistant", "content": "Once there was"}]
     closed = _prompt_text(http, messages=history, add_generation_prompt=False)
     open_ = _prompt_text(http, messages=history, add_generation_prompt=False, continue_final_message=True)

@@ -5,14 +5,19 @@ transformers' tokenizer classes: loading is fast, and what runs is exactly
 the checkpoint's files. The chat template renders in a sandbox with the
 helpers Hugging Face templates rely on (``raise_exception``, ``tojson``,
 ``strftime_now``), so templates written for transformers work unchanged.
+The sandbox also refuses what would let one expression run away with the
+process (``include``/``import``, a ``*`` or ``**`` with a huge result, an
+output past ``MAX_RENDERED_CHARS``); bounding a render's time is the
+caller's job (the server's ``chat_render.py``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,14 @@ from tokenizers import Tokenizer as HFTokenizer
 from paged_server.errors import ModelFileNotFoundError
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Longest text a chat template may render: far past any context window
+# (a prompt that long is refused anyway), short of exhausting memory.
+MAX_RENDERED_CHARS = 32 << 20
+# Largest str/list/tuple a template's ``*`` may build, and the largest
+# integer (in bits) its ``**`` may: one such expression otherwise allocates
+# gigabytes or computes for minutes in a single step nothing can interrupt.
+_MAX_PRODUCT_ITEMS = MAX_RENDERED_CHARS
+_MAX_POWER_BITS = 1 << 16
 
 
 class Tokenizer:
@@ -38,7 +51,6 @@ class Tokenizer:
         self.hf = tokenizer
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
-        self._template: jinja2.Template | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -110,32 +122,48 @@ class Tokenizer:
         none added). ``continue_final_message`` leaves the last message open
         (the text ends where its content ends), as transformers does, so the
         model continues it."""
+        text = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            continue_final_message=continue_final_message, variables=template_vars,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text of ``messages``, as ``apply_chat_template``; the
+        template's variables come as one mapping, so a variable may have any
+        name (``tokenize``, say) without clashing with an argument."""
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message: cannot be combined with add_generation_prompt; "
                 "set add_generation_prompt to false"
             )
         if chat_template is not None:
-            template = _jinja_env().from_string(chat_template)
+            template = compile_chat_template(chat_template)
         elif self.chat_template is None:
             raise ValueError(
                 "this model has no chat template (chat_template in tokenizer_config.json or "
                 "chat_template.jinja); send a plain prompt to /v1/completions instead"
             )
         else:
-            if self._template is None:
-                self._template = _jinja_env().from_string(self.chat_template)
-            template = self._template
+            template = compile_chat_template(self.chat_template)
         # As transformers does: tools/documents are None (templates test
         # `is not none`), special token strings and caller variables visible.
-        variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens}
-        variables.update(template_vars)
-        variables["messages"] = [dict(m) for m in messages]
-        variables["add_generation_prompt"] = add_generation_prompt
-        text = template.render(**variables)
+        context: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens}
+        context.update(variables or {})
+        context["messages"] = [dict(m) for m in messages]
+        context["add_generation_prompt"] = add_generation_prompt
+        text = _render(template, context)
         if continue_final_message:
             text = _cut_after_final_message(text, messages)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return text
 
 
 def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
@@ -189,10 +217,67 @@ def _tojson(
     )
 
 
+@lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """``source`` compiled in the sandbox (kept: the same few templates come
+    back request after request); ``jinja2.TemplateSyntaxError`` if invalid."""
+    return _jinja_env().from_string(source)
+
+
+def _render(template: jinja2.Template, context: dict[str, Any]) -> str:
+    """The template's text, refused once it passes ``MAX_RENDERED_CHARS``."""
+    parts, size = [], 0
+    for part in template.generate(**context):
+        size += len(part)
+        if size > MAX_RENDERED_CHARS:
+            raise jinja2.exceptions.TemplateRuntimeError(
+                f"the template's output passed {MAX_RENDERED_CHARS} characters, "
+                "the most a chat template may render"
+            )
+        parts.append(part)
+    return "".join(parts)
+
+
+class _NoIncludes(jinja2.BaseLoader):
+    """Chat templates are one file: ``include``, ``import`` and ``extends``
+    would read the server's files (with no loader they raised a TypeError)."""
+
+    def get_source(self, environment: jinja2.Environment, template: str) -> Any:
+        raise jinja2.exceptions.TemplateNotFound(
+            template,
+            f"a chat template cannot include, import or extend another template ({template!r}); "
+            "send it as one template",
+        )
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, plus a bound on ``*`` and ``**`` results."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if (isinstance(seq, str | list | tuple) and isinstance(times, int)
+                        and len(seq) * times > _MAX_PRODUCT_ITEMS):
+                    raise jinja2.exceptions.SecurityError(
+                        f"the chat template repeats a sequence of {len(seq)} items {times} "
+                        f"times, past the limit of {_MAX_PRODUCT_ITEMS}"
+                    )
+        elif (isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0
+                and right * math.log2(abs(left)) > _MAX_POWER_BITS):
+            raise jinja2.exceptions.SecurityError(
+                f"the chat template raises {left} to the power {right}, an integer past "
+                f"{_MAX_POWER_BITS} bits"
+            )
+        return super().call_binop(context, operator, left, right)
+
+
 def _jinja_env() -> ImmutableSandboxedEnvironment:
     """A sandbox like transformers': chat templates from the Hub are untrusted code."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    env = _ChatSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+        loader=_NoIncludes(),
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

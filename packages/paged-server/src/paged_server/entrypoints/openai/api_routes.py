@@ -96,7 +96,7 @@ def api_router(
         """Token ids of a text or a conversation (vLLM's /tokenize)."""
         _check_text(body)
         serving.check_model(body.model)
-        return tokenization.tokenize(body)
+        return await tokenization.tokenize(body)
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:

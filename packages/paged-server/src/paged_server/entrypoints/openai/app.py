@@ -53,6 +53,8 @@ class ServerSettings:
     enable_auto_tool_choice: bool = True  # False: tool_choice "auto" is a 400 (vLLM's default)
     reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS
     chat_template: str | None = None  # replaces the tokenizer's
+    trust_request_chat_template: bool = False  # False: a request's chat_template is a 400 (vLLM)
+    chat_template_timeout_s: float = 10.0  # a render past it is a 400, and stopped
     response_role: str = "assistant"
     log_requests: bool = False  # one log line per request
     log_stats: bool = False  # the periodic stats line (the CLI turns it on)
@@ -89,7 +91,7 @@ def create_app(
         max_logprobs=config.max_logprobs,
         default_sampling=engine.default_sampling,
     )
-    tokenization = Tokenization(engine.tokenizer, config.max_model_len, serving.render_messages)
+    tokenization = Tokenization(engine.tokenizer, config.max_model_len, serving.renderer.messages_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -37,6 +37,9 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                    help="split the model's <think>...</think> into reasoning_content")
     g.add_argument("--chat-template", default=None,
                    help="chat template (a file, or the Jinja text itself) instead of the tokenizer's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template sent with a request (default: refused with a 400, "
+                   "as vLLM; a template is code the server runs)")
     g.add_argument("--response-role", default="assistant",
                    help="role of the generated chat message")
     g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
@@ -95,6 +98,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str, api_key: str |
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         chat_template=read_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         log_requests=args.log_requests,
         log_stats=not args.disable_log_stats,

@@ -12,25 +12,22 @@ pool) is checked once, by the engine, and its error mapped to a 400 once
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from paged_server.entrypoints.openai.async_engine import AsyncEngine
+from paged_server.entrypoints.openai.chat_render import DEFAULT_RENDER_TIMEOUT_S, ChatRenderer
 from paged_server.entrypoints.openai.errors import APIError
 from paged_server.entrypoints.openai.generation import Generation, GenerationEnded, bad_value
 from paged_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     _SamplingFields,
     normalize_prompt,
@@ -88,6 +85,12 @@ class OpenAIServing:
         self.settings = settings
         # --chat-template: used instead of the tokenizer's
         self.chat_template: str | None = getattr(settings, "chat_template", None)
+        self.renderer = ChatRenderer(
+            tokenizer,
+            chat_template=self.chat_template,
+            trust_request_chat_template=getattr(settings, "trust_request_chat_template", False),
+            timeout_s=getattr(settings, "chat_template_timeout_s", DEFAULT_RENDER_TIMEOUT_S),
+        )
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -136,7 +139,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         self.check_model(body.model)
         self._check_auto_tool_choice(body)
-        ids = await _off_loop(self._render_chat, body, size=sum(len(m.text()) for m in body.messages))
+        ids = await self.renderer.request_ids(body)
         ids = self._truncate(ids, body)
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
@@ -239,66 +242,6 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
-        tools = None
-        if body.tools and body.effective_tool_choice() != "none":
-            tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        extra: dict[str, Any] = dict(body.chat_template_kwargs or {})
-        for name in ("messages", "tools", "add_generation_prompt"):  # ours to set
-            if name in extra:
-                raise APIError(400, f"chat_template_kwargs: {name!r} is set by the request itself",
-                               param="chat_template_kwargs")
-        if body.documents is not None:
-            extra["documents"] = body.documents
-        if body.reasoning_effort is not None:
-            extra["reasoning_effort"] = body.reasoning_effort
-        return self.render_messages(
-            body.messages, body.add_generation_prompt, tools,
-            chat_template=body.chat_template,
-            continue_final_message=body.continue_final_message,
-            add_special_tokens=body.add_special_tokens,
-            **extra,
-        )
-
-    def render_messages(
-        self,
-        chat: list[ChatMessage],
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-        *,
-        chat_template: str | None = None,
-        continue_final_message: bool = False,
-        add_special_tokens: bool = False,
-        **template_vars: Any,
-    ) -> list[int]:
-        """Token ids of a conversation (and its tools) through the chat
-        template: the request's, else --chat-template's, else the model's."""
-        messages = []
-        for m in chat:
-            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                msg["name"] = m.name
-            if m.tool_calls:
-                msg["tool_calls"] = [_template_tool_call(c.model_dump()) for c in m.tool_calls]
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            messages.append(msg)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                tools=tools, chat_template=chat_template or self.chat_template,
-                continue_final_message=continue_final_message, **template_vars,
-            )
-        except jinja2.TemplateError as exc:
-            raise APIError(
-                400, f"messages: the model's chat template rejected them: {exc}", param="messages"
-            ) from None
-        except ValueError as exc:  # no chat template, or nothing to continue
-            param = "continue_final_message" if str(exc).startswith("continue_final_message") else "messages"
-            message = str(exc) if param != "messages" else f"messages: {exc}"
-            raise APIError(400, message, param=param) from None
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
     def _default(self, body: _SamplingFields, name: str) -> Any:
         """The request's value, else the model's default (generation_config.json;
         not for beam search, whose scores must stay raw), else the neutral one."""
@@ -383,12 +326,3 @@ class OpenAIServing:
 def _response_id(prefix: str, body: _SamplingFields) -> str:
     """``<prefix>-<request_id>``: the client's id (vLLM's field), else a random one."""
     return f"{prefix}-{body.request_id or uuid.uuid4().hex}"
-
-
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A history tool call as chat templates expect it: ``arguments`` as an
-    object when it is JSON (Llama's template dumps it with ``tojson``)."""
-    function = dict(call["function"])
-    with contextlib.suppress(ValueError):  # not JSON: templates that print text still work
-        function["arguments"] = json.loads(function["arguments"])
-    return {**call, "function": function}

@@ -68,11 +68,11 @@ class Tokenization:
     def __init__(self, tokenizer: Any, max_model_len: int, render_chat: Any) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.render_chat = render_chat  # messages, add_generation_prompt -> ids
+        self.render_chat = render_chat  # async: messages, add_generation_prompt -> ids
 
-    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         if body.messages is not None:
-            ids = self.render_chat(body.messages, body.add_generation_prompt)
+            ids = await self.render_chat(body.messages, body.add_generation_prompt)
         else:
             assert body.prompt is not None
             ids = list(self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
