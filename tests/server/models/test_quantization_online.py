@@ -170,3 +170,72 @@ def test_engine_states_the_weight_format_and_decodes_like_the_model(
             logits = loaded.model(torch.tensor([ids]), torch.arange(len(ids))[None])
             ids.append(int(logits[0, -1].argmax()))
     assert list(out) == ids[len(prompt) :]
+
+
+# Run in a child process: before the shape checks, aten's int8 kernel read
+# past rows of 104 features (a segfault would take pytest down with it).
+_SERVE_GREEDY = """
+import sys, torch
+from paged_server.entrypoints.llm import LLM
+from paged_server.models import load_model
+from paged_server.models.quantization import linear_formats
+from paged_server.sampling_params import SamplingParams
+path, method, out = sys.argv[1:4]
+prompt = [5, 80, 33, 190, 7, 402, 11, 9]
+loaded = load_model(path, torch.float32, quantization=method)
+with torch.no_grad():
+    logits = loaded.model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0]
+greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+with LLM(path, quantization=method, device="cpu", max_model_len=64, max_batch_size=2) as llm:
+    result = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy, use_tqdm=False)
+tokens = list(result[0].outputs[0].token_ids)
+torch.save({"logits": logits, "tokens": tokens, "formats": linear_formats(loaded.model)}, out)
+"""
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "shape", [{"hidden_size": 104}, {"intermediate_size": 99}], ids=["hidden104", "inter99"]
+)
+def test_shapes_the_packed_kernels_cannot_run_fall_back_and_serve(
+    method: str, shape: dict[str, int], tmp_path: Path, tokenizer_json: Path
+) -> None:
+    """Input features that are not a multiple of 16 (int8: aten's kernel
+    read past each row: SIGSEGV from 2 rows, garbage at 1) and output rows
+    that are not (int4: aten's packing raised), or an odd number of inputs
+    (int4: refused), dequantize that layer instead, and the engine serves
+    the fake-quantized model's greedy tokens."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    hf = LlamaForCausalLM._from_config(
+        LlamaConfig(**{**config, **shape}), attn_implementation="eager"
+    ).eval()
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
+    out = tmp_path / "served.pt"
+    child = subprocess.run(
+        [sys.executable, "-c", _SERVE_GREEDY, str(tmp_path), method, str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-2000:]}"
+    served = torch.load(out)
+    assert any(f.endswith("(dequantize)") for f in served["formats"]), served["formats"]
+    ours = load_model(tmp_path, torch.float32, quantization=method).model  # the layer layout
+    oracle = _fake_quantized(hf, method, ours)
+    prompt = [5, 80, 33, 190, 7, 402, 11, 9]
+    with torch.no_grad():
+        ref = oracle(torch.tensor([prompt + served["tokens"]])).logits[0].float()
+    assert (served["logits"] - ref[: len(prompt)]).abs().max() <= 2e-2 * ref.abs().max()
+    # each served token is the oracle's greedy choice, up to the kernels' tolerance
+    for step, token in enumerate(served["tokens"]):
+        row = ref[len(prompt) - 1 + step]
+        assert row.max() - row[token] <= 2e-2 * ref.abs().max(), (step, token, int(row.argmax()))

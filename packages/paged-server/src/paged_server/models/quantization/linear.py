@@ -18,8 +18,9 @@ dequantized tile by tile in registers, split-K for decode), reading the layout k
 dequantize-per-call; from ``DENSE_ROWS`` rows (prefill) they dequantize
 the weight in one Triton pass into a temporary dense buffer and let cuBLAS
 multiply, which is faster there. Everything else (fp8, int8 with zero points on CPU,
-group sizes neither kernel takes) dequantizes the weight per matmul:
-memory stays quantized, the arithmetic is the dense one.
+group sizes neither kernel takes, shapes aten's kernels cannot run: see
+``_INT8_K_MULTIPLE``) dequantizes the weight per matmul: memory stays
+quantized, the arithmetic is the dense one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ from paged_server.models.quantization.weights import QuantizedWeight
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
 _INT4_GROUPS = (256, 128, 64, 32)  # what the CPU int4 kernel accepts
+# aten's int8 kernel reads 16 input features per vector with no tail and no
+# check: other widths read past the row (a segfault from 2 rows, garbage at
+# 1); its int4 packing takes output rows 16 at a time (a RuntimeError else).
+_INT8_K_MULTIPLE = 16
+_INT4_N_MULTIPLE = 16
 _ACT_DTYPE = torch.bfloat16  # the CPU kernels' fast activation dtype
 
 
@@ -84,20 +90,24 @@ class QuantizedLinear(nn.Module):
 
     def _pack(self, w: QuantizedWeight, device: torch.device) -> str:
         cpu = device.type == "cpu" and _cpu_kernels()
-        if cpu and not w.fp8 and w.bits == 8 and w.zeros is None and w.group_size == w.shape[1]:
+        n, k = w.shape
+        # per channel, the group is all k inputs; in groups, each is one product
+        int8 = cpu and not w.fp8 and w.bits == 8 and w.zeros is None
+        int8 = int8 and w.group_size % _INT8_K_MULTIPLE == 0
+        if int8 and w.group_size == k:
             self.register_buffer("qweight", w.qweight.to(device))
             self.register_buffer("scales", w.scales[:, 0].to(_ACT_DTYPE).to(device))
             return "int8pack_mm"
-        if cpu and not w.fp8 and w.bits == 8 and w.zeros is None:
+        if int8:
             # Groups: one per-channel product per group of input features, summed.
-            g, n = w.group_size, w.shape[0]
+            g = w.group_size
             chunks = w.qweight.reshape(n, -1, g).transpose(0, 1).contiguous()  # [groups, N, g]
             self.register_buffer("qweight", chunks.to(device))
             self.register_buffer("scales", w.scales.T.contiguous().to(_ACT_DTYPE).to(device))
             self.group_size = g
             return "int8pack_mm_grouped"
         group = next((g for g in _INT4_GROUPS if w.group_size % g == 0), None)
-        if cpu and not w.fp8 and w.bits == 4 and group is not None:
+        if cpu and not w.fp8 and w.bits == 4 and group is not None and n % _INT4_N_MULTIPLE == 0:
             w = w.to_group_size(group)
             # The kernel computes (q_u - 8) * scale + zero with q_u = q + 8 unsigned.
             zero = torch.zeros_like(w.scales) if w.zeros is None else -w.zeros.float() * w.scales
@@ -111,14 +121,12 @@ class QuantizedLinear(nn.Module):
             self.group_size = group
             return "int4pack_mm"
         # The CUDA kernel's layout, also the fallback's: the values (4-bit ones two to a
-        # byte, code + 8, even input feature in the low nibble) dequantized per call.
+        # byte, code + 8, even input feature in the low nibble; one a byte, as int8,
+        # when the inputs are odd) dequantized per call.
         self.group_size, self.bits, self.fp8 = w.group_size, w.bits, w.fp8
+        self.nibbles = w.bits == 4 and not w.fp8 and k % 2 == 0
         q = w.qweight
-        if w.bits == 4 and not w.fp8:
-            if q.shape[1] % 2:
-                raise ValueError(
-                    f"4-bit weights need an even number of input features, got {q.shape[1]}"
-                )
+        if self.nibbles:
             u = (q.to(torch.int16) + 8).to(torch.uint8)
             q = u[:, 0::2] | (u[:, 1::2] << 4)
         self.register_buffer("qweight", q.to(device))
@@ -127,7 +135,7 @@ class QuantizedLinear(nn.Module):
         if device.type == "cuda" and not w.fp8:
             from paged_triton.quant_matmul import supports  # imports triton: CUDA only
 
-            if supports(w.bits, w.group_size, w.shape[1]) is None:
+            if supports(w.bits, w.group_size, k) is None:
                 return "quant_matmul"
         return "dequantize"
 
@@ -144,7 +152,7 @@ class QuantizedLinear(nn.Module):
         """The dense weight this layer multiplies by (the fallback's path)."""
         assert self.kernel in ("dequantize", "quant_matmul"), self.kernel
         q = self.qweight
-        if self.bits == 4 and not self.fp8:
+        if self.nibbles:
             q = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(1).to(torch.int8) - 8
         q = q.to(dtype)
         if self.zeros is not None:
