@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from paged_server.output_constraint import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from paged_server.engine.bad_words import BadWords
 
 # Temperatures below this sample greedily (as vLLM does): so close to 0 the
 # distribution is the argmax anyway, and far smaller ones (1e-40) overflow
@@ -16,6 +20,10 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 # top_k is a 64-bit integer downstream; any k above the vocabulary means "off".
 MAX_TOP_K = 2**63 - 1
+# Most ``bad_words`` one request may send: far more than any real list
+# (profanity lists run to a few thousand), few enough that indexing them
+# stays a fraction of a second. vLLM sets no bound.
+MAX_BAD_WORDS = 10_000
 # OpenAI's and vLLM's bound on one ``logit_bias`` entry.
 MAX_LOGIT_BIAS = 100.0
 # Bound on beam search's |length_penalty|: useful values lie within +-3
@@ -89,8 +97,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's rule)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
-    # bad_words as token ids, filled in by the engine (it has the tokenizer)
-    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # bad_words as token ids, indexed at submission (the API or the engine)
+    bad_words_index: BadWords | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI allows a single string
@@ -172,6 +180,11 @@ class SamplingParams:
             isinstance(w, str) and w.strip() for w in self.bad_words
         ):
             raise ValueError(f"bad_words: must be a list of non-empty strings, got {self.bad_words!r}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"bad_words: {len(self.bad_words)} words, more than {MAX_BAD_WORDS}, the most one "
+                "request may ban; send fewer"
+            )
         allowed = self.allowed_token_ids
         if allowed is not None and (
             not isinstance(allowed, list) or not allowed or not all(_is_int(t) and t >= 0 for t in allowed)

@@ -87,6 +87,11 @@ class Tokenizer:
         post-processor (e.g. a BOS token in front)."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text, in one call (the library splits the work)."""
+        encodings = self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [list(e.ids) for e in encodings]
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``token_ids`` (invalid UTF-8 becomes U+FFFD)."""
         return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))

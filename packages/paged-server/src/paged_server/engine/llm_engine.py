@@ -56,6 +56,7 @@ from paged_server.engine.runner import ModelRunner, PromptScores
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.token_sets import resolve_token_sets
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.generation_defaults import generation_defaults
 from paged_server.model_dir import checkpoint_dtype, resolve_model_dir
@@ -257,25 +258,6 @@ class LLMEngine:
             prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs,
         )
 
-    def _with_token_sets(self, params: SamplingParams) -> SamplingParams:
-        """``bad_words`` as token ids (each word alone and after a space, as
-        vLLM), and ``allowed_token_ids`` checked against the vocabulary."""
-        vocab = self.model_config.vocab_size
-        outside = [t for t in params.allowed_token_ids or [] if t >= vocab]
-        if outside:
-            raise ValueError(
-                f"allowed_token_ids: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})"
-            )
-        if not params.bad_words:
-            return params
-        words: list[list[int]] = []
-        for word in params.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in words:
-                    words.append(ids)
-        return dataclasses.replace(params, bad_words_token_ids=words)
-
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         """Queue a request; returns its prompt token count.
 
@@ -300,7 +282,7 @@ class LLMEngine:
         if params.max_tokens is None:  # vLLM: as many as the context leaves
             room = max(1, self.config.max_model_len - len(token_ids))
             params = dataclasses.replace(params, max_tokens=room)
-        params = self._with_token_sets(params)
+        params = resolve_token_sets(params, self.tokenizer, self.model_config.vocab_size)
         check_prompt(
             token_ids,
             params,

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from paged_server.engine.bad_words import index_bad_words
 from paged_server.entrypoints.openai.async_engine import AsyncEngine
 from paged_server.entrypoints.openai.chat_render import DEFAULT_RENDER_TIMEOUT_S, ChatRenderer
 from paged_server.entrypoints.openai.errors import APIError
@@ -118,6 +119,7 @@ class OpenAIServing:
             constraint_param = "response_format"
             constraint = response_format_constraint(body.response_format)
         params = self._params(body, run_tokens, logprobs=body.logprobs, structured_outputs=constraint)
+        await self._index_bad_words(params)
         if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = body.logprobs
         echo = None
@@ -160,6 +162,7 @@ class OpenAIServing:
             constraint = response_format_constraint(body.response_format)
         params = self._params(body, max_tokens, logprobs=num_top, structured_outputs=constraint,
                               aliases={"logprobs": "top_logprobs"})
+        await self._index_bad_words(params)
         gen = Generation(self.engine, _response_id("chatcmpl", body), body.n, arrival)
         await gen.submit([ids], params, prompt_param="messages", constraint_param=constraint_param)
         self._log_request(gen, params, body)
@@ -296,6 +299,14 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_value(exc, aliases=aliases) from None
         return params
+
+    async def _index_bad_words(self, params: SamplingParams) -> None:
+        """``bad_words`` as token ids, built here (a long list on a worker
+        thread) so the engine thread, which steps every stream, never does."""
+        if params.bad_words:
+            index = functools.partial(index_bad_words, self.tokenizer)
+            size = sum(len(w) for w in params.bad_words)
+            params.bad_words_index = await _off_loop(index, params.bad_words, size=size)
 
     # -------------------------------------------------------- non-streaming
     async def _complete(
