@@ -1,15 +1,19 @@
 """Token constraints over HTTP (issue 53): a long ``bad_words`` list is set
 up off the engine thread, so a neighbour's stream goes on meanwhile, and
-past ``MAX_BAD_WORDS`` it is a 400."""
+past ``MAX_BAD_WORDS`` it is a 400; constraints that together forbid every
+token are a 400 at submission, and never yield a forbidden token."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
 
+from paged_server.entrypoints.openai.server import ServerThread
 from paged_server.sampling_params import MAX_BAD_WORDS
 
 pytestmark = pytest.mark.e2e
@@ -52,3 +56,45 @@ def test_too_many_bad_words_are_a_400_naming_the_limit(http: httpx.Client) -> No
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert err["param"] == "bad_words" and str(MAX_BAD_WORDS) in err["message"], err
+
+
+def _token(server: ServerThread, text: str) -> int:
+    ids = server.engine.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def test_constraints_that_forbid_every_token_are_400s(server: ServerThread, http: httpx.Client) -> None:
+    eos = sorted(server.engine.eos_token_ids)
+    hash_id = _token(server, "#")
+    cases: list[dict[str, Any]] = [
+        {"allowed_token_ids": eos, "min_tokens": 3},  # only stop tokens, masked by min_tokens
+        {"allowed_token_ids": [hash_id], "bad_words": ["#"]},  # the one allowed token is banned
+        {"allowed_token_ids": [hash_id], "guided_choice": ["yes", "no"]},  # cannot start a choice
+    ]
+    for case in cases:
+        resp = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **case})
+        assert resp.status_code == 400, (case, resp.text)
+        err = resp.json()["error"]
+        assert err["param"] == "allowed_token_ids" and "no token can be generated" in err["message"], err
+    # still honoured when a token is left
+    ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                            "allowed_token_ids": [*eos, hash_id], "min_tokens": 3,
+                                            "logprobs": 0, "return_tokens_as_token_ids": True})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["logprobs"]["tokens"] == [f"token_id:{hash_id}"] * 3
+
+
+def test_beam_search_never_reports_an_impossible_output(http: httpx.Client, server: ServerThread) -> None:
+    eos = sorted(server.engine.eos_token_ids)
+    body = {"prompt": PROMPT, "max_tokens": 3, "use_beam_search": True, "n": 2, "temperature": 0,
+            "logprobs": 0}
+    # Only EOS allowed: one output exists ([EOS]); a second choice used to
+    # come back at a log-probability of -1e9.
+    resp = http.post("/v1/completions", json={**body, "allowed_token_ids": eos[:1]})
+    assert resp.status_code != 200, json.dumps(resp.json())[:300]
+    assert "only 1 output(s) can be generated" in resp.json()["error"]["message"]
+    two = http.post("/v1/completions", json={**body, "allowed_token_ids": [eos[0], _token(server, "#")]})
+    assert two.status_code == 200, two.text
+    for choice in two.json()["choices"]:
+        assert all(lp > -1e4 for lp in choice["logprobs"]["token_logprobs"]), choice

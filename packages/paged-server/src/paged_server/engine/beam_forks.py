@@ -36,6 +36,7 @@ from paged_server.engine.output_processor import release_text
 from paged_server.engine.sampler import SamplingRow
 from paged_server.engine.scheduler import Scheduler
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.token_sets import joined_constraints
 
 
 def new_beam_search(
@@ -93,10 +94,14 @@ def advance_beams(
         for seq in live_beams(request)
     ]
     logits = apply_logits_processors(torch.stack(rows).to(torch.float32), edit)
-    logprobs = torch.log_softmax(logits, dim=-1)
+    # A beam whose constraints forbid every token has no continuation (its
+    # row would be NaN): -inf, which the scorer never takes.
+    logprobs = torch.log_softmax(logits, dim=-1).nan_to_num(nan=float("-inf"))
     if len(rows) == 1:  # before the first step every beam is the prompt
         logprobs = logprobs.expand(beam.beam_width, -1)
     result = beam.step(logprobs)
+    if len(rows) == 1:  # so each beam continues beam 0, whichever row it came from
+        result.parents = [0] * len(result.parents)
     if not result.done:
         _reassign(request, result, pool, scheduler)
     return result.done
@@ -147,6 +152,15 @@ def finish_beams(request: Request) -> list[Sequence]:
     assert beam is not None
     params = request.params
     best = beam.best(params.n)
+    if len(best) < params.n:  # the constraints allow fewer outputs than asked for
+        error = (
+            f"use_beam_search: only {len(best)} output(s) can be generated under "
+            f"{joined_constraints(params)}, fewer than n = {params.n}; "
+            "lower n or allow more tokens"
+        )
+        for seq in request.seqs:
+            seq.finish("error", error)
+        return request.seqs[: params.n]
     for j, seq in enumerate(request.seqs):
         if j >= len(best):  # beams beyond n are dropped unreported
             seq.finish("length")

@@ -20,7 +20,10 @@ step for step, so results match it token for token:
   positive length penalty).
 
 Before the first step only beam 0 exists: the others start at -1e9, so all
-first candidates come from it. With ``num_top_logprobs`` each position of a
+first candidates come from it. A candidate at -inf (a token the request's
+constraints forbid) or descended from those -1e9 starts (when fewer
+continuations exist than beams) is never a hypothesis, and the search ends
+when no running beam is left with a real score. With ``num_top_logprobs`` each position of a
 hypothesis also keeps the ``N`` most likely tokens of its beam's row. The
 scorer knows tensors and token ids only; the engine maps its answer onto
 sequences and their blocks.
@@ -37,6 +40,7 @@ import torch
 from torch import Tensor
 
 _NEG = -1.0e9  # transformers' "impossible" score
+_IMPOSSIBLE = _NEG / 2  # at or below: not a sequence the request can produce
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
 
@@ -133,6 +137,7 @@ class BeamScorer:
             not self.improvement_possible
             or (self.early_stopping is True and len(self.finished) == k)
             or bool(hits.all())
+            or not bool((self.running_scores > _IMPOSSIBLE).any())
         )
         return BeamStep(new_parents, new_tokens, self.done)
 
@@ -167,7 +172,7 @@ class BeamScorer:
         normalised = top_scores / length_factor(length, self.length_penalty)
         new = []
         for i in range(min(k, len(tokens))):
-            if not hits[i]:
+            if not hits[i] or not top_scores[i] > _IMPOSSIBLE:
                 continue
             p, t = parents[i], tokens[i]
             done = self.histories[p].extended(t, float(logprobs[p, t]), tops[p])

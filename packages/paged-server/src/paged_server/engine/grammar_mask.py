@@ -133,6 +133,12 @@ class StructuredOutput:
             self._compiled.move_to_end(source)
         return [prototype.deep_copy() for _ in range(n)]
 
+    def allowed_now(self, matcher: Any) -> Tensor:
+        """The tokens ``matcher`` accepts next, a bool mask over the vocabulary."""
+        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        fill_next_token_bitmask(matcher, bitmask, 0)
+        return ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[0, : self.vocab_size].bool()
+
     def mask_logits(self, logits: Tensor, matchers: Sequence[Any]) -> tuple[Tensor, list[str | None]]:
         """``logits`` with every token the row's grammar forbids at -inf, and
         per row the error of a matcher that raised (that row is then left

@@ -56,7 +56,7 @@ from paged_server.engine.runner import ModelRunner, PromptScores
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
-from paged_server.engine.token_sets import resolve_token_sets
+from paged_server.engine.token_sets import check_first_token, resolve_token_sets
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.generation_defaults import generation_defaults
 from paged_server.model_dir import checkpoint_dtype, resolve_model_dir
@@ -302,6 +302,9 @@ class LLMEngine:
         request = self._new_request(request_id, text, token_ids, params)
         # one matcher per sequence: n choices, or best_of beams
         grammars = self.structured_output.matchers(params.structured_outputs, len(request.seqs))
+        narrowed = grammars[0] is not None and (params.allowed_token_ids or params.bad_words)
+        first = self.structured_output.allowed_now(grammars[0]) if narrowed else None
+        check_first_token(params, self.model_config.vocab_size, self.eos_token_ids, first)
         for seq, grammar in zip(request.seqs, grammars, strict=True):
             seq.grammar = grammar
         self._requests[request_id] = request

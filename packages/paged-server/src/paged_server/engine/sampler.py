@@ -16,8 +16,8 @@ its own logits, parameters and generator, never on whether a neighbour's
 filter made the batch sort. Greedy rows (``SamplingParams.greedy``:
 temperature below 1e-5, 0 included) take the argmax after penalties; far
 smaller temperatures would overflow ``logits / temperature`` to inf. A row
-whose logits hold NaN or +inf gets an error instead of a token; the other
-rows are unharmed.
+whose logits hold NaN or +inf, or whose constraints leave no token, gets an
+error instead of a token; the other rows are unharmed.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch import Tensor
 
 from paged_server.engine.logits_processors import apply_logits_processors, edits_logits
 from paged_server.engine.logprobs import TokenLogprobs, gather_logprobs
+from paged_server.engine.token_sets import nothing_allowed
 from paged_server.sampling_params import SamplingParams
 
 
@@ -117,7 +118,17 @@ def _sample_batch(
     if edits:
         processed = apply_penalties(apply_logits_processors(logits, rows), rows)
     # Greedy rows keep this; without penalties or biases the max above is it.
-    tokens = top_indices if processed is logits else row_max(processed)[1]
+    tokens, blocked = top_indices, []
+    if processed is not logits:
+        values, tokens = row_max(processed)
+        # Constraints that forbid every token (allowed_token_ids against a
+        # bad word's last token, say) end the row, never with a forbidden token.
+        none_left = torch.isneginf(values)
+        if bool(none_left.any()):
+            blocked = none_left.nonzero().flatten().tolist()
+            for i in blocked:
+                errors[i] = errors[i] or nothing_allowed(rows[i].params)
+            processed = torch.where(none_left.unsqueeze(-1), torch.zeros_like(processed), processed)
     logits = processed
     if sampled:
         sub_rows = [rows[i] for i in sampled]
@@ -142,7 +153,7 @@ def _sample_batch(
         )
         for i, entry in zip(asked, found, strict=True):
             logprob_list[i] = entry
-    for i in bad_rows:
+    for i in bad_rows + blocked:
         token_list[i], logprob_list[i] = -1, None
     return SamplerOutput(token_list, logprob_list, errors)
 
