@@ -8,7 +8,12 @@ kernels cannot be built (no C compiler, no AVX512 VNNI/VBMI)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -129,3 +134,50 @@ def test_a_nan_or_inf_in_the_row_gives_nan_outputs(bits: int) -> None:
         x = _row(256, seed=8)
         x[0, 3] = bad
         assert layer(x).isnan().all(), bad
+
+
+# In a child process: the kernels are built once per process, and (before
+# the cache verified its files) a truncated one killed its process with SIGBUS.
+_GENERATE = """
+import sys
+from paged_server.entrypoints.llm import LLM
+from paged_server.models.quantization import cpu_gemv
+from paged_server.sampling_params import SamplingParams
+greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+with LLM(sys.argv[1], quantization="int8", device="cpu", max_model_len=64, max_batch_size=2) as llm:
+    out = llm.generate(prompt_token_ids=[[5, 80, 33, 190]], sampling_params=greedy, use_tqdm=False)
+print(cpu_gemv.available(), list(out[0].outputs[0].token_ids))
+"""
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not a directory"])
+def test_the_engine_starts_and_serves_past_a_damaged_kernel_cache(
+    damage: str, checkpoints: dict[str, Any], tmp_path: Path
+) -> None:
+    """A truncated cached library is rebuilt (same tokens as before); a
+    cache that is not a directory leaves aten's kernels; one warning each."""
+
+    def generate(cache: Path) -> tuple[str, str]:
+        env = {**os.environ, "PAGED_CACHE_DIR": str(cache)}
+        child = subprocess.run(
+            [sys.executable, "-c", _GENERATE, str(checkpoints["llama"].path)],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-2000:]}"
+        return child.stdout.strip().splitlines()[-1], child.stderr
+
+    cache = tmp_path / "cache"
+    clean, _ = generate(cache)
+    assert clean.startswith("True [")
+    if damage == "truncated":
+        (library,) = (cache / "cpu_gemv").glob("*.so")
+        with library.open("r+b") as f:
+            f.truncate(library.stat().st_size // 2)
+        served, log = generate(cache)
+        assert served == clean
+    else:
+        (tmp_path / "file").write_text("")
+        served, log = generate(tmp_path / "file")
+        assert served.startswith("False [") and len(served.split(",")) == 6
+    warned = [ln for ln in log.splitlines() if "checksum" in ln or "PAGED_CACHE_DIR" in ln]
+    assert len(warned) == 1, log[-2000:]
