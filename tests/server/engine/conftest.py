@@ -63,12 +63,23 @@ def tiny_hybrid_loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """A tiny Gemma 3 with real Gemma 3's mix of layers: sliding-window ones
     (window 8) around a global one, so its paged pool has one full KV cache
     group and three sliding ones sharing the blocks."""
-    path = tmp_path_factory.mktemp("engine-hybrid-ckpt")
+    return tiny_gemma3(tmp_path_factory.mktemp("engine-hybrid-ckpt"), ["sliding", "full", "sliding", "sliding"])
+
+
+@pytest.fixture(scope="session")
+def tiny_sliding_loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny Gemma 3 with every layer sliding (window 8): one KV cache
+    group that holds a window per sequence, however long it grows."""
+    return tiny_gemma3(tmp_path_factory.mktemp("engine-sliding-ckpt"), ["sliding"] * 4)
+
+
+def tiny_gemma3(path: Path, layers: list[str]) -> LoadedModel:
+    """A tiny Gemma 3 saved to ``path`` with these layer kinds, loaded."""
     build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
     config = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layers),
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        layer_types=[f"{kind}_attention" for kind in layers],
         max_position_embeddings=512, initializer_range=0.3, query_pre_attn_scalar=16,
         eos_token_id=EOS, bos_token_id=None, pad_token_id=None,
     )  # fmt: skip

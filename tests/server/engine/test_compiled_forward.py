@@ -8,6 +8,8 @@ suite built with ``PAGED_COMPILE`` on."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch._inductor.config as inductor_config
@@ -312,3 +314,37 @@ def test_warm_up_runs_every_row_bucket(compiling, make_engine, monkeypatch) -> N
     tokens.clear()
     make_engine(max_batch_size=4, max_num_batched_tokens=3 * ROW_BUCKET, max_model_len=10)
     assert sorted(seen) == [1, 8, 16] and max(tokens) == 9
+
+
+def test_a_pool_barely_above_one_request_starts_and_serves(
+    compiling, tiny_hybrid_loaded, run_engine, prompt_of, greedy, monkeypatch
+) -> None:
+    """Issue 53: the warm-up's throwaway prefill took max_model_len - 1
+    tokens (63) in every KV cache group, so a compiled engine whose pool held
+    fewer (here 16 blocks: 15 and the null block, shared by the hybrid
+    model's 4 groups) failed to start with ``OutOfBlocksError``. It warms
+    up every row bucket up to the longest prompt the pool holds (no step
+    computes more), serves, and compiles nothing while serving."""
+    seen: list[int] = []
+    real = CompiledForward.hidden_states
+
+    def spy(self, input_ids, position_ids, kv_cache):
+        seen.append(padded_rows(input_ids.shape[0]))
+        return real(self, input_ids, position_ids, kv_cache)
+
+    monkeypatch.setattr(CompiledForward, "hidden_states", spy)
+    # One request of a 6-token prompt and 10 generated tokens takes 13 blocks
+    # of 4: 4 in the full group, 3 (a window of 8 and the next block) in each sliding one.
+    config = EngineConfig(max_model_len=64, block_size=4, max_batch_size=2, device="cpu",
+                          attention_backend="ref", num_gpu_blocks=13 + 1 + 2)
+    engine = LLMEngine(config, tiny_hybrid_loaded)
+    assert engine.runner.compiled is not None
+    assert engine.capacity.longest_prompt == 12  # 15 // 4 groups = 3 blocks each
+    assert sorted(set(seen)) == row_buckets(12) == [1, 8, 16]
+    after_warm_up = compiled_graphs()
+    requests = [(f"r{i}", prompt_of(6, i), greedy(10, logprobs=0)) for i in range(3)]
+    run = run_engine(engine, requests)
+    assert compiled_graphs() == after_warm_up, "serving compiled a new graph"
+    eager = LLMEngine(dataclasses.replace(config, enforce_eager=True), tiny_hybrid_loaded)
+    assert_same(run, run_engine(eager, requests), requests)
+    assert engine.audit() == []

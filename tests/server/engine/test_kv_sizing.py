@@ -5,12 +5,15 @@ refuses to start with a clear message."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
 import torch
 
+from paged_server.config import EngineConfig
 from paged_server.engine import kv_sizing
+from paged_server.engine.llm_engine import LLMEngine
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.server import startup_line
 
@@ -107,3 +110,62 @@ def test_tensor_parallel_refuses_memory_share_sizing_before_starting_workers() -
     assert not kv_sizing.sizes_by_memory_share(
         EngineConfig(device="cpu", gpu_memory_utilization=0.5, num_gpu_blocks=8), torch.device("cpu")
     )
+
+
+def small_pool(loaded, num_gpu_blocks: int) -> LLMEngine:
+    config = EngineConfig(max_model_len=64, block_size=4, max_batch_size=2, device="cpu",
+                          attention_backend="ref", num_gpu_blocks=num_gpu_blocks)
+    return LLMEngine(config, loaded)
+
+
+def test_a_pool_that_holds_no_request_refuses_to_start(tiny_hybrid_loaded, run_engine,
+                                                       greedy) -> None:
+    """Issue 53: the shortest request takes a block in each of the hybrid
+    model's 4 KV cache groups; 4 blocks (one the null block) hold none, and
+    the engine says so in one line instead of refusing every request."""
+    with pytest.raises(ValueError) as refused:
+        small_pool(tiny_hybrid_loaded, 4)
+    line = str(refused.value)
+    assert "\n" not in line and "hold no request" in line
+    assert "its 3 blocks (4 less the null block" in line
+    assert "needs 4, one in each of the model's 4 KV cache groups" in line
+    assert "raise --num-gpu-blocks to at least 5" in line
+    engine = small_pool(tiny_hybrid_loaded, 5)  # as the line says: it serves that request
+    run = run_engine(engine, [("short", [5], greedy(max_tokens=1))])
+    assert run.choices[("short", 0)].finish_reason == "length"
+
+
+@pytest.mark.parametrize("model", ["tiny_loaded", "tiny_hybrid_loaded"])
+def test_a_pool_short_of_max_model_len_warns_with_the_requests_it_holds(
+    request, model, greedy, caplog
+) -> None:
+    """The warning's numbers are the edges of what submission accepts, and
+    its advice silences it."""
+    loaded = request.getfixturevalue(model)
+    with caplog.at_level(logging.WARNING, logger="paged_server.engine.llm_engine"):
+        engine = small_pool(loaded, 9)
+    (line,) = [r.getMessage() for r in caplog.records if "cannot hold every" in r.getMessage()]
+    assert "max_model_len 64" in line
+    fits = int(re.search(r"any of up to (\d+) tokens", line).group(1))
+    blocks = int(re.search(r"raise --num-gpu-blocks to (\d+)", line).group(1))
+    assert f"lower --max-model-len to {fits}" in line
+    engine.add_request("edge", list(range(3, 3 + fits - 1)), greedy(max_tokens=1))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("past", list(range(3, 3 + fits)), greedy(max_tokens=1))
+    for num_gpu_blocks, warned in ((blocks - 1, True), (blocks, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="paged_server.engine.llm_engine"):
+            small_pool(loaded, num_gpu_blocks)
+        assert any("cannot hold every" in r.getMessage() for r in caplog.records) == warned
+
+
+@pytest.mark.parametrize("model", ["tiny_loaded", "tiny_sliding_loaded", "tiny_hybrid_loaded"])
+@pytest.mark.parametrize("num_gpu_blocks", [5, 6, 9, 16])
+def test_the_longest_prompt_is_what_one_sequence_can_take(request, model, num_gpu_blocks) -> None:
+    """The warm-up's throwaway prefill is as long as ``longest_prompt`` (no
+    step computes more): the pool takes a sequence of that many tokens and
+    not one more."""
+    engine = small_pool(request.getfixturevalue(model), num_gpu_blocks)
+    longest = engine.capacity.longest_prompt
+    assert engine.pool.can_allocate_sequence(list(range(3, 3 + longest)))
+    assert not engine.pool.can_allocate_sequence(list(range(3, 4 + longest)))

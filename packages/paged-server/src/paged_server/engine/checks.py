@@ -72,6 +72,43 @@ def check_prompt(
             )
 
 
+def check_pool(capacity: PoolCapacity, max_model_len: int) -> str | None:
+    """At start-up: refuse a paged pool that holds no request at all (the
+    shortest, one prompt token and one generated, takes a block in every KV
+    cache group), in one line with the numbers; return a warning when it
+    holds no request of ``max_model_len`` tokens (``check_prompt`` refuses
+    those at submission), else None. Both ask ``blocks_for``, as it does."""
+    if capacity.num_rows is not None:  # contiguous: a row holds max_model_len
+        return None
+    blocks, null = capacity.num_blocks, capacity.num_tensor_blocks - capacity.num_blocks
+
+    def need(length: int) -> int:  # a prompt of length - 1 tokens, and one generated
+        return capacity.blocks_for(length - 1, length - 1)
+
+    if need(2) > blocks:
+        groups = capacity.num_groups
+        where = f", one in each of the model's {groups} KV cache groups" if groups > 1 else ""
+        kept = f" ({blocks + null} less the null block sliding windows keep)" if null else ""
+        raise ValueError(
+            f"KV cache: its {blocks} blocks{kept}, sized by {capacity.sized_by}, hold no request: "
+            f"the shortest (one prompt token, one generated) needs {need(2)}{where}; raise "
+            f"--num-gpu-blocks to at least {need(2) + null} (or --kv-cache-memory-bytes)"
+        )
+    if need(max_model_len) <= blocks:
+        return None
+    fits, over = 2, max_model_len  # the longest request that fits, by bisection
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        fits, over = (mid, over) if need(mid) <= blocks else (fits, mid)
+    return (
+        f"KV cache: its {blocks} blocks cannot hold every request max_model_len {max_model_len} "
+        f"allows (a {max_model_len - 1}-token prompt needs {need(max_model_len)}); one that needs "
+        f"more blocks than the cache has is refused when submitted (any of up to {fits} tokens, "
+        f"prompt and max_tokens, fits): to accept every request, raise --num-gpu-blocks to "
+        f"{need(max_model_len) + null} or lower --max-model-len to {fits}"
+    )
+
+
 def audit_engine(
     pool: ServingPoolProtocol, scheduler: Scheduler, capacity: PoolCapacity, idle: bool
 ) -> list[str]:

@@ -41,7 +41,7 @@ from torch import Tensor
 from paged_ref.cpu_decode import CpuDecodeOps
 from paged_server.config import EngineConfig, RunConfig
 from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam_search, ready_rows
-from paged_server.engine.checks import audit_engine, check_prompt
+from paged_server.engine.checks import audit_engine, check_pool, check_prompt
 from paged_server.engine.compiled_forward import CompiledForward, compiles_forward
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer, NoText
@@ -178,6 +178,8 @@ class LLMEngine:
             self.capacity.sized_by,
             f"; {self.capacity.groups}" if self.capacity.groups else "",
         )
+        if (short := check_pool(self.capacity, config.max_model_len)) is not None:
+            log.warning("%s", short)
         compiled = CompiledForward(loaded.model) if compile_forward else None
         self.runner = ModelRunner(
             loaded.model,
@@ -190,14 +192,16 @@ class LLMEngine:
         )
         if executor is not None:
             log.info("%s", self.parallel_summary())
+        # The warm-up's throwaway prefill fits the pool: no step computes more tokens.
+        longest = min(config.max_model_len - 1, self.capacity.longest_prompt)
         if device.type == "cuda":  # compile (and capture) before the first request
             if config.attention_backend == "triton" and config.kv_cache_backend == "paged":
                 warm_up_kernels(loaded.model, loaded.dtype, self.capacity, config.max_model_len, device)
-            seconds = self.runner.warm_up(min(config.max_model_len - 1, 256))
+            seconds = self.runner.warm_up(min(longest, 256))
             log.info("warm-up done in %.1f s", seconds)
         elif compiled is not None:
             log.info("compiling the forward pass (torch.compile; --enforce-eager skips this)")
-            prompt_len = min(config.max_model_len - 1, config.max_num_batched_tokens, 512)
+            prompt_len = min(longest, config.max_num_batched_tokens, 512)
             seconds = self.runner.warm_up(prompt_len, head_rows=config.max_batch_size)
             log.info("compiled the forward pass in %.1f s", seconds)
         self.scheduler = Scheduler(

@@ -64,6 +64,16 @@ class PoolCapacity:
         a pool with sliding groups reserves."""
         return self.num_blocks + any(w is not None for w in self.group_windows)
 
+    @property
+    def longest_prompt(self) -> int:
+        """Tokens one sequence can take at once: a row of the contiguous pool;
+        in a paged one, whose prompts are reserved in every KV cache group at
+        admission, each group's share of the blocks (nor can a step compute
+        more tokens: each takes a slot in every group)."""
+        if self.num_rows is not None:
+            return self.tokens // self.num_rows
+        return self.num_blocks // self.num_groups * self.block_size
+
     def blocks_for(self, prompt_len: int, kv_tokens: int) -> int:
         """Blocks one sequence needs at its peak: its prompt in every group
         (taken at admission), or ``kv_tokens`` in full groups and at most a
