@@ -25,7 +25,12 @@ from typing import Any
 import torch
 
 from paged_server.models.errors import CheckpointMismatchError, InvalidConfigError
-from paged_server.models.quantization.weights import QuantizedWeight
+from paged_server.models.quantization.weights import (
+    QuantizedWeight,
+    finite_scales,
+    group_size_of,
+    require,
+)
 
 SUFFIXES = (
     "weight",
@@ -42,6 +47,13 @@ def check_config(qc: dict[str, Any]) -> str:
     """Refuse formats and schemes this loader cannot run; returns a short
     description for the start-up line."""
     groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(
+        isinstance(g, dict) and isinstance(g.get("weights") or {}, dict) for g in groups.values()
+    ):
+        raise InvalidConfigError(
+            "compressed-tensors quantization_config.config_groups must map group names to "
+            f"objects (each with a weights object), got {groups!r:.80}"
+        )
     formats = {qc.get("format")} | {g.get("format") for g in groups.values()}
     formats.discard(None)
     formats.discard("mixed-precision")
@@ -72,8 +84,14 @@ def is_quantized(suffixes: set[str]) -> bool:
 
 def read_weight(t: dict[str, torch.Tensor], name: str) -> QuantizedWeight:
     """One layer's tensors (keyed by suffix) -> ``QuantizedWeight``."""
-    scale = t["weight_scale"].to(torch.float32)
     if "weight_packed" in t:
+        fmt = "compressed-tensors pack-quantized"
+        require(t, name, fmt, "weight_packed", "weight_scale", "weight_shape")
+        if t["weight_shape"].numel() != 2:
+            raise CheckpointMismatchError(
+                f"{name}.weight_shape is {t['weight_shape'].tolist()}; it should hold the "
+                "layer's [output features, input features]"
+            )
         n, k = (int(x) for x in t["weight_shape"].tolist())
         packed = t["weight_packed"]
         bits = 32 * packed.shape[1] // k if k else 0
@@ -85,8 +103,9 @@ def read_weight(t: dict[str, torch.Tensor], name: str) -> QuantizedWeight:
         q = unpack_int32(packed, bits, dim=1)[:, :k]
         zeros = t.get("weight_zero_point")
         if zeros is not None:
-            zeros = unpack_int32(zeros, bits, dim=0)[: scale.shape[0]]
+            zeros = unpack_int32(zeros, bits, dim=0)[:n]  # packed along the output rows
     else:
+        require(t, name, "compressed-tensors", "weight", "weight_scale")
         q = t["weight"]
         if q.dtype not in (torch.int8, torch.float8_e4m3fn):
             raise CheckpointMismatchError(
@@ -98,11 +117,26 @@ def read_weight(t: dict[str, torch.Tensor], name: str) -> QuantizedWeight:
         if zeros is not None and not torch.any(zeros):
             zeros = None
     n, k = q.shape
-    scale = scale.reshape(-1, 1).expand(n, 1) if scale.numel() == 1 else scale.reshape(n, -1)
+    scale = finite_scales(t["weight_scale"], f"{name}.weight_scale")
+    if scale.numel() == 1:  # one scale for the tensor
+        scale = scale.reshape(1, 1).expand(n, 1)
+    elif scale.numel() % n:
+        raise CheckpointMismatchError(
+            f"{name}.weight_scale has {scale.numel()} values, not a whole number per each of "
+            f"the weight's {n} output features"
+        )
+    else:
+        scale = scale.reshape(n, scale.numel() // n)
+    group_size = group_size_of(f"{name}.weight_scale", scale.shape[1], k)
     if zeros is not None:
-        zeros = zeros.reshape(n, -1).to(torch.int8)
+        if zeros.numel() != scale.numel():
+            raise CheckpointMismatchError(
+                f"{name}.weight_zero_point holds {zeros.numel()} zero points for "
+                f"{scale.numel()} scales"
+            )
+        zeros = zeros.reshape(scale.shape).to(torch.int8)
     fp8 = q.dtype == torch.float8_e4m3fn
-    return QuantizedWeight(q, scale.contiguous(), zeros, bits, k // scale.shape[1], fp8=fp8)
+    return QuantizedWeight(q, scale.contiguous(), zeros, bits, group_size, fp8=fp8)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

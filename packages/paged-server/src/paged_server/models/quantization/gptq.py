@@ -16,16 +16,40 @@ from typing import Any
 import torch
 
 from paged_server.models.errors import CheckpointMismatchError, InvalidConfigError
-from paged_server.models.quantization.weights import QuantizedWeight
+from paged_server.models.quantization.weights import (
+    QuantizedWeight,
+    finite_scales,
+    group_size_of,
+    require,
+)
 
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+FORMATS = ("gptq", "gptq_v2")  # checkpoint_format: zeros stored minus 1, or as they are
+
+
+def config_int(qc: dict[str, Any], method: str, field: str, default: int, hint: str = "") -> int:
+    """``quantization_config[field]``, refused unless it is an integer."""
+    value = qc.get(field, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidConfigError(
+            f"{method} quantization_config.{field} must be a number{hint}, got {value!r}"
+        )
+    return value
 
 
 def check_config(qc: dict[str, Any]) -> str:
-    bits = qc.get("bits", 4)
+    bits = config_int(qc, "GPTQ", "bits", 4, " (4 or 8)")
     if bits not in (4, 8):
         raise InvalidConfigError(f"GPTQ with {bits} bits is not supported; 4 and 8 are")
-    return f"gptq int{bits} g{qc.get('group_size', 128)}"
+    group_size = config_int(qc, "GPTQ", "group_size", 128)
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in FORMATS:
+        raise InvalidConfigError(
+            f"GPTQ checkpoint_format {fmt!r} is not supported; {' and '.join(FORMATS)} are "
+            "(marlin checkpoints hold Marlin's repacked layout: load the GPTQ checkpoint it "
+            "was converted from)"
+        )
+    return f"gptq int{bits} g{group_size}"
 
 
 def is_quantized(suffixes: set[str]) -> bool:
@@ -48,26 +72,38 @@ def unpack(
 
 
 def read_weight(t: dict[str, torch.Tensor], name: str, qc: dict[str, Any]) -> QuantizedWeight:
+    require(t, name, "GPTQ", "qweight", "qzeros", "scales")
     bits = int(qc.get("bits", 4))
     offset = 1 << (bits - 1)
     q = unpack(t["qweight"], bits, dim=0)  # [K, N]
     k, n = q.shape
-    scales = t["scales"].to(torch.float32)  # [groups, N]
-    groups = scales.shape[0]
-    group_size = k // groups
     g_idx = t.get("g_idx")
+    if g_idx is not None and g_idx.numel() != k:
+        raise CheckpointMismatchError(
+            f"{name}.qweight unpacks to {k} input features at bits {bits} (quantization_config) "
+            f"but {name}.g_idx has {g_idx.numel()}; the config's bits are not the checkpoint's"
+        )
+    scales = finite_scales(t["scales"], f"{name}.scales")  # [groups, N]
+    if scales.ndim != 2 or scales.shape[1] != n:
+        raise CheckpointMismatchError(
+            f"{name}.scales has shape {tuple(scales.shape)}, but {name}.qweight holds {n} "
+            f"output features (groups x {n} expected)"
+        )
+    groups = scales.shape[0]
+    group_size = group_size_of(f"{name}.scales", groups, k)
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group_size):
         raise InvalidConfigError(
             f"{name}: act-order GPTQ (desc_act with a permuted g_idx) is not supported yet; "
             "use a checkpoint quantized with desc_act=False"
         )
     zeros = unpack(t["qzeros"], bits, dim=1)[:, :n]  # [groups, N]
+    if zeros.shape != (groups, n):
+        raise CheckpointMismatchError(
+            f"{name}.qzeros unpacks to {tuple(zeros.shape)} zero points, but {name}.scales "
+            f"has {(groups, n)}"
+        )
     if qc.get("checkpoint_format", "gptq") == "gptq":
         zeros = zeros + 1  # gptq v1 stores zero - 1
-    if scales.shape != (groups, n) or k != groups * group_size:
-        raise CheckpointMismatchError(
-            f"{name}: GPTQ scales {tuple(scales.shape)} do not fit qweight"
-        )
     sym = bool(qc.get("sym", True)) and bool(torch.all(zeros == offset))
     return QuantizedWeight(
         (q - offset).to(torch.int8).T.contiguous(),

@@ -77,6 +77,12 @@ def load_quantized_layers(
             weight = reader.read_weight(tensors, layer, quant.config)
         module, part = targets[layer]
         parts[module].append((part, weight))
+    if not parts and linears:  # served dense under a quantized name otherwise
+        raise CheckpointMismatchError(
+            f"config.json's quantization_config says {quant.name}, but the checkpoint has no "
+            f"quantized layers (no {' / '.join(reader.SUFFIXES)} tensors beside its weights); "
+            "remove quantization_config for dense weights, or point --model at the quantized ones"
+        )
     for module, found in parts.items():
         slices = getattr(linears[module], "slices", None)
         if slices is None or len(slices) == 1 and found[0][0] is None:
@@ -148,8 +154,9 @@ def _swap(
         weight = weight.shard(shard[0], shard[1], linear.weight.shape[shard[0]])
     if weight.shape != tuple(linear.weight.shape):
         raise CheckpointMismatchError(
-            f"quantized weight {name} has shape {weight.shape} but config.json implies "
-            f"{tuple(linear.weight.shape)}; the weights do not belong to this config"
+            f"quantized weight {name} has shape {weight.shape} at {weight.bits} bits but "
+            f"config.json implies {tuple(linear.weight.shape)}; the weights do not belong to "
+            "this config, or quantization_config's bits are not the checkpoint's"
         )
     bias = None if linear.bias is None else linear.bias.data
     device = linear.weight.device

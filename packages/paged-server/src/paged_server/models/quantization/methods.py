@@ -49,6 +49,11 @@ def resolve_quantization(hf: dict[str, Any], flag: str | None) -> Quantization |
             f"quantization {flag!r} is not supported; use one of {', '.join(QUANTIZATION_METHODS)}"
         )
     qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    if qc and not isinstance(qc, dict):
+        raise InvalidConfigError(
+            f"config.json's quantization_config must be an object with a quant_method, got "
+            f"{type(qc).__name__} {qc!r:.60}"
+        )
     if qc:
         method = str(qc.get("quant_method", "")).lower()
         if method not in CHECKPOINT_METHODS:

@@ -34,11 +34,22 @@ class QuantizedWeight:
 
     def __post_init__(self) -> None:
         n, k = self.qweight.shape
-        if k % self.group_size or self.scales.shape != (n, k // self.group_size):
+        if self.group_size <= 0 or k % self.group_size:
             raise CheckpointMismatchError(
-                f"quantized weight {tuple(self.qweight.shape)} with group size "
-                f"{self.group_size} needs scales of shape {(n, k // max(1, self.group_size))}, "
-                f"got {tuple(self.scales.shape)}; the checkpoint's scales do not fit its weights"
+                f"quantized weight {(n, k)} has {k} input features, which groups of "
+                f"{self.group_size} do not divide; the checkpoint's scales do not fit its weights"
+            )
+        if self.scales.shape != (n, k // self.group_size):
+            raise CheckpointMismatchError(
+                f"quantized weight {(n, k)} with group size {self.group_size} needs scales of "
+                f"shape {(n, k // self.group_size)}, got {tuple(self.scales.shape)}; the "
+                "checkpoint's scales do not fit its weights"
+            )
+        if self.zeros is not None and self.zeros.shape != self.scales.shape:
+            raise CheckpointMismatchError(
+                f"quantized weight {(n, k)} has scales of shape {tuple(self.scales.shape)} but "
+                f"zero points of shape {tuple(self.zeros.shape)}; the checkpoint's zero points "
+                "do not fit its weights"
             )
 
     @property
@@ -103,6 +114,38 @@ class QuantizedWeight:
             zeros=None if self.zeros is None else self.zeros.repeat_interleave(repeat, dim=1),
             group_size=group_size,
         )
+
+
+def require(t: dict[str, torch.Tensor], name: str, fmt: str, *suffixes: str) -> None:
+    """Refuse a layer of format ``fmt`` that lacks one of the tensors it needs."""
+    for suffix in suffixes:
+        if suffix not in t:
+            raise CheckpointMismatchError(
+                f"{name}.{suffix} is missing: {fmt} layers need {', '.join(suffixes)}; the "
+                "checkpoint is incomplete, or not in the format its quantization_config says"
+            )
+
+
+def group_size_of(tensor: str, groups: int, in_features: int) -> int:
+    """The group size ``groups`` scales per output feature give a weight of
+    ``in_features``, or a refusal naming the scales ``tensor``."""
+    if groups <= 0 or in_features % groups:
+        raise CheckpointMismatchError(
+            f"{tensor} has {groups} groups per output feature, which do not divide the weight's "
+            f"{in_features} input features; the checkpoint's scales do not fit its weights"
+        )
+    return in_features // groups
+
+
+def finite_scales(scales: torch.Tensor, tensor: str) -> torch.Tensor:
+    """``scales`` in float32, refused if any is NaN or infinite (every
+    request through the layer would fail)."""
+    scales = scales.to(torch.float32)
+    if not bool(torch.isfinite(scales).all()):
+        raise CheckpointMismatchError(
+            f"{tensor} holds NaN or infinite values; the checkpoint is damaged: re-export it"
+        )
+    return scales
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
