@@ -54,6 +54,14 @@ def error_for(model: Any, body: Any) -> tuple[str | None, str]:
         ({"prompt": "x", "use_beam_search": "yes"}, "use_beam_search", "must be true or false"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
         ({"prompt": "x", "stream": "yes"}, "stream", "must be true or false"),
+        ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "empty prompt"),
+        ({"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "must be >= -1"),
+        ({"prompt": "x", "truncation_side": "middle"}, "truncation_side", "'left' or 'right'"),
+        ({"prompt": "x", "thinking_token_budget": 5}, "thinking_token_budget", "send null or -1"),
+        ({"prompt": "x", "watermarking": True}, "watermarking", "send null or false"),
+        ({"prompt": "x", "logprob_token_ids": [3]}, "logprob_token_ids", "not supported"),
+        ({"prompt": "x", "stream_options": {"continuous_usage_stats": "yes"}},
+         "stream_options.continuous_usage_stats", "must be true or false"),
     ],
 )
 def test_completion_request_errors_name_the_field(body: dict[str, Any], param: str, fragment: str) -> None:
@@ -98,3 +106,24 @@ def test_valid_chat_request_keeps_text_parts() -> None:
     )
     assert req.messages[0].text() == "ab"
     assert req.requested_max_tokens() == 5
+
+
+def test_stream_options_and_optional_fields_parse_as_vllm() -> None:
+    """vLLM's StreamOptions: continuous usage counts only with include_usage;
+    null means the default for vLLM's optional fields; seed -1 is no seed."""
+    def completion(**extra: Any) -> CompletionRequest:
+        return CompletionRequest.model_validate({"prompt": "x", **extra})
+
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert completion(stream=True, stream_options=both).continuous_usage()
+    alone = completion(stream=True, stream_options={"continuous_usage_stats": True})
+    assert not alone.include_usage() and not alone.continuous_usage()
+    nulls = completion(stream=True, stream_options={"include_usage": None, "continuous_usage_stats": None})
+    assert not nulls.include_usage()
+    assert completion(stream_options={}).stream_options is not None  # empty: allowed without stream
+    parsed = completion(n=None, stream=None, echo=None, presence_penalty=None, seed=-1)
+    assert (parsed.n, parsed.stream, parsed.echo, parsed.presence_penalty, parsed.seed) == (1, False, False, 0.0, None)
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": None, "parallel_tool_calls": None,
+         "reasoning_effort": "minimal", "kv_transfer_params": {"a": 1}, "session_id": "s"})
+    assert chat.logprobs is False and chat.parallel_tool_calls is True

@@ -1,9 +1,12 @@
 """Every field of vLLM's completion and chat request models is honoured here
-(a test shows its effect) or refused with a 400 naming it, never ignored.
+(a test shows its effect), refused with a 400 naming it, or accepted and
+ignored for the reason ``IGNORED_FIELDS`` gives (vLLM ignores it too by
+default); never silently dropped.
 
 The field lists are vLLM's (``vllm/entrypoints/openai/protocol.py``:
-``CompletionRequest`` and ``ChatCompletionRequest``, plus the newer
-``structured_outputs``), kept as data so a field added to them fails the walk
+``CompletionRequest`` and ``ChatCompletionRequest``, then the split
+``completion/protocol.py`` and ``chat_completion/protocol.py`` of 2026 with
+their newer fields), kept as data so a field added to them fails the walk
 until it is handled."""
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from tests.e2e.conftest import MODEL, start_server
 
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.protocol import (
+    IGNORED_FIELDS,
     REFUSED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +42,10 @@ VLLM_COMPLETION_FIELDS = [
     "guided_decoding_backend", "guided_whitespace_pattern", "priority", "request_id",
     "logits_processors", "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params",
     "vllm_xargs", "structured_outputs",
+    # newer vLLM
+    "watermarking", "truncation_side", "logprob_token_ids", "session_id", "return_token_ids",
+    "routed_experts_prompt_start", "return_token_offsets", "return_mm_kwargs",
+    "ec_transfer_params", "repetition_detection", "thinking_token_budget", "stream_interval",
 ]
 VLLM_CHAT_FIELDS = [
     "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
@@ -53,6 +61,11 @@ VLLM_CHAT_FIELDS = [
     "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern", "priority",
     "request_id", "logits_processors", "return_tokens_as_token_ids", "cache_salt",
     "kv_transfer_params", "vllm_xargs", "structured_outputs",
+    # newer vLLM
+    "thinking_token_budget", "watermarking", "truncation_side", "logprob_token_ids",
+    "media_io_kwargs", "session_id", "return_token_ids", "routed_experts_prompt_start",
+    "return_token_offsets", "return_prompt_text", "return_mm_kwargs", "ec_transfer_params",
+    "repetition_detection", "stream_interval",
 ]
 
 TESTS = Path(__file__).parent.parent
@@ -118,12 +131,25 @@ EVIDENCE = {
     # vLLM with a fast tokenizer (tokenizer.json) does not use it either: accepted, same output.
     "spaces_between_special_tokens": f"{HERE}::test_token_sets_and_special_tokens",
     "priority": f"{HERE}::test_refused_fields_are_a_400_naming_them",
+    "truncation_side": f"{HERE}::test_echo_and_usage_show_the_truncated_prompt",
+    "return_token_ids": f"{HERE}::test_return_token_ids_and_prompt_text",
+    "return_prompt_text": f"{HERE}::test_return_token_ids_and_prompt_text",
+    "thinking_token_budget": f"{HERE}::test_refused_fields_are_a_400_naming_them",
+    "watermarking": f"{HERE}::test_refused_fields_are_a_400_naming_them",
 }
 # Non-neutral values of the refused fields (and the neutral one they accept).
 REFUSED_VALUES = {
     "prompt_embeds": "AAAA", "mm_processor_kwargs": {"x": 1}, "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " *", "structural_tag": "{}", "logits_processors": ["m.P"],
-    "cache_salt": "salt", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "priority": 1,
+    "cache_salt": "salt", "priority": 1, "media_io_kwargs": {"image": {"x": 1}},
+    "logprob_token_ids": [1, 2], "thinking_token_budget": 5, "watermarking": True,
+}
+# Values vLLM accepts for the accepted-and-ignored fields.
+IGNORED_VALUES = {
+    "kv_transfer_params": {"do_remote_prefill": False}, "ec_transfer_params": {"a": 1},
+    "vllm_xargs": {"a": 1}, "session_id": "s-1", "routed_experts_prompt_start": 2,
+    "return_token_offsets": True, "return_mm_kwargs": False, "stream_interval": 4,
+    "repetition_detection": {"max_pattern_size": 4, "min_pattern_size": 1, "min_count": 3},
 }
 CHAT = [{"role": "user", "content": "Tell me a story"}]
 
@@ -137,14 +163,22 @@ def _exists(ref: str) -> bool:
                                                (VLLM_CHAT_FIELDS, ChatCompletionRequest)],
                          ids=["completion", "chat"])
 def test_every_vllm_field_is_honoured_or_refused(fields: list[str], model: Any) -> None:
-    unhandled = [f for f in fields if f not in EVIDENCE and f not in REFUSED_VALUES]
-    assert not unhandled, f"vLLM fields neither honoured nor refused: {unhandled}"
+    unhandled = [f for f in fields if f not in EVIDENCE and f not in REFUSED_VALUES
+                 and f not in IGNORED_VALUES]
+    assert not unhandled, f"vLLM fields neither honoured, refused nor ignored for a reason: {unhandled}"
+    assert set(IGNORED_VALUES) == set(IGNORED_FIELDS)  # each ignored field has its reason
     for field in fields:
-        if field in REFUSED_VALUES and field != "priority":
-            assert field in REFUSED_FIELDS, field
+        if field in REFUSED_FIELDS:
             continue
         assert field in model.model_fields, f"{field} is not parsed (it would be ignored)"
-        assert _exists(EVIDENCE[field]), f"{field}: {EVIDENCE[field]} does not exist"
+        if field in EVIDENCE:
+            assert _exists(EVIDENCE[field]), f"{field}: {EVIDENCE[field]} does not exist"
+
+
+def test_ignored_fields_are_accepted(http: httpx.Client) -> None:
+    for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": CHAT})):
+        resp = http.post(path, json={**base, "max_tokens": 2, "temperature": 0, **IGNORED_VALUES})
+        assert resp.status_code == 200, (path, resp.text)
 
 
 def test_refused_fields_are_a_400_naming_them(http: httpx.Client) -> None:
@@ -154,7 +188,8 @@ def test_refused_fields_are_a_400_naming_them(http: httpx.Client) -> None:
             assert resp.status_code == 400, (path, field, resp.text)
             err = resp.json()["error"]
             assert err["param"] == field and err["message"].startswith(f"{field}: not supported"), err
-    ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "priority": 0, "cache_salt": None})
+    ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "priority": 0, "cache_salt": None,
+                                            "thinking_token_budget": -1, "watermarking": False})
     assert ok.status_code == 200
 
 
@@ -296,3 +331,154 @@ def test_chat_template_fields_render_the_prompt(http: httpx.Client, trusting_htt
     assert echo["choices"][0]["message"]["content"].startswith("Once there was")
     both = http.post("/v1/chat/completions", json={"messages": CHAT, "continue_final_message": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def _stream(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON chunks of a streamed response (the [DONE] line checked and dropped)."""
+    resp = http.post(path, json={**body, "stream": True})
+    assert resp.status_code == 200, resp.text
+    lines = [line.removeprefix("data: ") for line in resp.text.split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# guidellm 0.8.1's streaming options (backends/openai/request_handlers.py), as vLLM's bench sends
+GUIDELLM_STREAM = {"stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                   "stop": None, "ignore_eos": True}
+
+
+@pytest.mark.parametrize(("path", "base"), [("/v1/completions", {"prompt": "Once upon a time", "n": 2}),
+                                            ("/v1/chat/completions", {"messages": CHAT, "n": 2})],
+                         ids=["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
+    http: httpx.Client, path: str, base: dict[str, Any]
+) -> None:
+    chunks = _stream(http, path, {**base, **GUIDELLM_STREAM, "max_tokens": 5, "temperature": 0})
+    *deltas, final = chunks
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 10  # 2 choices x 5
+    prompt = final["usage"]["prompt_tokens"]
+    assert prompt > 0
+    last: dict[int, int] = {}
+    for chunk in deltas:  # each carries its choice's usage so far, as vLLM
+        usage, index = chunk["usage"], chunk["choices"][0]["index"]
+        assert usage["prompt_tokens"] == prompt, chunk
+        assert usage["total_tokens"] == prompt + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= last.get(index, 0)
+        last[index] = usage["completion_tokens"]
+    assert last == {0: 5, 1: 5}
+    # without continuous_usage_stats the chunks carry "usage": null, as before
+    plain = _stream(http, path, {**base, "max_tokens": 3, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_stop_reason_names_the_stop_token_or_string(http: httpx.Client) -> None:
+    ids = _complete(http, max_tokens=6, ignore_eos=True, logprobs=0, return_tokens_as_token_ids=True)
+    tokens = [int(t.removeprefix("token_id:")) for t in ids["choices"][0]["logprobs"]["tokens"]]
+    by_token = _complete(http, max_tokens=6, ignore_eos=True, stop_token_ids=[tokens[2]])["choices"][0]
+    assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", tokens[2])
+    full = _complete(http, max_tokens=12, ignore_eos=True)["choices"][0]
+    assert (full["finish_reason"], full["stop_reason"]) == ("length", None)
+    stop = full["text"][4:7]
+    by_text = _complete(http, max_tokens=12, ignore_eos=True, stop=["zzzq", stop])["choices"][0]
+    assert (by_text["finish_reason"], by_text["stop_reason"]) == ("stop", stop)
+    streamed = _stream(http, "/v1/completions", {"prompt": "Once upon a time", "temperature": 0,
+                                                 "max_tokens": 6, "ignore_eos": True,
+                                                 "stop_token_ids": [tokens[2]]})
+    assert streamed[-1]["choices"][0]["stop_reason"] == tokens[2]
+    chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8, "temperature": 0,
+                                                  "ignore_eos": True, "logprobs": True,
+                                                  "return_tokens_as_token_ids": True}).json()
+    chat_ids = [int(t["token"].removeprefix("token_id:")) for t in chat["choices"][0]["logprobs"]["content"]]
+    stopped = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8, "temperature": 0,
+                                                     "ignore_eos": True, "stop_token_ids": [chat_ids[1]]})
+    assert stopped.json()["choices"][0]["stop_reason"] == chat_ids[1]
+    chat_stream = _stream(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 0,
+                                                         "ignore_eos": True, "stop_token_ids": [chat_ids[1]]})
+    assert chat_stream[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chat_stream[-1]["choices"][0]["stop_reason"] == chat_ids[1]
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(http: httpx.Client, server: Any) -> None:
+    vocab = server.engine.model_config.vocab_size
+    for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": CHAT})):
+        resp = http.post(path, json={**base, "max_tokens": 2, "stop_token_ids": [5, vocab + 7]})
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "stop_token_ids", err
+        assert str(vocab + 7) in err["message"] and f"{vocab} tokens" in err["message"], err
+    edge = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stop_token_ids": [vocab - 1]})
+    assert edge.status_code == 200, edge.text
+
+
+def test_echo_and_usage_show_the_truncated_prompt(http: httpx.Client, server: Any) -> None:
+    tok = server.engine.tokenizer
+    prompt = "Once upon a time there was a little cat who lived in a big house"
+    ids = tok.encode(prompt)
+    assert len(ids) > 6
+    for side, kept in (("left", ids[-4:]), ("right", ids[:4])):
+        body = _complete(http, prompt=prompt, max_tokens=2, echo=True, logprobs=0,
+                         truncate_prompt_tokens=4, truncation_side=side)
+        choice = body["choices"][0]
+        assert body["usage"]["prompt_tokens"] == 4
+        echoed = tok.decode(kept)
+        assert choice["text"].startswith(echoed) and echoed != prompt, (side, choice["text"])
+        assert choice["logprobs"]["token_logprobs"][:4][0] is None  # the echoed tokens: the kept 4
+        assert len(choice["logprobs"]["tokens"]) == 4 + 2
+        streamed = _stream(http, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True,
+                                                     "temperature": 0, "truncate_prompt_tokens": 4,
+                                                     "truncation_side": side})
+        assert "".join(c["choices"][0]["text"] for c in streamed) == choice["text"]
+    whole = _complete(http, prompt=prompt, max_tokens=1, echo=True, truncate_prompt_tokens=len(ids))
+    assert whole["choices"][0]["text"].startswith(prompt)  # nothing cut: the text as sent
+    fits = _complete(http, prompt=prompt, max_tokens=1, truncate_prompt_tokens=-1)
+    assert fits["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_return_token_ids_and_prompt_text(http: httpx.Client, server: Any) -> None:
+    tok = server.engine.tokenizer
+    body = _complete(http, max_tokens=5, ignore_eos=True, return_token_ids=True)
+    choice = body["choices"][0]
+    assert len(choice["token_ids"]) == 5 and tok.decode(choice["token_ids"]) == choice["text"]
+    assert choice["prompt_token_ids"] == tok.encode("Once upon a time")
+    chunks = _stream(http, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5,
+                                               "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == choice["token_ids"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    rendered = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "temperature": 0,
+                                                  "ignore_eos": True, "return_token_ids": True,
+                                                  "return_prompt_text": True}).json()
+    assert chat["prompt_text"] == rendered and chat["prompt_token_ids"] == tok.encode(rendered, add_special_tokens=False)
+    assert tok.decode(chat["choices"][0]["token_ids"]) == chat["choices"][0]["message"]["content"]
+    chat_chunks = _stream(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0,
+                                                         "ignore_eos": True, "return_token_ids": True,
+                                                         "return_prompt_text": True})
+    assert chat_chunks[0]["prompt_text"] == rendered
+    assert sum((c["choices"][0].get("token_ids", []) for c in chat_chunks), []) == chat["choices"][0]["token_ids"]
+
+
+def test_null_means_the_default_for_vllms_optional_fields(http: httpx.Client) -> None:
+    nulls = {"n": None, "stream": None, "frequency_penalty": None, "presence_penalty": None}
+    done = _complete(http, max_tokens=2, echo=None, logprobs=None, **nulls)
+    assert len(done["choices"]) == 1
+    chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "logprobs": None,
+                                                  "parallel_tool_calls": None, "reasoning_effort": "none",
+                                                  "stream_options": None, **nulls})
+    assert chat.status_code == 200, chat.text
+    seeded = [_complete(http, max_tokens=4, temperature=1.0, seed=-1)["choices"][0]["text"] for _ in range(2)]
+    assert all(isinstance(t, str) for t in seeded)  # -1: no seed, as vLLM (not a 400)
+    empty = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "stream_options": {}})
+    assert empty.status_code == 200, empty.text  # vLLM refuses only a non-empty one without stream
+
+
+def test_reasoning_effort_sets_the_templates_enable_thinking(trusting_http: httpx.Client) -> None:
+    """vLLM passes enable_thinking = (reasoning_effort != "none") unless
+    chat_template_kwargs sets it (templates such as Gemma 4's need it)."""
+    template = "{{ enable_thinking }}|{{ reasoning_effort }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    for effort, kwargs, expected in (("none", {}, "False|none|"), ("xhigh", {}, "True|xhigh|"),
+                                     ("none", {"enable_thinking": True}, "True|none|")):
+        resp = trusting_http.post("/v1/chat/completions", json={
+            "messages": CHAT, "max_tokens": 1, "chat_template": template, "reasoning_effort": effort,
+            "chat_template_kwargs": kwargs, "return_prompt_text": True})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["prompt_text"] == expected + CHAT[0]["content"], (effort, kwargs)

@@ -46,6 +46,9 @@ class RequestOutput:
     cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
+    # What ended a "stop" finish (vLLM's stop_reason): the stop string, or the
+    # stop_token_ids id; None for EOS and every other finish.
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)

@@ -23,8 +23,9 @@ def check_prompt(
     more choices (``n``) than ``max_batch_size`` (admission needs all ``n``
     places at once, so such a request would wait forever and, the queue being
     first come first served, hold up every request behind it), empty prompts,
-    ids outside the vocabulary, prompts leaving no room for a generated token,
-    and (paged) sequences that alone need more blocks than the whole pool has."""
+    ids outside the vocabulary (prompt, logit_bias, stop_token_ids), prompts
+    leaving no room for a generated token, and (paged) sequences that alone
+    need more blocks than the whole pool has."""
     if params.num_seqs > max_batch_size:
         name = "best_of" if params.use_beam_search else "n"
         raise ValueError(
@@ -43,6 +44,13 @@ def check_prompt(
     if biased is not None:
         raise ValueError(
             f"logit_bias: token id {biased} is outside the vocabulary (0..{vocab - 1})"
+        )
+    # vLLM refuses these too; one could never be generated, so it would never stop anything
+    stops = [t for t in params.stop_token_ids if t >= vocab]
+    if stops:
+        raise ValueError(
+            f"stop_token_ids: token id(s) {stops} are outside the vocabulary of {vocab} tokens "
+            f"(0..{vocab - 1})"
         )
     if n >= max_model_len:
         raise ContextLengthError(

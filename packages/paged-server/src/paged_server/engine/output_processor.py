@@ -5,7 +5,8 @@ Stop strings may span tokens, so text that could still turn out to be the
 start of a stop string is held back (``longest stop - 1`` characters) and
 released once it cannot be; the final output flushes the rest. Text is cut
 just before the stop string. A stop token (``stop_token_ids``, or EOS unless
-``ignore_eos``) stays in ``token_ids`` but adds no text.
+``ignore_eos``) stays in ``token_ids`` but adds no text. The stop string or
+``stop_token_ids`` id that ended a sequence is its ``stop_reason`` (vLLM's).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def commit_token(
         if params.logprobs:
             seq.new_top_logprobs.append(logprob.top)
     if _is_stop_token(seq, token_id, eos_token_ids):
+        if token_id in params.stop_token_ids:  # vLLM: EOS leaves stop_reason None
+            seq.stop_reason = token_id
         seq.finish("stop")
     # seq.num_generated, read inline (once per token on the host critical path)
     elif (n := len(token_ids)) - seq.num_prompt_tokens >= params.max_tokens or n >= max_model_len:
@@ -79,8 +82,10 @@ def _add_text(seq: Sequence, piece: str) -> bool:
     cut = find_stop(seq.output_text, params.stop, old_len)
     if cut is None:
         return False
+    hit = [s for s in params.stop if seq.output_text.startswith(s, cut)]
+    seq.stop_reason = max(hit, key=len)
     if params.include_stop_str_in_output:
-        cut += max(len(s) for s in params.stop if seq.output_text.startswith(s, cut))
+        cut += len(seq.stop_reason)
     seq.output_text = seq.output_text[:cut]
     seq.finish("stop")
     return True
@@ -139,6 +144,7 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         cumulative_logprob=seq.cumulative_logprob,
         first_scheduled_time=request.first_scheduled_time,
         num_cached_tokens=request.num_cached_tokens,
+        stop_reason=seq.stop_reason if finished else None,
     )
     seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
     seq.new_top_logprobs = []

@@ -93,6 +93,7 @@ class Sequence:
     pool_seq_id: int | None = None  # the pool's seq_id while it holds KV
     num_computed_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     output_text: str = ""
     emitted_text_len: int = 0

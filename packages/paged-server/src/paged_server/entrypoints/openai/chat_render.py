@@ -77,6 +77,8 @@ class ChatRenderer:
             variables["documents"] = body.documents
         if body.reasoning_effort is not None:
             variables["reasoning_effort"] = body.reasoning_effort
+            # vLLM: templates that need thinking switched on (Gemma 4) get it
+            variables.setdefault("enable_thinking", body.reasoning_effort != "none")
         return await self.messages_ids(
             body.messages, body.add_generation_prompt, tools,
             chat_template=template,

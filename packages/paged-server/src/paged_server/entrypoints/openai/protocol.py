@@ -18,7 +18,13 @@ the schema:
   (see ``response_format.py`` and ``tool_calls.py``).
 - Fields OpenAI has that this server cannot honour (``suffix``,
   ``best_of`` other than ``n`` without beam search, non-text content) are
-  rejected with a 400 naming the field, never ignored.
+  rejected with a 400 naming the field, never ignored; so are vLLM's in
+  ``REFUSED_FIELDS``. vLLM's fields in ``IGNORED_FIELDS`` are accepted and
+  ignored, each for the reason given there (vLLM ignores them too by default).
+  Null means the default for vLLM's optional fields (``n``, ``stream``, ...),
+  and ``seed: -1`` means no seed, as in vLLM.
+- ``stream_options.continuous_usage_stats`` (with ``include_usage``): every
+  chunk carries its choice's usage so far, as vLLM.
 - Beam search (vLLM's extra parameters): ``use_beam_search: true`` with
   ``best_of`` beams (default ``n``) returns the ``n`` best; with
   ``length_penalty`` and ``early_stopping``. Not with ``stream: true``.
@@ -51,21 +57,15 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    """``stream_options`` (only with ``stream: true``)."""
+    """``stream_options`` (only with ``stream: true``); null means false, as in vLLM."""
 
-    include_usage: bool = Field(
+    include_usage: bool | None = Field(
         False, description="Send one extra chunk before [DONE] with the request's token usage."
     )
-    continuous_usage_stats: bool = Field(
-        False, description="Not supported (usage comes in the last chunk): must be false."
+    continuous_usage_stats: bool | None = Field(
+        False, description="With include_usage: every chunk also carries its choice's usage so "
+        "far (vLLM's extension; guidellm and vLLM's benchmarks send it)."
     )
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _no_continuous(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("not supported: usage comes once, in the last chunk; send false")
-        return v
 
 
 class JsonSchemaFormat(_Strict):
@@ -120,18 +120,52 @@ class StructuredOutputsRequest(_Strict):
 
 
 # vLLM request fields this server cannot honour: a 400 naming the field
-# unless it is absent, null or empty (never silently ignored).
+# unless it is absent, null or empty (never silently ignored). Each is one vLLM
+# itself refuses by default, or one whose silent loss would change the answer
+# or its safety (cache_salt's isolation, logprob_token_ids' scores).
 REFUSED_FIELDS = {
-    "prompt_embeds": "not supported: send text or token ids",
-    "mm_processor_kwargs": "not supported: text-only models",
+    "prompt_embeds": "not supported: send text or token ids (vLLM too needs --enable-prompt-embeds)",
+    "mm_processor_kwargs": "not supported: text-only models (vLLM too refuses it without "
+    "--trust-request-mm-kwargs)",
+    "media_io_kwargs": "not supported: text-only models (vLLM too refuses it without "
+    "--trust-request-mm-kwargs)",
     "guided_decoding_backend": "not supported: structured outputs always use llguidance; send null",
     "guided_whitespace_pattern": "not supported; send null",
     "structural_tag": "not supported; constrain with response_format, guided_* or tools",
     "logits_processors": "not supported: this server runs no custom code",
     "cache_salt": "not supported yet: the prefix cache is shared by every request",
-    "kv_transfer_params": "not supported: no disaggregated prefill",
-    "vllm_xargs": "not supported: no custom extensions",
+    "logprob_token_ids": "not supported yet: ask for the top alternatives with logprobs / "
+    "top_logprobs instead",
 }
+
+# vLLM request fields accepted and ignored, each for the reason given (the
+# same reason vLLM ignores them in the default configuration, or a hint
+# that does not change the answer). Kept as data so docs and tests read it.
+IGNORED_FIELDS = {
+    "kv_transfer_params": "no KV connector (as vLLM without --kv-transfer-config)",
+    "ec_transfer_params": "no encoder-cache connector (as vLLM without one configured)",
+    "vllm_xargs": "no custom extension reads them (as vLLM without plugins)",
+    "session_id": "one engine: there is no session routing to pin",
+    "routed_experts_prompt_start": "no routed-expert data is returned (as vLLM without "
+    "--enable-return-routed-experts)",
+    "return_token_offsets": "only the render endpoints use it, in vLLM too",
+    "return_mm_kwargs": "only the render endpoints use it, in vLLM too",
+    "stream_interval": "every engine step streams its tokens (the interval is 1, which vLLM "
+    "clamps a smaller request value up to)",
+    "repetition_detection": "no repetition detector: generation ends at a stop, EOS or max_tokens",
+}
+
+# vLLM's optional fields: null means the default, as there.
+_NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs", "top_logprobs", "frequency_penalty",
+                    "presence_penalty", "parallel_tool_calls", "include_reasoning")
+
+
+class RepetitionDetection(_Strict):
+    """vLLM's ``repetition_detection`` (accepted, see ``IGNORED_FIELDS``)."""
+
+    max_pattern_size: int = Field(0, ge=0)
+    min_pattern_size: int = Field(0, ge=0)
+    min_count: int = Field(0, ge=0)
 
 
 class _SamplingFields(_Strict):
@@ -202,7 +236,10 @@ class _SamplingFields(_Strict):
         True, description="Accepted; special tokens join the text as the fast tokenizer decodes "
         "them (as vLLM with tokenizer.json)."
     )
-    truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep the prompt's last N tokens.")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="Keep N of the prompt's tokens (see truncation_side); -1: as many "
+        "as fit beside max_tokens (vLLM)."
+    )
     allowed_token_ids: list[int] | None = Field(None, min_length=1, description="Only these may be sampled.")
     bad_words: list[str] | None = Field(None, description="Words that are never generated.")
     prompt_logprobs: int | None = Field(
@@ -221,6 +258,29 @@ class _SamplingFields(_Strict):
     return_tokens_as_token_ids: bool | None = Field(
         None, description="Logprob tokens as 'token_id:N' strings."
     )
+    return_token_ids: bool | None = Field(
+        None, description="Each choice's token_ids (and prompt_token_ids; when streaming, in "
+        "a choice's first chunk) beside the text (vLLM)."
+    )
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="With truncate_prompt_tokens: left (default) keeps the prompt's last "
+        "N tokens, right its first N (vLLM)."
+    )
+    thinking_token_budget: int | None = Field(
+        None, ge=-1, description="Not supported: only null or -1 (unlimited), as vLLM without "
+        "a reasoning config."
+    )
+    watermarking: bool | None = Field(None, description="Not supported: only null or false.")
+    # Accepted and ignored: see IGNORED_FIELDS for why.
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    session_id: str | None = None
+    routed_experts_prompt_start: int = Field(0, ge=0)
+    return_token_offsets: bool | None = None
+    return_mm_kwargs: bool | None = None
+    stream_interval: int | None = Field(None, ge=1)
+    repetition_detection: RepetitionDetection | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -233,6 +293,16 @@ class _SamplingFields(_Strict):
                 raise ValueError(
                     "priority: not supported: requests run first come, first served; send 0"
                 )
+            if data.get("thinking_token_budget") not in (None, -1):
+                raise ValueError(
+                    "thinking_token_budget: not supported: reasoning runs unbudgeted (vLLM too "
+                    "needs a reasoning config for it); send null or -1"
+                )
+            if data.get("watermarking") not in (None, False):
+                raise ValueError("watermarking: not supported: no watermark; send null or false")
+            data = {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+            if data.get("seed") == -1:  # vLLM: -1 is "no seed"
+                data["seed"] = None
         return data
 
     @model_validator(mode="after")
@@ -245,6 +315,9 @@ class _SamplingFields(_Strict):
             raise ValueError(f"{given[1]}: one output constraint per request; {given[0]} is set too")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available with stream=true (as vLLM)")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens: 0 would leave an empty prompt; send at least "
+                             "1, or -1 for as many as fit")
         return self
 
     @field_validator("stop")
@@ -292,7 +365,8 @@ class _SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingFields:
-        if self.stream_options is not None and not self.stream:
+        # vLLM refuses a non-empty stream_options without streaming ({} passes)
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
@@ -319,6 +393,11 @@ class _SamplingFields(_Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """``continuous_usage_stats``, which counts only with ``include_usage`` (vLLM's rule)."""
+        return self.include_usage() and bool(self.stream_options and
+                                             self.stream_options.continuous_usage_stats)
 
 
 PromptType = str | list[str] | list[int] | list[list[int]]
@@ -495,8 +574,12 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra template variables (e.g. enable_thinking)."
     )
-    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
-        None, description="Passed to the chat template."
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
+        None, description="Passed to the chat template (with enable_thinking, as vLLM, unless "
+        "chat_template_kwargs sets it)."
+    )
+    return_prompt_text: bool | None = Field(
+        None, description="The rendered prompt as prompt_text (streaming: in the first chunk)."
     )
     include_reasoning: bool = Field(True, description="false: drop reasoning_content.")
 
@@ -560,6 +643,12 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(
+        None, description="The stop string or stop_token_ids id that ended the choice (vLLM); "
+        "null for EOS, max_tokens and the rest."
+    )
+    token_ids: list[int] | None = Field(None, description="With return_token_ids.")
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class CompletionResponse(BaseModel):
@@ -596,6 +685,10 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(
+        None, description="The stop string or stop_token_ids id that ended the choice (vLLM)."
+    )
+    token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -605,6 +698,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
+    prompt_text: str | None = Field(None, description="With return_prompt_text.")
 
 
 class ModelCard(BaseModel):

@@ -33,6 +33,7 @@ class CollectedChoice:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[Any] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     error: str | None = None
     num_generated: int = 0
 
@@ -48,6 +49,7 @@ class CollectedChoice:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
             self.error = out.error
             self.num_generated = out.num_generated_tokens
 
@@ -55,6 +57,13 @@ class CollectedChoice:
 def finite(logprob: float) -> float:
     """JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0."""
     return logprob if math.isfinite(logprob) else -9999.0
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The usage so far that ``continuous_usage_stats`` puts in every chunk
+    (vLLM's three counts, without the details of the final usage)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -88,6 +97,7 @@ class ResponseFormat:
         tokenizer: Any,
         *,
         include_usage: bool = False,
+        continuous_usage: bool = False,
         num_top: int | None = None,
         echo: Echo | None = None,
         n: int = 1,
@@ -95,7 +105,11 @@ class ResponseFormat:
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
-        self.include_usage = include_usage  # streaming: every chunk carries "usage": null
+        self.include_usage = include_usage  # streaming: every chunk carries "usage" (null, or:)
+        self.continuous_usage = continuous_usage  # its choice's usage so far
+        self.return_token_ids = False  # return_token_ids: token ids beside the text
+        self.prompt_token_ids: list[list[int]] = []  # each prompt's, for return_token_ids
+        self.prompt_text: str | None = None  # chat return_prompt_text: the rendered prompt
         self.tool_call_parser: str | None = None  # set when the request may call tools
         self.reasoning_parser: str | None = None  # --reasoning-parser (chat only)
         self.include_reasoning = True  # the request's include_reasoning
@@ -114,23 +128,68 @@ class ResponseFormat:
                 "choices": choices}
 
     # ---------------------------------------------------------------- chunks
-    def completion_chunk(self, index: int, text: str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
-        body = self._envelope(
-            "text_completion",
-            [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        )
+    def completion_chunk(
+        self,
+        index: int,
+        text: str,
+        finish: str | None,
+        logprobs: Any = None,
+        *,
+        stop_reason: int | str | None = None,
+        usage: dict[str, int] | None = None,
+        token_ids: list[int] | None = None,
+        first: bool = False,
+    ) -> dict[str, Any]:
+        """One streamed completion choice delta; ``usage``: the running usage
+        (``continuous_usage``); ``first``: the choice's first chunk, which
+        carries its prompt's ids with ``return_token_ids``."""
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": stop_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids or []
+            if first:
+                choice["prompt_token_ids"] = self.prompt_token_ids[index // self.n]
+        body = self._envelope("text_completion", [choice])
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = usage
         return body
 
-    def chat_chunk(self, index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
-        body = self._envelope(
-            "chat.completion.chunk",
-            [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-        )
+    def chat_chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None,
+        logprobs: Any = None,
+        *,
+        stop_reason: int | str | None = None,
+        usage: dict[str, int] | None = None,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """One streamed chat delta; the finish chunk carries ``stop_reason``
+        (as vLLM's), ``usage`` is the running usage (``continuous_usage``)."""
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        if self.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        body = self._envelope("chat.completion.chunk", [choice])
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = usage
         return body
+
+    def chat_first_chunk(self, index: int, usage: dict[str, int] | None = None) -> dict[str, Any]:
+        """A choice's opening role delta; the first of all carries the
+        prompt's ids (``return_token_ids``) and text (``return_prompt_text``)."""
+        body = self.chat_chunk(index, {"role": self.role, "content": ""}, None, usage=usage)
+        if index == 0 and self.return_token_ids:
+            body["prompt_token_ids"] = self.prompt_token_ids[0]
+        if index == 0 and self.prompt_text is not None:
+            body["prompt_text"] = self.prompt_text
+        return body
+
+    def running_usage(self, prompt_tokens: int, generated: int) -> dict[str, int] | None:
+        """A chunk's ``usage`` with ``continuous_usage_stats``, else ``None``."""
+        return running_usage(prompt_tokens, generated) if self.continuous_usage else None
 
     def usage_chunk(
         self, obj: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
@@ -151,9 +210,13 @@ class ResponseFormat:
                 i, "".join(c.text), c.token_ids, c.logprobs, c.top_logprobs, c.prompt_logprobs, 0,
                 first=True,
             )
-            body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
             if self.prompt_logprobs:
                 body["prompt_logprobs"] = self.prompt_logprobs_body(c.prompt_logprobs)
+            if self.return_token_ids:
+                body["token_ids"] = c.token_ids
+                body["prompt_token_ids"] = self.prompt_token_ids[i // self.n]
             bodies.append(body)
         generated = 0 if self.echo and self.echo.drop_generated else _generated(choices)
         return {
@@ -201,21 +264,29 @@ class ResponseFormat:
     def chat_body(
         self, choices: list[CollectedChoice], prompt_tokens: int, cached_tokens: int = 0
     ) -> dict[str, Any]:
-        extra = {}
+        extra: dict[str, Any] = {}
         if self.prompt_logprobs:  # one prompt: the first choice carries its scores
             extra["prompt_logprobs"] = self.prompt_logprobs_body(choices[0].prompt_logprobs)
+        if self.return_token_ids:
+            extra["prompt_token_ids"] = self.prompt_token_ids[0]
+        if self.prompt_text is not None:
+            extra["prompt_text"] = self.prompt_text
+        bodies = []
+        for i, c in enumerate(choices):
+            body = {
+                "index": i,
+                **self._chat_message("".join(c.text), c.finish_reason),
+                "stop_reason": c.stop_reason,
+                "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
+                if c.logprobs
+                else None,
+            }
+            if self.return_token_ids:
+                body["token_ids"] = c.token_ids
+            bodies.append(body)
         return {
             **extra,
-            **self._envelope("chat.completion", [
-                {
-                    "index": i,
-                    **self._chat_message("".join(c.text), c.finish_reason),
-                    "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
-                    if c.logprobs
-                    else None,
-                }
-                for i, c in enumerate(choices)
-            ]),
+            **self._envelope("chat.completion", bodies),
             "usage": usage(prompt_tokens, _generated(choices), cached_tokens),
         }
 

@@ -105,11 +105,9 @@ class OpenAIServing:
         arrival = time.monotonic()
         self.check_model(body.model)
         raw_prompts = normalize_prompt(body.prompt)
-        prompts = [
-            self._truncate(await self._encode_prompt(p, body.add_special_tokens), body)
-            for p in raw_prompts
-        ]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        encoded = [await self._encode_prompt(p, body.add_special_tokens) for p in raw_prompts]
+        prompts = [self._truncate(ids, body, max_tokens) for ids in encoded]
         # max_tokens 0 (echo only): the engine generates one token, dropped.
         run_tokens = max(max_tokens, 1)
         for ids in prompts:
@@ -118,21 +116,23 @@ class OpenAIServing:
         if constraint is None:
             constraint_param = "response_format"
             constraint = response_format_constraint(body.response_format)
-        params = self._params(body, run_tokens, logprobs=body.logprobs, structured_outputs=constraint)
+        params = self._params(body, run_tokens, logprobs=body.logprobs, structured_outputs=constraint,
+                              truncate=self._truncate_limit(body, max_tokens))
         await self._index_bad_words(params)
         if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = body.logprobs
         echo = None
-        if body.echo:
-            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
+        if body.echo:  # the prompt the model saw: a truncated one as its kept tokens read
+            texts = [p if isinstance(p, str) and len(ids) == len(full) else self.tokenizer.decode(ids)
+                     for p, full, ids in zip(raw_prompts, encoded, prompts, strict=True)]
             echo = Echo(texts, prompts, drop_generated=max_tokens == 0)
         gen = Generation(self.engine, _response_id("cmpl", body), body.n, arrival)
         await gen.submit(prompts, params, prompt_param="prompt", constraint_param=constraint_param)
         self._log_request(gen, params, body)
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
-                             include_usage=body.include_usage(), num_top=body.logprobs,
-                             echo=echo, n=body.n)
-        self._shape(fmt, body)
+                             include_usage=body.include_usage(), continuous_usage=body.continuous_usage(),
+                             num_top=body.logprobs, echo=echo, n=body.n)
+        self._shape(fmt, body, prompts)
         if body.stream:
             return EventStreamResponse(stream_completion(gen, fmt))
         return await self._complete(gen, fmt, request, chat=False)
@@ -142,8 +142,8 @@ class OpenAIServing:
         self.check_model(body.model)
         self._check_auto_tool_choice(body)
         ids = await self.renderer.request_ids(body)
-        ids = self._truncate(ids, body)
         requested = body.requested_max_tokens()
+        ids = self._truncate(ids, body, requested)
         max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
         if requested is None and "max_tokens" in self.default_sampling:  # max_new_tokens
             max_tokens = min(max_tokens, int(self.default_sampling["max_tokens"]))
@@ -161,14 +161,18 @@ class OpenAIServing:
             constraint_param = "response_format"
             constraint = response_format_constraint(body.response_format)
         params = self._params(body, max_tokens, logprobs=num_top, structured_outputs=constraint,
-                              aliases={"logprobs": "top_logprobs"})
+                              aliases={"logprobs": "top_logprobs"},
+                              truncate=self._truncate_limit(body, requested))
         await self._index_bad_words(params)
         gen = Generation(self.engine, _response_id("chatcmpl", body), body.n, arrival)
         await gen.submit([ids], params, prompt_param="messages", constraint_param=constraint_param)
         self._log_request(gen, params, body)
         fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
-                             include_usage=body.include_usage(), num_top=num_top)
-        self._shape(fmt, body)
+                             include_usage=body.include_usage(), continuous_usage=body.continuous_usage(),
+                             num_top=num_top)
+        self._shape(fmt, body, [ids])
+        if body.return_prompt_text:
+            fmt.prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False)
         if body.effective_tool_choice() != "none":
             fmt.tool_call_parser = self.tool_call_parser
         settings = self.settings
@@ -183,16 +187,28 @@ class OpenAIServing:
             return EventStreamResponse(stream_chat(gen, fmt))
         return await self._complete(gen, fmt, request, chat=True)
 
-    def _shape(self, fmt: ResponseFormat, body: _SamplingFields) -> None:
+    def _shape(self, fmt: ResponseFormat, body: _SamplingFields, prompts: list[list[int]]) -> None:
         """Response options both endpoints share."""
         fmt.tokens_as_ids = bool(body.return_tokens_as_token_ids)
         fmt.prompt_logprobs = body.prompt_logprobs is not None
+        fmt.return_token_ids = bool(body.return_token_ids)
+        fmt.prompt_token_ids = prompts
 
-    @staticmethod
-    def _truncate(ids: list[int], body: _SamplingFields) -> list[int]:
-        """``truncate_prompt_tokens``: the prompt's last N tokens (vLLM)."""
+    def _truncate_limit(self, body: _SamplingFields, max_tokens: int | None) -> int | None:
+        """``truncate_prompt_tokens`` as a token count: -1 is as many as fit
+        beside ``max_tokens`` (vLLM's rule; one token when unset)."""
         k = body.truncate_prompt_tokens
-        return ids[-k:] if k is not None else ids
+        if k == -1:
+            return max(1, self.max_model_len - (max_tokens or 1))
+        return k
+
+    def _truncate(self, ids: list[int], body: _SamplingFields, max_tokens: int | None) -> list[int]:
+        """``truncate_prompt_tokens``: N of the prompt's tokens, its last N
+        unless ``truncation_side`` is right (vLLM)."""
+        k = self._truncate_limit(body, max_tokens)
+        if k is None:
+            return ids
+        return ids[:k] if body.truncation_side == "right" else ids[-k:]
 
     def _log_request(self, gen: Generation, params: SamplingParams, body: _SamplingFields) -> None:
         """``--enable-log-requests``: one line per request (lengths, not text)."""
@@ -263,6 +279,7 @@ class OpenAIServing:
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
         aliases: dict[str, str] | None = None,
+        truncate: int | None = None,
     ) -> SamplingParams:
         params = SamplingParams(
             n=body.n,
@@ -291,7 +308,7 @@ class OpenAIServing:
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             bad_words=list(body.bad_words or []),
             allowed_token_ids=body.allowed_token_ids,
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            truncate_prompt_tokens=truncate,
             prompt_logprobs=body.prompt_logprobs,
         )
         try:

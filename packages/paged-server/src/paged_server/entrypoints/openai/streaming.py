@@ -42,7 +42,8 @@ def sse(payload: dict[str, Any]) -> bytes:
 async def stream_completion(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[bytes]:
     """``text_completion`` chunks: one per output with text; the finish reason
     rides on the choice's last chunk. With ``echo``, a choice's first chunk
-    starts with its prompt."""
+    starts with its prompt; with ``continuous_usage_stats``, every chunk
+    carries its choice's usage so far (as vLLM)."""
     num_choices = len(gen.engine_ids) * gen.n
     offsets = [0] * num_choices
     started = [False] * num_choices
@@ -53,9 +54,9 @@ async def stream_completion(gen: Generation, fmt: ResponseFormat) -> AsyncIterat
             if out.error:
                 yield sse(error_body(f"generation failed: {out.error}", "server_error"))
             first = not started[i]
-            if not (out.new_text or out.finished or out.new_logprobs or (first and fmt.echo)):
+            new_ids = fmt.return_token_ids and out.new_token_ids
+            if not (out.new_text or out.finished or out.new_logprobs or new_ids or (first and fmt.echo)):
                 continue
-            started[i] = True
             text, logprobs = fmt.completion_text_and_logprobs(
                 i,
                 out.new_text,
@@ -67,12 +68,18 @@ async def stream_completion(gen: Generation, fmt: ResponseFormat) -> AsyncIterat
                 first=first,
             )
             offsets[i] += len(text)
-            if out.finished and not drop:
-                generated += out.num_generated_tokens
+            so_far = 0 if drop else out.num_generated_tokens
+            if out.finished:
+                generated += so_far
             finish = out.finish_reason if out.finished else None
-            if not text and not logprobs and not finish:
+            if not text and not logprobs and not finish and not new_ids:
                 continue
-            yield sse(fmt.completion_chunk(i, text, finish, logprobs))
+            started[i] = True
+            yield sse(fmt.completion_chunk(
+                i, text, finish, logprobs, stop_reason=out.stop_reason if finish else None,
+                usage=fmt.running_usage(gen.prompt_tokens[i // gen.n], so_far),
+                token_ids=[] if drop else out.new_token_ids, first=first,
+            ))
         if fmt.include_usage:
             yield sse(fmt.usage_chunk(
                 "text_completion", sum(gen.prompt_tokens), generated, gen.cached_tokens
@@ -86,18 +93,24 @@ async def stream_completion(gen: Generation, fmt: ResponseFormat) -> AsyncIterat
 
 async def stream_chat(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[bytes]:
     """``chat.completion.chunk``s: a role delta opens each choice, content
-    deltas follow, an empty delta with the finish reason closes it."""
+    deltas follow, an empty delta with the finish reason (and vLLM's
+    ``stop_reason``) closes it; with ``continuous_usage_stats`` every chunk
+    carries its choice's usage so far (as vLLM)."""
     generated = 0
     tools = [ToolStreamParser(fmt.tool_call_parser) for _ in range(gen.n)] if fmt.tool_call_parser else None
     thinks = [ReasoningStream(fmt.reasoning_parser) for _ in range(gen.n)] if fmt.reasoning_parser else None
+    prompt_tokens = sum(gen.prompt_tokens)
     try:
         for i in range(gen.n):
-            yield sse(fmt.chat_chunk(i, {"role": fmt.role, "content": ""}, None))
+            yield sse(fmt.chat_first_chunk(i, fmt.running_usage(prompt_tokens, 0)))
             if fmt.chat_echo:  # the echoed last message comes first
-                yield sse(fmt.chat_chunk(i, {"content": fmt.chat_echo}, None))
+                yield sse(fmt.chat_chunk(i, {"content": fmt.chat_echo}, None,
+                                         usage=fmt.running_usage(prompt_tokens, 0)))
         async for i, out in gen.outputs():
             if out.error:
                 yield sse(error_body(f"generation failed: {out.error}", "server_error"))
+            running = fmt.running_usage(prompt_tokens, out.num_generated_tokens)
+            ids: list[int] | None = out.new_token_ids  # on the first chunk this output sends
             text, logprobs = out.new_text, None
             if out.new_logprobs:
                 logprobs = fmt.chat_logprobs(
@@ -106,23 +119,30 @@ async def stream_chat(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[byt
             if thinks is not None:  # the thought first; tools parse the content only
                 reasoning, text = thinks[i].feed(out.new_text, final=out.finished)
                 if reasoning and fmt.include_reasoning:
-                    yield sse(fmt.chat_chunk(i, {"reasoning_content": reasoning}, None, logprobs))
-                    logprobs = None
+                    yield sse(fmt.chat_chunk(i, {"reasoning_content": reasoning}, None, logprobs,
+                                             usage=running, token_ids=ids))
+                    logprobs, ids = None, None
             if (text or logprobs) and tools is None:
-                yield sse(fmt.chat_chunk(i, {"content": text}, None, logprobs))
+                yield sse(fmt.chat_chunk(i, {"content": text}, None, logprobs, usage=running,
+                                         token_ids=ids))
+                ids = None
             finish = out.finish_reason
             if tools is not None:  # content and calls as the tool parser separates them
                 deltas = tools[i].feed(text) + (tools[i].finish() if out.finished else [])
                 for delta in deltas:
-                    yield sse(fmt.chat_chunk(i, delta, None))
+                    yield sse(fmt.chat_chunk(i, delta, None, usage=running, token_ids=ids))
+                    ids = None
                 if tools[i].calls and finish == "stop":
                     finish = "tool_calls"
             if out.finished:
                 generated += out.num_generated_tokens
-                yield sse(fmt.chat_chunk(i, {}, finish))
+                yield sse(fmt.chat_chunk(i, {}, finish, stop_reason=out.stop_reason, usage=running,
+                                         token_ids=ids))
+            elif ids and fmt.return_token_ids:  # tokens whose text is not out yet
+                yield sse(fmt.chat_chunk(i, {}, None, usage=running, token_ids=ids))
         if fmt.include_usage:
             yield sse(fmt.usage_chunk(
-                "chat.completion.chunk", sum(gen.prompt_tokens), generated, gen.cached_tokens
+                "chat.completion.chunk", prompt_tokens, generated, gen.cached_tokens
             ))
     except GenerationEnded as exc:
         yield sse(error_body(exc.end.message, "server_error", code=exc.end.reason))
