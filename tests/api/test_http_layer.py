@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -192,3 +193,47 @@ def test_a_running_server_freezes_its_start_up_heap(fake_engine: Any) -> None:
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
                           timeout=30).status_code == 200  # fmt: skip
     assert gc.get_freeze_count() == 0
+
+
+def _seconds_until_closed(sock: socket.socket, limit: float, trickle: bytes = b"") -> float | None:
+    """Seconds until the server closes ``sock`` (None: still open after
+    ``limit``), sending ``trickle`` a byte every 0.1 s meanwhile (slowloris)."""
+    start = time.monotonic()
+    sock.settimeout(0.1)
+    sent = 0
+    while time.monotonic() - start < limit:
+        try:
+            if sent < len(trickle):
+                sock.sendall(trickle[sent:sent + 1])
+                sent += 1
+            if sock.recv(4096) == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            continue
+        except OSError:  # reset: closed too
+            return time.monotonic() - start
+    return None
+
+
+def test_a_client_that_never_finishes_its_request_is_closed(fake_engine: Any) -> None:
+    """Slowloris: half a head sent slowly, a head with half its body, or
+    nothing at all; each is closed once the request-read bound (0.5 s here)
+    has passed, while whole requests, kept-alive ones included, still work."""
+    settings = ServerSettings(model_name="fake-model", request_read_timeout_s=0.5)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    cases = {
+        "half a head, trickled": (head, b"X-Slow: " + b"a" * 60),
+        "a head and half its body": (head + b"Content-Length: 100\r\n\r\n" + b'{"prompt": "', b""),
+        "nothing": (b"", b""),
+    }
+    with ServerThread(fake_engine, settings) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        for name, (first, trickle) in cases.items():
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(first)
+                took = _seconds_until_closed(sock, limit=5.0, trickle=trickle)
+            assert took is not None and 0.3 < took < 3.0, (name, took)
+        with httpx.Client(base_url=srv.url, timeout=30) as client:  # one kept-alive connection
+            for _ in range(2):
+                assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+                time.sleep(0.7)  # idle past the read bound between requests: still served

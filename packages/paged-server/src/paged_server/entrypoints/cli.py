@@ -60,6 +60,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     from paged_server.entrypoints.openai.engine_args import add_engine_flags
     from paged_server.entrypoints.openai.frontend_args import add_frontend_flags
     from paged_server.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES
+    from paged_server.entrypoints.openai.read_timeout import DEFAULT_REQUEST_READ_TIMEOUT_S
     from paged_server.entrypoints.vllm_flags import add_refused_flags
 
     p = sub.add_parser(
@@ -87,6 +88,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="larger request bodies get HTTP 413")
     p.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted")
+    p.add_argument("--request-read-timeout", type=_at_least(float, 0.001),
+                   default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+                   help="seconds a client has to send a whole request (head and body) once its "
+                   "connection opens or its request starts; slower ones are closed (slowloris)")
+    p.add_argument("--timeout-keep-alive", type=_at_least(int, 1), default=5,
+                   help="seconds an idle kept-alive connection stays open between requests "
+                   "(uvicorn's timeout_keep_alive, as vLLM's default)")
     p.add_argument("--audit-interval", type=_at_least(float, 0), default=60.0,
                    help="seconds between KV block audits while the engine is idle; findings are "
                    "logged and exported as paged:kv_audit_problems (0 = never)")

@@ -34,6 +34,7 @@ from paged_server.entrypoints.openai.middleware import (
 )
 from paged_server.entrypoints.openai.ops_routes import ops_router
 from paged_server.entrypoints.openai.serving import OpenAIServing
+from paged_server.entrypoints.openai.read_timeout import DEFAULT_REQUEST_READ_TIMEOUT_S
 from paged_server.entrypoints.openai.stats_logger import StatsLogger
 from paged_server.entrypoints.openai.tokenization import Tokenization
 
@@ -48,6 +49,8 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0
     audit_interval_s: float = 60.0  # KV audit while idle (0 = never)
+    request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S  # a whole request must arrive within
+    timeout_keep_alive_s: int = 5  # an idle kept-alive connection closes after (uvicorn's)
     announce: bool = False  # print start/stop lines (the CLI server does; test servers don't)
     tool_call_parser: str | None = None  # None: detected from the chat template
     enable_auto_tool_choice: bool = True  # False: tool_choice "auto" is a 400 (vLLM's default)

@@ -94,6 +94,8 @@ def settings_from_args(args: argparse.Namespace, model_name: str, api_key: str |
         shutdown_timeout_s=args.shutdown_timeout,
         audit_interval_s=args.audit_interval,
         announce=True,
+        request_read_timeout_s=args.request_read_timeout,
+        timeout_keep_alive_s=args.timeout_keep_alive,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,

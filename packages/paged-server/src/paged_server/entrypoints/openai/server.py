@@ -22,6 +22,7 @@ import uvicorn
 from paged_server.config import EngineConfig
 from paged_server.entrypoints.openai.app import ServerSettings, create_app
 from paged_server.entrypoints.openai.async_engine import EngineLike, EngineThread
+from paged_server.entrypoints.openai.read_timeout import with_read_timeout
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
 
@@ -110,6 +111,9 @@ def _uvicorn_config(app: Any, settings: ServerSettings, log_level: str) -> uvico
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s)),
+        # h11 always (not httptools when installed), bounded against slowloris clients
+        http=with_read_timeout(settings.request_read_timeout_s),
+        timeout_keep_alive=settings.timeout_keep_alive_s,
         access_log=log_level in ("debug", "trace"),
         root_path=settings.root_path,
         ssl_keyfile=settings.ssl_keyfile,
