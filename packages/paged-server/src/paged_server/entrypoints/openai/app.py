@@ -24,6 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from paged_server import start_up_heap
 from paged_server.entrypoints.openai.api_routes import api_router
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike, EngineThread
+from paged_server.entrypoints.openai.chat_page import PAGE_PATH, chat_page_router
 from paged_server.entrypoints.openai.errors import APIError, install_error_handlers
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.middleware import (
@@ -67,6 +68,7 @@ class ServerSettings:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     root_path: str = ""  # behind a proxy that strips a prefix
+    enable_web_ui: bool = True  # the chat page at / (chat_page.py)
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
@@ -129,10 +131,14 @@ def create_app(
     names = (settings.model_name, *settings.model_aliases)
     app.include_router(api_router(serving, tokenization, names, config.max_model_len))
     app.include_router(ops_router(engine, async_engine, metrics, settings.api_key))
+    if settings.enable_web_ui:
+        app.include_router(chat_page_router(embedded_model=not config.model))
     _document_400_not_422(app)
     # Outermost first: the key is checked before the body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     open_paths = OPEN_PATHS if settings.metrics_need_api_key else OPEN_PATHS | {"/metrics"}
+    if settings.enable_web_ui:  # the page holds no secret; it asks for the key the API needs
+        open_paths |= {PAGE_PATH}
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     if settings.allowed_origins:  # outermost: browsers' preflight requests carry no key
         app.add_middleware(

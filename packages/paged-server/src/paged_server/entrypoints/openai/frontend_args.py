@@ -61,6 +61,8 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                    help="CORS: allow credentials (with --allowed-origins)")
     g.add_argument("--root-path", default="",
                    help="path prefix a reverse proxy strips before forwarding (ASGI root_path)")
+    g.add_argument("--disable-web-ui", "--no-webui", dest="disable_web_ui", action="store_true",
+                   help="no chat page at / (--no-webui: llama.cpp's name)")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
     g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients with")
@@ -110,6 +112,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str, api_key: str |
         allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
         root_path=args.root_path,
+        enable_web_ui=not args.disable_web_ui,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
