@@ -146,9 +146,12 @@ def test_serve_dp2(tp_checkpoints: dict[str, Path]) -> None:
         assert results["other"].status_code == 200, results["other"].text
         assert results["other"].json()["usage"]["completion_tokens"] == 120
 
-        # Later requests go to the survivor; the server stays healthy.
+        # Later requests go to the survivor; /health says a replica is dead
+        # (503, as vLLM with a dead engine core), so an orchestrator restarts it.
         assert _complete(url, [5, 6, 7]).status_code == 200
-        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503, health.text
+        assert f"data-parallel replica {victim}" in health.json()["reason"] and "SIGKILL" in health.text
         m = _metrics(url)
         assert m["dp_replicas_alive"] == 1 and m[f"dp_replica_alive[{victim}]"] == 0
 
@@ -250,10 +253,62 @@ def test_serve_dp2_tp2_each_replica_its_own_ranks_and_a_dead_rank_fails_only_its
         errors = [p["error"]["message"] for p in payloads if "error" in p]
         assert errors and f"replica {victim}" in errors[0] and "paged-tp-rank1" in errors[0], events[-3:]
         assert got[0].status_code == 200 and _complete(url, [1, 2, 3]).status_code == 200
-        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503 and f"data-parallel replica {victim}" in health.text
         assert _metrics(url)["dp_replicas_alive"] == 1
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
         _reap(proc, descendants)
+
+
+def test_a_replica_killed_while_starting_is_one_line_and_exit_2(
+    tp_checkpoints: dict[str, Path],
+) -> None:
+    """The first replica dies while both load: the server says so in one
+    line (before: an error that its requests failed, a warning that the
+    other did not stop) and stops the other, which is still loading."""
+    cmd = [sys.executable, "-m", "paged_server.entrypoints.cli", "serve", "--model",
+           str(tp_checkpoints["llama"]), "--port", "0", "--data-parallel-size", "2",
+           "--log-level", "warning", *DP_FLAGS]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    descendants: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(replicas := [p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "replicas never started"
+            time.sleep(0.02)
+        descendants = _descendants(proc.pid)
+        first = min(replicas)  # started first: the one the server waits on first
+        time.sleep(0.5)  # importing torch, far from loaded
+        os.kill(first, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert proc.returncode == 2, err
+        assert len(lines) == 1 and f"(pid {first}) was killed by SIGKILL while starting" in lines[0], err
+    finally:
+        _reap(proc, descendants)
+
+
+def test_a_replica_whose_server_gave_up_stops_quietly(
+    tp_checkpoints: dict[str, Path], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A replica that finishes loading after the server closed its pipe
+    (another replica failed to start) exits 0 without a traceback (it
+    printed a BrokenPipeError's before)."""
+    import torch.multiprocessing as mp
+
+    from paged_server.config import EngineConfig
+    from paged_server.data_parallel.replica import replica_main
+
+    config = EngineConfig(model=str(tp_checkpoints["llama"]), enforce_eager=True, **_flag_config())
+    context = mp.get_context("spawn")
+    mine, theirs = context.Pipe()
+    process = context.Process(target=replica_main, args=(0, config, theirs, 1))
+    process.start()
+    theirs.close()
+    mine.close()  # the server gave up before this replica is ready
+    process.join(120)
+    err = capfd.readouterr().err
+    assert process.exitcode == 0 and "Traceback" not in err, err

@@ -234,7 +234,9 @@ def test_a_dead_stage_fails_generate_with_a_clear_error(tp_checkpoints: dict[str
         (worker,) = llm.engine.executor.workers
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
-        with pytest.raises(EngineFailedError, match=r"paged-tp-rank1 \(pid \d+\) killed by SIGKILL"):
+        # named by what it is: a pipeline stage's worker, not a tensor-parallel one
+        dead = r"pipeline-parallel worker paged-tp-rank1 \(pid \d+\) killed by SIGKILL"
+        with pytest.raises(EngineFailedError, match=dead):
             llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
         with pytest.raises(EngineFailedError):  # stays failed
             llm.engine.step()

@@ -12,9 +12,12 @@ in parallel with the others (``replica.py``).
 
 A replica that dies (its pipe closes) is drained: its in-flight requests
 finish with ``finish_reason="error"`` and a message naming it and how it
-died, and later requests go to the others. Only when every replica is gone
-does ``step`` raise ``EngineFailedError``, which stops the server's engine
-loop (``/health`` then fails). Metrics are the replicas' summed (KV usage
+died, and later requests go to the others. ``audit`` names it from then on,
+so ``/health`` answers 503 while the others still serve (vLLM marks the
+whole engine dead when one of its engine cores dies: an orchestrator
+restarts the server to get the replica back). Only when every replica is
+gone does ``step`` raise ``EngineFailedError``, which stops the server's
+engine loop. Metrics are the replicas' summed (KV usage
 weighted by capacity), plus ``dp_replica_<i>_<name>`` per replica.
 """
 
@@ -134,7 +137,9 @@ class DataParallelEngine:
         try:
             infos = [self._await_ready(r) for r in self._replicas]
         except BaseException as exc:
-            self.shutdown()
+            # Nothing to drain, and the others may still be loading (deaf to a
+            # stop message until then): the one-line error is all that is said.
+            _stop(self._replicas, 2.0, quiet=True)
             if isinstance(exc, RuntimeError):
                 raise WorkerStartError(str(exc)) from exc
             raise
@@ -248,14 +253,17 @@ class DataParallelEngine:
         )
 
     def audit(self) -> list[str]:
-        """Each live replica's audit; a problem only when none is alive."""
+        """Every dead replica (see module doc), and each live one's audit."""
         problems: list[str] = []
-        for replica in self._live():
+        for replica in self._live():  # a replica found dead here is named below
             found = self._call(replica, "audit")
             problems += [f"replica {replica.index}: {p}" for p in found or []]
-        if not self._live():
-            return [self._all_dead()]
-        return problems
+        dead = [
+            f"{r.dead}; the other replicas still serve, restart the server to get it back"
+            for r in self._replicas
+            if r.dead is not None
+        ]
+        return dead + problems
 
     def reclaim_leaked(self) -> list[int]:
         """Every live replica's reclaimed blocks (ids are per replica)."""
@@ -487,10 +495,11 @@ def _exit_text(process: Any) -> str:
     return f"exited with code {code}"
 
 
-def _stop(replicas: list[_Replica], timeout: float) -> None:
+def _stop(replicas: list[_Replica], timeout: float, quiet: bool = False) -> None:
     """Close the replicas' pipes (each stops when it sees that), join them
     for up to ``timeout`` s (at least 2: they stop their own ranks), then
-    SIGKILL what is left (replicas ignore SIGTERM, see replica.py)."""
+    SIGKILL what is left (replicas ignore SIGTERM, see replica.py), with a
+    warning unless ``quiet``."""
     for replica in replicas:
         replica.conn.close()
     deadline = time.monotonic() + max(timeout, 2.0)
@@ -498,6 +507,7 @@ def _stop(replicas: list[_Replica], timeout: float) -> None:
         replica.process.join(max(0.0, deadline - time.monotonic()))
     for replica in replicas:
         if replica.process.is_alive():
-            log.warning("data-parallel replica %d did not stop: killing it", replica.index)
+            if not quiet:
+                log.warning("data-parallel replica %d did not stop: killing it", replica.index)
             replica.process.kill()
             replica.process.join(2.0)

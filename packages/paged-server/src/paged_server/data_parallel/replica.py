@@ -15,7 +15,8 @@ or ``("add_failed", request_id, exc)``; ``("abort", request_id)``;
 ``("step", outputs, metrics)`` and ``("step_failed", message, fatal)``.
 
 It stops on ``stop`` or when the pipe closes (the server is gone, even if
-it was killed). Signals are the server's to handle: the replica ignores
+it was killed), and quietly when a send finds the pipe closed (the server
+gave up on its start-up, or died). Signals are the server's to handle: the replica ignores
 SIGINT and SIGTERM, so Ctrl-C in a terminal or systemd's SIGTERM to the
 whole group lets the server drain its requests before it stops the replicas
 (which it kills if they do not stop).
@@ -37,7 +38,7 @@ from typing import Any
 
 from paged_server import start_up_heap
 from paged_server.config import EngineConfig
-from paged_server.errors import EngineFailedError, describe_error
+from paged_server.errors import EngineFailedError, ModelLoadError, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +68,25 @@ def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads
     try:
         engine = LLMEngine(config)
     except BaseException as exc:
-        traceback.print_exc()
+        if not isinstance(exc, (ModelLoadError, ValueError)):  # an operator's error is its line
+            traceback.print_exc()
         with contextlib.suppress(OSError):  # the server may have stopped already
             conn.send(("start_failed", describe_error(exc)))
         return
-    conn.send((
-        "ready",
-        ReplicaInfo(
-            engine.config, engine.capacity, engine.default_sampling, engine.tokenizer,
-            engine.metrics(), engine.parallel_summary(),
-        ),
-    ))  # fmt: skip
-    start_up_heap.freeze()  # the process lives as long as this engine
-    inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-    threading.Thread(target=_read, args=(conn, inbox), name="paged-dp-inbox", daemon=True).start()
     try:
+        conn.send((
+            "ready",
+            ReplicaInfo(
+                engine.config, engine.capacity, engine.default_sampling, engine.tokenizer,
+                engine.metrics(), engine.parallel_summary(),
+            ),
+        ))  # fmt: skip
+        start_up_heap.freeze()  # the process lives as long as this engine
+        inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        threading.Thread(target=_read, args=(conn, inbox), name="paged-dp-inbox", daemon=True).start()
         _serve(engine, conn, inbox)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server is gone (another replica failed to start, or it died): stop
     finally:
         engine.shutdown()
     # Skip the interpreter's teardown: torch's takes ~6 s in C here (measured,

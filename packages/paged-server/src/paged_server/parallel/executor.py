@@ -57,7 +57,7 @@ from paged_server.parallel.preflight import (
 )
 from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.step_message import RecordingOps, StepMessage
-from paged_server.parallel.worker import ERROR, READY, WorkerSpec, worker_main
+from paged_server.parallel.worker import ERROR, READY, WorkerSpec, parallel_kind, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class TensorParallelExecutor:
         self.world_size = world
         self.tp_size = config.tensor_parallel_size
         self.pp_size = config.pipeline_parallel_size
+        self.kind = parallel_kind(self.tp_size, self.pp_size)  # how messages name the ranks
         self.pipeline: PipelineStep | None = None  # rank 0's stage, with pipeline parallelism
         self.micro_batches = micro_batch_count(self.pp_size) if self.pp_size > 1 else 1
         self._block_size = config.block_size
@@ -145,7 +146,7 @@ class TensorParallelExecutor:
         try:
             return self._start(path, dtype)
         except BaseException:
-            self.shutdown("tensor-parallel start-up failed")  # no worker outlives a failed start
+            self.shutdown(f"{self.kind} start-up failed")  # no worker outlives a failed start
             raise
 
     def _start(self, path: str, dtype: torch.dtype) -> LoadedModel:
@@ -174,7 +175,7 @@ class TensorParallelExecutor:
             )
         except Exception as exc:
             raise WorkerStartError(
-                f"tensor-parallel workers did not join: {self._worker_status(wait_s=5.0) or exc}"
+                f"{self.kind} workers did not join: {self._worker_status(wait_s=5.0) or exc}"
             ) from exc
         tp = TensorParallel(0, self.tp_size, self.group)
         loaded: LoadedModel | None = None
@@ -187,13 +188,13 @@ class TensorParallelExecutor:
                 all_ok = self.group.barrier_ok(loaded is not None)
             except Exception as exc:
                 raise WorkerStartError(
-                    "a tensor-parallel worker died while loading: "
+                    f"a {self.kind} worker died while loading: "
                     f"{self._worker_status(wait_s=5.0) or exc}"
                 ) from exc
         if not all_ok:
             self._await_remote_failure(wait_s=5.0)  # a remote rank publishes its error after the barrier
             raise WorkerStartError(
-                "a tensor-parallel worker failed to load its shard: "
+                f"a {self.kind} worker failed to load its shard: "
                 + (self._worker_status(wait_s=STOP_TIMEOUT_S) or "its traceback is above")
             )
         assert loaded is not None
@@ -212,7 +213,7 @@ class TensorParallelExecutor:
             pipes = [self._reports[i] for i in waiting]
             if not wait(pipes, timeout=max(0.0, deadline - time.monotonic())):
                 raise WorkerStartError(
-                    f"tensor-parallel workers did not start within {START_TIMEOUT_S:g} s"
+                    f"{self.kind} workers did not start within {START_TIMEOUT_S:g} s"
                 )
             for i in list(waiting):
                 self._read_reports(i)
@@ -238,7 +239,7 @@ class TensorParallelExecutor:
         except (TimeoutError, RuntimeError) as exc:
             if isinstance(exc, WorkerStartError):
                 raise
-            raise WorkerStartError(f"tensor-parallel start-up: {exc}") from exc
+            raise WorkerStartError(f"{self.kind} start-up: {exc}") from exc
 
     def _await_remote_failure(self, wait_s: float) -> None:
         """Give a failing rank on another node ``wait_s`` to publish its error."""
@@ -329,7 +330,7 @@ class TensorParallelExecutor:
             try:
                 self._require_group().broadcast_message(StepMessage(stop=True))
             except Exception:
-                log.warning("could not send the stop message to the tensor-parallel workers")
+                log.warning("could not send the stop message to the %s workers", self.kind)
                 healthy = False
         self.dead = self.dead or reason or "the engine was shut down"
         if not healthy:  # a worker may be stuck in a collective: no grace period
@@ -345,7 +346,7 @@ class TensorParallelExecutor:
     # -- internals -----------------------------------------------------------------
     def _require_group(self) -> TPGroup:
         if self.group is None:
-            raise RuntimeError("tensor-parallel workers are not started (call load_model first)")
+            raise RuntimeError(f"{self.kind} workers are not started (call load_model first)")
         return self.group
 
     def _worker_status(
@@ -375,7 +376,7 @@ class TensorParallelExecutor:
                 how += " before it started, while spawn imported the main module again or ours"
                 if main_module_imported_by_spawn():  # which runs the module's top level again
                     how += f"; {GUARD_HINT}"
-            dead.append(f"tensor-parallel worker {process.name} (pid {process.pid}) {how}")
+            dead.append(f"{self.kind} worker {process.name} (pid {process.pid}) {how}")
         if self._remote and remote:
             dead += self._remote_status(stale_s)
         if not dead:
@@ -393,9 +394,9 @@ class TensorParallelExecutor:
             silent = self._beats.silent(stale_s) if stale_s is not None else {}
         except Exception as exc:  # our own store: only a broken process gets here
             return [f"the rendezvous store failed ({exc})"]
-        found = [f"tensor-parallel rank {r} (node {r // per_node}) failed: {e}" for r, e in failed.items()]
+        found = [f"{self.kind} rank {r} (node {r // per_node}) failed: {e}" for r, e in failed.items()]
         found += [
-            f"tensor-parallel rank {r} (node {r // per_node}) stopped responding "
+            f"{self.kind} rank {r} (node {r // per_node}) stopped responding "
             f"(no heartbeat for {s:.0f} s: its process or node is gone)"
             for r, s in silent.items() if r not in failed
         ]  # fmt: skip

@@ -62,6 +62,14 @@ class WorkerSpec:
 STARTED, READY, ERROR = "started", "ready", "error"  # what a worker reports on its pipe
 
 
+def parallel_kind(tp_size: int, pp_size: int) -> str:
+    """What the ranks are, for messages: ``tensor-parallel``,
+    ``pipeline-parallel``, or both."""
+    if pp_size == 1:
+        return "tensor-parallel"
+    return "pipeline-parallel" if tp_size == 1 else "tensor- and pipeline-parallel"
+
+
 def worker_main(spec: WorkerSpec, report: Connection) -> None:
     """Process entry point: run the worker; any error prints its traceback,
     sends its last line to rank 0 and exits with code 1."""
@@ -71,7 +79,8 @@ def worker_main(spec: WorkerSpec, report: Connection) -> None:
         report.send((STARTED, ""))
         run_worker(spec, ready=lambda: report.send((READY, "")))
     except BaseException as exc:
-        print(f"paged tensor-parallel worker rank {spec.rank} failed:", file=sys.stderr)
+        kind = parallel_kind(spec.config.tensor_parallel_size, spec.config.pipeline_parallel_size)
+        print(f"paged {kind} worker rank {spec.rank} failed:", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
         with contextlib.suppress(OSError):  # OSError: rank 0 is gone

@@ -27,12 +27,13 @@ def ops_router(
         m = async_engine.metrics()
         return {"server_load": int(m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0))}
 
-    @router.get("/health", responses={503: {"description": "Engine dead or block audit failed"}})
+    @router.get("/health", responses={503: {"description": "Engine, rank or replica dead, or block audit failed"}})
     # /ping: the same check under SageMaker's and vLLM's name (not in the schema: an alias)
     @router.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
     async def health() -> JSONResponse:
-        """200 when the engine thread answers and the KV block audit is clean
-        (``/ping`` is the same check, as SageMaker and vLLM ask it)."""
+        """200 when the engine thread answers and its audit is clean: KV
+        blocks, every rank and data-parallel replica alive (``/ping`` is the
+        same check, as SageMaker and vLLM ask it)."""
         if not async_engine.alive:
             return _unhealthy(async_engine.last_error or "engine thread is not running")
         try:
@@ -41,8 +42,9 @@ def ops_router(
             return _unhealthy(f"engine thread did not answer within {HEALTH_TIMEOUT_S:.0f} s")
         except Exception as exc:
             return _unhealthy(f"audit failed: {type(exc).__name__}: {exc}")
-        if problems:
-            return _unhealthy("KV block audit found problems", audit=list(problems))
+        if problems:  # KV blocks, or a dead rank or replica (the rest may still serve)
+            reason = f"the engine's audit found {len(problems)} problem(s): {problems[0]}"
+            return _unhealthy(reason, audit=list(problems))
         return JSONResponse({"status": "ok", "audit": []})
 
     @router.get("/metrics", response_class=PlainTextResponse, responses={401: ERRORS[401]})
