@@ -1,24 +1,32 @@
 """Property: whatever the traffic and however small the pool, every request
-ends within a bounded number of steps (issue 28).
+ends within a bounded number of steps (issues 28 and 53).
 
-The real engine (tiny Llama, and a tiny Gemma 3 with sliding and full
-layers, so a hybrid paged pool; the contiguous pool too; reference
-attention) runs random mixes of plain requests, ``n > 1``, beam search,
-prompts sharing a prefix (prefix hits), requests arriving mid-run, aborts,
-chunked prefill on or off, and pools from barely enough to tiny. Each
-request is either refused at submission with a ``ValueError`` or finishes
-(``length``, ``stop`` or ``abort``: never an error, never a stall). The audit
-is clean after every step and the KV cache is empty at the end.
+The real engine (tiny Llama; tiny Gemma 3s with every layer sliding, and
+with sliding and full layers, a hybrid paged pool; the contiguous pool too;
+reference attention) runs random mixes of plain requests, ``n > 1``, beam
+search, prompts sharing a prefix (prefix hits), requests arriving mid-run,
+aborts, chunked prefill on or off, step budgets that beams and choices
+exhaust, and pools from none to plenty, most barely above one request.
+Half the engines start as a compiled CPU engine does, warm-up included
+(``torch.compile`` itself left out: it costs seconds per engine). An engine
+refuses to start only when its pool holds no request at all, in one line.
+Each request is either refused at submission with a ``ValueError`` or
+finishes (``length``, ``stop`` or ``abort``: never an error, never a stall).
+The audit is clean after every step and the KV cache is empty at the end.
 
-The explicit examples are the shapes that used to hang: beam searches
-sharing a small pool (each held beam 0 while its other beams waited), and a
-preempted ``n > 1`` fork of the hybrid model (it needed its whole history
-in every KV cache group to come back)."""
+The explicit examples are the shapes that failed: beam searches sharing a
+small pool (each held beam 0 while its other beams waited), a preempted
+``n > 1`` fork of the hybrid model (it needed its whole history in every KV
+cache group to come back), beams readmitted with the step's budget spent
+(``ZeroDivisionError``: the step failed every request), and compiled
+start-ups on small pools (the warm-up's throwaway prefill did not fit)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -28,11 +36,13 @@ from paged_server.sampling_params import BeamSearchParams, SamplingParams
 
 PREFIX_LEN = 8  # two blocks of 4: a later prompt with the same prefix hits them
 MAX_STEPS = 1000  # each example needs well under 200
+# KV cache groups and null blocks (a pool with sliding layers keeps one) per model
+GROUPS = {"llama": (1, 0), "sliding": (1, 1), "hybrid": (4, 1)}
 
 requests = st.lists(
     st.fixed_dictionaries({
         "kind": st.sampled_from(["plain", "n", "beam"]),
-        "width": st.integers(2, 3),  # n, or beam_width
+        "width": st.integers(2, 4),  # n, or beam_width
         "prefix": st.sampled_from([None, 0, 1]),
         "tail": st.integers(1, 10),
         "max_tokens": st.integers(1, 10),
@@ -43,21 +53,25 @@ requests = st.lists(
     max_size=5,
 )
 scenarios = st.fixed_dictionaries({
-    "model": st.sampled_from(["llama", "hybrid"]),
+    "model": st.sampled_from(["llama", "sliding", "hybrid"]),
     "kv_cache_backend": st.sampled_from(["paged", "paged", "contiguous"]),
-    "num_gpu_blocks": st.integers(6, 40),
+    # blocks past the fewest that hold one request (may be negative: none then)
+    "spare_blocks": st.one_of(st.integers(-2, 4), st.integers(5, 36)),
     "max_batch_size": st.integers(3, 6),
-    "max_num_batched_tokens": st.integers(4, 48),
+    # the step's token budget: at least max_batch_size (and, without chunked
+    # prefill, max_model_len more: whole prompts), config refuses less
+    "max_num_batched_tokens": st.integers(0, 44),
     "enable_chunked_prefill": st.booleans(),
     "enable_prefix_caching": st.booleans(),
+    "compiled": st.booleans(),
     "requests": requests,
 })
 
 # Two searches of 2 beams x 5 blocks on 10 blocks: each held beam 0, waiting for beam 1.
 BEAMS_SHARING_A_SMALL_POOL = {
-    "model": "llama", "kv_cache_backend": "paged", "num_gpu_blocks": 10, "max_batch_size": 6,
-    "max_num_batched_tokens": 48, "enable_chunked_prefill": True, "enable_prefix_caching": False,
-    "requests": [
+    "model": "llama", "kv_cache_backend": "paged", "spare_blocks": 9, "max_batch_size": 6,
+    "max_num_batched_tokens": 42, "enable_chunked_prefill": True, "enable_prefix_caching": False,
+    "compiled": False, "requests": [
         {"kind": "beam", "width": 2, "prefix": None, "tail": 8, "max_tokens": 10, "arrive": 0,
          "abort": None}
         for _ in range(2)
@@ -66,10 +80,32 @@ BEAMS_SHARING_A_SMALL_POOL = {
 # Three choices of 12 + 40 tokens on 30 blocks (1 full + 3 sliding groups):
 # a fork preempted late needed its whole history in all four groups to return.
 HYBRID_FORKS_PREEMPTED = {
-    "model": "hybrid", "kv_cache_backend": "paged", "num_gpu_blocks": 31, "max_batch_size": 4,
-    "max_num_batched_tokens": 64, "enable_chunked_prefill": True, "enable_prefix_caching": False,
-    "requests": [
+    "model": "hybrid", "kv_cache_backend": "paged", "spare_blocks": 26, "max_batch_size": 4,
+    "max_num_batched_tokens": 60, "enable_chunked_prefill": True, "enable_prefix_caching": False,
+    "compiled": False, "requests": [
         {"kind": "n", "width": 3, "prefix": 0, "tail": 4, "max_tokens": 40, "arrive": 0,
+         "abort": None},
+    ],
+}  # fmt: skip
+# Searches of 2 beams beside greedy requests on 16 blocks and a 16-token budget:
+# a preempted search came back, its first beam's recompute took the rest of
+# the budget, and the second beam's chunk was cut from 0 tokens (ZeroDivisionError).
+BEAMS_PAST_THE_BUDGET = {
+    "model": "llama", "kv_cache_backend": "paged", "spare_blocks": 15, "max_batch_size": 8,
+    "max_num_batched_tokens": 8, "enable_chunked_prefill": True, "enable_prefix_caching": False,
+    "compiled": False, "requests": [
+        {"kind": kind, "width": 2, "prefix": None, "tail": 7, "max_tokens": 10, "arrive": 0,
+         "abort": None}
+        for _ in range(3) for kind in ("beam", "plain")
+    ],
+}  # fmt: skip
+# A compiled start-up on 5 blocks of the all-sliding model (4 and the null
+# block): the warm-up's throwaway prefill of 47 tokens needed 12.
+SLIDING_FIVE_BLOCKS = {
+    "model": "sliding", "kv_cache_backend": "paged", "spare_blocks": 3, "max_batch_size": 3,
+    "max_num_batched_tokens": 44, "enable_chunked_prefill": True, "enable_prefix_caching": True,
+    "compiled": True, "requests": [
+        {"kind": "n", "width": 2, "prefix": None, "tail": 10, "max_tokens": 10, "arrive": 0,
          "abort": None},
     ],
 }  # fmt: skip
@@ -94,17 +130,32 @@ def params(spec: dict[str, Any], i: int) -> SamplingParams:
 @given(scenario=scenarios)
 @example(scenario=BEAMS_SHARING_A_SMALL_POOL)
 @example(scenario=HYBRID_FORKS_PREEMPTED)
-def test_every_request_ends_within_bounded_steps(tiny_loaded, tiny_hybrid_loaded, prompt_of,
+@example(scenario=BEAMS_PAST_THE_BUDGET)
+@example(scenario=SLIDING_FIVE_BLOCKS)
+def test_every_request_ends_within_bounded_steps(request, prompt_of, monkeypatch,
                                                  scenario) -> None:
     scenario = dict(scenario)
     specs = scenario.pop("requests")
-    loaded = tiny_hybrid_loaded if scenario.pop("model") == "hybrid" else tiny_loaded
+    model = scenario.pop("model")
+    loaded = request.getfixturevalue(f"tiny_{model}_loaded" if model != "llama" else "tiny_loaded")
+    groups, null = GROUPS[model]
+    # past the fewest blocks that hold one request (a one-token prompt, one generated token)
+    num_gpu_blocks = max(groups + null + scenario.pop("spare_blocks"), 1)
+    budget = scenario.pop("max_num_batched_tokens") + scenario["max_batch_size"]
+    if not scenario["enable_chunked_prefill"]:
+        budget += 64  # whole prompts, up to max_model_len
+    # a compiled CPU engine's start-up and steps (warm-up, padded rows), torch.compile aside
+    monkeypatch.setenv("PAGED_COMPILE", "1" if scenario.pop("compiled") else "0")
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
     config = EngineConfig(max_model_len=64, block_size=4, device="cpu", attention_backend="ref",
-                          **scenario)
-    try:
-        engine = LLMEngine(config, loaded)
-    except ValueError:
-        return  # refused up front (e.g. a pool too small for one block per group), with a message
+                          num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=budget,
+                          **scenario)  # fmt: skip
+    if num_gpu_blocks < groups + null and scenario["kv_cache_backend"] == "paged":
+        with pytest.raises(ValueError, match="hold no request") as refused:
+            LLMEngine(config, loaded)
+        assert "\n" not in str(refused.value)
+        return
+    engine = LLMEngine(config, loaded)  # any pool that holds one request starts
     accepted: dict[str, int] = {}  # request id -> choices it reports
     ended: dict[tuple[str, int], str] = {}
     step = 0
