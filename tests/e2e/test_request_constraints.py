@@ -98,3 +98,21 @@ def test_beam_search_never_reports_an_impossible_output(http: httpx.Client, serv
     assert two.status_code == 200, two.text
     for choice in two.json()["choices"]:
         assert all(lp > -1e4 for lp in choice["logprobs"]["token_logprobs"]), choice
+
+
+def test_float32_underflowing_parameters_keep_to_the_grammar(server: ServerThread, http: httpx.Client) -> None:
+    """schemathesis's body (issue 53 follow-up): 5e-324 is a legal
+    repetition_penalty and top_p for vLLM, and float32 made the penalty 0;
+    the grammar's masked logits became NaN and a 500 said 'structured
+    output: token 4095 rejected'. The empty regex allows only EOS."""
+    # the bytes as sent (json.dumps writes 5e-324 too; this keeps the test from depending on it)
+    raw = (f'{{"prompt": "{PROMPT}", "max_tokens": 4, "repetition_penalty": 5e-324, '
+           '"top_p": 5e-324, "guided_regex": ""}')
+    resp = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    (choice,) = resp.json()["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("", "stop"), choice
+    for extra in ({"temperature": 0}, {"top_p": 1}):  # greedy (took the NaN's index) and plain sampling
+        body = {"prompt": PROMPT, "max_tokens": 4, "repetition_penalty": 5e-324, "guided_regex": "", **extra}
+        resp = http.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "", (extra, resp.text)

@@ -238,3 +238,85 @@ def test_row_max_is_torch_max_first_occurrence_included(vocab: int) -> None:
     assert torch.equal(indices, want.indices)
     assert torch.equal(values.nan_to_num(), want.values.nan_to_num())
     assert indices.tolist()[:4] == [want.indices[0].item(), 0, vocab // 3, vocab // 2]
+
+
+# Doubles vLLM accepts that float32 cannot hold: 5e-324 and 1e-40 become 0
+# (or a subnormal), 1e300 becomes inf.
+TINY = [5e-324, 1e-40]
+HUGE = [1e300, 1e39]
+
+
+def _masked(vocab: int, allowed: list[int], seed: int = 5) -> torch.Tensor:
+    """Logits of one row with every token but ``allowed`` at -inf (a grammar's mask)."""
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    keep = torch.zeros(1, vocab, dtype=torch.bool)
+    keep[0, allowed] = True
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("penalty", [5e-324, *HUGE])
+def test_extreme_repetition_penalty_never_unmasks_a_token(penalty: float, greedy: bool) -> None:
+    """The fuzzed request (issue 53): repetition_penalty 5e-324 and top_p
+    5e-324 under a grammar allowing only EOS gave token 4095. float32 made
+    the penalty 0: masked -inf * 0 = NaN, and the NaN's index was drawn."""
+    eos, vocab = 2, 4096
+    logits = _masked(vocab, [eos])
+    prompt = list(range(0, vocab, 7)) + [eos, vocab - 1]  # seen tokens, masked and allowed
+    gen = torch.Generator().manual_seed(0)
+    params = {"temperature": 0.0} if greedy else {"top_p": 5e-324}
+    out = sample(logits, [row(gen, prompt=prompt, repetition_penalty=penalty, **params)])
+    assert (out.token_ids, out.errors) == ([eos], [None])
+
+
+@pytest.mark.parametrize("penalty", TINY)
+def test_tiny_repetition_penalty_acts_as_its_limit(penalty: float) -> None:
+    """As the penalty goes to 0 a seen token with a positive logit outweighs
+    every other (x / penalty grows without bound); with float32's 0 its logit
+    was inf and the distribution NaN."""
+    logits = torch.tensor([[1.0, 3.0, 0.5, -1.0]])
+    got = sampling_distribution(logits, [row(prompt=[0, 3], repetition_penalty=penalty)])[0]
+    assert got.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("penalty", HUGE)
+def test_huge_repetition_penalty_acts_as_its_limit(penalty: float) -> None:
+    """As the penalty grows a seen token with a positive logit tends to 0 and
+    one with a negative logit to -inf; float32's inf made a 0 logit NaN."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]])
+    got = sampling_distribution(logits, [row(prompt=[0, 1, 3], repetition_penalty=penalty)])[0]
+    assert got.tolist() == pytest.approx(renorm([1.0, 1.0, math.e, 0.0]))
+
+
+@pytest.mark.parametrize("temperature", HUGE)
+def test_huge_temperature_is_uniform_over_the_allowed_tokens(temperature: float) -> None:
+    """The limit of a growing temperature; float32's inf made -inf / inf NaN."""
+    logits = _masked(6, [1, 4])
+    assert dist_of(logits, temperature=temperature) == pytest.approx([0, 0.5, 0, 0, 0.5, 0])
+    gen = torch.Generator().manual_seed(0)
+    out = sample(logits.repeat(64, 1), [row(gen, temperature=temperature)] * 64)
+    assert set(out.token_ids) == {1, 4} and out.errors == [None] * 64
+
+
+def dist_of(logits: torch.Tensor, **params) -> list[float]:
+    return sampling_distribution(logits, [row(**params)])[0].tolist()
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_row_the_edits_make_nan_gets_an_error_not_a_masked_token(monkeypatch, greedy: bool) -> None:
+    """Whatever makes a row NaN after the mask, its token is never one the
+    mask forbade (NaN counts as the largest, so its index was taken); the
+    neighbour is unharmed."""
+    from paged_server.engine import sampler
+
+    def nan_where_masked(logits: torch.Tensor, rows) -> torch.Tensor:
+        out = logits.clone()
+        out[0] = torch.where(torch.isneginf(out[0]), float("nan"), out[0])
+        return out
+
+    monkeypatch.setattr(sampler, "apply_penalties", nan_where_masked)
+    logits = torch.cat([_masked(8, [3]), _masked(8, [5])])
+    temperature = 0.0 if greedy else 1.0
+    out = sample(logits, [row(temperature=temperature, repetition_penalty=1.5, output=[3])] * 2)
+    assert out.token_ids == [-1, 5]
+    assert "NaN or inf" in (out.errors[0] or "") and out.errors[1] is None

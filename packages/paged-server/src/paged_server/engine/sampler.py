@@ -17,7 +17,10 @@ filter made the batch sort. Greedy rows (``SamplingParams.greedy``:
 temperature below 1e-5, 0 included) take the argmax after penalties; far
 smaller temperatures would overflow ``logits / temperature`` to inf. A row
 whose logits hold NaN or +inf, or whose constraints leave no token, gets an
-error instead of a token; the other rows are unharmed.
+error instead of a token; the other rows are unharmed. A token masked to
+-inf before the sampler (a grammar, ``allowed_token_ids``) stays -inf
+through penalties and temperature: the float parameters are clamped into
+what float32 holds (``row_values``) before they become tensors.
 """
 
 from __future__ import annotations
@@ -122,12 +125,15 @@ def _sample_batch(
     if processed is not logits:
         values, tokens = row_max(processed)
         # Constraints that forbid every token (allowed_token_ids against a
-        # bad word's last token, say) end the row, never with a forbidden token.
-        none_left = torch.isneginf(values)
+        # bad word's last token, say) end the row, never with a forbidden
+        # token; so does a NaN or +inf the edits made (none should: a NaN's
+        # index would be a token the grammar masked).
+        none_left = ~torch.isfinite(values)
         if bool(none_left.any()):
             blocked = none_left.nonzero().flatten().tolist()
             for i in blocked:
-                errors[i] = errors[i] or nothing_allowed(rows[i].params)
+                nothing = bool(values[i] == float("-inf"))
+                errors[i] = errors[i] or (nothing_allowed(rows[i].params) if nothing else _NON_FINITE_EDIT)
             processed = torch.where(none_left.unsqueeze(-1), torch.zeros_like(processed), processed)
     logits = processed
     if sampled:
@@ -135,6 +141,13 @@ def _sample_batch(
         probs = _filtered_probs(logits[sampled], sub_rows)
         drawn_u = torch.tensor([uniforms[i] for i in sampled], device=logits.device)
         cdf = probs.cumsum(dim=-1)
+        # A row left without a finite, positive total (NaN from overflowing
+        # logits) has no distribution to draw from: an error, never a token.
+        no_mass = ~(cdf[:, -1] > 0) | ~torch.isfinite(cdf[:, -1])
+        if bool(no_mass.any()):
+            for j in no_mass.nonzero().flatten().tolist():
+                errors[sampled[j]] = errors[sampled[j]] or _NON_FINITE_EDIT
+                blocked.append(sampled[j])
         # right=True skips tokens with zero mass (equal cdf values).
         drawn = torch.searchsorted(cdf, (drawn_u * cdf[:, -1]).unsqueeze(-1), right=True)
         vocab = probs.shape[-1]
@@ -159,6 +172,25 @@ def _sample_batch(
 
 
 _MAX_BLOCK = 64  # row_max's block width on a CPU
+_NON_FINITE_EDIT = (
+    "sampling failed: this request's sampling parameters made its logits NaN or inf; "
+    "try penalties and temperature nearer 1"
+)
+# vLLM accepts any positive double for repetition_penalty and temperature,
+# and float32 makes 5e-324 a 0 and 1e300 an inf: logits / 0, -inf * 0 and
+# -inf / inf are NaN, and a NaN's index is a token the grammar masked. A
+# penalty of 2**-64 or 2**64 already decides every comparison a smaller or
+# larger one would, and keeps |logits| up to 2**63 finite. (top_p, min_p
+# and presence/frequency penalties that float32 makes 0 act as their limit.)
+_PENALTY_RANGE = (2.0**-64, 2.0**64)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def row_values(values: Sequence[float], low: float, high: float, device: torch.device) -> Tensor:
+    """Per-row float parameters as a float32 tensor, each clamped into
+    ``[low, high]`` while still a Python float (after the cast 5e-324 is
+    already 0)."""
+    return torch.tensor([min(max(v, low), high) for v in values], device=device)
 
 
 def row_max(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -189,7 +221,9 @@ def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     probabilities in token order (the order every row's draw uses)."""
     device = logits.device
     params = [r.params for r in rows]
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    # A sampled row's temperature is at least GREEDY_TEMPERATURE; above
+    # float32's largest, logits / inf would turn masked -inf into NaN.
+    temps = row_values([p.temperature if not p.greedy else 1.0 for p in params], 0.0, _FLOAT32_MAX, device)
     logits = logits / temps.unsqueeze(-1)
     top_k = torch.tensor([p.top_k for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
@@ -256,7 +290,7 @@ def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
             )
             > 0
         )
-        penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=device)
+        penalty = row_values([r.params.repetition_penalty for r in rows], *_PENALTY_RANGE, device)
         penalty = penalty.unsqueeze(-1).expand_as(logits)
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
