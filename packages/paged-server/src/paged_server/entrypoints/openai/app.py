@@ -34,8 +34,8 @@ from paged_server.entrypoints.openai.middleware import (
     BodySizeLimitMiddleware,
 )
 from paged_server.entrypoints.openai.ops_routes import ops_router
-from paged_server.entrypoints.openai.serving import OpenAIServing
 from paged_server.entrypoints.openai.read_timeout import DEFAULT_REQUEST_READ_TIMEOUT_S
+from paged_server.entrypoints.openai.serving import OpenAIServing
 from paged_server.entrypoints.openai.stats_logger import StatsLogger
 from paged_server.entrypoints.openai.tokenization import Tokenization
 
