@@ -34,7 +34,7 @@ def main() -> None:
         while engine.has_unfinished():
             engine.step()
             assert engine.audit() == [], engine.audit()
-            peak = max(peak, int(engine.pool.stats()["blocks_used"]))
+            peak = max(peak, int(engine.kv_manager.stats()["blocks_used"]))
         independent = k * math.ceil((PROMPT + GENERATED - 1) / BLOCK)
         print(f"beam_width {k}: peak {peak} blocks, {independent} for {k} independent "
               f"sequences ({peak / independent:.2f}x)")

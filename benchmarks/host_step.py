@@ -10,7 +10,7 @@ pays; row ``r`` peaks at an ordinary token, ``_FIRST_WORD + r``, so every
 sampled token is detokenized as real text is: the special token 0 that an
 all-zero row gives is skipped by the detokenizer for free), so what is
 timed is the host's work each step: retire, schedule (room reserved per
-sequence), the step's metadata (``step_view``), the runner's batch layout,
+sequence), the step's layout (``step_layout``), the flat batch,
 commit (``mark_computed``), sampling (greedy here), detokenization and stop
 checks. 256 running sequences at a 2,048-token context (issue 29's target:
 <= 1 ms on the critical path, below).
@@ -111,7 +111,7 @@ def build(
 
 
 class _DeviceWindow:
-    """Per step, when the forward pass was launched (``runner.execute``
+    """Per step, when the forward pass was launched (``engine._forward``
     returned) and when the sampler's greedy max (``sampler.row_max``) first
     returned. On a GPU the host runs ahead of the device between the two: it
     waits for the device first right after that max (its result read on the
@@ -125,7 +125,7 @@ class _DeviceWindow:
         self.launched: float | None = None
         self.windows: list[float] = []
         self.greedy_max: list[float] = []
-        execute, row_max = engine.runner.execute, sampler.row_max
+        execute, row_max = engine._forward, sampler.row_max
 
         def timed_execute(scheduled: Any) -> Any:
             out = execute(scheduled)
@@ -142,7 +142,7 @@ class _DeviceWindow:
                 self.launched = None
             return out
 
-        engine.runner.execute = timed_execute  # type: ignore[method-assign]
+        engine._forward = timed_execute  # type: ignore[method-assign]
         sampler.row_max = timed_row_max
         self._row_max = row_max
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from paged_server.engine import llm_engine
+from paged_server.engine import worker
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.async_engine import EngineThread
 from paged_server.entrypoints.openai.server import ServerThread, build_engine
@@ -32,13 +32,13 @@ pytestmark = pytest.mark.e2e
 def test_serve_loads_the_model_and_steps_it_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     loaded_on: list[int] = []
     stepped_on: set[int] = set()
-    real_load = llm_engine.load_model
+    real_load = worker.load_model
 
     def load_model(*args: Any, **kwargs: Any) -> Any:
         loaded_on.append(threading.get_ident())
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(llm_engine, "load_model", load_model)
+    monkeypatch.setattr(worker, "load_model", load_model)
     thread = EngineThread()
     engine = build_engine(engine_config(max_batch_size=4), thread)
     real_step = engine.step

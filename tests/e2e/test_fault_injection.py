@@ -20,13 +20,13 @@ pytestmark = pytest.mark.e2e
 
 
 class Fault:
-    """Wraps the runner's forward pass: raises once, on the next call after ``arm()``."""
+    """Wraps the engine's forward pass: raises once, on the next call after ``arm()``."""
 
-    def __init__(self, runner: Any) -> None:
-        self._execute = runner.execute
+    def __init__(self, engine: Any) -> None:
+        self._execute = engine._forward
         self._armed = threading.Event()
         self.fired = 0
-        runner.execute = self
+        engine._forward = self
 
     def arm(self) -> None:
         self._armed.set()
@@ -42,7 +42,7 @@ class Fault:
 @pytest.fixture(scope="module")
 def faulty() -> Iterator[tuple[ServerThread, Fault]]:
     srv = start_server()
-    yield srv, Fault(srv.engine.runner)
+    yield srv, Fault(srv.engine)
     srv.stop()
 
 

@@ -14,6 +14,7 @@ from paged_ref.kv_int4 import (
     quantize_values,
     unpack,
 )
+from paged_ref.kv_spec import KVCacheSpec
 
 HEAD_DIM = 16
 FP16_REL = 2.0**-10  # float16 rounding of the stored scale and min (relative, generous)
@@ -198,11 +199,11 @@ def test_pools_hold_3_5x_a_16_bit_cache_at_equal_bytes(block_size, vs_bf16, vs_f
     budget = 1 << 30
 
     def tokens(dtype: torch.dtype, name: str) -> tuple[int, int]:
-        cache_dtype = {"auto": dtype, "int4": torch.uint8}[name]
-        blocks = PagedKVPool.num_blocks_for_memory(
-            budget, LLAMA_1B["num_layers"], LLAMA_1B["num_kv_heads"], LLAMA_1B["head_dim"],
-            block_size, cache_dtype,
+        spec = KVCacheSpec.dense(
+            LLAMA_1B["num_layers"], LLAMA_1B["num_kv_heads"], LLAMA_1B["head_dim"], dtype,
+            kv_cache_dtype=name, block_size=block_size,
         )  # fmt: skip
+        blocks = spec.blocks_in(budget)
         pool = PagedKVPool.from_model_config(**LLAMA_1B, num_blocks=blocks, block_size=block_size,
                                              dtype=dtype, device="meta", kv_cache_dtype=name)  # fmt: skip
         assert pool.kv_bytes() <= budget

@@ -17,7 +17,7 @@ from paged_ref.kv_quant import (
     quantize,
     quantize_static,
 )
-from paged_ref.paged_pool import block_bytes
+from paged_ref.kv_spec import KVCacheSpec
 
 HEAD_DIM = 16
 DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -111,10 +111,11 @@ def test_int8_pool_with_static_scales_is_exactly_half_a_16_bit_pool(pool_kind):
     assert kv_bytes_per_token(layers, kv_heads, 64, torch.int8, static_scales=True) * 2 == (
         kv_bytes_per_token(layers, kv_heads, 64, torch.bfloat16)
     )
-    budget = 40 * block_bytes(layers, kv_heads, 64, 16, torch.bfloat16)
-    blocks = PagedKVPool.num_blocks_for_memory
-    assert blocks(budget, layers, kv_heads, 64, 16, torch.bfloat16) == 40
-    assert blocks(budget, layers, kv_heads, 64, 16, torch.int8, static_scales=True) == 80
+    bf16 = KVCacheSpec.dense(layers, kv_heads, 64, torch.bfloat16)
+    budget = 40 * bf16.block_bytes()
+    assert bf16.blocks_in(budget) == 40
+    static_int8 = KVCacheSpec.dense(layers, kv_heads, 64, torch.bfloat16, kv_cache_dtype="int8", static_scales=True)
+    assert static_int8.blocks_in(budget) == 80
 
 
 def test_write_kv_with_head_scales_stores_value_over_scale(gen):

@@ -8,6 +8,7 @@ import torch
 
 from paged_core import AttentionViewProtocol, OutOfBlocksError, ServingPoolProtocol
 from paged_ref import PagedKVPool
+from paged_ref.kv_spec import KVCacheSpec
 
 HEADS, KV_HEADS, DIM, BS = 4, 2, 8, 16
 
@@ -120,7 +121,7 @@ def test_audit_reports_a_page_table_mirror_that_differs():
     seq_id = pool.allocate_seq(40)
     assert pool.audit() == []
     # Corrupt the mirror only: the block manager still holds the right table.
-    pool._tables[0].set(seq_id, 1, pool.block_table(seq_id)[0])
+    pool.manager._tables[0].set(seq_id, 1, pool.block_table(seq_id)[0])
     assert any("page-table row" in p for p in pool.audit())
 
 
@@ -498,9 +499,6 @@ def test_sizing_helpers_and_kv_bytes():
     per_block = 2 * 3 * 2 * 4 * 8 * 2
     assert pool.kv_bytes() == 10 * per_block
     assert tuple(pool.k_cache.shape) == (3, 10, 4, 2, 8)  # [layers, blocks, block, kv_heads, dim]
-    assert (
-        PagedKVPool.num_blocks_for_memory(
-            10 * per_block + per_block - 1, 3, 2, 8, 4, torch.float16
-        )
-        == 10
-    )
+    spec = KVCacheSpec.dense(3, 2, 8, torch.float16, block_size=4)
+    assert spec.block_bytes() == per_block and spec.token_bytes() * 4 == per_block
+    assert spec.blocks_in(10 * per_block + per_block - 1) == 10

@@ -61,7 +61,7 @@ def test_reserve_copies_a_shared_last_block_on_write():
     assert pool.reserve(child, [1, 2, 3, 4, 5, 6, 9], 7) == 7
     assert pool.block_table(child)[-1] != shared_last  # a private copy
     assert pool.block_table(parent)[-1] == shared_last
-    assert pool._pending_copies == [(shared_last, pool.block_table(child)[-1])]
+    assert pool.manager._pending_copies == [(shared_last, pool.block_table(child)[-1])]
     assert pool.audit() == []
 
 

@@ -36,7 +36,7 @@ def stuck(engine) -> str:
     s = engine.scheduler
     return (f"running {[(q.request.request_id, q.index) for q in s.running]}, waiting "
             f"{[(q.request.request_id, q.index) for q in s.waiting]}, "
-            f"{engine.pool.free_token_capacity()} tokens free")
+            f"{engine.kv_manager.free_token_capacity()} tokens free")
 
 
 def split_beam_searches(engine) -> list[str]:
@@ -102,7 +102,7 @@ def test_preempted_fork_of_a_hybrid_model_comes_back(tiny_hybrid_loaded, prompt_
 def test_a_head_that_can_never_be_allocated_fails_with_the_reason(make_engine, run_engine,
                                                                    prompt_of, greedy) -> None:
     engine = make_engine(num_gpu_blocks=8)
-    engine.pool.allocate_sequence(prompt_of(12, 1))  # 3 blocks nobody will free (a leak)
+    engine.kv_manager.allocate_sequence(prompt_of(12, 1))  # 3 blocks nobody will free (a leak)
     run = run_engine(engine, [("big", prompt_of(20, 2), greedy(max_tokens=8))], max_steps=50)
     choice = run.choices[("big", 0)]
     assert choice.finish_reason == "error"
@@ -116,7 +116,7 @@ def test_a_head_that_can_never_be_allocated_fails_with_the_reason(make_engine, r
 
 def test_the_refusal_is_logged(make_engine, prompt_of, greedy, caplog) -> None:
     engine = make_engine(num_gpu_blocks=8)
-    engine.pool.allocate_sequence(prompt_of(12, 1))
+    engine.kv_manager.allocate_sequence(prompt_of(12, 1))
     engine.add_request("big", prompt_of(20, 2), greedy(max_tokens=8))
     with caplog.at_level(logging.ERROR, logger="paged_server.engine.llm_engine"):
         for _ in range(3):

@@ -35,7 +35,7 @@ def run_checked(engine, requests):
             if out.finished:
                 entry[1], entry[2] = out.cumulative_logprob, out.finish_reason
         assert engine.audit() == []
-        stats = engine.pool.stats()
+        stats = engine.kv_manager.stats()
         peak = max(peak, int(stats.get("blocks_used", 0)))
     return {r: [tuple(v[i]) for i in sorted(v)] for r, v in results.items()}, peak
 
@@ -55,7 +55,7 @@ def test_beams_share_blocks_and_keep_the_audit_clean(make_engine, prompt_of, k) 
     assert peak < independent
     if k > 1:  # the prompt's full blocks are held once, not k times
         assert peak <= independent - (k - 1) * (PROMPT_LEN // 4)
-    assert engine.pool.stats()["forks"] >= k - 1
+    assert engine.kv_manager.stats()["forks"] >= k - 1
     assert engine.audit() == []
     assert engine.metrics()["kv_cache_usage_perc"] == 0.0  # everything given back
 

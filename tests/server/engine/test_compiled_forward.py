@@ -85,7 +85,7 @@ def test_compiled_matches_eager_and_never_recompiles(
     settings = dict(kv_cache_backend=pool, max_batch_size=4, max_num_batched_tokens=16)
     eager = run_engine(make_engine(enforce_eager=True, **settings), requests)
     engine = make_engine(**settings)
-    assert engine.runner.compiled is not None
+    assert engine.worker.compiled is not None
     after_warm_up = compiled_graphs()
     run = run_engine(engine, requests)
     assert compiled_graphs() == after_warm_up, "serving compiled a new graph"
@@ -105,7 +105,7 @@ def test_a_compiled_engine_over_an_8_bit_cache_matches_eager(
     settings = dict(kv_cache_dtype=kv_cache_dtype, max_batch_size=4, max_num_batched_tokens=16)
     eager = run_engine(make_engine(enforce_eager=True, **settings), requests)
     engine = make_engine(**settings)
-    assert engine.runner.compiled is not None and engine.pool.k_cache.dtype == codes
+    assert engine.worker.compiled is not None and engine.worker.tensors.k_cache.dtype == codes
     assert_same(run_engine(engine, requests), eager, requests)
     assert engine.audit() == []
 
@@ -126,7 +126,7 @@ def test_hybrid_sliding_window_model_compiles_the_same(
 
     eager = run_engine(make(enforce_eager=True), requests)
     engine = make()
-    assert engine.runner.compiled is not None
+    assert engine.worker.compiled is not None
     assert_same(run_engine(engine, requests), eager, requests)
 
 
@@ -134,9 +134,9 @@ def test_enforce_eager_and_the_suite_switch_keep_it_eager(
     monkeypatch, make_engine
 ) -> None:
     monkeypatch.setenv("PAGED_COMPILE", "1")
-    assert make_engine(enforce_eager=True).runner.compiled is None
+    assert make_engine(enforce_eager=True).worker.compiled is None
     monkeypatch.setenv("PAGED_COMPILE", "0")
-    assert make_engine().runner.compiled is None
+    assert make_engine().worker.compiled is None
 
 
 def test_models_whose_forward_syncs_with_the_host_stay_eager(monkeypatch) -> None:
@@ -193,7 +193,7 @@ def test_quantized_model_compiles_its_linears_to_the_gemm_template(
     before = counters["inductor"]["cpp_templated_kernel_counter"]
     with inductor_config.patch(force_disable_caches=True):  # codegen runs, not a cache hit
         engine = make()
-    assert engine.runner.compiled is not None
+    assert engine.worker.compiled is not None
     # 4 projections per layer, 2 layers, in the many-token graph; in the
     # one-token graph those cpu_gemv cannot take (it takes the rest: test_cpu_gemv.py)
     quantized = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
@@ -306,7 +306,7 @@ def test_warm_up_runs_every_row_bucket(compiling, make_engine, monkeypatch) -> N
     monkeypatch.setattr(CompiledForward, "hidden_states", spy)
     monkeypatch.setattr(CompiledForward, "compute_logits", spy_head)
     engine = make_engine(max_batch_size=4, max_num_batched_tokens=3 * ROW_BUCKET)
-    assert engine.runner.compiled is not None
+    assert engine.worker.compiled is not None
     assert sorted(set(seen)) == row_buckets(3 * ROW_BUCKET) == [1, 8, 16, 24]
     assert sorted(set(head)) == [1, 8]  # at most max_batch_size (4) rows: padded to 8
     # max_model_len 10: passes of at most 9 tokens, the top bucket (16) run once, by 9
@@ -338,7 +338,7 @@ def test_a_pool_barely_above_one_request_starts_and_serves(
     config = EngineConfig(max_model_len=64, block_size=4, max_batch_size=2, device="cpu",
                           attention_backend="ref", num_gpu_blocks=13 + 1 + 2)
     engine = LLMEngine(config, tiny_hybrid_loaded)
-    assert engine.runner.compiled is not None
+    assert engine.worker.compiled is not None
     assert engine.capacity.longest_prompt == 12  # 15 // 4 groups = 3 blocks each
     assert sorted(set(seen)) == row_buckets(12) == [1, 8, 16]
     after_warm_up = compiled_graphs()

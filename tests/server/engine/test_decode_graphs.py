@@ -25,13 +25,13 @@ def attach_graphs(engine: LLMEngine, capture: bool = False) -> DecodeGraphs:
     config = engine.config
     graphs = DecodeGraphs(
         engine.loaded.model,
-        engine.pool,  # type: ignore[arg-type]
+        engine.worker.tensors,
         torch.device("cpu"),
         config.max_batch_size,
         -(-config.max_model_len // config.block_size),
         capture=capture,
     )
-    engine.runner.decode_graphs = graphs
+    engine.worker.graphs = graphs
     return graphs
 
 
@@ -52,9 +52,9 @@ def test_padded_static_path_matches_the_plain_one(make_engine, run_engine, promp
     used: list[int] = []
     real_run = graphs.run
 
-    def counting_run(seq_ids, starts, input_ids):
-        used.append(len(seq_ids))
-        return real_run(seq_ids, starts, input_ids)
+    def counting_run(meta, input_ids):
+        used.append(len(meta.starts))
+        return real_run(meta, input_ids)
 
     graphs.run = counting_run  # type: ignore[method-assign]
     padded = run_engine(engine, requests)
@@ -121,12 +121,12 @@ def test_triton_decode_forward_is_graph_safe(make_engine, run_engine, prompt_of,
 
     graphs = attach_graphs(engine)
     lens = (7, 13, 18, 4)
-    seq_ids = [engine.pool.allocate_sequence(prompt_of(n, 20 + n))[0] for n in lens]
+    seq_ids = [engine.kv_manager.allocate_sequence(prompt_of(n, 20 + n))[0] for n in lens]
     traces = []
     # Two steps that differ in batch, positions, page tables and lengths, both padded to 4.
     for batch, back in ((3, 1), (4, 3)):
         starts = [n - back for n in lens[:batch]]
-        meta = engine.pool.build_metadata(seq_ids[:batch], starts, [1] * batch)
+        meta = engine.worker.tensors.metadata(engine.kv_manager.step_layout(seq_ids[:batch], starts, [1] * batch))
         graphs._load(meta, torch.arange(batch) + back, graphs.padded(batch))
         mode = GraphSafety()
         with torch.inference_mode(), mode, contextlib.ExitStack() as stack:
@@ -137,7 +137,7 @@ def test_triton_decode_forward_is_graph_safe(make_engine, run_engine, prompt_of,
     assert launches, "the Triton kernels were never launched"
     assert traces[0] == traces[1]
     for seq_id in seq_ids:
-        engine.pool.free_seq(seq_id)
+        engine.kv_manager.free_seq(seq_id)
 
 
 def _forbidden(name: str):
@@ -163,7 +163,7 @@ def test_captured_graphs_replay_the_eager_results(prompt_of, greedy, tiny_model_
             attention_backend="triton", enforce_eager=eager,
         )  # fmt: skip
         engine = LLMEngine(config, loaded)
-        assert (engine.runner.decode_graphs is None) == eager
+        assert (engine.worker.graphs is None) == eager
         for rid, prompt, params in requests:
             engine.add_request(rid, prompt, params)
         tokens: dict[str, list[int]] = {}

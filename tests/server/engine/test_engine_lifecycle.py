@@ -194,7 +194,7 @@ def test_forward_failure_fails_that_pass_and_the_engine_recovers(
     make_engine, run_engine, prompt_of, greedy
 ) -> None:
     engine = make_engine()
-    real_execute = engine.runner.execute
+    real_execute = engine._forward
     calls = {"n": 0}
 
     def flaky_execute(scheduled):
@@ -203,7 +203,7 @@ def test_forward_failure_fails_that_pass_and_the_engine_recovers(
             raise RuntimeError("simulated device error")
         return real_execute(scheduled)
 
-    engine.runner.execute = flaky_execute  # type: ignore[method-assign]
+    engine._forward = flaky_execute  # type: ignore[method-assign]
     run = run_engine(engine, [("a", prompt_of(6, 0), greedy(6)), ("b", prompt_of(6, 1), greedy(6))])
     assert {c.finish_reason for c in run.choices.values()} == {"error"}
     assert "simulated device error" in (run.choices[("a", 0)].error or "")
@@ -259,9 +259,9 @@ def test_audit_catches_a_leaked_slot(make_engine, run_engine, prompt_of, greedy,
     engine = make_engine(kv_cache_backend=backend)
     run_engine(engine, [("a", prompt_of(6, 0), greedy(3))])
     assert engine.audit() == []
-    seq_id, _ = engine.pool.allocate_sequence(prompt_of(6, 1))  # nobody will free it
+    seq_id, _ = engine.kv_manager.allocate_sequence(prompt_of(6, 1))  # nobody will free it
     assert any("leak" in p for p in engine.audit())
-    engine.pool.free_seq(seq_id)
+    engine.kv_manager.free_seq(seq_id)
     assert engine.audit() == []
 
 
@@ -273,7 +273,7 @@ def test_a_failing_pass_commits_nothing_and_keeps_shared_blocks(
     engine = make_engine(block_size=4)
     shared = prompt_of(12, 5)
     first = run_engine(engine, [("x", shared + prompt_of(2, 6), greedy(4))])
-    cache = engine.pool.block_manager.block_pool.prefix_index
+    cache = engine.kv_manager.block_manager.block_pool.prefix_index
     cached_before = len(cache)
     assert cached_before >= 3  # x's full prompt blocks
 

@@ -18,11 +18,11 @@ from paged_server.sampling_params import SamplingParams
 def test_a_dropped_engine_and_its_pool_are_collected(tiny_loaded, compiled, monkeypatch) -> None:
     monkeypatch.setenv("PAGED_COMPILE", "1" if compiled else "0")
     engine = LLMEngine(EngineConfig(max_batch_size=2, max_model_len=64), tiny_loaded)
-    assert (engine.runner.compiled is not None) == compiled
+    assert (engine.worker.compiled is not None) == compiled
     engine.add_request("r0", [1, 2, 3], SamplingParams(max_tokens=3))
     while engine.has_unfinished():
         engine.step()
-    gone = weakref.ref(engine.pool)
+    gone = weakref.ref(engine.worker.tensors)
     del engine
     gc.collect()  # as kv_sizing does on CUDA before it measures free memory
     assert gone() is None

@@ -133,7 +133,7 @@ def test_warmup_lists_exactly_what_serving_launches(
         assert engine.audit() == []
     assert engine.metrics()["prefix_cache_hits_total"] > 0
 
-    layout = attention_layout(loaded.model, loaded.dtype, engine.capacity, config.max_model_len)
+    layout = attention_layout(loaded.model, loaded.dtype, engine.worker.tensors, config.max_model_len)
     listed = {v.key(): v.name for v in kernel_variants(layout, DEVICE)}
     launched = recorder.keys
     never_listed = [launched[k] for k in launched.keys() - listed.keys()]
@@ -160,7 +160,7 @@ def test_engine_start_compiles_every_variant_and_says_so(checkpoint_dirs, caplog
         engine = LLMEngine(config, loaded)
     lines = [r.getMessage() for r in caplog.records if "Triton kernel variants" in r.getMessage()]
     assert len(lines) == 1 and re.fullmatch(r"compiled \d+ Triton kernel variants in \d+\.\d s", lines[0])
-    layout = attention_layout(loaded.model, loaded.dtype, engine.capacity, config.max_model_len)
+    layout = attention_layout(loaded.model, loaded.dtype, engine.worker.tensors, config.max_model_len)
     names = [v.name for v in kernel_variants(layout, DEVICE)]
     assert int(lines[0].split()[1]) == len(names)
     # 2048-token contexts split on a GPU (Gemma 3's variants carry "softcap")

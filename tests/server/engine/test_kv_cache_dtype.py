@@ -49,7 +49,7 @@ def int8_reference(request, make_engine, run_engine, prompt_of, greedy):
     engine = make_engine(kv_cache_backend="contiguous", max_batch_size=4, kv_cache_dtype="int8",
                          calculate_kv_scales=calculated)  # fmt: skip
     if calculated:  # static scales replace the per-token ones
-        assert engine.pool.k_scales is None and engine.pool.k_head_scales is not None
+        assert engine.worker.tensors.k_scales is None and engine.worker.tensors.k_head_scales is not None
     return requests, run_engine(engine, requests), calculated
 
 
@@ -113,7 +113,7 @@ def test_int8_forks_match_separate_requests(
     params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True,
                             logprobs=0)  # fmt: skip
     run = run_engine(forked, [("n3", prompt, params)])
-    assert (forked.pool.stats()["cow_copies"] > 0) == bool(prompt_len % 4)
+    assert (forked.kv_manager.stats()["cow_copies"] > 0) == bool(prompt_len % 4)
     separate = make_engine(**kw)
     singles = [
         (f"s{i}", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=(123 + i * SEED_STRIDE) % 2**64,

@@ -86,7 +86,7 @@ def test_int4_forks_match_separate_requests(make_engine, run_engine, prompt_of, 
     forked = make_engine(**kw)
     params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True, logprobs=0)
     run = run_engine(forked, [("n3", prompt, params)])
-    assert (forked.pool.stats()["cow_copies"] > 0) == bool(prompt_len % 4)
+    assert (forked.kv_manager.stats()["cow_copies"] > 0) == bool(prompt_len % 4)
     singles = [
         (f"s{i}", prompt, SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, logprobs=0,
                                          seed=(123 + i * SEED_STRIDE) % 2**64))  # fmt: skip
@@ -109,7 +109,7 @@ def test_int4_beam_search_matches_the_contiguous_pool(tiny_loaded, prompt_of) ->
     prompts = [{"prompt_token_ids": prompt_of(14, 2)}]
     paged = LLM(loaded=tiny_loaded, block_size=4, num_gpu_blocks=96, **cfg)
     got = paged.beam_search(prompts, params)
-    assert paged.engine.audit() == [] and paged.engine.pool.stats()["cow_copies"] > 0
+    assert paged.engine.audit() == [] and paged.engine.kv_manager.stats()["cow_copies"] > 0
     again = LLM(loaded=tiny_loaded, block_size=4, num_gpu_blocks=96, **cfg).beam_search(prompts, params)
     assert [b.tokens for b in got[0].sequences] == [b.tokens for b in again[0].sequences]
     assert [b.error for b in got[0].sequences] == [None] * 4

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paged_server.config import EngineConfig
-from paged_server.engine.pool_factory import calibrated_kv_scales
+from paged_server.engine.kv_calibration import calibrated_kv_scales
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.server import startup_line
 
@@ -77,8 +77,6 @@ def test_startup_line_says_scales_are_calculated(make_engine) -> None:
     [
         (dict(calculate_kv_scales=True),
          "calculate_kv_scales: applies to kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2, int8, not 'auto'"),
-        (dict(calculate_kv_scales=True, kv_cache_dtype="int8", tensor_parallel_size=2),
-         "not supported with tensor_parallel_size or pipeline_parallel_size > 1"),
         (dict(calculate_kv_scales="yes", kv_cache_dtype="int8"), "must be True or False"),
     ],
 )  # fmt: skip

@@ -42,7 +42,7 @@ def test_cpu_share_of_available_ram_holds_what_the_startup_line_claims(
     assert m, line
     assert int(m[1]) == want_blocks * 4 and "--gpu-memory-utilization 0.5" in m[3]
     assert "MemAvailable" in m[3]
-    assert fill(engine.pool, 4) == int(m[1])
+    assert fill(engine.kv_manager, 4) == int(m[1])
 
 
 def test_real_available_ram_sizes_the_pool(make_engine) -> None:
@@ -98,15 +98,11 @@ def test_cuda_default_profiles_and_sizes_from_free_memory(tiny_model_dir) -> Non
                                max_batch_size=8, gpu_memory_utilization=0.001))
 
 
-def test_tensor_parallel_refuses_memory_share_sizing_before_starting_workers() -> None:
-    """Each rank would size its own pool from its own free memory and their
-    block ids could disagree: refused at once, naming the flags that work."""
+def test_an_explicit_size_is_not_a_memory_share() -> None:
+    """``num_gpu_blocks`` wins over ``gpu_memory_utilization`` (tensor and
+    pipeline parallelism size by memory share too: tests/server/parallel)."""
     from paged_server.config import EngineConfig
-    from paged_server.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(device="cpu", tensor_parallel_size=2, gpu_memory_utilization=0.5)
-    with pytest.raises(ValueError, match="--num-gpu-blocks or --kv-cache-memory-bytes"):
-        LLMEngine(config)
     assert not kv_sizing.sizes_by_memory_share(
         EngineConfig(device="cpu", gpu_memory_utilization=0.5, num_gpu_blocks=8), torch.device("cpu")
     )
@@ -167,5 +163,5 @@ def test_the_longest_prompt_is_what_one_sequence_can_take(request, model, num_gp
     not one more."""
     engine = small_pool(request.getfixturevalue(model), num_gpu_blocks)
     longest = engine.capacity.longest_prompt
-    assert engine.pool.can_allocate_sequence(list(range(3, 3 + longest)))
-    assert not engine.pool.can_allocate_sequence(list(range(3, 4 + longest)))
+    assert engine.kv_manager.can_allocate_sequence(list(range(3, 3 + longest)))
+    assert not engine.kv_manager.can_allocate_sequence(list(range(3, 4 + longest)))

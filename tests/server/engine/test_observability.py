@@ -30,7 +30,7 @@ def test_prefix_hits_are_counted_once_from_the_pool(make_engine, prompt_of) -> N
     (first,) = finals(engine, "a", prompt, greedy(2))
     (second,) = finals(engine, "b", prompt, greedy(2))
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 12)
-    m, stats = engine.metrics(), engine.pool.stats()
+    m, stats = engine.metrics(), engine.kv_manager.stats()
     assert m["prefix_cache_hits_total"] == stats["prefix_hits_tokens"] == 12
     assert m["prefix_cache_queries_total"] == stats["prefix_queries_tokens"] == 26
     misses = sum(m[f"prefix_cache_misses_{r}_total"] for r in ("too_short", "evicted", "never_seen"))
@@ -62,7 +62,7 @@ def test_preemptions_are_counted_once_and_logged_rate_limited(
     lines = [r.getMessage() for r in caplog.records if "preempted sequence" in r.getMessage()]
     assert len(lines) == 1  # the rest fall within the rate limit
     assert "tokens: KV cache full" in lines[0] and "free blocks" in lines[0]
-    assert engine.pool.stats().get("preemptions") is None  # the block manager keeps none
+    assert engine.kv_manager.stats().get("preemptions") is None  # the block manager keeps none
     assert engine.audit() == []
 
 
@@ -71,7 +71,7 @@ def test_audits_are_counted_and_findings_exported(make_engine) -> None:
     assert engine.audit() == []
     m = engine.metrics()
     assert (m["kv_audits_total"], m["kv_audit_problems"]) == (1, 0)
-    leaked = engine.pool.block_manager.block_pool.get_new_blocks(2)  # a bug's leak
+    leaked = engine.kv_manager.block_manager.block_pool.get_new_blocks(2)  # a bug's leak
     problems = engine.audit()
     assert problems and engine.metrics()["kv_audit_problems"] == len(problems)
     assert sorted(engine.reclaim_leaked()) == sorted(b.block_id for b in leaked)

@@ -12,7 +12,7 @@ from paged_server.sampling_params import SamplingParams
 def count_prefill_tokens(engine) -> list[int]:
     """Wrap the runner so the test sees every prompt token it computes."""
     seen: list[int] = []
-    real = engine.runner.execute
+    real = engine._forward
 
     def counting(scheduled):
         for seq, n in scheduled:
@@ -20,7 +20,7 @@ def count_prefill_tokens(engine) -> list[int]:
             seen.append(max(0, min(start + n, seq.num_prompt_tokens) - start))
         return real(scheduled)
 
-    engine.runner.execute = counting
+    engine._forward = counting
     return seen
 
 

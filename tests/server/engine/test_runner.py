@@ -1,7 +1,8 @@
-"""The model runner against plain causal forward passes of the same model:
-whatever the pool or the mix of work in a step, a sequence's logits are
-those of the sequence run alone without a cache, and only real tokens go
-through the model."""
+"""A step through the worker (``step_batch.run_step``: the flat batch, the
+KV cache manager's layout, ``Worker.execute``) against plain causal forward
+passes of the same model: whatever the cache or the mix of work in a step,
+a sequence's logits are those of the sequence run alone without a cache,
+and only real tokens go through the model."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from paged_server.config import EngineConfig
-from paged_server.engine.pool_factory import build_cache_pool
-from paged_server.engine.runner import ModelRunner
+from paged_server.engine.pool_factory import build_kv_manager, pool_capacity
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.step_batch import run_step
+from paged_server.engine.worker import Worker
 from paged_server.sampling_params import SamplingParams
 
 
@@ -23,14 +25,16 @@ def no_cache_logits(loaded, tokens: list[int]) -> torch.Tensor:
 
 
 def make_runner(loaded, backend: str, **kw):
+    """A worker with its cache, the KV cache manager over it, the capacity."""
     config = EngineConfig(
         **{"kv_cache_backend": backend, "block_size": 4, "max_model_len": 64, "max_batch_size": 4}
         | kw
-    )
-    pool, capacity = build_cache_pool(
-        config, loaded.config, torch.float32, torch.device("cpu"), "ref"
-    )
-    return ModelRunner(loaded.model, pool, torch.device("cpu")), pool, capacity
+    ).resolve(loaded.config, torch.device("cpu"), torch.float32)
+    worker = Worker(config, loaded=loaded)
+    num_blocks, sized_by = worker.available_blocks()
+    worker.init_cache(num_blocks)
+    spec = worker.kv_spec()
+    return worker, build_kv_manager(config, spec, num_blocks), pool_capacity(config, spec, num_blocks, sized_by)
 
 
 def admit(pool, tokens: list[int]) -> Sequence:
@@ -43,7 +47,7 @@ def admit(pool, tokens: list[int]) -> Sequence:
 
 def step(runner, pool, scheduled):
     """Run and commit one step as the engine does; logits by sequence."""
-    out = runner.execute(scheduled)
+    out = run_step(runner, pool, scheduled)
     for seq, n in scheduled:
         seq.num_computed_tokens += n
         pool.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
@@ -128,7 +132,7 @@ def test_a_step_without_reserved_room_is_refused(tiny_loaded, prompt_of) -> None
     step(runner, pool, [(a, 4)])
     a.token_ids.append(9)  # sampled but not reserved (the scheduler's job)
     with pytest.raises(RuntimeError, match="reserve first"):
-        runner.execute([(a, 1)])
+        run_step(runner, pool, [(a, 1)])
 
 
 def test_paged_prefill_allocates_blocks_and_free_returns_them(tiny_loaded, prompt_of) -> None:

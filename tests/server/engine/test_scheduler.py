@@ -56,7 +56,7 @@ def run_step(sched: Scheduler) -> list[tuple[Sequence, int]]:
     plan = sched.schedule()
     for seq, n in plan.scheduled:
         seq.num_computed_tokens += n
-        sched.pool.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
+        sched.kv_manager.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(7)
     return plan.scheduled

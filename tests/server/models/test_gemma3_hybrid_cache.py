@@ -91,7 +91,7 @@ def test_hybrid_and_one_group_agree_and_hybrid_holds_fewer_blocks(gemma3, prompt
         peak = 0
         while engine.has_unfinished():
             engine.step()
-            used = engine.capacity.num_blocks - engine.pool.free_seq_count()
+            used = engine.capacity.num_blocks - engine.kv_manager.free_seq_count()
             peak = max(peak, used * layers_per_block)
         assert (
             peak <= bound + layers_per_block * engine.capacity.num_groups
@@ -110,11 +110,11 @@ def test_padded_decode_graph_buffers_carry_every_groups_tables(gemma3, prompt_of
     llm = make_llm(loaded, "ref", num_gpu_blocks=200)
     engine, config = llm.engine, llm.engine.config
     graphs = DecodeGraphs(
-        loaded.model, engine.pool, torch.device("cpu"), config.max_batch_size,
+        loaded.model, engine.worker.tensors, torch.device("cpu"), config.max_batch_size,
         -(-config.max_model_len // config.block_size), capture=False,
         num_groups=engine.capacity.num_groups,
     )  # fmt: skip
-    engine.runner.decode_graphs = graphs
+    engine.worker.graphs = graphs
     assert len(graphs.block_tables) == 3
     assert run(llm, prompts) == plain
 
@@ -129,7 +129,7 @@ def test_calculated_kv_scales_follow_layers_not_cache_layers(gemma3, prompt_of):
     hybrid = make_llm(loaded, "ref", **kw)
     one = make_llm(loaded, "ref", disable_hybrid_kv_cache_manager=True, **kw)
     assert hybrid.engine.capacity.num_groups == 3
-    assert hybrid.engine.pool.k_head_scales.shape[0] == 6  # type: ignore[attr-defined]
+    assert hybrid.engine.worker.tensors.k_head_scales.shape[0] == 6  # type: ignore[attr-defined]
     assert run(hybrid, prompts) == run(one, prompts)
 
 
@@ -153,5 +153,5 @@ def test_prometheus_reports_each_groups_blocks(gemma3, prompt_of):
     fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     used = {s.labels["group"]: s.value for s in fams["paged:kv_cache_group_blocks_used"].samples}
     assert set(used) == {"0", "1", "2"}
-    assert sum(used.values()) == engine.capacity.num_blocks - engine.pool.free_seq_count()
+    assert sum(used.values()) == engine.capacity.num_blocks - engine.kv_manager.free_seq_count()
     assert used["1"] < used["0"] and used["2"] < used["0"]  # group 0 is the full one

@@ -112,16 +112,3 @@ def test_encode_decode_round_trip_and_specials(model_dir):
     assert tok.eos_token_id == im_end and im_end in tok.special_token_ids
     assert tok.decode([*ids, im_end]) == text
     assert tok.decode([*ids, im_end], skip_special_tokens=False) == text + "<|im_end|>"
-
-
-def test_encode_batch_is_encode_of_each_text_across_its_chunks(model_dir):
-    """encode_batch calls the library a chunk of texts at a time (a 10,000-word
-    bad_words list held ~50 MiB of Encodings in one call); the ids are the same."""
-    from paged_server import tokenizer as tokenizer_module
-
-    tok = Tokenizer.from_dir(model_dir)
-    texts = [f"w{i}x" if i % 2 else f" word {i}" for i in range(2 * tokenizer_module._BATCH + 3)]
-    for special in (False, True):
-        assert tok.encode_batch(texts, add_special_tokens=special) == [
-            tok.encode(t, add_special_tokens=special) for t in texts
-        ]

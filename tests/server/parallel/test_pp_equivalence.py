@@ -30,14 +30,14 @@ def _generate(path: Path, tp: int = 1, pp: int = 1, **extra: Any) -> dict[str, A
     with LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, **config) as llm:
         engine = llm.engine
         steps: list[list[int]] = []  # each pass's token counts, in the runner's order (decodes first)
-        execute = engine.runner.execute
+        execute = engine._forward
 
         def recorded(scheduled: Any) -> Any:
             lens = [n for _, n in scheduled]
             steps.append(sorted(lens, key=lambda n: n != 1))
             return execute(scheduled)
 
-        engine.runner.execute = recorded
+        engine._forward = recorded
         results = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         metrics = engine.metrics()
         assert engine.audit() == []
@@ -46,10 +46,12 @@ def _generate(path: Path, tp: int = 1, pp: int = 1, **extra: Any) -> dict[str, A
             "preemptions": metrics["num_preemptions_total"],
             "prefix_hits": metrics["prefix_cache_hits_total"],
             "summary": engine.parallel_summary(),
-            "sends": engine.executor.group.counts.sends if engine.executor else 0,
+            "sends": engine.executor.group.counts.sends if pp * tp > 1 else 0,
             "steps": steps,
+            "sized_by": engine.capacity.sized_by,
+            "blocks": engine.capacity.num_blocks,
         }
-        workers = list(engine.executor.workers) if engine.executor else []
+        workers = list(getattr(engine.executor, "workers", []))
     assert all(not w.is_alive() for w in workers), "workers must exit with the LLM"
     return out
 
@@ -70,6 +72,30 @@ def test_pp2_matches_one_rank_token_for_token(tp_checkpoints: dict[str, Path], f
     assert any(len(lens) == 4 for lens in two["steps"])
     assert any(len(lens) >= 3 and lens[0] == 1 and lens[-1] > 1 for lens in two["steps"])
     assert two["sends"] > len(two["steps"])
+
+
+def test_pp2_calculated_kv_scales_match_one_rank(tp_checkpoints: dict[str, Path]) -> None:
+    """``calculate_kv_scales`` with PP: the calibration pass runs through the
+    stages (rank 0 sends its activations on), and each stage keeps the scales
+    of its own layers: the tokens of one rank with calculated scales."""
+    path = tp_checkpoints["llama"]
+    extra = dict(kv_cache_dtype="int8", calculate_kv_scales=True)
+    one = _generate(path, **extra)
+    two = _generate(path, pp=2, **extra)
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] == one["preemptions"] > 0
+
+
+def test_pp2_sized_by_memory_share_matches_one_rank(tp_checkpoints: dict[str, Path]) -> None:
+    """``gpu_memory_utilization`` with PP: each stage sizes its own layers'
+    cache from its share of this CPU's RAM, the least count wins."""
+    path = tp_checkpoints["llama"]
+    share = dict(num_gpu_blocks=None, gpu_memory_utilization=0.001)
+    one = _generate(path, **share)
+    two = _generate(path, pp=2, **share)
+    assert two["tokens"] == one["tokens"]
+    assert "shared by 2 ranks" in two["sized_by"]
+    assert two["blocks"] > 24
 
 
 @pytest.mark.parametrize("micro_batches", ["1", "3"])

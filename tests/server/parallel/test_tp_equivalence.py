@@ -54,7 +54,7 @@ def _generate(
     path: Path, tp: int, pool: str, count_comms: bool = False, **extra: Any
 ) -> dict[str, Any]:
     prompts, params = _workload()
-    with LLM(str(path), tensor_parallel_size=tp, **BASE, **POOLS[pool], **extra) as llm:
+    with LLM(str(path), tensor_parallel_size=tp, **{**BASE, **POOLS[pool], **extra}) as llm:
         engine = llm.engine
         calls: Counter[str] = Counter()
         passes = [0]
@@ -62,13 +62,13 @@ def _generate(
             group = engine.executor.group
             group.device_pg = _Counting(group.device_pg, calls, "device")
             group.message_pg = _Counting(group.message_pg, calls, "message")
-            execute = engine.runner.execute
+            execute = engine._forward
 
             def counted(scheduled: Any) -> Any:
                 passes[0] += 1
                 return execute(scheduled)
 
-            engine.runner.execute = counted
+            engine._forward = counted
             group.counts.all_reduces = group.counts.broadcasts = 0
         results = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         metrics = engine.metrics()
@@ -81,8 +81,10 @@ def _generate(
             "passes": passes[0],
             "layers": engine.model_config.num_layers,
             "kv_cache_groups": engine.capacity.num_groups,
+            "sized_by": engine.capacity.sized_by,
+            "blocks": engine.capacity.num_blocks,
         }
-        workers = list(engine.executor.workers) if engine.executor else []
+        workers = list(getattr(engine.executor, "workers", []))
     assert all(not w.is_alive() for w in workers), "workers must exit with the LLM"
     return out
 
@@ -163,6 +165,32 @@ def test_tp2_int8_kv_cache_matches_tp1(tp_checkpoints: dict[str, Path], pool: st
     two = _generate(path, 2, pool, kv_cache_dtype="int8")
     assert two["tokens"] == one["tokens"]
     assert two["preemptions"] == one["preemptions"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_tp2_calculated_kv_scales_match_tp1(tp_checkpoints: dict[str, Path], kv_cache_dtype: str) -> None:
+    """``calculate_kv_scales`` with TP: every rank runs the calibration pass
+    at once (their all-reduces meet) and keeps the scales of its own kv
+    heads, which are TP=1's for those heads: the same tokens."""
+    path = tp_checkpoints["llama"]
+    extra = dict(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=True)
+    one = _generate(path, 1, "paged", **extra)
+    two = _generate(path, 2, "paged", **extra)
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] == one["preemptions"] > 0
+
+
+def test_tp2_sized_by_memory_share_matches_tp1(tp_checkpoints: dict[str, Path]) -> None:
+    """``gpu_memory_utilization`` with TP: each rank sizes its cache from its
+    share of the memory (on a CPU the node's ranks split its RAM) and the
+    least count wins; with the pool that large, no preemption, same tokens."""
+    path = tp_checkpoints["llama"]
+    share = dict(num_gpu_blocks=None, gpu_memory_utilization=0.001)
+    one = _generate(path, 1, "paged", **share)
+    two = _generate(path, 2, "paged", **share)
+    assert two["tokens"] == one["tokens"]
+    assert "shared by 2 ranks" in two["sized_by"] and "shared by" not in one["sized_by"]
+    assert two["blocks"] > 24  # more than the workload's KV demand
 
 
 def test_tp2_int4_kv_cache_matches_tp1(tp_checkpoints: dict[str, Path]) -> None:

@@ -1,6 +1,6 @@
 """paged-core: protocols, block pool and block manager. No tensors, no kernels."""
 
-from paged_core.block_manager import BlockManager
+from paged_core.block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from paged_core.block_pool import Block, BlockPool
 from paged_core.block_stats import MISS_REASONS, BlockManagerStats
 from paged_core.errors import OutOfBlocksError, UnknownSequenceError
@@ -8,11 +8,13 @@ from paged_core.kv_cache_groups import KVCacheGroup, cache_layers, kv_cache_grou
 from paged_core.protocols import (
     AttentionViewProtocol,
     CachePoolProtocol,
+    KVCacheManagerProtocol,
     KVCacheProtocol,
     ServingPoolProtocol,
 )
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
     "MISS_REASONS",
     "AttentionViewProtocol",
     "Block",
@@ -21,6 +23,7 @@ __all__ = [
     "BlockPool",
     "CachePoolProtocol",
     "KVCacheGroup",
+    "KVCacheManagerProtocol",
     "KVCacheProtocol",
     "OutOfBlocksError",
     "ServingPoolProtocol",

@@ -35,6 +35,9 @@ def _out_of_window(num_computed: int, window: int, block_size: int) -> int:
     block ``i`` once ``(i + 1) * block_size <= num_computed - window + 1``."""
     return max(0, num_computed - window + 1) // block_size
 
+# Tokens per block unless configured (vLLM's default too): the one place it is written.
+DEFAULT_BLOCK_SIZE = 16
+
 
 @dataclass(slots=True)
 class _SeqBlocks:
@@ -53,7 +56,7 @@ class BlockManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         enable_prefix_caching: bool = True,
         *,
         sliding_windows: Sequence[int | None] = (None,),

@@ -137,12 +137,36 @@ class CachePoolProtocol(Protocol):
 
 
 @runtime_checkable
-class ServingPoolProtocol(CachePoolProtocol, Protocol):
-    """What the engine needs beyond ``CachePoolProtocol``: prompts with
-    prefix-cache hits, room reserved before a step, one flat view per step
-    whose metadata is built before the forward pass, commits after it,
-    copy-on-write forks and audits. Both backends satisfy it; the contiguous
-    one reports no prefix hits and copies a seq_id's rows to fork."""
+class KVCacheManagerProtocol(Protocol):
+    """The scheduler's side of a KV cache: which blocks (or rows) each
+    sequence holds. Prompts with prefix-cache hits, room reserved before a
+    step, the step's layout for the workers, commits after the pass,
+    copy-on-write forks and audits; no tensor. ``PagedKVManager`` and
+    ``ContiguousKVManager`` satisfy it (the contiguous one reports no prefix
+    hits and copies a seq_id's row to fork); each rank's worker holds the
+    tensors the layouts address (``paged_ref.kv_tensors``)."""
+
+    def free_seq(self, seq_id: int) -> None:
+        """Release a seq_id and everything it holds (blocks, length, table)."""
+        ...
+
+    def get_num_computed_tokens(self, seq_id: int) -> int:
+        """Tokens currently stored for ``seq_id``."""
+        ...
+
+    def free_seq_count(self) -> int:
+        """Sequences that could be allocated now: free rows (contiguous), or
+        free blocks, an upper bound since each sequence needs one (paged)."""
+        ...
+
+    def free_token_capacity(self) -> int | None:
+        """Tokens that free capacity can still hold; ``None`` where capacity is
+        per seq_id rather than per token (contiguous)."""
+        ...
+
+    def is_paged(self) -> bool:
+        """Whether blocks are handed out one by one through page tables."""
+        ...
 
     def can_allocate_sequence(
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
@@ -194,13 +218,14 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
         sequence, however many tokens it reserves."""
         ...
 
-    def step_view(
+    def step_layout(
         self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
-    ) -> AttentionViewProtocol:
-        """The view for one flat step: seq_id ``i`` computes ``new_lens[i]``
-        tokens from position ``starts[i]``, all already reserved. Its metadata
-        is complete when this returns, so the forward pass needs no host
-        work to learn the layout."""
+    ) -> Any:
+        """Where one flat step's tokens go, for every rank's worker
+        (``paged_ref.step_layout.StepLayout``: page tables, positions, the
+        block copies asked for since the last layout): seq_id ``i`` computes
+        ``new_lens[i]`` tokens from position ``starts[i]``, all already
+        reserved."""
         ...
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None:
@@ -225,4 +250,21 @@ class ServingPoolProtocol(CachePoolProtocol, Protocol):
     def stats(self) -> dict[str, float]:
         """Operator counters: KV usage, prefix-cache queries, hits and misses
         by reason, evictions (preemptions are the engine's to count)."""
+        ...
+
+
+@runtime_checkable
+class ServingPoolProtocol(KVCacheManagerProtocol, CachePoolProtocol, Protocol):
+    """A whole pool in one process: the KV cache manager joined with its
+    tensors (``paged_ref.kv_pool``), so a step's view comes straight from
+    it. Tests, benchmarks and the seed views use it; the engine keeps the
+    two sides apart."""
+
+    def step_view(
+        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
+    ) -> AttentionViewProtocol:
+        """The view for one flat step: seq_id ``i`` computes ``new_lens[i]``
+        tokens from position ``starts[i]``, all already reserved. Its metadata
+        is complete when this returns, so the forward pass needs no host
+        work to learn the layout."""
         ...

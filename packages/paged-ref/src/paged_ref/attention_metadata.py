@@ -99,20 +99,20 @@ class AttentionMetadata:
 
 
 def build_metadata(
-    block_tables: Tensor,
+    block_tables: Tensor | np.ndarray,
     starts: Sequence[int],
     new_lens: Sequence[int],
     block_size: int,
     device: torch.device,
 ) -> AttentionMetadata:
     """Metadata for sequences whose page tables are the rows of ``block_tables``
-    (``[batch, width]`` int32 on the host, covering every token of this step;
+    (``[batch, width]`` int32 on the host, numpy or torch, covering every token of this step;
     ``[groups, batch, width]`` for a hybrid pool's KV cache groups, which
     share everything but their tables and slot mappings).
 
     Built with numpy on the host (a small array op costs ~1 us there, ~10 us
     as a torch op) and moved to ``device`` in one copy, every group at once."""
-    tables = block_tables.numpy()
+    tables = np.asarray(block_tables)
     if tables.ndim == 2:
         tables = tables[None]
     batch = len(starts)

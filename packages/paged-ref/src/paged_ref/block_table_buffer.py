@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
 
 
 class BlockTableBuffer:
@@ -97,12 +96,12 @@ class BlockTableBuffer:
         """Row index of each sequence (``KeyError`` for one without a row)."""
         return list(map(self._row_of.__getitem__, handles))
 
-    def gather(self, rows: Sequence[int], width: int) -> Tensor:
+    def gather(self, rows: Sequence[int], width: int) -> np.ndarray:
         """``[len(rows), width]`` tables of these rows (entries past a table's
         end are stale: callers read only the blocks their tokens use)."""
         if width > self.table.shape[1]:
             self._grow(width=width)
-        return torch.from_numpy(self._array[rows, :width])  # fancy indexing: a copy
+        return self._array[rows, :width]  # fancy indexing: a copy
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
         old_rows, old_width = self.table.shape

@@ -4,11 +4,9 @@ A source is compiled with the C compiler ``torch.compile`` uses on a CPU
 (``CC``, else ``cc``/``gcc``) and ``-march=native``, with OpenMP: the
 library shares torch's OpenMP runtime, so it adds no thread pool. The
 build lands in ``~/.cache/paged/<subdir>`` (``PAGED_CACHE_DIR``), named by a
-hash of the source, the commands and the CPU (``-march=native`` code may use
+hash of the source, the command and the CPU (``-march=native`` code may use
 instructions another CPU lacks, so a cache shared between machines keeps a
-build per CPU). It is compiled to an object, then linked without the
-compile flags: a library may not change the process's floating-point mode
-(``LINK_FLAGS``). Replicas and ranks may build at once, so a build is
+build per CPU). Replicas and ranks may build at once, so a build is
 compiled into a temporary file and renamed into place, and then its size
 and SHA-256 are written beside it (``.sha256``), also by rename. A library
 is loaded only once it matches that record: a truncated file would be
@@ -38,13 +36,7 @@ log = logging.getLogger(__name__)
 HEADER = Path(__file__).with_name("bf16.h")
 
 # this folder holds bf16.h, which every kernel may include
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", f"-I{Path(__file__).parent}")
-# The link, apart from the compile flags: with -ffast-math there (cpu_decode's),
-# gcc before 13 links crtfastmath.o, and loading the library set flush-to-zero
-# and denormals-are-zero on the loading thread and every thread it starts:
-# 5e-324 then reads as 0.0, so a request's top_p of 5e-324 was refused on some
-# threads and not others, and torch's CPU results changed with the thread.
-LINK_FLAGS = ("-shared", "-fopenmp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")
 # /proc/cpuinfo fields that say which instructions -march=native may use (x86, then Arm)
 _CPU_FIELDS = ("model name", "flags", "CPU implementer", "CPU part", "Features")
 
@@ -106,14 +98,14 @@ def verified(library: Path) -> bool:
 
 
 def build(source: Path, flags: Sequence[str], subdir: str, name: str) -> ctypes.CDLL | None:
-    """``source`` compiled with ``FLAGS`` and ``flags``, linked with
-    ``LINK_FLAGS``, into ``cache_dir(subdir)/<name>-<hash>.so`` (once) and
-    loaded; None, with a warning, where it cannot be built or loaded."""
+    """``source`` compiled with ``FLAGS`` and ``flags`` into
+    ``cache_dir(subdir)/<name>-<hash>.so`` (once) and loaded; None, with a
+    warning, where it cannot be built or loaded."""
     cc = compiler()
     if cc is None:
         return None
     command = [cc, *FLAGS, *flags]
-    key = cache_key(source.read_text() + HEADER.read_text(), [*command, *LINK_FLAGS], this_cpu())
+    key = cache_key(source.read_text() + HEADER.read_text(), command, this_cpu())
     path = cache_dir(subdir) / f"{name}-{key}.so"
     try:
         if not verified(path):
@@ -123,7 +115,7 @@ def build(source: Path, flags: Sequence[str], subdir: str, name: str) -> ctypes.
                     f"{path} does not match its checksum record (a build cut short or a "
                     "truncated copy); rebuilding it",
                 )
-            _compile([*command, "-c", str(source)], [cc, *LINK_FLAGS], path)
+            _compile([*command, str(source)], path)
         return ctypes.CDLL(str(path))
     except subprocess.CalledProcessError as err:
         _warn_once(
@@ -139,24 +131,19 @@ def build(source: Path, flags: Sequence[str], subdir: str, name: str) -> ctypes.
     return None
 
 
-def _compile(compile_command: list[str], link_command: list[str], path: Path) -> None:
-    """Compile and link into temporary files, rename the library to ``path``,
-    then write its record the same way: a reader sees no record, or one that
-    matches."""
+def _compile(command: list[str], path: Path) -> None:
+    """Build into a temporary file, rename it to ``path``, then write its
+    record the same way: a reader sees no record, or one that matches."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, obj = tempfile.mkstemp(suffix=".o", dir=path.parent)
-    os.close(fd)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        subprocess.run([*compile_command, "-o", obj], check=True, capture_output=True, text=True)
-        subprocess.run([*link_command, obj, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([*command, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
         data = Path(tmp).read_bytes()
         os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
     finally:
-        for leftover in (obj, tmp):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(leftover)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

@@ -25,12 +25,12 @@ import torch
 from torch import Tensor
 
 from paged_ref.attention_metadata import AttentionMetadata, DecodePart
-from paged_ref.kv_quant import HEAD_SCALE_DTYPE, check_scales, logical_shape, scale_keywords
+from paged_ref.kv_quant import HEAD_SCALE_DTYPE, scale_keywords
 from paged_ref.ops import gather_context
 
 
 class ViewPool(Protocol):
-    """What a view needs from its pool: ``k_cache``/``v_cache``
+    """What a view needs from the cache's tensors (``KVCacheTensors``): ``k_cache``/``v_cache``
     (``[cache_layers, num_blocks, block_size, kv_heads, head_dim]``), the int8
     scales beside them (``[cache_layers, num_blocks, block_size, kv_heads]``,
     None for other dtypes), the static scales of an 8-bit cache with
@@ -64,9 +64,9 @@ class ViewPool(Protocol):
 
     def locate_layer(self, layer_idx: int) -> tuple[int, int, int | None]: ...
 
-    def build_metadata(
-        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
-    ) -> AttentionMetadata: ...
+
+class Committer(Protocol):
+    """Where a view's ``advance`` commits (the scheduler's side of a pool)."""
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None: ...
 
@@ -97,17 +97,24 @@ class CacheView:
     """A flat forward pass over ``seq_ids`` of a pool (see module doc), its
     metadata ``meta`` built before the pass."""
 
-    def __init__(self, pool: ViewPool, meta: AttentionMetadata, seq_ids: Sequence[int] = ()) -> None:
-        self.pool = pool
+    def __init__(
+        self,
+        tensors: ViewPool,
+        meta: AttentionMetadata,
+        seq_ids: Sequence[int] = (),
+        committer: Committer | None = None,
+    ) -> None:
+        self.tensors = tensors
         self.meta = meta
         self.seq_ids = list(seq_ids)
+        self.committer = committer
 
     @classmethod
-    def over(cls, pool: ViewPool, meta: AttentionMetadata) -> CacheView:
-        """A view over metadata someone else keeps up to date (the static
-        buffers a CUDA graph reads). It covers no seq_ids of its own, so
-        ``advance`` commits nothing: the caller commits through the pool."""
-        return cls(pool, meta)
+    def over(cls, tensors: ViewPool, meta: AttentionMetadata) -> CacheView:
+        """A view of a worker's step (or of the static buffers a CUDA graph
+        reads): it covers no seq_ids of its own, so ``advance`` commits
+        nothing; the scheduler's side commits."""
+        return cls(tensors, meta)
 
     # -- KVCacheProtocol ---------------------------------------------------------
     @property
@@ -116,7 +123,7 @@ class CacheView:
         return max(self.meta.starts, default=0)
 
     def is_paged(self) -> bool:
-        return self.pool.is_paged()
+        return self.tensors.is_paged()
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``, the view's
@@ -125,17 +132,19 @@ class CacheView:
         ``p``; zeros past a seq_id's length)."""
         meta, cache_layer, s = self._write(layer_idx, k, v)
         return (
-            gather_context(self.pool.k_cache[cache_layer], meta.block_tables, meta.seq_lens,
+            gather_context(self.tensors.k_cache[cache_layer], meta.block_tables, meta.seq_lens,
                            s.get("k_scales"), s.get("k_head_scales")),
-            gather_context(self.pool.v_cache[cache_layer], meta.block_tables, meta.seq_lens,
+            gather_context(self.tensors.v_cache[cache_layer], meta.block_tables, meta.seq_lens,
                            s.get("v_scales"), s.get("v_head_scales"), is_key=False),
         )  # fmt: skip
 
     def advance(self, n: int | None = None) -> None:
         """Commit this pass: each seq_id now holds ``starts[i] + new_lens[i]``
         tokens (``n`` is not needed: the view knows its counts)."""
+        if self.committer is None:
+            return
         for seq_id, start, new in zip(self.seq_ids, self.meta.starts, self.meta.new_lens, strict=True):
-            self.pool.mark_computed(seq_id, start + new)
+            self.committer.mark_computed(seq_id, start + new)
 
     # -- AttentionViewProtocol ---------------------------------------------------
     def attend(
@@ -153,7 +162,7 @@ class CacheView:
         ``q``: ``[num_tokens, heads, head_dim]``; returns the same shape.
         A layer in a sliding KV cache group must attend with that window:
         its group frees blocks a wider window would still read."""
-        where = self.pool.locate_layer(layer_idx)
+        where = self.tensors.locate_layer(layer_idx)
         group, _, window = where
         if window is not None and sliding_window != window:
             raise ValueError(
@@ -161,10 +170,10 @@ class CacheView:
                 f"cache group {group} frees blocks outside a window of {window} tokens; "
                 "build the pool's groups from the model's layer windows (kv_cache_groups)"
             )
-        ops = self.pool.ops
+        ops = self.tensors.ops
         softcap = softcap or None  # 0 means off, as in vLLM
         meta, cache_layer, scales = self._layer(layer_idx, k, where)
-        k_cache, v_cache = self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer]
+        k_cache, v_cache = self.tensors.k_cache[cache_layer], self.tensors.v_cache[cache_layer]
         dec, pre = meta.decode, meta.prefill
         only = dec if pre is None and dec is not None and dec.rows is None else None  # decodes only
         fused = getattr(ops, "write_and_decode", None)
@@ -229,8 +238,8 @@ class CacheView:
     def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[AttentionMetadata, int, dict[str, Tensor]]:
         """Write the layer's new K/V; returns what ``_layer`` does."""
         meta, cache_layer, scales = self._layer(layer_idx, k)
-        self.pool.ops.write_kv(
-            self.pool.k_cache[cache_layer], self.pool.v_cache[cache_layer], k, v, meta.slot_mapping, **scales
+        self.tensors.ops.write_kv(
+            self.tensors.k_cache[cache_layer], self.tensors.v_cache[cache_layer], k, v, meta.slot_mapping, **scales
         )
         return meta, cache_layer, scales
 
@@ -240,7 +249,7 @@ class CacheView:
         """The layer's group metadata, cache layer and scales as the ops'
         keywords (``where``: ``locate_layer``'s answer, if the caller has it),
         after checking ``k`` brings the view's tokens."""
-        group, cache_layer, _ = where if where is not None else self.pool.locate_layer(layer_idx)
+        group, cache_layer, _ = where if where is not None else self.tensors.locate_layer(layer_idx)
         meta = self.meta.for_group(group)
         if k.shape[0] != meta.num_tokens:
             raise ValueError(
@@ -253,7 +262,7 @@ class CacheView:
         the layer's cache layer), or static per-head ones (indexed by
         layer); none for other dtypes (so an ops module written before 8-bit
         caches still serves them)."""
-        pool = self.pool
+        pool = self.tensors
         k_scales, v_scales = pool.k_scales, pool.v_scales
         k_head, v_head = pool.k_head_scales, pool.v_head_scales
         return scale_keywords(
@@ -263,76 +272,3 @@ class CacheView:
             None if v_head is None else v_head[layer_idx],
         )
 
-
-class ViewsMixin:
-    """What both pools share, written once: their tensors (``_hold``) and the
-    engine's ``step_view`` (positions given, room already reserved). The
-    design documents' views are a layer over it (``seed_views``)."""
-
-    k_cache: Tensor
-    v_cache: Tensor
-    k_scales: Tensor | None
-    v_scales: Tensor | None
-    k_head_scales: Tensor | None
-    v_head_scales: Tensor | None
-    ops: ModuleType
-
-    def _hold(
-        self,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        k_scales: Tensor | None,
-        v_scales: Tensor | None,
-        ops: ModuleType,
-        layout: str,
-        kv_scales: tuple[Tensor, Tensor] | None = None,
-        num_layers: int | None = None,
-    ) -> torch.Size:
-        """Check and keep the pool's tensors (both pools hold the same ones,
-        ``[layers, <layout>, kv_heads, head_dim]``); returns their shape.
-        ``kv_scales``: static K and V scales ``[layers, kv_heads]``
-        (``calculate_kv_scales``), kept as float32 on the cache's device;
-        ``num_layers``: the model's layers when the tensors hold fewer cache
-        layers (hybrid KV cache groups)."""
-        if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
-            raise ValueError(
-                f"k_cache and v_cache must both be [layers, {layout}, kv_heads, head_dim], "
-                f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-            )
-        self.k_head_scales = self.v_head_scales = None
-        if kv_scales is not None:
-            self.k_head_scales, self.v_head_scales = (
-                static_scales(k_cache, s, name, num_layers or k_cache.shape[0])
-                for s, name in zip(kv_scales, "kv", strict=True)
-            )
-        # (every layer's static scales have layer 0's shape, dtype and device)
-        k_head = None if self.k_head_scales is None else self.k_head_scales[0]
-        v_head = None if self.v_head_scales is None else self.v_head_scales[0]
-        check_scales(k_cache, k_scales, "k_scales", k_head)
-        check_scales(v_cache, v_scales, "v_scales", v_head)
-        self.k_cache, self.v_cache = k_cache, v_cache
-        # int8 only: float16, one per token and kv head ([layers, <layout>, kv_heads]).
-        self.k_scales, self.v_scales = k_scales, v_scales
-        self.ops = ops
-        return logical_shape(k_cache)  # an int4 cache packs two head_dim codes per byte
-
-    def locate_layer(self, layer_idx: int) -> tuple[int, int, int | None]:
-        """``(KV cache group, cache layer, group window)`` of a layer:
-        one group of every layer, layer ``l`` at cache layer ``l``, unless the pool
-        says otherwise (the paged pool's hybrid groups)."""
-        if not 0 <= layer_idx < self.k_cache.shape[0]:
-            raise IndexError(f"layer {layer_idx} is not one of this pool's {self.k_cache.shape[0]} layers")
-        return 0, layer_idx, None
-
-    def step_view(
-        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
-    ) -> CacheView:
-        """The view for one engine step: seq_id ``i`` computes ``new_lens[i]``
-        tokens from position ``starts[i]``, all of them already reserved. Its
-        metadata is complete before the forward pass starts."""
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"a view must cover distinct seq_ids, got {list(seq_ids)}")
-        if len(new_lens) != len(seq_ids) or min(new_lens, default=0) < 0:
-            raise ValueError(f"need a new token count >= 0 per seq_id, got {list(new_lens)} for {list(seq_ids)}")
-        meta = self.build_metadata(seq_ids, starts, new_lens)  # type: ignore[attr-defined]
-        return CacheView(self, meta, seq_ids)  # type: ignore[arg-type]

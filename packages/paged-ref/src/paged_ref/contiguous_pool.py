@@ -3,7 +3,7 @@
 The baseline the paged pool is measured against: every seq_id reserves
 ``max_model_len`` positions up front, so capacity is per seq_id, not per token.
 It satisfies ``ServingPoolProtocol`` with no prefix cache (always 0 cached
-tokens) and forks by copying rows.
+tokens) and forks by copying rows (``ContiguousKVManager``).
 
 Its tensors have the paged pool's layout with one block per seq_id
 (``[layers, seq_ids, max_model_len, kv_heads, head_dim]``: block id = seq_id,
@@ -13,27 +13,21 @@ set of attention ops; only the bookkeeping differs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from paged_core import OutOfBlocksError
-from paged_ref import ops as ref_ops
-from paged_ref.attention_metadata import AttentionMetadata, build_metadata
-from paged_ref.cache_view import ViewsMixin
-from paged_ref.kv_quant import cache_dtype_for, new_scales, scale_keywords, storage_shape
-from paged_ref.seed_views import SeedViews
+from paged_ref.contiguous_manager import ContiguousKVManager
+from paged_ref.kv_pool import KVPool
+from paged_ref.kv_spec import KVCacheSpec
+from paged_ref.kv_tensors import KVCacheTensors
 
 
-class ContiguousKVPool(SeedViews, ViewsMixin):
-    """``k_cache``/``v_cache``: ``[layers, max_batch_size, max_model_len, kv_heads, head_dim]``.
+class ContiguousKVPool(KVPool):
+    """``k_cache``/``v_cache``: ``[layers, max_batch_size, max_model_len, kv_heads, head_dim]``."""
 
-    ``seq_lens[seq_id]`` counts tokens written (what views attend over);
-    ``reserved[seq_id]`` counts tokens promised by ``allocate_sequence`` and
-    ``append_token`` (always >= ``seq_lens[seq_id]``, at most ``max_model_len``).
-    """
+    manager: ContiguousKVManager
 
     def __init__(
         self,
@@ -45,16 +39,27 @@ class ContiguousKVPool(SeedViews, ViewsMixin):
         v_scales: Tensor | None = None,
         kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> None:
-        # The contiguous baseline attends with the reference ops; a caller may
-        # wrap them (the tensor-parallel engine records copy_blocks calls).
-        shape = self._hold(
-            k_cache, v_cache, k_scales, v_scales, ops if ops is not None else ref_ops,
-            "max_batch_size, max_model_len", kv_scales,
+        # The contiguous baseline attends with the reference ops unless told otherwise.
+        tensors = KVCacheTensors(
+            k_cache, v_cache, paged=False, ops=ops, k_scales=k_scales, v_scales=v_scales,
+            kv_scales=kv_scales,
         )  # fmt: skip
-        self.num_layers, self.max_batch_size, self.max_model_len, self.num_kv_heads, self.head_dim = shape
-        self.seq_lens: list[int] = [0] * self.max_batch_size
-        self.reserved: list[int] = [0] * self.max_batch_size
-        self._free: set[int] = set(range(self.max_batch_size))
+        super().__init__(ContiguousKVManager(tensors.num_blocks, tensors.block_size), tensors)
+
+    @staticmethod
+    def from_spec(
+        spec: KVCacheSpec,
+        max_batch_size: int,
+        device: str | torch.device = "cpu",
+        *,
+        ops: ModuleType | None = None,
+        kv_scales: tuple[Tensor, Tensor] | None = None,
+    ) -> ContiguousKVPool:
+        """``max_batch_size`` zeroed rows of ``spec.block_size`` (= ``max_model_len``) tokens."""
+        t = KVCacheTensors.allocate(spec, max_batch_size, device, paged=False, ops=ops, kv_scales=kv_scales)
+        return ContiguousKVPool(
+            t.k_cache, t.v_cache, ops=t.ops, k_scales=t.k_scales, v_scales=t.v_scales, kv_scales=kv_scales
+        )
 
     @staticmethod
     def from_model_config(
@@ -73,15 +78,28 @@ class ContiguousKVPool(SeedViews, ViewsMixin):
         """A zeroed pool for a model's shape (pass ``device="meta"`` to size it
         without allocating memory); ``kv_cache_dtype`` and ``kv_scales`` as
         for the paged pool."""
-        shape = (num_layers, max_batch_size, max_model_len, num_kv_heads, head_dim)
-        cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
-        k_cache = torch.zeros(storage_shape(shape, cache_dtype), dtype=cache_dtype, device=device)
-        v_cache = torch.zeros(storage_shape(shape, cache_dtype), dtype=cache_dtype, device=device)
-        static = kv_scales is not None
-        return ContiguousKVPool(
-            k_cache, v_cache, ops=ops, k_scales=new_scales(k_cache, static, "k_scales"),
-            v_scales=new_scales(v_cache, static, "v_scales"), kv_scales=kv_scales,
+        spec = KVCacheSpec.dense(
+            num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype=kv_cache_dtype,
+            block_size=max_model_len, static_scales=kv_scales is not None,
         )  # fmt: skip
+        return ContiguousKVPool.from_spec(spec, max_batch_size, device, ops=ops, kv_scales=kv_scales)
+
+    # -- what tests and benchmarks read ------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        return self.manager.max_batch_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.manager.max_model_len
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return self.manager.seq_lens
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.tensors.num_layers)
 
     # The names the attention ops take for the two tensors.
     @property
@@ -91,176 +109,3 @@ class ContiguousKVPool(SeedViews, ViewsMixin):
     @property
     def v(self) -> Tensor:
         return self.v_cache
-
-    def kv_bytes(self) -> int:
-        """Bytes held by the K and V tensors together, per-token scales
-        included (static scales are per layer, not token storage)."""
-        tensors = (self.k_cache, self.v_cache, self.k_scales, self.v_scales)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-    # -- CachePoolProtocol -------------------------------------------------
-    def free_seq(self, seq_id: int) -> None:
-        """Release ``seq_id``; its stale rows stay but are never read (lengths reset)."""
-        self._check_live(seq_id)
-        self.seq_lens[seq_id] = 0
-        self.reserved[seq_id] = 0
-        self._free.add(seq_id)
-
-    def get_num_computed_tokens(self, seq_id: int) -> int:
-        self._check_live(seq_id)
-        return self.seq_lens[seq_id]
-
-    def free_seq_count(self) -> int:
-        return len(self._free)
-
-    def free_token_capacity(self) -> int | None:
-        """``None``: capacity is per seq_id, not per token."""
-        return None
-
-    def is_paged(self) -> bool:
-        return False
-
-    # -- ServingPoolProtocol -------------------------------------------------
-    def can_allocate_sequence(
-        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
-    ) -> bool:  # fmt: skip
-        return self.can_allocate_sequences([token_ids])
-
-    def can_allocate_sequences(
-        self, token_ids: Sequence[Sequence[int]], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
-    ) -> bool:  # fmt: skip
-        """One free row each, every one long enough."""
-        return len(self._free) >= len(token_ids) and all(
-            len(t) <= self.max_model_len for t in token_ids
-        )
-
-    def allocate_sequence(
-        self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
-    ) -> tuple[int, int]:  # fmt: skip
-        """A free seq_id (lowest first: deterministic, easy to read in logs)
-        for the prompt; no prefix cache, so 0 tokens are cached. The row holds
-        every token, so all are reserved (``num_reserved`` is a lower bound a
-        pool may exceed)."""
-        self._check_fits(len(token_ids))
-        if not self._free:
-            raise OutOfBlocksError(
-                f"all {self.max_batch_size} cache seq_ids are in use; free a seq_id first "
-                "or build the pool with a larger max_batch_size"
-            )
-        seq_id = min(self._free)
-        self._free.remove(seq_id)
-        self.seq_lens[seq_id], self.reserved[seq_id] = 0, len(token_ids)
-        return seq_id, 0
-
-    def can_append(self, seq_ids: Sequence[int]) -> bool:
-        return all(self.reserved[s] < self.max_model_len for s in seq_ids)
-
-    def append_token(self, seq_id: int, token_id: int) -> None:
-        """Reserve the next position of ``seq_id`` (the token id is not needed:
-        no prefix hashing here)."""
-        self._check_live(seq_id)
-        if self.reserved[seq_id] >= self.max_model_len:
-            raise OutOfBlocksError(
-                f"seq_id {seq_id} is full ({self.max_model_len} tokens = max_model_len); "
-                "finish or preempt the sequence"
-            )
-        self.reserved[seq_id] += 1
-
-    def get_num_reserved(self, seq_id: int) -> int:
-        """Tokens the seq_id has room promised for (at most ``max_model_len``)."""
-        self._check_live(seq_id)
-        return max(self.reserved[seq_id], self.seq_lens[seq_id])
-
-    def reserve(self, seq_id: int, token_ids: Sequence[int], upto: int) -> int:
-        """Room up to ``upto`` tokens, at most ``max_model_len`` (the row's end)."""
-        reserved = self.get_num_reserved(seq_id)
-        if upto > reserved:
-            reserved = self.reserved[seq_id] = min(upto, self.max_model_len)
-        return reserved
-
-    def fork_seq(self, seq_id: int) -> int:
-        """A new seq_id holding a copy of ``seq_id``'s rows (one whole "block":
-        every change to the KV tensors outside a forward pass goes through
-        ``ops.copy_blocks``, so a caller can replay it on other tensors)."""
-        self._check_live(seq_id)
-        child, _ = self.allocate_sequence([0] * self.get_num_reserved(seq_id))
-        self.ops.copy_blocks(  # an int8 cache's per-token scales are copied with it
-            self.k_cache, self.v_cache, [(seq_id, child)],
-            **scale_keywords(self.k_scales, self.v_scales),
-        )  # fmt: skip
-        self.seq_lens[child] = self.seq_lens[seq_id]
-        return child
-
-    def mark_computed(self, seq_id: int, num_tokens: int) -> None:
-        """Commit: the seq_id holds ``num_tokens`` written tokens."""
-        self.set_num_computed_tokens(seq_id, num_tokens)
-
-    def audit(self) -> list[str]:
-        problems = []
-        for seq_id in range(self.max_batch_size):
-            n, r = self.seq_lens[seq_id], self.reserved[seq_id]
-            if seq_id in self._free:
-                if n or r:
-                    problems.append(f"free seq_id {seq_id} still has seq_len {n}, reserved {r}")
-            elif not 0 <= n <= self.max_model_len:
-                problems.append(f"seq_id {seq_id} seq_len {n} is outside 0..{self.max_model_len}")
-            elif r > self.max_model_len:
-                problems.append(f"seq_id {seq_id} reserved {r} > max_model_len {self.max_model_len}")
-        return problems
-
-    def reclaim_leaked(self) -> list[int]:
-        """Nothing to reclaim: rows are not shared, and a seq_id is freed by
-        whoever allocated it (an idle engine's audit reports one still held)."""
-        return []
-
-    def stats(self) -> dict[str, float]:
-        """Usage counters under the block manager's names where they mean the
-        same: ``usage`` = tokens held / (seq_ids x max_model_len); no prefix cache."""
-        used = self.max_batch_size - len(self._free)
-        held = sum(max(n, r) for n, r in zip(self.seq_lens, self.reserved, strict=True))
-        capacity = self.max_batch_size * self.max_model_len
-        return {
-            "usage": held / capacity if capacity else 0.0,
-            "tokens_used": float(held),
-            "token_capacity": float(capacity),
-            "rows_used": float(used),
-            "rows_total": float(self.max_batch_size),
-            "hit_rate": 0.0,
-        }
-
-    # -- used by the views -----------------------------------------------------
-    def build_metadata(
-        self, seq_ids: Sequence[int], starts: Sequence[int], new_lens: Sequence[int]
-    ) -> AttentionMetadata:
-        """Step metadata with one "block" per seq_id: the seq_id's whole row."""
-        for seq_id, start, n in zip(seq_ids, starts, new_lens, strict=True):
-            self._check_live(seq_id)
-            end = start + n
-            self._check_fits(end)
-            if end > self.get_num_reserved(seq_id):
-                raise RuntimeError(
-                    f"seq_id {seq_id} has room for {self.get_num_reserved(seq_id)} tokens but this "
-                    f"step writes up to position {end - 1}; reserve first (append_token)"
-                )
-        tables = torch.tensor(list(seq_ids), dtype=torch.int32).view(-1, 1)
-        return build_metadata(tables, starts, new_lens, self.max_model_len, self.k_cache.device)
-
-    def set_num_computed_tokens(self, seq_id: int, n: int) -> None:
-        """Record that ``seq_id`` now holds ``n`` written tokens."""
-        self._check_fits(n)
-        self.seq_lens[seq_id] = n
-        self.reserved[seq_id] = max(self.reserved[seq_id], n)
-
-    def _check_fits(self, n: int) -> None:
-        if n > self.max_model_len:
-            raise ValueError(
-                f"{n} tokens do not fit a seq_id of max_model_len {self.max_model_len}; "
-                "shorten the prompt or build the pool with a larger max_model_len"
-            )
-
-    def _check_live(self, seq_id: int) -> None:
-        if not 0 <= seq_id < self.max_batch_size or seq_id in self._free:
-            raise KeyError(f"seq_id {seq_id} is not allocated in this pool")

@@ -264,12 +264,6 @@ class EngineConfig:
                 f"{', '.join(d for d in KV_CACHE_DTYPES if d not in ('auto', 'int4'))}, not 'auto' "
                 "(the model dtype needs no scales); set --kv-cache-dtype or drop the flag"
             )
-        if self.world_size > 1:
-            raise ValueError(
-                "calculate_kv_scales: not supported with tensor_parallel_size or "
-                "pipeline_parallel_size > 1 yet (the calibration pass runs on one rank); drop "
-                "the flag or use one device"
-            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,6 +31,11 @@ class EngineFailedError(RuntimeError):
     flight, 503 afterwards)."""
 
 
+class WorkerStartError(RuntimeError):
+    """A worker of a tensor- or pipeline-parallel engine did not start (the
+    message ends with its error; its traceback is on stderr)."""
+
+
 def describe_error(exc: BaseException) -> str:
     """An exception as one short line for a request's error: its type and
     the first line of its message (some libraries append pages of state)."""

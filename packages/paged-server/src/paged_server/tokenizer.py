@@ -28,7 +28,6 @@ from tokenizers import Tokenizer as HFTokenizer
 from paged_server.errors import ModelFileNotFoundError
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
-_BATCH = 2048  # texts per tokenizers call in encode_batch
 # Longest text a chat template may render: far past any context window
 # (a prompt that long is refused anyway), short of exhausting memory.
 MAX_RENDERED_CHARS = 32 << 20
@@ -89,16 +88,9 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """``encode`` of each text, ``_BATCH`` texts a call (the library splits
-        each call's work): a text's ``Encoding`` (tokens, offsets, masks)
-        outweighs its ids many times over, so 20,000 texts in one call (a
-        request's 10,000 bad_words) held ~25 MiB more at once."""
-        texts = list(texts)
-        ids: list[list[int]] = []
-        for start in range(0, len(texts), _BATCH):
-            chunk = texts[start : start + _BATCH]
-            ids += [list(e.ids) for e in self.hf.encode_batch(chunk, add_special_tokens=add_special_tokens)]
-        return ids
+        """``encode`` of each text, in one call (the library splits the work)."""
+        encodings = self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [list(e.ids) for e in encodings]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``token_ids`` (invalid UTF-8 becomes U+FFFD)."""

@@ -237,7 +237,7 @@ def _linear_timer(engine: Any, profile: bool) -> LinearTimer | ProfiledLinearTim
     model = engine.loaded.model
     if next(model.parameters()).device.type != "cpu":
         return None
-    if engine.runner.compiled is None:
+    if engine.worker.compiled is None:
         return LinearTimer(model)
     return ProfiledLinearTimer() if profile and not uses_packed_cpu_kernels(model) else None
 
@@ -258,7 +258,7 @@ def run_engine(
 ) -> RunResult:
     """Run ``workload`` to completion on ``engine`` (fresh, idle) and measure
     it (``profile_linears``: see ``_linear_timer``)."""
-    pool = engine.pool
+    pool = engine.kv_manager
     for r in workload.warmup:  # untimed; only the burst below is measured
         engine.add_request(r.request_id, list(r.prompt_token_ids), _greedy(r.max_tokens))
     while engine.has_unfinished():
@@ -333,7 +333,7 @@ def run_engine(
             "max_model_len": cfg.max_model_len,
             "block_size": cfg.block_size,
             "kv_capacity_tokens": int(after["kv_capacity_tokens"]),
-            "kv_bytes": int(pool.kv_bytes()),
+            "kv_bytes": int(engine.worker.tensors.kv_bytes()),
             "enable_prefix_caching": cfg.enable_prefix_caching,
             "enable_chunked_prefill": cfg.enable_chunked_prefill,
             "steps": len(timeline),

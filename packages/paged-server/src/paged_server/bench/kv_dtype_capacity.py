@@ -5,7 +5,7 @@ kv head: no per-token scale bytes).
 
 Measured on real paged pools (``device="meta"``: sized, never allocated):
 each dtype's pool gets as many blocks as ``budget_bytes`` holds
-(``PagedKVPool.num_blocks_for_memory``, int8 per-token scales counted), then
+(``KVCacheSpec.blocks_in``, int8 per-token scales counted), then
 sequences of ``avg_len`` tokens are admitted with ``allocate_sequence``
 until the pool refuses one. The layout defaults to Llama 3.2 1B's
 (16 layers, 8 kv heads x 64), where an int8 per-token scale costs 2 bytes
@@ -56,19 +56,18 @@ def kv_dtype_capacity_row(
     """One dtype's blocks, tokens and admitted sequences in ``budget_bytes``
     (``calculate_kv_scales``: the pool keeps static scales, whatever their values)."""
     from paged_ref import PagedKVPool
-    from paged_ref.kv_quant import cache_dtype_for, kv_bytes_per_token
+    from paged_ref.kv_spec import KVCacheSpec
 
-    dtype = MODEL_DTYPES[model_dtype]
-    cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
-    shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
     static = calculate_kv_scales
-    num_blocks = PagedKVPool.num_blocks_for_memory(
-        budget_bytes, *shape, block_size, cache_dtype, static
-    )
+    spec = KVCacheSpec.dense(
+        layout.num_layers, layout.num_kv_heads, layout.head_dim, MODEL_DTYPES[model_dtype],
+        kv_cache_dtype=kv_cache_dtype, block_size=block_size, static_scales=static,
+    )  # fmt: skip
+    num_blocks = spec.blocks_in(budget_bytes)
     ones = torch.ones(layout.num_layers, layout.num_kv_heads)
-    pool = PagedKVPool.from_model_config(
-        *shape, num_blocks, block_size, dtype, "meta", enable_prefix_caching=False,
-        kv_cache_dtype=kv_cache_dtype, kv_scales=(ones, ones) if static else None,
+    pool = PagedKVPool.from_spec(
+        spec, num_blocks, "meta", enable_prefix_caching=False,
+        kv_scales=(ones, ones) if static else None,
     )  # fmt: skip
     tokens = num_blocks * block_size
     lengths = [avg_len] * (tokens // avg_len + 2)
@@ -77,8 +76,8 @@ def kv_dtype_capacity_row(
         "kv_cache_dtype": kv_cache_dtype,
         "calculate_kv_scales": static,
         "model_dtype": model_dtype,
-        "stored_as": str(cache_dtype).removeprefix("torch."),
-        "bytes_per_token": kv_bytes_per_token(*shape, cache_dtype, static, block_size=block_size),
+        "stored_as": str(spec.cache_dtype).removeprefix("torch."),
+        "bytes_per_token": spec.token_bytes(),
         "num_blocks": num_blocks,
         "tokens": tokens,
         "kv_bytes": pool.kv_bytes(),

@@ -61,7 +61,7 @@ def decode_rate(
 
 def forward_mode(engine: LLMEngine) -> str:
     """``compiled`` when the engine runs the torch.compile'd forward pass, else ``eager``."""
-    return "compiled" if engine.runner.compiled is not None else "eager"
+    return "compiled" if engine.worker.compiled is not None else "eager"
 
 
 def cpu_name() -> str:

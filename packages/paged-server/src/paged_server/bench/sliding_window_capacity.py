@@ -31,18 +31,11 @@ LENGTHS = (1024, 2048, 4096, 8192)
 def _pool(budget_bytes: int, hybrid: bool, block_size: int, kv_cache_dtype: str = "auto") -> Any:
     from paged_core.kv_cache_groups import kv_cache_groups
     from paged_ref import PagedKVPool
-    from paged_ref.kv_quant import cache_dtype_for
+    from paged_ref.kv_spec import KVCacheSpec
 
     groups = kv_cache_groups(GEMMA3_1B_WINDOWS, hybrid=hybrid)
-    cache_layers = len(groups[0].layers)
-    num_blocks = PagedKVPool.num_blocks_for_memory(
-        budget_bytes, cache_layers, 1, 256, block_size,
-        cache_dtype_for(kv_cache_dtype, torch.bfloat16),
-    )  # fmt: skip
-    return PagedKVPool.from_model_config(
-        26, 1, 256, num_blocks, block_size, torch.bfloat16, "meta",
-        enable_prefix_caching=False, groups=groups, kv_cache_dtype=kv_cache_dtype,
-    )  # fmt: skip
+    spec = KVCacheSpec(tuple(groups), 1, 256, torch.bfloat16, kv_cache_dtype, block_size)
+    return PagedKVPool.from_spec(spec, spec.blocks_in(budget_bytes), "meta", enable_prefix_caching=False)
 
 
 def _admit(pool: Any, length: int) -> int:

@@ -29,7 +29,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from paged_core.protocols import ServingPoolProtocol
+from paged_core.protocols import KVCacheManagerProtocol
 from paged_server.engine.beam_scorer import BeamScorer, BeamStep
 from paged_server.engine.logits_processors import apply_logits_processors
 from paged_server.engine.output_processor import release_text
@@ -79,7 +79,7 @@ def ready_rows(request: Request) -> list[Tensor] | None:
 def advance_beams(
     request: Request,
     rows: list[Tensor],
-    pool: ServingPoolProtocol,
+    pool: KVCacheManagerProtocol,
     scheduler: Scheduler,
     eos_token_ids: Collection[int],
 ) -> bool:
@@ -108,7 +108,7 @@ def advance_beams(
 
 
 def _reassign(
-    request: Request, result: BeamStep, pool: ServingPoolProtocol, scheduler: Scheduler
+    request: Request, result: BeamStep, pool: KVCacheManagerProtocol, scheduler: Scheduler
 ) -> None:
     """Move each beam's sequence onto its parent's KV (see module doc)."""
     before = {}

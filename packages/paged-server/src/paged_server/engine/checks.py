@@ -3,7 +3,7 @@ and on engine + pool bookkeeping when asked for an audit."""
 
 from __future__ import annotations
 
-from paged_core.protocols import ServingPoolProtocol
+from paged_core.protocols import KVCacheManagerProtocol
 from paged_server.engine.pool_factory import PoolCapacity
 from paged_server.engine.scheduler import Scheduler
 from paged_server.errors import ContextLengthError
@@ -118,7 +118,7 @@ def check_pool(capacity: PoolCapacity, max_model_len: int) -> str | None:
 
 
 def audit_engine(
-    pool: ServingPoolProtocol, scheduler: Scheduler, capacity: PoolCapacity, idle: bool
+    pool: KVCacheManagerProtocol, scheduler: Scheduler, capacity: PoolCapacity, idle: bool
 ) -> list[str]:
     """The pool's own audit, plus: every running sequence holds its own seq_id
     with the length the engine expects, no waiting sequence holds one, and

@@ -45,7 +45,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: nn.Module,
-        pool: ViewPool,
+        tensors: ViewPool,
         device: torch.device,
         max_batch_size: int,
         max_blocks_per_seq: int,
@@ -54,7 +54,7 @@ class DecodeGraphs:
         num_groups: int = 1,
     ) -> None:
         self.model = model
-        self.pool = pool
+        self.tensors = tensors
         self.sizes = capture_sizes(max_batch_size)
         self.capture = capture
         n = self.sizes[-1]
@@ -81,12 +81,10 @@ class DecodeGraphs:
         """The captured size a batch of ``batch`` decodes runs at."""
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
-    def run(self, seq_ids: list[int], starts: list[int], input_ids: Tensor) -> Tensor:
-        """Hidden states ``[batch, hidden]`` of a pure-decode step: one token
-        (``input_ids``) per seq_id at position ``starts[i]``, room reserved,
-        ``batch <= max_size``."""
-        meta = self.pool.build_metadata(seq_ids, starts, [1] * len(seq_ids))
-        batch = len(seq_ids)
+    def run(self, meta: AttentionMetadata, input_ids: Tensor) -> Tensor:
+        """Hidden states ``[batch, hidden]`` of a pure-decode step (``meta``:
+        one token, ``input_ids``, per sequence; ``batch <= max_size``)."""
+        batch = len(meta.starts)
         size = self.padded(batch)
         self._load(meta, input_ids, size)
         graph = self._graphs.get(size)
@@ -146,7 +144,7 @@ class DecodeGraphs:
             )
             for slots, tables in zip(self.slot_mappings, self.block_tables, strict=True)
         ]
-        return CacheView.over(self.pool, with_groups(metas))
+        return CacheView.over(self.tensors, with_groups(metas))
 
     def _load(self, meta: AttentionMetadata, input_ids: Tensor, size: int) -> None:
         """Device-to-device copies of this step into the static buffers, then padding."""

@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from paged_server.engine.pool_factory import PoolCapacity
+from paged_ref.kv_tensors import KVCacheTensors
 from paged_server.models.layers import Attention
 from paged_triton.warmup import AttentionLayout, LayerAttention, warm_up
 
@@ -23,11 +23,11 @@ log = logging.getLogger(__name__)
 
 
 def attention_layout(
-    model: nn.Module, dtype: torch.dtype, capacity: PoolCapacity, max_model_len: int
+    model: nn.Module, dtype: torch.dtype, tensors: KVCacheTensors, max_model_len: int
 ) -> AttentionLayout:
     """The ``paged_triton.warmup.AttentionLayout`` of ``model`` (this rank's
     heads; each layer's window and soft-cap exactly as it passes them to
-    the ops) over a pool of ``capacity``."""
+    the ops) over the KV cache ``tensors``."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layers to warm up")
@@ -37,24 +37,24 @@ def attention_layout(
         num_kv_heads=first.num_kv_heads,
         head_dim=first.head_dim,
         dtype=dtype,
-        kv_cache_dtype=capacity.kv_dtype,
-        block_size=capacity.block_size,
-        num_blocks=capacity.num_tensor_blocks,  # copy_blocks' layer stride
+        kv_cache_dtype=tensors.k_cache.dtype,
+        block_size=tensors.block_size,
+        num_blocks=tensors.num_blocks,  # copy_blocks' layer stride
         max_model_len=max_model_len,
         layers=tuple(LayerAttention(m.sliding_window, m.softcap or None) for m in layers),
-        static_kv_scales=capacity.kv_scales is not None,
+        static_kv_scales=tensors.k_head_scales is not None,
     )
 
 
 def warm_up_kernels(
     model: nn.Module,
     dtype: torch.dtype,
-    capacity: PoolCapacity,
+    tensors: KVCacheTensors,
     max_model_len: int,
     device: torch.device,
 ) -> int:
     """Compile (on CUDA) every variant; logs one line and returns how many."""
-    layout = attention_layout(model, dtype, capacity, max_model_len)
+    layout = attention_layout(model, dtype, tensors, max_model_len)
     done = warm_up(layout, device)
     if done.compiled:
         log.info("compiled %d Triton kernel variants in %.1f s", len(done.variants), done.seconds)

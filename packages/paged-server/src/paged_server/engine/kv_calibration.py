@@ -1,9 +1,11 @@
 """``calculate_kv_scales``: static K and V scales per (layer, kv head), from one calibration pass at start-up.
 
-As vLLM's ``--calculate-kv-scales``: before the serving pool is used, the
+As vLLM's ``--calculate-kv-scales``: before the serving cache exists, the
 model runs once over a fixed English text (``CALIBRATION_TEXT``, encoded
 with the model's own tokenizer, cut to ``CALIBRATION_TOKENS`` and to
-``max_model_len``) through a small pool in the model's dtype. A recording
+``max_model_len``) through a small pool in the model's dtype; with tensor
+or pipeline parallelism every rank at once, each over its own kv heads and
+layers. A recording
 view around that pool's view notes, in every layer's ``attend``, the
 largest ``|k|`` and ``|v|`` of each kv head: K after RoPE (and Qwen's
 k-norm), exactly what the cache would store. ``scale = absmax / qmax``
@@ -16,12 +18,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from paged_core.protocols import AttentionViewProtocol, ServingPoolProtocol
-from paged_ref.kv_quant import head_scales_from_absmax
+from paged_core.kv_cache_groups import KVCacheGroup
+from paged_core.protocols import AttentionViewProtocol
+from paged_ref.kv_quant import cache_dtype_for, head_scales_from_absmax
+from paged_ref.kv_spec import KVCacheSpec
+from paged_ref.paged_pool import PagedKVPool
+
+if TYPE_CHECKING:
+    from paged_server.config import EngineConfig
+    from paged_server.models import LoadedModel
 
 CALIBRATION_TOKENS = 256
 # Plain English of the kind a served model sees: prose, numbers, code words.
@@ -78,6 +88,11 @@ class AbsmaxRecorder:
     def seq_len(self) -> int:
         return self.view.seq_len
 
+    @property
+    def meta(self) -> Any:
+        """The wrapped view's step metadata (a pipeline stage cuts the step by it)."""
+        return self.view.meta  # type: ignore[attr-defined]
+
     def is_paged(self) -> bool:
         return self.view.is_paged()
 
@@ -122,25 +137,37 @@ def calibration_token_ids(encode: Callable[[str], list[int]], max_model_len: int
 
 
 @torch.inference_mode()
-def calculate_kv_scales(
-    model: nn.Module,
-    token_ids: list[int],
-    pool: ServingPoolProtocol,
-    num_layers: int,
-    kv_heads: int,
-    cache_dtype: torch.dtype,
+def calibrated_kv_scales(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    num_kv_heads: int | None = None,
+    forward: Callable[[Tensor, Any, list[int]], Any] | None = None,
 ) -> KVScales:
-    """One forward pass of ``model`` over ``token_ids`` through ``pool`` (a
-    fresh pool in the model's dtype with room for them), recording absmax per
-    (layer, kv head); returns the scales for ``cache_dtype`` (int8 or fp8)."""
+    """``calculate_kv_scales``: one pass of ``loaded``'s model over the
+    calibration text through a small cache of its own in the model's dtype
+    (freed afterwards), recording each of its layers' K/V absmax per kv head
+    (``num_kv_heads``: this rank's; default the model's); returns the scales
+    ``[num_layers, kv_heads]`` for ``config.kv_cache_dtype``. ``forward(ids,
+    view, rows)`` runs the pass (a pipeline stage's worker passes its
+    stage's turn; default ``model.hidden_states``): a stage records only its
+    own layers, the rows of the others stay at the smallest scale."""
+    model, mc = loaded.model, loaded.config
+    kv_heads = num_kv_heads or mc.num_kv_heads
     device = next(model.parameters()).device
+    token_ids = calibration_token_ids(loaded.tokenizer.encode, config.max_model_len)
+    layers = tuple(model.pp.layers)  # this rank's (a pipeline stage's) layers
+    spec = KVCacheSpec((KVCacheGroup(layers, None),), kv_heads, mc.head_dim, loaded.dtype, block_size=16)
+    pool = PagedKVPool.from_spec(spec, -(-len(token_ids) // spec.block_size), device, enable_prefix_caching=False)
     seq_id, _ = pool.allocate_sequence(token_ids, skip_prefix_cache=True)
     view = pool.step_view([seq_id], [0], [len(token_ids)])
-    recorder = AbsmaxRecorder(view, num_layers, kv_heads, device)
+    recorder = AbsmaxRecorder(view, mc.num_layers, kv_heads, device)
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    positions = torch.arange(len(token_ids), device=device)
-    model.hidden_states(ids, positions, recorder)  # type: ignore[operator]
+    if forward is None:
+        model.hidden_states(ids, view.meta.positions, recorder)
+    else:
+        forward(ids, recorder, [])
     pool.free_seq(seq_id)
+    cache_dtype = cache_dtype_for(config.kv_cache_dtype, loaded.dtype)
     return KVScales(
         head_scales_from_absmax(recorder.k_absmax, cache_dtype),
         head_scales_from_absmax(recorder.v_absmax, cache_dtype),

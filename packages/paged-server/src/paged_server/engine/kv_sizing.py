@@ -23,7 +23,6 @@ A budget that holds no block refuses to start, saying what used the memory.
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +63,10 @@ def kv_budget(
     token_bytes: int,
     device: torch.device,
     model: nn.Module | None,
+    local_ranks: int = 1,
 ) -> KVBudget:
-    """The budget ``config`` asks for on ``device`` (see the module docstring)."""
+    """The budget ``config`` asks for on ``device`` (see the module docstring);
+    ``local_ranks``: ranks sharing this CPU's RAM, each sized from its share."""
     if config.num_gpu_blocks is not None:
         return KVBudget(None, config.num_gpu_blocks, "--num-gpu-blocks")
     if config.kv_cache_memory_bytes is not None:
@@ -95,10 +96,11 @@ def kv_budget(
         num_bytes, how = _cuda_budget(config, utilization, device, model)
     else:
         available = available_cpu_memory()
-        num_bytes = int(available * utilization)
+        num_bytes = int(available * utilization) // local_ranks
+        shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
         how = (
             f"--gpu-memory-utilization {utilization:g} of {available / GIB:.2f} GiB available "
-            "RAM (MemAvailable)"
+            f"RAM (MemAvailable){shared}"
         )
     if num_bytes < token_bytes * config.block_size:
         raise ValueError(
@@ -152,12 +154,17 @@ def _cuda_budget(
 @torch.inference_mode()
 def profile_forward(model: nn.Module, num_tokens: int, device: torch.device) -> None:
     """One forward pass of ``num_tokens`` tokens without a cache, logits for
-    every row: at least the activation memory of any real step."""
+    every row: at least the activation memory of any real step. A pipeline
+    stage runs its own layers (from zero activations after the first stage;
+    the LM head on the last)."""
     ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device).unsqueeze(0)
-    model(ids, positions)
+    stage = getattr(model, "pp", None)
+    intermediate = None
+    if stage is not None and not stage.is_first:
+        dtype = next(model.parameters()).dtype
+        intermediate = torch.zeros(1, num_tokens, model.config.hidden_size, dtype=dtype, device=device)
+    hidden = model.hidden_states(ids, positions, None, intermediate)  # type: ignore[operator]
+    if stage is None or stage.is_last:
+        model.compute_logits(hidden)  # type: ignore[operator]
 
-
-def blocks_in(num_bytes: int, token_bytes: int, block_size: int) -> int:
-    """Whole blocks a byte budget holds."""
-    return max(0, math.floor(num_bytes / (token_bytes * block_size)))

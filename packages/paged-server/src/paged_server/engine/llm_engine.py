@@ -1,30 +1,36 @@
-"""``LLMEngine``: continuous batching over a KV cache pool, one ``step()`` at a time.
+"""``LLMEngine``: the engine core. Continuous batching over a KV cache, one ``step()`` at a time.
+
+The core keeps requests, scheduling, the scheduler's side of the KV cache
+(``kv_manager``: page tables, prefix cache, the audit), sampling and
+outputs; the weights, KV tensors and forward pass are its workers'
+(``engine/worker.py``), one per rank, reached through an executor
+(``engine/executor.py``; with one rank a plain call, rank 0's worker in
+this process either way).
 
 Each step, in order:
 1. retire finished sequences and free their seq_ids;
 2. schedule (``Scheduler.schedule``): one token budget shared by every
    running sequence's missing tokens (decodes, prompt chunks, recomputes),
-   oldest first, preempting the newest when the pool is full, then FCFS
+   oldest first, preempting the newest when the cache is full, then FCFS
    admissions into what is left (prefix-cache hits count as computed);
-3. one flat forward pass over every scheduled token (``ModelRunner``);
+3. one flat forward pass over every scheduled token on every rank
+   (``step_batch.lay_out``, the manager's ``StepLayout``, ``Worker.execute``);
 4. commit: each sequence's computed tokens, and with them the prefix-cache
    entries of its now-complete blocks; a pass that raises commits nothing
    and fails only the sequences in it;
 5. sample the sequences whose tokens are all computed (one batched call),
    detokenize, check stops, stream deltas.
 
-A request never fails because the pool is full: it waits or is recomputed.
+A request never fails because the cache is full: it waits or is recomputed.
 After the forward pass each request's work (prompt logprobs, a beam step,
 grammar mask and match, sampling and logprobs, detokenizing) runs isolated:
 an exception there (or NaN logits) fails that request only, with
-``"<stage> failed: <error>"``, and the step goes on for the others. With ``tensor_parallel_size > 1``
-or ``pipeline_parallel_size > 1`` this process is rank 0
-(``paged_server.parallel``): it broadcasts each step to the other ranks
-before its own forward pass (the first pipeline stage's), and a failed pass is fatal
-(``EngineFailedError``), since the ranks' caches may then disagree. The engine is single-threaded: the HTTP server drives it from
+``"<stage> failed: <error>"``, and the step goes on for the others. With
+``tensor_parallel_size > 1`` or ``pipeline_parallel_size > 1`` a failed
+pass is fatal (``EngineFailedError``), since the ranks' caches may then
+disagree. The engine is single-threaded: the HTTP server drives it from
 one thread (``entrypoints/openai/async_engine.py``), ``LLM`` from the caller's.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -33,43 +39,36 @@ import logging
 import random
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from paged_ref.cpu_decode import CpuDecodeOps
 from paged_server.config import EngineConfig, RunConfig
 from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam_search, ready_rows
 from paged_server.engine.checks import audit_engine, check_pool, check_prompt
-from paged_server.engine.compiled_forward import CompiledForward, compiles_forward
-from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.detokenize import IncrementalDetokenizer, NoText
+from paged_server.engine.executor import Executor, UniProcExecutor
 from paged_server.engine.grammar_mask import StructuredOutput
-from paged_server.engine.kernel_warmup import warm_up_kernels
-from paged_server.engine.kv_sizing import sizes_by_memory_share
 from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import add_token_text, commit_token, take_output
-from paged_server.engine.pool_factory import build_cache_pool, calibrated_kv_scales
-from paged_server.engine.runner import ModelRunner, PromptScores
+from paged_server.engine.pool_factory import build_kv_manager, pool_capacity
 from paged_server.engine.sampler import SamplingRow, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.step_batch import PromptScores, StepLogits, run_step
 from paged_server.engine.token_sets import check_first_token, resolve_token_sets
+from paged_server.engine.worker import Worker
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.generation_defaults import generation_defaults
 from paged_server.model_dir import checkpoint_dtype, resolve_model_dir
-from paged_server.models import LoadedModel, load_model
+from paged_server.models import LoadedModel
 from paged_server.models.loader import read_model_config
 from paged_server.models.quantization import weights_summary
-from paged_server.models.tensor_parallel import shard_heads
 from paged_server.outputs import RequestOutput
 from paged_server.sampling_params import SamplingParams
 from paged_server.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from paged_server.parallel import TensorParallelExecutor
 
 log = logging.getLogger(__name__)
 
@@ -101,74 +100,51 @@ class LLMEngine:
         self.default_sampling = generation_defaults(
             path, run.generation_config, run.override_generation_config
         )
-        self.executor: TensorParallelExecutor | None = None
         self.failed: str | None = None  # set when the engine can no longer step
-        if run.world_size > 1:
-            if loaded is not None:
-                raise ValueError(
-                    "tensor_parallel_size or pipeline_parallel_size > 1 loads the model in every "
-                    "rank: pass the model directory (model=...), not a LoadedModel"
-                )
-            try:
-                self._init(self._start_ranks(run))
-            except BaseException:
-                self.shutdown()
-                raise
-        else:
-            self._init(loaded)
-
-    def _start_ranks(self, config: RunConfig) -> LoadedModel:
-        """Spawn ranks 1..N-1 and load this rank's (0) shard alongside theirs."""
-        from paged_server.parallel import TensorParallelExecutor
-
-        if sizes_by_memory_share(config, config.torch_device):
-            # Each rank would size its pool from its own free memory; their block ids must agree.
+        if run.world_size > 1 and loaded is not None:
             raise ValueError(
-                "tensor_parallel_size or pipeline_parallel_size > 1 cannot size the KV cache by "
-                "memory share yet: set --num-gpu-blocks or --kv-cache-memory-bytes (the same on "
-                "every rank)"
+                "tensor_parallel_size or pipeline_parallel_size > 1 loads the model in every "
+                "rank: pass the model directory (model=...), not a LoadedModel"
             )
-        self.executor = TensorParallelExecutor(config, config.torch_device, config.attention_backend)
-        return self.executor.load_model(model_path(config), config.torch_dtype)
+        self.executor: Executor = self._executor(run, loaded, path)
+        try:
+            self._init(path)
+        except BaseException:
+            self.shutdown()
+            raise
 
-    def _init(self, loaded: LoadedModel | None) -> None:
-        config = self.config
-        if loaded is None:
-            loaded = load_model(
-                model_path(config), config.torch_dtype, config.torch_device,
-                quantization=config.quantization,
-            )  # fmt: skip
-        device = next(loaded.model.parameters()).device
-        self.loaded = loaded
+    @staticmethod
+    def _executor(config: RunConfig, loaded: LoadedModel | None, path: str | None) -> Executor:
+        """One rank: the driver worker here. Several: the other ranks'
+        processes too (``paged_server.parallel``), started now."""
+        if config.world_size == 1:
+            return UniProcExecutor(Worker(config, loaded=loaded))
+        from paged_server.parallel.executor import MultiprocExecutor
+
+        assert path is not None
+        return MultiprocExecutor(config, path)
+
+    def _init(self, path: str | None) -> None:
+        """Every rank's worker loads, calibrates, sizes, builds and warms up
+        its cache, in step (``Worker``'s module doc); this process keeps the
+        scheduler's side: the KV cache manager over the blocks every rank holds."""
+        config, executor = self.config, self.executor
+        executor.collective_rpc("load_model", path, handshake=True)
+        worker = self.worker = executor.driver
+        loaded = self.loaded = worker.loaded
+        assert loaded is not None
         self.tokenizer = loaded.tokenizer
         if config.tokenizer is not None:  # vLLM's --tokenizer: another directory's
             self.tokenizer = Tokenizer.from_dir(resolve_model_dir(config.tokenizer))
         self.model_config = loaded.config
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        mc, executor = loaded.config, self.executor
-        self.kv_heads_per_rank = shard_heads(mc.num_heads, mc.num_kv_heads, loaded.model.tp).num_kv_heads
-        kv_scales = None
-        if config.calculate_kv_scales:  # before the serving pool exists (config refuses TP)
-            kv_scales = calibrated_kv_scales(config, loaded, self.kv_heads_per_rank)
-            log.info("calculate_kv_scales (%s): %s", config.kv_cache_dtype, kv_scales.summary())
-        compile_forward = compiles_forward(loaded.model, config, device, config.attention_backend)
-        # A compiled CPU step also runs its decodes' attention as one C loop
-        # nest that reads the paged cache in place.
-        paged = config.kv_cache_backend == "paged"
-        decode_ops = CpuDecodeOps if compile_forward and paged else None
-        self.pool, self.capacity = build_cache_pool(
-            config,
-            mc,
-            loaded.dtype,
-            device,
-            config.attention_backend,
-            # With TP, no rank-0-only profiling pass: the other ranks would not join its all-reduces.
-            model=loaded.model if executor is None else None,
-            num_kv_heads=self.kv_heads_per_rank,
-            wrap_ops=executor.wrap_ops if executor is not None else decode_ops,
-            kv_scales=kv_scales,
-            pp=loaded.model.pp,
-        )
+        kv_scales = executor.collective_rpc("calibrate", handshake=True)
+        num_blocks, sized_by = executor.collective_rpc("available_blocks", handshake=True)
+        executor.collective_rpc("init_cache", num_blocks, handshake=True)
+        spec = worker.kv_spec()
+        self.kv_heads_per_rank = spec.num_kv_heads
+        self.capacity = pool_capacity(config, spec, num_blocks, sized_by, kv_scales, worker.stage_spec())
+        self.kv_manager = build_kv_manager(config, spec, num_blocks)
         log.info("%s", weights_summary(loaded.model, loaded.dtype, loaded.quantization))
         log.info(
             "KV cache: %d tokens (%d blocks of %d), sized by %s%s",
@@ -180,32 +156,11 @@ class LLMEngine:
         )
         if (short := check_pool(self.capacity, config.max_model_len)) is not None:
             log.warning("%s", short)
-        compiled = CompiledForward(loaded.model) if compile_forward else None
-        self.runner = ModelRunner(
-            loaded.model,
-            self.pool,
-            device,
-            self._decode_graphs(device),
-            before_forward=executor.broadcast_step if executor is not None else None,
-            compiled=compiled,
-            pipeline=executor.pipeline if executor is not None else None,
-        )
-        if executor is not None:
+        if executor.world_size > 1:
             log.info("%s", self.parallel_summary())
-        # The warm-up's throwaway prefill fits the pool: no step computes more tokens.
-        longest = min(config.max_model_len - 1, self.capacity.longest_prompt)
-        if device.type == "cuda":  # compile (and capture) before the first request
-            if config.attention_backend == "triton" and config.kv_cache_backend == "paged":
-                warm_up_kernels(loaded.model, loaded.dtype, self.capacity, config.max_model_len, device)
-            seconds = self.runner.warm_up(min(longest, 256))
-            log.info("warm-up done in %.1f s", seconds)
-        elif compiled is not None:
-            log.info("compiling the forward pass (torch.compile; --enforce-eager skips this)")
-            prompt_len = min(longest, config.max_num_batched_tokens, 512)
-            seconds = self.runner.warm_up(prompt_len, head_rows=config.max_batch_size)
-            log.info("compiled the forward pass in %.1f s", seconds)
+        executor.collective_rpc("warm_up", self.capacity.longest_prompt, handshake=True)
         self.scheduler = Scheduler(
-            self.pool,
+            self.kv_manager,
             config.max_batch_size,
             config.max_num_batched_tokens,
             config.block_size,
@@ -226,29 +181,6 @@ class LLMEngine:
             self.tokenizer.hf.to_str(), loaded.config.vocab_size, self.eos_token_ids
         )
         log.info("engine config as run: %s", config.summary())  # once, when it runs
-
-    def _decode_graphs(self, device: torch.device) -> DecodeGraphs | None:
-        """CUDA graphs for pure-decode steps: on CUDA, with the Triton kernels
-        (the reference ops sync with the host), unless ``enforce_eager``."""
-        config = self.config
-        if (
-            config.enforce_eager
-            or not self.loaded.model.graph_safe  # e.g. the experts' host sync
-            or config.world_size > 1  # graphs would skip the step broadcast
-            or device.type != "cuda"
-            or config.attention_backend != "triton"
-            or config.kv_cache_backend != "paged"
-        ):
-            return None
-        return DecodeGraphs(
-            self.loaded.model,
-            self.pool,  # type: ignore[arg-type]  # the paged pool builds metadata
-            device,
-            config.max_batch_size,
-            -(-config.max_model_len // config.block_size),
-            num_groups=self.capacity.num_groups,
-            capture=True,
-        )
 
     # -- submission ------------------------------------------------------------
     def _whole_vocab_logprobs(self, params: SamplingParams) -> SamplingParams:
@@ -382,18 +314,18 @@ class LLMEngine:
                 counters.prompt_tokens += seq.num_prompt_tokens
 
     def _free_kv_text(self) -> str:
-        free_tokens = self.pool.free_token_capacity()
+        free_tokens = self.kv_manager.free_token_capacity()
         if free_tokens is None:  # contiguous pool: rows, not blocks
-            return f"{self.pool.free_seq_count()} free seq_ids"
+            return f"{self.kv_manager.free_seq_count()} free seq_ids"
         return f"{free_tokens // self.config.block_size} free blocks"
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """Forward, commit, then sample. A pass that raises commits nothing
         and fails only the sequences in it."""
         try:
-            step = self.runner.execute(scheduled)
+            step = self._forward(scheduled)
         except Exception as exc:
-            if self.executor is not None:
+            if self.executor.world_size > 1:
                 raise self._fail_engine(self.executor.describe_failure(exc)) from exc
             log.exception("forward pass failed for %d sequences", len(scheduled))
             for seq, _ in scheduled:
@@ -404,7 +336,7 @@ class LLMEngine:
         # and a stop string found there finishes its sequence before this
         # step's token is appended (the rows below skip finished sequences).
         self._text_of_last_step()
-        mark_computed = self.pool.mark_computed  # once per sequence: bound once
+        mark_computed = self.kv_manager.mark_computed  # once per sequence: bound once
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             assert seq.pool_seq_id is not None
@@ -429,6 +361,11 @@ class LLMEngine:
             else:  # most rows: one choice, sampled alone
                 rows.append((seq, j))
         self._sample(rows, step.logits)
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
+        """The step's flat batch through every rank's worker; its logits split
+        into the sampled rows and the prompt rows scored."""
+        return run_step(self.executor, self.kv_manager, scheduled)
 
     def _isolated(self, seq: Sequence, stage: str) -> _Isolated:
         """Run one request's post-forward work: if it raises, log the
@@ -468,7 +405,7 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         self.counters.generation_tokens += len(rows)
-        if advance_beams(request, rows, self.pool, self.scheduler, self.eos_token_ids):
+        if advance_beams(request, rows, self.kv_manager, self.scheduler, self.eos_token_ids):
             self._touched += finish_beams(request)
 
     def _start_choices(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
@@ -485,7 +422,7 @@ class LLMEngine:
                 continue
             child.token_ids = list(seq.token_ids)
             try:
-                child.pool_seq_id = self.pool.fork_seq(seq.pool_seq_id)
+                child.pool_seq_id = self.kv_manager.fork_seq(seq.pool_seq_id)
             except RuntimeError:  # no seq_id free (contiguous pool): recompute it later
                 child.pool_seq_id = None
             if child.pool_seq_id is None:
@@ -602,18 +539,18 @@ class LLMEngine:
 
     def _fail_engine(self, reason: str) -> EngineFailedError:
         """Stop for good: stop every rank; the caller raises the returned error."""
-        self.failed = f"tensor-parallel engine stopped: {reason}"
+        self.failed = f"{getattr(self.executor, 'kind', 'parallel')} engine stopped: {reason}"
         log.error("%s", self.failed)
-        if self.executor is not None:
-            self.executor.shutdown(reason)
+        self.executor.shutdown(reason)
         return EngineFailedError(self.failed)
 
     # -- lifecycle ----------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do with one rank).
+        """Stop the other ranks' workers (nothing to do with one rank).
         Idempotent; the engine cannot step afterwards if it had workers."""
-        if self.executor is not None:
-            self.executor.shutdown()
+        executor = getattr(self, "executor", None)
+        if executor is not None and executor.world_size > 1:
+            executor.shutdown()
             self.failed = self.failed or "the engine was shut down"
 
     def parallel_summary(self) -> str | None:
@@ -701,21 +638,21 @@ class LLMEngine:
     # -- observability ------------------------------------------------------------
     def free_token_capacity(self) -> int | None:
         """Tokens the free KV capacity can still hold (``None``: contiguous pool)."""
-        return self.pool.free_token_capacity()
+        return self.kv_manager.free_token_capacity()
 
     def metrics(self) -> dict[str, float]:
         """Gauges and counters for operators (names in docs/contracts.md)."""
         running = {id(s.request) for s in self.scheduler.running if not s.is_finished}
         waiting = {id(s.request) for s in self.scheduler.waiting} - running
-        return self.counters.snapshot(self.pool, self.capacity, len(running), len(waiting))
+        return self.counters.snapshot(self.kv_manager, self.capacity, len(running), len(waiting))
 
     def audit(self) -> list[str]:
         """Inconsistencies between the engine and its pool (empty when healthy);
         when idle, any KV capacity still held is reported as a leak. The
         number found is exported (``kv_audit_problems``)."""
-        problems = self.executor.health() if self.executor is not None else []
+        problems = self.executor.health()
         problems += audit_engine(
-            self.pool, self.scheduler, self.capacity, idle=not self.has_unfinished()
+            self.kv_manager, self.scheduler, self.capacity, idle=not self.has_unfinished()
         )
         self.counters.audits += 1
         self.counters.audit_problems = len(problems)
@@ -725,7 +662,7 @@ class LLMEngine:
         """Operator action after an audit reported leaked blocks: free every
         block that no live sequence's page table holds. Returns their ids
         (always empty for the contiguous pool, which has no blocks)."""
-        reclaimed = self.pool.reclaim_leaked()
+        reclaimed = self.kv_manager.reclaim_leaked()
         if reclaimed:
             log.warning("reclaimed %d leaked KV blocks: %s", len(reclaimed), reclaimed)
         return reclaimed

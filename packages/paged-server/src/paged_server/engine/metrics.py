@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from paged_core import MISS_REASONS
-from paged_core.protocols import ServingPoolProtocol
+from paged_core.protocols import KVCacheManagerProtocol
 from paged_server.engine.pool_factory import PoolCapacity
 
 
@@ -29,7 +29,7 @@ class EngineCounters:
 
     def snapshot(
         self,
-        pool: ServingPoolProtocol,
+        pool: KVCacheManagerProtocol,
         capacity: PoolCapacity,
         num_running: int,
         num_waiting: int,

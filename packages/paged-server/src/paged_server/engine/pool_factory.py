@@ -1,32 +1,35 @@
-"""Build the KV cache pool an engine config asks for, sized for the model.
+"""The KV cache an engine config asks for: its size, its capacity, its manager.
 
-The one place that names the concrete pool classes; everything after it
-talks to the pool through ``ServingPoolProtocol`` only.
+The one place that names the concrete cache classes: each rank's worker
+sizes its part of the cache (``cache_size``), the engine core builds the
+scheduler's side (``build_kv_manager``) over the blocks every rank can
+hold and reports them (``PoolCapacity``); ``build_cache_pool`` joins both
+sides in one object for tests and benchmarks. Everything after it talks to
+the manager through ``KVCacheManagerProtocol`` only.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
 
-from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups, stage_groups
+from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from paged_core.protocols import ServingPoolProtocol
-from paged_ref import ContiguousKVPool, PagedKVPool
 from paged_ref import ops as ref_ops
-from paged_ref.kv_quant import cache_dtype_for, kv_bytes_per_token
+from paged_ref.contiguous_manager import ContiguousKVManager
+from paged_ref.kv_pool import KVPool
+from paged_ref.kv_spec import KVCacheSpec
+from paged_ref.kv_tensors import KVCacheTensors
+from paged_ref.paged_manager import PagedKVManager
 from paged_server.config import EngineConfig
-from paged_server.engine.kv_calibration import (
-    KVScales,
-    calculate_kv_scales,
-    calibration_token_ids,
-)
-from paged_server.engine.kv_sizing import blocks_in, kv_budget
-from paged_server.models import LoadedModel, ModelConfig
+from paged_server.engine.kv_calibration import KVScales
+from paged_server.engine.kv_sizing import kv_budget
+from paged_server.models import ModelConfig
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage, for_stage, stage_layers
 
 
@@ -51,18 +54,18 @@ class PoolCapacity:
     sized_by: str = ""  # how the size was chosen (the start-up line says it)
     kv_scales: KVScales | None = None  # static scales (calculate_kv_scales), else None
     groups: str = ""  # the groups in words, for the start-up line
-    group_windows: tuple[int | None, ...] = (None,)  # each KV cache group's sliding window
+    spec: KVCacheSpec | None = None  # the layout (this rank's), when paged
 
     @property
     def num_groups(self) -> int:
         """KV cache groups sharing the blocks (1 unless a paged pool is hybrid)."""
-        return len(self.group_windows)
+        return 1 if self.spec is None else len(self.spec.groups)
 
     @property
     def num_tensor_blocks(self) -> int:
         """Blocks of the cache tensors: ``num_blocks`` plus the null block
         a pool with sliding groups reserves."""
-        return self.num_blocks + any(w is not None for w in self.group_windows)
+        return self.num_blocks + (0 if self.spec is None else self.spec.num_null_blocks)
 
     @property
     def longest_prompt(self) -> int:
@@ -75,15 +78,11 @@ class PoolCapacity:
         return self.num_blocks // self.num_groups * self.block_size
 
     def blocks_for(self, prompt_len: int, kv_tokens: int) -> int:
-        """Blocks one sequence needs at its peak: its prompt in every group
-        (taken at admission), or ``kv_tokens`` in full groups and at most a
-        window + 1 block in sliding ones, whichever is more."""
-        bs = self.block_size
-        blocks = -(-kv_tokens // bs)
-        peak = sum(
-            blocks if w is None else min(blocks, -(-w // bs) + 1) for w in self.group_windows
-        )
-        return max(peak, self.num_groups * -(-prompt_len // bs))
+        """Blocks one sequence needs at its peak (``KVCacheSpec.blocks_for``;
+        the contiguous pool's row counts as whole blocks)."""
+        if self.spec is None:
+            return max(-(-kv_tokens // self.block_size), -(-prompt_len // self.block_size))
+        return self.spec.blocks_for(prompt_len, kv_tokens)
 
 
 def describe_groups(groups: list[KVCacheGroup]) -> str:
@@ -109,6 +108,81 @@ def attention_ops(backend: str) -> ModuleType:
     return ref_ops
 
 
+def cache_size(
+    config: EngineConfig, spec: KVCacheSpec, device: torch.device, model: nn.Module | None,
+    local_ranks: int = 1,
+) -> tuple[int, str]:  # fmt: skip
+    """How big the cache ``spec`` describes (this rank's layers) may be, and
+    why, for the start-up line: paged, its blocks (the null block sliding
+    windows keep included): ``num_gpu_blocks``, else as many as the memory
+    budget holds (``kv_cache_memory_bytes``, else ``gpu_memory_utilization``,
+    see ``kv_sizing``; ``model`` runs its profiling pass; a CPU's RAM is
+    shared by its ``local_ranks``), else ``max_batch_size * max_model_len /
+    block_size`` in every KV cache group; contiguous, its rows of
+    ``max_model_len``: ``max_batch_size``, fewer if the budget holds fewer.
+    Every rank computes its own; the engine takes the least (vLLM does too),
+    so that a pipeline stage with more cache layers bounds them all."""
+    budget = kv_budget(config, spec.token_bytes(), device, model, local_ranks)
+    if config.kv_cache_backend != "paged":
+        if budget.num_bytes is None:
+            return config.max_batch_size, "max_batch_size rows"
+        rows = min(config.max_batch_size, spec.blocks_in(budget.num_bytes))
+        if rows < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes ({budget.num_bytes}) holds no contiguous "
+                f"row of {spec.block_bytes()} bytes (max_model_len "
+                f"{config.max_model_len}); raise it or lower max_model_len"
+            )
+        return rows, budget.sized_by
+    null = spec.num_null_blocks
+    if budget.num_blocks is not None:
+        return budget.num_blocks, budget.sized_by
+    if budget.num_bytes is not None:
+        num_blocks = spec.blocks_in(budget.num_bytes)
+        if num_blocks < 1 + null:
+            raise ValueError(
+                f"kv_cache_memory_bytes ({budget.num_bytes}) holds no KV block "
+                f"of {spec.block_bytes()} bytes; raise it or lower block_size"
+            )
+        return num_blocks, budget.sized_by
+    # the contiguous pool's tokens, in every group (+ the null block)
+    per_group = math.ceil(config.max_batch_size * config.max_model_len / spec.block_size)
+    return per_group * len(spec.groups) + null, budget.sized_by
+
+
+def pool_capacity(
+    config: EngineConfig, spec: KVCacheSpec, num_blocks: int, sized_by: str,
+    kv_scales: KVScales | None = None, local: KVCacheSpec | None = None,
+) -> PoolCapacity:  # fmt: skip
+    """The capacity of a cache of ``num_blocks`` blocks (rows, contiguous)
+    laid out as ``spec``; ``local``: the part this rank stores (its
+    pipeline stage's layers), whose bytes the start-up line reports."""
+    local = local or spec
+    if config.kv_cache_backend != "paged":
+        tokens = num_blocks * config.max_model_len
+        return PoolCapacity(
+            tokens // config.block_size, config.block_size, num_blocks, tokens, spec.cache_dtype,
+            num_blocks * local.block_bytes(), sized_by, kv_scales,
+        )  # fmt: skip
+    usable = num_blocks - spec.num_null_blocks  # a sliding group's null block is never handed out
+    return PoolCapacity(
+        usable, spec.block_size, None, spec.tokens_in(usable), spec.cache_dtype,
+        num_blocks * local.block_bytes(), sized_by, kv_scales, describe_groups(list(spec.groups)),
+        spec,
+    )  # fmt: skip
+
+
+def build_kv_manager(config: EngineConfig, spec: KVCacheSpec, num_blocks: int) -> Any:
+    """The scheduler's side of the cache: ``PagedKVManager`` over ``num_blocks``
+    blocks, or ``ContiguousKVManager`` over that many rows."""
+    if config.kv_cache_backend != "paged":
+        return ContiguousKVManager(num_blocks, config.max_model_len)
+    return PagedKVManager(
+        num_blocks, spec.block_size, enable_prefix_caching=config.enable_prefix_caching,
+        sliding_windows=spec.windows,
+    )  # fmt: skip
+
+
 def build_cache_pool(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -118,165 +192,38 @@ def build_cache_pool(
     model: nn.Module | None = None,
     *,
     num_kv_heads: int | None = None,
-    wrap_ops: Callable[[ModuleType], ModuleType] | None = None,
     kv_scales: KVScales | None = None,
     pp: PipelineStage = WHOLE,
 ) -> tuple[ServingPoolProtocol, PoolCapacity]:
-    """A zeroed pool for ``model_config`` and its capacity: ``paged_pool``
-    or ``contiguous_pool`` as ``kv_cache_backend`` says.
+    """A zeroed pool joining both sides (``paged_ref.kv_pool``) for
+    ``model_config``, sized as an engine would size it, and its capacity
+    (tests, benchmarks; the engine keeps the sides apart).
 
     With tensor parallelism the pool holds only this rank's ``num_kv_heads``
-    (default: all of the model's), so a per-device budget buys more tokens;
-    ``wrap_ops`` wraps the attention ops the pool uses (rank 0 records its
-    block copies that way). With pipeline parallelism (``pp``) the pool
-    holds only the stage's layers, with the same blocks on every stage.
-    Bytes are those of ``kv_cache_dtype`` (int8
-    per-token scales included), so an 8-bit cache gets about twice the
-    tokens from the same memory budget; with ``kv_scales`` (from
-    :func:`calibrated_kv_scales`) the pool keeps static scales instead and
-    int8 gets exactly twice.
-    The contiguous pool attends with the reference path whatever ``backend``.
-    """
+    (default: all of the model's); with pipeline parallelism (``pp``) only
+    the stage's layers. With ``kv_scales`` (``calculate_kv_scales``) an 8-bit
+    pool keeps static scales. The contiguous pool attends with the reference
+    path whatever ``backend``."""
     if config.calculate_kv_scales and kv_scales is None:
-        raise ValueError("calculate_kv_scales: pass kv_scales=calibrated_kv_scales(...) to build the pool")
-    shape = _KVShape(
-        model_config.num_layers, num_kv_heads or model_config.num_kv_heads, model_config.head_dim,
-        dtype, cache_dtype_for(config.kv_cache_dtype, dtype), kv_scales,
-    )  # fmt: skip
+        raise ValueError("calculate_kv_scales: pass kv_scales=calibrate_kv_scales(...) to build the pool")
     paged = config.kv_cache_backend == "paged"
-    ops = attention_ops(backend) if paged else ref_ops
-    ops = wrap_ops(ops) if wrap_ops is not None else ops
-    if paged:
-        stage = for_stage(pp, model_config.num_layers)
-        return paged_pool(config, model_config.layer_sliding_windows, shape, device, model, ops, stage)
-    if pp.size > 1:
+    if pp.size > 1 and not paged:
         raise ValueError("pipeline parallelism needs kv_cache_backend='paged'")
-    return contiguous_pool(config, shape, device, model, ops)
-
-
-@dataclass(frozen=True, slots=True)
-class _KVShape:
-    """What one token's K/V is made of: the pool's layers, kv heads and
-    head size, the model's dtype, what the cache stores and its scales."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    kv_scales: KVScales | None
-
-    @property
-    def static(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self.kv_scales is None else (self.kv_scales.k, self.kv_scales.v)
-
-    def token_bytes(self, num_layers: int, block_size: int) -> int:
-        """Bytes one token takes over ``num_layers`` layers (int8 per-token
-        scales included; an int4 token's share of its ``block_size`` block's
-        key scales)."""
-        static = self.kv_scales is not None
-        return kv_bytes_per_token(
-            num_layers, self.kv_heads, self.head_dim, self.kv_dtype, static, block_size=block_size
-        )
-
-
-def paged_pool(
-    config: EngineConfig, layer_windows: list[int | None], shape: _KVShape, device: torch.device,
-    model: nn.Module | None, ops: ModuleType, stage: PipelineStage | None = None,
-) -> tuple[ServingPoolProtocol, PoolCapacity]:  # fmt: skip
-    """The paged pool: ``num_gpu_blocks``, else as many blocks as the memory
-    budget (``kv_cache_memory_bytes``, else ``gpu_memory_utilization``, see
-    ``kv_sizing``; ``model`` runs its profiling pass) holds, else
-    ``max_batch_size * max_model_len / block_size`` in every KV cache group.
-    The groups are computed here, once, and handed to the pool.
-
-    A pipeline stage (``stage``) keeps each group's layers it holds
-    (``stage_groups``); every stage has the same block ids (rank 0's block
-    manager hands them out), so the count is the one the stage with the
-    most cache layers can afford from the budget, computed alike on every
-    rank (vLLM also takes the least over its workers)."""
-    groups = kv_cache_groups(layer_windows, hybrid=not config.disable_hybrid_kv_cache_manager)
-    sliding = any(g.sliding_window is not None for g in groups)
-    bs = config.block_size
-    num_layers = len(layer_windows)
-    stage = stage or for_stage(WHOLE, num_layers)
-    per_stage = [stage_groups(groups, stage_layers(num_layers, r, stage.size)) for r in range(stage.size)]
-    widest = max(max(len(g.layers) for g in s) for s in per_stage)  # the fullest stage's cache layers
-    slot_bytes = shape.token_bytes(widest, bs)  # a block holds one group's layers (of one stage)
-    model_groups, groups = groups, per_stage[stage.rank]
-    local_bytes = shape.token_bytes(max(len(g.layers) for g in groups), bs)
-    budget = kv_budget(config, slot_bytes, device, model)
-    num_blocks = budget.num_blocks
-    if num_blocks is None and budget.num_bytes is not None:
-        num_blocks = blocks_in(budget.num_bytes, slot_bytes, bs)
-        if num_blocks < 1 + sliding:
-            raise ValueError(
-                f"kv_cache_memory_bytes ({budget.num_bytes}) holds no KV block "
-                f"of {slot_bytes * bs} bytes; raise it or lower block_size"
-            )
-    if num_blocks is None:  # the contiguous pool's tokens, in every group (+ the null block)
-        num_blocks = math.ceil(config.max_batch_size * config.max_model_len / bs) * len(groups) + sliding
-    pool = PagedKVPool.from_model_config(
-        sum(len(g.layers) for g in groups), shape.kv_heads, shape.head_dim, num_blocks, bs,
-        shape.dtype, device, enable_prefix_caching=config.enable_prefix_caching, ops=ops,
-        kv_cache_dtype=config.kv_cache_dtype, kv_scales=shape.static, groups=groups,
+    groups = kv_cache_groups(
+        model_config.layer_sliding_windows, hybrid=paged and not config.disable_hybrid_kv_cache_manager
+    )
+    spec = KVCacheSpec(
+        tuple(groups), num_kv_heads or model_config.num_kv_heads, model_config.head_dim, dtype,
+        config.kv_cache_dtype, config.block_size if paged else config.max_model_len,
+        static_scales=kv_scales is not None,
     )  # fmt: skip
-    usable = num_blocks - sliding  # a sliding group's null block is never handed out
-    return pool, PoolCapacity(
-        usable, bs, None, usable * bs // len(groups), shape.kv_dtype,
-        num_blocks * bs * local_bytes, budget.sized_by, shape.kv_scales,
-        describe_groups(model_groups), tuple(g.sliding_window for g in groups),
-    )  # fmt: skip
-
-
-def contiguous_pool(
-    config: EngineConfig, shape: _KVShape, device: torch.device, model: nn.Module | None,
-    ops: ModuleType,
-) -> tuple[ServingPoolProtocol, PoolCapacity]:  # fmt: skip
-    """The contiguous pool: ``max_batch_size`` rows of ``max_model_len``
-    tokens, fewer if the memory budget holds fewer."""
-    # (int4: a row is one block, so its key scales are per group of that row)
-    token_bytes = shape.token_bytes(shape.num_layers, config.max_model_len)
-    budget = kv_budget(config, token_bytes, device, model)
-    rows = config.max_batch_size
-    if budget.num_bytes is not None:
-        rows = min(rows, budget.num_bytes // (token_bytes * config.max_model_len))
-        if rows < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes ({budget.num_bytes}) holds no contiguous "
-                f"row of {token_bytes * config.max_model_len} bytes (max_model_len "
-                f"{config.max_model_len}); raise it or lower max_model_len"
-            )
-    pool = ContiguousKVPool.from_model_config(
-        shape.num_layers, shape.kv_heads, shape.head_dim, config.max_model_len, rows,
-        dtype=shape.dtype, device=device, ops=ops, kv_cache_dtype=config.kv_cache_dtype,
-        kv_scales=shape.static,
-    )  # fmt: skip
-    tokens = rows * config.max_model_len
-    sized_by = budget.sized_by if budget.num_bytes is not None else "max_batch_size rows"
-    return pool, PoolCapacity(
-        tokens // config.block_size, config.block_size, rows, tokens, shape.kv_dtype,
-        tokens * token_bytes, sized_by, shape.kv_scales,
-    )  # fmt: skip
-
-
-def calibrated_kv_scales(
-    config: EngineConfig, loaded: LoadedModel, num_kv_heads: int | None = None
-) -> KVScales:
-    """``calculate_kv_scales``: one pass of ``loaded``'s model over the
-    calibration text through a small reference pool in the model's dtype
-    (freed afterwards), recording each layer's K/V absmax per kv head
-    (``engine/kv_calibration.py``). Runs before the serving pool is built."""
-    mc = loaded.config
-    kv_heads = num_kv_heads or mc.num_kv_heads
-    device = next(loaded.model.parameters()).device
-    token_ids = calibration_token_ids(loaded.tokenizer.encode, config.max_model_len)
-    block_size = 16
-    pool = PagedKVPool.from_model_config(
-        mc.num_layers, kv_heads, mc.head_dim, -(-len(token_ids) // block_size), block_size,
-        loaded.dtype, device, enable_prefix_caching=False,
-    )  # fmt: skip
-    return calculate_kv_scales(
-        loaded.model, token_ids, pool, mc.num_layers, kv_heads,
-        cache_dtype_for(config.kv_cache_dtype, loaded.dtype),
-    )  # fmt: skip
+    stage = for_stage(pp, model_config.num_layers)
+    stages = [spec.for_stage(stage_layers(spec.num_layers, r, stage.size)) for r in range(stage.size)]
+    num_blocks = min(cache_size(config, s, device, model)[0] for s in stages)
+    sized_by = cache_size(config, stages[stage.rank], device, model)[1]
+    local = stages[stage.rank]
+    ops = attention_ops(backend) if paged else ref_ops
+    scales = None if kv_scales is None else (kv_scales.k, kv_scales.v)
+    tensors = KVCacheTensors.allocate(local, num_blocks, device, paged=paged, ops=ops, kv_scales=scales)
+    pool = KVPool(build_kv_manager(config, spec, num_blocks), tensors)
+    return pool, pool_capacity(config, spec, num_blocks, sized_by, kv_scales, local)

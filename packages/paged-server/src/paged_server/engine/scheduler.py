@@ -30,8 +30,9 @@ running (the pool as free as it gets) never will be; it is refused
 reason, rather than waiting forever. Submission checks
 (``checks.check_prompt``) make this rare.
 
-The scheduler knows budgets and order, and talks to the pool only through
-``ServingPoolProtocol``: it never sees a tensor or a cache type. It owns the
+The scheduler knows budgets and order, and talks to the KV cache only
+through its manager (``KVCacheManagerProtocol``): it never sees a tensor or
+a cache type. It owns the
 seq_ids' lifecycle: admission allocates, preemption and ``retire`` free.
 """
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from paged_core.protocols import ServingPoolProtocol
+from paged_core.protocols import KVCacheManagerProtocol
 from paged_server.engine.sequence import Sequence, SequenceStatus
 
 # Share of free KV capacity admission leaves for running sequences to grow.
@@ -71,7 +72,7 @@ class Scheduler:
 
     def __init__(
         self,
-        pool: ServingPoolProtocol,
+        kv_manager: KVCacheManagerProtocol,
         max_batch_size: int,
         max_num_batched_tokens: int,
         block_size: int = 16,
@@ -79,7 +80,7 @@ class Scheduler:
         reserve_fraction: float = RESERVE_FRACTION,
         long_prefill_token_threshold: int = 0,
     ) -> None:
-        self.pool = pool
+        self.kv_manager = kv_manager
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
@@ -144,7 +145,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         has_prefill = False
-        reserve, finished = self.pool.reserve, SequenceStatus.FINISHED
+        reserve, finished = self.kv_manager.reserve, SequenceStatus.FINISHED
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -205,7 +206,7 @@ class Scheduler:
         follows next step); ``None`` when its unit had to go."""
         assert seq.pool_seq_id is not None, f"running sequence {seq.seq_id} has no cache seq_id"
         upto = seq.num_computed_tokens + n
-        while (reserved := self.pool.reserve(seq.pool_seq_id, seq.token_ids, upto)) < upto:
+        while (reserved := self.kv_manager.reserve(seq.pool_seq_id, seq.token_ids, upto)) < upto:
             unit = self._unit(self._newest(), self.running)
             if seq not in unit:
                 self._preempt(unit, out)
@@ -253,9 +254,9 @@ class Scheduler:
         """Take ``unit`` out for good (it can never run); the engine fails it."""
         request = unit[0].request
         tokens = sum(s.num_tokens for s in unit)
-        free = self.pool.free_token_capacity()
+        free = self.kv_manager.free_token_capacity()
         room = f"{free} tokens of KV cache free" if free is not None else (
-            f"{self.pool.free_seq_count()} cache rows free"
+            f"{self.kv_manager.free_seq_count()} cache rows free"
         )
         reason = (
             f"request {request.request_id!r} can never be scheduled: its {len(unit)} "
@@ -281,7 +282,7 @@ class Scheduler:
         wait forever; if even then it cannot be allocated, it is refused.
         Stops at the first unit that does not fit."""
         places = self.max_batch_size - self.num_running_places()
-        free_kv = self.pool.free_token_capacity()
+        free_kv = self.kv_manager.free_token_capacity()
         kv_budget: int | None = None
         if free_kv is not None:
             reserve = max(
@@ -307,7 +308,7 @@ class Scheduler:
             skip = seq.request.needs_prompt_logprobs
             prompt = seq.num_prompt_tokens  # reserved at once; the rest chunk by chunk
             histories = [s.token_ids for s in unit]
-            if not self.pool.can_allocate_sequences(
+            if not self.kv_manager.can_allocate_sequences(
                 histories, skip_prefix_cache=skip, num_reserved=prompt
             ):
                 if alone:
@@ -316,7 +317,7 @@ class Scheduler:
                 break
             for s in unit:
                 self.remove_waiting(s)
-                s.pool_seq_id, s.num_computed_tokens = self.pool.allocate_sequence(
+                s.pool_seq_id, s.num_computed_tokens = self.kv_manager.allocate_sequence(
                     s.token_ids, skip_prefix_cache=skip, num_reserved=prompt
                 )
                 self.add_running(s)
@@ -329,7 +330,7 @@ class Scheduler:
                 if n:  # the prompt is reserved; a recompute past it gets what fits
                     upto, seq_id = s.num_computed_tokens + n, s.pool_seq_id
                     assert seq_id is not None  # allocated above
-                    reserved = self.pool.reserve(seq_id, s.token_ids, upto)
+                    reserved = self.kv_manager.reserve(seq_id, s.token_ids, upto)
                     n = min(n, reserved - s.num_computed_tokens)
                 out.admitted.append(s)
                 if n:
@@ -339,5 +340,5 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         if seq.pool_seq_id is not None:
-            self.pool.free_seq(seq.pool_seq_id)
+            self.kv_manager.free_seq(seq.pool_seq_id)
             seq.pool_seq_id = None

@@ -1,8 +1,9 @@
-"""Tensor parallelism over ``torch.distributed``: one model across several devices.
+"""Tensor and pipeline parallelism over ``torch.distributed``: one model across several devices.
 
 ``executor`` is rank 0's side (the engine process), ``worker`` the other
-ranks', ``process_groups`` the process groups and what crosses them,
-``step_message`` the one message per step. Across nodes, ``rendezvous`` is
+ranks' processes (each runs the same ``engine.worker.Worker`` as rank 0),
+``process_groups`` the process groups and what crosses them,
+``step_message`` the one message per worker call. Across nodes, ``rendezvous`` is
 where the ranks meet (torch.distributed's env:// store) and ``node_worker``
 runs the ranks of another node (``paged-server worker``, or torchrun's). The sharded layers are model code
 (``paged_server.models.tensor_parallel``).
@@ -10,7 +11,7 @@ runs the ranks of another node (``paged-server worker``, or torchrun's). The sha
 
 from __future__ import annotations
 
-from paged_server.parallel.executor import TensorParallelExecutor, WorkerStartError
+from paged_server.errors import WorkerStartError
 from paged_server.parallel.process_groups import CommCounts, TPGroup
 
-__all__ = ["CommCounts", "TPGroup", "TensorParallelExecutor", "WorkerStartError"]
+__all__ = ["CommCounts", "TPGroup", "WorkerStartError"]

@@ -1,13 +1,14 @@
-"""Rank 0's side of tensor and pipeline parallelism: start the workers, feed them, stop them.
+"""Several ranks, one engine: start the other ranks' workers, call them, stop them.
 
-The engine process is rank 0: it keeps the scheduler and block manager,
-runs its own shard of the forward pass, and samples. ``TensorParallelExecutor``
-spawns ranks 1..N-1 (``torch.multiprocessing``, spawn), joins the process
-groups with them, and before every forward pass broadcasts that step's
-message (``broadcast_step``, one broadcast per step). Then every rank runs
-the same forward over its shard and the layers' all-reduces meet. With
-pipeline parallelism the ranks form ``pipeline_parallel_size`` stages of
-``tensor_parallel_size`` ranks (rank 0 and its stage first); each runs its
+The engine process is rank 0: its engine core keeps the scheduler and the
+KV cache manager, and its own ``Worker`` (the driver) runs its shard of
+each step. ``MultiprocExecutor`` spawns ranks 1..N-1 (``torch.multiprocessing``,
+spawn), joins the process groups with them, and from then on every worker
+call goes to every rank: ``collective_rpc`` broadcasts it
+(``step_message.WorkerCall``), then makes it on the driver, so every rank
+runs the same code in the same order and the layers' all-reduces meet.
+With pipeline parallelism the ranks form ``pipeline_parallel_size`` stages
+of ``tensor_parallel_size`` ranks (rank 0 and its stage first); each runs its
 stage of the step (``pipeline.py``, in micro-batches so the stages
 overlap) and the last returns the logits.
 
@@ -15,6 +16,8 @@ Start-up checks the size first (``preflight``), then waits on each worker's
 pipe until it is ready to join the groups: a worker that fails or dies
 before that (an import error, a bad device, a main module spawn cannot
 import) ends start-up at once with its error, and every worker is stopped.
+Each start-up call (load, calibrate, size, build, warm up) ends with every
+rank reporting success; a failure anywhere ends start-up with its error.
 
 On several nodes (``nnodes > 1``, or under torchrun) the store listens on
 ``master_addr:master_port`` instead of loopback; this process spawns only
@@ -26,7 +29,6 @@ Failure is all-or-nothing: once a rank dies or a collective fails the ranks
 can no longer agree on what their KV caches hold, so the engine stops all
 of them and reports which rank died and how.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -35,20 +37,18 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import numpy as np
 import torch
 import torch.multiprocessing as mp
+from torch import Tensor
 
-from paged_server.config import EngineConfig
-from paged_server.models import LoadedModel, load_model
-from paged_server.models.pipeline_parallel import PipelineStage
-from paged_server.models.tensor_parallel import TensorParallel
+from paged_server.config import EngineConfig, RunConfig
+from paged_server.engine.worker import Worker, WorkerStep
+from paged_server.errors import WorkerStartError
 from paged_server.parallel import rendezvous
-from paged_server.parallel.pipeline import PipelineStep, micro_batch_count
+from paged_server.parallel.pipeline import micro_batch_count
 from paged_server.parallel.preflight import (
     GUARD_HINT,
     check_tensor_parallel,
@@ -56,7 +56,7 @@ from paged_server.parallel.preflight import (
     usable_cpu_cores,
 )
 from paged_server.parallel.process_groups import TPGroup
-from paged_server.parallel.step_message import RecordingOps, StepMessage
+from paged_server.parallel.step_message import WorkerCall
 from paged_server.parallel.worker import ERROR, READY, WorkerSpec, parallel_kind, worker_main
 
 log = logging.getLogger(__name__)
@@ -69,28 +69,24 @@ STOP_TIMEOUT_S = 10.0
 HEARTBEAT_STALE_S = 5.0
 
 
-class WorkerStartError(RuntimeError):
-    """A tensor-parallel worker did not start (the message ends with its
-    error; its traceback is on stderr)."""
+class MultiprocExecutor:
+    """The driver worker here and ranks 1..N-1 of ``config.world_size`` in
+    processes of their own (see module doc); started by the constructor
+    (on the checkpoint at ``path``, checked first)."""
 
-
-class TensorParallelExecutor:
-    """Workers for ranks 1..N-1 of ``config.world_size`` (see module doc)."""
-
-    def __init__(self, config: EngineConfig, device: torch.device, attention_backend: str) -> None:
+    def __init__(self, config: RunConfig, path: str) -> None:
+        device = config.torch_device
         world = config.world_size
         self.world_size = world
         self.tp_size = config.tensor_parallel_size
         self.pp_size = config.pipeline_parallel_size
         self.kind = parallel_kind(self.tp_size, self.pp_size)  # how messages name the ranks
-        self.pipeline: PipelineStep | None = None  # rank 0's stage, with pipeline parallelism
+        self.config = config
         self.micro_batches = micro_batch_count(self.pp_size) if self.pp_size > 1 else 1
-        self._block_size = config.block_size
         addr, port, is_master, local, per_node = _layout(config)
         self._local = local  # ranks 0..local-1 run on this node, spawned here
         self._remote = list(range(local, world))  # started on other nodes (or by torchrun)
         self._nnodes = world // per_node
-        self.quantization = config.quantization
         self.device = _rank_device(device, 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -102,7 +98,6 @@ class TensorParallelExecutor:
         if self.device.type == "cpu":
             busy = local if self.micro_batches > 1 else min(local, self.tp_size)
             torch.set_num_threads(max(1, usable_cpu_cores() // busy))
-        self.recorder: RecordingOps | None = None
         self.dead: str | None = None  # why the ranks stopped, once they have
         try:
             store = rendezvous.open_store(addr, port, world, is_master, START_TIMEOUT_S)
@@ -115,10 +110,7 @@ class TensorParallelExecutor:
             store_host=addr,
             store_port=port or store.port,  # port 0: the one the store picked
             config=config,
-            model_path="",  # set by load_model
-            dtype="",
             device=str(device),
-            attention_backend=attention_backend,
             num_threads=torch.get_num_threads(),
             parent_pid=os.getpid(),
             micro_batches=self.micro_batches,
@@ -135,29 +127,24 @@ class TensorParallelExecutor:
         self._beats = rendezvous.HeartbeatWatch(store, self._remote)
         # Workers never outlive this object, nor the interpreter (atexit).
         self._finalizer = weakref.finalize(self, _stop_processes, self.workers, STOP_TIMEOUT_S)
-
-    # -- start-up -------------------------------------------------------------
-    def load_model(self, path: str, dtype: torch.dtype) -> LoadedModel:
-        """Start the workers on ``path`` and load rank 0's shard; returns
-        once every rank has loaded its shard. Raises ``WorkerStartError``."""
+        self.driver: Worker
         check_tensor_parallel(  # before any process starts
             self.tp_size, path, self.device, self._local, pipeline_parallel_size=self.pp_size
         )
         try:
-            return self._start(path, dtype)
+            self._start()
         except BaseException:
             self.shutdown(f"{self.kind} start-up failed")  # no worker outlives a failed start
             raise
 
-    def _start(self, path: str, dtype: torch.dtype) -> LoadedModel:
-        dtype_name = str(dtype).removeprefix("torch.")
+    # -- start-up -------------------------------------------------------------
+    def _start(self) -> None:
+        """Spawn this node's workers, wait until every rank is ready, join
+        the groups; the driver worker is rank 0's ``Worker``."""
         context = mp.get_context("spawn")
         if self._remote:  # what the other nodes' ranks read (rank 0's spec: theirs but rank, device)
-            rendezvous.publish_spec(
-                self._store, dataclasses.replace(self._specs[0], model_path=path, dtype=dtype_name)
-            )
+            rendezvous.publish_spec(self._store, self._specs[0])
         for spec in self._specs[1:]:
-            spec = dataclasses.replace(spec, model_path=path, dtype=dtype_name)
             reader, writer = context.Pipe(duplex=False)
             name = f"paged-tp-rank{spec.rank}"
             process = context.Process(target=worker_main, args=(spec, writer), name=name, daemon=True)
@@ -177,32 +164,53 @@ class TensorParallelExecutor:
             raise WorkerStartError(
                 f"{self.kind} workers did not join: {self._worker_status(wait_s=5.0) or exc}"
             ) from exc
-        tp = TensorParallel(0, self.tp_size, self.group)
-        loaded: LoadedModel | None = None
+        self.driver = Worker(
+            self.config, rank=0, group=self.group, device=self.device, micro_batches=self.micro_batches
+        )
+
+    # -- the calls ---------------------------------------------------------------
+    def collective_rpc(self, method: str, *args: Any, handshake: bool = False) -> Any:
+        """``Worker.<method>(*args)`` on every rank (see module doc); the
+        driver's result. With ``handshake`` (start-up) every rank reports
+        whether it succeeded, and a failure anywhere raises
+        ``WorkerStartError`` with that rank's error."""
+        group = self._require_group()
+        if not handshake:
+            if self.dead is None and (status := self._worker_status(remote=False)):  # no store trip per step
+                self.dead = status
+            if self.dead is not None:
+                raise RuntimeError(self.dead)
+            group.broadcast_message(WorkerCall(method, args))
+            return getattr(self.driver, method)(*args)
+        what = method.replace("_", " ")
         try:
-            loaded = load_model(
-                path, dtype, self.device, tp, self.quantization, pp=PipelineStage(0, self.pp_size)
-            )
+            group.broadcast_message(WorkerCall(method, args, handshake=True))
+        except Exception as exc:
+            raise WorkerStartError(
+                f"a {self.kind} worker died before {what}: {self._worker_status(wait_s=5.0) or exc}"
+            ) from exc
+        result, ok = None, False
+        try:
+            result = getattr(self.driver, method)(*args)
+            ok = True
         finally:
             try:
-                all_ok = self.group.barrier_ok(loaded is not None)
+                all_ok = group.barrier_ok(ok)
             except Exception as exc:
                 raise WorkerStartError(
-                    f"a {self.kind} worker died while loading: "
-                    f"{self._worker_status(wait_s=5.0) or exc}"
+                    f"a {self.kind} worker died during {what}: {self._worker_status(wait_s=5.0) or exc}"
                 ) from exc
         if not all_ok:
             self._await_remote_failure(wait_s=5.0)  # a remote rank publishes its error after the barrier
             raise WorkerStartError(
-                f"a {self.kind} worker failed to load its shard: "
+                f"a {self.kind} worker failed during {what}: "
                 + (self._worker_status(wait_s=STOP_TIMEOUT_S) or "its traceback is above")
             )
-        assert loaded is not None
-        if self.pp_size > 1:
-            self.pipeline = PipelineStep(
-                loaded.model, self.group, loaded.dtype, self.device, self._block_size, self.micro_batches
-            )
-        return loaded
+        return result
+
+    def execute(self, step: WorkerStep) -> Tensor | None:
+        """One step on every rank (the message first, then the driver's pass)."""
+        return self.collective_rpc("execute", step)  # type: ignore[no-any-return]
 
     def _await_ready(self) -> None:
         """Wait until every worker is about to join the groups; raise
@@ -265,34 +273,6 @@ class TensorParallelExecutor:
             if kind == ERROR:
                 self._errors[i] = text
 
-    def wrap_ops(self, ops: Any) -> Any:
-        """The pool's ops, recording block copies for the workers (one pool)."""
-        self.recorder = RecordingOps(ops)
-        return self.recorder
-
-    # -- each step --------------------------------------------------------------
-    def broadcast_step(self, input_ids: Sequence[int], view: Any, rows: Sequence[int] = ()) -> None:
-        """Send the step ``view`` describes (its metadata is complete) and
-        the ``rows`` it samples to every worker: rank 0 then runs its own
-        forward pass."""
-        group = self._require_group()
-        if self.dead is None and (status := self._worker_status(remote=False)):  # no store trip per step
-            self.dead = status
-        if self.dead is not None:
-            raise RuntimeError(self.dead)
-        meta = view.meta
-        groups = meta.all_groups()  # a hybrid pool: one page table per KV cache group
-        tables = [m.block_tables.cpu().numpy() for m in groups]
-        message = StepMessage(
-            input_ids=list(input_ids),
-            block_tables=tables[0] if len(tables) == 1 else np.stack(tables),
-            starts=list(meta.starts),
-            new_lens=list(meta.new_lens),
-            rows=list(rows),
-            copies=self.recorder.take_copies() if self.recorder is not None else [],
-        )
-        group.broadcast_message(message)
-
     def describe_failure(self, exc: BaseException) -> str:
         """Why a step failed, naming a dead worker when there is one."""
         for process in self.workers:
@@ -328,7 +308,7 @@ class TensorParallelExecutor:
         )
         if healthy:
             try:
-                self._require_group().broadcast_message(StepMessage(stop=True))
+                self._require_group().broadcast_message(WorkerCall(stop=True))
             except Exception:
                 log.warning("could not send the stop message to the %s workers", self.kind)
                 healthy = False
@@ -346,7 +326,7 @@ class TensorParallelExecutor:
     # -- internals -----------------------------------------------------------------
     def _require_group(self) -> TPGroup:
         if self.group is None:
-            raise RuntimeError(f"{self.kind} workers are not started (call load_model first)")
+            raise RuntimeError(f"{self.kind} workers are not started")
         return self.group
 
     def _worker_status(

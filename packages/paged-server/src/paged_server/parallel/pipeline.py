@@ -168,7 +168,7 @@ class PipelineStep:
             sub = build_metadata(tables[:, a:b], meta.starts[a:b], meta.new_lens[a:b], self.block_size, self.device)
             yield MicroBatch(
                 ids[first_token:end],
-                CacheView.over(view.pool, sub),
+                CacheView.over(view.tensors, sub),
                 self._rows([rows[j] - first_token for j in out]),
                 out,
             )

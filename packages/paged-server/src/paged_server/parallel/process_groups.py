@@ -131,6 +131,13 @@ class TPGroup:
             data += rest.numpy().tobytes()
         return pickle.loads(data)
 
+    def min_over_ranks(self, value: int) -> int:
+        """The least of every rank's ``value`` (the KV cache's blocks: every
+        rank must hold every block id)."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        self.message_pg.allreduce([tensor], _min_options()).wait()
+        return int(tensor.item())
+
     def barrier_ok(self, ok: bool) -> bool:
         """Start-up handshake: whether every rank reports ``ok`` (a rank that
         died instead makes this raise)."""
@@ -158,6 +165,12 @@ class Pending:
         """Block until the transfer is done; returns its tensor."""
         self._work.wait()
         return self._tensor
+
+
+def _min_options() -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    return options
 
 
 def _device_group(

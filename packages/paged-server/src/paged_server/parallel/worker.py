@@ -1,12 +1,12 @@
-"""A tensor- or pipeline-parallel worker: ranks 1..N-1, one process each.
+"""A tensor- or pipeline-parallel worker process: ranks 1..N-1, one process each.
 
-A worker loads its shard of the model (only its slices of the checkpoint;
-with pipeline parallelism only its stage's layers), builds a KV pool for
-its heads (and its stage's layers) with the same blocks as rank 0's,
-reports ready, then runs what rank 0 broadcasts, one forward pass per
-message, until a stop message. It never samples: with tensor parallelism
-only, the LM head's rows are rank 0's alone; the last pipeline stage
-computes the sampled rows' logits and sends them to rank 0.
+A worker process runs the same ``engine.worker.Worker`` as rank 0: it
+joins the process groups, then makes every call rank 0 broadcasts
+(``step_message.WorkerCall``: load its shard, calibrate, size and build its
+KV cache, warm up, then one ``execute`` per step) until a stop message. It
+never samples: with tensor parallelism only, the LM head's rows are rank
+0's alone; the last pipeline stage computes the sampled rows' logits and
+sends them to rank 0.
 
 It exits when rank 0 goes: by the stop message, when rank 0's sockets close
 (a collective then raises), or, as a last resort, when its parent process
@@ -31,14 +31,13 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from paged_server.config import EngineConfig
+from paged_server.config import RunConfig
 from paged_server.parallel.process_groups import TPGroup
-from paged_server.parallel.step_message import StepMessage
+from paged_server.parallel.step_message import WorkerCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +48,8 @@ class WorkerSpec:
     world_size: int
     store_host: str
     store_port: int
-    config: EngineConfig
-    model_path: str
-    dtype: str  # a torch dtype name: "float32", "bfloat16"...
+    config: RunConfig  # the config as run (every rank runs the same)
     device: str  # "cpu" or "cuda:N"
-    attention_backend: str
     num_threads: int
     parent_pid: int
     micro_batches: int = 1  # pipeline parallelism: a step's micro-batches at most (pipeline.py)
@@ -92,18 +88,11 @@ def worker_main(spec: WorkerSpec, report: Connection) -> None:
 def run_worker(
     spec: WorkerSpec, ready: Callable[[], None] = lambda: None, store: dist.Store | None = None
 ) -> None:
-    """Join the groups, load the shard, then execute steps until stopped.
-    ``ready`` runs once this process is set up, just before it joins;
-    ``store``: the rendezvous store when the caller has opened it already
-    (a rank on another node, see ``node_worker.py``)."""
-    from paged_ref.attention_metadata import build_metadata
-    from paged_ref.cache_view import CacheView, ViewPool
-    from paged_ref.kv_quant import scale_keywords
-    from paged_server.engine.pool_factory import build_cache_pool
-    from paged_server.models import load_model
-    from paged_server.models.pipeline_parallel import PipelineStage
-    from paged_server.models.tensor_parallel import TensorParallel, shard_heads
-    from paged_server.parallel.pipeline import PipelineStep
+    """Join the groups, then run rank 0's worker calls on this rank's
+    ``Worker`` until stopped. ``ready`` runs once this process is set up,
+    just before it joins; ``store``: the rendezvous store when the caller
+    has opened it already (a rank on another node, see ``node_worker.py``)."""
+    from paged_server.engine.worker import Worker
 
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
@@ -114,52 +103,25 @@ def run_worker(
     ready()
     tp_size = spec.config.tensor_parallel_size
     group = TPGroup.connect(store, spec.rank, spec.world_size, device, tp_size=tp_size)
-    tp = TensorParallel(spec.rank % tp_size, tp_size, group)
-    stage = PipelineStage(spec.rank // tp_size, spec.config.pipeline_parallel_size)
-    try:
-        loaded = load_model(
-            spec.model_path, getattr(torch, spec.dtype), device, tp, spec.config.quantization,
-            pp=stage,
-        )  # fmt: skip
-        mc = loaded.config
-        heads = shard_heads(mc.num_heads, mc.num_kv_heads, tp)
-        pool, _ = build_cache_pool(
-            spec.config, mc, loaded.dtype, device, spec.attention_backend,
-            num_kv_heads=heads.num_kv_heads, pp=loaded.model.pp,
-        )  # fmt: skip
-    except BaseException:
-        group.barrier_ok(False)  # rank 0 learns at once that start-up failed
-        raise
-    if not group.barrier_ok(True):  # another rank failed to start: rank 0 reports it
-        return
-    view_pool = cast(ViewPool, pool)
-    paged = spec.config.kv_cache_backend == "paged"
-    block_size = spec.config.block_size if paged else spec.config.max_model_len
-    model: Any = loaded.model
-    pipeline = None
-    if stage.size > 1:
-        pipeline = PipelineStep(model, group, loaded.dtype, device, block_size, spec.micro_batches)
+    worker = Worker(
+        spec.config, rank=spec.rank, group=group, device=device,
+        micro_batches=spec.micro_batches,
+    )  # fmt: skip
     while True:
-        message: StepMessage = group.broadcast_message()
-        if message.stop:
+        call: WorkerCall = group.broadcast_message()
+        if call.stop:
             return
-        with torch.inference_mode():
-            for pairs in message.copies:
-                view_pool.ops.copy_blocks(
-                    view_pool.k_cache, view_pool.v_cache, pairs,
-                    **scale_keywords(view_pool.k_scales, view_pool.v_scales),
-                )  # fmt: skip
-            assert message.block_tables is not None
-            meta = build_metadata(
-                torch.from_numpy(message.block_tables), message.starts, message.new_lens,
-                block_size, device,
-            )  # fmt: skip
-            ids = torch.tensor(message.input_ids, dtype=torch.long, device=device)
-            view = CacheView.over(view_pool, meta)
-            if pipeline is not None:
-                pipeline.run(ids, view, message.rows)
-            else:
-                model.hidden_states(ids, meta.positions, view)
+        method = getattr(worker, call.method)
+        if not call.handshake:  # a step: a failure is fatal for every rank anyway
+            method(*call.args)
+            continue
+        try:
+            method(*call.args)
+        except BaseException:
+            group.barrier_ok(False)  # rank 0 learns at once that this call failed here
+            raise
+        if not group.barrier_ok(True):  # another rank failed: rank 0 reports it and stops us
+            return
 
 
 def _exit_with_parent(parent_pid: int) -> None:

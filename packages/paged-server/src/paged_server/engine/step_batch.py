@@ -1,0 +1,154 @@
+"""The engine core's half of a step: the scheduled sequences laid out as one flat batch, and its logits split back.
+
+Every token the scheduler picked, of every sequence, goes into one
+``[num_tokens]`` batch with no padding: sequences with one new token
+(decodes) first, then prefill chunks, so the attention ops get each part as
+a contiguous run of rows. The KV cache manager's ``step_layout`` says where
+each token's K/V goes; the workers run the pass (``engine/worker.py``). The
+LM head runs only on the rows whose logits are needed: the last token of
+each sequence whose tokens are all computed after this step, plus, for a
+request that asked for ``prompt_logprobs``, the prompt rows whose next
+prompt token is not scored yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from paged_server.engine.sequence import Sequence
+from paged_server.engine.worker import WorkerStep
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """Logits of prompt rows of scheduled entry ``index``: row ``j`` predicts
+    prompt token ``first + j``."""
+
+    index: int
+    first: int
+    logits: Tensor
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """Logits ``[len(sampled), vocab]``; row ``j`` belongs to entry
+    ``sampled[j]`` of the scheduled list."""
+
+    logits: Tensor
+    sampled: list[int]
+    num_tokens: int  # rows that went through the model (no padding)
+    prompt_scores: list[PromptScores] = field(default_factory=list)
+
+
+def run_step(executor: Any, kv_manager: Any, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
+    """One step: ``scheduled`` laid out as one flat batch, its layout from
+    ``kv_manager``, the pass on every rank (``executor.execute``, or one
+    ``Worker``'s), the logits split back. Commits nothing."""
+    batch = lay_out(scheduled)
+    layout = kv_manager.step_layout(batch.seq_ids, batch.starts, batch.lens)
+    logits = executor.execute(WorkerStep(batch.ids, layout, batch.rows, batch.every_row))
+    assert logits is not None  # the driver's
+    return split_logits(logits, batch.sampled, batch.scored, len(batch.ids))
+
+
+def split_logits(
+    logits: Tensor, sampled: list[int], scored: list[tuple[int, int, int, int]], num_tokens: int
+) -> StepLogits:
+    """Split the pass's logits: sampled rows first, then prompt rows scored."""
+    scores, at = [], len(sampled)
+    for i, first, _, count in scored:
+        scores.append(PromptScores(i, first, logits[at : at + count]))
+        at += count
+    return StepLogits(logits[: len(sampled)], sampled, num_tokens, scores)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A step's flat layout: per sequence in batch order its pool seq_id,
+    first position and token count; per token its id; the
+    token ``rows`` whose logits are computed; the entries of the scheduled
+    list that sample (``sampled``) and that score prompt rows (``scored``:
+    (index, first token, row, count))."""
+
+    seq_ids: list[int]
+    starts: list[int]
+    lens: list[int]
+    ids: list[int]
+    rows: list[int]
+    sampled: list[int]
+    scored: list[tuple[int, int, int, int]]
+    every_row: bool = False  # rows are all the token rows, in order
+
+
+def lay_out(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
+    """The step's flat layout (the common pure-decode step in one pass)."""
+    return _decode_batch(scheduled) or _flat_batch(scheduled)
+
+
+def _decode_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch | None:
+    """The common step, one token per sequence and no prompt to score, laid
+    out in one pass: token ``i`` is entry ``i``, so it needs none of
+    ``_flat_batch``'s per-token work. ``None`` for any other step."""
+    seq_ids: list[int] = []
+    starts: list[int] = []
+    ids: list[int] = []
+    sampled: list[int] = []
+    for i, (seq, n) in enumerate(scheduled):
+        if n != 1 or seq.request.params.prompt_logprobs is not None or seq.pool_seq_id is None:
+            return None  # (no seq_id: _flat_batch names the sequence)
+        start, token_ids = seq.num_computed_tokens, seq.token_ids
+        seq_ids.append(seq.pool_seq_id)
+        starts.append(start)
+        ids.append(token_ids[start])
+        if len(token_ids) == start + 1:
+            sampled.append(i)
+    return StepBatch(
+        seq_ids=seq_ids,
+        starts=starts,
+        lens=[1] * len(seq_ids),
+        ids=ids,
+        rows=sampled,  # token row i is entry i
+        sampled=sampled,
+        scored=[],
+        every_row=len(sampled) == len(seq_ids),
+    )
+
+
+def _flat_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
+    """Any step: sequences with one new token first, then prefill chunks."""
+    order = [i for i, (_, n) in enumerate(scheduled) if n == 1]
+    order += [i for i, (_, n) in enumerate(scheduled) if n != 1]
+    b = StepBatch([], [], [], [], [], [], [])
+    for i in order:
+        seq, n = scheduled[i]
+        assert seq.pool_seq_id is not None, f"sequence {seq.seq_id} has no cache seq_id"
+        start = seq.num_computed_tokens
+        end = start + n
+        b.seq_ids.append(seq.pool_seq_id)
+        b.starts.append(start)
+        b.lens.append(n)
+        first, count = _prompt_rows_to_score(seq, start, end)
+        if count:
+            b.scored.append((i, first, len(b.ids) + first - 1 - start, count))
+        b.ids += seq.token_ids[start:end]
+        if end == seq.num_tokens:
+            b.rows.append(len(b.ids) - 1)
+            b.sampled.append(i)
+    for _, _, row, count in b.scored:
+        b.rows += range(row, row + count)
+    return b
+
+
+def _prompt_rows_to_score(seq: Sequence, start: int, end: int) -> tuple[int, int]:
+    """``(first, count)``: this step's rows ``start..end-1`` predict prompt
+    tokens ``first..first+count-1`` that the request wants scored and that
+    are not scored yet (a recompute after preemption scores nothing twice)."""
+    request = seq.request
+    if seq.index != 0 or not request.needs_prompt_logprobs:
+        return 0, 0
+    first = max(start + 1, len(request.prompt_logprobs))
+    last = min(end, len(request.prompt_token_ids) - 1)  # the token row `end - 1` predicts
+    return first, max(0, last - first + 1)

@@ -1,0 +1,342 @@
+"""One rank's worker: its model shard, its KV cache tensors, its forward pass. The same on every rank.
+
+The engine core (``LLMEngine``: requests, scheduling, the KV cache manager,
+sampling, outputs) never touches weights or KV tensors; the worker never
+sees a request. Between them go ``WorkerStep``s: one flat forward pass as
+token ids, the KV cache manager's ``StepLayout`` (page tables, positions,
+block copies) and the token rows whose logits the core needs. An executor
+(``engine/executor.py``; ``parallel/executor.py`` for several ranks) calls
+the same methods on every rank's worker in the same order, rank 0's in
+the engine's own process, so the ranks' collectives always meet:
+
+1. ``load_model``: this rank's shard (its kv heads with tensor parallelism,
+   its stage's layers with pipeline parallelism);
+2. ``calibrate``: ``calculate_kv_scales``' pass, each rank over its own heads;
+3. ``available_blocks``: what this rank's memory holds, the least over the ranks;
+4. ``init_cache``: the KV tensors from the one ``KVCacheSpec``, the decode
+   graphs (CUDA) or the compiled forward (CPU), the pipeline stage;
+5. ``warm_up``: compile and capture before the first request, within the cache;
+6. ``execute``: each step. Rank 0 returns the logits of the step's rows
+   (with pipeline parallelism they come from the last stage); the others None.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from paged_core.kv_cache_groups import kv_cache_groups
+from paged_ref.cache_view import CacheView
+from paged_ref.cpu_decode import CpuDecodeOps
+from paged_ref.kv_spec import KVCacheSpec
+from paged_ref.kv_tensors import KVCacheTensors
+from paged_ref.step_layout import StepLayout
+from paged_server.config import RunConfig
+from paged_server.engine.compiled_forward import (
+    CompiledForward,
+    compiles_forward,
+    padded_rows,
+    row_buckets,
+)
+from paged_server.engine.decode_graphs import DecodeGraphs
+from paged_server.engine.kernel_warmup import warm_up_kernels
+from paged_server.engine.kv_calibration import KVScales, calibrated_kv_scales
+from paged_server.engine.pool_factory import attention_ops, cache_size
+from paged_server.models import LoadedModel, load_model
+from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
+from paged_server.models.tensor_parallel import SINGLE, TensorParallel, shard_heads
+
+if TYPE_CHECKING:
+    from paged_server.parallel.process_groups import TPGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerStep:
+    """One forward pass, as every rank's worker runs it: ``input_ids`` of
+    the flat batch (sequence after sequence, as ``layout`` lays them out);
+    ``rows``: the token rows whose logits rank 0 returns, in that order
+    (``every_row``: they are all the rows, in order, so no gather)."""
+
+    input_ids: list[int]
+    layout: StepLayout
+    rows: list[int]
+    every_row: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        """One token per sequence (what CUDA graphs replay)."""
+        return len(self.input_ids) == len(self.layout.starts)
+
+
+class Worker:
+    """One rank's model and KV cache (see module doc). ``group``: the
+    process groups of a parallel engine (None: one rank); ``loaded``: a
+    model already in memory (rank 0 of a one-rank engine only)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        rank: int = 0,
+        group: TPGroup | None = None,
+        device: torch.device | None = None,
+        micro_batches: int = 1,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.group = group
+        self.device = device if device is not None else config.torch_device
+        self.micro_batches = micro_batches
+        self.loaded = loaded
+        self.kv_scales: KVScales | None = None
+        self.tensors: KVCacheTensors | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.compiled: CompiledForward | None = None
+        self.pipeline: Any = None  # parallel.pipeline.PipelineStep, with pipeline parallelism
+        tp_size = config.tensor_parallel_size
+        self.tp = SINGLE if group is None else TensorParallel(rank % tp_size, tp_size, group)
+        self.stage = PipelineStage(rank // tp_size, config.pipeline_parallel_size)
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the engine's own process, which gets the logits."""
+        return self.rank == 0
+
+    # -- 1. the model ------------------------------------------------------------
+    def load_model(self, path: str) -> None:
+        """Load this rank's shard of the checkpoint at ``path`` (once)."""
+        config = self.config
+        if self.loaded is None:
+            self.loaded = load_model(
+                path, config.torch_dtype, self.device, self.tp, config.quantization, pp=self.stage
+            )
+        if self.stage.size > 1:  # this rank's turn of each step (calibration's pass included)
+            from paged_server.parallel.pipeline import PipelineStep
+
+            assert self.group is not None
+            self.pipeline = PipelineStep(
+                self.model, self.group, self.loaded.dtype, self.device, config.block_size,
+                self.micro_batches,
+            )  # fmt: skip
+
+    @property
+    def model(self) -> Any:
+        assert self.loaded is not None, "load_model first"
+        return self.loaded.model
+
+    def kv_spec(self) -> KVCacheSpec:
+        """This rank's KV cache layout: every KV cache group of the model
+        (the page tables are the same on every rank), this rank's kv heads."""
+        assert self.loaded is not None, "load_model first"
+        config, mc = self.config, self.loaded.config
+        paged = config.kv_cache_backend == "paged"
+        groups = kv_cache_groups(
+            mc.layer_sliding_windows, hybrid=paged and not config.disable_hybrid_kv_cache_manager
+        )
+        return KVCacheSpec(
+            tuple(groups),
+            shard_heads(mc.num_heads, mc.num_kv_heads, self.model.tp).num_kv_heads,
+            mc.head_dim,
+            self.loaded.dtype,
+            config.kv_cache_dtype,
+            config.block_size if paged else config.max_model_len,
+            static_scales=config.calculate_kv_scales,
+        )
+
+    def stage_spec(self) -> KVCacheSpec:
+        """``kv_spec`` as this rank's pipeline stage stores it (its layers only)."""
+        spec = self.kv_spec()
+        if self.stage.size == 1:
+            return spec
+        return spec.for_stage(stage_layers(spec.num_layers, self.stage.rank, self.stage.size))
+
+    # -- 2. calibration ------------------------------------------------------------
+    def calibrate(self) -> KVScales | None:
+        """``calculate_kv_scales``: one pass over the calibration text through
+        a small cache of this rank's (every rank at once: their all-reduces
+        and pipeline transfers meet); returns this rank's scales."""
+        if not self.config.calculate_kv_scales:
+            return None
+        assert self.loaded is not None, "load_model first"
+        self.kv_scales = calibrated_kv_scales(
+            self.config, self.loaded, self.kv_spec().num_kv_heads, self._forward_pass
+        )
+        log.info("calculate_kv_scales (%s): %s", self.config.kv_cache_dtype, self.kv_scales.summary())
+        return self.kv_scales
+
+    # -- 3. sizing -----------------------------------------------------------------
+    def available_blocks(self) -> tuple[int, str]:
+        """Blocks (rows, for the contiguous cache) this rank's budget holds,
+        the null block included, and how they were chosen; the least over
+        every rank, so that every rank can hold every block id."""
+        num_blocks, sized_by = cache_size(
+            self.config, self.stage_spec(), self.device, self.model, self._local_ranks()
+        )
+        if self.group is not None:
+            num_blocks = self.group.min_over_ranks(num_blocks)
+        return num_blocks, sized_by
+
+    def _local_ranks(self) -> int:
+        """Ranks sharing this rank's memory: a CPU node's, which share its RAM."""
+        if self.device.type != "cpu" or self.group is None:
+            return 1
+        return max(1, self.config.world_size // self.config.nnodes)
+
+    # -- 4. the cache and what runs over it -------------------------------------------
+    def init_cache(self, num_blocks: int) -> None:
+        """The KV tensors (``num_blocks`` blocks, or rows), and what the
+        forward pass runs with: decode graphs on CUDA, the compiled pass
+        and its C decode kernels on a CPU, this rank's pipeline stage."""
+        config, model = self.config, self.model
+        paged = config.kv_cache_backend == "paged"
+        compile_forward = compiles_forward(model, config, self.device, config.attention_backend)
+        ops = attention_ops(config.attention_backend) if paged else attention_ops("ref")
+        if compile_forward and paged:  # a compiled CPU step reads the paged cache in C
+            ops = CpuDecodeOps(ops)
+        scales = None if self.kv_scales is None else (self.kv_scales.k, self.kv_scales.v)
+        self.tensors = KVCacheTensors.allocate(
+            self.stage_spec(), num_blocks, self.device, paged=paged, ops=ops, kv_scales=scales
+        )
+        self.compiled = CompiledForward(model) if compile_forward else None
+        self.graphs = self._decode_graphs()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for pure-decode steps: on CUDA, with the Triton kernels
+        (the reference ops sync with the host), on every rank of a
+        tensor-parallel engine (each replays its own after the step's
+        message), unless ``enforce_eager``. Not with pipeline stages: a
+        stage's pass waits for the previous stage's activations."""
+        config = self.config
+        if (
+            config.enforce_eager
+            or not self.model.graph_safe  # e.g. the experts' host sync
+            or self.stage.size > 1
+            or self.device.type != "cuda"
+            or config.attention_backend != "triton"
+            or config.kv_cache_backend != "paged"
+        ):
+            return None
+        assert self.tensors is not None
+        return DecodeGraphs(
+            self.model, self.tensors, self.device, config.max_batch_size,
+            -(-config.max_model_len // config.block_size), num_groups=len(self.tensors.groups),
+            capture=True,
+        )  # fmt: skip
+
+    # -- 5. warm-up ---------------------------------------------------------------------
+    def warm_up(self, longest: int) -> float:
+        """Compile what serving will use before the first request; returns
+        the seconds it took (0 where nothing compiles: an eager CPU pass).
+
+        On CUDA: every Triton kernel variant, every decode graph, one prefill
+        pass. On a CPU with the compiled pass: its one-token graph and every
+        padded row count up to a prompt chunk (``row_buckets``: each builds
+        oneDNN's matmuls for it), the LM head's up to ``max_batch_size``
+        rows. Throwaway passes over blocks 0.. of the cache, which holds
+        nothing yet: no block is taken from the KV cache manager, and a
+        pass is never longer than ``longest`` tokens, what one sequence can
+        take (``PoolCapacity.longest_prompt``: no real step computes more)."""
+        config = self.config
+        assert self.tensors is not None, "init_cache first"
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            if config.attention_backend == "triton" and config.kv_cache_backend == "paged":
+                warm_up_kernels(self.model, self.loaded.dtype, self.tensors, config.max_model_len, self.device)  # type: ignore[union-attr]
+            longest, head_rows = min(longest, config.max_model_len - 1, 256), 1
+        elif self.compiled is not None:
+            log.info("compiling the forward pass (torch.compile; --enforce-eager skips this)")
+            longest = min(longest, config.max_model_len - 1, config.max_num_batched_tokens, 512)
+            head_rows = config.max_batch_size
+        else:
+            return 0.0
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture_all()
+        for num_tokens in self._warm_up_sizes(longest):
+            self._throwaway_pass(num_tokens, head_rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        log.info("warm-up done in %.1f s", seconds)
+        return seconds
+
+    def _warm_up_sizes(self, longest: int) -> list[int]:
+        """The passes to run: ``longest`` tokens, and with the compiled pass
+        one of every padded row count below it (largest first: the first
+        compiles the multi-row graph), each within ``longest`` tokens."""
+        if longest < 1:
+            return []
+        sizes = [longest]
+        if self.compiled is not None:
+            top = padded_rows(longest)
+            sizes += [n for n in reversed(row_buckets(longest)) if n != top]
+        return sizes
+
+    def _throwaway_pass(self, num_tokens: int, head_rows: int) -> None:
+        """A prefill of ``num_tokens`` tokens of id 0 over blocks ``0..`` in
+        every KV cache group; its K/V land where no sequence lives yet."""
+        assert self.tensors is not None
+        bs = self.tensors.block_size
+        table = np.arange(-(-num_tokens // bs), dtype=np.int32)[None]
+        groups = len(self.tensors.groups)
+        tables = table if groups == 1 else np.stack([table] * groups)
+        step = WorkerStep([0] * num_tokens, StepLayout(tables, [0], [num_tokens]), [])
+        with torch.inference_mode():
+            view = self.tensors.view(step.layout)
+            hidden = self._forward_pass(self._tensor(step.input_ids), view, [])
+            if self.compiled is not None and hidden is not None:  # the head's graphs, at this row count
+                self.compiled.compute_logits(hidden[: min(num_tokens, head_rows)])
+
+    # -- 6. each step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: WorkerStep) -> Tensor | None:
+        """Run one step over this rank's shard; rank 0 returns the logits
+        ``[len(step.rows), vocab]`` (float32), every other rank None."""
+        assert self.tensors is not None, "init_cache first"
+        ids = self._tensor(step.input_ids)
+        graphs = self.graphs
+        if graphs is not None and step.is_decode and len(step.input_ids) <= graphs.max_size:
+            hidden = graphs.run(self.tensors.metadata(step.layout), ids)
+        else:
+            view = self.tensors.view(step.layout)
+            if self.pipeline is not None:  # the logits come back from the last stage
+                return self.pipeline.run(ids, view, step.rows)  # type: ignore[no-any-return]
+            hidden = self._hidden_states(ids, view.meta.positions, view)
+        if not self.is_driver:  # the LM head's rows are rank 0's alone
+            return None
+        if not step.rows:  # chunks that end no prompt: no logits (and no 0-row graph to compile)
+            return hidden.new_empty(0, 0)
+        if not step.every_row:  # else the head reads hidden as it is: no copy
+            hidden = hidden.index_select(0, self._tensor(step.rows))
+        return self._compute_logits(hidden)
+
+    def _forward_pass(self, ids: Tensor, view: Any, rows: list[int]) -> Tensor | None:
+        """``ids`` through this rank's layers over ``view`` (the pipeline's
+        stages in turn with pipeline parallelism, where it returns rank 0's
+        logits of ``rows`` instead of hidden states)."""
+        if self.pipeline is not None:
+            return self.pipeline.run(ids, view, rows)  # type: ignore[no-any-return]
+        return self._hidden_states(ids, view.meta.positions, view)
+
+    def _hidden_states(self, ids: Tensor, positions: Tensor, view: CacheView) -> Tensor:
+        if self.compiled is not None:
+            return self.compiled.hidden_states(ids, positions, view)
+        return self.model.hidden_states(ids, positions, view)  # type: ignore[no-any-return]
+
+    def _compute_logits(self, hidden: Tensor) -> Tensor:
+        if self.compiled is not None:
+            return self.compiled.compute_logits(hidden)
+        return self.model.compute_logits(hidden)  # type: ignore[no-any-return]
+
+    def _tensor(self, data: list[int]) -> Tensor:
+        # through numpy: ~4 us for a step's 256 ids against ~15 for torch.tensor(list)
+        return torch.from_numpy(np.array(data, dtype=np.int64)).to(self.device)
