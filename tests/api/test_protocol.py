@@ -37,7 +37,6 @@ def error_for(model: Any, body: Any) -> tuple[str | None, str]:
         ({"prompt": "x", "temperature": -0.1}, "temperature", "must be >= 0"),
         ({"prompt": "x", "temperature": float("nan")}, "temperature", "finite number"),
         ({"prompt": "x", "top_p": 0}, "top_p", "must be > 0"),
-        ({"prompt": "x", "n": 17}, "n", "must be <= 16"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"prompt": "x", "stop": [""]}, "stop", "1..256"),
         ({"prompt": ""}, "prompt", "must not be empty"),
@@ -127,3 +126,17 @@ def test_stream_options_and_optional_fields_parse_as_vllm() -> None:
         {"messages": [{"role": "user", "content": "x"}], "logprobs": None, "parallel_tool_calls": None,
          "reasoning_effort": "minimal", "kv_transfer_params": {"a": 1}, "session_id": "s"})
     assert chat.logprobs is False and chat.parallel_tool_calls is True
+
+
+def test_values_vllm_accepts_have_no_ceiling_here() -> None:
+    """vLLM bounds temperature and repetition_penalty only from below, and n
+    and best_of not at all (its engine's own limits refuse what cannot run):
+    the same values parse here (the engine refuses n past max_num_seqs)."""
+    request = CompletionRequest.model_validate(
+        {"prompt": "x", "temperature": 3.5, "repetition_penalty": 25.0, "n": 17}
+    )
+    assert (request.temperature, request.repetition_penalty, request.n) == (3.5, 25.0, 17)
+    beams = CompletionRequest.model_validate(
+        {"prompt": "x", "use_beam_search": True, "n": 17, "best_of": 20}
+    )
+    assert (beams.n, beams.best_of) == (17, 20)

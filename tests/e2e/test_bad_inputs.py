@@ -34,7 +34,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      "max_completion_tokens", "max_model_len"),
     ("negative-temperature", COMP, {"prompt": "x", "temperature": -0.5}, 400, "temperature", ">= 0"),
     ("top-p-zero", COMP, {"prompt": "x", "top_p": 0}, 400, "top_p", "must be > 0"),
-    ("n-too-large", COMP, {"prompt": "x", "n": 100}, 400, "n", "<= 16"),
+    ("n-too-large", COMP, {"prompt": "x", "n": 100}, 400, "n", "(max_batch_size), got 100"),
     ("prompt-too-long", COMP, {"prompt": LONG_PROMPT}, 400, "prompt", f"but max_model_len is {MAX_SEQ_LEN}"),
     ("messages-too-long", CHAT, {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400,
      "messages", f"but max_model_len is {MAX_SEQ_LEN}"),

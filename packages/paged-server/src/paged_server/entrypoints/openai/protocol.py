@@ -41,7 +41,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from paged_server.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
-MAX_N = 16
 MAX_PROMPTS = 16
 MAX_STOP = 4
 MAX_STOP_LEN = 256
@@ -174,10 +173,11 @@ class _SamplingFields(_Strict):
     model: str | None = Field(
         None, description="Must name the served model (GET /v1/models); omitted = the served model."
     )
-    n: int = Field(1, ge=1, le=MAX_N, description="Choices to generate per prompt.")
+    # n and best_of as vLLM: no ceiling here; the engine refuses more than max_num_seqs.
+    n: int = Field(1, ge=1, description="Choices to generate per prompt.")
     # Unset (null): the model's generation_config.json value, else the neutral one.
     temperature: FiniteFloat | None = Field(
-        None, ge=0.0, le=2.0, description="0 (or below 1e-5) = greedy; null = the model's default, else 1."
+        None, ge=0.0, description="0 (or below 1e-5) = greedy; null = the model's default, else 1."
     )
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0, description="null = the model's default, else 1.")
     top_k: int | None = Field(
@@ -185,7 +185,7 @@ class _SamplingFields(_Strict):
     )
     min_p: FiniteFloat | None = Field(None, ge=0.0, le=1.0, description="vLLM extension; null = the model's default.")
     repetition_penalty: FiniteFloat | None = Field(
-        None, gt=0.0, le=10.0, description="vLLM extension; null = the model's default, else 1."
+        None, gt=0.0, description="vLLM extension; null = the model's default, else 1."
     )
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
@@ -215,7 +215,7 @@ class _SamplingFields(_Strict):
         False, description="Beam search of best_of beams, returning the n best (vLLM extension)."
     )
     best_of: int | None = Field(
-        None, ge=1, le=MAX_N, description="Beam width with use_beam_search; else null or n."
+        None, ge=1, description="Beam width with use_beam_search; else null or n."
     )
     length_penalty: FiniteFloat = Field(
         1.0, description="Beam search: scores are divided by length ** length_penalty."
