@@ -19,9 +19,12 @@ import pytest
 
 from paged_server.default_model import ensure_default_model
 from paged_server.entrypoints.cli import build_parser, main
+from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.engine_args import engine_config_from_args
 from paged_server.entrypoints.openai.frontend_args import settings_from_args
 from paged_server.model_dir import resolve_model_dir
+
+from .conftest import MODEL, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -66,6 +69,40 @@ def test_unknown_vllm_flags_say_what_to_use_instead(capsys: pytest.CaptureFixtur
     assert "--swap-space: no CPU swap: preempted requests are recomputed" in err
     assert "--speculative-config: speculative decoding is not supported" in err
     assert "--tensor-paralel-size: did you mean --tensor-parallel-size?" in err
+    with pytest.raises(SystemExit):
+        main(["serve", "--enable-sleep-mode", "--kv-offloading-size", "4"])
+    err = capsys.readouterr().err
+    assert "--enable-sleep-mode: no sleep mode (/sleep, /wake_up)" in err
+    assert "--kv-offloading-size: KV blocks are not offloaded to CPU memory" in err
+
+
+def test_flags_whose_behaviour_is_on_here_are_accepted() -> None:
+    args = build_parser().parse_args(["serve", "--enable-prompt-tokens-details",
+                                      "--enable-server-load-tracking", "--return-tokens-as-token-ids"])
+    assert settings_from_args(args, "m", None).return_tokens_as_token_ids
+    assert not settings_from_args(build_parser().parse_args(["serve"]), "m", None).return_tokens_as_token_ids
+
+
+def test_return_tokens_as_token_ids_is_the_servers_default() -> None:
+    """``--return-tokens-as-token-ids``: logprob tokens are 'token_id:N' unless
+    a request says false (vLLM's rule: the request field wins when set)."""
+    srv = start_server(ServerSettings(model_name=MODEL, return_tokens_as_token_ids=True))
+    try:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "logprobs": 1, "seed": 0}
+        as_ids = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        tokens = as_ids["choices"][0]["logprobs"]["tokens"]
+        assert len(tokens) == 3 and all(re.fullmatch(r"token_id:\d+", t) for t in tokens)
+        top = as_ids["choices"][0]["logprobs"]["top_logprobs"][0]
+        assert all(k.startswith("token_id:") for k in top)
+        text = httpx.post(srv.url + "/v1/completions", timeout=60,
+                          json={**body, "return_tokens_as_token_ids": False}).json()
+        assert not any(t.startswith("token_id:") for t in text["choices"][0]["logprobs"]["tokens"])
+        chat = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logprobs": True, "top_logprobs": 1}).json()
+        assert all(c["token"].startswith("token_id:") for c in chat["choices"][0]["logprobs"]["content"])
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("argv", [["--revision", "main"], ["--download-dir", "/tmp/x"],

@@ -60,6 +60,7 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # False: a request's chat_template is a 400 (vLLM)
     chat_template_timeout_s: float = 10.0  # a render past it is a 400, and stopped
     response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False  # the default of the request field of that name
     log_requests: bool = False  # one log line per request
     log_stats: bool = False  # the periodic stats line (the CLI turns it on)
     metrics_need_api_key: bool = False  # /metrics is open by default, as vLLM's

@@ -68,6 +68,14 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients with")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM launch lines; paged runs no code from checkpoints")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens as 'token_id:N' strings unless a request's "
+                   "return_tokens_as_token_ids says otherwise (vLLM's server-wide default)")
+    # vLLM flags whose behaviour is always on here: accepted so launch lines start.
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted; usage.prompt_tokens_details.cached_tokens is always reported")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="accepted; GET /load (requests in flight) is always served")
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -104,6 +112,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str, api_key: str |
         chat_template=read_chat_template(args.chat_template),
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         log_requests=args.log_requests,
         log_stats=not args.disable_log_stats,
         metrics_need_api_key=args.metrics_need_api_key,

@@ -189,7 +189,10 @@ class OpenAIServing:
 
     def _shape(self, fmt: ResponseFormat, body: _SamplingFields, prompts: list[list[int]]) -> None:
         """Response options both endpoints share."""
-        fmt.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+        as_ids = body.return_tokens_as_token_ids  # unset: the server's --return-tokens-as-token-ids
+        if as_ids is None:
+            as_ids = getattr(self.settings, "return_tokens_as_token_ids", False)
+        fmt.tokens_as_ids = bool(as_ids)
         fmt.prompt_logprobs = body.prompt_logprobs is not None
         fmt.return_token_ids = bool(body.return_token_ids)
         fmt.prompt_token_ids = prompts
