@@ -29,10 +29,27 @@ REFUSED_FLAGS = {
 # --load-format values that mean "read the checkpoint's safetensors", which is all we do.
 LOAD_FORMATS = ("auto", "safetensors")
 
+_TEXT_ONLY = "text-only models: no multimodal inputs; drop the flag"
+_NO_LORA = "LoRA adapters are not supported"
+_NO_MOE_PARALLEL = "no expert parallelism: MoE layers run tensor parallel (-tp); drop the flag"
+_NO_DP_CLUSTER = ("data-parallel replicas are started by one serve command on one machine "
+                  "(--data-parallel-size); drop the flag")
+_NO_PLUGINS = "this server loads no plugins or custom classes; drop the flag"
+_NO_MAMBA = "no Mamba/SSM models: the KV cache holds attention layers only; drop the flag"
+_CUDA_GRAPHS = "decode steps of any batch size replay CUDA graphs; see --enforce-eager"
+_NO_TRACING = "no OpenTelemetry tracing: /metrics (Prometheus) and --enable-log-requests; drop the flag"
+_LOCAL_FILES = "weights load from the checkpoint's *.safetensors files as they are; drop the flag"
+_UVICORN = "the HTTP server runs uvicorn's defaults for this; drop the flag"
+
 # Unknown vLLM flags: what to do here instead.
 FLAG_HINTS = {
     "--distributed-executor-backend": "tensor and pipeline parallelism always run one process per device",
     "--swap-space": "no CPU swap: preempted requests are recomputed; drop the flag",
+    "--kv-offloading-size": "KV blocks are not offloaded to CPU memory: preempted requests are "
+    "recomputed; size the pool with --gpu-memory-utilization or --kv-cache-memory-bytes",
+    "--kv-offloading-backend": "KV blocks are not offloaded to CPU memory; drop the flag",
+    "--enable-sleep-mode": "no sleep mode (/sleep, /wake_up): the weights and KV pool stay "
+    "allocated while the server runs; drop the flag",
     "--preemption-mode": "preemption always recomputes; drop the flag",
     "--cpu-offload-gb": "weights are not offloaded; lower --dtype or use --quantization",
     "--kv-cache-memory": "use --kv-cache-memory-bytes",
@@ -57,20 +74,143 @@ FLAG_HINTS = {
     "--limit-mm-per-prompt": "text-only models: no multimodal inputs",
     "--mm-processor-kwargs": "text-only models: no multimodal inputs",
     "--chat-template-content-format": "message content is text (string or text parts)",
-    "--enable-prompt-tokens-details": "always on: usage.prompt_tokens_details.cached_tokens",
     "--enable-force-include-usage": "send stream_options.include_usage per request",
-    "--return-tokens-as-token-ids": "not supported; logprobs carry token text and bytes",
     "--disable-frontend-multiprocessing": "the API and the engine share one process "
     "(the engine steps on its own thread); drop the flag",
     "--api-server-count": "one API server process; drop the flag",
-    "--enable-server-load-tracking": "GET /load is always served; drop the flag",
     "--disable-fastapi-docs": "not supported; /docs is served",
     "--logits-processor-pattern": "per-request logits_processors are not supported",
     "--config": "no YAML config file; pass the flags",
     "--task": "generation only (no embedding, scoring or classification)",
     "--runner": "generation only (no embedding, scoring or classification)",
     "--max-log-len": "request logs (--enable-log-requests) print lengths, not prompts",
+    # serve and frontend flags
+    "--headless": "one process serves the API and the engine; multi-node runs use "
+    "`paged-server worker` on the other nodes",
+    "--uds": "serve on TCP (--host, --port); a Unix socket is not supported",
+    "--disable-uvicorn-access-log": "the access log follows --uvicorn-log-level (warning drops it)",
+    "--enable-ssl-refresh": "certificates are read once at start-up; restart to renew them",
+    "--ssl-cert-reqs": "with --ssl-ca-certs clients are verified; other modes are not supported",
+    "--middleware": _NO_PLUGINS,
+    "--enable-request-id-headers": "the response id carries the request_id field; no X-Request-Id header",
+    "--exclude-tools-when-tool-choice-none": "tools are always left out of the prompt when "
+    "tool_choice is none; drop the flag",
+    "--tool-parser-plugin": "tool calls use --tool-call-parser's built-in formats; " + _NO_PLUGINS,
+    "--tool-server": "built-in tools (browser, python) are not supported; clients run their "
+    "own function tools",
+    "--log-config-file": "logs go to stderr at --uvicorn-log-level; drop the flag",
+    "--enable-tokenizer-info-endpoint": "no /get_tokenizer_info; /tokenize and /detokenize are served",
+    "--enable-log-outputs": "request logs (--enable-log-requests) print lengths, not text",
+    "--h11-max-incomplete-event-size": "uvicorn's h11 limits apply to headers; request bodies "
+    "are bounded by --max-body-bytes",
+    "--h11-max-header-count": _UVICORN,
+    "--log-error-stack": "unexpected errors are always logged with their stack",
+    "--tokens-only": "all endpoints are served; drop the flag",
+    # ModelConfig
+    "--convert": "generation only (no embedding, scoring or classification)",
+    "--pooler-config": "generation only (no embedding, scoring or classification)",
+    "--override-pooler-config": "generation only (no embedding, scoring or classification)",
+    "--hf-config-path": "config.json is read from the model directory",
+    "--allowed-local-media-path": _TEXT_ONLY,
+    "--allowed-media-domains": _TEXT_ONLY,
+    "--rope-scaling": "rope scaling comes from config.json; edit it there",
+    "--rope-theta": "rope_theta comes from config.json; edit it there",
+    "--logprobs-mode": "logprobs are the model's raw log-softmax (vLLM's raw_logprobs); drop the flag",
+    "--disable-cascade-attn": "there is no cascade attention; drop the flag",
+    "--skip-tokenizer-init": "the tokenizer is always loaded: the API takes and returns text",
+    "--enable-prompt-embeds": "prompts are text or token ids; prompt_embeds are not supported",
+    "--config-format": "config.json (Hugging Face format) is always read",
+    "--model-impl": "one implementation per family (paged_server/models/); drop the flag",
+    "--override-attention-dtype": "attention runs in --dtype; see --kv-cache-dtype for the cache",
+    "--logits-processors": "custom logits processors are not supported",
+    "--io-processor-plugin": _NO_PLUGINS,
+    # LoadConfig
+    "--safetensors-load-strategy": _LOCAL_FILES,
+    "--model-loader-extra-config": _LOCAL_FILES,
+    "--ignore-patterns": "only *.safetensors, config and tokenizer files are read; drop the flag",
+    "--use-tqdm-on-load": "loading logs one line; drop the flag",
+    "--pt-load-map-location": "only safetensors checkpoints load; drop the flag",
+    # StructuredOutputsConfig
+    "--guided-decoding-disable-fallback": "structured outputs always use llguidance; drop the flag",
+    "--guided-decoding-disable-any-whitespace": "structured outputs always use llguidance; drop the flag",
+    "--guided-decoding-disable-additional-properties": "structured outputs always use llguidance; "
+    "drop the flag",
+    # ParallelConfig
+    "--decode-context-parallel-size": "no context parallelism; use -tp or -pp",
+    "--data-parallel-rank": _NO_DP_CLUSTER,
+    "--data-parallel-start-rank": _NO_DP_CLUSTER,
+    "--data-parallel-size-local": _NO_DP_CLUSTER,
+    "--data-parallel-address": _NO_DP_CLUSTER,
+    "--data-parallel-rpc-port": _NO_DP_CLUSTER,
+    "--data-parallel-backend": _NO_DP_CLUSTER,
+    "--data-parallel-hybrid-lb": _NO_DP_CLUSTER,
+    "--enable-expert-parallel": _NO_MOE_PARALLEL,
+    "--all2all-backend": _NO_MOE_PARALLEL,
+    "--enable-eplb": _NO_MOE_PARALLEL,
+    "--eplb-config": _NO_MOE_PARALLEL,
+    "--expert-placement-strategy": _NO_MOE_PARALLEL,
+    "--num-redundant-experts": _NO_MOE_PARALLEL,
+    "--eplb-window-size": _NO_MOE_PARALLEL,
+    "--eplb-step-interval": _NO_MOE_PARALLEL,
+    "--eplb-log-balancedness": _NO_MOE_PARALLEL,
+    "--enable-dbo": "no dual-batch overlap: one batch per step; drop the flag",
+    "--dbo-decode-token-threshold": "no dual-batch overlap: one batch per step; drop the flag",
+    "--dbo-prefill-token-threshold": "no dual-batch overlap: one batch per step; drop the flag",
+    "--disable-nccl-for-dp-synchronization": "data-parallel engines do not synchronise; drop the flag",
+    "--max-parallel-loading-workers": "each rank loads its own shard; drop the flag",
+    "--ray-workers-use-nsight": "no Ray: one process per device; drop the flag",
+    "--disable-custom-all-reduce": "all-reduce always uses torch.distributed; drop the flag",
+    "--worker-cls": _NO_PLUGINS,
+    "--worker-extension-cls": _NO_PLUGINS,
+    "--enable-multimodal-encoder-data-parallel": _TEXT_ONLY,
+    # CacheConfig
+    "--prefix-caching-hash-algo": "prefix-cache hits compare token ids, not hashes; drop the flag",
+    "--kv-sharing-fast-prefill": "no cross-layer KV sharing; drop the flag",
+    "--mamba-cache-dtype": _NO_MAMBA,
+    "--mamba-ssm-cache-dtype": _NO_MAMBA,
+    "--mamba-block-size": _NO_MAMBA,
+    # MultiModalConfig
+    "--enable-mm-embeds": _TEXT_ONLY,
+    "--media-io-kwargs": _TEXT_ONLY,
+    "--mm-processor-cache-gb": _TEXT_ONLY,
+    "--disable-mm-preprocessor-cache": _TEXT_ONLY,
+    "--mm-processor-cache-type": _TEXT_ONLY,
+    "--mm-shm-cache-max-object-size-mb": _TEXT_ONLY,
+    "--mm-encoder-tp-mode": _TEXT_ONLY,
+    "--mm-encoder-attn-backend": _TEXT_ONLY,
+    "--interleave-mm-strings": _TEXT_ONLY,
+    "--skip-mm-profiling": _TEXT_ONLY,
+    "--video-pruning-rate": _TEXT_ONLY,
+    # LoRAConfig
+    "--max-loras": _NO_LORA,
+    "--lora-extra-vocab-size": _NO_LORA,
+    "--lora-dtype": _NO_LORA,
+    "--max-cpu-loras": _NO_LORA,
+    "--fully-sharded-loras": _NO_LORA,
+    "--default-mm-loras": _NO_LORA,
+    # ObservabilityConfig
+    "--show-hidden-metrics-for-version": "no metrics are hidden; drop the flag",
+    "--otlp-traces-endpoint": _NO_TRACING,
+    "--collect-detailed-traces": _NO_TRACING,
+    # SchedulerConfig
+    "--max-long-partial-prefills": "chunked prefill shares one token budget: --max-num-batched-tokens",
+    "--num-lookahead-slots": "no speculative decoding, so no lookahead slots; drop the flag",
+    "--disable-chunked-mm-input": _TEXT_ONLY,
+    "--scheduler-cls": _NO_PLUGINS,
+    # CompilationConfig, VllmConfig, other
+    "--cudagraph-capture-sizes": _CUDA_GRAPHS,
+    "--cuda-graph-sizes": _CUDA_GRAPHS,
+    "--max-cudagraph-capture-size": _CUDA_GRAPHS,
+    "--kv-events-config": "no KV cache events are published; /metrics reports the pool",
+    "--additional-config": _NO_PLUGINS,
+    "--aggregate-engine-logging": "one stats line reports the whole server; drop the flag",
 }
+# vLLM's short forms of flags this server has no such flag for.
+for _short, _long in {"-asc": "--api-server-count", "-dcp": "--decode-context-parallel-size",
+                      "-dpn": "--data-parallel-rank", "-dpr": "--data-parallel-start-rank",
+                      "-dpl": "--data-parallel-size-local", "-dpa": "--data-parallel-address",
+                      "-dpp": "--data-parallel-rpc-port", "-dpb": "--data-parallel-backend"}.items():
+    FLAG_HINTS[_short] = f"({_long}) {FLAG_HINTS[_long]}"
 
 
 class HintingParser(argparse.ArgumentParser):

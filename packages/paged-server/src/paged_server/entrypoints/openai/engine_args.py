@@ -119,6 +119,7 @@ _ALIASES = {
     "tensor_parallel_size": ("-tp",),
     "pipeline_parallel_size": ("-pp",),
     "data_parallel_size": ("-dp",),
+    "quantization": ("-q",),
 }
 
 
