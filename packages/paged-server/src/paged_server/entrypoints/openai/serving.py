@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from paged_server.engine.bad_words import index_bad_words
 from paged_server.entrypoints.openai.async_engine import AsyncEngine
 from paged_server.entrypoints.openai.chat_render import DEFAULT_RENDER_TIMEOUT_S, ChatRenderer
+from paged_server.entrypoints.openai.completion_bodies import CollectedChoice, Echo, ResponseFormat
 from paged_server.entrypoints.openai.errors import APIError
 from paged_server.entrypoints.openai.generation import Generation, GenerationEnded, bad_value
 from paged_server.entrypoints.openai.protocol import (
@@ -38,7 +39,6 @@ from paged_server.entrypoints.openai.response_format import (
     response_format_constraint,
     tool_constraint,
 )
-from paged_server.entrypoints.openai.responses import CollectedChoice, Echo, ResponseFormat
 from paged_server.entrypoints.openai.streaming import (
     EventStreamResponse,
     stream_chat,

@@ -17,10 +17,10 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from paged_server.entrypoints.openai.completion_bodies import ResponseFormat
 from paged_server.entrypoints.openai.errors import error_body
 from paged_server.entrypoints.openai.generation import Generation, GenerationEnded
 from paged_server.entrypoints.openai.reasoning import ReasoningStream
-from paged_server.entrypoints.openai.responses import ResponseFormat
 from paged_server.entrypoints.openai.tool_calls import ToolStreamParser
 
 DONE = b"data: [DONE]\n\n"

@@ -1,4 +1,4 @@
-"""OpenAI response bodies and stream chunks, built from engine outputs.
+"""The bodies and stream chunks of completions and chat completions, built from engine outputs.
 
 Pure formatting: one `ResponseFormat` per HTTP request knows its id, model
 name and creation time, and turns choices, token ids and log-probabilities
