@@ -1,0 +1,173 @@
+"""LoRA deltas for a batch that mixes adapters: the per-step mapping and the
+reference op.
+
+A step's flat batch holds rows of several sequences, each served with its
+own adapter (or none). The adapters of a projection sit in a fixed table of
+``slots``; :class:`LoRAMapping` says which slot each row reads (``-1``: the
+base model, no delta) and, for the kernels, the same rows grouped the way
+Punica / S-LoRA group them: the leading one-token rows (decodes: BGMV, one
+gathered matrix-vector product per row) and runs of consecutive rows of one
+adapter (prompt chunks: SGMV, a GEMM per run).
+
+:func:`add_lora` adds every row's delta to a projection's output::
+
+    out[t] += B[slot(t)] @ (A[slot(t)] @ x[t])      (scaling folded into B)
+
+for each stacked projection of a fused layer (q/k/v, gate/up): its own A
+rows and its own B rows and output columns. ``paged_triton.lora_ops`` has
+the same signature (``@op(LoRAArgs)``) and is tested against this one.
+
+Layouts: ``lora_a [slots, S * R, in]`` (slot-major: a slot loads as one
+block; projection ``i``'s rank-``R`` rows at ``i * R``), ``lora_b [out,
+slots, R]`` (output-major, so all slots read as one ``[out, slots * R]``
+matrix). ``R`` is ``max_lora_rank``: smaller adapters are zero-padded,
+which adds exact zeros. The reference computes every slot's shrink for
+every row and masks all but the row's own (one GEMM each way, shapes fixed
+by the table: no host sync, nothing step-dependent, so it compiles and
+graphs like the rest of the forward); the cost is ``slots`` times the one
+adapter's, small while ``slots * R`` is small next to the layer's width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from paged_ref.op_args import op
+
+__all__ = ["LoRAArgs", "LoRAMapping", "add_lora"]
+
+
+@dataclass(slots=True)
+class LoRAMapping:
+    """One step's rows -> adapter slots, built once on the host and shared
+    by every projection of every layer.
+
+    ``token_slots [rows]`` int32: each row's slot, -1 for the base model
+    (and padding rows). Rows ``[0, decode_rows)`` are one-token sequences;
+    after them, ``segment_starts [segments + 1]`` / ``segment_slots
+    [segments]`` (int32) cut the rest into runs of consecutive rows of one
+    slot (prompt chunks; neighbours of one adapter merged; base runs keep
+    -1 and are skipped), the longest adapter run ``max_segment_len`` rows.
+    ``token_slots`` alone defines the result; the rest is how the kernels
+    group the work."""
+
+    token_slots: Tensor
+    decode_rows: int
+    segment_starts: Tensor
+    segment_slots: Tensor
+    max_segment_len: int
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.segment_slots.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        lens: Sequence[int],
+        slots: Sequence[int],
+        device: torch.device | str = "cpu",
+        rows: int | None = None,
+    ) -> LoRAMapping:
+        """From the step's sequences in flat-batch order: ``lens[i]`` rows of
+        sequence ``i``, served by ``slots[i]`` (-1: base). ``rows``: the
+        batch's padded row count (padding rows get -1). One copy to
+        ``device`` per tensor."""
+        if len(lens) != len(slots):
+            raise ValueError(f"{len(lens)} sequence lengths but {len(slots)} slots")
+        total = int(sum(lens))
+        rows = total if rows is None else rows
+        if rows < total:
+            raise ValueError(f"rows ({rows}) is less than the sequences' {total} tokens")
+        token_slots = np.full(rows, -1, dtype=np.int32)
+        token_slots[:total] = np.repeat(np.asarray(slots, dtype=np.int32), np.asarray(lens))
+        decode_rows = 0  # each leading one-token sequence is one row
+        while decode_rows < len(lens) and lens[decode_rows] == 1:
+            decode_rows += 1
+        starts: list[int] = [decode_rows]
+        run_slots: list[int] = []
+        for n, slot in zip(lens[decode_rows:], slots[decode_rows:], strict=True):
+            if n == 0:
+                continue
+            if run_slots and run_slots[-1] == slot:
+                starts[-1] += n  # the same adapter as the run before: one run
+            else:
+                run_slots.append(slot)
+                starts.append(starts[-1] + n)
+        longest = max(
+            (starts[i + 1] - starts[i] for i, slot in enumerate(run_slots) if slot >= 0), default=0
+        )
+        seg_starts = np.asarray(starts, dtype=np.int32)
+        seg_slots = np.asarray(run_slots, dtype=np.int32)
+
+        def to(a: np.ndarray) -> Tensor:
+            return torch.from_numpy(a).to(device)
+
+        return cls(to(token_slots), decode_rows, to(seg_starts), to(seg_slots), longest)
+
+
+@dataclass(slots=True)
+class LoRAArgs:
+    """``add_lora``'s: a projection's input ``x [rows, in]`` and output
+    ``out [rows, sum(slice_sizes)]`` (the delta is added in place; leading
+    dimensions beyond one are flattened), its slot table ``lora_a [slots,
+    S * R, in]`` and ``lora_b [out, slots, R]``, the output width of each of
+    its ``S`` stacked projections, and the step's ``mapping``."""
+
+    x: Tensor
+    out: Tensor
+    lora_a: Tensor
+    lora_b: Tensor
+    slice_sizes: tuple[int, ...]
+    mapping: LoRAMapping
+
+
+def check_lora_args(a: LoRAArgs) -> tuple[Tensor, Tensor, int]:
+    """``x`` and ``out`` as ``[rows, features]`` and the padded rank ``R``,
+    or an error naming the shape that does not fit."""
+    in_features = a.lora_a.shape[-1]
+    out_features = sum(a.slice_sizes)
+    x = a.x.reshape(-1, in_features)
+    out = a.out.view(-1, out_features)
+    slots, stacked, _ = a.lora_a.shape
+    if stacked % len(a.slice_sizes):
+        raise ValueError(
+            f"lora_a holds {stacked} rows per slot, not a multiple of {len(a.slice_sizes)} projections"
+        )
+    rank = stacked // len(a.slice_sizes)
+    if tuple(a.lora_b.shape) != (out_features, slots, rank):
+        raise ValueError(
+            f"lora_b has shape {tuple(a.lora_b.shape)}, expected {(out_features, slots, rank)} "
+            f"for lora_a {tuple(a.lora_a.shape)} and slice sizes {a.slice_sizes}"
+        )
+    if x.shape[0] != out.shape[0] or a.mapping.token_slots.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x has {x.shape[0]} rows, out {out.shape[0]}, the mapping "
+            f"{a.mapping.token_slots.shape[0]}; they must be the same step"
+        )
+    return x, out, rank
+
+
+@op(LoRAArgs)
+def add_lora(a: LoRAArgs) -> None:
+    """Add each row's LoRA delta to ``out`` in place: row ``t`` of stacked
+    projection ``i`` gets ``(x[t] @ A_i[s].T) @ B_i[s].T`` with ``s`` the
+    row's slot (nothing for -1). Every slot's shrink is computed and all
+    but the row's own masked out, so shapes depend on the table only."""
+    x, out, rank = check_lora_args(a)
+    slots, stacked, in_features = a.lora_a.shape
+    rows = x.shape[0]
+    h = F.linear(x, a.lora_a.view(slots * stacked, in_features))
+    own = a.mapping.token_slots[:, None] == torch.arange(slots, device=x.device)[None, :]
+    h = torch.where(own[:, :, None], h.view(rows, slots, stacked), 0).view(rows, slots, -1, rank)
+    start = 0
+    for i, size in enumerate(a.slice_sizes):
+        b = a.lora_b[start : start + size].view(size, slots * rank)
+        out[:, start : start + size] += F.linear(h[:, :, i].reshape(rows, slots * rank), b)
+        start += size
