@@ -242,3 +242,46 @@ def test_quant_matmul_compiles_for_every_format_and_bucket_without_spills():
     assert {j.arch for j in jobs} == set(cm.ARCHS)
     results = cm.run_jobs(jobs)
     assert not describe(results), "\n".join(describe(results))
+
+
+def test_lora_variants_do_not_depend_on_the_step():
+    """A step's decode rows, prompt runs and their lengths change no
+    compiled LoRA variant (the split-K piece, the tile counts and the
+    partial sums' stride are not specialised): only the dtype, the kernel
+    and the layer's shapes' divisibility do."""
+    from paged_ref.lora_ops import LoRAMapping
+    from paged_triton.launch import variant_key
+    from paged_triton.lora_ops import plan_lora, split_k
+
+    def meta(*shape, dt=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dt)
+
+    sizes, k, rank = (4096, 1024, 1024), 4096, 16
+    n = 3 * rank
+    keys: dict[str, set] = {}
+    for decodes, runs in [(1, ()), (3, ()), (64, ()), (5, (1000,)), (0, (17, 33)), (2, (2048, 7))]:
+        lens = [1] * decodes + list(runs)
+        mapping = LoRAMapping.build(lens, [i % 3 for i in range(len(lens))])
+        rows = sum(lens)
+        split = split_k(decodes, n, k) if decodes else 1
+        partial = meta(split, decodes, n, dt=torch.float32) if split > 1 else None
+        launches = plan_lora(
+            meta(rows, k), meta(rows, sum(sizes)), meta(4, n, k), meta(sum(sizes), 4, rank),
+            sizes, mapping, meta(rows, n, dt=torch.float32), partial,
+        )  # fmt: skip
+        for launch in launches:
+            keys.setdefault(launch.kernel.__name__, set()).add(variant_key(launch))
+    assert len(keys) == 4 and all(len(v) == 1 for v in keys.values()), keys
+
+
+@needs_ptxas
+def test_lora_kernels_compile_without_spills():
+    """The LoRA shrink and expand kernels (BGMV for decode rows, SGMV for
+    prompt runs) for Llama 3.1 8B's projections at ranks 8, 16 and 64, bf16
+    and fp16, on sm_80, sm_89 and sm_90: no errors, no spills."""
+    jobs = cm.lora_jobs()
+    names = {j.label.split()[1] for j in jobs}
+    assert names == {"shrink_rows", "shrink_segments", "expand_rows", "expand_segments"}
+    assert {j.arch for j in jobs} == set(cm.ARCHS) and {j.dtype for j in jobs} == {"bf16", "fp16"}
+    results = cm.run_jobs(jobs)
+    assert not describe(results), "\n".join(describe(results))

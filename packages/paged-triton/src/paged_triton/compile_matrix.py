@@ -414,9 +414,10 @@ def derived_jobs(
     (layouts that share a per-rank shape share kernels; the label names the
     first); combinations the ops refuse (fp8 e4m3 before sm_89) are left out."""
     jobs: dict[tuple[Any, ...], CompileJob] = {}
-    if layouts is None:  # every family: the experts' kernel and the quantized GEMM too
+    if layouts is None:  # every family: the experts' kernel, the quantized GEMM, LoRA too
         jobs.update((job.key, job) for job in moe_jobs(archs, dtypes))
         jobs.update((job.key, job) for job in quant_matmul_jobs(archs, dtypes))
+        jobs.update((job.key, job) for job in lora_jobs(archs, dtypes))
     for name, layout in derived_layouts(dtypes, kv_caches, layouts):
         for arch in archs:
             if layout.kv_cache_dtype == torch.float8_e4m3fn and arch < 89:
@@ -466,6 +467,54 @@ def moe_jobs(
                         label = f"{moe.name} tp{tp} {dtype}: fused_moe {what}"
                         job = launch_job(label, dtype, launch, arch, block_n=False)
                         jobs.setdefault(job.key, job)
+    return list(jobs.values())
+
+
+# Llama 3.1 8B's projections at TP 1 as LoRA sees them: (stacked output widths, in).
+LORA_SHAPES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096),
+               "gate_up": ((14336, 14336), 4096), "down": ((4096,), 14336)}  # fmt: skip
+LORA_RANKS = (8, 16, 64)  # max_lora_rank: 8 is the one not a multiple of 16
+# (decode rows, prompt run lengths): decode alone (one row: split-K), mixed, prompts alone.
+LORA_STEPS = ((1, ()), (48, (300, 17)), (0, (2048,)))
+
+
+def lora_jobs(
+    archs: Sequence[int] = ARCHS, dtypes: Sequence[str] = ("bf16", "fp16")
+) -> list[CompileJob]:
+    """The LoRA shrink/expand kernels (``lora_ops.plan_lora``: BGMV for
+    decode rows, SGMV for prompt runs) for each projection of
+    :data:`LORA_SHAPES` x rank x step in :data:`LORA_STEPS`, 4 slots,
+    deduplicated: their tiles are fixed, so shapes and steps share variants."""
+    from paged_ref.lora_ops import LoRAMapping
+    from paged_triton.lora_ops import plan_lora, split_k
+
+    jobs: dict[tuple[Any, ...], CompileJob] = {}
+    for dtype in dtypes:
+        dt = DTYPES[dtype]
+        for what, (sizes, k) in LORA_SHAPES.items():
+            for rank in LORA_RANKS:
+                n = len(sizes) * rank
+                for decodes, runs in LORA_STEPS:
+                    lens = [1] * decodes + list(runs)
+                    mapping = LoRAMapping.build(lens, [i % 4 for i in range(len(lens))])
+                    rows = sum(lens)
+
+                    def meta(*shape: int, dt: torch.dtype = dt) -> torch.Tensor:
+                        return torch.empty(*shape, device="meta", dtype=dt)
+
+                    split = split_k(decodes, n, k) if decodes else 1
+                    partial = meta(split, decodes, n, dt=torch.float32) if split > 1 else None
+                    launches = plan_lora(
+                        meta(rows, k), meta(rows, sum(sizes)), meta(4, n, k),
+                        meta(sum(sizes), 4, rank), sizes, mapping,
+                        meta(rows, n, dt=torch.float32), partial,
+                    )  # fmt: skip
+                    for launch in launches:
+                        for arch in archs:
+                            name = launch.kernel.__name__.strip("_").removesuffix("_kernel")
+                            label = f"lora {name} {dtype} ({what}, r{rank})"
+                            job = launch_job(label, dtype, launch, arch, block_n=False)
+                            jobs.setdefault(job.key, job)
     return list(jobs.values())
 
 
