@@ -62,10 +62,14 @@ _FIRST_WORD = 300  # above the embedded tokenizer's special ids (0-2)
 
 
 class NoOpModel(nn.Module):
-    """The forward contract of ``models/base.py`` with no work behind it."""
+    """The forward contract of ``models/base.py`` with no work behind it, or
+    (``device_s``) a device stand-in: each pass takes that long without
+    holding the GIL, as a GPU's does, and says when it ran (``passes``)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, device_s: float = 0.0) -> None:
         super().__init__()
+        self.device_s = device_s
+        self.passes: list[tuple[float, float]] = []  # (start, end) of each pass
         self.tp, self.pp = SINGLE, WHOLE
         self.graph_safe = False  # nothing to compile
         self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)  # the engine reads the device
@@ -74,6 +78,10 @@ class NoOpModel(nn.Module):
         self.logits = self._peaked_rows(0)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
+        start = time.perf_counter()
+        if self.device_s:
+            time.sleep(self.device_s)  # releases the GIL, as a pass on a device does
+        self.passes.append((start, time.perf_counter()))
         return torch.empty(input_ids.shape[0], self.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -90,12 +98,14 @@ class NoOpModel(nn.Module):
 
 
 def build(
-    num_seqs: int, context: int, steps: int, async_output_proc: bool = False, model: str | None = None
+    num_seqs: int, context: int, steps: int, async_output_proc: bool = False, model: str | None = None,
+    async_scheduling: bool = False, device_s: float = 0.0,
 ) -> LLMEngine:
     loaded = load_model(model or str(ensure_llama_100m()), torch.float32, torch.device("cpu"))
     mc = loaded.config
     tiny_kv = dataclasses.replace(mc, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
-    loaded = dataclasses.replace(loaded, model=NoOpModel(mc.hidden_size, mc.vocab_size), config=tiny_kv)
+    no_op = NoOpModel(mc.hidden_size, mc.vocab_size, device_s)
+    loaded = dataclasses.replace(loaded, model=no_op, config=tiny_kv)
     max_len = context + steps + 80
     config = EngineConfig(
         device="cpu",
@@ -106,6 +116,7 @@ def build(
         num_gpu_blocks=num_seqs * (-(-max_len // 16)) + 16,
         enable_prefix_caching=False,
         async_output_proc=async_output_proc,
+        async_scheduling=async_scheduling,
     )
     return LLMEngine(config, loaded)
 
@@ -172,6 +183,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "while the pass runs, off the critical path",
     )  # fmt: skip
     p.add_argument(
+        "--async-scheduling", action="store_true",
+        help="EngineConfig.async_scheduling: the next step is planned, and the last one's tokens "
+        "appended and turned into outputs, while the pass runs on the launch thread",
+    )  # fmt: skip
+    p.add_argument(
+        "--device-ms", type=float, default=0.0,
+        help="make each forward pass a device stand-in that takes this long without holding "
+        "the GIL (0: a no-op)",
+    )  # fmt: skip
+    p.add_argument(
         "--detokenize", action=argparse.BooleanOptionalAction, default=True,
         help="SamplingParams.detokenize (--no-detokenize: token ids only, as an offline "
         "token-id workload runs)",
@@ -183,7 +204,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = build(args.seqs, args.context, args.steps, args.async_output_proc, args.model)
+    engine = build(
+        args.seqs, args.context, args.steps, args.async_output_proc, args.model,
+        args.async_scheduling, args.device_ms / 1e3,
+    )  # fmt: skip
     params = SamplingParams(
         max_tokens=args.steps + 64, ignore_eos=True, temperature=0, detokenize=args.detokenize
     )
@@ -204,6 +228,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i in range(args.seqs):  # as add_request tracks them (the loop is never started)
         server._tracked[f"r{i}"] = _Tracked(loop, asyncio.Queue(), time.monotonic(), 1)
     window = _DeviceWindow(engine)
+    passes = engine.worker.model.passes
+    first_pass = len(passes)
+    maxima = _time_launch_thread_maxima() if args.async_scheduling else None
     profiler = cProfile.Profile() if args.profile else None
     times, cpu_times, route_times = [], [], []
     try:
@@ -238,10 +265,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # shared machine adds (wall time above includes being descheduled).
         "host_cpu_ms_per_step_median": round(statistics.median(cpu_times) * 1e3, 3),
         "route_ms_per_step_median": round(statistics.median(route_times) * 1e3, 3),
-        # the step less what runs while a GPU's pass does (see _DeviceWindow)
+        # the step less what runs while a GPU's pass does: with async
+        # scheduling, what the device waits for between passes (the gap less
+        # the greedy max the launch thread takes there, a kernel on a GPU);
+        # else see _DeviceWindow
         "critical_ms_per_step_median": round(
-            statistics.median(t - w for t, w in zip(times, window.windows, strict=True)) * 1e3, 3
-        ),
+            statistics.median(
+                _critical(passes[first_pass:], maxima) if maxima is not None
+                else [t - w for t, w in zip(times, window.windows, strict=True)]
+            ) * 1e3, 3,
+        ),  # fmt: skip
+        "pass_gap_ms_median": round(statistics.median(_gaps(passes[first_pass:])) * 1e3, 3),
+        "device_ms": args.device_ms,
+        "async_scheduling": args.async_scheduling,
         "greedy_max_ms_per_step_median": round(statistics.median(window.greedy_max) * 1e3, 3),
         "async_output_proc": args.async_output_proc,
         "torch_threads": torch.get_num_threads(),
@@ -249,6 +285,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(json.dumps(result), flush=True)
     return result
+
+
+def _gaps(passes: list[tuple[float, float]]) -> list[float]:
+    """Seconds between one pass's end and the next one's start."""
+    return [b[0] - a[1] for a, b in zip(passes, passes[1:], strict=False)]
+
+
+def _time_launch_thread_maxima() -> list[tuple[float, float]]:
+    """Record (start, end) of every row max the engine takes beside its
+    passes (``with_row_max`` on the launch thread)."""
+    from paged_server.engine import llm_engine
+
+    spans: list[tuple[float, float]] = []
+    real = llm_engine.row_max
+
+    def timed(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        out = real(logits)
+        spans.append((start, time.perf_counter()))
+        return out
+
+    llm_engine.row_max = timed
+    return spans
+
+
+def _critical(passes: list[tuple[float, float]], maxima: list[tuple[float, float]]) -> list[float]:
+    """Each gap between passes less the device work in it (the row max)."""
+    out = []
+    for a, b in zip(passes, passes[1:], strict=False):
+        device = sum(min(e, b[0]) - max(s, a[1]) for s, e in maxima if s < b[0] and e > a[1])
+        out.append(b[0] - a[1] - device)
+    return out
 
 
 if __name__ == "__main__":

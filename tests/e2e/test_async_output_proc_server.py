@@ -1,6 +1,6 @@
-"""`serve --async-output-proc` over HTTP with the real openai client: every
-response, streamed or not, is what the default server sends (outputs only
-arrive a step later)."""
+"""`serve --async-output-proc` and `serve --async-scheduling` over HTTP with
+the real openai client: every response, streamed or not, is what the
+default server sends (outputs only arrive a step later)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.e2e
 PROMPT = "def main():"
 
 
-@pytest.fixture(scope="module")
-def async_client() -> Iterator[tuple[openai.OpenAI, Any]]:
-    srv = start_server(async_output_proc=True)
+@pytest.fixture(scope="module", params=["async_output_proc", "async_scheduling"])
+def async_client(request: pytest.FixtureRequest) -> Iterator[tuple[openai.OpenAI, Any]]:
+    srv = start_server(**{request.param: True})
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60), srv
     srv.stop()
 

@@ -15,9 +15,9 @@ from unittest import mock
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from paged_server.engine.decode_graphs import DecodeGraphs, capture_sizes
+from paged_server.engine.graph_safety import GraphSafety
 from paged_server.engine.llm_engine import LLMEngine
 
 
@@ -65,44 +65,6 @@ def test_padded_static_path_matches_the_plain_one(make_engine, run_engine, promp
     assert engine.audit() == []
 
 
-# Ops that read a tensor's value on the host, or whose output shape depends on
-# values: either stalls a GPU stream or cannot be replayed from a graph.
-FORBIDDEN = {
-    "aten._local_scalar_dense",  # .item(), int(t), bool(t), float(t)
-    "aten.item",  # the same under inference mode
-    "aten.is_nonzero",
-    "aten.equal",
-    "aten.nonzero",
-    "aten.masked_select",
-    "aten._unique2",
-    "aten.unique_dim",
-    "aten.unique_consecutive",
-}
-
-
-class GraphSafety(TorchDispatchMode):
-    """Records every op with its output shapes; fails on FORBIDDEN ops and on
-    repeat_interleave without a static output size."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trace: list[tuple[str, tuple]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if name in FORBIDDEN or (
-            name == "aten.repeat_interleave" and (kwargs or {}).get("output_size") is None
-        ):
-            raise AssertionError(f"{name} in the captured forward pass")
-        out = func(*args, **(kwargs or {}))
-        shapes = tuple(
-            tuple(o.shape) for o in (out if isinstance(out, tuple | list) else [out])
-            if isinstance(o, torch.Tensor)
-        )
-        self.trace.append((name, shapes))
-        return out
-
-
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 to import paged_triton on a CPU"
 )
@@ -128,7 +90,7 @@ def test_triton_decode_forward_is_graph_safe(make_engine, run_engine, prompt_of,
         starts = [n - back for n in lens[:batch]]
         meta = engine.worker.tensors.metadata(engine.kv_manager.step_layout(seq_ids[:batch], starts, [1] * batch))
         graphs._load(meta, torch.arange(batch) + back, graphs.padded(batch))
-        mode = GraphSafety()
+        mode = GraphSafety(record=True)
         with torch.inference_mode(), mode, contextlib.ExitStack() as stack:
             for name in ("tolist", "numpy", "item", "cpu"):  # host reads the dispatcher misses
                 stack.enter_context(mock.patch.object(torch.Tensor, name, _forbidden(name)))

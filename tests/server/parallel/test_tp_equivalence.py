@@ -10,6 +10,7 @@ copy-on-write in the paged pool, a row copy in the contiguous one).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ def _generate(
             "layers": engine.model_config.num_layers,
             "kv_cache_groups": engine.capacity.num_groups,
             "sized_by": engine.capacity.sized_by,
+            "graph_steps": engine.worker.graphs.steps if engine.worker.graphs else 0,
             "blocks": engine.capacity.num_blocks,
         }
         workers = list(getattr(engine.executor, "workers", []))
@@ -155,6 +157,18 @@ def test_tp2_with_async_output_proc_matches_tp1(tp_checkpoints: dict[str, Path])
     assert two["preemptions"] == one["preemptions"] > 0
 
 
+def test_tp2_with_async_scheduling_matches_tp1(tp_checkpoints: dict[str, Path]) -> None:
+    """``async_scheduling`` with TP: the launch thread sends each step's
+    message and runs rank 0's pass while the engine plans the next; under
+    preemption and forks a TP=2 engine streams what a synchronous TP=1
+    engine does."""
+    path = tp_checkpoints["llama"]
+    one = _generate(path, 1, "paged")
+    two = _generate(path, 2, "paged", async_scheduling=True)
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] > 0
+
+
 @pytest.mark.parametrize("pool", ["paged", "contiguous"])
 def test_tp2_int8_kv_cache_matches_tp1(tp_checkpoints: dict[str, Path], pool: str) -> None:
     """int8 scales are per kv head, so each rank's shard quantizes its heads
@@ -191,6 +205,28 @@ def test_tp2_sized_by_memory_share_matches_tp1(tp_checkpoints: dict[str, Path]) 
     assert two["tokens"] == one["tokens"]
     assert "shared by 2 ranks" in two["sized_by"] and "shared by" not in one["sized_by"]
     assert two["blocks"] > 24  # more than the workload's KV demand
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 to run the Triton kernels on a CPU"
+)
+def test_tp2_decode_graphs_run_on_every_rank_and_are_graph_safe(
+    tp_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA graphs with TP, proven on a CPU: ``PAGED_DECODE_GRAPHS=check``
+    runs every rank's pure-decode steps through the decode graphs' static
+    buffers (padded to the captured sizes, nothing captured) with every op a
+    graph could not replay refused (``graph_safety``), each rank once its
+    step message has arrived. A rank that took its plain path instead would
+    all-reduce tensors of another size than its peer's padded ones: the
+    same tokens as TP=1 mean every rank replayed."""
+    monkeypatch.setenv("PAGED_DECODE_GRAPHS", "check")  # the workers inherit it
+    path, triton = tp_checkpoints["llama"], dict(attention_backend="triton")
+    one = _generate(path, 1, "paged", **triton)
+    two = _generate(path, 2, "paged", **triton)
+    assert two["tokens"] == one["tokens"]
+    assert two["preemptions"] == one["preemptions"] > 0
+    assert two["graph_steps"] > 0
 
 
 def test_tp2_int4_kv_cache_matches_tp1(tp_checkpoints: dict[str, Path]) -> None:

@@ -170,6 +170,16 @@ class BlockManager:
         seq.tokens.append(token_id)
         return copies
 
+    def set_token(self, seq_id: int, position: int, token_id: int) -> None:
+        """The id of a token reserved before it was known (a step planned
+        while the one sampling it ran), set before its block is hashed."""
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)
+        if position < seq.num_computed:
+            raise ValueError(
+                f"sequence {seq_id}: token {position} is already computed (and may be hashed)"
+            )
+        seq.tokens[position] = token_id
+
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
         """Record that the first ``num_computed_tokens`` tokens' KV is written.
         Full blocks now computed enter the prefix index; sliding groups then free

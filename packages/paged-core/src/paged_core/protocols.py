@@ -206,6 +206,12 @@ class KVCacheManagerProtocol(Protocol):
         when full, and then changes nothing."""
         ...
 
+    def set_token(self, seq_id: int, position: int, token_id: int) -> None:
+        """Give the token ``reserve`` reserved past the known ids (one still
+        being sampled while the next step was planned) its id, before that
+        token is committed."""
+        ...
+
     def get_num_reserved(self, seq_id: int) -> int:
         """Tokens ``seq_id`` has room for: committed plus reserved ahead."""
         ...
@@ -215,7 +221,8 @@ class KVCacheManagerProtocol(Protocol):
         sequence's whole history is passed), one token at a time while room
         lasts; returns ``get_num_reserved(seq_id)`` after, short of ``upto``
         when the pool ran out. The scheduler's per-step call: one call per
-        sequence, however many tokens it reserves."""
+        sequence, however many tokens it reserves. ``upto`` may pass the end
+        of ``token_ids`` by a token still being sampled (``set_token``)."""
         ...
 
     def step_layout(

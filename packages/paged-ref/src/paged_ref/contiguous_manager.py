@@ -120,6 +120,9 @@ class ContiguousKVManager:
             reserved = self.reserved[seq_id] = min(upto, self.max_model_len)
         return reserved
 
+    def set_token(self, seq_id: int, position: int, token_id: int) -> None:
+        """Token ids are not kept here (no prefix cache): nothing to do."""
+
     def fork_seq(self, seq_id: int) -> int:
         """A new seq_id whose row is a copy of ``seq_id``'s (made, as a block
         copy, before the next step reads or writes the cache)."""

@@ -114,6 +114,9 @@ class KVPool(SeedViews):
     def reserve(self, seq_id: int, token_ids: Sequence[int], upto: int) -> int:
         return int(self.manager.reserve(seq_id, token_ids, upto))
 
+    def set_token(self, seq_id: int, position: int, token_id: int) -> None:
+        self.manager.set_token(seq_id, position, token_id)
+
     def fork_seq(self, seq_id: int) -> int:
         """The manager's fork; a joined pool makes its block copies at once."""
         child = int(self.manager.fork_seq(seq_id))

@@ -149,8 +149,17 @@ class KVCacheTensors:
     def metadata(self, layout: StepLayout) -> AttentionMetadata:
         """The step's attention metadata, once its block copies are made (so
         every block the step reads or writes holds its data)."""
+        self.make_copies(layout)
+        return self.build(layout)
+
+    def make_copies(self, layout: StepLayout) -> None:
+        """The block copies the layout carries, in order (right before its pass)."""
         for pairs in layout.copies:
             self.copy_blocks(pairs)
+
+    def build(self, layout: StepLayout) -> AttentionMetadata:
+        """The step's attention metadata alone (it reads no block, so it may be
+        built while an earlier step still runs)."""
         return build_metadata(layout.block_tables, layout.starts, layout.new_lens, self.block_size, self.device)
 
     def view(self, layout: StepLayout) -> CacheView:

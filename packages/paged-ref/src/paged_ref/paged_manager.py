@@ -18,6 +18,7 @@ import numpy as np
 from paged_core.block_manager import BlockManager
 from paged_core.errors import OutOfBlocksError
 from paged_ref.block_table_buffer import BlockTableBuffer
+from paged_ref.seed_views import UNKNOWN_TOKEN
 from paged_ref.step_layout import StepLayout
 
 
@@ -121,15 +122,24 @@ class PagedKVManager:
 
     def reserve(self, seq_id: int, token_ids: Sequence[int], upto: int) -> int:
         """``append_token`` for ``token_ids[reserved:upto]`` while blocks last;
-        returns how many tokens have room (``< upto``: out of blocks)."""
+        returns how many tokens have room (``< upto``: out of blocks). Past
+        the end of ``token_ids`` (a token still being sampled) the id is
+        ``UNKNOWN_TOKEN`` until ``set_token`` gives it."""
         reserved = self.block_manager.num_tokens(seq_id)
+        known = len(token_ids)
         try:
             while reserved < upto:
-                self._append(seq_id, token_ids[reserved], reserved)
+                self._append(seq_id, token_ids[reserved] if reserved < known else UNKNOWN_TOKEN, reserved)
                 reserved += 1
         except OutOfBlocksError:  # all or nothing per token: the pool is unchanged
             pass
         return reserved
+
+    def set_token(self, seq_id: int, position: int, token_id: int) -> None:
+        """Give a token reserved as ``UNKNOWN_TOKEN`` its id, once sampled
+        (no-op for a position not reserved yet)."""
+        if position < self.block_manager.num_tokens(seq_id):
+            self.block_manager.set_token(seq_id, position, token_id)
 
     def fork_seq(self, seq_id: int) -> int:
         """A new seq_id sharing all of ``seq_id``'s blocks copy-on-write."""

@@ -76,6 +76,10 @@ class EngineConfig:
     # GPU's pass is asynchronous, so that host work leaves its critical path;
     # outputs then come one step later. A CPU's pass is not: off there.
     async_output_proc: bool = False
+    # vLLM's --async-scheduling: plan step N+1 and process step N's outputs
+    # while step N's forward pass runs. None: on where it helps (CUDA, whose
+    # pass runs asynchronously); off on a CPU, whose pass holds the cores.
+    async_scheduling: bool | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
@@ -136,6 +140,7 @@ class EngineConfig:
             "dtype": str(dtype).removeprefix("torch."),
             "dtype_reason": _dtype_reason(self, device, dtype),
             "attention_backend": _attention_backend(self, device),
+            "async_scheduling": device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
         })
 
     def validate(self) -> None:

@@ -18,6 +18,7 @@ host or allocates step-dependent shapes (what a capture needs).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from typing import Any
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 
 from paged_ref.attention_metadata import AttentionMetadata, DecodePart, with_groups
 from paged_ref.cache_view import CacheView, ViewPool
+from paged_server.engine.graph_safety import GraphSafety
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,11 @@ class DecodeGraphs:
         *,
         capture: bool,
         num_groups: int = 1,
+        check: bool = False,
     ) -> None:
         self.model = model
+        self.check = check  # run each pass under graph_safety.GraphSafety
+        self.steps = 0  # decode steps run through the static buffers
         self.tensors = tensors
         self.sizes = capture_sizes(max_batch_size)
         self.capture = capture
@@ -86,6 +91,7 @@ class DecodeGraphs:
         one token, ``input_ids``, per sequence; ``batch <= max_size``)."""
         batch = len(meta.starts)
         size = self.padded(batch)
+        self.steps += 1
         self._load(meta, input_ids, size)
         graph = self._graphs.get(size)
         if graph is not None:
@@ -125,9 +131,10 @@ class DecodeGraphs:
         assert view.meta is not None
         for meta in view.meta.all_groups():
             meta.memo.clear()  # what the reference ops derived last step is stale now
-        return self.model.hidden_states(  # type: ignore[operator, no-any-return]
-            self.input_ids[:size], self.positions[:size], view
-        )
+        with GraphSafety() if self.check else contextlib.nullcontext():
+            return self.model.hidden_states(  # type: ignore[operator, no-any-return]
+                self.input_ids[:size], self.positions[:size], view
+            )
 
     def _static_view(self, size: int) -> CacheView:
         lens = self.seq_lens[:size]

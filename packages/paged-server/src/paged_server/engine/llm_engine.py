@@ -39,6 +39,8 @@ import logging
 import random
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,12 +56,19 @@ from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import add_token_text, commit_token, take_output
 from paged_server.engine.pool_factory import build_kv_manager, pool_capacity
-from paged_server.engine.sampler import SamplingRow, sample
+from paged_server.engine.sampler import SamplerOutput, SamplingRow, row_max, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
-from paged_server.engine.step_batch import PromptScores, StepLogits, run_step
+from paged_server.engine.step_batch import (
+    PromptScores,
+    StepBatch,
+    StepLogits,
+    lay_out,
+    run_step,
+    split_logits,
+)
 from paged_server.engine.token_sets import check_first_token, resolve_token_sets
-from paged_server.engine.worker import Worker
+from paged_server.engine.worker import Worker, WorkerStep
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.generation_defaults import generation_defaults
 from paged_server.model_dir import checkpoint_dtype, resolve_model_dir
@@ -175,6 +184,8 @@ class LLMEngine:
         # this step's forward pass to be launched, and the outputs made then.
         self._untexted: list[tuple[Sequence, int]] = []
         self._made: list[RequestOutput] = []
+        self._defer_text = config.async_output_proc and not config.async_scheduling
+        self._inflight: _Inflight | None = None  # --async-scheduling: the step launched last
         self.counters = EngineCounters()
         self._preemption_log = RateLimitedLog(log)
         self.structured_output = StructuredOutput(
@@ -266,7 +277,11 @@ class LLMEngine:
         freeing sequences that finished or were aborted since the last step)."""
         if self.failed is not None:
             return False
-        return self.scheduler.has_work() or bool(self._touched or self._untexted or self._made)
+        return (
+            self.scheduler.has_work()
+            or self._inflight is not None
+            or bool(self._touched or self._untexted or self._made)
+        )
 
     # -- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -275,6 +290,17 @@ class LLMEngine:
         Raises ``EngineFailedError`` once the engine cannot go on."""
         if self.failed is not None:
             raise EngineFailedError(self.failed)
+        if self.config.async_scheduling:
+            return self._step_overlapped()
+        plan = self._plan()
+        if plan.scheduled:
+            self._run(plan.scheduled)
+        else:  # no forward pass to overlap with
+            self._text_of_last_step()
+        return self._collect_outputs()
+
+    def _plan(self) -> SchedulerOutput:
+        """Retire, schedule, fail what can never run, count."""
         self.scheduler.retire()
         plan = self.scheduler.schedule()
         for seq, reason in plan.refused:  # the progress guarantee: fail, never wait forever
@@ -282,10 +308,36 @@ class LLMEngine:
                 log.error("%s", reason)
                 self._fail(seq, reason)
         self._count(plan)
-        if plan.scheduled:
-            self._run(plan.scheduled)
-        else:  # no forward pass to overlap with
-            self._text_of_last_step()
+        return plan
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """``--async-scheduling`` (vLLM's): while step N's pass runs on the
+        launch thread, plan step N+1 (the scheduler counts N's tokens as
+        computed and the tokens N samples as known, ``Sequence.scheduled_upto``
+        / ``planned_tokens``); then wait for N's logits and sample them,
+        launch N+1 with the sampled tokens filled in, and only then commit
+        N, append its tokens (grammar, stop checks, text) and make its outputs,
+        while N+1 runs. Same tokens as without: each row samples from the
+        same logits with its own generator, after the tokens before it.
+        A step holding a beam search or choices still to fork is processed
+        whole before the next is planned (its processing rearranges sequences)."""
+        inflight = self._inflight
+        if inflight is not None and not inflight.overlaps:
+            self._inflight = None
+            self._finish_inflight(inflight)
+            inflight = None
+        plan = self._plan()  # with N in flight: planned, laid out and launched behind its pass
+        launched = self._launch(plan.scheduled, inflight) if plan.scheduled else None
+        drawn = None
+        try:
+            drawn = self._draw_inflight(inflight) if inflight is not None else None
+        finally:
+            if launched is not None:  # its rows waiting for N's samples get them (or 0s)
+                launched.fill.provide(drawn)
+        self._inflight = launched
+        if inflight is not None and drawn is not None:  # while N+1 runs (None: N's pass failed)
+            self._commit(inflight.scheduled, inflight)
+            self._accept(drawn)
         return self._collect_outputs()
 
     # -- step parts -------------------------------------------------------------
@@ -325,24 +377,55 @@ class LLMEngine:
         try:
             step = self._forward(scheduled)
         except Exception as exc:
-            if self.executor.world_size > 1:
-                raise self._fail_engine(self.executor.describe_failure(exc)) from exc
-            log.exception("forward pass failed for %d sequences", len(scheduled))
-            for seq, _ in scheduled:
-                self._fail(seq, f"model forward pass failed: {type(exc).__name__}: {exc}")
+            self._forward_failed(scheduled, exc)
             self._text_of_last_step()
             return
         # On CUDA the pass is still running: last step's text is made meanwhile,
         # and a stop string found there finishes its sequence before this
         # step's token is appended (the rows below skip finished sequences).
         self._text_of_last_step()
+        self._commit(scheduled)
+        self._accept(self._draw(self._rows(scheduled, step), step.logits))
+
+    def _forward_failed(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> None:
+        """A pass that raised: fatal with several ranks (their caches may now
+        disagree), else it fails only its sequences."""
+        if self.executor.world_size > 1:
+            raise self._fail_engine(self.executor.describe_failure(exc)) from exc
+        log.exception("forward pass failed for %d sequences", len(scheduled))
+        for seq, _ in scheduled:
+            self._fail(seq, f"model forward pass failed: {type(exc).__name__}: {exc}")
+
+    def _commit(self, scheduled: list[tuple[Sequence, int]], inflight: _Inflight | None = None) -> None:
+        """Each sequence's computed tokens, and with them the prefix-cache
+        entries of its now-complete blocks. For a step launched ahead
+        (``inflight``): its tokens leave ``num_inflight_tokens``, its samples
+        ``num_pending_samples``; a sequence preempted or finished since its
+        launch is skipped (its KV was freed, or will be)."""
         mark_computed = self.kv_manager.mark_computed  # once per sequence: bound once
-        for seq, n in scheduled:
+        if inflight is None:
+            for seq, n in scheduled:
+                seq.num_computed_tokens += n
+                assert seq.pool_seq_id is not None
+                mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
+            return
+        for (seq, n), epoch in zip(scheduled, inflight.epochs, strict=True):
+            if seq.num_preemptions != epoch or seq.pool_seq_id is None:
+                continue
+            seq.num_inflight_tokens -= n
             seq.num_computed_tokens += n
-            assert seq.pool_seq_id is not None
             mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
-        # From here on, each request's work is its own: an exception fails
-        # that request (``_isolated``), never the step or its neighbours.
+        for i in inflight.batch.sampled:
+            seq = scheduled[i][0]
+            if seq.num_preemptions == inflight.epochs[i]:
+                seq.num_pending_samples -= 1
+
+    def _rows(self, scheduled: list[tuple[Sequence, int]], step: StepLogits) -> list[tuple[Sequence, int]]:
+        """The rows of ``step.logits`` to sample, by sequence. Prompt logprobs
+        and beam steps are done here; choice 0 of an ``n > 1`` request forks
+        the others first. From here on, each request's work is its own: an
+        exception fails that request (``_isolated``), never the step or its
+        neighbours."""
         for scores in step.prompt_scores:
             seq = scheduled[scores.index][0]
             with self._isolated(seq, "prompt logprobs"):
@@ -360,7 +443,87 @@ class LLMEngine:
                     rows += self._start_choices(seq, j)
             else:  # most rows: one choice, sampled alone
                 rows.append((seq, j))
-        self._sample(rows, step.logits)
+        return rows
+
+    # -- --async-scheduling: a step in flight -------------------------------------
+    def _launch(self, scheduled: list[tuple[Sequence, int]], prev: _Inflight | None) -> _Inflight:
+        """Lay the step out, build rank 0's metadata and hand it to the launch
+        thread, where it runs after the step in flight (``prev``); its rows
+        whose token ``prev`` samples get it there (``_Fill``). Its tokens count
+        as in flight from now on."""
+        batch = lay_out(scheduled)
+        layout = self.kv_manager.step_layout(batch.seq_ids, batch.starts, batch.lens)
+        meta = self.worker.tensors.build(layout)  # reads no block: safe beside prev's pass
+        plain = all(self._plain_greedy(seq) for _, seq in batch.fills)
+        fill = _Fill(batch.fills, prev if plain else None)
+        num_sampled = len(batch.sampled)
+
+        def with_row_max(logits: Tensor | None) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
+            # The sampler's first pass over the logits, beside the pass (a device kernel on a GPU).
+            top = row_max(logits[:num_sampled]) if logits is not None and num_sampled else None
+            return logits, top
+
+        future = self.executor.launch(
+            WorkerStep(batch.ids, layout, batch.rows, batch.every_row), then=with_row_max,
+            meta=meta, before=fill.apply,
+        )  # fmt: skip
+        for seq, n in scheduled:
+            seq.num_inflight_tokens += n
+        for i in batch.sampled:
+            scheduled[i][0].num_pending_samples += 1
+        overlaps = not any(s.request.beam is not None or s.forks_choices for s, _ in scheduled)
+        return _Inflight(
+            scheduled, batch, future, [s.num_preemptions for s, _ in scheduled], overlaps, fill
+        )
+
+    def _plain_greedy(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next token is its logits' row max (greedy, no
+        edits, no grammar): then the launch thread fills it in without the
+        engine (``_Fill``)."""
+        row = self._sampling_row(seq)
+        return row.greedy and not row.edits_logits and seq.grammar is None
+
+    def _wait(self, inflight: _Inflight) -> tuple[StepLogits, tuple[Tensor, Tensor] | None] | None:
+        """The launched step's logits, split, and the sampled rows' maxima;
+        None if its pass raised (its sequences then failed, as in ``_run``)."""
+        try:
+            logits, top = inflight.future.result()
+        except Exception as exc:
+            self._forward_failed(inflight.scheduled, exc)
+            return None
+        assert logits is not None  # the driver's
+        batch = inflight.batch
+        return split_logits(logits, batch.sampled, batch.scored, len(batch.ids)), top
+
+    def _draw_inflight(self, inflight: _Inflight) -> _Drawn | None:
+        """Wait for the step in flight and sample it (its rows of sequences
+        preempted or finished since it was launched are dropped); None when
+        its pass raised: nothing of it is committed."""
+        waited = self._wait(inflight)
+        if waited is None:
+            return None
+        step, top = waited
+        scheduled, epochs = inflight.scheduled, inflight.epochs
+        for scores in step.prompt_scores:
+            seq = scheduled[scores.index][0]
+            if seq.num_preemptions == epochs[scores.index]:
+                with self._isolated(seq, "prompt logprobs"):
+                    self._score_prompt(seq, scores)
+        rows = [
+            (scheduled[i][0], j)
+            for j, i in enumerate(step.sampled)
+            if not scheduled[i][0].is_finished and scheduled[i][0].num_preemptions == epochs[i]
+        ]
+        return self._draw(rows, step.logits, top)
+
+    def _finish_inflight(self, inflight: _Inflight) -> None:
+        """Process the step in flight whole before planning the next (a beam
+        search or choices to fork: its processing rearranges sequences)."""
+        waited = self._wait(inflight)
+        if waited is not None:
+            step, top = waited
+            self._commit(inflight.scheduled, inflight)
+            self._accept(self._draw(self._rows(inflight.scheduled, step), step.logits, top))
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """The step's flat batch through every rank's worker; its logits split
@@ -433,32 +596,47 @@ class LLMEngine:
             rows.append((child, row))
         return rows
 
-    def _sample(self, rows: list[tuple[Sequence, int]], step_logits: Tensor) -> None:
-        """Mask, sample and append one token per ``(sequence, row of
-        step_logits)``. Masking and sampling are batched but report errors
-        per row; the rest runs per request."""
+    def _draw(
+        self, rows: list[tuple[Sequence, int]], step_logits: Tensor,
+        top: tuple[Tensor, Tensor] | None = None,
+    ) -> _Drawn:  # fmt: skip
+        """Mask and sample one token per ``(sequence, row of step_logits)``,
+        batched, errors reported per row; nothing appended yet (``_accept``).
+        ``top``: each row's max, taken beside the pass (no grammar mask on them)."""
         if not rows:
-            return
+            return _Drawn(rows, None, [])
         try:
             index = [row for _, row in rows]
             # Usually every row, once and in order: no copy of [batch, vocab].
             if index == list(range(step_logits.shape[0])):
                 logits = step_logits
             else:
-                logits = step_logits[torch.tensor(index, device=step_logits.device)]
-            logits, mask_errors = self.structured_output.mask_logits(
-                logits, [s.grammar for s, _ in rows]
-            )
-            result = sample(logits, [self._sampling_row(s) for s, _ in rows])
+                picked = torch.tensor(index, device=step_logits.device)
+                logits = step_logits[picked]
+                top = None if top is None else (top[0][picked], top[1][picked])
+            grammars = [s.grammar for s, _ in rows]
+            logits, mask_errors = self.structured_output.mask_logits(logits, grammars)
+            if any(g is not None for g in grammars):  # masked: the maxima moved
+                top = None
+            return _Drawn(rows, sample(logits, [self._sampling_row(s) for s, _ in rows], top), mask_errors)
         except Exception as exc:  # not one row's fault (each is isolated inside): a bug
             log.exception("sampling failed for a batch of %d rows", len(rows))
-            for seq, _ in rows:
-                self._fail(seq, f"sampling failed: {describe_error(exc)}")
+            return _Drawn(rows, None, [f"sampling failed: {describe_error(exc)}"] * len(rows))
+
+    def _accept(self, drawn: _Drawn) -> None:
+        """Append each drawn token (grammar, stop checks, text); a row that
+        failed fails its request only."""
+        result = drawn.result
+        if result is None:
+            for (seq, _), error in zip(drawn.rows, drawn.mask_errors, strict=True):
+                self._fail(seq, error or "")
             return
         now = time.monotonic()
         for (seq, _), token, logprob, error, mask_error in zip(
-            rows, result.token_ids, result.logprobs, result.errors, mask_errors, strict=True
+            drawn.rows, result.token_ids, result.logprobs, result.errors, drawn.mask_errors, strict=True
         ):
+            if seq.is_finished:  # a neighbour's beam or choice finished it meanwhile
+                continue
             if mask_error is not None or error is not None:
                 self._fail(seq, mask_error or error or "")
                 continue
@@ -496,9 +674,11 @@ class LLMEngine:
                 self._fail(seq, error)
                 return
         commit_token(seq, token, logprob, self.eos_token_ids, self.config.max_model_len)
+        if seq.num_inflight_tokens and seq.pool_seq_id is not None:  # reserved by the step in flight
+            self.kv_manager.set_token(seq.pool_seq_id, len(seq.token_ids) - 1, token)
         if complete and not seq.is_finished:  # the grammar admits nothing more
             seq.finish("stop")
-        if self.config.async_output_proc:
+        if self._defer_text:
             self._untexted.append((seq, token))
             return
         self._touched.append(seq)
@@ -548,9 +728,14 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the other ranks' workers (nothing to do with one rank).
         Idempotent; the engine cannot step afterwards if it had workers."""
+        inflight, self._inflight = getattr(self, "_inflight", None), None
+        if inflight is not None:  # let the launch thread finish its step
+            inflight.future.exception()
         executor = getattr(self, "executor", None)
-        if executor is not None and executor.world_size > 1:
-            executor.shutdown()
+        if executor is None:
+            return
+        executor.shutdown()
+        if executor.world_size > 1:
             self.failed = self.failed or "the engine was shut down"
 
     def parallel_summary(self) -> str | None:
@@ -701,3 +886,81 @@ class _Isolated:
             return False
         self.engine._fail_isolated(self.seq, self.stage, exc)
         return True
+
+
+@dataclass(slots=True)
+class _Inflight:
+    """A step launched on the launch thread and not yet processed
+    (``--async-scheduling``): what it computes, its layout, its logits to
+    come, each sequence's ``num_preemptions`` at launch (a result for one
+    preempted since is dropped), and whether the next step may be planned
+    before it is processed."""
+
+    scheduled: list[tuple[Sequence, int]]
+    batch: StepBatch
+    future: Future[Any]
+    epochs: list[int]
+    overlaps: bool
+    fill: _Fill
+
+
+class _Fill:
+    """Where a launched step's rows get the tokens the step before it (in
+    flight at its launch) samples. Its ``apply`` runs on the launch thread,
+    right before the pass: when every such row is greedy and unedited
+    (``plain``, the step before is then given), the tokens are that step's
+    row maxima, taken beside its pass, so the launch waits for nothing on
+    the engine thread; otherwise it waits for the engine's samples
+    (``provide``). A row whose token failed runs a 0: its result is dropped."""
+
+    def __init__(self, rows: list[tuple[int, Sequence]], plain: _Inflight | None) -> None:
+        self.rows = rows
+        self.plain = plain
+        self.index: dict[int, int] = {}  # sequence (by id) -> its row of the step before's maxima
+        if plain is not None and rows:
+            before = plain.scheduled
+            self.index = {id(before[i][0]): j for j, i in enumerate(plain.batch.sampled)}
+        self._samples: Future[dict[int, int]] = Future()
+
+    def provide(self, drawn: _Drawn | None) -> None:
+        """The engine's samples of the step before (None: its pass failed)."""
+        self._samples.set_result({} if drawn is None else drawn.tokens())
+
+    def apply(self, step: WorkerStep) -> None:
+        if not self.rows:
+            return
+        ids = step.input_ids
+        if self.plain is None:
+            tokens = self._samples.result()
+            for row, seq in self.rows:
+                ids[row] = tokens.get(id(seq), 0)
+            return
+        try:
+            maxima = self.plain.future.result()[1][1].tolist()  # done: it ran just before
+        except Exception:  # its pass failed: these rows' results are dropped
+            maxima = None
+        for row, seq in self.rows:
+            j = self.index.get(id(seq))
+            ids[row] = maxima[j] if maxima is not None and j is not None else 0
+
+
+@dataclass(slots=True)
+class _Drawn:
+    """Sampled rows not yet appended: ``result`` None when the batch failed
+    (``mask_errors`` then holds each row's error)."""
+
+    rows: list[tuple[Sequence, int]]
+    result: SamplerOutput | None
+    mask_errors: list[str | None]
+
+    def tokens(self) -> dict[int, int]:
+        """Sequence (by id) -> its token, for the rows that drew one."""
+        if self.result is None:
+            return {}
+        return {
+            id(seq): token
+            for (seq, _), token, error, mask_error in zip(
+                self.rows, self.result.token_ids, self.result.errors, self.mask_errors, strict=True
+            )
+            if error is None and mask_error is None
+        }

@@ -67,19 +67,22 @@ class SamplerOutput:
     errors: list[str | None]
 
 
-def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+def sample(
+    logits: Tensor, rows: Sequence[SamplingRow], top: tuple[Tensor, Tensor] | None = None
+) -> SamplerOutput:
     """Sample one token for each row of ``logits`` (``[batch, vocab]``).
 
     If the batched path raises (an unexpected parameter combination), each
     row is retried alone so only the offending request fails. Each row's
     uniform is drawn once, before either attempt, so a retry leaves the
-    neighbours' seeded draws as they would have been.
+    neighbours' seeded draws as they would have been. ``top``: ``row_max(logits)``
+    when the caller took it already (the launch thread, beside the pass).
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [batch={len(rows)}, vocab], got {tuple(logits.shape)}")
     uniforms = [0.0 if r.greedy else _uniform(r.generator) for r in rows]
     try:
-        return _sample_batch(logits, rows, uniforms)
+        return _sample_batch(logits, rows, uniforms, top)
     except Exception:  # isolate the failing row(s)
         out = SamplerOutput([], [], [])
         for i, row in enumerate(rows):
@@ -94,8 +97,9 @@ def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
 
 
 def _sample_batch(
-    logits: Tensor, rows: Sequence[SamplingRow], uniforms: Sequence[float]
-) -> SamplerOutput:
+    logits: Tensor, rows: Sequence[SamplingRow], uniforms: Sequence[float],
+    top: tuple[Tensor, Tensor] | None = None,
+) -> SamplerOutput:  # fmt: skip
     logits = logits.float()
     batch = logits.shape[0]
     errors: list[str | None] = [None] * batch
@@ -106,7 +110,7 @@ def _sample_batch(
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     # One pass finds each row's greedy token and checks it: the max is NaN
     # if the row holds a NaN, +inf if it holds +inf, -inf if every entry is.
-    top_values, top_indices = row_max(logits)
+    top_values, top_indices = top if top is not None else row_max(logits)
     bad = ~torch.isfinite(top_values)
     bad_rows = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
     if bad_rows:

@@ -149,11 +149,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            done = seq.num_computed_tokens
-            # seq.num_tokens and seq.is_finished, read inline: as properties,
-            # the reads cost ~40 us more a step at 256 sequences (host critical path).
-            wanted = len(seq.token_ids) - done
-            if seq.status is finished or wanted <= 0:
+            # seq.scheduled_upto, seq.planned_tokens and seq.is_finished, read
+            # inline: as properties, the reads cost ~40 us more a step at 256
+            # sequences (host critical path).
+            done = seq.num_computed_tokens + seq.num_inflight_tokens
+            pending = seq.num_pending_samples
+            wanted = len(seq.token_ids) + pending - done
+            if seq.status is finished or wanted <= 0 or (pending and _samples_its_last(seq)):
                 i += 1
                 continue
             # Most of a step: a decode whose room is there (no chunk, nothing to preempt).
@@ -205,14 +207,15 @@ class Scheduler:
         fits); 0 when what fits went to its unit's siblings this step (it
         follows next step); ``None`` when its unit had to go."""
         assert seq.pool_seq_id is not None, f"running sequence {seq.seq_id} has no cache seq_id"
-        upto = seq.num_computed_tokens + n
+        done = seq.scheduled_upto
+        upto = done + n
         while (reserved := self.kv_manager.reserve(seq.pool_seq_id, seq.token_ids, upto)) < upto:
             unit = self._unit(self._newest(), self.running)
             if seq not in unit:
                 self._preempt(unit, out)
                 continue
-            if reserved > seq.num_computed_tokens:
-                return reserved - seq.num_computed_tokens
+            if reserved > done:
+                return reserved - done
             if any(s in unit for s, _ in out.scheduled):
                 return 0
             if all(s in unit or s.is_finished for s in self.running):  # nothing else to free
@@ -243,7 +246,8 @@ class Scheduler:
         for seq in unit:
             self.running.remove(seq)
             self._free(seq)
-            seq.num_computed_tokens = 0
+            seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_samples = 0
+            seq.num_preemptions += 1  # a step in flight drops its results for it
         for seq in reversed(unit):
             self.requeue_front(seq)
         unit[0].request.beam_rows.clear()  # every beam recomputes its row
@@ -342,3 +346,10 @@ class Scheduler:
         if seq.pool_seq_id is not None:
             self.kv_manager.free_seq(seq.pool_seq_id)
             seq.pool_seq_id = None
+
+
+def _samples_its_last(seq: Sequence) -> bool:
+    """Whether the token being sampled for ``seq`` (a step in flight) is its
+    last (``max_tokens``): then nothing of it is computed after it."""
+    generated = len(seq.token_ids) + seq.num_pending_samples - seq.num_prompt_tokens
+    return generated >= seq.request.params.max_tokens  # type: ignore[operator]

@@ -8,6 +8,10 @@ Each step computes some of the ``num_tokens - num_computed_tokens`` tokens
 still missing: a prompt chunk, the last sampled token (decode), or the
 whole history after a preemption (recompute). When a step brings
 ``num_computed_tokens`` up to ``num_tokens``, the next token is sampled.
+With ``--async-scheduling`` the next step is planned while one is in
+flight: ``num_inflight_tokens`` are being computed and ``num_pending_samples``
+tokens will be appended when it is processed (``scheduled_upto`` and
+``planned_tokens`` count them).
 """
 
 from __future__ import annotations
@@ -92,6 +96,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     pool_seq_id: int | None = None  # the pool's seq_id while it holds KV
     num_computed_tokens: int = 0
+    # --async-scheduling: tokens of a step launched and not yet committed,
+    # and tokens that step will sample (appended once it is processed); the
+    # scheduler plans the next step past both. 0 between synchronous steps.
+    num_inflight_tokens: int = 0
+    num_pending_samples: int = 0
+    num_preemptions: int = 0  # a step's results for a sequence preempted since its launch are dropped
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     error: str | None = None
@@ -116,6 +126,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def scheduled_upto(self) -> int:
+        """Tokens computed or being computed: where the next step starts."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def planned_tokens(self) -> int:
+        """Tokens known or being sampled: what the next step may compute up to."""
+        return len(self.token_ids) + self.num_pending_samples
 
     @property
     def num_generated(self) -> int:

@@ -71,7 +71,8 @@ class StepBatch:
     first position and token count; per token its id; the
     token ``rows`` whose logits are computed; the entries of the scheduled
     list that sample (``sampled``) and that score prompt rows (``scored``:
-    (index, first token, row, count))."""
+    (index, first token, row, count)). A sequence starts where the steps
+    before left it (``Sequence.scheduled_upto``: a step in flight included)."""
 
     seq_ids: list[int]
     starts: list[int]
@@ -81,6 +82,9 @@ class StepBatch:
     sampled: list[int]
     scored: list[tuple[int, int, int, int]]
     every_row: bool = False  # rows are all the token rows, in order
+    # (token row, sequence) whose id is the token the step in flight samples
+    # for that sequence (--async-scheduling): set before this step launches.
+    fills: list[tuple[int, Sequence]] = field(default_factory=list)
 
 
 def lay_out(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
@@ -96,14 +100,20 @@ def _decode_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch | None:
     starts: list[int] = []
     ids: list[int] = []
     sampled: list[int] = []
+    fills: list[tuple[int, Sequence]] = []
     for i, (seq, n) in enumerate(scheduled):
         if n != 1 or seq.request.params.prompt_logprobs is not None or seq.pool_seq_id is None:
             return None  # (no seq_id: _flat_batch names the sequence)
-        start, token_ids = seq.num_computed_tokens, seq.token_ids
+        # seq.scheduled_upto and seq.planned_tokens, inline (the host's critical path)
+        start, token_ids = seq.num_computed_tokens + seq.num_inflight_tokens, seq.token_ids
         seq_ids.append(seq.pool_seq_id)
         starts.append(start)
-        ids.append(token_ids[start])
-        if len(token_ids) == start + 1:
+        if start < len(token_ids):
+            ids.append(token_ids[start])
+        else:  # being sampled by the step in flight: filled in before launch
+            fills.append((i, seq))
+            ids.append(0)
+        if len(token_ids) + seq.num_pending_samples == start + 1:
             sampled.append(i)
     return StepBatch(
         seq_ids=seq_ids,
@@ -114,6 +124,7 @@ def _decode_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch | None:
         sampled=sampled,
         scored=[],
         every_row=len(sampled) == len(seq_ids),
+        fills=fills,
     )
 
 
@@ -125,7 +136,7 @@ def _flat_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
     for i in order:
         seq, n = scheduled[i]
         assert seq.pool_seq_id is not None, f"sequence {seq.seq_id} has no cache seq_id"
-        start = seq.num_computed_tokens
+        start = seq.scheduled_upto
         end = start + n
         b.seq_ids.append(seq.pool_seq_id)
         b.starts.append(start)
@@ -134,7 +145,10 @@ def _flat_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         if count:
             b.scored.append((i, first, len(b.ids) + first - 1 - start, count))
         b.ids += seq.token_ids[start:end]
-        if end == seq.num_tokens:
+        if end > seq.num_tokens:  # its last token is being sampled (a step in flight)
+            b.fills.append((len(b.ids), seq))
+            b.ids.append(0)
+        if end == seq.planned_tokens:
             b.rows.append(len(b.ids) - 1)
             b.sampled.append(i)
     for _, _, row, count in b.scored:

@@ -23,6 +23,7 @@ the engine's own process, so the ranks' collectives always meet:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from paged_core.kv_cache_groups import kv_cache_groups
+from paged_ref.attention_metadata import AttentionMetadata
 from paged_ref.cache_view import CacheView
 from paged_ref.cpu_decode import CpuDecodeOps
 from paged_ref.kv_spec import KVCacheSpec
@@ -56,6 +58,10 @@ if TYPE_CHECKING:
     from paged_server.parallel.process_groups import TPGroup
 
 log = logging.getLogger(__name__)
+
+# Debugging and CPU proofs: "eager" runs the decode graphs' static path
+# without capturing, on any device; "check" refuses what a graph cannot replay.
+DECODE_GRAPHS_ENV = "PAGED_DECODE_GRAPHS"
 
 
 @dataclass(slots=True)
@@ -214,22 +220,25 @@ class Worker:
         (the reference ops sync with the host), on every rank of a
         tensor-parallel engine (each replays its own after the step's
         message), unless ``enforce_eager``. Not with pipeline stages: a
-        stage's pass waits for the previous stage's activations."""
-        config = self.config
+        stage's pass waits for the previous stage's activations.
+        ``PAGED_DECODE_GRAPHS=eager`` runs their static buffers without
+        capturing, on any device; ``=check`` also refuses every op a graph
+        could not replay (``graph_safety``): how a CPU proves the path."""
+        config, mode = self.config, os.environ.get(DECODE_GRAPHS_ENV, "")
+        forced = mode in ("eager", "check")
         if (
             config.enforce_eager
             or not self.model.graph_safe  # e.g. the experts' host sync
             or self.stage.size > 1
-            or self.device.type != "cuda"
-            or config.attention_backend != "triton"
             or config.kv_cache_backend != "paged"
+            or not forced and (self.device.type != "cuda" or config.attention_backend != "triton")
         ):
             return None
         assert self.tensors is not None
         return DecodeGraphs(
             self.model, self.tensors, self.device, config.max_batch_size,
             -(-config.max_model_len // config.block_size), num_groups=len(self.tensors.groups),
-            capture=True,
+            capture=not forced, check=mode == "check",
         )  # fmt: skip
 
     # -- 5. warm-up ---------------------------------------------------------------------
@@ -298,16 +307,22 @@ class Worker:
 
     # -- 6. each step -------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, step: WorkerStep) -> Tensor | None:
+    def execute(self, step: WorkerStep, meta: AttentionMetadata | None = None) -> Tensor | None:
         """Run one step over this rank's shard; rank 0 returns the logits
-        ``[len(step.rows), vocab]`` (float32), every other rank None."""
-        assert self.tensors is not None, "init_cache first"
+        ``[len(step.rows), vocab]`` (float32), every other rank None.
+        ``meta``: the step's metadata when built ahead (``KVCacheTensors.build``)."""
+        tensors = self.tensors
+        assert tensors is not None, "init_cache first"
+        if meta is None:
+            meta = tensors.metadata(step.layout)
+        else:
+            tensors.make_copies(step.layout)
         ids = self._tensor(step.input_ids)
         graphs = self.graphs
         if graphs is not None and step.is_decode and len(step.input_ids) <= graphs.max_size:
-            hidden = graphs.run(self.tensors.metadata(step.layout), ids)
+            hidden = graphs.run(meta, ids)
         else:
-            view = self.tensors.view(step.layout)
+            view = CacheView.over(tensors, meta)
             if self.pipeline is not None:  # the logits come back from the last stage
                 return self.pipeline.run(ids, view, step.rows)  # type: ignore[no-any-return]
             hidden = self._hidden_states(ids, view.meta.positions, view)

@@ -57,8 +57,6 @@ FLAG_HINTS = {
     "--scheduling-policy": "scheduling is first come, first served; drop the flag",
     "--disable-async-output-proc": "output processing overlaps the next forward pass only with "
     "--async-output-proc (off by default); drop the flag",
-    "--async-scheduling": "steps are scheduled one after another; --async-output-proc "
-    "overlaps each step's text and outputs with the next forward pass",
     "--tokenizer-mode": "the checkpoint's tokenizer.json (fast tokenizer) is always used",
     "--hf-overrides": "edit the checkpoint's config.json instead",
     "--max-seq-len-to-capture": "decode steps of any length replay CUDA graphs; see --enforce-eager",

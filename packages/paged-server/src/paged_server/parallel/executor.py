@@ -37,6 +37,8 @@ import os
 import signal
 import time
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -45,6 +47,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from paged_server.config import EngineConfig, RunConfig
+from paged_server.engine.executor import LaunchThread
 from paged_server.engine.worker import Worker, WorkerStep
 from paged_server.errors import WorkerStartError
 from paged_server.parallel import rendezvous
@@ -127,6 +130,7 @@ class MultiprocExecutor:
         self._beats = rendezvous.HeartbeatWatch(store, self._remote)
         # Workers never outlive this object, nor the interpreter (atexit).
         self._finalizer = weakref.finalize(self, _stop_processes, self.workers, STOP_TIMEOUT_S)
+        self.launcher = LaunchThread(self.device)
         self.driver: Worker
         check_tensor_parallel(  # before any process starts
             self.tp_size, path, self.device, self._local, pipeline_parallel_size=self.pp_size
@@ -176,10 +180,7 @@ class MultiprocExecutor:
         ``WorkerStartError`` with that rank's error."""
         group = self._require_group()
         if not handshake:
-            if self.dead is None and (status := self._worker_status(remote=False)):  # no store trip per step
-                self.dead = status
-            if self.dead is not None:
-                raise RuntimeError(self.dead)
+            self._check_alive()
             group.broadcast_message(WorkerCall(method, args))
             return getattr(self.driver, method)(*args)
         what = method.replace("_", " ")
@@ -208,9 +209,19 @@ class MultiprocExecutor:
             )
         return result
 
-    def execute(self, step: WorkerStep) -> Tensor | None:
-        """One step on every rank (the message first, then the driver's pass)."""
-        return self.collective_rpc("execute", step)  # type: ignore[no-any-return]
+    def execute(self, step: WorkerStep, meta: Any = None) -> Tensor | None:
+        """One step on every rank (the message first, then the driver's pass;
+        ``meta``: the driver's metadata, built ahead: never sent)."""
+        self._check_alive()
+        self._require_group().broadcast_message(WorkerCall("execute", (step,)))
+        return self.driver.execute(step, meta)
+
+    def launch(
+        self, step: WorkerStep, then: Callable[[Tensor | None], Any] | None = None, meta: Any = None,
+        before: Callable[[WorkerStep], None] | None = None,
+    ) -> Future[Any]:
+        """``execute`` on the launch thread (the message goes from there too)."""
+        return self.launcher.submit(self.execute, step, then, meta, before)
 
     def _await_ready(self) -> None:
         """Wait until every worker is about to join the groups; raise
@@ -300,6 +311,8 @@ class MultiprocExecutor:
     def shutdown(self, reason: str | None = None) -> None:
         """Stop every worker: a stop message when they are healthy, else
         SIGTERM then SIGKILL. Idempotent."""
+        if reason is None:  # a step still running on the launch thread finishes first
+            self.launcher.close()
         healthy = (
             reason is None
             and self.group is not None
@@ -324,6 +337,13 @@ class MultiprocExecutor:
         torch.set_num_threads(self._threads)
 
     # -- internals -----------------------------------------------------------------
+    def _check_alive(self) -> None:
+        """Raise if a rank is gone (its pipe or exit code says so: no store trip per step)."""
+        if self.dead is None and (status := self._worker_status(remote=False)):
+            self.dead = status
+        if self.dead is not None:
+            raise RuntimeError(self.dead)
+
     def _require_group(self) -> TPGroup:
         if self.group is None:
             raise RuntimeError(f"{self.kind} workers are not started")

@@ -74,6 +74,10 @@ _HELP = {
     "(on a GPU the pass is asynchronous, so the host work overlaps it); outputs then arrive "
     "one step later, and a stop string is found one token late (that token is dropped). "
     "Helps large batches on CUDA; no gain on CPU, where the pass holds the cores",
+    "async_scheduling": "plan each step and make the last step's outputs (sampling's "
+    "bookkeeping, text, stop strings) while the forward pass runs, as vLLM's "
+    "--async-scheduling; the pass runs on a thread of its own. Default: on with CUDA, off on "
+    "CPU (where the pass holds the cores and the GIL); --no-async-scheduling turns it off",
     "dtype": "weights dtype: auto = bfloat16 on CUDA, float32 on CPU",
     "kv_cache_dtype": "what the KV cache stores: auto = the model dtype; fp8 (= fp8_e4m3) and "
     "fp8_e5m2 with a per-tensor scale of 1.0; int8 with a scale per token and kv head. "
