@@ -36,7 +36,9 @@ def cap_generation(case: Any, mode: GenerationMode) -> None:
         return
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS_CAP
-    for key in ("max_tokens", "max_completion_tokens"):
+    if "input" in body and body.get("max_output_tokens") is None:  # /v1/responses
+        body["max_output_tokens"] = MAX_TOKENS_CAP
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS_CAP:
             body[key] = MAX_TOKENS_CAP
@@ -85,12 +87,13 @@ def test_fuzz_every_operation(server: Any, mode: GenerationMode) -> None:
     seen: dict[str, set[int]] = {}
     for op in ops:
         if mode is GenerationMode.NEGATIVE and (
-            op.method.upper() == "GET" or op.label == "POST /admin/reclaim"
+            op.method.upper() in ("GET", "DELETE") or op.label == "POST /admin/reclaim"
         ):
-            continue  # no parameters: nothing can be made invalid
+            continue  # no parameters, or a path string: nothing can be made invalid
         fuzzer(op, mode, server.url, seen)()
     assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
     if mode is GenerationMode.NEGATIVE:  # invalid bodies were answered with 4xx
         assert any(400 <= s < 500 for s in seen["POST /v1/completions"])
     else:
         assert 200 in seen["POST /v1/completions"] and 200 in seen["POST /v1/chat/completions"]
+        assert 200 in seen["POST /v1/responses"]

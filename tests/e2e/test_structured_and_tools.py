@@ -1,14 +1,11 @@
 """response_format and tool calls through the real server and the real
 ``openai`` client, streamed and not; the grammar makes even the random-weight
 model's output valid. Tool calls run on a copy of the embedded model whose
-chat template renders tools in the hermes (Qwen) style."""
+chat template renders tools in the hermes (Qwen) style (conftest's tool_server)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,10 +14,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from paged_server.default_model import ensure_default_model
 from paged_server.entrypoints.openai.server import ServerThread
 
-from .conftest import MODEL, start_server
+from .conftest import MODEL
 
 pytestmark = pytest.mark.e2e
 
@@ -41,43 +37,6 @@ SCHEMA = {
 SELF_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 RESPONSE_FORMAT = {"type": "json_schema",
                    "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
-
-# A hermes-style template (the shape of Qwen's): tools in the system turn,
-# calls as <tool_call> JSON, tool results as <tool_response> in a user turn.
-HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-You may call functions. Their signatures, within <tools></tools>:
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-
-For each call, return a JSON object within <tool_call></tool_call> tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{% for message in messages %}
-{% if message.role == 'system' %}
-{% elif message.role == 'assistant' %}<|im_start|>assistant
-{{ message.content or '' }}{% for tc in message.tool_calls or [] %}
-<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{% endfor %}
-{% if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Forecast for a city",
@@ -185,19 +144,6 @@ def test_bad_values_are_400s_naming_the_field(http: httpx.Client, body: dict[str
 
 
 # ----------------------------------------------------------------- tool calls
-
-
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    path = tmp_path_factory.mktemp("hermes") / "model"
-    shutil.copytree(ensure_default_model(), path)
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = HERMES_TEMPLATE
-    config_file.write_text(json.dumps(config))
-    srv = start_server(model=str(Path(path)), max_model_len=1024)
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The API clients call: OpenAI's completions, chat and models, vLLM's
-``/tokenize``, ``/detokenize`` and ``/version``, on one ``APIRouter``."""
+"""The API clients call: OpenAI's completions, chat, responses and models,
+vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, on one ``APIRouter``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from paged_server.entrypoints.openai.protocol import (
     ModelList,
     lone_surrogate_path,
 )
+from paged_server.entrypoints.openai.responses_protocol import ResponsesRequest
+from paged_server.entrypoints.openai.responses_serving import OpenAIResponses
 from paged_server.entrypoints.openai.serving import OpenAIServing
 from paged_server.entrypoints.openai.tokenization import (
     DetokenizeRequest,
@@ -59,16 +61,32 @@ _SSE = {
     }
 }
 
+# Named server-sent events (the Responses API).
+_EVENTS = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {
+                "event": {"type": "string", "description": "the event's type"},
+                "data": {"type": "string", "description": "the event as a JSON object"},
+            },
+        }
+    }
+}
+
 
 def api_router(
     serving: OpenAIServing,
     tokenization: Tokenization,
     model_names: tuple[str, ...],
     max_model_len: int,
+    responses: OpenAIResponses | None = None,
 ) -> APIRouter:
     """The client-facing routes over ``serving``; ``model_names``: the
     served name first, then its aliases (``--served-model-name a b``)."""
     router = APIRouter()
+    responses = responses if responses is not None else OpenAIResponses(serving)
     created = int(time.time())
 
     @router.post(
@@ -90,6 +108,25 @@ def api_router(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_text(body)
         return await serving.chat(body, request)
+
+    @router.post(
+        "/v1/responses",
+        responses={200: {"content": _EVENTS}, **ERRORS},
+        summary="OpenAI's Responses API over the chat path (stream: true for named events)",
+    )
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        _check_text(body)
+        return await responses.create(body, request)
+
+    @router.get("/v1/responses/{response_id}", responses=ERRORS)
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        """A response created with ``store: true`` (held in memory, least recently used evicted)."""
+        return responses.retrieve(response_id)
+
+    @router.delete("/v1/responses/{response_id}", responses=ERRORS)
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        """Forget a stored response."""
+        return responses.delete(response_id)
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

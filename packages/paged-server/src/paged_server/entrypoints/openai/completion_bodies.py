@@ -275,7 +275,7 @@ class ResponseFormat:
         for i, c in enumerate(choices):
             body = {
                 "index": i,
-                **self._chat_message("".join(c.text), c.finish_reason),
+                **self.chat_message("".join(c.text), c.finish_reason),
                 "stop_reason": c.stop_reason,
                 "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
                 if c.logprobs
@@ -290,7 +290,7 @@ class ResponseFormat:
             "usage": usage(prompt_tokens, _generated(choices), cached_tokens),
         }
 
-    def _chat_message(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chat_message(self, text: str, finish_reason: str | None) -> dict[str, Any]:
         """``message`` and ``finish_reason`` of one choice: the reasoning split
         off first (``--reasoning-parser``), then tool calls parsed out of the
         rest when the request offered tools; a chat ``echo`` goes in front."""

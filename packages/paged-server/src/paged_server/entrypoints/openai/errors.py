@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("paged_server.entrypoints.openai")
@@ -112,7 +113,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return _body_error(first.get("input"))
     param = _loc_to_param(first.get("loc", ()))
     msg = _friendly(first)
-    named = re.match(r"^([a-z_]+): ", msg)
+    named = re.match(r"^([a-z_][a-z_0-9.\[\]]*): ", msg)
     if named and param is None:  # model-level validators say "field: problem"
         param, msg = named.group(1), msg[named.end() :]
     top = next((p for p in first.get("loc", ()) if p != "body"), None)
@@ -127,6 +128,30 @@ def validation_error(exc: RequestValidationError) -> APIError:
     else:
         message = msg
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def model_error(exc: ValidationError, *loc: str | int) -> APIError:
+    """A 400 for a model validated by a handler (not by FastAPI), naming the
+    field as ``validation_error`` does, under ``loc`` (``"input", 2``)."""
+    errors = [{**e, "loc": ("body", *loc, *e["loc"])} for e in exc.errors()]
+    return validation_error(RequestValidationError(errors))
+
+
+def rename_param(err: APIError, names: dict[str, str]) -> APIError:
+    """``err`` with its field named as another API names it (chat's
+    ``max_tokens`` is the Responses API's ``max_output_tokens``); a name
+    maps by its first part, so ``tools[0].function.parameters`` follows
+    ``tools``' entry when it has one."""
+    if err.param is None:
+        return err
+    head = re.split(r"[.\[]", err.param, maxsplit=1)[0]
+    new = names.get(err.param) or (names[head] + err.param[len(head):] if head in names else None)
+    if new is None:
+        return err
+    message = err.message
+    if message.startswith(f"{err.param}:"):
+        message = new + message[len(err.param):]
+    return APIError(err.status, message, param=new, code=err.code, type=err.type, headers=err.headers)
 
 
 # What a field that accepts several shapes must look like, said once.

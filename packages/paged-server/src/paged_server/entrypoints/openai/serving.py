@@ -138,6 +138,15 @@ class OpenAIServing:
         return await self._complete(gen, fmt, request, chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        gen, fmt = await self.start_chat(body)
+        if body.stream:
+            return EventStreamResponse(stream_chat(gen, fmt))
+        return await self._complete(gen, fmt, request, chat=True)
+
+    async def start_chat(self, body: ChatCompletionRequest) -> tuple[Generation, ResponseFormat]:
+        """A chat request checked, rendered and submitted: its generation and
+        the format its outputs read in (also the start of /v1/responses and
+        /v1/messages, which are chat requests in other clothes)."""
         arrival = time.monotonic()
         self.check_model(body.model)
         self._check_auto_tool_choice(body)
@@ -183,9 +192,7 @@ class OpenAIServing:
         last = body.messages[-1]
         if body.echo and last.role == fmt.role:  # vLLM: the reply starts with that message
             fmt.chat_echo = last.text()
-        if body.stream:
-            return EventStreamResponse(stream_chat(gen, fmt))
-        return await self._complete(gen, fmt, request, chat=True)
+        return gen, fmt
 
     def _shape(self, fmt: ResponseFormat, body: _SamplingFields, prompts: list[list[int]]) -> None:
         """Response options both endpoints share."""
@@ -333,6 +340,18 @@ class OpenAIServing:
         self, gen: Generation, fmt: ResponseFormat, request: Request, *, chat: bool
     ) -> Response:
         """Wait for every choice, then answer with one JSON body."""
+        choices = await self.collect(gen, request)
+        prompt_tokens, cached = sum(gen.prompt_tokens), gen.cached_tokens
+        body = (
+            fmt.chat_body(choices, prompt_tokens, cached)
+            if chat
+            else fmt.completion_body(choices, prompt_tokens, cached)
+        )
+        return JSONResponse(body)
+
+    async def collect(self, gen: Generation, request: Request) -> list[CollectedChoice]:
+        """Every choice of ``gen`` once all have finished; engine failures
+        as 500s (503 when the engine aborted them, as at shutdown)."""
         choices = [CollectedChoice() for _ in range(len(gen.engine_ids) * gen.n)]
         try:
             async for i, out in gen.outputs(request):
@@ -345,13 +364,7 @@ class OpenAIServing:
         failed = [c.error for c in choices if c.error or c.finish_reason == "error"]
         if failed:
             raise APIError(500, f"generation failed: {failed[0] or 'engine error'}")
-        prompt_tokens, cached = sum(gen.prompt_tokens), gen.cached_tokens
-        body = (
-            fmt.chat_body(choices, prompt_tokens, cached)
-            if chat
-            else fmt.completion_body(choices, prompt_tokens, cached)
-        )
-        return JSONResponse(body)
+        return choices
 
 
 def _response_id(prefix: str, body: _SamplingFields) -> str:
