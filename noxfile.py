@@ -22,6 +22,7 @@ TEST_DEPS = [
     "hypothesis>=6",
     "httpx>=0.27",
     "openai>=1.30",
+    "anthropic>=0.40",  # tests/e2e/test_messages_api.py: Anthropic's own client against /v1/messages
     "schemathesis>=3",
     "matplotlib>=3.8",
     "lm_eval[api]>=0.4.9",  # tests/e2e/test_lm_eval.py: local-completions against the server

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 
@@ -138,6 +139,28 @@ def test_non_streaming_client_that_gives_up_is_aborted(make_fake_engine: Any) ->
             time.sleep(0.02)
         assert len(engine.aborted) == 1
         assert not engine.requests
+
+
+def test_api_key_in_anthropics_header(fake_engine: Any) -> None:
+    """``x-api-key`` (what Anthropic's client sends) is as good as a Bearer
+    token, on every guarded path; a wrong one is a 401 all the same."""
+    settings = ServerSettings(model_name="fake-model", api_key="s3cret")
+    with ServerThread(fake_engine, settings) as srv:
+        ok = httpx.get(srv.url + "/v1/models", headers={"x-api-key": "s3cret"})
+        assert ok.status_code == 200
+        wrong = httpx.get(srv.url + "/v1/models", headers={"x-api-key": "nope"})
+        assert wrong.status_code == 401 and "wrong API key" in wrong.json()["error"]["message"]
+        client = anthropic.Anthropic(base_url=srv.url, api_key="s3cret", max_retries=0)
+        message = client.messages.create(model="fake-model", max_tokens=3,
+                                         messages=[{"role": "user", "content": "hi"}])
+        assert message.usage.output_tokens == 3 and message.stop_reason == "max_tokens"
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=srv.url, api_key="nope", max_retries=0).messages.create(
+                model="fake-model", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+        bearer = httpx.post(srv.url + "/v1/messages", headers={"Authorization": "Bearer s3cret"},
+                            json={"model": "fake-model", "max_tokens": 2,
+                                  "messages": [{"role": "user", "content": "hi"}]})
+        assert bearer.status_code == 200 and bearer.json()["type"] == "message"
 
 
 def test_api_key_guards_everything_but_probes_and_metrics(fake_engine: Any) -> None:

@@ -18,6 +18,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from .conftest import MODEL
+
 pytestmark = pytest.mark.e2e
 
 MAX_EXAMPLES = 30
@@ -30,7 +32,8 @@ def cap_generation(case: Any, mode: GenerationMode) -> None:
     """At most MAX_TOKENS_CAP new tokens (chat's default would fill the context),
     and the rules across fields a JSON schema cannot state kept, so positive
     cases are valid: min_tokens <= max_tokens, max_tokens 0 only with echo,
-    top_logprobs only with logprobs, logit_bias ids inside the vocabulary."""
+    top_logprobs only with logprobs, logit_bias ids inside the vocabulary,
+    the model the one served."""
     body = case.body
     if not isinstance(body, dict):
         return
@@ -47,6 +50,8 @@ def cap_generation(case: Any, mode: GenerationMode) -> None:
 
 
 def keep_cross_field_rules(body: dict[str, Any]) -> None:
+    if isinstance(body.get("model"), str):  # must name the served model (Anthropic's is required)
+        body["model"] = MODEL
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     if isinstance(body.get("min_tokens"), int) and isinstance(limit, int):
         body["min_tokens"] = min(body["min_tokens"], limit)
@@ -96,4 +101,4 @@ def test_fuzz_every_operation(server: Any, mode: GenerationMode) -> None:
         assert any(400 <= s < 500 for s in seen["POST /v1/completions"])
     else:
         assert 200 in seen["POST /v1/completions"] and 200 in seen["POST /v1/chat/completions"]
-        assert 200 in seen["POST /v1/responses"]
+        assert 200 in seen["POST /v1/responses"] and 200 in seen["POST /v1/messages"]

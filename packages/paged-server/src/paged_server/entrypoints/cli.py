@@ -66,7 +66,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. "
+        description="Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, "
+        "/v1/models, /health, /metrics. "
         "Takes `vllm serve` launch lines: vLLM's flag names work (see README's table).",
         formatter_class=_HelpFormatter,
     )

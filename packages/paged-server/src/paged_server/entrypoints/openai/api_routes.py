@@ -1,5 +1,6 @@
 """The API clients call: OpenAI's completions, chat, responses and models,
-vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, on one ``APIRouter``."""
+Anthropic's messages, vLLM's ``/tokenize``, ``/detokenize`` and ``/version``,
+on one ``APIRouter``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from paged_server.entrypoints.openai.errors import APIError
+from paged_server.entrypoints.openai.messages_protocol import MessagesRequest
+from paged_server.entrypoints.openai.messages_serving import AnthropicMessages
 from paged_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -61,7 +64,7 @@ _SSE = {
     }
 }
 
-# Named server-sent events (the Responses API).
+# Named server-sent events (the Responses and Messages APIs).
 _EVENTS = {
     "text/event-stream": {
         "schema": {
@@ -87,6 +90,7 @@ def api_router(
     served name first, then its aliases (``--served-model-name a b``)."""
     router = APIRouter()
     responses = responses if responses is not None else OpenAIResponses(serving)
+    messages = AnthropicMessages(serving)
     created = int(time.time())
 
     @router.post(
@@ -127,6 +131,15 @@ def api_router(
     async def delete_response(response_id: str) -> dict[str, Any]:
         """Forget a stored response."""
         return responses.delete(response_id)
+
+    @router.post(
+        "/v1/messages",
+        responses={200: {"content": _EVENTS}, **ERRORS},
+        summary="Anthropic's Messages API over the chat path (stream: true for named events)",
+    )
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        _check_text(body)
+        return await messages.create(body, request)
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from paged_server.entrypoints.openai.api_routes import api_router
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike, EngineThread
 from paged_server.entrypoints.openai.chat_page import PAGE_PATH, chat_page_router
 from paged_server.entrypoints.openai.errors import APIError, install_error_handlers
+from paged_server.entrypoints.openai.messages_bodies import anthropic_error_body
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
@@ -128,7 +129,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.settings = settings
-    install_error_handlers(app)
+    install_error_handlers(app, shapes={"/v1/messages": anthropic_error_body})
     names = (settings.model_name, *settings.model_aliases)
     app.include_router(api_router(serving, tokenization, names, config.max_model_len))
     app.include_router(ops_router(engine, async_engine, metrics, settings.api_key))

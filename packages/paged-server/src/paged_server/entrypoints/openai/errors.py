@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -225,25 +226,35 @@ def _most_specific(errors: list[Any]) -> Any:
     return max(same, key=lambda e: len(e.get("loc", ())))
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Map every failure to an OpenAI error body; unexpected ones to a logged 500."""
+def install_error_handlers(
+    app: FastAPI, shapes: dict[str, Callable[[APIError], dict[str, Any]]] | None = None
+) -> None:
+    """Map every failure to an OpenAI error body (or, on a path in
+    ``shapes``, the body its API's clients read); unexpected ones to a
+    logged 500."""
+
+    def respond(request: Request, err: APIError) -> JSONResponse:
+        shape = (shapes or {}).get(request.url.path.removeprefix(request.scope.get("root_path", "")))
+        if shape is None:
+            return err.response()
+        return JSONResponse(shape(err), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         if exc.status_code == 404:
             message = "no such endpoint; see /docs for the API"
-        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        return respond(request, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in request handler")
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+        return respond(request, APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))

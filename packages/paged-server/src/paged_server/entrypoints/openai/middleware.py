@@ -43,7 +43,8 @@ def _path(scope: Scope) -> str:
 
 class APIKeyMiddleware:
     """With a key set, every path but ``open_paths`` (``OPEN_PATHS`` by
-    default) needs ``Authorization: Bearer <key>``."""
+    default) needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>``
+    (Anthropic's header)."""
 
     def __init__(
         self, app: ASGIApp, api_key: str | None, open_paths: frozenset[str] = OPEN_PATHS
@@ -56,15 +57,18 @@ class APIKeyMiddleware:
         if self.api_key is None or scope["type"] != "http" or _path(scope) in self.open_paths:
             await self.app(scope, receive, send)
             return
-        auth = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-            what = "missing" if not auth else "wrong"
+        if scheme.lower() != b"bearer":  # Anthropic's clients send the key as x-api-key
+            token = headers.get(b"x-api-key", b"")
+        if not hmac.compare_digest(token.strip(), self.api_key):
+            what = "missing" if not token else "wrong"
             await _send_error(
                 send,
                 401,
-                f"{what} API key: send the header 'Authorization: Bearer <key>' with the key "
-                "the server was started with (--api-key)",
+                f"{what} API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: "
+                "<key>') with the key the server was started with (--api-key)",
                 code="invalid_api_key",
                 headers=[(b"www-authenticate", b"Bearer")],
             )
