@@ -29,6 +29,7 @@ TEST_DEPS = [
     "jsonschema>=4",
     "sentencepiece>=0.1.98",  # llama.cpp's convert_hf_to_gguf.py imports it (benchmarks/llamacpp_peer.py)
     "compressed-tensors>=0.20",  # tests/server/models/test_quantized_checkpoints.py writes its checkpoints
+    "peft>=0.13",  # tests/server/models/test_lora.py: adapters made and merged by peft (the oracle)
     # tests/e2e/test_chat_page.py drives the system's Chromium (.ci/run installs it); the
     # package brings its driver and downloads no browser
     "playwright>=1.40",

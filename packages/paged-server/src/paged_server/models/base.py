@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
+from paged_ref.lora_ops import LoRAMapping
 from paged_server.models.config import ModelConfig
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage, for_stage
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
@@ -61,12 +62,15 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         kv_cache: AttentionViewProtocol | None = None,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         """Float32 logits ``[..., vocab]`` for ``input_ids`` at ``position_ids``
         (same shape: ``[num_tokens]`` with a view, ``[batch, length]`` without).
         With a cache view, attention covers cached + new tokens; the view is
-        not advanced."""
-        return self.compute_logits(self.hidden_states(input_ids, position_ids, kv_cache))
+        not advanced. ``lora``: each row's adapter (``models.lora``)."""
+        return self.compute_logits(
+            self.hidden_states(input_ids, position_ids, kv_cache, lora=lora)
+        )
 
     def hidden_states(
         self,
@@ -74,10 +78,13 @@ class CausalLM(nn.Module):
         position_ids: torch.Tensor,
         kv_cache: AttentionViewProtocol | None = None,
         intermediate: torch.Tensor | None = None,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states ``[..., hidden]``; on a pipeline stage,
         its layers' output (normed on the last stage) from the previous
-        stage's ``intermediate`` (the embeddings on the first)."""
+        stage's ``intermediate`` (the embeddings on the first). ``lora``:
+        the step's rows' adapter slots (``LoRAMapping``, one row per token,
+        in ``input_ids``' order flattened); None runs the base model."""
         if input_ids.shape != position_ids.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and position_ids "
@@ -88,7 +95,7 @@ class CausalLM(nn.Module):
                 f"with a cache view the batch is flat [num_tokens]; got input_ids of shape "
                 f"{tuple(input_ids.shape)}"
             )
-        return self.model(input_ids, position_ids, kv_cache, intermediate)  # type: ignore[no-any-return]
+        return self.model(input_ids, position_ids, kv_cache, intermediate, lora)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head in the model dtype, then float32 (and final soft-capping)."""

@@ -23,3 +23,8 @@ class CorruptCheckpointError(ModelLoadError, ValueError):
 
 class InvalidConfigError(ModelLoadError, ValueError):
     """config.json is unreadable or lacks a field the model needs."""
+
+
+class LoRAAdapterError(ModelLoadError, ValueError):
+    """A LoRA adapter cannot be served: unreadable, of a kind not supported,
+    or not made for this model."""

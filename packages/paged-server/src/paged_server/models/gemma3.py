@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
+from paged_ref.lora_ops import LoRAMapping
 from paged_server.models.base import CausalLM
 from paged_server.models.config import SLIDING_ATTENTION, ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
@@ -67,10 +68,11 @@ class Gemma3DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: AttentionViewProtocol | None,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, lora)
         x = x + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x), lora)
         return x + self.post_feedforward_layernorm(mlp)
 
 
@@ -116,6 +118,7 @@ class Gemma3Model(nn.Module):
         position_ids: torch.Tensor,
         kv_cache: AttentionViewProtocol | None,
         intermediate: torch.Tensor | None = None,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         if intermediate is None:
             assert self.embed_tokens is not None, "a later pipeline stage needs the activations"
@@ -129,9 +132,9 @@ class Gemma3Model(nn.Module):
             local_cos, local_sin = self.local_rotary(position_ids, x.dtype)
         for layer in self.layers[self.stage]:
             if layer.is_sliding:
-                x = layer(x, local_cos, local_sin, kv_cache)
+                x = layer(x, local_cos, local_sin, kv_cache, lora)
             else:
-                x = layer(x, global_cos, global_sin, kv_cache)
+                x = layer(x, global_cos, global_sin, kv_cache, lora)
         return self.norm(x) if self.norm is not None else x
 
 

@@ -4,7 +4,9 @@ Attention is the one place where a cache view enters model code: with a view
 the layer hands the flat batch's new q/k/v (``[num_tokens, heads, head_dim]``)
 to ``kv_cache.attend`` and never learns whether the pool behind it is
 contiguous or paged; without one it runs plain causal attention over
-``[batch, length]`` sequences (tests, one-shot scoring).
+``[batch, length]`` sequences (tests, one-shot scoring). The step's
+``LoRAMapping`` (``lora``, None without adapters) goes to every projection
+the same explicit way.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
+from paged_ref.lora_ops import LoRAMapping
 from paged_server.models.errors import InvalidConfigError
 from paged_server.models.linear import (
     ColumnParallelLinear,
@@ -88,9 +91,9 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, start, size, bias, tp)
         self.act = ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x, lora))
+        return self.down_proj(self.act(gate) * up, lora)
 
 
 class Attention(nn.Module):
@@ -158,11 +161,12 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: AttentionViewProtocol | None,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         """``x [..., hidden]`` -> ``[..., hidden]``: a flat ``[num_tokens, hidden]``
         batch with a cache view, or ``[batch, length, hidden]`` sequences
         without one."""
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x, lora))
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -183,7 +187,7 @@ class Attention(nn.Module):
                 sliding_window=self.sliding_window,
                 softcap=self.softcap,
             )
-        return self.o_proj(out.flatten(-2))
+        return self.o_proj(out.flatten(-2), lora)
 
 
 def causal_attention(

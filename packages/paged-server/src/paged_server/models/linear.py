@@ -17,17 +17,27 @@ of fused names, each part is sharded on its own (a rank holds its q heads,
 its k heads and its v heads, stacked), and a layer that stores its weight
 in another format (issue 30's quantized checkpoints: packed weights and
 their scales) plugs in at the same seam by naming other tensors.
+
+Both kinds take the step's ``LoRAMapping`` (``lora``) beside the input:
+with one, and a slot table ``models.lora.attach`` gave the layer, every
+row's adapter delta is added to the output (a row-parallel layer's before
+its all-reduce); with none, the layer is the plain GEMM it always was.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paged_server.models.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from paged_ref.lora_ops import LoRAMapping
+    from paged_server.models.lora.layers import LoRAWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +90,17 @@ class ColumnParallelLinear(nn.Linear):
     tensor (weight and bias sliced along dim 0). No communication.
     ``split`` cuts the output back into the projections."""
 
+    lora_weights: LoRAWeights | None = None  # the adapters' slot table (models.lora.attach)
+
     def __init__(self, in_features: int, slices: list[OutputSlice], bias: bool) -> None:
         super().__init__(in_features, sum(s.size for s in slices), bias=bias)
         self.slices = slices
+
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if lora is not None and self.lora_weights is not None:
+            self.lora_weights.apply(x, out, lora)
+        return out
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The output as one tensor per stacked projection (views)."""
@@ -139,8 +157,14 @@ class RowParallelLinear(nn.Linear):
             parts.append((f"{name}.bias", Part("bias")))
         return parts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            out = F.linear(x, self.weight, self.bias)
+            if lora is not None and self.lora_weights is not None:
+                self.lora_weights.apply(x, out, lora)
+            return out
+        out = F.linear(x, self.weight)
+        if lora is not None and self.lora_weights is not None:  # this rank's share of the delta
+            self.lora_weights.apply(x, out, lora)
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias

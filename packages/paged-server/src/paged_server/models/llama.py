@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
+from paged_ref.lora_ops import LoRAMapping
 from paged_server.models.base import CausalLM
 from paged_server.models.config import ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
@@ -60,9 +61,10 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: AttentionViewProtocol | None,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaModel(nn.Module):
@@ -93,6 +95,7 @@ class LlamaModel(nn.Module):
         position_ids: torch.Tensor,
         kv_cache: AttentionViewProtocol | None,
         intermediate: torch.Tensor | None = None,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         if intermediate is None:
             assert self.embed_tokens is not None, "a later pipeline stage needs the activations"
@@ -101,7 +104,7 @@ class LlamaModel(nn.Module):
             x = intermediate
         cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.layers[self.stage]:
-            x = layer(x, cos, sin, kv_cache)
+            x = layer(x, cos, sin, kv_cache, lora)
         return self.norm(x) if self.norm is not None else x
 
 

@@ -130,7 +130,9 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(hidden_size, num_experts)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, act, names, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
+        """``x [..., hidden]`` -> ``[..., hidden]``; ``lora`` is unused:
+        adapters reach attention only (models.lora refuses expert targets)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs = torch.softmax(self.gate(flat).float(), dim=-1)

@@ -159,7 +159,9 @@ class QuantizedLinear(nn.Module):
             q = q - self.zeros.to(dtype).repeat_interleave(self.group_size, dim=1)
         return q * self.scales.to(dtype).repeat_interleave(self.group_size, dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
+        """``x @ W.T`` (+ bias); ``lora`` is unused: ``models.lora.attach``
+        refuses a model with quantized layers."""
         if self.kernel == "dequantize":
             out = F.linear(x, self.dequantized_weight(x.dtype))
         elif self.kernel == "quant_matmul":
