@@ -40,13 +40,13 @@ def random_table(slots, rank, in_features, slice_sizes, dtype, gen, ranks=None):
     return a.to(dtype), b.to(dtype)
 
 
-def random_step(gen, slots, decodes, prompts, pad=0):
+def random_step(gen, slots, decodes, prompts, pad=0, device=DEVICE):
     """Sequence lengths (``decodes`` one-token rows first) and random slots (-1 included)."""
     lens = [1] * decodes + [int(torch.randint(1, 70, (1,), generator=gen)) for _ in range(prompts)]
     chosen = torch.randint(-1, slots, (len(lens),), generator=gen).tolist()
     if prompts >= 2:  # two neighbouring runs of one adapter, merged into one
         chosen[-1] = chosen[-2] = 0
-    mapping = ref.LoRAMapping.build(lens, chosen, DEVICE, rows=sum(lens) + pad)
+    mapping = ref.LoRAMapping.build(lens, chosen, device, rows=sum(lens) + pad)
     return lens, chosen, mapping
 
 
@@ -65,6 +65,7 @@ def test_mapping_groups_rows_like_the_kernels_read_them():
     assert m.segment_starts.tolist() == [2, 10, 14, 16]  # adapter 0's two chunks are one run
     assert m.segment_slots.tolist() == [0, -1, 1]
     assert m.max_segment_len == 8  # the base run does not count
+    assert m.runs == ((2, 10, 0), (14, 16, 1))  # the adapter runs, on the host
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -119,3 +120,35 @@ def test_random_assignments(seed):
     out = torch.randn(rows, sum(sizes), generator=gen)
     want, got = both(*(t.to(DEVICE) for t in (x, out, a, b)), sizes, mapping)
     torch.testing.assert_close(got.cpu(), want.cpu(), **TOLERANCES[torch.float32])
+
+
+def per_row(x, out, a, b, sizes, token_slots):
+    """The definition, one row at a time: ``out[t] += B_i[s] @ (A_i[s] @ x[t])``."""
+    out = out.clone()
+    rank = a.shape[1] // len(sizes)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot < 0:
+            continue
+        start = 0
+        for i, size in enumerate(sizes):
+            h = a[slot, i * rank : (i + 1) * rank] @ x[t]
+            out[t, start : start + size] += b[start : start + size, slot] @ h
+            start += size
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reference_equals_the_per_row_definition(seed):
+    """The reference's grouping (decode rows masked over every slot, a GEMM
+    pair per prompt run) is only a grouping: each row gets its own slot's delta."""
+    gen = torch.Generator().manual_seed(2000 + seed)
+    sizes = [(40, 24, 24), (72, 72), (96,)][seed]
+    a, b = random_table(3, 8, 50, sizes, torch.float32, gen, ranks=[8, 2, 5])
+    _, _, mapping = random_step(gen, 3, 4, 3, pad=2, device="cpu")
+    assert mapping.decode_rows == 4 and mapping.runs  # both groupings in use
+    rows = mapping.token_slots.shape[0]
+    x, out = torch.randn(rows, 50, generator=gen), torch.randn(rows, sum(sizes), generator=gen)
+    want = per_row(x, out, a, b, sizes, mapping.token_slots)
+    got = out.clone()
+    ref.add_lora(x, got, a, b, sizes, mapping)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -21,17 +21,19 @@ Layouts: ``lora_a [slots, S * R, in]`` (slot-major: a slot loads as one
 block; projection ``i``'s rank-``R`` rows at ``i * R``), ``lora_b [out,
 slots, R]`` (output-major, so all slots read as one ``[out, slots * R]``
 matrix). ``R`` is ``max_lora_rank``: smaller adapters are zero-padded,
-which adds exact zeros. The reference computes every slot's shrink for
-every row and masks all but the row's own (one GEMM each way, shapes fixed
-by the table: no host sync, nothing step-dependent, so it compiles and
-graphs like the rest of the forward); the cost is ``slots`` times the one
-adapter's, small while ``slots * R`` is small next to the layer's width.
+which adds exact zeros. The reference groups the work as the kernels do:
+the decode rows' shrink against every slot in one GEMM, all but each row's
+own masked out (on a CPU cheaper than a copy of A and B gathered per row),
+then one GEMM pair per prompt run (masking every slot there would cost
+``slots`` times the run's work). No host sync: the runs are known when the
+mapping is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,15 +55,17 @@ class LoRAMapping:
     after them, ``segment_starts [segments + 1]`` / ``segment_slots
     [segments]`` (int32) cut the rest into runs of consecutive rows of one
     slot (prompt chunks; neighbours of one adapter merged; base runs keep
-    -1 and are skipped), the longest adapter run ``max_segment_len`` rows.
-    ``token_slots`` alone defines the result; the rest is how the kernels
-    group the work."""
+    -1 and are skipped), the longest adapter run ``max_segment_len`` rows;
+    ``runs`` lists the adapter runs again on the host. ``token_slots``
+    alone defines the result; the rest is how the ops group the work."""
 
     token_slots: Tensor
     decode_rows: int
     segment_starts: Tensor
     segment_slots: Tensor
     max_segment_len: int
+    runs: tuple[tuple[int, int, int], ...] = ()  # the adapter runs on the host: (start, end, slot)
+    memo: dict[Any, Any] = field(default_factory=dict)  # what every projection of the step reuses
 
     @property
     def num_segments(self) -> int:
@@ -109,7 +113,12 @@ class LoRAMapping:
         def to(a: np.ndarray) -> Tensor:
             return torch.from_numpy(a).to(device)
 
-        return cls(to(token_slots), decode_rows, to(seg_starts), to(seg_slots), longest)
+        runs = tuple(
+            (starts[i], starts[i + 1], slot) for i, slot in enumerate(run_slots) if slot >= 0
+        )
+        return cls(
+            to(token_slots), decode_rows, to(seg_starts), to(seg_slots), longest, runs
+        )
 
 
 @dataclass(slots=True)
@@ -158,16 +167,41 @@ def check_lora_args(a: LoRAArgs) -> tuple[Tensor, Tensor, int]:
 def add_lora(a: LoRAArgs) -> None:
     """Add each row's LoRA delta to ``out`` in place: row ``t`` of stacked
     projection ``i`` gets ``(x[t] @ A_i[s].T) @ B_i[s].T`` with ``s`` the
-    row's slot (nothing for -1). Every slot's shrink is computed and all
-    but the row's own masked out, so shapes depend on the table only."""
+    row's slot (nothing for -1). The work is grouped as the kernels group
+    it: the decode rows together (every slot's shrink, all but each row's
+    own masked out), then one GEMM pair per prompt run."""
     x, out, rank = check_lora_args(a)
+    m = a.mapping
+    if m.decode_rows:
+        _add_rows(x[: m.decode_rows], out[: m.decode_rows], a, rank)
+    for start, end, slot in m.runs:
+        _add_run(x[start:end], out[start:end], a, slot, rank)
+
+
+def _add_rows(x: Tensor, out: Tensor, a: LoRAArgs, rank: int) -> None:
+    """BGMV's result as two dense GEMMs over the whole table: cheaper on a
+    CPU than gathering a copy of A and B per row, and fixed in shape."""
     slots, stacked, in_features = a.lora_a.shape
     rows = x.shape[0]
-    h = F.linear(x, a.lora_a.view(slots * stacked, in_features))
-    own = a.mapping.token_slots[:, None] == torch.arange(slots, device=x.device)[None, :]
-    h = torch.where(own[:, :, None], h.view(rows, slots, stacked), 0).view(rows, slots, -1, rank)
+    key = ("own", rows, slots, x.device)
+    own = a.mapping.memo.get(key)
+    if own is None:  # once per step, not per projection
+        arange = torch.arange(slots, device=x.device)
+        own = a.mapping.memo[key] = (a.mapping.token_slots[:rows, None] == arange)[:, :, None]
+    h = F.linear(x, a.lora_a.view(slots * stacked, in_features)).view(rows, slots, stacked)
+    h = torch.where(own, h, 0).view(rows, slots, -1, rank)
     start = 0
     for i, size in enumerate(a.slice_sizes):
         b = a.lora_b[start : start + size].view(size, slots * rank)
         out[:, start : start + size] += F.linear(h[:, :, i].reshape(rows, slots * rank), b)
+        start += size
+
+
+def _add_run(x: Tensor, out: Tensor, a: LoRAArgs, slot: int, rank: int) -> None:
+    """SGMV's result for one run of rows of one adapter: a GEMM pair."""
+    h = F.linear(x, a.lora_a[slot])
+    start = 0
+    for i, size in enumerate(a.slice_sizes):
+        b = a.lora_b[start : start + size, slot]
+        out[:, start : start + size] += F.linear(h[:, i * rank : (i + 1) * rank], b)
         start += size

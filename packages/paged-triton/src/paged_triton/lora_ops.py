@@ -2,8 +2,8 @@
 as BGMV for the decode rows and SGMV for the prompt runs (Punica, S-LoRA).
 
 ``add_lora`` has ``paged_ref.lora_ops.add_lora``'s signature and result
-(``@op(LoRAArgs)``), but computes each row with its own slot only, where
-the reference computes every slot and masks:
+(``@op(LoRAArgs)``), each row computed with its own slot only (the
+reference masks every slot for the decode rows):
 
 - shrink ``h[t] = A[slot(t)] @ x[t]`` into a float32 ``[rows, S * R]``
   buffer. Decode rows: one program per (row, tile of ``h``'s columns, piece
