@@ -147,6 +147,8 @@ def test_no_adapter_leaves_the_forward_unchanged(checkpoints, adapters, prompt_o
     ids = torch.tensor([prompt_of(7, 3)])
     positions = torch.arange(7)[None]
     before = loaded.model(ids, positions)
+    no_tables = loaded.model(ids, positions, lora=LoRAMapping.build([7], [0]))
+    assert torch.equal(no_tables, before)  # a mapping without tables changes nothing
     manager = LoRAManager(loaded.model, LoRAConfig(max_loras=1, max_lora_rank=8))
     manager.add("patterns", adapters["llama"]["patterns"][0])
     assert manager.mapping([7], [None]) is None

@@ -98,8 +98,8 @@ class ColumnParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        if lora is not None and self.lora_weights is not None:
-            self.lora_weights.apply(x, out, lora)
+        if lora is not None:
+            _lora_delta(self, x, out, lora)
         return out
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -134,6 +134,8 @@ class RowParallelLinear(nn.Linear):
     (weight sliced along dim 1; the bias is whole and added once, after the
     all-reduce that sums the ranks' partial products)."""
 
+    lora_weights: LoRAWeights | None = None  # the adapters' slot table (models.lora.attach)
+
     def __init__(
         self,
         full_size: int,
@@ -160,11 +162,23 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         if self.tp.world_size == 1:
             out = F.linear(x, self.weight, self.bias)
-            if lora is not None and self.lora_weights is not None:
-                self.lora_weights.apply(x, out, lora)
+            if lora is not None:
+                _lora_delta(self, x, out, lora)
             return out
         out = F.linear(x, self.weight)
-        if lora is not None and self.lora_weights is not None:  # this rank's share of the delta
-            self.lora_weights.apply(x, out, lora)
+        if lora is not None:  # this rank's share of the delta, summed with the product
+            _lora_delta(self, x, out, lora)
         out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+
+def _lora_delta(
+    layer: ColumnParallelLinear | RowParallelLinear,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    lora: LoRAMapping,
+) -> None:
+    """Add the step's adapter deltas to ``layer``'s output ``out``, if the
+    layer has a slot table (a model without ``models.lora.attach`` has none)."""
+    if layer.lora_weights is not None:
+        layer.lora_weights.apply(x, out, lora)

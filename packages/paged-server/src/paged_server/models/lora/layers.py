@@ -63,9 +63,9 @@ class LoRAWeights:
         else:
             self.slice_sizes = (layer.out_features,)
         stacked = len(self.slice_sizes)
-        kw = dict(dtype=layer.weight.dtype, device=layer.weight.device)
-        self.lora_a = torch.zeros(slots, stacked * rank, layer.in_features, **kw)  # type: ignore[arg-type]
-        self.lora_b = torch.zeros(layer.out_features, slots, rank, **kw)  # type: ignore[arg-type]
+        dtype, device = layer.weight.dtype, layer.weight.device
+        self.lora_a = torch.zeros(slots, stacked * rank, layer.in_features, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(layer.out_features, slots, rank, dtype=dtype, device=device)
         self.sources, self.rank, self.ops = sources, rank, ops
 
     def apply(self, x: Tensor, out: Tensor, mapping: LoRAMapping) -> None:
