@@ -126,6 +126,7 @@ class EngineConfig:
         config.json gives, ``model_dir.checkpoint_dtype``). Raises
         ``ValueError`` naming the setting that cannot run here."""
         self.validate()
+        _check_gguf_tokenizer(self)
         max_model_len, one_page_table = _model_len(self, model_config)
         _check_max_model_len(max_model_len, model_config.max_position_embeddings)
         device = device if device is not None else _device(self)
@@ -368,6 +369,19 @@ def _device(config: EngineConfig) -> torch.device:
             "device: 'cuda' requested but no CUDA GPU is available; use 'cpu' or 'auto'"
         )
     return device
+
+
+def _check_gguf_tokenizer(config: EngineConfig) -> None:
+    """A GGUF model whose own tokenizer cannot be rebuilt needs ``--tokenizer``:
+    refused before loading (models/gguf_tokenizer.py says which ones)."""
+    from paged_server.models.gguf import GGUFFile, is_gguf
+
+    if config.tokenizer is not None or config.model is None or not is_gguf(config.model):
+        return
+    from paged_server.models.gguf_tokenizer import unsupported_reason
+
+    if (reason := unsupported_reason(GGUFFile(config.model))) is not None:
+        raise ValueError(f"tokenizer: {reason}")
 
 
 def _dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:

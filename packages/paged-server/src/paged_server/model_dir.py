@@ -1,5 +1,5 @@
-"""Where a model named on the command line lives: a directory, or a Hugging
-Face id (``Qwen/Qwen3-0.6B``) already downloaded into the local HF cache.
+"""Where a model named on the command line lives: a directory, a GGUF file,
+or a Hugging Face id (``Qwen/Qwen3-0.6B``) already downloaded into the local HF cache.
 
 ``vllm serve Qwen/Qwen3-0.6B`` downloads; this server never does, but a
 checkpoint that ``huggingface-cli download`` (or an earlier vLLM run) put in
@@ -24,11 +24,12 @@ def hf_hub_cache() -> Path:
 
 
 def resolve_model_dir(model: str) -> str:
-    """``model`` itself when it is a directory (or does not look like a hub
-    id); else the cached snapshot of that hub id (``refs/main``, or the only
+    """``model`` itself when it is a directory or a file (or does not look like a
+    hub id); else the cached snapshot of that hub id (``refs/main``, or the only
     snapshot). Raises ``FileNotFoundError`` saying what was looked for."""
     path = Path(model).expanduser()
-    if path.is_dir() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+    local = path.exists() or model.lower().endswith(".gguf")  # a .gguf names a file, never a hub id
+    if local or model.startswith((".", "/", "~")) or model.count("/") != 1:
         return model
     repo = hf_hub_cache() / ("models--" + model.replace("/", "--"))
     snapshots = repo / "snapshots"
@@ -47,7 +48,15 @@ def resolve_model_dir(model: str) -> str:
 
 def checkpoint_dtype(model_dir: str) -> str | None:
     """The dtype config.json names (``torch_dtype``, or transformers 5's
-    ``dtype``; a nested ``text_config``'s too), e.g. ``"bfloat16"``."""
+    ``dtype``; a nested ``text_config``'s too), e.g. ``"bfloat16"``; a GGUF
+    file's from its file type."""
+    from paged_server.models.gguf import GGUFFile, is_gguf
+
+    if is_gguf(model_dir):
+        try:
+            return GGUFFile(model_dir).dtype()
+        except (OSError, ValueError):
+            return None  # the loader says what is wrong with the file
     try:
         with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
             config = json.load(f)

@@ -152,6 +152,38 @@ def download_sdist(root: Path) -> Path:
     return found[-1]
 
 
+# What convert_hf_to_gguf.py needs of the vendored tree (no build): the script last, so
+# that a tree whose script is there is whole.
+CONVERTER_FILES = ("conversion/", "gguf-py/", "convert_hf_to_gguf.py")
+
+
+def converter_tree(root: Path | None = None) -> LlamaCpp:
+    """A llama.cpp tree to run ``convert_hf_to_gguf.py`` from: the newest
+    built one, else the converter's files alone (the script, its
+    ``conversion/`` package and ``gguf-py/``) extracted from the sdist,
+    which is downloaded once. Nothing is compiled."""
+    root = root or llamacpp_root()
+    if (built := find_llamacpp(root)) is not None:
+        return built
+    sdist = download_sdist(root)
+    version = sdist.name.removeprefix("llama_cpp_python-").removesuffix(".tar.gz")
+    tree = LlamaCpp(version, root / version / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp")
+    if tree.converter.is_file():
+        return tree
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    _log(f"extracting the converter from {sdist.name}")
+    with tarfile.open(sdist) as tar:
+        wanted = {
+            m.name: m for m in tar.getmembers()
+            if m.name.startswith(prefix) and m.name[len(prefix):].startswith(CONVERTER_FILES)
+        }  # fmt: skip
+        order = sorted(wanted, key=lambda n: n.endswith("convert_hf_to_gguf.py"))
+        tar.extractall(root / version, members=[wanted[n] for n in order], filter="data")
+    if not tree.converter.is_file():
+        raise RuntimeError(f"{sdist.name} holds no {prefix}convert_hf_to_gguf.py")
+    return tree
+
+
 # llama-quantize makes q4_0 / q4_k_m; after llama-server it is one more file to compile.
 BUILD_TARGETS = ("llama-server", "llama-quantize")
 

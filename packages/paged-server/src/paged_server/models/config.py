@@ -41,6 +41,8 @@ class RopeParams:
     short_factor: list[float] | None = None
     long_factor: list[float] | None = None
     attention_factor: float | None = None
+    # llama.cpp's rope_freqs: each frequency divided by its factor (a GGUF's Llama 3 scaling)
+    freq_factors: list[float] | None = None
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory into our model code.
+"""Load a Hugging Face model directory (or a GGUF file) into our model code.
 
 Reads config.json, the weights (one ``*.safetensors`` file or shards listed
 in ``model.safetensors.index.json``, memory-mapped with ``safe_open``), the
@@ -7,7 +7,10 @@ The model is built on the meta device and filled tensor by tensor, so peak
 memory is about one copy of the weights in the target dtype. With tensor
 parallelism each rank reads only its slices of the sharded weights
 (``safe_open(...).get_slice``), so no rank holds the whole model; with
-pipeline parallelism each stage reads only its layers' tensors.
+pipeline parallelism each stage reads only its layers' tensors. A GGUF
+file (llama.cpp's) loads through the same steps: gguf.py reads its config,
+gguf_tensors.py names and decodes its tensors, gguf_tokenizer.py builds
+its tokenizer.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,10 @@ from paged_server.models.errors import (
     InvalidConfigError,
     ModelFileNotFoundError,
 )
+from paged_server.models.gguf import GGUFFile, is_gguf, read_gguf_config
+from paged_server.models.gguf_tensors import MAPPED_TYPES, GGUFTensors
+from paged_server.models.gguf_tokenizer import eos_token_ids as gguf_eos_token_ids
+from paged_server.models.gguf_tokenizer import gguf_tokenizer
 from paged_server.models.linear import Part
 from paged_server.models.moe import Experts
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage
@@ -40,6 +47,8 @@ from paged_server.models.quantization import (
     quantize_layers,
     resolve_quantization,
 )
+from paged_server.models.quantization.load import quantizable_layers, swap_quantized
+from paged_server.models.quantization.methods import GGUF
 from paged_server.models.registry import Architecture, resolve_architecture
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 from paged_server.tokenizer import Tokenizer
@@ -87,10 +96,13 @@ def load_model(
     checkpoint's own) onto ``device``, in eval mode without gradients; with
     ``tp``, only that rank's shard; with ``pp``, only that stage's layers. A quantized checkpoint loads in its
     format; ``quantization`` (vLLM's ``--quantization``) may name it, or
-    quantize 16/32-bit weights at load (``fp8``, ``int8``, ``int4``)."""
+    quantize 16/32-bit weights at load (``fp8``, ``int8``, ``int4``). A
+    ``.gguf`` file loads in its own formats (``quantization``: None or ``gguf``)."""
     path = Path(path).expanduser()
     hf, config, arch = _read_model_config(path)
     target_dtype = resolve_dtype(dtype, config)
+    if is_gguf(path):
+        return _load_gguf(path, config, arch, target_dtype, torch.device(device), tp, quantization, pp)
     quant = resolve_quantization(hf, quantization)
     model = _build_empty(arch, config, target_dtype, torch.device(device), tp, pp)
     if quant is not None and any(isinstance(m, Experts) for m in model.modules()):
@@ -118,10 +130,12 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
 
 def _read_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, Architecture]:
+    if is_gguf(path):
+        return read_gguf_config(path)
     if not path.is_dir():
         raise ModelFileNotFoundError(
             f"model directory {path} does not exist; pass a Hugging Face model directory "
-            "(config.json, *.safetensors, tokenizer.json)"
+            "(config.json, *.safetensors, tokenizer.json) or a .gguf file"
         )
     hf = read_config_json(path)
     arch_name, arch = resolve_architecture(hf)
@@ -196,20 +210,25 @@ def _build_empty(
 
 
 def load_weights(
-    model: CausalLM, arch: Architecture, files: list[Path], skip: Collection[str] = ()
+    model: CausalLM,
+    arch: Architecture,
+    files: list[Path],
+    skip: Collection[str] = (),
+    opener: Callable[[Path], Any] | None = None,
 ) -> int:
     """Copy every checkpoint tensor, or the slice of it this rank holds, into
     its parameter (converting dtype), checking shapes against the model built
     from config.json. Where each tensor goes is ``checkpoint_targets``'
     answer (stacked q/k/v and gate/up included); ``skip``: keys already
-    loaded (quantized layers). Returns the bytes read from the files."""
+    loaded (quantized layers); ``opener``: what opens a file (``safe_open``,
+    or a GGUF file's tensors). Returns the bytes read from the files."""
     targets = checkpoint_targets(model)
     tied = model.config.tie_word_embeddings
     bytes_read = 0
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        with _open_weights(file) as f:
+        with (opener or _open_weights)(file) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = arch.weight_name(key)
                 if name is None or key in skip:
@@ -261,6 +280,50 @@ def load_weights(
             "ignored %d unknown checkpoint tensors, e.g. %s", len(unexpected), unexpected[0]
         )
     return bytes_read
+
+
+def _load_gguf(
+    path: Path,
+    config: ModelConfig,
+    arch: Architecture,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel,
+    quantization: str | None,
+    pp: PipelineStage,
+) -> LoadedModel:
+    """``load_model`` for a GGUF file: Q8_0/Q4_0 linear layers become int8/int4
+    weights in groups of 32, every other tensor loads dense (gguf_tensors.py)."""
+    file = GGUFFile(path)
+    if quantization not in (None, GGUF):
+        raise InvalidConfigError(
+            f"quantization={quantization!r}: a GGUF file loads in its own formats; drop "
+            "--quantization (or pass gguf)"
+        )
+    model = _build_empty(arch, config, dtype, device, tp, pp)
+    # Every layer's names, not only this stage's: load_weights tells the other stages' apart.
+    names = checkpoint_targets(_build_empty(arch, config, dtype, torch.device("meta")))
+    tensors = GGUFTensors(file, names, config.num_heads, config.num_kv_heads)
+    quantized = {
+        layer: weight
+        for layer in quantizable_layers(model)
+        if f"{layer}.weight" in tensors.gguf_name
+        and (weight := tensors.quantized(f"{layer}.weight")) is not None
+    }
+    swapped = swap_quantized(model, quantized, partial_ok=True)
+    consumed = {f"{layer}.weight" for layer in swapped}
+    bytes_read = sum(tensors.nbytes(key) for key in consumed)
+    bytes_read += load_weights(model, arch, [path], skip=consumed, opener=lambda _: tensors)
+    tensors.log_dequantized()
+    model.eval().requires_grad_(False)
+    quant = None
+    if swapped:
+        kinds = sorted({tensors.type_of(key) for key in consumed})
+        ours = "/".join(f"int{MAPPED_TYPES[k]}" for k in kinds)
+        quant = Quantization(GGUF, f"GGUF {'/'.join(kinds)} ({ours} g32)")
+    tokenizer = gguf_tokenizer(file)
+    eos = list(dict.fromkeys([*gguf_eos_token_ids(file), *config.eos_token_ids]))
+    return LoadedModel(model, config, tokenizer, eos, path, dtype, bytes_read, quant)
 
 
 def _open_weights(file: Path) -> Any:

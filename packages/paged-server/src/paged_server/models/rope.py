@@ -20,16 +20,19 @@ def rope_inv_freq(params: RopeParams, head_dim: int, max_position_embeddings: in
 
     ``linear`` divides every frequency by ``factor``; ``llama3`` divides only
     the low frequencies (wavelengths longer than the original context /
-    ``low_freq_factor``), keeps the high ones and interpolates in between.
+    ``low_freq_factor``), keeps the high ones and interpolates in between;
+    ``freq_factors`` (a GGUF file's ``rope_freqs``) divide each frequency by its own.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (params.theta**exponents)
     if params.rope_type == "longrope":
         return _longrope_scale(params, params.short_factor, exponents, head_dim)
     if params.rope_type == "linear":
-        return inv_freq / params.factor
-    if params.rope_type == "llama3":
-        return _llama3_scale(inv_freq, params, max_position_embeddings)
+        inv_freq = inv_freq / params.factor
+    elif params.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, params, max_position_embeddings)
+    if params.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(params.freq_factors, dtype=torch.float32, device="cpu")
     return inv_freq
 
 

@@ -61,7 +61,7 @@ def load_quantized_layers(
                     located[layer][suffix] = (file, key)
     consumed: set[str] = set()
     bytes_read = 0
-    parts: dict[str, list[tuple[Any, QuantizedWeight]]] = defaultdict(list)
+    weights: dict[str, QuantizedWeight] = {}
     for layer, where in located.items():
         if not reader.is_quantized(set(where)):
             continue  # a layer the format left dense (its ignore list)
@@ -72,21 +72,46 @@ def load_quantized_layers(
             bytes_read += tensors[suffix].numel() * tensors[suffix].element_size()
             consumed.add(key)
         if quant.name == "compressed-tensors":
-            weight = reader.read_weight(tensors, layer)
+            weights[layer] = reader.read_weight(tensors, layer)
         else:
-            weight = reader.read_weight(tensors, layer, quant.config)
-        module, part = targets[layer]
-        parts[module].append((part, weight))
-    if not parts and linears:  # served dense under a quantized name otherwise
+            weights[layer] = reader.read_weight(tensors, layer, quant.config)
+    if not weights and linears:  # served dense under a quantized name otherwise
         raise CheckpointMismatchError(
             f"config.json's quantization_config says {quant.name}, but the checkpoint has no "
             f"quantized layers (no {' / '.join(reader.SUFFIXES)} tensors beside its weights); "
             "remove quantization_config for dense weights, or point --model at the quantized ones"
         )
+    swap_quantized(model, weights)
+    return consumed, bytes_read
+
+
+def quantizable_layers(model: CausalLM) -> set[str]:
+    """The checkpoint layer names (``model.layers.0.self_attn.q_proj``) whose
+    weights a quantized format may fill: every projection but the LM head."""
+    return set(_checkpoint_layers(quantizable_linears(model)))
+
+
+def swap_quantized(
+    model: CausalLM, weights: dict[str, QuantizedWeight], partial_ok: bool = False
+) -> set[str]:
+    """Put ``weights`` (checkpoint layer name, e.g. ``model.layers.0.self_attn.q_proj``
+    -> weight) into the model's linear layers; returns the layers put in. A
+    layer that stacks projections needs all of them quantized alike: else an
+    error, or with ``partial_ok`` its parts are left out (loaded dense instead)."""
+    linears = quantizable_linears(model)
+    targets = _checkpoint_layers(linears)
+    parts: dict[str, list[tuple[Any, QuantizedWeight]]] = defaultdict(list)
+    for layer, weight in weights.items():
+        if layer in targets:
+            module, part = targets[layer]
+            parts[module].append((part, weight))
+    swapped: set[str] = set()
     for module, found in parts.items():
+        parent = module.rpartition(".")[0]
         slices = getattr(linears[module], "slices", None)
         if slices is None or len(slices) == 1 and found[0][0] is None:
             _swap(model, module, linears[module], found[0][1], full=True)
+            swapped.add(module)
             continue
         # Projections stored apart, run stacked (fused q/k/v, gate/up): each
         # part cut to this rank's rows, then stacked in the layer's order. A
@@ -94,6 +119,9 @@ def load_quantized_layers(
         # every slice, and each slice cuts its rows out of it.
         by_name = {part.name: weight for part, weight in found}
         missing = [s.name for s in slices if s.name not in by_name]
+        mixed = len({(w.bits, w.group_size) for w in by_name.values()}) > 1
+        if partial_ok and (missing or mixed):
+            continue
         if missing:
             raise CheckpointMismatchError(
                 f"{module}: the checkpoint quantizes some of the projections stacked here "
@@ -101,7 +129,8 @@ def load_quantized_layers(
             )
         stacked = cat_rows([by_name[s.name].shard(0, s.start, s.size) for s in slices])
         _swap(model, module, linears[module], stacked, full=False)
-    return consumed, bytes_read
+        swapped.update(f"{parent}.{s.name}" if parent else s.name for s in slices)
+    return swapped
 
 
 def _checkpoint_layers(linears: dict[str, nn.Linear]) -> dict[str, tuple[str, Any]]:

@@ -22,7 +22,8 @@ from paged_server.models.quantization import awq, compressed_tensors, gptq
 CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
 ONLINE_METHODS = ("fp8", "int8", "int4")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
-QUANTIZATION_METHODS = (*CHECKPOINT_METHODS, *ONLINE_METHODS, *ALIASES)
+GGUF = "gguf"  # vLLM's name for a .gguf file's own formats (models/gguf_tensors.py)
+QUANTIZATION_METHODS = (*CHECKPOINT_METHODS, *ONLINE_METHODS, GGUF, *ALIASES)
 READERS = {"compressed-tensors": compressed_tensors, "gptq": gptq, "awq": awq}
 
 
@@ -44,9 +45,14 @@ class Quantization:
 def resolve_quantization(hf: dict[str, Any], flag: str | None) -> Quantization | None:
     """The method to load with, from config.json and ``--quantization``."""
     wanted = ALIASES.get(flag, flag) if flag else None
-    if wanted is not None and wanted not in (*CHECKPOINT_METHODS, *ONLINE_METHODS):
+    if wanted is not None and wanted not in (*CHECKPOINT_METHODS, *ONLINE_METHODS, GGUF):
         raise InvalidConfigError(
             f"quantization {flag!r} is not supported; use one of {', '.join(QUANTIZATION_METHODS)}"
+        )
+    if wanted == GGUF:
+        raise InvalidConfigError(
+            "quantization='gguf' loads a GGUF file, but the model is a Hugging Face directory; "
+            "pass --model FILE.gguf, or drop the flag"
         )
     qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
     if qc and not isinstance(qc, dict):
