@@ -19,7 +19,14 @@ from safetensors.torch import load_file, save_file
 from paged_server.models import load_model
 from paged_server.models.errors import LoRAAdapterError
 from paged_server.models.linear import ColumnParallelLinear, RowParallelLinear
-from paged_server.models.lora import LoRAConfig, LoRAManager, LoRAMapping, SlotTable, read_adapter
+from paged_server.models.lora import (
+    LoRAAdapterConfig,
+    LoRAConfig,
+    LoRAManager,
+    LoRAMapping,
+    SlotTable,
+    read_adapter,
+)
 from paged_server.models.tensor_parallel import TensorParallel
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -310,6 +317,8 @@ def test_peft_config_fields_are_read_as_peft_does(adapters):
     assert adapter.weights["model.layers.1.self_attn.v_proj"][0].shape[0] == 4
     rs = read_adapter("r", adapters["llama"]["rslora"][0]).config
     assert rs.use_rslora and rs.scaling("model.layers.0.self_attn.q_proj") == 8 / 2  # alpha / sqrt(r)
+    bare = LoRAAdapterConfig.from_dict({"target_modules": ["q_proj"]}, "bare")
+    assert (bare.r, bare.lora_alpha) == (8, 8.0)  # LoraConfig's defaults when the file omits them
 
 
 @torch.no_grad()

@@ -96,7 +96,7 @@ class LoRAAdapterConfig:
                     f"{where} adapts {', '.join(embedding)}; adapters on the embeddings or the LM "
                     "head are not supported (target the attention and MLP projections only)"
                 )
-        r, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
+        r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)  # LoraConfig's defaults
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
             raise LoRAAdapterError(f"{where}: r must be a positive integer, got {r!r}")
         if not isinstance(alpha, int | float) or isinstance(alpha, bool):
