@@ -35,7 +35,11 @@ from paged_server.entrypoints.cli import main
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.server import ServerThread, build_engine
 from paged_server.models import LoadedModel, load_model
-from paged_server.models.errors import CheckpointMismatchError, UnsupportedArchitectureError
+from paged_server.models.errors import (
+    CheckpointMismatchError,
+    InvalidConfigError,
+    UnsupportedArchitectureError,
+)
 from paged_server.models.gguf import GGUFFile
 from paged_server.models.gguf_tensors import GGUFTensors, unpermute_rows
 from paged_server.models.loader import read_model_config
@@ -136,7 +140,7 @@ def write_gguf(checkpoint: Path, out: Path, kind: str, **meta: Any) -> Path:
     """``checkpoint`` as a GGUF file in ``kind`` (every 2-D weight in it, as
     ``llama-quantize --pure``), named and permuted as llama.cpp's converter
     does, with the tokenizer's vocabulary, merges and the chat template.
-    ``meta`` overrides: ``arch``, ``tokenizer_model``, ``tensor_type``."""
+    ``meta`` overrides: ``arch``, ``tokenizer_model``, ``tensor_type``, ``split``."""
     from safetensors.numpy import load_file
 
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
@@ -166,6 +170,9 @@ def write_gguf(checkpoint: Path, out: Path, kind: str, **meta: Any) -> Path:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_eos_token_id(tok["model"]["vocab"]["<|im_end|>"])
     w.add_chat_template(CHAT_TEMPLATE)
+    if "split" in meta:  # as llama-gguf-split writes each part's header
+        w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, 0)
+        w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, meta["split"])
     model_arch = gguf.MODEL_ARCH[config["model_type"].upper()]
     table = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     if rope.get("rope_type") == "llama3":
@@ -285,10 +292,22 @@ def test_the_files_tokenizer_chat_template_and_eos_are_the_checkpoints(
 
 
 def test_an_unsupported_tensor_type_is_refused_by_name(
-    f16_checkpoint: Callable[..., Path], tmp_path: Path
+    f16_checkpoint: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = write_gguf(f16_checkpoint("qwen3"), tmp_path / "i8.gguf", "f16", tensor_type=Q.I8)
     with pytest.raises(CheckpointMismatchError, match=r"tensor \S+ is I8, which .*supported: F32"):
+        read_model_config(path)
+    capsys.readouterr()  # the fixture's own output
+    assert main(["serve", "--model", str(path), "--port", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is I8, which" in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_split_gguf_is_refused_with_how_to_merge_it(
+    f16_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = write_gguf(f16_checkpoint("qwen3"), tmp_path / "m-00001-of-00002.gguf", "f16", split=2)
+    with pytest.raises(InvalidConfigError, match="part 1 of 2 of a split GGUF.*llama-gguf-split --merge"):
         read_model_config(path)
 
 
@@ -305,6 +324,7 @@ def test_serve_refuses_a_tokenizer_it_cannot_build_unless_tokenizer_is_given(
 ) -> None:
     checkpoint = f16_checkpoint("qwen3")
     path = write_gguf(checkpoint, tmp_path / "spm.gguf", "f16", tokenizer_model="llama")
+    capsys.readouterr()  # the fixture's own output
     status = main(["serve", "--model", str(path), "--port", "0", "--device", "cpu"])
     err = capsys.readouterr().err.strip()
     assert status == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err

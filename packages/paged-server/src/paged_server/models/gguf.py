@@ -69,6 +69,12 @@ class GGUFFile:
         self.reader = _open(str(self.path), os.stat(self.path).st_mtime_ns)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = str(self.value("general.architecture", ""))
+        if int(self.value("split.count", 1) or 1) > 1:
+            raise InvalidConfigError(
+                f"{self.path.name} is part {int(self.value('split.no', 0)) + 1} of "
+                f"{self.value('split.count')} of a split GGUF; merge the parts into one file first "
+                f"(llama.cpp: llama-gguf-split --merge {self.path.name} merged.gguf)"
+            )
 
     def value(self, key: str, default: Any = None) -> Any:
         """The metadata value of ``key`` (a list for arrays), or ``default``."""
