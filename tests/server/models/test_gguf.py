@@ -32,6 +32,7 @@ from paged_server.bench import llamacpp as lc
 from paged_server.config import EngineConfig
 from paged_server.default_model.builder import CHAT_TEMPLATE
 from paged_server.entrypoints.cli import main
+from paged_server.entrypoints.llm import LLM
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.server import ServerThread, build_engine
 from paged_server.models import LoadedModel, load_model
@@ -44,6 +45,7 @@ from paged_server.models.gguf import GGUFFile
 from paged_server.models.gguf_tensors import GGUFTensors, unpermute_rows
 from paged_server.models.loader import read_model_config
 from paged_server.models.quantization import QuantizedLinear
+from paged_server.sampling_params import SamplingParams
 from paged_server.tokenizer import Tokenizer
 
 VOCAB = 512  # the tiny checkpoints' (conftest.py)
@@ -52,7 +54,11 @@ PROMPTS = 16
 STEPS = 8
 Q = gguf.GGMLQuantizationType
 TYPES = {"f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
-TEXTS = ["Hello world, def foo(): return 1", "  two  spaces\nand a newline", "<|im_start|>user\nhi<|im_end|>"]
+TEXTS = [
+    "Hello world, def foo(): return 1",
+    "  two  spaces\nand a newline",
+    "<|im_start|>user\nhi<|im_end|>",
+]
 
 
 # -- the checkpoints ---------------------------------------------------------------------------
@@ -76,7 +82,9 @@ def teach(model: Any, steps: int = 60) -> Any:
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        batch = torch.tensor([chain(16, int(torch.randint(1 << 30, (1,), generator=gen))) for _ in range(8)])
+        batch = torch.tensor(
+            [chain(16, int(torch.randint(1 << 30, (1,), generator=gen))) for _ in range(8)]
+        )
         loss = model(batch, labels=batch).loss
         optimizer.zero_grad()
         loss.backward()
@@ -98,7 +106,9 @@ def f16_checkpoint(
             path = tmp_path_factory.mktemp(f"f16-{family}")
             model = copy.deepcopy(checkpoints[family].hf_model)
             (teach(model) if taught else model).half().save_pretrained(path)
-            (path / "tokenizer.json").write_bytes((checkpoints[family].path / "tokenizer.json").read_bytes())
+            (path / "tokenizer.json").write_bytes(
+                (checkpoints[family].path / "tokenizer.json").read_bytes()
+            )
             config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}
             (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
             made[family, taught] = path
@@ -120,7 +130,10 @@ def same_greedy_tokens(
     def check(kind: str, ours: LoadedModel, theirs: LoadedModel) -> None:
         exact = kind == "f16"
         prompts = [(prompt_of if exact else chain)(4 + i, 100 + i) for i in range(PROMPTS)]
-        runs = [[greedy_pool(m.model, pool_of("paged", m), p, STEPS)[0] for p in prompts] for m in (ours, theirs)]
+        runs = [
+            [greedy_pool(m.model, pool_of("paged", m), p, STEPS)[0] for p in prompts]
+            for m in (ours, theirs)
+        ]
         if exact:
             assert runs[0] == runs[1]
             return
@@ -133,7 +146,9 @@ def same_greedy_tokens(
 # -- GGUF files written here -------------------------------------------------------------------
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's ``LlamaModel.permute`` (q/k rows for ggml's RoPE)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def write_gguf(checkpoint: Path, out: Path, kind: str, **meta: Any) -> Path:
@@ -191,7 +206,9 @@ def write_gguf(checkpoint: Path, out: Path, kind: str, **meta: Any) -> Path:
         elif qtype == Q.I8:
             w.add_tensor(target, data.astype(np.int8))
         else:
-            w.add_tensor(target, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+            w.add_tensor(
+                target, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype
+            )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -206,13 +223,19 @@ def llama3_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
     low, high = rope["low_freq_factor"], rope["high_freq_factor"]
     wavelen = 2 * np.pi / freqs
     smooth = (old / wavelen - low) / (high - low)
-    out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    out = np.where(
+        wavelen < old / high,
+        1.0,
+        np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+    )
     return out.astype(np.float32)
 
 
 # f16 on every family; the 8-/4-bit files on the two the converter test runs too
 # (Qwen 2's biases through the int kernels: the oracle test below).
-WRITTEN = [(f, "f16") for f in GGUF_FAMILIES] + [(f, k) for f in ("llama", "qwen3") for k in ("q8_0", "q4_0")]
+WRITTEN = [(f, "f16") for f in GGUF_FAMILIES] + [
+    (f, k) for f in ("llama", "qwen3") for k in ("q8_0", "q4_0")
+]
 
 
 @pytest.mark.parametrize(("family", "kind"), WRITTEN)
@@ -233,7 +256,9 @@ def test_q8_0_and_q4_0_layers_are_int8_int4_weights_equal_to_ggufs_own_dequantiz
     loaded = load_model(path)
     bits = {"q8_0": 8, "q4_0": 4}[kind]
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) == 2 * 4 and {m.format for m in layers} == {f"int{bits} g32"}  # qkv, o, gate_up, down
+    assert len(layers) == 2 * 4 and {m.format for m in layers} == {
+        f"int{bits} g32"
+    }  # qkv, o, gate_up, down
     assert loaded.quantization is not None and kind.upper() in loaded.quantization.description
     file = GGUFFile(path)
     config = loaded.config
@@ -267,7 +292,9 @@ def test_quantized_gguf_computes_the_checkpoint_with_ggufs_rounded_weights(
     )
     with torch.no_grad():
         for name, param in oracle.named_parameters():
-            qtype = Q.Q8_0 if kind == "q8_0" or name == "lm_head.weight" else Q.Q4_0  # as write_gguf
+            qtype = (
+                Q.Q8_0 if kind == "q8_0" or name == "lm_head.weight" else Q.Q4_0
+            )  # as write_gguf
             if param.ndim == 2:
                 rounded = gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), qtype), qtype)
                 param.copy_(torch.from_numpy(rounded))
@@ -307,7 +334,9 @@ def test_a_split_gguf_is_refused_with_how_to_merge_it(
     f16_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
     path = write_gguf(f16_checkpoint("qwen3"), tmp_path / "m-00001-of-00002.gguf", "f16", split=2)
-    with pytest.raises(InvalidConfigError, match="part 1 of 2 of a split GGUF.*llama-gguf-split --merge"):
+    with pytest.raises(
+        InvalidConfigError, match="part 1 of 2 of a split GGUF.*llama-gguf-split --merge"
+    ):
         read_model_config(path)
 
 
@@ -315,7 +344,9 @@ def test_an_unsupported_architecture_is_refused_by_name(
     f16_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
     path = write_gguf(f16_checkpoint("qwen3"), tmp_path / "gptneox.gguf", "f16", arch="gptneox")
-    with pytest.raises(UnsupportedArchitectureError, match="'gptneox'.*supported: llama, qwen2, qwen3"):
+    with pytest.raises(
+        UnsupportedArchitectureError, match="'gptneox'.*supported: llama, qwen2, qwen3"
+    ):
         read_model_config(path)
 
 
@@ -329,8 +360,15 @@ def test_serve_refuses_a_tokenizer_it_cannot_build_unless_tokenizer_is_given(
     err = capsys.readouterr().err.strip()
     assert status == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert "'llama'" in err and "--tokenizer DIR" in err
-    config = EngineConfig(model=str(path), tokenizer=str(checkpoint), device="cpu")
-    config.resolve(read_model_config(path))  # the flag's tokenizer: nothing to refuse
+    # With the flag, the directory's tokenizer and template serve the file's model.
+    with LLM(str(path), tokenizer=str(checkpoint), device="cpu", max_model_len=64) as llm:
+        out = llm.chat(
+            [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False
+        )
+    prompt = Tokenizer.from_dir(checkpoint).apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=True
+    )
+    assert out[0].prompt_token_ids == prompt and len(out[0].outputs[0].token_ids) >= 1
 
 
 def test_serve_answers_chat_with_the_files_template_over_http(
@@ -385,7 +423,9 @@ def requantize(src: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     for t in reader.tensors:
         data = np.asarray(t.data)
         if data.ndim == 2:
-            writer.add_tensor(t.name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+            writer.add_tensor(
+                t.name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype
+            )
         else:
             writer.add_tensor(t.name, data)
     writer.write_header_to_file()
