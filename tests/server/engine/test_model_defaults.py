@@ -18,9 +18,8 @@ from paged_server.engine.kv_sizing import CPU_DEFAULT_KV_BYTES, kv_budget
 from paged_server.engine.llm_engine import LLMEngine
 from paged_server.entrypoints.llm import LLM
 from paged_server.generation_defaults import generation_defaults
-from paged_server.model_dir import checkpoint_dtype
 from paged_server.models import LoadedModel
-from paged_server.models.loader import read_model_config
+from paged_server.models.loader import checkpoint_dtype, read_model_config
 
 CPU = torch.device("cpu")
 SMALL = dict(max_batch_size=4, max_num_batched_tokens=64, device="cpu", attention_backend="ref")

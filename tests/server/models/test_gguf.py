@@ -38,10 +38,12 @@ from paged_server.entrypoints.openai.server import ServerThread, build_engine
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.errors import (
     CheckpointMismatchError,
+    CorruptCheckpointError,
     InvalidConfigError,
     UnsupportedArchitectureError,
 )
 from paged_server.models.gguf import GGUFFile
+from paged_server.models.gguf_reader import read_gguf
 from paged_server.models.gguf_tensors import GGUFTensors, unpermute_rows
 from paged_server.models.loader import read_model_config
 from paged_server.models.quantization import QuantizedLinear
@@ -305,6 +307,32 @@ def test_quantized_gguf_computes_the_checkpoint_with_ggufs_rounded_weights(
     assert (ours - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
+@pytest.mark.parametrize("kind", ["f16", "q4_0", "bf16"])
+def test_the_header_reader_reads_what_ggufs_own_reader_reads(
+    kind: str, f16_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """gguf_reader.py (one struct call per value) against gguf-py's GGUFReader."""
+    extra = {"tensor_type": Q.BF16} if kind == "bf16" else {}
+    path = write_gguf(
+        f16_checkpoint("llama"), tmp_path / "x.gguf", "f16" if extra else kind, **extra
+    )
+    metadata, tensors = read_gguf(path)
+    theirs = gguf.GGUFReader(str(path))
+    assert metadata == {
+        k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")
+    }
+    assert list(tensors) == [t.name for t in theirs.tensors]
+    for t in theirs.tensors:
+        ours = tensors[t.name]
+        assert (ours.tensor_type, ours.shape, ours.n_bytes) == (
+            t.tensor_type,
+            tuple(t.shape.tolist()),
+            t.n_bytes,
+        )
+        assert ours.data.dtype == t.data.dtype and np.array_equal(ours.data, t.data)
+    load_model(path)  # bf16 included
+
+
 def test_the_files_tokenizer_chat_template_and_eos_are_the_checkpoints(
     f16_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
@@ -337,6 +365,17 @@ def test_a_split_gguf_is_refused_with_how_to_merge_it(
     with pytest.raises(
         InvalidConfigError, match="part 1 of 2 of a split GGUF.*llama-gguf-split --merge"
     ):
+        read_model_config(path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.001])  # cut in the tensors, in the header
+def test_a_truncated_file_is_refused_as_one(
+    keep: float, f16_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = write_gguf(f16_checkpoint("qwen3"), tmp_path / "cut.gguf", "f16")
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(CorruptCheckpointError, match="not a readable GGUF file.*truncated"):
         read_model_config(path)
 
 

@@ -123,7 +123,7 @@ class EngineConfig:
         attention backend, ``max_model_len``, token budget). ``device`` and
         ``dtype``: those of a model already loaded; else they come from this
         config, and ``dtype="auto"`` from ``checkpoint_dtype`` (the name
-        config.json gives, ``model_dir.checkpoint_dtype``). Raises
+        config.json gives, ``models.loader.checkpoint_dtype``). Raises
         ``ValueError`` naming the setting that cannot run here."""
         self.validate()
         _check_gguf_tokenizer(self)

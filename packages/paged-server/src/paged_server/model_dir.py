@@ -8,7 +8,6 @@ the cache is found there, so the same launch line works offline.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -45,25 +44,3 @@ def resolve_model_dir(model: str) -> str:
         f"{model}` first, or pass the checkpoint's directory"
     )
 
-
-def checkpoint_dtype(model_dir: str) -> str | None:
-    """The dtype config.json names (``torch_dtype``, or transformers 5's
-    ``dtype``; a nested ``text_config``'s too), e.g. ``"bfloat16"``; a GGUF
-    file's from its file type."""
-    from paged_server.models.gguf import GGUFFile, is_gguf
-
-    if is_gguf(model_dir):
-        try:
-            return GGUFFile(model_dir).dtype()
-        except (OSError, ValueError):
-            return None  # the loader says what is wrong with the file
-    try:
-        with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return None
-    for scope in (config, config.get("text_config") or {}):
-        value = scope.get("torch_dtype") or scope.get("dtype")
-        if isinstance(value, str):
-            return value.removeprefix("torch.")
-    return None

@@ -102,8 +102,7 @@ class DataParallelEngine:
                 "this node; run `paged-server serve --data-parallel-size N` without torchrun"
             )
         from paged_server.engine.llm_engine import model_path
-        from paged_server.model_dir import checkpoint_dtype
-        from paged_server.models.loader import read_model_config
+        from paged_server.models.loader import checkpoint_dtype, read_model_config
 
         n = config.data_parallel_size
         devices = replica_devices(config.device, n, config.world_size)

@@ -71,9 +71,9 @@ from paged_server.engine.token_sets import check_first_token, resolve_token_sets
 from paged_server.engine.worker import Worker, WorkerStep
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.generation_defaults import generation_defaults
-from paged_server.model_dir import checkpoint_dtype, resolve_model_dir
+from paged_server.model_dir import resolve_model_dir
 from paged_server.models import LoadedModel
-from paged_server.models.loader import read_model_config
+from paged_server.models.loader import checkpoint_dtype, read_model_config
 from paged_server.models.quantization import weights_summary
 from paged_server.outputs import RequestOutput
 from paged_server.sampling_params import SamplingParams

@@ -12,14 +12,18 @@ the pass has succeeded.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
-from paged_ref.lora_ops import LoRAMapping
 from paged_server.models.config import ModelConfig
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage, for_stage
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
+
+if TYPE_CHECKING:  # annotations only: a TP rank imports paged_ref inside its start-up guard
+    from paged_ref.lora_ops import LoRAMapping
 
 
 class CausalLM(nn.Module):

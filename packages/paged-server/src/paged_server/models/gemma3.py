@@ -14,17 +14,21 @@ transformers 5 ignores the field for Gemma 3).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
-from paged_ref.lora_ops import LoRAMapping
 from paged_server.models.base import CausalLM
 from paged_server.models.config import SLIDING_ATTENTION, ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage
 from paged_server.models.rope import RotaryEmbedding
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
+
+if TYPE_CHECKING:  # annotations only: a TP rank imports paged_ref inside its start-up guard
+    from paged_ref.lora_ops import LoRAMapping
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -5,14 +5,16 @@ the file's ``<arch>.*`` metadata becomes a config.json-shaped dict (so
 ``ModelConfig.from_hf`` and the architecture registry apply unchanged),
 and its tensors are named back to Hugging Face's names with the table
 llama.cpp's own converter uses (``gguf.get_tensor_name_map``), run
-backwards over the names our model asks for. gguf_tensors.py decodes the
-tensors, gguf_tokenizer.py the tokenizer. Read with the ``gguf`` package.
+backwards over the names our model asks for. gguf_reader.py reads the
+file, gguf_tensors.py decodes the tensors (with the ``gguf`` package),
+gguf_tokenizer.py builds the tokenizer.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import struct
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from paged_server.models.errors import (
     ModelFileNotFoundError,
     UnsupportedArchitectureError,
 )
+from paged_server.models.gguf_reader import GGUFTensor, read_gguf
 from paged_server.models.registry import Architecture, resolve_architecture
 
 # general.architecture -> our class (llama.cpp writes Mistral as "llama").
@@ -46,12 +49,10 @@ def is_gguf(path: str | Path) -> bool:
 
 
 @functools.lru_cache(maxsize=2)
-def _open(path: str, mtime_ns: int) -> Any:
-    import gguf
-
+def _open(path: str, mtime_ns: int) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError, OSError) as exc:
+        return read_gguf(path)
+    except (ValueError, IndexError, struct.error, UnicodeDecodeError, OSError) as exc:
         raise CorruptCheckpointError(
             f"{path} is not a readable GGUF file ({exc}); it is probably truncated "
             "(an interrupted download or a full disk): download it again"
@@ -66,8 +67,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelFileNotFoundError(f"GGUF file {self.path} does not exist")
         # Parsed once per file version: the engine reads the config, then loads.
-        self.reader = _open(str(self.path), os.stat(self.path).st_mtime_ns)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.metadata, self.tensors = _open(str(self.path), os.stat(self.path).st_mtime_ns)
         self.arch = str(self.value("general.architecture", ""))
         if int(self.value("split.count", 1) or 1) > 1:
             raise InvalidConfigError(
@@ -78,8 +78,7 @@ class GGUFFile:
 
     def value(self, key: str, default: Any = None) -> Any:
         """The metadata value of ``key`` (a list for arrays), or ``default``."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
     def arch_value(self, key: str, default: Any = None) -> Any:
         """``<arch>.<key>``, the architecture's own metadata."""

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from paged_server.models.errors import CheckpointMismatchError
-from paged_server.models.gguf import GGUFFile
 from paged_server.models.quantization.weights import QuantizedWeight
+
+if TYPE_CHECKING:
+    from paged_server.models.gguf import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,7 @@ class _Slice:
 
     def get_shape(self) -> list[int]:
         tensor = self.tensors.file.tensors[self.tensors.gguf_name[self.name]]
-        return [int(d) for d in reversed(tensor.shape.tolist())]  # ggml lists dims innermost first
+        return [int(d) for d in reversed(tensor.shape)]  # ggml lists dims innermost first
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         return self.tensors.get_tensor(self.name)[index]

@@ -12,13 +12,13 @@ the same explicit way.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
-from paged_ref.lora_ops import LoRAMapping
 from paged_server.models.errors import InvalidConfigError
 from paged_server.models.linear import (
     ColumnParallelLinear,
@@ -28,6 +28,9 @@ from paged_server.models.linear import (
 )
 from paged_server.models.rope import apply_rope
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel, shard_heads, shard_size
+
+if TYPE_CHECKING:  # annotations only: a TP rank imports paged_ref inside its start-up guard
+    from paged_ref.lora_ops import LoRAMapping
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

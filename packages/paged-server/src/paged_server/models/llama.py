@@ -9,17 +9,21 @@ MoE are this model with a class attribute or the feed-forward changed
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
-from paged_ref.lora_ops import LoRAMapping
 from paged_server.models.base import CausalLM
 from paged_server.models.config import ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage
 from paged_server.models.rope import RotaryEmbedding
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
+
+if TYPE_CHECKING:  # annotations only: a TP rank imports paged_ref inside its start-up guard
+    from paged_ref.lora_ops import LoRAMapping
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory (or a GGUF file) into our model code.
+"""Load a Hugging Face model directory (or a GGUF file) into our model code,
+and read the dtype a checkpoint names (``--dtype auto``).
 
 Reads config.json, the weights (one ``*.safetensors`` file or shards listed
 in ``model.safetensors.index.json``, memory-mapped with ``safe_open``), the
@@ -121,6 +122,27 @@ def load_model(
     tokenizer = Tokenizer.from_dir(path)
     eos = eos_token_ids(path, config, tokenizer)
     return LoadedModel(model, config, tokenizer, eos, path, target_dtype, bytes_read, quant)
+
+
+def checkpoint_dtype(model_dir: str) -> str | None:
+    """The dtype config.json names (``torch_dtype``, or transformers 5's
+    ``dtype``; a nested ``text_config``'s too), e.g. ``"bfloat16"``; a GGUF
+    file's from its file type."""
+    if is_gguf(model_dir):
+        try:
+            return GGUFFile(model_dir).dtype()
+        except (OSError, ValueError):
+            return None  # the loader says what is wrong with the file
+    try:
+        with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for scope in (config, config.get("text_config") or {}):
+        value = scope.get("torch_dtype") or scope.get("dtype")
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
