@@ -5,7 +5,7 @@ sdist and compiles its vendored llama.cpp CPU-only under ``nice``, ~15+ min on
 2 cores, cached under ~/.cache/paged/llama.cpp/<version>/); without a build
 it prints why it skipped and exits 0. Converts the model to GGUF with
 llama.cpp's own converter (cached), checks greedy text agrees, runs the
-comparison (see ``paged_server.bench.peer_serving``), writes
+comparison (see ``peers/serving.py``), writes
 benchmarks/results/llamacpp_peer.json and re-renders docs/benchmarks.md.
 
 ``--quantized`` compares quantized weights instead, pair by pair: paged
@@ -77,10 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from paged_server.bench import llamacpp as lc
     from paged_server.bench.environment import describe_environment
     from paged_server.bench.model_configs import count_parameters, resolve_model
-    from paged_server.bench.peer_serving import compare, parse_pairs
+    from peers import llamacpp as lc
+    from peers.serving import compare, parse_pairs
 
     pairs = parse_pairs(args.quantized) if args.quantized is not None else []
 
@@ -126,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     print(f"[llamacpp_peer] wrote {path}", file=sys.stderr)
     if not args.no_page:  # the page lives beside the results: <root>/benchmarks/results -> <root>/docs
-        sys.path.insert(0, str(ROOT / "benchmarks"))
         from report import write_page
 
         docs = ROOT / "docs" if args.out.resolve() == (ROOT / "benchmarks" / "results").resolve() else args.out.parent / "docs"

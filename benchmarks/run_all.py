@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from report import write_page  # benchmarks/report.py: this script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from report import write_page  # noqa: E402
 
 # What runs, and at what size. Scales multiply the workload's own draws
 # (see paged_server.bench.workloads); every scale used is recorded in the JSON.
@@ -500,7 +499,7 @@ def run_sliding_window(bench: Bench) -> dict[str, Any]:
 def run_kv_dtype(bench: Bench) -> dict[str, Any]:
     """8-bit KV caches, correctness only: tokens and sequences at equal KV
     bytes per kv_cache_dtype, and the accuracy table on each test model."""
-    from paged_server.bench.kv_accuracy import kv_accuracy_table
+    from kv_accuracy import kv_accuracy_table
     from paged_server.bench.kv_dtype_capacity import kv_dtype_capacity_table
     from paged_server.models import load_model
 
@@ -524,7 +523,7 @@ def run_kv_accuracy_trained(bench: Bench) -> dict[str, Any]:
     """int4 / int8 / fp8 KV against the model dtype on the trained evaluation
     model's held-out text: perplexity (int4 target: within 5%) and greedy
     agreement over 64 prompts x 64 tokens."""
-    from paged_server.bench.kv_accuracy import trained_kv_accuracy_table
+    from kv_accuracy import trained_kv_accuracy_table
     from paged_server.models import load_model
 
     spec = bench.plan["kv_accuracy_trained"]

@@ -5,7 +5,6 @@ that window, and the sampler is left as it was."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +12,12 @@ import torch
 
 from paged_server.engine import sampler
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.parametrize("async_output_proc", [False, True])
 def test_the_critical_path_is_each_step_less_its_device_window(
     tiny_model_dir: Path, async_output_proc: bool
 ) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import host_step
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    import host_step
     threads, row_max = torch.get_num_threads(), sampler.row_max
     argv = ["--model", str(tiny_model_dir), "--seqs", "4", "--context", "48", "--steps", "6"]
     try:

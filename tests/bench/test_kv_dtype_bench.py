@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_server.bench.kv_accuracy import compare, kv_accuracy_table
+from kv_accuracy import compare, kv_accuracy_table
 from paged_server.bench.kv_dtype_capacity import KVLayout, kv_dtype_capacity_table
 
 

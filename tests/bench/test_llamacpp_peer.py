@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from paged_server.bench import llamacpp as lc
-from paged_server.bench import peer_serving as ps
+from peers import llamacpp as lc
+from peers import serving as ps
 
-ROOT = Path(__file__).resolve().parents[2]
 PEERS = [ps.PAGED, ps.llamacpp_peer("f32"), ps.llamacpp_peer("f16")]
 
 
@@ -68,11 +67,7 @@ def test_benchmark_skips_with_the_message_when_not_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import llamacpp_peer
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    import llamacpp_peer
     assert llamacpp_peer.main(["--out", str(tmp_path / "results")]) == 0
     assert "llama.cpp peer skipped" in capsys.readouterr().err
     assert not (tmp_path / "results").exists()
@@ -141,11 +136,7 @@ def test_quantized_pairs_parse_and_bad_ones_are_refused() -> None:
 
 
 def test_quantized_flag_switches_the_defaults_to_the_100m_model_at_1_and_8_streams() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import llamacpp_peer
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    import llamacpp_peer
     dense, quant = llamacpp_peer.parse_args([]), llamacpp_peer.parse_args(["--quantized"])
     assert (dense.model_config, dense.concurrency, dense.quantized) == ("30m", "1,8,16,32", None)
     assert (quant.model_config, quant.concurrency, quant.quantized) == ("100m", "1,8", "int8=q8_0,int4=q4_0")
@@ -196,14 +187,10 @@ def _fake_results() -> dict:
 
 
 def test_page_section_shows_the_json_numbers(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import report
+    import report
 
-        section = "\n".join(report._llamacpp_section(_fake_results()))
-        assert "Not run yet" in "\n".join(report._llamacpp_section(None))
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    section = "\n".join(report._llamacpp_section(_fake_results()))
+    assert "Not run yet" in "\n".join(report._llamacpp_section(None))
     assert "| 8 | paged | 250.0 | 40.0 | 5.0 / 9.0 | 1.90 |" in section
     assert "| 8 | llama.cpp f32 | 200.0 | 90.0 | 5.0 / 9.0 | 1.95 | 0.00 | 1.25x |" in section
     assert "8: 1.25x" in section and "f32 5/5" in section
@@ -218,14 +205,10 @@ def test_quantized_page_section_compares_each_pair(tmp_path: Path) -> None:
     data.update(pairs=[list(p) for p in pairs], table=[{"concurrency": 1, "medians": med, "ratios": ps.pair_ratios(med, pairs)}],
                 agreement={"q8_0": {"agree": 1, "of": 5, "paged_peer": "paged int8"},
                            "q4_0": {"agree": 0, "of": 5, "paged_peer": "paged int4"}})  # fmt: skip
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import report
+    import report
 
-        section = "\n".join(report._llamacpp_section(data, quantized=True))
-        assert "llamacpp_peer.py --quantized" in "\n".join(report._llamacpp_section(None, quantized=True))
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    section = "\n".join(report._llamacpp_section(data, quantized=True))
+    assert "llamacpp_peer.py --quantized" in "\n".join(report._llamacpp_section(None, quantized=True))
     assert "| 1 | llama.cpp q8_0 | 100.0 |" in section and section.count("| 1.20x |") == 1  # int8 / Q8_0
     assert "| 1 | llama.cpp q4_0 | 150.0 |" in section and "| 0.60x |" in section  # int4 / Q4_0, not int8's
     assert "| 1 | paged int8 | 120.0 |" in section and "paged int8 vs q8_0 1/5" in section

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_server.bench.quantized_decode import main
+from quantized_decode import main
 
 
 def test_rows_state_forward_mode_and_activations(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from paged_server.bench.model_configs import LLAMA_100M
-from paged_server.bench.quantized_gemm import Projections, gemm_table, projection_shapes
 from paged_server.models.quantization.linear import QuantizedLinear
+from quantized_gemm import Projections, gemm_table, projection_shapes
 
 TINY = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}  # fmt: skip

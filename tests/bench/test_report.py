@@ -4,7 +4,6 @@ show the numbers those files hold."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +12,12 @@ from paged_server.bench.capacity import capacity_table
 from paged_server.bench.environment import describe_environment
 from paged_server.bench.results import RunResult, percentiles
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture
 def report_module():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import report
+    import report
 
-        yield report
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return report
 
 
 def _run(config: str, tokens_per_s: float, peak_running: int) -> dict:

@@ -140,7 +140,7 @@ def test_int4_greedy_agrees_with_float32_kv(make_engine, run_engine, prompt_of, 
     mostly agrees with float32 KV. The tiny model's wide random init makes
     this harsh (int8 moves a first logprob by up to 0.20 here, fp8 0.38,
     int4 0.49; first tokens agree 16/16, 16/16, 12/16); a trained model's
-    numbers are in bench/kv_accuracy.py."""
+    numbers are in benchmarks/kv_accuracy.py."""
     requests = [(f"r{i}", prompt_of(8 + 3 * i, i), greedy(2, logprobs=0)) for i in range(16)]
     full = run_engine(make_engine(max_batch_size=8), requests)
     int4 = run_engine(make_engine(max_batch_size=8, kv_cache_dtype="int4"), requests)

@@ -28,7 +28,6 @@ import pytest
 import torch
 import transformers
 
-from paged_server.bench import llamacpp as lc
 from paged_server.config import EngineConfig
 from paged_server.default_model.builder import CHAT_TEMPLATE
 from paged_server.entrypoints.cli import main
@@ -49,6 +48,7 @@ from paged_server.models.loader import read_model_config
 from paged_server.models.quantization import QuantizedLinear
 from paged_server.sampling_params import SamplingParams
 from paged_server.tokenizer import Tokenizer
+from peers import llamacpp as lc
 
 VOCAB = 512  # the tiny checkpoints' (conftest.py)
 GGUF_FAMILIES = ("llama", "qwen3", "qwen2")  # llama: permuted q/k rows, Llama 3 RoPE factors

@@ -135,7 +135,7 @@ def test_engine_serves_trained_default(tiny_trained, cache_root, monkeypatch, pr
 
 
 def test_trained_accuracy_table_has_int4_rows_per_block_size(tiny_trained):
-    from paged_server.bench.kv_accuracy import trained_kv_accuracy_table
+    from kv_accuracy import trained_kv_accuracy_table
     from paged_server.models import load_model
 
     loaded = load_model(tiny_trained, torch.float32, "cpu")

@@ -219,7 +219,7 @@ def _gemm_template_options(model: nn.Module) -> dict[str, object]:
 
 # Inductor's C++ GEMM template as the only GEMM backend (nothing benchmarked at compile time).
 _CPP_GEMM_TEMPLATE: dict[str, object] = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP"}
-# Inductor's settings for the one-token graph (also what bench/quantized_gemm compiles with).
+# Inductor's settings for the one-token graph (also what benchmarks/quantized_gemm.py compiles with).
 ONE_ROW_OPTIONS: dict[str, object] = {"freezing": True, **_CPP_GEMM_TEMPLATE}
 
 

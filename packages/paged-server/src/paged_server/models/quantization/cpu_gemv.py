@@ -8,7 +8,7 @@ kernels quantize the row to int8 per block of input features and multiply
 with int8 dot products, as vLLM's CPU path for AWQ/GPTQ does (IPEX, lowp_mode
 INT8): on the ~100M model's 48 projections, one thread, 2-core Xeon, int4
 3.7-4.2 ms against aten's 7.3-7.8 and bf16's 14.6 (compiled), int8 7.4-8.5
-against 17.9-18.4 (``python -m paged_server.bench.quantized_gemm``). The
+against 17.9-18.4 (``python benchmarks/quantized_gemm.py``). The
 activation rounding costs ~1% of a product's largest value (tests/server/
 models/test_cpu_gemv.py states it exactly); more rows (prefill, batches)
 keep bf16 activations.

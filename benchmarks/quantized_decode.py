@@ -1,6 +1,6 @@
 """CPU decode speed of quantized weights against dense ones, side by side.
 
-``python -m paged_server.bench.quantized_decode [--model DIR] [--rounds 5]``
+``python benchmarks/quantized_decode.py [--model DIR] [--rounds 5]``
 loads the model once per weight format (float32, bfloat16, ``--quantization``
 int8 and int4 by default), then, round after round, runs the same greedy
 decode through each engine in turn (alternating, so machine noise hits all
@@ -12,7 +12,7 @@ compiled (serving's default on CPU) or eager (``PAGED_COMPILE=0``, as the
 test suite sets, or ``--enforce-eager``), and the activation dtype (``auto``
 is bfloat16 only on a CPU with bf16 units, and float32 under the test
 suite's ``PAGED_CPU_BF16=0``): set both as served to measure what users get.
-``bench.quantized_gemm`` times the projections alone.
+``quantized_gemm.py`` times the projections alone.
 """
 
 from __future__ import annotations

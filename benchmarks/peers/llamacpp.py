@@ -259,7 +259,7 @@ def convert_to_gguf(
         src = convert_to_gguf(tree, model_dir, "f32", root)
         subprocess.run([str(tree.quantize), str(src), str(tmp), QUANTIZE_OUTTYPES[outtype]], check=True)
     else:
-        cmd = [sys.executable, "-m", "paged_server.bench.gguf_convert", str(tree.source), str(model_dir),
+        cmd = [sys.executable, str(Path(__file__).with_name("gguf_convert.py")), str(tree.source), str(model_dir),
                "--outtype", outtype, "--outfile", str(tmp)]  # fmt: skip
         if pre := pre_tokenizer_name(model_dir):
             cmd += ["--pre-tokenizer", pre]

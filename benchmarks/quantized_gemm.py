@@ -1,6 +1,6 @@
 """Kernel-only time of a decode step's projections, per weight format, on CPU.
 
-``python -m paged_server.bench.quantized_gemm [--rows 1] [--rounds 9] [--threads 1]``
+``python benchmarks/quantized_gemm.py [--rows 1] [--rounds 9] [--threads 1]``
 builds the ~100M bench Llama's decoder projections (per layer: the fused
 q/k/v, o, the fused gate/up and down, as the model stacks them) with random
 weights, in bfloat16 (``nn.Linear``) and as the ``QuantizedLinear`` layers

@@ -22,9 +22,10 @@ from typing import Any
 
 import httpx
 
-from paged_server.bench import llamacpp as lc
 from paged_server.bench import workloads as wl
 from paged_server.bench.serving import RequestTiming, completion_body, stream_request, summarize
+
+from . import llamacpp as lc
 
 PAGED = "paged"
 PROMPT_RANGE = (100, 400)

@@ -7,7 +7,7 @@ the converter stops with "BPE pre-tokenizer was not recognized". Its advice
 is to register the hash in its sources; instead this runs it unchanged and
 answers the name (``--pre-tokenizer gpt-2``) only where it raised that error.
 
-    python -m paged_server.bench.gguf_convert LLAMA_CPP_DIR MODEL_DIR [--pre-tokenizer NAME] [converter args]
+    python benchmarks/peers/gguf_convert.py LLAMA_CPP_DIR MODEL_DIR [--pre-tokenizer NAME] [converter args]
 """
 
 from __future__ import annotations
