@@ -33,7 +33,7 @@ from paged_core.protocols import KVCacheManagerProtocol
 from paged_server.engine.beam_scorer import BeamScorer, BeamStep
 from paged_server.engine.logits_processors import apply_logits_processors
 from paged_server.engine.output_processor import release_text
-from paged_server.engine.sampler import SamplingRow
+from paged_server.engine.sampling_row import SamplingRow
 from paged_server.engine.scheduler import Scheduler
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
 from paged_server.engine.token_sets import joined_constraints

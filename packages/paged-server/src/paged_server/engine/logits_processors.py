@@ -11,22 +11,11 @@ nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from paged_server.engine.sampler import SamplingRow
-    from paged_server.sampling_params import SamplingParams
-
-
-def edits_logits(params: SamplingParams) -> bool:
-    """Whether :func:`apply_logits_processors` changes this request's row."""
-    return bool(
-        params.logit_bias or params.min_tokens or params.bad_words_index is not None
-        or params.allowed_token_ids
-    )  # fmt: skip
+from paged_server.engine.sampling_row import SamplingRow
 
 
 def apply_logits_processors(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -25,36 +25,16 @@ what float32 holds (``row_values``) before they become tensors.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from paged_server.engine.logits_processors import apply_logits_processors, edits_logits
+from paged_server.engine.logits_processors import apply_logits_processors
 from paged_server.engine.logprobs import TokenLogprobs, gather_logprobs
+from paged_server.engine.sampling_row import SamplingRow, has_count_penalty, has_repetition_penalty
 from paged_server.engine.token_sets import nothing_allowed
-from paged_server.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """What the sampler needs to know about one sequence."""
-
-    params: SamplingParams
-    generator: torch.Generator | None  # None: torch's global RNG (tests only)
-    token_ids: Sequence[int]  # prompt + output so far (read only for penalties)
-    num_prompt_tokens: int
-    eos_token_ids: Collection[int] = ()  # masked until min_tokens
-    # From ``params``, read once per row and step: a batch where no row edits
-    # its logits (processors or penalties) skips those passes, and a greedy
-    # row draws no uniform.
-    greedy: bool = field(init=False)
-    edits_logits: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.greedy = self.params.greedy
-        self.edits_logits = edits_logits(self.params) or penalizes(self.params)
 
 
 @dataclass(slots=True)
@@ -260,25 +240,12 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator).item())
 
 
-def penalizes(params: SamplingParams) -> bool:
-    """Whether :func:`apply_penalties` changes this request's row."""
-    return _repeats(params) or _counts(params)
-
-
-def _repeats(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0
-
-
-def _counts(params: SamplingParams) -> bool:
-    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-
-
 def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     """Repetition penalty over prompt + output tokens (divide positive logits,
     multiply negative ones); presence and frequency penalties over output
     token counts, subtracted (OpenAI semantics)."""
-    rep_rows = [i for i, r in enumerate(rows) if _repeats(r.params)]
-    count_rows = [i for i, r in enumerate(rows) if _counts(r.params)]
+    rep_rows = [i for i, r in enumerate(rows) if has_repetition_penalty(r.params)]
+    count_rows = [i for i, r in enumerate(rows) if has_count_penalty(r.params)]
     if not rep_rows and not count_rows:
         return logits
     logits = logits.clone()

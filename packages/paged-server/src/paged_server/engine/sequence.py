@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from paged_server.engine.beam_scorer import BeamScorer
     from paged_server.engine.logprobs import TokenLogprobs
-    from paged_server.engine.sampler import SamplingRow
+    from paged_server.engine.sampling_row import SamplingRow
     from paged_server.sampling_params import SamplingParams
 
 
