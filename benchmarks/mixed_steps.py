@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from paged_ref.cpu_decode import CpuDecodeOps
+from paged_ref.cpu.cpu_decode import CpuDecodeOps
 from paged_server.entrypoints.llm import LLM
 from paged_server.sampling_params import SamplingParams
 

@@ -44,8 +44,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before paged_triton.ops is imported
 
-from paged_ref import cpu_decode  # noqa: E402
 from paged_ref import ops as ref_ops  # noqa: E402
+from paged_ref.cpu import cpu_decode  # noqa: E402
 from paged_ref.ops import gather_context  # noqa: E402
 from paged_triton import decode_attention as decode_module  # noqa: E402
 from paged_triton import kernel_bench  # noqa: E402
@@ -147,7 +147,7 @@ def test_reference_decode(benchmark, name):
 @pytest.mark.skipif(CUDA, reason="the C decode kernel is the CPU serving path")
 @pytest.mark.parametrize("name", list(CASES))
 def test_cpu_decode_kernel(benchmark, name):
-    """paged_ref.cpu_decode (the reference's decode as one C loop nest, K/V
+    """paged_ref.cpu.cpu_decode (the reference's decode as one C loop nest, K/V
     read in place) on the same full-size float32 cases as
     ``test_reference_decode``: the two side by side."""
     step = kernel_bench.decode_step(CASES[name][0], **LAYOUT, dtype=torch.float32, device=DEVICE)

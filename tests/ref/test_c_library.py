@@ -1,4 +1,4 @@
-"""The C kernels' build cache (``paged_ref.c_library``): a truncated library
+"""The C kernels' build cache (``paged_ref.cpu.c_library``): a truncated library
 is rebuilt, not mapped (SIGBUS); an unusable cache directory is one warning
 and the reference path; the cache is keyed by the CPU as well as the source.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_ref import c_library
+from paged_ref.cpu import c_library
 
 pytestmark = pytest.mark.skipif(c_library.compiler() is None, reason="no C compiler")
 
@@ -23,7 +23,7 @@ SOURCE = "int add(int a, int b) { return a + b; }\n"
 CHILD = """
 import logging, sys
 from pathlib import Path
-from paged_ref import c_library
+from paged_ref.cpu import c_library
 logging.basicConfig(format="%(levelname)s %(message)s")
 lib = c_library.build(Path(sys.argv[1]), (), "test", "add")
 print("reference" if lib is None else lib.add(2, 3))
@@ -77,7 +77,7 @@ def test_an_unusable_cache_is_one_warning_and_the_reference_path(
         (cache / "test").mkdir(parents=True)
         (cache / "test").chmod(0o555)
     monkeypatch.setenv("PAGED_CACHE_DIR", str(cache))
-    caplog.set_level(logging.WARNING, logger="paged_ref.c_library")
+    caplog.set_level(logging.WARNING, logger="paged_ref.cpu.c_library")
     assert c_library.build(source, (), "test", "add") is None
     assert c_library.build(source, ("-DSECOND",), "test", "add2") is None  # a second kernel
     assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]

@@ -1,4 +1,4 @@
-"""The C decode kernel (``paged_ref.cpu_decode``) against the reference
+"""The C decode kernel (``paged_ref.cpu.cpu_decode``) against the reference
 ``paged_decode_attention`` on random page tables: junk table entries, a NaN
 block, zero-length sequences, sliding windows, soft-capping, GQA, every
 16/32-bit cache dtype, one thread and two (sequences split by kv head when
@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_ref import cpu_decode, ops
-from paged_ref.cpu_decode import CpuDecodeOps
+from paged_ref import ops
+from paged_ref.cpu import cpu_decode
+from paged_ref.cpu.cpu_decode import CpuDecodeOps
 from paged_ref.kv_quant import quantize
 from paged_ref.paged_pool import PagedKVPool
 

@@ -1,7 +1,7 @@
 """The four cache ops' arguments, written once for every backend.
 
 ``paged_ref.ops`` defines the ops (docs/contracts.md, "Attention ops");
-``paged_triton.ops`` and ``cpu_decode.CpuDecodeOps`` implement the same
+``paged_triton.ops`` and ``cpu.cpu_decode.CpuDecodeOps`` implement the same
 signatures. Each signature is a dataclass here, and an implementation is a
 function of one instance of it: :func:`op` makes that the public function,
 taking the dataclass's parameters (mypy checks the calls through the

@@ -218,7 +218,7 @@ def prefill_attention(a: PrefillArgs, compute_dtype: torch.dtype) -> Tensor:
     """``paged_prefill_attention`` with its products in ``compute_dtype``
     (the reference op's is float32; a cache's own 16-bit dtype also works,
     SDPA's CPU kernel accumulating and taking the softmax in float32 either
-    way). A CPU server's 16-bit prefill takes ``cpu_decode.prefill_by_sequence``
+    way). A CPU server's 16-bit prefill takes ``cpu.cpu_decode.prefill_by_sequence``
     instead: one SDPA call per sequence, without this chunked gather's
     padding and step-wide mask."""
     q, k_cache, v_cache, window, memo = a.q, a.k_cache, a.v_cache, a.sliding_window, a.memo

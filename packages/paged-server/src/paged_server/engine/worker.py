@@ -35,7 +35,7 @@ from torch import Tensor
 from paged_core.kv_cache_groups import kv_cache_groups
 from paged_ref.attention_metadata import AttentionMetadata
 from paged_ref.cache_view import CacheView
-from paged_ref.cpu_decode import CpuDecodeOps
+from paged_ref.cpu.cpu_decode import CpuDecodeOps
 from paged_ref.kv_spec import KVCacheSpec
 from paged_ref.kv_tensors import KVCacheTensors
 from paged_ref.step_layout import StepLayout

@@ -17,7 +17,7 @@ The kernels are torch operators (``paged::int4_gemv``, ``paged::int8_gemv``)
 registered through ``torch.library.Library``: the compiled graph calls them
 as opaque ops for ~6 us each (a ``custom_op`` costs ~16). They read the
 buffers QuantizedLinear keeps for aten's kernels (no second copy). The
-library is built on first use (``paged_ref.c_library``); where it cannot be
+library is built on first use (``paged_ref.cpu.c_library``, where the C source lives); where it cannot be
 (no compiler, no AVX512 VNNI/VBMI, aten packing int4 for another vector
 width) ``available()`` is False and QuantizedLinear keeps aten's kernels.
 """
@@ -27,13 +27,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("cpu_gemv.c")
 INT4_BLOCK = 64  # output columns per block of aten's AVX512 int4 layout
 INT8_BLOCK = 128  # cpu_gemv.c's: input features per activation scale of an int8 product
 
@@ -54,9 +52,9 @@ def _build() -> Any | None:
         return None
     # imported here: a tensor-parallel worker imports this module before its
     # start-up guard runs, and must report a broken paged_ref from inside it
-    from paged_ref import c_library
+    from paged_ref.cpu import c_library
 
-    lib = c_library.build(SOURCE, (), "cpu_gemv", "gemv")
+    lib = c_library.build(c_library.source("cpu_gemv.c"), (), "cpu_gemv", "gemv")
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64

@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 
 HEADER = Path(__file__).with_name("bf16.h")
 
+
+def source(name: str) -> Path:
+    """A kernel's C file in this folder (``cpu_decode.c``, ``cpu_gemv.c``)."""
+    return HEADER.with_name(name)
+
 # this folder holds bf16.h, which every kernel may include
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")
 # /proc/cpuinfo fields that say which instructions -march=native may use (x86, then Arm)

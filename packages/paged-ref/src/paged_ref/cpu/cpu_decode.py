@@ -27,19 +27,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
-from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from paged_ref import c_library
 from paged_ref import ops as ref_ops
 from paged_ref.attention import context_mask
+from paged_ref.cpu import c_library
 from paged_ref.op_args import DecodeArgs, PrefillArgs, WriteKVArgs, op
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = c_library.source("cpu_decode.c")
 # The C element types of cache_t and act_t (the cache's and the activations'); uint16_t holds bf16 bits.
 _C_TYPES = {torch.bfloat16: "uint16_t", torch.float16: "_Float16", torch.float32: "float"}
 # Unscaled fp8 caches (vLLM's "fp8" with its uncalibrated scale of 1.0), held as uint8_t codes.
