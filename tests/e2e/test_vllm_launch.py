@@ -68,10 +68,10 @@ def test_unknown_vllm_flags_say_what_to_use_instead(capsys: pytest.CaptureFixtur
     assert "--speculative-config: speculative decoding is not supported" in err
     assert "--tensor-paralel-size: did you mean --tensor-parallel-size?" in err
     with pytest.raises(SystemExit):
-        main(["serve", "--enable-sleep-mode", "--kv-offloading-size", "4"])
+        main(["serve", "--enable-sleep-mode", "--kv-offloading-backend", "lmcache"])
     err = capsys.readouterr().err
     assert "--enable-sleep-mode: no sleep mode (/sleep, /wake_up)" in err
-    assert "--kv-offloading-size: KV blocks are not offloaded to CPU memory" in err
+    assert "--kv-offloading-backend: KV blocks are offloaded by this server's own tiers" in err
 
 
 def test_flags_whose_behaviour_is_on_here_are_accepted() -> None:

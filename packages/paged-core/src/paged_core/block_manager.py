@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from paged_core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 from paged_core.block_stats import BlockManagerStats
 from paged_core.errors import OutOfBlocksError, UnknownSequenceError
+from paged_core.kv_tiers import TierDirectory
 
 __all__ = ["BlockManager"]
 
@@ -34,6 +35,9 @@ def _out_of_window(num_computed: int, window: int, block_size: int) -> int:
     """Leading blocks no later query sees once ``num_computed`` tokens are in:
     block ``i`` once ``(i + 1) * block_size <= num_computed - window + 1``."""
     return max(0, num_computed - window + 1) // block_size
+
+# A plan's entry for a block the tiers restore into a fresh block (``allocate`` swaps it).
+_TIER_HIT = Block(-1)
 
 # Tokens per block unless configured (vLLM's default too): the one place it is written.
 DEFAULT_BLOCK_SIZE = 16
@@ -81,6 +85,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._seqs: dict[int, _SeqBlocks] = {}
         self.counters = BlockManagerStats()  # stats() adds the occupancy
+        # Host/disk tiers behind the prefix cache (one group only): see paged_core/kv_tiers.py.
+        self.tiers: TierDirectory | None = None
 
     # -- admission -------------------------------------------------------
     def num_blocks_needed(
@@ -125,6 +131,8 @@ class BlockManager:
         fresh = _cdiv(reserved, self.block_size) - len(keys)
         for g, table in enumerate(tables):
             table += self.block_pool.get_new_blocks(fresh, g)
+        if self.tiers is not None:
+            self._restore_tier_hits(tables[0], keys, token_ids)
         seq = _SeqBlocks(tables, list(token_ids[:reserved]), len(keys) * self.block_size, keys)
         if self.enable_prefix_caching and not skip_prefix_cache:
             self._count_prompt(token_ids, keys)
@@ -197,8 +205,10 @@ class BlockManager:
             tokens = tuple(seq.tokens[i * bs : (i + 1) * bs])
             seq.hashes.append(hash_block_tokens(seq.hashes[-1] if seq.hashes else None, tokens))
             for table in seq.tables:
-                if table[i] is not self.null_block:
-                    self.block_pool.register(table[i], seq.hashes[-1], tokens)
+                if table[i] is not self.null_block and (
+                    self.block_pool.register(table[i], seq.hashes[-1], tokens) and self.tiers is not None
+                ):
+                    self.tiers.stored(seq.hashes[-1], tokens, table[i].block_id)
         return bool(self._sliding) and self._free_out_of_window(seq, before)
 
     # -- release ---------------------------------------------------------
@@ -329,8 +339,20 @@ class BlockManager:
 
     def _acquire(self, table: list[Block]) -> None:
         for block in table:
-            if block is not self.null_block:
+            if block is not self.null_block and block is not _TIER_HIT:
                 self.block_pool.acquire(block)
+
+    def _restore_tier_hits(self, table: list[Block], keys: list[BlockHash], token_ids: Sequence[int]) -> None:
+        """Fresh blocks for the plan's tier hits, registered at once (their KV
+        is restored before the next pass reads it: the tiers' ``load``)."""
+        assert self.tiers is not None
+        bs = self.block_size
+        for i, key in enumerate(keys):
+            if table[i] is _TIER_HIT:
+                (block,) = self.block_pool.get_new_blocks(1, 0)
+                self.block_pool.register(block, key, token_ids[i * bs : (i + 1) * bs])
+                self.tiers.restore(key, block.block_id)
+                table[i] = block
 
     def _copy_shared_last(self, seq: _SeqBlocks, seq_id: int) -> Copies:
         """Give ``seq`` a private copy of each last block it shares (copy-on-write)."""
@@ -383,11 +405,14 @@ class BlockManager:
         bs, windows, pool = self.block_size, self.windows, self.block_pool
         keys: list[BlockHash] = []
         found: list[list[Block | None]] = []  # per leading block: each group's cached one
-        lookup = self.enable_prefix_caching and not skip_prefix_cache and pool.prefix_index
+        tiers = self.tiers
+        lookup = self.enable_prefix_caching and not skip_prefix_cache and (pool.prefix_index or tiers)
         for i in range((num_tokens - 1) // bs if lookup else 0):
             tokens = token_ids[i * bs : (i + 1) * bs]
             key = hash_block_tokens(keys[-1] if keys else None, tokens)
             row = [pool.lookup(key, tokens, g) for g in range(len(windows))]
+            if tiers is not None and row[0] is None and tiers.has(key, tokens):
+                row = [_TIER_HIT]  # one group: the tiers refuse hybrid managers
             if None in row and any(b is None and w is None for b, w in zip(row, windows, strict=True)):
                 break
             keys.append(key)

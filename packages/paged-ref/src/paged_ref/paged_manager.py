@@ -221,7 +221,9 @@ class PagedKVManager:
             tables = buffer.gather(buffer.rows(seq_ids), width)
         else:  # [groups, batch, width]: one metadata build and device copy for all groups
             tables = np.stack([b.gather(b.rows(seq_ids), width) for b in self._tables])
-        return StepLayout(tables, list(starts), list(new_lens), self.take_copies())
+        tiers = self.block_manager.tiers
+        ops = tiers.take_commands() if tiers is not None else []
+        return StepLayout(tables, list(starts), list(new_lens), self.take_copies(), ops)
 
     def take_copies(self) -> list[list[tuple[int, int]]]:
         """The block copies asked for since the last call (one ``copy_blocks``

@@ -12,6 +12,7 @@ in the same blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,12 +23,15 @@ class StepLayout:
     batch, width]`` for a hybrid cache's KV cache groups), covering every
     token of the step; sequence ``i`` computes ``new_lens[i]`` tokens from
     position ``starts[i]``; ``copies``: ``copy_blocks`` calls to make first,
-    in order (each a list of ``(src, dst)`` blocks, read before written)."""
+    in order (each a list of ``(src, dst)`` blocks, read before written);
+    ``tier_ops``: the KV tiers' commands (``paged_core.kv_tiers``) to carry
+    out before the copies (saves read blocks a later write may reuse)."""
 
     block_tables: np.ndarray
     starts: list[int]
     new_lens: list[int]
     copies: list[list[tuple[int, int]]] = field(default_factory=list)
+    tier_ops: list[tuple[Any, ...]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

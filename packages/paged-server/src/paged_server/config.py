@@ -110,6 +110,11 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": the model's sampling defaults; "vllm": none; or a directory
     override_generation_config: dict[str, Any] | None = None  # on top of generation_config
     disable_sliding_window: bool = False  # full attention, max_model_len capped at the window
+    # KV cache tiers behind the prefix cache (engine/kv_tiers.py): host memory in GiB
+    # (vLLM's name; the total over tensor-parallel ranks), a disk folder kept across restarts.
+    kv_offloading_size: float | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_size: float | None = None  # GiB; None: 10 with --kv-disk-dir
 
     def resolve(
         self,
@@ -141,7 +146,9 @@ class EngineConfig:
             "dtype": str(dtype).removeprefix("torch."),
             "dtype_reason": _dtype_reason(self, device, dtype),
             "attention_backend": _attention_backend(self, device),
-            "async_scheduling": device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
+            # the tiers fetch disk blocks between steps: never while a pass runs
+            "async_scheduling": device.type == "cuda" and not self.uses_kv_tiers
+            if self.async_scheduling is None else self.async_scheduling,
         })
 
     def validate(self) -> None:
@@ -194,6 +201,7 @@ class EngineConfig:
             )
         self._check_pipeline()
         self._check_data_parallel()
+        self._check_kv_tiers()
         if not (_is_int(self.master_port) and 0 <= self.master_port <= 65535):
             raise ValueError(f"master_port: must be in 0..65535, got {self.master_port!r}")
         if not _is_int(self.seed):
@@ -246,6 +254,28 @@ class EngineConfig:
                 "pipeline_parallel_size > 1 needs kv_cache_backend='paged' (each stage's pool "
                 "holds its own layers of the same blocks); drop --kv-cache-backend contiguous"
             )
+
+    @property
+    def uses_kv_tiers(self) -> bool:
+        """Whether a host-memory or disk tier keeps evicted prefix blocks."""
+        return bool(self.kv_offloading_size) or self.kv_disk_dir is not None
+
+    def _check_kv_tiers(self) -> None:
+        """The KV tiers' sizes, and what they do not combine with, in one line."""
+        for name in ("kv_offloading_size", "kv_disk_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
+                raise ValueError(f"{name}: must be a size in GiB >= 0, got {value!r}")
+        if self.kv_disk_size is not None and self.kv_disk_dir is None:
+            raise ValueError("kv_disk_size: set --kv-disk-dir DIR too (the folder the disk tier writes)")
+        if not self.uses_kv_tiers:
+            return
+        flag = "--kv-offloading-size" if self.kv_offloading_size else "--kv-disk-dir"
+        if self.kv_cache_backend != "paged":
+            raise ValueError(f"{flag}: the KV tiers keep paged blocks; drop it or use --kv-cache-backend paged")
+        if self.async_scheduling:
+            raise ValueError(f"{flag}: the KV tiers run with --no-async-scheduling (disk blocks are "
+                             "fetched between steps); drop --async-scheduling")  # fmt: skip
 
     def _check_data_parallel(self) -> None:
         """What data parallelism does not combine with yet, refused in one line."""

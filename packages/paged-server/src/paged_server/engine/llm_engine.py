@@ -52,6 +52,7 @@ from paged_server.engine.checks import audit_engine, check_pool, check_prompt
 from paged_server.engine.detokenize import IncrementalDetokenizer, NoText
 from paged_server.engine.executor import Executor, UniProcExecutor
 from paged_server.engine.grammar_mask import StructuredOutput
+from paged_server.engine.kv_tiers import attach_tiers
 from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import add_token_text, commit_token, take_output
@@ -154,6 +155,7 @@ class LLMEngine:
         self.kv_heads_per_rank = spec.num_kv_heads
         self.capacity = pool_capacity(config, spec, num_blocks, sized_by, kv_scales, worker.stage_spec())
         self.kv_manager = build_kv_manager(config, spec, num_blocks)
+        self.tiers = attach_tiers(config, spec, self.kv_manager, executor)
         log.info("%s", weights_summary(loaded.model, loaded.dtype, loaded.quantization))
         log.info(
             "KV cache: %d tokens (%d blocks of %d), sized by %s%s",
@@ -256,6 +258,8 @@ class LLMEngine:
             seq.grammar = grammar
         self._requests[request_id] = request
         self.scheduler.add(request.seqs[0])
+        if self.tiers is not None:
+            self.tiers.note_prompt(token_ids)
         return len(token_ids)
 
     def abort_request(self, request_id: str) -> None:
@@ -292,6 +296,8 @@ class LLMEngine:
             raise EngineFailedError(self.failed)
         if self.config.async_scheduling:
             return self._step_overlapped()
+        if self.tiers is not None:  # disk blocks of new prompts into host memory, checked
+            self.tiers.prefetch(self.kv_manager.block_manager.block_pool.lookup)
         plan = self._plan()
         if plan.scheduled:
             self._run(plan.scheduled)
@@ -734,6 +740,8 @@ class LLMEngine:
         executor = getattr(self, "executor", None)
         if executor is None:
             return
+        if getattr(self, "tiers", None) is not None and self.failed is None:
+            self.tiers.flush()  # the last steps' blocks onto disk, for a warm start
         executor.shutdown()
         if executor.world_size > 1:
             self.failed = self.failed or "the engine was shut down"
@@ -829,7 +837,10 @@ class LLMEngine:
         """Gauges and counters for operators (names in docs/contracts.md)."""
         running = {id(s.request) for s in self.scheduler.running if not s.is_finished}
         waiting = {id(s.request) for s in self.scheduler.waiting} - running
-        return self.counters.snapshot(self.kv_manager, self.capacity, len(running), len(waiting))
+        out = self.counters.snapshot(self.kv_manager, self.capacity, len(running), len(waiting))
+        if self.tiers is not None:
+            out.update(self.tiers.metrics(self.worker))
+        return out
 
     def audit(self) -> list[str]:
         """Inconsistencies between the engine and its pool (empty when healthy);

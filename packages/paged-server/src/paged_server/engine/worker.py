@@ -38,6 +38,8 @@ from paged_ref.cache_view import CacheView
 from paged_ref.cpu.cpu_decode import CpuDecodeOps
 from paged_ref.kv_spec import KVCacheSpec
 from paged_ref.kv_tensors import KVCacheTensors
+from paged_ref.kv_tier_files import fingerprint
+from paged_ref.kv_tier_store import KVTierStore
 from paged_ref.step_layout import StepLayout
 from paged_server.config import RunConfig
 from paged_server.engine.compiled_forward import (
@@ -49,6 +51,7 @@ from paged_server.engine.compiled_forward import (
 from paged_server.engine.decode_graphs import DecodeGraphs
 from paged_server.engine.kernel_warmup import warm_up_kernels
 from paged_server.engine.kv_calibration import KVScales, calibrated_kv_scales
+from paged_server.engine.kv_tiers import cache_identity
 from paged_server.engine.pool_factory import attention_ops, cache_size
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
@@ -108,6 +111,7 @@ class Worker:
         self.graphs: DecodeGraphs | None = None
         self.compiled: CompiledForward | None = None
         self.pipeline: Any = None  # parallel.pipeline.PipelineStep, with pipeline parallelism
+        self.tier_store: KVTierStore | None = None  # --kv-offloading-size / --kv-disk-dir
         tp_size = config.tensor_parallel_size
         self.tp = SINGLE if group is None else TensorParallel(rank % tp_size, tp_size, group)
         self.stage = PipelineStage(rank // tp_size, config.pipeline_parallel_size)
@@ -305,6 +309,31 @@ class Worker:
             if self.compiled is not None and hidden is not None:  # the head's graphs, at this row count
                 self.compiled.compute_logits(hidden[: min(num_tokens, head_rows)])
 
+    # -- the KV cache tiers (engine/kv_tiers.py) -----------------------------------------
+    def init_tiers(self, disk_dir: str | None) -> list[tuple[bytes, tuple[int, ...]]]:
+        """This rank's tier store over its KV tensors; returns the valid
+        files its disk folder holds (a warm start), oldest first."""
+        assert self.tensors is not None, "init_cache first"
+        self.tier_store = KVTierStore(self.tensors, fingerprint(cache_identity(self)), disk_dir)
+        return self.tier_store.scan()
+
+    def tier_agree(self, keys: list[bytes]) -> list[bool]:
+        """Which of rank 0's disk ``keys`` every rank holds too."""
+        assert self.tier_store is not None
+        own = {key for key, _ in self.tier_store.scan()} if self.rank else set(keys)
+        return self._all_ranks([key in own for key in keys])
+
+    def tier_sync(self, commands: list[tuple[Any, ...]]) -> list[bool]:
+        """Carry out the tiers' queued commands now (between steps); which
+        fetches every rank read back intact."""
+        assert self.tier_store is not None
+        return self._all_ranks(self.tier_store.apply(commands))
+
+    def _all_ranks(self, oks: list[bool]) -> list[bool]:
+        if self.group is None or not oks:
+            return oks
+        return [bool(v) for v in self.group.min_each([int(ok) for ok in oks])]
+
     # -- 6. each step -------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: WorkerStep, meta: AttentionMetadata | None = None) -> Tensor | None:
@@ -313,6 +342,9 @@ class Worker:
         ``meta``: the step's metadata when built ahead (``KVCacheTensors.build``)."""
         tensors = self.tensors
         assert tensors is not None, "init_cache first"
+        if step.layout.tier_ops:  # saves and restores, before the pass reads or reuses blocks
+            assert self.tier_store is not None
+            self.tier_store.apply(step.layout.tier_ops)
         if meta is None:
             meta = tensors.metadata(step.layout)
         else:

@@ -45,9 +45,8 @@ _UVICORN = "the HTTP server runs uvicorn's defaults for this; drop the flag"
 FLAG_HINTS = {
     "--distributed-executor-backend": "tensor and pipeline parallelism always run one process per device",
     "--swap-space": "no CPU swap: preempted requests are recomputed; drop the flag",
-    "--kv-offloading-size": "KV blocks are not offloaded to CPU memory: preempted requests are "
-    "recomputed; size the pool with --gpu-memory-utilization or --kv-cache-memory-bytes",
-    "--kv-offloading-backend": "KV blocks are not offloaded to CPU memory; drop the flag",
+    "--kv-offloading-backend": "KV blocks are offloaded by this server's own tiers "
+    "(--kv-offloading-size GiB, --kv-disk-dir DIR); drop the flag",
     "--enable-sleep-mode": "no sleep mode (/sleep, /wake_up): the weights and KV pool stay "
     "allocated while the server runs; drop the flag",
     "--preemption-mode": "preemption always recomputes; drop the flag",

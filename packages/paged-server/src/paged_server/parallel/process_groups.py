@@ -138,6 +138,13 @@ class TPGroup:
         self.message_pg.allreduce([tensor], _min_options()).wait()
         return int(tensor.item())
 
+    def min_each(self, values: list[int]) -> list[int]:
+        """``min_over_ranks`` of each of ``values`` in one all-reduce (which KV
+        tier blocks every rank holds)."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self.message_pg.allreduce([tensor], _min_options()).wait()
+        return [int(v) for v in tensor.tolist()]
+
     def barrier_ok(self, ok: bool) -> bool:
         """Start-up handshake: whether every rank reports ``ok`` (a rank that
         died instead makes this raise)."""

@@ -64,6 +64,17 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "prefix_cache_hits_total": ("counter", "Prompt tokens found in the prefix cache."),
     "prompt_tokens_total": ("counter", "Prompt tokens processed."),
     "generation_tokens_total": ("counter", "Tokens generated."),
+    # KV cache tiers (--kv-offloading-size, --kv-disk-dir): present only with them
+    "kv_offload_hits_host_tokens_total": ("counter", "Prompt tokens restored from the host-memory KV tier."),
+    "kv_offload_hits_disk_tokens_total": ("counter", "Prompt tokens restored from the disk KV tier."),
+    "kv_offload_saved_blocks_total": ("counter", "KV blocks saved to the tiers."),
+    "kv_offload_fetch_failures_total": ("counter", "Disk KV blocks refused on read (missing, corrupt, another model's)."),
+    "kv_offload_bytes_saved_total": ("counter", "Bytes copied from the pool into the tiers (rank 0)."),
+    "kv_offload_bytes_restored_total": ("counter", "Bytes restored from the tiers into the pool (rank 0)."),
+    "kv_offload_bytes_read_from_disk_total": ("counter", "Bytes read from the disk tier (rank 0)."),
+    "kv_offload_restore_seconds_total": ("counter", "Seconds spent restoring KV blocks (rank 0)."),
+    "kv_offload_host_blocks": ("gauge", "KV blocks the host-memory tier holds."),
+    "kv_offload_disk_blocks": ("gauge", "KV blocks the disk tier holds."),
 }
 MISSES = "prefix_cache_misses"
 # With --data-parallel-size: one sample per replica (label ``replica``), from
