@@ -27,7 +27,6 @@ from paged_ref.kv_spec import KVCacheSpec
 
 if TYPE_CHECKING:
     from paged_server.config import RunConfig
-    from paged_server.engine.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +34,12 @@ GIB = 1 << 30
 DEFAULT_DISK_GIB = 10.0
 
 
-def cache_identity(worker: Worker) -> dict[str, Any]:
+def cache_identity(worker: Any) -> dict[str, Any]:
     """What a disk block must match to be restored on this rank: the model
     (config, and a digest of a sample of every weight of this rank's shard:
     another checkpoint of the same architecture differs), dtypes, block
-    size, layer layout, calibrated scales, and the rank's place."""
+    size, layer layout, calibrated scales, and the rank's place.
+    ``worker``: the rank's ``Worker`` (not imported: it imports this)."""
     config, loaded = worker.config, worker.loaded
     assert loaded is not None and worker.tensors is not None
     digest = hashlib.blake2b(digest_size=16)
@@ -102,7 +102,7 @@ class KVTiers:
         if commands := self.directory.take_commands():
             self.executor.collective_rpc("tier_sync", commands)
 
-    def metrics(self, worker: Worker) -> dict[str, float]:
+    def metrics(self, worker: Any) -> dict[str, float]:
         """``kv_offload_*``: the directory's counters and rank 0's store's
         (``_total``: counters; ``host_blocks`` / ``disk_blocks``: gauges)."""
         stats: dict[str, float] = dict(self.directory.stats())
