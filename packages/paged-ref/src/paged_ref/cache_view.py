@@ -9,7 +9,7 @@ class: the paged pool hands it page tables, the contiguous pool one
 pool's ``ops`` module.
 
 A view's metadata is complete before the forward pass: the pool already
-reserved every token (the design documents' views, ``seed_views``, reserve
+reserved every token (the ``CachePoolProtocol`` views, ``seed_views``, reserve
 before they build one). Nothing is committed until ``advance()`` (or the
 engine's ``mark_computed``): a forward pass that raises leaves the pool as
 it was, apart from KV written where no one reads it yet.

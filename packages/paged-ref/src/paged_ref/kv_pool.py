@@ -5,8 +5,8 @@
 ``KVCacheTensors`` it describes, and satisfies ``ServingPoolProtocol``:
 the manager answers every call about capacity and sequences, and
 ``step_view`` joins the two (the manager's ``StepLayout``, the tensors'
-view over it, committing back to the manager). The design documents' pool
-API (``allocate_seq``, ``prefill_view``...) is the thin layer ``SeedViews``
+view over it, committing back to the manager). The seed pool
+API (``CachePoolProtocol``: ``allocate_seq``, ``prefill_view``...) is the thin layer ``SeedViews``
 over it. The engine keeps the two sides apart (the manager beside its
 scheduler, the tensors in each rank's worker); tests, benchmarks and the
 calibration pass use the joined pool.

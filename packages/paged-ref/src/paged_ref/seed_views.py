@@ -1,4 +1,4 @@
-"""The design documents' pool API as a thin layer over the engine's path.
+"""The seed pool API (``CachePoolProtocol``) as a thin layer over the engine's path.
 
 ``allocate_seq``, ``prefill_view``, ``decode_view`` and ``batched_prefill_view``
 (``CachePoolProtocol``) are the project's public contract, but the engine

@@ -72,9 +72,8 @@ class SplitPolicy:
         return max(1, min(self.target_programs // head_programs, batch * grid_splits))
 
 
-# Programs per SM a decode batch aims for. H200, nox -s gpu (2026-11-26): 8 gave
-# 0.283 ms at 64 x 4k tokens against 0.324 at 1, 2 and 4 (78.7% of peak HBM
-# bandwidth against 68.8%) and 0.137 against 0.142 ms on the ragged batch.
+# Programs per SM a decode batch aims for: 8 was the fastest on an H200 (the
+# sweep is in docs/operations.md).
 WAVES_PER_SM = 8
 
 

@@ -27,9 +27,7 @@
  * While a block's scores are computed, the K and V rows PREFETCH_ROWS tokens
  * ahead are requested (into the next block at its end): the blocks of a
  * sequence lie anywhere in the cache, and a row's first load otherwise waits
- * on memory. With the KV of 12 layers cycled (the ~100M model, 48 sequences
- * x 330 tokens, out of cache as in a step) a layer took 1.25 ms against 1.63;
- * the embedded model's 8 and 32 sequences 17-20% less. Fetching a whole next
+ * on memory (docs/operations.md has the measurements). Fetching a whole next
  * block at once did not help (too many requests in flight at once). */
 #include <math.h>
 #include <stdint.h>

@@ -1,15 +1,11 @@
 """Decode attention read in place from the paged cache, as a C loop nest for a CPU.
 
 The reference decode (``ops.paged_decode_attention``) copies every
-sequence's K/V out of its blocks, a cache-sized chunk of sequences at a time,
-before SDPA: PyTorch has no product that reads through a page table. On a
-CPU that copy, and the small ops per chunk around it, were three quarters of
-a decode step at 32 streams; the same attention written as tensor ops under
-``torch.compile`` removed the copy but its loop nests ran at ~3 GB/s.
-``cpu_decode.c`` is that attention as one loop nest per sequence (online
-softmax over its blocks, as the Triton decode kernel does): measured on one
-thread, 8 sequences x 190-380 tokens of the 30M bench model's layout, bf16,
-1.9x faster than the compiled tensor ops and 4x faster than the reference.
+sequence's K/V out of its blocks before SDPA (PyTorch has no product that
+reads through a page table), and on a CPU that copy dominated a decode step.
+``cpu_decode.c`` is the same attention as one loop nest per sequence (online
+softmax over its blocks, as the Triton decode kernel does), reading K/V in
+place. Its measurements are in docs/operations.md ("The compiled forward pass (CPU)").
 
 It is built on first use (``c_library``), once per head size, query heads
 per kv head, kv head count and cache dtype, into ``~/.cache/paged/cpu_decode``.
@@ -45,10 +41,7 @@ _C_TYPES = {torch.bfloat16: "uint16_t", torch.float16: "_Float16", torch.float32
 _FP8_CACHES = {torch.float8_e4m3fn: "E4M3", torch.float8_e5m2: "E5M2"}
 MAX_BLOCK = 256  # cpu_decode.c's: the largest block_size the decode kernel takes
 # Beside c_library.FLAGS. GCC's x86 default is 256-bit vectors even where the
-# CPU has AVX-512; 512-bit ones made the decode kernel 10-20% faster on the
-# 2-core Xeon (AMX), the rest of its ~1.5x over the first version coming from
-# a vectorized exp (``exp_simd``); the K/V rows it requests ahead (``PREFETCH_ROWS``)
-# took a layer read from memory 1.25 ms against 1.63.
+# CPU has AVX-512, and 512-bit ones made the decode kernel faster (docs/operations.md).
 _FLAGS = ("-ffast-math", "-fno-finite-math-only") + (
     ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 )
@@ -242,10 +235,9 @@ def write_and_decode(
     """``write_kv`` then ``paged_decode_attention`` for one layer of a
     decode-only step (one new token per sequence, no scales), as two C calls;
     None, writing nothing, where the kernels do not apply. Between the GEMMs
-    of a step, each layer's Python runs with cold caches (one stream, ~100M
-    model: ~130 us a layer through the two ops, ~50 of it the C work); the
-    int32 tables, lengths and slots the layers share are converted once per
-    step, by the first layer, into ``memo``."""
+    of a step each layer's Python runs with cold caches, so the int32 tables,
+    lengths and slots the layers share are converted once per step, by the
+    first layer, into ``memo``."""
     key = (q.shape, q.dtype, k.dtype, v.dtype, k_cache.shape, k_cache.dtype, v_cache.dtype)
     plan = memo.get(_PLAN)
     if plan is None or plan.block_tables is not block_tables or plan.key != key:
@@ -273,10 +265,8 @@ def write_and_decode(
     return _c_decode(plan.kernels, q, k_cache, v_cache, plan.tables, plan.lens, scale, sliding_window, softcap, plan.num_threads)
 
 
-# SDPA's CPU flash kernel on 16-bit inputs runs 1.5-2.6x slower when the query
-# or key count is not a multiple of 16 (one layer of the embedded model's
-# shape, bf16, 2 threads: 253 fresh tokens 318-354 us against 124-138 for
-# 256; 253 queries over 509 keys 448 us against 299), so both are padded.
+# SDPA's CPU flash kernel on 16-bit inputs is much slower when the query or
+# key count is not a multiple of 16 (docs/operations.md), so both are padded.
 SDPA_MULTIPLE = 16
 
 
@@ -286,12 +276,10 @@ def prefill_by_sequence(a: PrefillArgs) -> Tensor:
     ``index_select`` of whole blocks per tensor, read as ``[tokens, kv_heads,
     head_dim]``), GQA by SDPA's ``enable_gqa``. A chunk with no cached
     context and no window is plainly causal (``is_causal``, no mask); one
-    after cached tokens, or with a window, gets a mask (``_memo_mask``). The
-    reference's chunked gather, padded queries and step-wide masks cost
-    ~1 ms of a step with a 192-248-token chunk (the embedded model, 8
-    decodes beside it: 8-11% of the step). SDPA's CPU kernel accumulates
-    and takes the softmax in float32, 2-2.5x faster on 16-bit inputs
-    (AMX / AVX512-BF16) than on float32 ones. Queries and keys are padded
+    after cached tokens, or with a window, gets a mask (``_memo_mask``):
+    none of the reference's chunked gather, padded queries and step-wide
+    masks. SDPA's CPU kernel accumulates and takes the softmax in float32,
+    and is faster on 16-bit inputs (AMX / AVX512-BF16). Queries and keys are padded
     to a multiple of ``SDPA_MULTIPLE``: zero keys no real query sees (the
     causal diagonal, or the mask), query rows whose outputs are dropped.
     The lengths are host reads: free on a CPU."""
@@ -361,7 +349,7 @@ class CpuDecodeOps:
     run the C kernels where they apply (on a CPU: 16/32-bit and fp8 caches,
     and int8 ones with per-token scales, which the reference writes); everything else, and every other op, is the wrapped module's.
     The reference write checks its slots with a host sync and runs two
-    ``index_copy_``: ~60 µs a layer at one stream, for a few hundred bytes."""
+    ``index_copy_`` for a few hundred bytes; the C write is one loop."""
 
     def __init__(self, ops: ModuleType = ref_ops) -> None:
         self._ops = ops
@@ -370,13 +358,9 @@ class CpuDecodeOps:
         self.write_kv = op(WriteKVArgs)(self._write)
 
     # A prompt chunk whose queries read at most this many keys in all runs
-    # through ``write_and_decode``, each row a decode (``CacheView.attend``).
-    # Measured on the embedded model, 3 and 8 decodes beside a fresh chunk,
-    # bf16, 2 threads, with the prefetching kernel: the step 8-17% faster than
-    # ``prefill_by_sequence`` (one SDPA call, its copies and the op calls
-    # around it, per layer) at 96-160 tokens (4.7-12.9k keys), 7% at 192
-    # (18.5k), 3% at 240 (28.9k): the rows' reads grow with the square of the
-    # chunk. (The kernel before it broke even between 96 and 128 tokens.)
+    # through ``write_and_decode``, each row a decode (``CacheView.attend``):
+    # below it that beat ``prefill_by_sequence``, whose cost does not grow with
+    # the square of the chunk (the measurements: docs/operations.md).
     prefill_as_decodes = 16384
 
     def __getattr__(self, name: str) -> Any:

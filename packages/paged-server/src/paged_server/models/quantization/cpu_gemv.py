@@ -2,20 +2,17 @@
 
 A single stream's decode step multiplies one row of activations by every
 weight. Inductor's C++ GEMM template (what the compiled forward runs for
-int4/int8) dequantizes to bf16 and was compute-bound at one row (~6.6 GB/s
-of int4 on one core, below the bf16 product's bytes per second). These
-kernels quantize the row to int8 per block of input features and multiply
-with int8 dot products, as vLLM's CPU path for AWQ/GPTQ does (IPEX, lowp_mode
-INT8): on the ~100M model's 48 projections, one thread, 2-core Xeon, int4
-3.7-4.2 ms against aten's 7.3-7.8 and bf16's 14.6 (compiled), int8 7.4-8.5
-against 17.9-18.4 (``python benchmarks/quantized_gemm.py``). The
-activation rounding costs ~1% of a product's largest value (tests/server/
-models/test_cpu_gemv.py states it exactly); more rows (prefill, batches)
-keep bf16 activations.
+int4/int8) dequantizes to bf16 and is compute-bound at one row, below the
+bf16 product's bytes per second. These kernels quantize the row to int8 per
+block of input features and multiply with int8 dot products, as vLLM's CPU
+path for AWQ/GPTQ does (IPEX, lowp_mode INT8); ``benchmarks/quantized_gemm.py``
+times them, docs/operations.md has the numbers. The activation rounding
+costs ~1% of a product's largest value (tests/server/models/test_cpu_gemv.py
+states it exactly); more rows (prefill, batches) keep bf16 activations.
 
 The kernels are torch operators (``paged::int4_gemv``, ``paged::int8_gemv``)
-registered through ``torch.library.Library``: the compiled graph calls them
-as opaque ops for ~6 us each (a ``custom_op`` costs ~16). They read the
+registered through ``torch.library.Library``, which the compiled graph calls
+as opaque ops more cheaply than a ``custom_op``. They read the
 buffers QuantizedLinear keeps for aten's kernels (no second copy). The
 library is built on first use (``paged_ref.cpu.c_library``, where the C source lives); where it cannot be
 (no compiler, no AVX512 VNNI/VBMI, aten packing int4 for another vector
