@@ -112,7 +112,8 @@ def gpu(session: nox.Session) -> None:
     tests on the GPU (bf16 included), the kernel benchmarks (attention:
     do_bench, L2 flushed; the quantized GEMM: CUDA graphs over cold weight
     copies), then benchmarks/results/gpu.json
-    and gpu.md. Without CUDA it
+    and gpu.md, then the end-to-end serving run (benchmarks/gpu_serving.py ->
+    gpu_serving.json). Without CUDA it
     says so in one line and stops. Arguments after `--` go to both pytest runs."""
     if shutil.which("nvidia-smi") is None:
         session.skip("no NVIDIA GPU here (nvidia-smi not found); nox -s gpu needs one")
@@ -141,8 +142,20 @@ def gpu(session: nox.Session) -> None:
         "import json; print(json.load(open('benchmarks/results/gpu.json'))['tests']['failed'])",
         silent=True,
     )  # fmt: skip
+    # The end-to-end run (issue 59): an 8B-shaped model served, against the roofline and
+    # transformers; each phase under its own time limit, ~8 minutes in all.
+    session.run("python", "benchmarks/gpu_serving.py", env=env, success_codes=[0, 1])
     if str(failed).strip() != "0":
         session.error(f"{str(failed).strip()} GPU test(s) failed: see benchmarks/results/gpu.md")
+    unfinished = session.run(
+        "python", "-c",
+        "import json; r = json.load(open('benchmarks/results/gpu_serving.json'));"
+        "print(' '.join(p for p, s in r['phases'].items() if s['status'] != 'ok'))",
+        silent=True,
+    )  # fmt: skip
+    if str(unfinished).strip():
+        session.error(f"gpu_serving.py phases not finished: {str(unfinished).strip()} "
+                      "(see benchmarks/results/gpu_serving.json)")  # fmt: skip
 
 
 @nox.session

@@ -517,6 +517,42 @@ def _gpu_section(gpu: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _gpu_serving_section(r: dict[str, Any] | None) -> list[str]:
+    """The end-to-end GPU run (``benchmarks/gpu_serving.py``, issue 59): an
+    8B-shaped model served, against the roofline and transformers."""
+    if r is None:
+        return []
+    decode = r.get("decode", {})
+    hf = r.get("vs_transformers_generate_batch", {})
+    rows = [[s, _f(d.get("decode_tokens_per_s")), _f(d.get("roofline_tokens_per_s")),
+             _pct(d.get("roofline_fraction")), _f(d.get("output_tokens_per_s")),
+             "-" if s not in hf else f"{hf[s]:.2f}x"] for s, d in decode.items()]  # fmt: skip
+    ttft = r.get("ttft_2k", {})
+    kernel = r.get("prefill_kernel", {})
+    krows = [[case, _f(k["triton_tflops"]), _f(k["sdpa_tflops"]), f"{k['ratio']:.2f}x"]
+             for case, k in kernel.items()]  # fmt: skip
+    status = ", ".join(f"{p} {s['status']} ({s['seconds']:.0f} s)" for p, s in r["phases"].items())
+    static = r.get("ttft_vs_transformers_static")
+    return [
+        "## An 8B-shaped model served on a GPU (`benchmarks/gpu_serving.py`)",
+        "",
+        *([f"**{r['note']}**", ""] if r.get("note") else []),
+        f"{r['device']}, {r['started']}, {r['seconds']:.0f} s; random Llama-3.1-8B-shaped bf16 "
+        f"weights, `LLM` with a GPU user's defaults. Copy-kernel bandwidth: "
+        f"{_f(r.get('hbm_bandwidth_GBps'))} GB/s. Phases: {status}.",
+        "",
+        *_table(["streams", "decode tok/s", "HBM roofline tok/s", "of roofline",
+                 "tok/s (whole run)", "vs transformers generate_batch"], rows),  # fmt: skip
+        "",
+        f"TTFT of {ttft.get('prompt_tokens', '-')}-token prompts: p50 {_f(ttft.get('p50_ms'))} ms "
+        f"({_pct(ttft.get('roofline_fraction'))} of the FLOP roofline); against transformers' "
+        f"static-cache generate: {'-' if static is None else f'{static:.2f}x'} its TTFT.",
+        "",
+        *_table(["prefill kernel case", "Triton TFLOP/s", "SDPA TFLOP/s", "Triton vs SDPA"], krows),
+        "",
+    ]
+
+
 def _history_section(results: Path) -> list[str]:
     out = ["## History (SERVING_LOG)", ""]
     path = results / "history.jsonl"
@@ -882,6 +918,7 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _llamacpp_section(_load(results, "llamacpp_quantized"), quantized=True)
     lines += _micro_section(_load(results, "microbench"))
     lines += _gpu_section(_load(results, "gpu"))
+    lines += _gpu_serving_section(_load(results, "gpu_serving"))
     lines += _history_section(results)
     info = _load(results, "run_info")
     timing = ""
