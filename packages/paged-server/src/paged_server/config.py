@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from paged_server.models.loader import cpu_has_bf16
+from paged_server.models.pooler import CONVERTS, RUNNERS, TASKS, resolve_head
 from paged_server.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -115,6 +116,12 @@ class EngineConfig:
     kv_offloading_size: float | None = None
     kv_disk_dir: str | None = None
     kv_disk_size: float | None = None  # GiB; None: 10 with --kv-disk-dir
+    # Pooling models (models/pooler.py): vLLM's --runner / --convert, the older
+    # --task, and --pooler-config over the checkpoint's own pooling.
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
+    pooler_config: dict[str, Any] | None = None
 
     def resolve(
         self,
@@ -137,6 +144,7 @@ class EngineConfig:
         device = device if device is not None else _device(self)
         dtype = dtype if dtype is not None else _dtype(self, device, checkpoint_dtype)
         given = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
+        pooling = resolve_head(model_config.architecture, self.runner, self.convert, self.task)
         return RunConfig(**{
             **given,
             "max_model_len": max_model_len,
@@ -146,9 +154,13 @@ class EngineConfig:
             "dtype": str(dtype).removeprefix("torch."),
             "dtype_reason": _dtype_reason(self, device, dtype),
             "attention_backend": _attention_backend(self, device),
-            # the tiers fetch disk blocks between steps: never while a pass runs
-            "async_scheduling": device.type == "cuda" and not self.uses_kv_tiers
-            if self.async_scheduling is None else self.async_scheduling,
+            # the tiers fetch disk blocks between steps: never while a pass runs;
+            # a pooling request samples nothing to overlap with: the plain step
+            "async_scheduling": pooling is None and (
+                device.type == "cuda" and not self.uses_kv_tiers
+                if self.async_scheduling is None else self.async_scheduling
+            ),
+            "pooling": pooling,
         })
 
     def validate(self) -> None:
@@ -157,6 +169,10 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("dtype", self.dtype, ("auto", *DTYPES))
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("runner", self.runner, RUNNERS)
+        _choice("convert", self.convert, CONVERTS)
+        if self.task is not None:
+            _choice("task", self.task, tuple(TASKS))
         self._check_kv_scales()
         if self.quantization is not None:
             from paged_server.models.quantization.methods import QUANTIZATION_METHODS
@@ -312,6 +328,7 @@ class RunConfig(EngineConfig):
     max_model_len: int
     max_num_batched_tokens: int
     dtype_reason: str = ""  # why "auto" chose dtype, for the start-up line
+    pooling: str | None = None  # the pooling head run (embed/classify), None: generation
 
     @property
     def torch_device(self) -> torch.device:

@@ -1,10 +1,11 @@
 """What the engine hands back: streaming deltas (``RequestOutput``) and,
-for the offline ``LLM`` API, whole completions (``CompletionResult``)."""
+for the offline ``LLM`` API, whole completions (``CompletionResult``) and
+pooling results shaped as vLLM's (``EmbeddingRequestOutput``, ...)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from paged_server.engine.logprobs import TokenLogprobs
@@ -49,6 +50,8 @@ class RequestOutput:
     # What ended a "stop" finish (vLLM's stop_reason): the stop string, or the
     # stop_token_ids id; None for EOS and every other finish.
     stop_reason: int | str | None = None
+    # A pooling request's result (a float32 CPU tensor), on its final output.
+    pooled: Any = None
 
 
 @dataclass(slots=True)
@@ -106,3 +109,69 @@ class BeamSearchOutput:
     """``LLM.beam_search``'s result for one prompt: the beams, best first."""
 
     sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """vLLM's ``PoolingOutput``: the pooled tensor as it came from the model."""
+
+    data: Any
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: one embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """vLLM's ``ClassificationOutput``: the class probabilities."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """vLLM's ``ScoringOutput``: one relevance score."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's ``PoolingRequestOutput`` and its typed kinds (the classes
+    below): ``outputs`` is a ``PoolingOutput``, ``EmbeddingOutput``,
+    ``ClassificationOutput`` or ``ScoringOutput``."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``LLM.embed``'s result for one prompt (``outputs.embedding``)."""
+
+    __slots__ = ()
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """``LLM.classify``'s result for one prompt (``outputs.probs``)."""
+
+    __slots__ = ()
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """``LLM.score``'s result for one pair (``outputs.score``)."""
+
+    __slots__ = ()

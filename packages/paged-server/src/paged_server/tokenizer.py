@@ -87,6 +87,11 @@ class Tokenizer:
         post-processor (e.g. a BOS token in front)."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Token ids of a sentence pair, joined as tokenizer.json's post-processor
+        says (a cross-encoder's query and document)."""
+        return list(self.hf.encode(text, pair).ids)
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """``encode`` of each text, in one call (the library splits the work)."""
         encodings = self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)

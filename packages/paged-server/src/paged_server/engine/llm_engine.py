@@ -57,6 +57,7 @@ from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import add_token_text, commit_token, take_output
 from paged_server.engine.pool_factory import build_kv_manager, pool_capacity
+from paged_server.engine.pooling import pooling_request
 from paged_server.engine.sampler import SamplerOutput, SamplingRow, row_max, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
@@ -77,6 +78,7 @@ from paged_server.models import LoadedModel
 from paged_server.models.loader import checkpoint_dtype, read_model_config
 from paged_server.models.quantization import weights_summary
 from paged_server.outputs import RequestOutput
+from paged_server.pooling_params import PoolingParams
 from paged_server.sampling_params import SamplingParams
 from paged_server.tokenizer import Tokenizer
 
@@ -147,6 +149,7 @@ class LLMEngine:
         if config.tokenizer is not None:  # vLLM's --tokenizer: another directory's
             self.tokenizer = Tokenizer.from_dir(resolve_model_dir(config.tokenizer))
         self.model_config = loaded.config
+        self.pooler = loaded.pooler  # a pooling model's (--runner pooling), else None
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         kv_scales = executor.collective_rpc("calibrate", handshake=True)
         num_blocks, sized_by = executor.collective_rpc("available_blocks", handshake=True)
@@ -207,8 +210,11 @@ class LLMEngine:
             prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs,
         )
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> int:
-        """Queue a request; returns its prompt token count.
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+    ) -> int:
+        """Queue a request; returns its prompt token count. ``PoolingParams``:
+        a pooling request (``--runner pooling``), whose final output carries ``pooled``.
 
         Raises ``ValueError`` for bad parameters, an empty or unusable
         prompt, a prompt that can never fit the cache, or a duplicate id;
@@ -216,6 +222,16 @@ class LLMEngine:
         """
         if self.failed is not None:
             raise EngineFailedError(self.failed)
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling, params = pooling_request(
+                params, self.pooler, self.config.max_model_len, self.config.model or "default"
+            )
+        elif self.pooler is not None:
+            raise ValueError(
+                f"this engine runs a pooling model ({self.pooler.head}, --runner pooling): it "
+                "embeds, classifies and scores, it does not generate"
+            )
         params = self._whole_vocab_logprobs(params)
         params.validate(self.config.max_model_len, self.config.max_logprobs)
         if isinstance(prompt, str):
@@ -249,6 +265,7 @@ class LLMEngine:
                 f"{self.config.max_queue_len}); retry later"
             )
         request = self._new_request(request_id, text, token_ids, params)
+        request.pooling = pooling
         # one matcher per sequence: n choices, or best_of beams
         grammars = self.structured_output.matchers(params.structured_outputs, len(request.seqs))
         narrowed = grammars[0] is not None and (params.allowed_token_ids or params.bad_words)
@@ -436,12 +453,20 @@ class LLMEngine:
             seq = scheduled[scores.index][0]
             with self._isolated(seq, "prompt logprobs"):
                 self._score_prompt(seq, scores)
+        for rows in step.pooled:
+            pool = scheduled[rows.index][0].request.pooling
+            with self._isolated(scheduled[rows.index][0], "pooling"):
+                pool.add(rows.first, rows.logits)  # type: ignore[union-attr]
         rows: list[tuple[Sequence, int]] = []  # (sequence, its row of step.logits)
         for j, i in enumerate(step.sampled):
             seq = scheduled[i][0]
             if seq.is_finished:  # failed above
                 continue
-            if seq.request.beam is not None:
+            if seq.request.pooling is not None:  # prompt done: its answer, no token
+                with self._isolated(seq, "pooling"):
+                    seq.request.pooling.finish(step.logits[j])
+                    self._finish(seq, "stop")
+            elif seq.request.beam is not None:
                 with self._isolated(seq, "beam search"):
                     self._beam_row(seq, step.logits[j])
             elif seq.forks_choices:
@@ -499,7 +524,7 @@ class LLMEngine:
             return None
         assert logits is not None  # the driver's
         batch = inflight.batch
-        return split_logits(logits, batch.sampled, batch.scored, len(batch.ids)), top
+        return split_logits(logits, batch.sampled, batch.scored, len(batch.ids), batch.pooled), top
 
     def _draw_inflight(self, inflight: _Inflight) -> _Drawn | None:
         """Wait for the step in flight and sample it (its rows of sequences

@@ -145,6 +145,7 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         first_scheduled_time=request.first_scheduled_time,
         num_cached_tokens=request.num_cached_tokens,
         stop_reason=seq.stop_reason if finished else None,
+        pooled=request.pooling.result if finished and request.pooling is not None else None,
     )
     seq.new_token_ids, seq.new_logprobs, seq.new_text = [], [], ""
     seq.new_top_logprobs = []

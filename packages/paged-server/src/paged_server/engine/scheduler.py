@@ -308,8 +308,8 @@ class Scheduler:
             alone = not self.running
             if kv_budget is not None and cost > kv_budget and not alone:
                 break
-            # Prompt tokens to score must be computed, not read from the cache.
-            skip = seq.request.needs_prompt_logprobs
+            # Prompt tokens to score or pool must be computed, not read from the cache.
+            skip = seq.request.skips_prefix_cache
             prompt = seq.num_prompt_tokens  # reserved at once; the rest chunk by chunk
             histories = [s.token_ids for s in unit]
             if not self.kv_manager.can_allocate_sequences(

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from paged_server.engine.beam_scorer import BeamScorer
     from paged_server.engine.logprobs import TokenLogprobs
+    from paged_server.engine.pooling import PoolingState
     from paged_server.engine.sampling_row import SamplingRow
     from paged_server.sampling_params import SamplingParams
 
@@ -72,11 +73,19 @@ class Request:
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
             self.prompt_token_ids
         )
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether its prompt must be computed, not read from the prefix
+        cache: prompt tokens to score, or mean/CLS pooling's rows."""
+        pooling = self.pooling
+        return self.needs_prompt_logprobs or (pooling is not None and pooling.skips_prefix_cache)
+
     beam: BeamScorer | None = None  # a beam search's scorer (its seqs are the beams)
     # Beams' last logits, kept until every running beam has its row.
     beam_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     num_cached_tokens: int = 0  # prefix-cache hits at its first admission
     first_scheduled_time: float | None = None  # left the queue (first admission)
+    pooling: PoolingState | None = None  # a pooling request's pool (prompt only, no sampling)
 
     @property
     def finished(self) -> bool:

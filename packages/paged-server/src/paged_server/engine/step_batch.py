@@ -8,7 +8,8 @@ each token's K/V goes; the workers run the pass (``engine/worker.py``). The
 LM head runs only on the rows whose logits are needed: the last token of
 each sequence whose tokens are all computed after this step, plus, for a
 request that asked for ``prompt_logprobs``, the prompt rows whose next
-prompt token is not scored yet.
+prompt token is not scored yet, and for a mean- or CLS-pooling request
+(``engine/pooling.py``) the prompt rows its pool still needs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class StepLogits:
     sampled: list[int]
     num_tokens: int  # rows that went through the model (no padding)
     prompt_scores: list[PromptScores] = field(default_factory=list)
+    # Pooling requests' prompt rows (``PromptScores.first``: the position of row 0).
+    pooled: list[PromptScores] = field(default_factory=list)
 
 
 def run_step(executor: Any, kv_manager: Any, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
@@ -51,18 +54,22 @@ def run_step(executor: Any, kv_manager: Any, scheduled: list[tuple[Sequence, int
     layout = kv_manager.step_layout(batch.seq_ids, batch.starts, batch.lens)
     logits = executor.execute(WorkerStep(batch.ids, layout, batch.rows, batch.every_row))
     assert logits is not None  # the driver's
-    return split_logits(logits, batch.sampled, batch.scored, len(batch.ids))
+    return split_logits(logits, batch.sampled, batch.scored, len(batch.ids), batch.pooled)
 
 
 def split_logits(
-    logits: Tensor, sampled: list[int], scored: list[tuple[int, int, int, int]], num_tokens: int
-) -> StepLogits:
-    """Split the pass's logits: sampled rows first, then prompt rows scored."""
-    scores, at = [], len(sampled)
-    for i, first, _, count in scored:
-        scores.append(PromptScores(i, first, logits[at : at + count]))
-        at += count
-    return StepLogits(logits[: len(sampled)], sampled, num_tokens, scores)
+    logits: Tensor, sampled: list[int], scored: list[tuple[int, int, int, int]], num_tokens: int,
+    pooled: list[tuple[int, int, int, int]] | None = None,
+) -> StepLogits:  # fmt: skip
+    """Split the pass's logits: sampled rows first, then prompt rows scored,
+    then prompt rows pooled."""
+    parts: list[list[PromptScores]] = [[], []]
+    at = len(sampled)
+    for part, entries in zip(parts, (scored, pooled or []), strict=True):
+        for i, first, _, count in entries:
+            part.append(PromptScores(i, first, logits[at : at + count]))
+            at += count
+    return StepLogits(logits[: len(sampled)], sampled, num_tokens, parts[0], parts[1])
 
 
 @dataclass(slots=True)
@@ -81,7 +88,9 @@ class StepBatch:
     rows: list[int]
     sampled: list[int]
     scored: list[tuple[int, int, int, int]]
-    every_row: bool = False  # rows are all the token rows, in order
+    every_row: bool = False
+    # pooling requests' rows: (index, first position, row, count), after the scored ones
+    pooled: list[tuple[int, int, int, int]] = field(default_factory=list)  # rows are all the token rows, in order
     # (token row, sequence) whose id is the token the step in flight samples
     # for that sequence (--async-scheduling): set before this step launches.
     fills: list[tuple[int, Sequence]] = field(default_factory=list)
@@ -102,7 +111,8 @@ def _decode_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch | None:
     sampled: list[int] = []
     fills: list[tuple[int, Sequence]] = []
     for i, (seq, n) in enumerate(scheduled):
-        if n != 1 or seq.request.params.prompt_logprobs is not None or seq.pool_seq_id is None:
+        request = seq.request
+        if n != 1 or request.params.prompt_logprobs is not None or request.pooling is not None or seq.pool_seq_id is None:
             return None  # (no seq_id: _flat_batch names the sequence)
         # seq.scheduled_upto and seq.planned_tokens, inline (the host's critical path)
         start, token_ids = seq.num_computed_tokens + seq.num_inflight_tokens, seq.token_ids
@@ -144,6 +154,9 @@ def _flat_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         first, count = _prompt_rows_to_score(seq, start, end)
         if count:
             b.scored.append((i, first, len(b.ids) + first - 1 - start, count))
+        pooling = seq.request.pooling
+        if pooling is not None and (wanted := pooling.rows_wanted(start, end))[1]:
+            b.pooled.append((i, wanted[0], len(b.ids) + wanted[0] - start, wanted[1]))
         b.ids += seq.token_ids[start:end]
         if end > seq.num_tokens:  # its last token is being sampled (a step in flight)
             b.fills.append((len(b.ids), seq))
@@ -151,7 +164,7 @@ def _flat_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         if end == seq.planned_tokens:
             b.rows.append(len(b.ids) - 1)
             b.sampled.append(i)
-    for _, _, row, count in b.scored:
+    for _, _, row, count in b.scored + b.pooled:
         b.rows += range(row, row + count)
     return b
 

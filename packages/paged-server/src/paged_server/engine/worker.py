@@ -127,8 +127,9 @@ class Worker:
         config = self.config
         if self.loaded is None:
             self.loaded = load_model(
-                path, config.torch_dtype, self.device, self.tp, config.quantization, pp=self.stage
-            )
+                path, config.torch_dtype, self.device, self.tp, config.quantization, pp=self.stage,
+                pooling=config.pooling, pooler_config=config.pooler_config,
+            )  # fmt: skip
         if self.stage.size > 1:  # this rank's turn of each step (calibration's pass included)
             from paged_server.parallel.pipeline import PipelineStep
 

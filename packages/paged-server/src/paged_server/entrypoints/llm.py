@@ -6,6 +6,7 @@
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=20))
     beams = llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=20))
     beams[0].sequences[0].text
+    LLM("embedder", runner="pooling").embed(["Hello"])[0].outputs.embedding
 
 ``generate`` feeds the engine as fast as its queue takes requests and
 steps it until every prompt is done; ``llm.engine`` gives metrics. It runs
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 
 from paged_server.config import EngineConfig
 from paged_server.engine.llm_engine import LLMEngine
+from paged_server.entrypoints import llm_pooling
 from paged_server.errors import QueueFullError
 from paged_server.models import LoadedModel
 from paged_server.outputs import (
@@ -36,6 +38,7 @@ from paged_server.outputs import (
     CompletionChoice,
     CompletionResult,
 )
+from paged_server.pooling_params import PoolingParams
 from paged_server.sampling_params import BeamSearchParams, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -152,6 +155,32 @@ class LLM:
                 self._abandon(unfinished)
                 raise
         return [results[r] for r in order]
+
+    # -- pooling models (runner="pooling"): vLLM's offline calls --------------
+    def embed(self, prompts: Any, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[Any]:  # fmt: skip
+        """One ``EmbeddingRequestOutput`` per prompt (``outputs.embedding``)."""
+        return llm_pooling.embed(self.engine, _prompt_inputs(prompts), pooling_params, self._new_id)
+
+    def classify(self, prompts: Any, pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = False) -> list[Any]:  # fmt: skip
+        """One ``ClassificationRequestOutput`` per prompt (``outputs.probs``)."""
+        return llm_pooling.classify(self.engine, _prompt_inputs(prompts), pooling_params, self._new_id)
+
+    def encode(self, prompts: Any, pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = False) -> list[Any]:  # fmt: skip
+        """One ``PoolingRequestOutput`` per prompt (``outputs.data``: a tensor)."""
+        return llm_pooling.encode(self.engine, _prompt_inputs(prompts), pooling_params, self._new_id)
+
+    def score(self, data_1: Any, data_2: Any, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[Any]:  # fmt: skip
+        """One ``ScoringRequestOutput`` per pair (``outputs.score``): one
+        ``data_1`` against each ``data_2``, or both lists pairwise."""
+        return llm_pooling.score(self.engine, data_1, data_2, pooling_params, self._new_id)
+
+    def _new_id(self) -> str:
+        self._counter += 1
+        return f"llm-{self._counter - 1}"
 
     def _abandon(self, unfinished: dict[str, int]) -> None:
         """Abort this call's requests and step until their blocks are free,

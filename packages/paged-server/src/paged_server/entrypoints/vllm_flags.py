@@ -78,8 +78,6 @@ FLAG_HINTS = {
     "--disable-fastapi-docs": "not supported; /docs is served",
     "--logits-processor-pattern": "per-request logits_processors are not supported",
     "--config": "no YAML config file; pass the flags",
-    "--task": "generation only (no embedding, scoring or classification)",
-    "--runner": "generation only (no embedding, scoring or classification)",
     "--max-log-len": "request logs (--enable-log-requests) print lengths, not prompts",
     # serve and frontend flags
     "--headless": "one process serves the API and the engine; multi-node runs use "
@@ -104,9 +102,6 @@ FLAG_HINTS = {
     "--log-error-stack": "unexpected errors are always logged with their stack",
     "--tokens-only": "all endpoints are served; drop the flag",
     # ModelConfig
-    "--convert": "generation only (no embedding, scoring or classification)",
-    "--pooler-config": "generation only (no embedding, scoring or classification)",
-    "--override-pooler-config": "generation only (no embedding, scoring or classification)",
     "--hf-config-path": "config.json is read from the model directory",
     "--allowed-local-media-path": _TEXT_ONLY,
     "--allowed-media-domains": _TEXT_ONLY,

@@ -42,6 +42,7 @@ from paged_server.models.gguf_tokenizer import gguf_tokenizer
 from paged_server.models.linear import Part
 from paged_server.models.moe import Experts
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage
+from paged_server.models.pooler import PoolerConfig, attach_head, read_pooler_config
 from paged_server.models.quantization import (
     Quantization,
     load_quantized_layers,
@@ -78,6 +79,7 @@ class LoadedModel:
     dtype: torch.dtype
     bytes_read: int = 0  # checkpoint bytes this process read (its shard with TP)
     quantization: Quantization | None = None  # the weight format, when not dense
+    pooler: PoolerConfig | None = None  # a pooling model's (--runner pooling) head and pooling
 
     @property
     def chat_template(self) -> str | None:
@@ -92,20 +94,34 @@ def load_model(
     tp: TensorParallel = SINGLE,
     quantization: str | None = None,
     pp: PipelineStage = WHOLE,
+    pooling: str | None = None,
+    pooler_config: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load the model directory at ``path`` in ``dtype`` (``"auto"``: the
     checkpoint's own) onto ``device``, in eval mode without gradients; with
     ``tp``, only that rank's shard; with ``pp``, only that stage's layers. A quantized checkpoint loads in its
     format; ``quantization`` (vLLM's ``--quantization``) may name it, or
     quantize 16/32-bit weights at load (``fp8``, ``int8``, ``int4``). A
-    ``.gguf`` file loads in its own formats (``quantization``: None or ``gguf``)."""
+    ``.gguf`` file loads in its own formats (``quantization``: None or ``gguf``).
+    ``pooling`` (``embed``/``classify``, ``models.pooler.resolve_head``)
+    loads it as a pooling model, ``pooler_config`` (vLLM's) over its own pooling."""
     path = Path(path).expanduser()
     hf, config, arch = _read_model_config(path)
     target_dtype = resolve_dtype(dtype, config)
     if is_gguf(path):
+        if pooling is not None:
+            raise InvalidConfigError(
+                "a GGUF file loads as a generation model only; serve the Hugging Face "
+                "directory for --runner pooling"
+            )
         return _load_gguf(path, config, arch, target_dtype, torch.device(device), tp, quantization, pp)
     quant = resolve_quantization(hf, quantization)
+    arch = arch.pooling(pooling)
     model = _build_empty(arch, config, target_dtype, torch.device(device), tp, pp)
+    pooler = None
+    if pooling is not None:
+        pooler = read_pooler_config(path, hf, pooling, pooler_config)
+        attach_head(model, pooler, target_dtype, torch.device(device))
     if quant is not None and any(isinstance(m, Experts) for m in model.modules()):
         raise InvalidConfigError(
             f"{quant.name} weights are not supported for mixture-of-experts models "
@@ -121,7 +137,7 @@ def load_model(
     model.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_dir(path)
     eos = eos_token_ids(path, config, tokenizer)
-    return LoadedModel(model, config, tokenizer, eos, path, target_dtype, bytes_read, quant)
+    return LoadedModel(model, config, tokenizer, eos, path, target_dtype, bytes_read, quant, pooler)
 
 
 def checkpoint_dtype(model_dir: str) -> str | None:

@@ -7,6 +7,7 @@ checkpoints nest the text model and carry a vision tower we skip).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from paged_server.models.llama import LlamaForCausalLM
 from paged_server.models.mistral import MistralForCausalLM
 from paged_server.models.mixtral import MixtralForCausalLM
 from paged_server.models.phi3 import Phi3ForCausalLM
+from paged_server.models.pooler import POOLING_SUFFIXES, pooling_weight_name
 from paged_server.models.qwen2 import Qwen2ForCausalLM
 from paged_server.models.qwen3 import Qwen3ForCausalLM
 from paged_server.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -48,6 +50,11 @@ class Architecture:
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint prefix -> model prefix
     skipped_prefixes: tuple[str, ...] = ()  # weights of parts we do not run
     substitutions: tuple[tuple[str, str], ...] = ()  # checkpoint infix -> model infix
+    head: str | None = None  # a pooling model's head (models/pooler.py): embed or classify
+
+    def pooling(self, head: str | None) -> Architecture:
+        """This architecture run with pooling ``head`` (None: as it is)."""
+        return self if head is None else dataclasses.replace(self, head=head)
 
     def text_config(self, hf: dict[str, Any]) -> dict[str, Any]:
         """The language model's config dict, with family defaults filled in."""
@@ -68,7 +75,10 @@ class Architecture:
             checkpoint_name = checkpoint_name.replace(old, new)
         for old, new in self.renames:
             if checkpoint_name.startswith(old):
-                return new + checkpoint_name[len(old) :]
+                checkpoint_name = new + checkpoint_name[len(old) :]
+                break
+        if self.head is not None:
+            return pooling_weight_name(checkpoint_name, self.head)
         return checkpoint_name
 
 
@@ -129,6 +139,10 @@ def resolve_architecture(hf: dict[str, Any]) -> tuple[str, Architecture]:
     for name in names:
         if name in ARCHITECTURES:
             return name, ARCHITECTURES[name]
+        for suffix in POOLING_SUFFIXES:  # a family's embedding or classifier save
+            base = name.removesuffix(suffix) + "ForCausalLM"
+            if name.endswith(suffix) and base in ARCHITECTURES and not ARCHITECTURES[base].text_config_key:
+                return name, ARCHITECTURES[base]
     asked = ", ".join(names) if names else f"model_type {hf.get('model_type')!r}"
     raise UnsupportedArchitectureError(
         f"unsupported architecture {asked} in config.json; "

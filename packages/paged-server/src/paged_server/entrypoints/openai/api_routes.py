@@ -1,5 +1,6 @@
-"""The API clients call: OpenAI's completions, chat, responses and models,
-Anthropic's messages, vLLM's ``/tokenize``, ``/detokenize`` and ``/version``,
+"""The API clients call: OpenAI's completions, chat, responses, embeddings
+and models, Anthropic's messages, vLLM's ``/pooling``, ``/classify``,
+``/score``, ``/rerank``, ``/tokenize``, ``/detokenize`` and ``/version``,
 on one ``APIRouter``."""
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ from fastapi.responses import Response
 from paged_server.entrypoints.openai.errors import APIError
 from paged_server.entrypoints.openai.messages_protocol import MessagesRequest
 from paged_server.entrypoints.openai.messages_serving import AnthropicMessages
+from paged_server.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from paged_server.entrypoints.openai.pooling_serving import OpenAIPooling
 from paged_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -85,12 +94,14 @@ def api_router(
     model_names: tuple[str, ...],
     max_model_len: int,
     responses: OpenAIResponses | None = None,
+    pooling: OpenAIPooling | None = None,
 ) -> APIRouter:
     """The client-facing routes over ``serving``; ``model_names``: the
     served name first, then its aliases (``--served-model-name a b``)."""
     router = APIRouter()
     responses = responses if responses is not None else OpenAIResponses(serving)
     messages = AnthropicMessages(serving)
+    pooling = pooling if pooling is not None else OpenAIPooling(serving.engine, serving.tokenizer, None, serving)
     created = int(time.time())
 
     @router.post(
@@ -141,6 +152,25 @@ def api_router(
         _check_text(body)
         return await messages.create(body, request)
 
+    @router.post("/v1/embeddings", responses=ERRORS, summary="OpenAI's embeddings (--runner pooling)")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+        return await pooling.embeddings(body, request)
+
+    @router.post("/pooling", responses=ERRORS, summary="vLLM's pooled outputs (--runner pooling)")
+    async def pool(body: PoolingRequest, request: Request) -> dict[str, Any]:
+        return await pooling.pooling(body, request)
+
+    @router.post("/classify", responses=ERRORS, summary="Class probabilities (a classifier)")
+    async def classify(body: ClassificationRequest, request: Request) -> dict[str, Any]:
+        return await pooling.classify(body, request)
+
+    for path in ("/score", "/v1/score"):
+        router.add_api_route(path, _score(pooling), methods=["POST"], responses=ERRORS,
+                             summary="Scores of text pairs (a cross-encoder, or an embedding model's cosine)")
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        router.add_api_route(path, _rerank(pooling), methods=["POST"], responses=ERRORS,
+                             summary="Documents ranked by relevance to a query")
+
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         """Token ids of a text or a conversation (vLLM's /tokenize)."""
@@ -179,6 +209,20 @@ def api_router(
         return model_card(model_id)
 
     return router
+
+
+def _score(pooling: OpenAIPooling) -> Any:
+    async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
+        return await pooling.score(body, request)
+
+    return score
+
+
+def _rerank(pooling: OpenAIPooling) -> Any:
+    async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
+        return await pooling.rerank(body, request)
+
+    return rerank
 
 
 def _check_text(body: Any) -> None:

@@ -35,6 +35,7 @@ from paged_server.entrypoints.openai.middleware import (
     BodySizeLimitMiddleware,
 )
 from paged_server.entrypoints.openai.ops_routes import ops_router
+from paged_server.entrypoints.openai.pooling_serving import OpenAIPooling
 from paged_server.entrypoints.openai.read_timeout import DEFAULT_REQUEST_READ_TIMEOUT_S
 from paged_server.entrypoints.openai.serving import OpenAIServing
 from paged_server.entrypoints.openai.stats_logger import StatsLogger
@@ -131,7 +132,8 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app, shapes={"/v1/messages": anthropic_error_body})
     names = (settings.model_name, *settings.model_aliases)
-    app.include_router(api_router(serving, tokenization, names, config.max_model_len))
+    pooling = OpenAIPooling(async_engine, engine.tokenizer, getattr(engine, "pooler", None), serving)
+    app.include_router(api_router(serving, tokenization, names, config.max_model_len, pooling=pooling))
     app.include_router(ops_router(engine, async_engine, metrics, settings.api_key))
     if settings.enable_web_ui:
         app.include_router(chat_page_router(embedded_model=not config.model))

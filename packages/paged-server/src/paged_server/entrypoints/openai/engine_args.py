@@ -103,6 +103,15 @@ _HELP = {
     'e.g. \'{"temperature": 0.5}\'',
     "disable_sliding_window": "run sliding-window layers with full attention; max_model_len is "
     "then capped at the window (as vLLM)",
+    "runner": "auto: generate, or pooling for a checkpoint saved as *Model / "
+    "*ForSequenceClassification; pooling: serve /v1/embeddings, /pooling, /classify, /score, "
+    "/rerank instead of generation (vLLM's --runner)",
+    "convert": "the pooling head with --runner pooling: embed (final-norm states pooled as the "
+    "checkpoint's sentence-transformers config says, else last token, normalized) or classify "
+    "(the checkpoint's score head); auto: the checkpoint's own, else embed",
+    "task": "vLLM's older spelling of --runner/--convert: embed, classify, score (pooling) or generate",
+    "pooler_config": 'JSON over the checkpoint\'s pooling, e.g. \'{"pooling_type": "MEAN", '
+    '"normalize": false}\' (pooling_type LAST, MEAN or CLS)',
     "tensor_parallel_size": "shard the model over this many devices (one process each; "
     "NCCL on CUDA, gloo on CPU); KV memory budgets are per device",
     "pipeline_parallel_size": "split the layers into this many stages run one after another, "
@@ -124,6 +133,7 @@ _ALIASES = {
     "pipeline_parallel_size": ("-pp",),
     "data_parallel_size": ("-dp",),
     "quantization": ("-q",),
+    "pooler_config": ("--override-pooler-config",),
 }
 
 
@@ -150,6 +160,10 @@ def _choices(name: str) -> tuple[str, ...] | None:
         from paged_server.models.quantization.methods import QUANTIZATION_METHODS
 
         return QUANTIZATION_METHODS
+    if name in ("runner", "convert", "task"):
+        from paged_server.models.pooler import CONVERTS, RUNNERS, TASKS
+
+        return {"runner": RUNNERS, "convert": CONVERTS, "task": tuple(TASKS)}[name]
     if name == "dtype" and hasattr(config_module, "DTYPES"):
         return ("auto", *config_module.DTYPES)
     return None
