@@ -21,6 +21,8 @@ Run: ``pytest benchmarks/test_prefill_attention_bench.py --benchmark-only -p no:
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -126,3 +128,63 @@ def test_dense_sdpa_anchor(benchmark):
         kernel_bench.kernel_ms(fn, DEVICE),
     )
     run_timed(benchmark, fn)
+
+
+def test_prefill_and_mixed_host_overhead(benchmark, monkeypatch, request):
+    """Host microseconds per layer of a prefill step and of a mixed step
+    (write_kv, decode and prefill ops), the first layer (checks, plans)
+    against the later ones (the step memo's replay): 32 layers sharing one
+    memo, as a forward does. Launches are no-op kernels on CUDA, stubbed on CPU."""
+    from paged_triton import decode_attention, prefill_attention, write_kv
+    from paged_triton.launch import Launch
+    from paged_triton.ops import paged_decode_attention
+    from paged_triton.ops import write_kv as write_op
+
+    if CUDA:
+        for module, name in ((prefill_attention, "_prefill_kernel"),
+                             (decode_attention, "_decode_kernel"), (write_kv, "_write_kv_kernel")):  # fmt: skip
+            monkeypatch.setattr(module, name, kernel_bench.noop_kernel(getattr(module, name)))
+    else:
+        monkeypatch.setattr(Launch, "run", lambda self, args=None: None)
+        # One thread: the output's zero-fill is the device's memset on a GPU, and on a
+        # shared CPU torch's thread pool makes it milliseconds of waiting.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        request.addfinalizer(lambda: torch.set_num_threads(threads))
+    shape = dict(LAYOUT, dtype=torch.bfloat16) if CUDA else dict(CPU_LAYOUT, dtype=torch.float32)
+    pre = kernel_bench.prefill_step([512] * 4, [512] * 4, **shape, device=DEVICE)
+    dec = kernel_bench.decode_step([1024] * 32, **shape, device=DEVICE)
+    kv = torch.randn(pre.q.shape[0], shape["kv_heads"], shape["head_dim"], device=DEVICE)
+    slots = torch.arange(pre.q.shape[0], device=DEVICE)
+
+    def prefill(memo: dict) -> None:
+        paged_prefill_attention(pre.q, pre.k_cache, pre.v_cache, pre.block_tables,
+                                pre.cu_seqlens_q, pre.seq_lens, pre.scale, memo=memo)  # fmt: skip
+
+    def mixed(memo: dict) -> None:
+        write_op(pre.k_cache, pre.v_cache, kv.to(pre.k_cache.dtype), kv.to(pre.k_cache.dtype), slots)
+        paged_decode_attention(dec.q, dec.k_cache, dec.v_cache, dec.block_tables, dec.seq_lens,
+                               dec.scale, memo=memo)  # fmt: skip
+        prefill(memo)
+
+    def layers_us(layer: Callable, count: int = 32) -> tuple[float, float]:
+        memo: dict = {}
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            layer(memo)
+            times.append(time.perf_counter() - start)
+        if CUDA:
+            torch.cuda.synchronize()
+        return times[0] * 1e6, sorted(times[1:])[len(times) // 2] * 1e6
+
+    out = {}
+    for name, layer in (("prefill", prefill), ("mixed", mixed)):
+        layers_us(layer)  # compile, fill the caches
+        runs = [layers_us(layer) for _ in range(5)]
+        out[f"{name}_first_layer_us"] = min(r[0] for r in runs)
+        out[f"{name}_later_layer_us"] = min(r[1] for r in runs)
+    benchmark.group = "prefill host overhead"
+    benchmark.extra_info.update(out, device=str(DEVICE), measures=(
+        "no-op kernels (wrapper + Triton launch)" if CUDA else "launch stubbed: the Python wrappers alone"))  # fmt: skip
+    benchmark.pedantic(lambda: layers_us(mixed), rounds=3)
