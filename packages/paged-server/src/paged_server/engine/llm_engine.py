@@ -453,10 +453,11 @@ class LLMEngine:
             seq = scheduled[scores.index][0]
             with self._isolated(seq, "prompt logprobs"):
                 self._score_prompt(seq, scores)
-        for rows in step.pooled:
-            pool = scheduled[rows.index][0].request.pooling
-            with self._isolated(scheduled[rows.index][0], "pooling"):
-                pool.add(rows.first, rows.logits)  # type: ignore[union-attr]
+        for pooled in step.pooled:
+            seq = scheduled[pooled.index][0]
+            with self._isolated(seq, "pooling"):
+                assert seq.request.pooling is not None
+                seq.request.pooling.add(pooled.first, pooled.logits)
         rows: list[tuple[Sequence, int]] = []  # (sequence, its row of step.logits)
         for j, i in enumerate(step.sampled):
             seq = scheduled[i][0]

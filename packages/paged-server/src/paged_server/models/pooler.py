@@ -16,12 +16,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from paged_server.models.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from paged_server.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +190,7 @@ def _matryoshka(hf: dict[str, Any]) -> tuple[int, ...] | None:
     return () if hf.get("is_matryoshka") else None
 
 
-def attach_head(model: nn.Module, pooler: PoolerConfig, dtype: torch.dtype, device: torch.device) -> None:
+def attach_head(model: CausalLM, pooler: PoolerConfig, dtype: torch.dtype, device: torch.device) -> None:
     """Swap ``model.lm_head`` for the pooling head (on the last pipeline
     stage, which holds it): the identity for embeddings, a ``num_labels``
     projection for a classifier (filled from the checkpoint's ``score``).
@@ -198,7 +201,7 @@ def attach_head(model: nn.Module, pooler: PoolerConfig, dtype: torch.dtype, devi
     config.tie_word_embeddings = False  # the head no longer shares the embeddings
     config.final_logit_softcapping = None  # transformers' classifiers do not cap
     if pooler.head == "embed":
-        model.lm_head = nn.Identity()
+        model.lm_head = nn.Identity()  # type: ignore[assignment]  # the head is any module
     else:
         model.lm_head = nn.Linear(
             config.hidden_size, pooler.num_labels, bias=False, device=device, dtype=dtype
