@@ -174,3 +174,25 @@ def test_cross_encoder_classify_and_rerank(tmp_path: Path) -> None:
         assert embed.json()["error"]["message"] == "The model does not support Embeddings API"
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_embed(embedder: Any, tmp_path: Path) -> None:
+    """--data-parallel-size 2: each replica pools, and the answers are the
+    one-engine server's."""
+    server, _, _ = embedder
+    path = Path(server.engine.config.model)
+    batch = [[5, 6, 7, 8], [100, 200, 300], list(range(20, 60)), [9, 9, 9]]
+    want = httpx.post(f"{server.url}/v1/embeddings", json={"input": batch}).json()["data"]
+    dp = start_server(model=str(path), max_model_len=64, data_parallel_size=2, enforce_eager=True)
+    try:
+        got = httpx.post(f"{dp.url}/v1/embeddings", json={"input": batch}, timeout=120).json()["data"]
+        for a, b in zip(got, want, strict=True):
+            assert a["embedding"] == pytest.approx(b["embedding"], abs=1e-5)
+        assert sum(m > 0 for m in _requests_per_replica(dp)) == 2
+    finally:
+        dp.stop()
+
+
+def _requests_per_replica(server: Any) -> list[float]:
+    return [r.metrics.get("prompt_tokens_total", 0.0) for r in server.engine._replicas]

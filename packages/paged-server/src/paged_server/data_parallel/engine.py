@@ -147,6 +147,7 @@ class DataParallelEngine:
         self.capacity = first.capacity  # one replica's; metrics() sums them
         self.tokenizer = first.tokenizer
         self.default_sampling = first.default_sampling
+        self.pooler = first.pooler  # the pooling API's, as an LLMEngine's
         self._replica_summary = first.parallel_summary
         for replica, info in zip(self._replicas, infos, strict=True):
             replica.metrics = dict(info.metrics)

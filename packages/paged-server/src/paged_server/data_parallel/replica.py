@@ -53,6 +53,7 @@ class ReplicaInfo:
     tokenizer: Any
     metrics: dict[str, float]
     parallel_summary: str | None  # its tensor/pipeline parallelism, if any
+    pooler: Any = None  # a pooling model's PoolerConfig (--runner pooling), else None
 
 
 def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads: int) -> None:
@@ -78,7 +79,7 @@ def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads
             "ready",
             ReplicaInfo(
                 engine.config, engine.capacity, engine.default_sampling, engine.tokenizer,
-                engine.metrics(), engine.parallel_summary(),
+                engine.metrics(), engine.parallel_summary(), engine.pooler,
             ),
         ))  # fmt: skip
         start_up_heap.freeze()  # the process lives as long as this engine
