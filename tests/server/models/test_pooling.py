@@ -204,3 +204,17 @@ def test_refusals(tmp_path: Path, tokenizer_json: Path) -> None:
     cls_path = _save(seq_cls, tmp_path / "cls", tokenizer_json)
     with pytest.raises(ValueError, match="--runner pooling"):
         _llm(cls_path, runner="generate")
+
+
+def test_pooler_config_overrides_the_checkpoints_pooling(tmp_path: Path, tokenizer_json: Path) -> None:
+    """vLLM's --pooler-config: mean pooling, not normalized, on a converted LM;
+    a key it does not know is refused by name."""
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM._from_config(_config("llama"), attn_implementation="eager").eval()
+    path = _save(hf, tmp_path / "lm", tokenizer_json)
+    llm = _llm(path, runner="pooling", pooler_config={"pooling_type": "mean", "normalize": False})
+    for prompt, out in zip(PROMPTS, llm.embed(PROMPTS), strict=True):
+        expected = _hf_states(hf, prompt).mean(0)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="'step_tag_id' is not supported"):
+        _llm(path, runner="pooling", pooler_config={"step_tag_id": 3})
