@@ -171,6 +171,33 @@ def _tensor_parallel_section(data: dict[str, Any] | None) -> list[str]:
     return out
 
 
+def _kv_tiers_section(data: dict[str, Any] | None) -> list[str]:
+    """``benchmarks/kv_tiers.py``: multi-turn chat with and without the KV cache tiers."""
+    out = ["## KV cache tiers: multi-turn chat (`benchmarks/kv_tiers.py`)", ""]
+    if data is None:
+        return out + ["_No results (benchmarks/results/kv_tiers.json) yet._", ""]
+    w, a, b = data["workload"], data["without_tiers"], data["with_tiers"]
+    out += [
+        f"{w['conversations']} conversations x {w['turns']} turns, {w['turn_tokens']} new prompt tokens "
+        f"and {w['answer_tokens']} generated per turn, one request at a time, a pool of "
+        f"{w['pool_blocks']} blocks of {w['block_size']} (about a quarter of the final histories); "
+        f"host tier {w['host_gib']} GiB plus a disk tier. Same greedy tokens: {data.get('same_tokens')}.",
+        "",
+    ]
+    out += _table(["", "pool only", "with tiers"], [
+        ["prompt tokens from cache", _pct(a["cached_share"]), _pct(b["cached_share"])],
+        ["TTFT p50, returning turns (ms)", _f(a["ttft_p50_returning_s"] * 1e3), _f(b["ttft_p50_returning_s"] * 1e3)],
+        ["tokens/s (prompt + generated)", _f(a["tokens_per_s"]), _f(b["tokens_per_s"])],
+    ])  # fmt: skip
+    warm = data["warm_start"]
+    return out + [
+        f"TTFT {_f(data['ttft_speedup'])}x lower, tokens/s ratio {_f(data['tokens_per_s_ratio'], 2)}. "
+        f"Warm start (a new engine on the same --kv-disk-dir): {_pct(warm['share_from_disk'])} of the "
+        "last prompts' tokens restored from disk.",
+        "",
+    ]
+
+
 def _capacity_section(cap: dict[str, Any] | None, images: Path, docs: Path) -> list[str]:
     out = ["## Capacity: concurrent sequences at equal KV memory", ""]
     if cap is None:
@@ -913,6 +940,7 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _sliding_window_section(_load(results, "sliding_window"))
     lines += _sweep_section(_load(results, "batch_sweep"), images, docs)
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)
+    lines += _kv_tiers_section(_load(results, "kv_tiers"))
     lines += _serving_section(_load(results, "serving_latency"))
     lines += _llamacpp_section(_load(results, "llamacpp_peer"))
     lines += _llamacpp_section(_load(results, "llamacpp_quantized"), quantized=True)
