@@ -8,6 +8,7 @@ its time limit still reports what it finished.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -259,9 +260,41 @@ def prefill_kernel_vs_sdpa(shape: Shape, tiny: bool) -> dict[str, Any]:
 
         ms_ours, ms_sdpa = kernel_bench.kernel_ms(ours, device), kernel_bench.kernel_ms(theirs, device)
         out[name] = {"triton_tflops": flops / ms_ours / 1e9, "sdpa_tflops": flops / ms_sdpa / 1e9,
-                     "ratio": ms_sdpa / ms_ours}  # fmt: skip
+                     "ratio": ms_sdpa / ms_ours, "ms": ms_ours, "tile": str(table_tile(step))}  # fmt: skip
+        if device.type == "cuda" and os.environ.get("PAGED_GPU_TUNE_PREFILL") == "1":
+            out[name]["tuned"] = tune_prefill(ours, device)
         del step, q, k
     return out
+
+
+def table_tile(step: Any) -> Any:
+    """The prefill tile ``tile_config`` gives this step's layout on this device."""
+    import triton
+
+    from paged_triton.launch import device_arch
+    from paged_triton.tile_config import MIN_DOT, tile_config
+
+    block_d = max(MIN_DOT, triton.next_power_of_2(step.q.shape[2]))
+    return tile_config("prefill", block_d, step.q.dtype, device_arch(step.q.device))
+
+
+def tune_prefill(ours: Any, device: torch.device) -> dict[str, Any]:
+    """``PAGED_GPU_TUNE_PREFILL=1``: time every prefill candidate tile
+    (``tile_config.candidates``, ~24 compiles: a minute or two) on this
+    step; the winners (the autotune table: copy one into ``PREFILL_TILES``
+    once the compile matrix shows it without spills on its GPU class) and
+    the winner's ms, to set against the table tile's."""
+    from paged_triton import kernel_bench
+    from paged_triton.tile_config import tuned_tiles
+
+    memo: dict[Any, Any] = {}
+    os.environ["PAGED_TRITON_AUTOTUNE"] = "1"
+    try:
+        ours(memo=memo)  # a shape's first call times the candidates, then plans the winner
+    finally:
+        del os.environ["PAGED_TRITON_AUTOTUNE"]
+    winners = {key: str(tile) for key, tile in tuned_tiles("prefill").items()}
+    return {"winners": winners, "ms": kernel_bench.kernel_ms(lambda: ours(memo=memo), device)}
 
 
 def _prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:

@@ -75,6 +75,24 @@ def test_core_matrix_covers_every_kv_cache_dtype():
         assert {"write_kv", "decode", "prefill"} <= kernels, kv
 
 
+def test_core_matrix_compiles_every_gpu_class_prefill_tile():
+    """Each prefill tile of the per-GPU table (16-bit rows of head_dim 64,
+    128 and 256) is among the core matrix's compiles for its GPU, so none
+    reaches a GPU unchecked for spills and shared memory."""
+    from paged_triton.tile_config import PREFILL_TILES, gpu_class
+
+    for arch in cm.ARCHS:
+        compiled = set()
+        for v in cm.core_variants():
+            if v.kernel == "prefill" and v.kv_dtype == "auto" and v.dtype != "fp32":
+                c = cm.job(v, arch).constexprs
+                o = cm.job(v, arch).options
+                rows = c["BLOCK_Q"] * c["HEADS_PAD"]
+                compiled.add((rows, c["BLOCK_N"], o["num_warps"], o["num_stages"]))
+        for tile in PREFILL_TILES[gpu_class(arch)].values():
+            assert (tile.block_m, tile.block_n, tile.num_warps, tile.num_stages) in compiled, (arch, tile)
+
+
 @pytest.mark.parametrize(
     "variant",
     [

@@ -96,3 +96,49 @@ def test_step_memo_replays_one_plan_for_every_layer(gen, paged):
         out = paged_prefill_attention(*args, memo=memo)
         paged.assert_close(out, ref_ops.paged_prefill_attention(*args), torch.float32)
     assert sum(key[0] == "paged_triton.prefill" for key in memo) == 1
+
+
+def gpu_tiles(head_dim: int) -> list[int]:
+    """One GPU (sm_80, 89, 90) per distinct prefill tile the table gives head_dim in bf16."""
+    from paged_triton.tile_config import tile_config
+
+    first: dict = {}
+    for arch in (80, 89, 90):
+        first.setdefault(tile_config("prefill", head_dim, torch.bfloat16, arch), arch)
+    return list(first.values())
+
+
+# heads, kv_heads, head_dim, window, softcap; the window is wide enough for unmasked key tiles.
+ARCH_CASES = [
+    pytest.param(arch, *layout, id=f"{name}-sm{arch}")
+    for name, layout in (("gqa4-d64", (8, 2, 64, None, None)), ("gqa2-d128-win-cap", (4, 2, 128, 200, 5.0)))
+    for arch in gpu_tiles(layout[2])
+]
+
+
+@pytest.mark.parametrize(("arch", "heads", "kv_heads", "head_dim", "window", "softcap"), ARCH_CASES)
+def test_each_gpu_tile_matches_reference(
+    arch, heads, kv_heads, head_dim, window, softcap, gen, paged
+):
+    """The tile the table picks for an sm_80/89/90 GPU (up to 128 query rows
+    x 128 keys), run in the interpreter (float32: a key wrongly in or out of
+    a row moves it by ~1e-3, far past the 2e-5 tolerance). The step puts
+    whole unmasked key tiles before the diagonal (and, with the window,
+    masked ones before them): a 120-token chunk after 200 cached tokens
+    (several query tiles, none starting on a key-tile edge), a whole
+    150-token prompt, a chunk of 1 and a sequence with none."""
+    from paged_triton.prefill_attention import _INTERPRETED, plan_prefill
+    from paged_triton.tile_config import tile_config
+
+    if not _INTERPRETED and torch.cuda.get_device_capability() != divmod(arch, 10):
+        pytest.skip("another GPU's tile may not fit this one")
+    tile = tile_config("prefill", head_dim, torch.bfloat16, arch)
+    args = make_inputs(
+        [(320, 120), (150, 150), (70, 1), (40, 0)], heads, kv_heads, head_dim, 16,
+        torch.float32, gen, paged,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    out = torch.zeros_like(args[0])
+    plan_prefill(*args, scale, window, softcap, out, arch, _INTERPRETED, tile=tile).run()
+    expected = ref_ops.paged_prefill_attention(*args, scale, window, softcap)
+    paged.assert_close(out, expected, torch.float32)

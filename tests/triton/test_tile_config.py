@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from paged_triton.tile_config import (
+    PREFILL_TILES,
     TileConfig,
     autotune_enabled,
     candidates,
+    gpu_class,
     smem_limit,
     tile_config,
     tuned,
@@ -26,6 +28,24 @@ def test_gemma_head_dim_fits_the_small_shared_memory_gpus():
     assert small == tile_config("prefill", 256, torch.bfloat16, 120)
     assert (small.block_m, small.num_warps) == (32, 4)
     assert smem_limit(89) < smem_limit(80) < smem_limit(90)
+
+
+def test_prefill_tiles_per_gpu_class():
+    """sm_90 is Hopper, the other large-shared-memory GPUs Ampere-like, the
+    99 KB ones (and unknown GPUs) Ada-like; head_dim 64 and 128 get 128
+    query rows on A100/H100 and 64 keys or more on H100; every tile stays
+    within 32-128 rows, 16-128 keys and 4-8 warps."""
+    assert [gpu_class(a) for a in (80, 87, 86, 89, 120, 90, None)] == [
+        "ampere", "ampere", "ada", "ada", "ada", "hopper", None
+    ]
+    for arch in (80, 90):
+        for head_dim in (64, 128):
+            tile = tile_config("prefill", head_dim, torch.float16, arch)
+            assert tile.block_m == 128 and (arch == 80 or tile.block_n >= 64)
+            assert tile == PREFILL_TILES[gpu_class(arch)][2 * head_dim]
+    for tiles in PREFILL_TILES.values():
+        for t in tiles.values():
+            assert 32 <= t.block_m <= 128 and 16 <= t.block_n <= 128 and t.num_warps in (4, 8)
 
 
 def test_k_v_tiles_shrink_with_row_size():

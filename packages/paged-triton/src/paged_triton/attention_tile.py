@@ -29,6 +29,8 @@ def attend_context(
     kv_off,
     start,
     end,
+    full_start,
+    full_end,
     window,
     stride_block,
     stride_tok,
@@ -55,9 +57,14 @@ def attend_context(
     ``kv_off``: the head's element offset). ``CAUSAL`` (prefill): row ``i``
     also sees only keys at or before ``pos[i]`` and, with ``USE_WINDOW``,
     after ``pos[i] - window``; decode instead passes a ``start`` that already
-    leaves out what its one query cannot see. Returns the normalised output
-    ``[ROWS, BLOCK_D]`` (zeros for a row that saw no key) with the running max
-    (log2 units) and sum the split decode needs for its log-sum-exp."""
+    leaves out what its one query cannot see. With ``CAUSAL``, the keys
+    ``full_start .. full_end`` (whole ``BLOCK_N`` tiles, ``start <= full_start
+    <= full_end <= end``) are ones every row sees: those tiles run without
+    any mask (FlashAttention's off-diagonal blocks), the keys before them
+    (window only) and after them (the diagonal) with the masks. Returns the
+    normalised output ``[ROWS, BLOCK_D]`` (zeros for a row that saw no key)
+    with the running max (log2 units) and sum the split decode needs for its
+    log-sum-exp. (8-bit caches with ``USE_WINDOW`` mask every tile.)"""
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     q = tl.load(q_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
@@ -66,21 +73,93 @@ def attend_context(
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    # An 8-bit cache's windowed prefill stays one masked loop: its three loops spilled 8 B
+    # on sm_80 (Phi-3, static int8 scales, compile matrix).
+    SPLIT: tl.constexpr = CAUSAL and (KV_QUANT == 0 or not USE_WINDOW)
+    if SPLIT:
+        if USE_WINDOW:  # keys some rows' windows have already left
+            for t0 in range(start, full_start, BLOCK_N):
+                m_i, l_i, acc = _masked_tile(
+                    q, m_i, l_i, acc, row_mask, pos, K, V, K_SCALE, V_SCALE, bt_row, kv_head,
+                    kv_off, t0, full_start, window, d, d_mask, stride_block, stride_tok,
+                    stride_sb, stride_st, scale, softcap, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+                    USE_WINDOW, USE_SOFTCAP, PRECISION, EMULATE_BF16, KV_QUANT, HEAD_SCALES,
+                )  # fmt: skip
+        for t0 in range(full_start, full_end, BLOCK_N):  # seen by every row: no mask
+            t0 = tl.multiple_of(t0, BLOCK_N)
+            _, _, k, v = load_kv_tile(
+                K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, full_end, d, d_mask,
+                stride_block, stride_tok, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT,
+                q.dtype, EMULATE_BF16, HEAD_SCALES, HEAD_DIM, False,
+            )  # fmt: skip
+            m_i, l_i, acc = attend_tile(
+                q, k, v, None, m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION,
+                EMULATE_BF16, False,
+            )  # fmt: skip
+        start = full_end  # the diagonal: keys only some rows see
     for t0 in range(start, end, BLOCK_N):
-        tok, tok_mask, k, v = load_kv_tile(
-            K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, end, d, d_mask, stride_block,
-            stride_tok, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
-            HEAD_SCALES, HEAD_DIM,
+        m_i, l_i, acc = _masked_tile(
+            q, m_i, l_i, acc, row_mask, pos, K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0,
+            end, window, d, d_mask, stride_block, stride_tok, stride_sb, stride_st, scale,
+            softcap, HEAD_DIM, BLOCK_SIZE, BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, PRECISION,
+            EMULATE_BF16, KV_QUANT, HEAD_SCALES,
         )  # fmt: skip
-        visible = row_mask[:, None] & tok_mask[None, :]
-        if CAUSAL:
-            visible = visible & (tok[None, :] <= pos[:, None])
-            if USE_WINDOW:
-                visible = visible & (tok[None, :] > pos[:, None] - window)
-        m_i, l_i, acc = attend_tile(
-            q, k, v, visible, m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION, EMULATE_BF16
-        )
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
+
+
+@triton.jit
+def _masked_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    row_mask,
+    pos,
+    K,
+    V,
+    K_SCALE,
+    V_SCALE,
+    bt_row,
+    kv_head,
+    kv_off,
+    t0,
+    end,
+    window,
+    d,
+    d_mask,
+    stride_block,
+    stride_tok,
+    stride_sb,
+    stride_st,
+    scale,
+    softcap,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    HEAD_SCALES: tl.constexpr,
+):
+    """Fold the tile of keys ``t0 .. t0 + BLOCK_N`` (those before ``end``)
+    into the rows' state, each row seeing only the keys its position (and
+    window) allows when ``CAUSAL``."""
+    tok, tok_mask, k, v = load_kv_tile(
+        K, V, K_SCALE, V_SCALE, bt_row, kv_head, kv_off, t0, end, d, d_mask, stride_block,
+        stride_tok, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, KV_QUANT, q.dtype, EMULATE_BF16,
+        HEAD_SCALES, HEAD_DIM, True,
+    )  # fmt: skip
+    visible = row_mask[:, None] & tok_mask[None, :]
+    if CAUSAL:
+        visible = visible & (tok[None, :] <= pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (tok[None, :] > pos[:, None] - window)
+    return attend_tile(
+        q, k, v, visible, m_i, l_i, acc, scale, softcap, USE_SOFTCAP, PRECISION, EMULATE_BF16, True
+    )
 
 
 @triton.jit
@@ -107,6 +186,7 @@ def load_kv_tile(
     EMULATE_BF16: tl.constexpr,
     HEAD_SCALES: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Token positions ``t0 .. t0 + BLOCK_N`` of one KV head (element offset
     ``kv_off``) in caches of shape ``[num_blocks, block_size, kv_heads,
@@ -119,13 +199,19 @@ def load_kv_tile(
     ``HEAD_SCALES`` (int8 or fp8 with static scales) ``K_SCALE``/``V_SCALE``
     hold one float32 per kv head and every code is multiplied by its head's.
     ``KV_QUANT`` 3 (int4, ``paged_ref.kv_int4``): the strides are the packed
-    codes', ``stride_sb``/``stride_st`` the K and V scales' block strides."""
+    codes', ``stride_sb``/``stride_st`` the K and V scales' block strides.
+    ``MASKED`` False: the caller knows the whole tile is before ``end``, so
+    no load is masked by position (only by ``HEAD_DIM``, if it is padded)."""
     tok = t0 + tl.arange(0, BLOCK_N)
     tok_mask = tok < end
-    block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    if MASKED:
+        block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+        kv_mask = tok_mask[:, None] & d_mask[None, :]
+    else:
+        block = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]  # (broadcast by the loads)
     slot_in_block = (tok % BLOCK_SIZE).to(tl.int64)
     rows = block * stride_block + slot_in_block * stride_tok + kv_off
-    kv_mask = tok_mask[:, None] & d_mask[None, :]
     if KV_QUANT == 3:
         k, v = load_int4_tile(
             K, V, K_SCALE, V_SCALE, block, slot_in_block, rows, kv_head, kv_mask, d, stride_tok,
@@ -221,13 +307,14 @@ def attend_tile(
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Fold one K/V tile into the running softmax state of every query row.
 
     ``q``: [M, D]; ``k``/``v``: [N, D] (cache dtype); ``visible``: [M, N];
     ``m_i`` (running max, log2 units), ``l_i`` (running sum), ``acc``
     ([M, D]) in float32. Scores are scaled, soft-capped, then masked, as the
-    contract says. A row that has seen no visible key keeps ``m = -inf``;
+    contract says (``MASKED`` False: every key is visible, ``visible`` unused). A row that has seen no visible key keeps ``m = -inf``;
     its exponent base is taken as 0 so nothing becomes NaN.
     ``EMULATE_BF16``: see interpreter_bf16.py (True only when interpreting bf16).
     """
@@ -235,7 +322,9 @@ def attend_tile(
     if USE_SOFTCAP:
         s = soft_cap(s, softcap)
     # log2 units from here on (1.44... = log2(e)): exp2 is the fast exponential.
-    s = tl.where(visible, s * 1.4426950408889634, float("-inf"))
+    s = s * 1.4426950408889634
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_base)

@@ -140,7 +140,7 @@ def _decode_kernel(
     out, m_i, l_i = attend_context(
         Q + b * stride_qb + heads * stride_qh, head_mask, seq_len, K, V, K_SCALE, V_SCALE,
         BT + b.to(tl.int64) * stride_btb, kv_head, kv_head.to(tl.int64) * stride_ch, start, end,
-        window, stride_cb, stride_ct, stride_sb, stride_st, scale, softcap, BLOCK_H, HEAD_DIM,
+        start, start, window, stride_cb, stride_ct, stride_sb, stride_st, scale, softcap, BLOCK_H, HEAD_DIM,
         BLOCK_D, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, USE_SOFTCAP, PRECISION, EMULATE_BF16,
         KV_QUANT, HEAD_SCALES,
     )  # fmt: skip

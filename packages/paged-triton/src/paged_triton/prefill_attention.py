@@ -113,12 +113,17 @@ def _prefill_kernel(
     first_pos = context_start + q_tile * BLOCK_Q
     hi = tl.minimum(first_pos + BLOCK_Q, seq_len)
     lo = seq_len * 0
+    # Keys every query of the tile sees (up to the first query's position, from the
+    # last one's window on): whole tiles of them skip the masks in attend_context.
+    full_start = lo
     if USE_WINDOW:
         lo = tl.maximum(first_pos - window + 1, 0)
+        full_start = tl.minimum(tl.cdiv(tl.maximum(hi - window, 0), BLOCK_N) * BLOCK_N, hi)
+    full_end = full_start + tl.maximum(first_pos + 1 - full_start, 0) // BLOCK_N * BLOCK_N
     out, _, _ = attend_context(
         Q + tokens * stride_qt + heads * stride_qh, row_mask, pos, K, V, K_SCALE, V_SCALE,
         BT + b.to(tl.int64) * stride_btb, kv_head, kv_head.to(tl.int64) * stride_ch, lo, hi,
-        window, stride_cb, stride_ct, stride_sb, stride_st, scale, softcap, BLOCK_ROWS, HEAD_DIM,
+        full_start, full_end, window, stride_cb, stride_ct, stride_sb, stride_st, scale, softcap, BLOCK_ROWS, HEAD_DIM,
         BLOCK_D, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, USE_SOFTCAP, PRECISION, EMULATE_BF16,
         KV_QUANT, HEAD_SCALES,
     )  # fmt: skip

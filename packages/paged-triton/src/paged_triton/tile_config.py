@@ -13,16 +13,14 @@ Why these numbers (compile data for bf16, the same for fp16):
   flight while the other is computed (``kv_buffers`` in the matrix).
 - decode (16 padded query rows, 4 warps): 64-key tiles, 32 when a K/V row
   is 512 bytes (head_dim 256): 37-73 KB shared, 64-168 registers, no spills.
-- prefill, head_dim 64: 64 query rows x 64 keys, 4 warps (155-162 registers).
-- prefill, head_dim 128: the old 4 warps x 64x64 tiles spilled 40-64 B per
-  thread on sm_80/sm_89; 8 warps: 146-198 registers, 88.5 KB (112.5 KB on sm_90).
+- prefill: per GPU class (:data:`PREFILL_TILES`, why in its comment). Its
   8-warp tiles set ``maxnreg=255``: left alone, ptxas aimed at 128
   registers (two blocks per SM) and spilled 8 B for GQA-8 on sm_80, where
-  shared memory allows one block per SM anyway (219 registers, no spill).
-- prefill, head_dim 256 (Gemma 3): 4 warps x 64x64 tiles spilled 8-200 B
-  per thread (sm_90 least, sm_80 most) and needed 104-160 KB; now 8 warps x 64 rows x 32 keys where
-  shared memory is large (sm_80: 100 KB, sm_90: 128 KB), and 4 warps x 32
-  rows x 32 keys on the 99 KB GPUs (sm_86/sm_89: 82 KB, 210 registers).
+  shared memory allows one block per SM anyway. Before the per-GPU table
+  (one table for all): d64 64 x 64 x 4 warps; d128 64 x 64 x 8 warps (4
+  spilled 40-64 B on sm_80/89); d256 64 x 32 x 8 warps where shared memory
+  is large and 32 x 32 x 4 on the 99 KB GPUs (4 warps x 64 x 64 spilled
+  8-200 B and needed 104-160 KB).
 - Rows of 1 KB (float32 x head_dim 256) halve the key tile again.
 
 On a GPU, ``PAGED_TRITON_AUTOTUNE=1`` makes the ops time the
@@ -62,6 +60,47 @@ class TileConfig:
     maxnreg: int | None = None
 
 
+# Prefill tiles of 16-bit K/V rows (bytes: 128 = head_dim 64, 256 = 128, 512 = 256) per
+# GPU class. FlashAttention-2 runs 128 query rows where registers allow (d64: 128 x 128;
+# d128: 128 x 64 on A100/H100, square 64 x 64 for causal on sm_86/sm_89; d256: 64 x 64 on
+# H100) and vLLM's Triton prefill 128 x 64. Ours hold more per thread (row pointers and
+# positions, Triton's layouts), so the compile matrix decides (bf16, registers/spills):
+# - d64: 128 query rows x 8 warps (4 spilled 32-40 B on sm_80/89): sm_90 FlashAttention's
+#   128 x 128 keys (202 registers, 255 with window + soft-cap; 113 KB), which spilled 16 B
+#   on sm_80; sm_80 128 x 64 (186, 255 with window + soft-cap); sm_89 128 x 32 (178-204:
+#   128 x 64 spilled 8 B with window + soft-cap), FlashAttention's sm_86/89 choice for
+#   2 blocks per SM.
+# - d128: sm_90 128 x 64 (206 registers, 129 KB, 3 K/V buffers); it spilled 16-24 B on
+#   sm_80/89 (4 warps: 384-608 B), so sm_80 takes 128 x 32 (255, no spill) and sm_89
+#   keeps FlashAttention's square 64 x 64.
+# - d256: 128-row tiles spilled 216-280 B on sm_80/89 and left 0-2 registers on sm_90; 64 x
+#   64 needs 169 KB (over sm_80's 163 KB) and 225 KB on sm_90: the 64 x 32 tiles stay.
+# Stages stay 5: with 3 or 4 the pipeliner gave K/V one buffer on sm_80/89 (the page-table
+# load takes a stage), so each tile would wait for its own load. ``None`` (the interpreter,
+# which ignores warps and stages) keeps the smaller generic tiles.
+PREFILL_TILES: dict[str | None, dict[int, TileConfig]] = {
+    "hopper": {128: TileConfig(128, 128, 8, 5, 255), 256: TileConfig(128, 64, 8, 5, 255),
+               512: TileConfig(64, 32, 8, 5, 255)},
+    "ampere": {128: TileConfig(128, 64, 8, 5, 255), 256: TileConfig(128, 32, 8, 5, 255),
+               512: TileConfig(64, 32, 8, 5, 255)},
+    "ada": {128: TileConfig(128, 32, 8, 5, 255), 256: TileConfig(64, 64, 8, 5, 255),
+            512: TileConfig(32, 32, 4, 5)},
+    None: {128: TileConfig(64, 64, 4, 5), 256: TileConfig(64, 64, 8, 5, 255),
+           512: TileConfig(32, 32, 4, 5)},
+}  # fmt: skip
+
+
+def gpu_class(arch: int | None) -> str | None:
+    """``"hopper"`` (sm_90), ``"ampere"`` (the other GPUs with >= 163 KB of
+    shared memory per block: sm_80, sm_87, sm_100), ``"ada"`` (the 99 KB
+    ones: sm_86, sm_89, sm_120 and unknown GPUs); ``None``: the interpreter."""
+    if arch is None:
+        return None
+    if arch == 90:
+        return "hopper"
+    return "ampere" if _large_smem(arch) else "ada"
+
+
 def smem_limit(arch: int) -> int:
     """Shared memory per block on compute capability ``arch`` (e.g. 89)."""
     if arch in SMEM_LIMIT:
@@ -97,15 +136,9 @@ def tile_config(
     if kernel == "decode":
         return TileConfig(0, 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16, 4, 5)
     if kernel == "prefill":
-        if row_bytes <= 128:
-            return TileConfig(64, 64, 4, 5)
-        if row_bytes <= 256:
-            return TileConfig(64, 64, 8, 5, maxnreg=255)
-        if row_bytes <= 512:
-            if _large_smem(arch):
-                return TileConfig(64, 32, 8, 5, maxnreg=255)
-            return TileConfig(32, 32, 4, 5)
-        return TileConfig(32, 16, 4, 5)
+        if row_bytes > 512:
+            return TileConfig(32, 16, 4, 5)
+        return PREFILL_TILES[gpu_class(arch)][128 if row_bytes <= 128 else row_bytes]
     raise ValueError(f"no tile configuration for kernel {kernel!r}; known: {KERNELS}")
 
 
@@ -150,11 +183,17 @@ def candidates(
     else:
         others = [
             TileConfig(m, n, w, s, 255 if w == 8 else None)
-            for m, n in ((32, 32), (64, 32), (64, 64), (128, 64))
+            for m, n in PREFILL_CANDIDATE_SHAPES
             for w in (4, 8)
-            for s in (3, 4, 5)
+            for s in (3, 5)
         ]
     return [chosen] + [c for c in others if c != chosen]
+
+
+# Prefill (query rows, keys) worth timing: FlashAttention-2's (128 x 128 / 64 / 32, 64 x
+# 64) and vLLM's (128 x 64) and the smaller ones the 99 KB GPUs and head_dim 256 need.
+# With 3 stages (one K/V buffer on sm_80/89, two on sm_90) and 5: 24 candidates.
+PREFILL_CANDIDATE_SHAPES = ((128, 128), (128, 64), (128, 32), (64, 64), (64, 32), (32, 32))
 
 
 _TUNED: dict[Hashable, TileConfig] = {}
@@ -177,3 +216,12 @@ def tuned(
         best = min(timings, key=lambda t: t[0])
         _TUNED[key] = best[1] if math.isfinite(best[0]) else options[0]
     return _TUNED[key]
+
+
+def tuned_tiles(kernel: str) -> dict[str, TileConfig]:
+    """What :func:`tuned` chose so far for ``kernel`` ("decode" or
+    "prefill"), by its layer-shape key (as text): the autotune table a GPU
+    run writes out (``benchmarks/gpu_serving.py`` with
+    ``PAGED_GPU_TUNE_PREFILL=1``) for the static table to take up."""
+    return {repr(key[1:]): tile for key, tile in _TUNED.items()
+            if isinstance(key, tuple) and key and key[0] == kernel}  # fmt: skip
