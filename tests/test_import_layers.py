@@ -22,7 +22,8 @@ PACKAGES = ["paged_core", "paged_ref", "paged_triton", "paged_server"]  # lowest
 SERVER_LAYERS = [
     {"start_up_heap"},  # process-wide helpers that import nothing of ours
     # shared vocabulary: errors, outputs, request parameters, the tokenizer
-    {"errors", "outputs", "sampling_params", "pooling_params", "output_constraint", "tokenizer"},
+    {"errors", "outputs", "sampling_params", "pooling_params", "output_constraint", "tokenizer",
+     "lora_request"},
     # where a model lives and its recommended sampling settings (read by config and engine)
     {"model_dir", "generation_defaults"},
     {"models", "default_model"},  # model code and its loader; know no engine config

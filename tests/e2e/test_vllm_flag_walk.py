@@ -24,7 +24,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 # Values of known flags that "1" is not one of.
-SAMPLES = {"--load-format": "auto", "--served-model-name": "m"}
+SAMPLES = {"--load-format": "auto", "--served-model-name": "m", "--lora-modules": "sql=/adapters/sql"}
 
 
 def _sample_argv(action: argparse.Action, flag: str) -> list[str]:

@@ -279,3 +279,54 @@ def hf_greedy(hf_model: Any, prompt: list[int], steps: int) -> list[int]:
 @pytest.fixture
 def hf_greedy_of() -> Callable[[Any, list[int], int], list[int]]:
     return hf_greedy
+
+
+# LoRA adapters (models/lora): two that differ in every way the config can,
+# ranks and alphas per module (patterns), rsLoRA, and which projections they adapt.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_ADAPTERS: dict[str, dict[str, Any]] = {
+    "patterns": dict(
+        r=8, lora_alpha=16, target_modules=LORA_TARGETS, rank_pattern={"v_proj": 4},
+        alpha_pattern={"down_proj": 4},
+    ),
+    "rslora": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
+}  # fmt: skip
+
+
+def _make_lora_adapter(hf_model: Any, path: Path, seed: int, **config: Any) -> Any:
+    """Save a random PEFT adapter (B non-zero) of ``hf_model`` at ``path``;
+    return PEFT's merged model (the oracle)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(init_lora_weights=False, **config))
+    with torch.no_grad():  # larger B, so each adapter moves the logits well past the tolerance
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(3.0)
+    peft_model.save_pretrained(path)
+    return peft_model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="session")
+def make_lora_adapter() -> Callable[..., Any]:
+    """``make(hf_model, path, seed, **LoraConfig fields)``: a PEFT adapter saved, its merged model."""
+    return _make_lora_adapter
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(
+    checkpoints: dict[str, Checkpoint], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, tuple[Path, Any]]]:
+    """family -> {adapter name: (directory, merged transformers model)}, for Llama and Qwen 3."""
+    out = {}
+    for family in ("llama", "qwen3"):
+        hf = checkpoints[family].hf_model
+        out[family] = {
+            name: (path := tmp_path_factory.mktemp(f"lora-{family}-{name}"),
+                   _make_lora_adapter(hf, path, seed, **config))
+            for seed, (name, config) in enumerate(LORA_ADAPTERS.items())
+        }  # fmt: skip
+    return out

@@ -7,13 +7,11 @@ parallel shards of A/B that add up to one rank's delta."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from paged_server.models import load_model
@@ -29,44 +27,13 @@ from paged_server.models.lora import (
 )
 from paged_server.models.tensor_parallel import TensorParallel
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Two adapters that differ in every way the config can: ranks and alphas per
-# module (patterns), rsLoRA, and which projections they adapt.
-ADAPTERS = {
-    "patterns": dict(
-        r=8, lora_alpha=16, target_modules=ALL, rank_pattern={"v_proj": 4},
-        alpha_pattern={"down_proj": 4},
-    ),
-    "rslora": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
-}  # fmt: skip
 LOGIT_ATOL = 1e-4  # float32, as the parity tests
 
 
-def make_adapter(hf_model, path: Path, seed: int, **config):
-    """Save a random PEFT adapter (B non-zero) of ``hf_model`` at ``path``;
-    return PEFT's merged model (the oracle)."""
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(init_lora_weights=False, **config))
-    with torch.no_grad():  # larger B, so each adapter moves the logits well past the tolerance
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(3.0)
-    peft_model.save_pretrained(path)
-    return peft_model.merge_and_unload().eval()
-
-
 @pytest.fixture(scope="module")
-def adapters(checkpoints, tmp_path_factory):
-    """family -> {adapter name: (directory, merged transformers model)}."""
-    out = {}
-    for family in ("llama", "qwen3"):
-        hf = checkpoints[family].hf_model
-        out[family] = {
-            name: (path := tmp_path_factory.mktemp(f"lora-{family}-{name}"),
-                   make_adapter(hf, path, seed, **config))
-            for seed, (name, config) in enumerate(ADAPTERS.items())
-        }  # fmt: skip
-    return out
+def adapters(lora_adapters):
+    """family -> {adapter name: (directory, merged transformers model)} (conftest's)."""
+    return lora_adapters
 
 
 def lora_ops(backend: str):
@@ -322,13 +289,13 @@ def test_peft_config_fields_are_read_as_peft_does(adapters):
 
 
 @torch.no_grad()
-def test_stacked_checkpoint_projections_equal_peft(checkpoints, tmp_path, prompt_of):
+def test_stacked_checkpoint_projections_equal_peft(checkpoints, tmp_path, prompt_of, make_lora_adapter):
     """Phi-3 stores q/k/v and gate/up stacked, so PEFT adapts qkv_proj and
     gate_up_proj as one projection each: one A shared by the stacked
     projections, B cut along their rows."""
     checkpoint = checkpoints["phi3"]
     targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-    merged = make_adapter(checkpoint.hf_model, tmp_path / "phi3", 5, r=8, lora_alpha=8, target_modules=targets)
+    merged = make_lora_adapter(checkpoint.hf_model, tmp_path / "phi3", 5, r=8, lora_alpha=8, target_modules=targets)
     loaded = load_model(checkpoint.path)
     manager = LoRAManager(loaded.model, LoRAConfig(max_loras=1, max_lora_rank=16))
     manager.add("phi", tmp_path / "phi3")

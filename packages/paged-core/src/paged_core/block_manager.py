@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from paged_core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from paged_core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens, root_key
 from paged_core.block_stats import BlockManagerStats
 from paged_core.errors import OutOfBlocksError, UnknownSequenceError
 from paged_core.kv_tiers import TierDirectory
@@ -49,6 +49,7 @@ class _SeqBlocks:
     tokens: list[int]  # ids of the tokens with room reserved (prompt + appended)
     num_computed: int = 0  # tokens whose KV is written
     hashes: list[BlockHash] = field(default_factory=list)  # keys of the leading full blocks
+    root: BlockHash | None = None  # the first block's parent (root_key of its extra key)
 
 
 class BlockManager:
@@ -91,22 +92,24 @@ class BlockManager:
     # -- admission -------------------------------------------------------
     def num_blocks_needed(
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> int:  # fmt: skip
         """Free blocks ``allocate`` would take over every group: fresh ones plus
         prefix hits on free cached blocks (leaving the free queue uses capacity)."""
-        return self._plan(token_ids, skip_prefix_cache, num_reserved)[2]
+        return self._plan(token_ids, skip_prefix_cache, num_reserved, root_key(extra_key))[2]
 
     def can_allocate(
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> bool:  # fmt: skip
         """Whether ``allocate`` would succeed now (exact, never optimistic)."""
-        return self._plan(token_ids, skip_prefix_cache, num_reserved)[2] <= self.num_free_blocks()
+        needed = self._plan(token_ids, skip_prefix_cache, num_reserved, root_key(extra_key))[2]
+        return needed <= self.num_free_blocks()
 
     def allocate(
         self, seq_id: int, token_ids: Sequence[int], *,
         skip_prefix_cache: bool = False, num_reserved: int | None = None,
+        extra_key: bytes | None = None,
     ) -> int:  # fmt: skip
         """Reserve a prompt's blocks in every group, reusing cached full blocks
         of its prefix. Returns how many prompt tokens are cached: whole blocks,
@@ -117,10 +120,12 @@ class BlockManager:
         ``max(num_reserved, cached + 1)``; ``append`` reserves the rest as it is
         computed, so a sliding group holds no more than its window and the
         chunk in flight (a preempted sequence comes back this way). All or
-        nothing."""
+        nothing. ``extra_key``: what else the KV depends on (a LoRA
+        adapter): part of every block's key, so only an equal one hits."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks; free it before allocating")
-        tables, keys, needed, reserved = self._plan(token_ids, skip_prefix_cache, num_reserved)
+        root = root_key(extra_key)
+        tables, keys, needed, reserved = self._plan(token_ids, skip_prefix_cache, num_reserved, root)
         if needed > self.num_free_blocks():
             raise self._short(
                 f"sequence {seq_id} needs {needed} free blocks for {reserved} tokens "
@@ -133,9 +138,9 @@ class BlockManager:
             table += self.block_pool.get_new_blocks(fresh, g)
         if self.tiers is not None:
             self._restore_tier_hits(tables[0], keys, token_ids)
-        seq = _SeqBlocks(tables, list(token_ids[:reserved]), len(keys) * self.block_size, keys)
+        seq = _SeqBlocks(tables, list(token_ids[:reserved]), len(keys) * self.block_size, keys, root)
         if self.enable_prefix_caching and not skip_prefix_cache:
-            self._count_prompt(token_ids, keys)
+            self._count_prompt(token_ids, keys, root)
         self._seqs[seq_id] = seq
         return seq.num_computed
 
@@ -203,7 +208,7 @@ class BlockManager:
         while self.enable_prefix_caching and len(seq.hashes) < seq.num_computed // bs:
             i = len(seq.hashes)
             tokens = tuple(seq.tokens[i * bs : (i + 1) * bs])
-            seq.hashes.append(hash_block_tokens(seq.hashes[-1] if seq.hashes else None, tokens))
+            seq.hashes.append(hash_block_tokens(seq.hashes[-1] if seq.hashes else seq.root, tokens))
             for table in seq.tables:
                 if table[i] is not self.null_block and (
                     self.block_pool.register(table[i], seq.hashes[-1], tokens) and self.tiers is not None
@@ -229,7 +234,7 @@ class BlockManager:
         for table in src.tables:
             self._acquire(table)
         tables = [list(t) for t in src.tables]
-        self._seqs[child] = _SeqBlocks(tables, list(src.tokens), src.num_computed, list(src.hashes))
+        self._seqs[child] = _SeqBlocks(tables, list(src.tokens), src.num_computed, list(src.hashes), src.root)
         self.counters.forks += 1
 
     # -- queries ---------------------------------------------------------
@@ -391,7 +396,8 @@ class BlockManager:
         return freed
 
     def _plan(
-        self, token_ids: Sequence[int], skip_prefix_cache: bool, num_reserved: int | None = None
+        self, token_ids: Sequence[int], skip_prefix_cache: bool, num_reserved: int | None = None,
+        root: BlockHash | None = None,
     ) -> tuple[list[list[Block]], list[BlockHash], int, int]:
         """The prompt's prefix hit: per group, the blocks of its ``h`` leading
         full blocks (never the one holding the last prompt token); their keys;
@@ -409,7 +415,7 @@ class BlockManager:
         lookup = self.enable_prefix_caching and not skip_prefix_cache and (pool.prefix_index or tiers)
         for i in range((num_tokens - 1) // bs if lookup else 0):
             tokens = token_ids[i * bs : (i + 1) * bs]
-            key = hash_block_tokens(keys[-1] if keys else None, tokens)
+            key = hash_block_tokens(keys[-1] if keys else root, tokens)
             row = [pool.lookup(key, tokens, g) for g in range(len(windows))]
             if tiers is not None and row[0] is None and tiers.has(key, tokens):
                 row = [_TIER_HIT]  # one group: the tiers refuse hybrid managers
@@ -428,7 +434,9 @@ class BlockManager:
         reserved = num_tokens if num_reserved is None else min(num_tokens, max(num_reserved, h * bs + 1))
         return tables, keys[:h], (_cdiv(reserved, bs) - h) * len(windows) + free_hits, reserved
 
-    def _count_prompt(self, token_ids: Sequence[int], keys: list[BlockHash]) -> None:
+    def _count_prompt(
+        self, token_ids: Sequence[int], keys: list[BlockHash], root: BlockHash | None = None
+    ) -> None:
         """Count a prompt's hit blocks ``keys`` and why the rest missed (by
         group 0): a block whose key is cached or was evicted is "evicted" (it
         or its prefix went), else "never seen" (see ``BlockManagerStats``)."""
@@ -437,7 +445,7 @@ class BlockManager:
         c.prefix_queries_tokens += num_tokens
         c.prefix_hits_tokens += len(keys) * bs
         c.prefix_miss_too_short_tokens += num_tokens - matchable * bs
-        parent = keys[-1] if keys else None
+        parent = keys[-1] if keys else root
         for i in range(len(keys), matchable):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             if (0, parent) in pool.prefix_index or (0, parent) in pool.evicted_keys:

@@ -32,6 +32,15 @@ def hash_block_tokens(parent: BlockHash | None, tokens: Sequence[int]) -> BlockH
     return h.digest()
 
 
+def root_key(extra_key: bytes | None) -> BlockHash | None:
+    """The parent of a sequence's first block: None, or a key derived from
+    ``extra_key`` (what else its KV depends on besides the tokens, e.g. a
+    LoRA adapter), so equal tokens under another extra key never match."""
+    if extra_key is None:
+        return None
+    return hashlib.blake2b(extra_key, digest_size=16, person=b"paged-extra-key").digest()
+
+
 @dataclass(slots=True, eq=False)  # eq=False: blocks compare and hash by identity
 class Block:
     """One physical KV block; ``block_hash`` and ``token_ids`` are set while

@@ -170,14 +170,14 @@ class KVCacheManagerProtocol(Protocol):
 
     def can_allocate_sequence(
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> bool:  # fmt: skip
         """Whether ``allocate_sequence(token_ids)`` would succeed now."""
         ...
 
     def can_allocate_sequences(
         self, token_ids: Sequence[Sequence[int]], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> bool:  # fmt: skip
         """Whether every one of them could be allocated now, together (the
         sequences of a beam search are admitted as one unit)."""
@@ -185,7 +185,7 @@ class KVCacheManagerProtocol(Protocol):
 
     def allocate_sequence(
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> tuple[int, int]:  # fmt: skip
         """Claim a seq_id for a prompt; returns ``(seq_id, num_cached_tokens)``.
         The first ``num_cached_tokens`` are already in the cache (prefix hits)
@@ -193,7 +193,8 @@ class KVCacheManagerProtocol(Protocol):
         (every prompt token is computed, e.g. to score it). Room is reserved
         for every token, or with ``num_reserved`` for at least that many (and
         the hit + 1): ``append_token`` reserves the rest as steps reach it.
-        Raises ``RuntimeError`` if full."""
+        ``extra_key``: what else the KV depends on (a LoRA adapter): a
+        prefix hit needs an equal one. Raises ``RuntimeError`` if full."""
         ...
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:

@@ -62,13 +62,13 @@ class ContiguousKVManager:
 
     def can_allocate_sequence(
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> bool:  # fmt: skip
         return self.can_allocate_sequences([token_ids])
 
     def can_allocate_sequences(
         self, token_ids: Sequence[Sequence[int]], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> bool:  # fmt: skip
         """One free row each, every one long enough."""
         return len(self._free) >= len(token_ids) and all(
@@ -77,7 +77,7 @@ class ContiguousKVManager:
 
     def allocate_sequence(
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> tuple[int, int]:  # fmt: skip
         """A free seq_id (lowest first: deterministic, easy to read in logs)
         for the prompt; no prefix cache, so 0 tokens are cached. The row holds

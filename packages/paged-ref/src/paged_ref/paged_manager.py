@@ -71,15 +71,16 @@ class PagedKVManager:
 
     def can_allocate_sequence(
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> bool:  # fmt: skip
         return self.can_allocate_sequences(
-            [token_ids], skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
+            [token_ids], skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved,
+            extra_key=extra_key,
         )
 
     def can_allocate_sequences(
         self, token_ids: Sequence[Sequence[int]], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> bool:  # fmt: skip
         """Whether all of them fit at once (hits on the same free cached block
         are counted once per sequence: never optimistic)."""
@@ -87,22 +88,26 @@ class PagedKVManager:
         if not all(token_ids):
             return False
         needed = sum(
-            bm.num_blocks_needed(t, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved)
+            bm.num_blocks_needed(
+                t, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved, extra_key=extra_key
+            )
             for t in token_ids
         )
         return needed <= bm.num_free_blocks()
 
     def allocate_sequence(
         self, token_ids: Sequence[int], *, skip_prefix_cache: bool = False,
-        num_reserved: int | None = None,
+        num_reserved: int | None = None, extra_key: bytes | None = None,
     ) -> tuple[int, int]:  # fmt: skip
         """A seq_id for the prompt; returns ``(seq_id, num_cached_tokens)`` where the
         first ``num_cached_tokens`` come from the prefix cache. With
         ``num_reserved`` only that many tokens (at least the hit + 1) get room
-        now; ``append_token`` reserves the rest."""
+        now; ``append_token`` reserves the rest. ``extra_key``: what else
+        its KV depends on (a LoRA adapter's name): hits need the same one."""
         seq_id = self._new_seq_id()
         cached = self.block_manager.allocate(
-            seq_id, token_ids, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved
+            seq_id, token_ids, skip_prefix_cache=skip_prefix_cache, num_reserved=num_reserved,
+            extra_key=extra_key,
         )
         self._sync_table(seq_id)
         return seq_id, cached

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from paged_server.config import EngineConfig
     from paged_server.engine.llm_engine import LLMEngine
     from paged_server.entrypoints.llm import LLM
+    from paged_server.lora_request import LoRARequest
     from paged_server.outputs import BeamSearchOutput, CompletionResult, RequestOutput
     from paged_server.sampling_params import BeamSearchParams, SamplingParams
 
@@ -25,6 +26,7 @@ _EXPORTS = {
     "SamplingParams": "paged_server.sampling_params",
     "BeamSearchParams": "paged_server.sampling_params",
     "BeamSearchOutput": "paged_server.outputs",
+    "LoRARequest": "paged_server.lora_request",
 }
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "CompletionResult",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -122,6 +122,13 @@ class EngineConfig:
     convert: str = "auto"
     task: str | None = None
     pooler_config: dict[str, Any] | None = None
+    # LoRA adapters (models/lora, vLLM's LoRAConfig): --enable-lora makes every
+    # projection's slot table at start-up; adapters come with --lora-modules,
+    # at run time, or with each offline request.
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in one step (device slots)
+    max_lora_rank: int = 16  # each slot's rank: an adapter of a higher rank is refused
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
 
     def resolve(
         self,
@@ -218,6 +225,7 @@ class EngineConfig:
         self._check_pipeline()
         self._check_data_parallel()
         self._check_kv_tiers()
+        self._check_lora()
         if not (_is_int(self.master_port) and 0 <= self.master_port <= 65535):
             raise ValueError(f"master_port: must be in 0..65535, got {self.master_port!r}")
         if not _is_int(self.seed):
@@ -292,6 +300,26 @@ class EngineConfig:
         if self.async_scheduling:
             raise ValueError(f"{flag}: the KV tiers run with --no-async-scheduling (disk blocks are "
                              "fetched between steps); drop --async-scheduling")  # fmt: skip
+
+    def _check_lora(self) -> None:
+        """vLLM's LoRA limits, and what adapters do not run with yet, in one line."""
+        for name in ("max_loras", "max_lora_rank"):
+            _at_least(name, getattr(self, name), 1)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if not self.enable_lora:
+            return
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora runs with tensor parallelism (-tp), not pipeline "
+                             "stages yet; drop -pp or --enable-lora")  # fmt: skip
+        if self.data_parallel_size > 1:
+            raise ValueError("--enable-lora serves one engine, not data-parallel replicas yet; "
+                             "drop --data-parallel-size or --enable-lora")  # fmt: skip
+        if self.quantization is not None:
+            raise ValueError(f"--enable-lora: adapters on quantized weights (--quantization "
+                             f"{self.quantization}) are not supported; serve the unquantized checkpoint")  # fmt: skip
 
     def _check_data_parallel(self) -> None:
         """What data parallelism does not combine with yet, refused in one line."""

@@ -54,6 +54,7 @@ from paged_server.engine.executor import Executor, UniProcExecutor
 from paged_server.engine.grammar_mask import StructuredOutput
 from paged_server.engine.kv_tiers import attach_tiers
 from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
+from paged_server.engine.lora_requests import LoRARequests
 from paged_server.engine.metrics import EngineCounters, RateLimitedLog
 from paged_server.engine.output_processor import add_token_text, commit_token, take_output
 from paged_server.engine.pool_factory import build_kv_manager, pool_capacity
@@ -73,6 +74,7 @@ from paged_server.engine.token_sets import check_first_token, resolve_token_sets
 from paged_server.engine.worker import Worker, WorkerStep
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.generation_defaults import generation_defaults
+from paged_server.lora_request import LoRARequest
 from paged_server.model_dir import resolve_model_dir
 from paged_server.models import LoadedModel
 from paged_server.models.loader import checkpoint_dtype, read_model_config
@@ -180,7 +182,9 @@ class LLMEngine:
             config.block_size,
             config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
+        self.loras = LoRARequests(config.enable_lora, worker.check_lora)  # --enable-lora
         self._requests: dict[str, Request] = {}  # submitted and not fully reported
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
@@ -211,10 +215,13 @@ class LLMEngine:
         )
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
-    ) -> int:
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+        *, lora_request: LoRARequest | None = None,
+    ) -> int:  # fmt: skip
         """Queue a request; returns its prompt token count. ``PoolingParams``:
         a pooling request (``--runner pooling``), whose final output carries ``pooled``.
+        ``lora_request``: the LoRA adapter serving it (``--enable-lora``),
+        loaded now if it is new (None: the base model).
 
         Raises ``ValueError`` for bad parameters, an empty or unusable
         prompt, a prompt that can never fit the cache, or a duplicate id;
@@ -264,8 +271,10 @@ class LLMEngine:
                 f"{waiting} requests are already waiting (max_queue_len "
                 f"{self.config.max_queue_len}); retry later"
             )
+        lora = self.loras.for_request(lora_request)
         request = self._new_request(request_id, text, token_ids, params)
         request.pooling = pooling
+        request.lora_name, request.lora_key = lora, self.loras.key(lora)
         # one matcher per sequence: n choices, or best_of beams
         grammars = self.structured_output.matchers(params.structured_outputs, len(request.seqs))
         narrowed = grammars[0] is not None and (params.allowed_token_ids or params.bad_words)
@@ -278,6 +287,45 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.note_prompt(token_ids)
         return len(token_ids)
+
+    # -- LoRA adapters (vLLM's engine calls) ----------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Serve an adapter (read and checked now; every rank loads it before
+        the next step); False when it is served already. ``ValueError``: a
+        bad adapter, a name in use, or no ``--enable-lora``."""
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora: str | int) -> bool:
+        """Stop serving an adapter (by name or ``lora_int_id``): new requests
+        for it are refused now, its weights freed once its requests finish.
+        False when no such adapter is served."""
+        name = next((n for n, r in self.loras.served.items() if lora in (n, r.lora_int_id)), None)
+        if name is None:
+            return False
+        self.loras.remove(name)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ``lora_int_id`` of every adapter served (vLLM's)."""
+        return {r.lora_int_id for r in self.loras.served.values()}
+
+    @property
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """The adapters served, by name (``/v1/models`` lists them)."""
+        return self.loras.served
+
+    def _step_loras(self, step: WorkerStep, scheduled: list[tuple[Sequence, int]]) -> WorkerStep:
+        """``step`` with its sequences' adapters (in flat-batch order: the
+        one-token ones first) and the adapter commands due; untouched while
+        no adapter is loaded."""
+        loras = self.loras
+        if not loras.active:
+            return step
+        names = [s.request.lora_name for s, n in scheduled if n == 1]
+        names += [s.request.lora_name for s, n in scheduled if n != 1]
+        step.loras = names if any(n is not None for n in names) else None
+        step.lora_ops = loras.take_ops(lambda: (r.lora_name for r in self._requests.values()))
+        return step
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request now: its final outputs come with the next
@@ -495,10 +543,8 @@ class LLMEngine:
             top = row_max(logits[:num_sampled]) if logits is not None and num_sampled else None
             return logits, top
 
-        future = self.executor.launch(
-            WorkerStep(batch.ids, layout, batch.rows, batch.every_row), then=with_row_max,
-            meta=meta, before=fill.apply,
-        )  # fmt: skip
+        step = self._step_loras(WorkerStep(batch.ids, layout, batch.rows, batch.every_row), scheduled)
+        future = self.executor.launch(step, then=with_row_max, meta=meta, before=fill.apply)
         for seq, n in scheduled:
             seq.num_inflight_tokens += n
         for i in batch.sampled:
@@ -560,7 +606,7 @@ class LLMEngine:
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """The step's flat batch through every rank's worker; its logits split
         into the sampled rows and the prompt rows scored."""
-        return run_step(self.executor, self.kv_manager, scheduled)
+        return run_step(self.executor, self.kv_manager, scheduled, lambda step: self._step_loras(step, scheduled))
 
     def _isolated(self, seq: Sequence, stage: str) -> _Isolated:
         """Run one request's post-forward work: if it raises, log the
@@ -866,6 +912,13 @@ class LLMEngine:
         out = self.counters.snapshot(self.kv_manager, self.capacity, len(running), len(waiting))
         if self.tiers is not None:
             out.update(self.tiers.metrics(self.worker))
+        if self.config.enable_lora:  # vLLM's lora_requests_info: adapters with requests running/waiting
+            out["max_lora"] = self.config.max_loras
+            for state, seqs in (("running", self.scheduler.running), ("waiting", self.scheduler.waiting)):
+                for seq in seqs:
+                    if seq.request.lora_name is not None and not seq.is_finished:
+                        key = f"lora_{state}:{seq.request.lora_name}"
+                        out[key] = out.get(key, 0) + 1
         return out
 
     def audit(self) -> list[str]:

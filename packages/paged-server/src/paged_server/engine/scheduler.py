@@ -30,6 +30,12 @@ running (the pool as free as it gets) never will be; it is refused
 reason, rather than waiting forever. Submission checks
 (``checks.check_prompt``) make this rare.
 
+With LoRA adapters (``max_loras``), the running set holds the requests of
+at most ``max_loras`` distinct adapters (the device slots of one step, as
+vLLM's scheduler): a waiting request of another adapter is passed over,
+keeping its place, and later ones of adapters already running (or of the
+base model) are admitted; it runs once an adapter's requests are done.
+
 The scheduler knows budgets and order, and talks to the KV cache only
 through its manager (``KVCacheManagerProtocol``): it never sees a tensor or
 a cache type. It owns the
@@ -79,8 +85,10 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         reserve_fraction: float = RESERVE_FRACTION,
         long_prefill_token_threshold: int = 0,
+        max_loras: int | None = None,
     ) -> None:
         self.kv_manager = kv_manager
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (None: no adapters)
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
@@ -294,10 +302,20 @@ class Scheduler:
                 self.block_size * len(self.running),
             )
             kv_budget = free_kv - reserve
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        loras = self._running_loras()
+        passed: set[int] = set()  # ids of requests passed over for their LoRA adapter
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            seq = self.waiting[i]
             if seq.is_finished:  # e.g. a fork that finished on its first token
-                self.waiting.popleft()
+                del self.waiting[i]
+                continue
+            lora = seq.request.lora_name
+            if id(seq.request) in passed or (
+                lora is not None and lora not in loras and len(loras) >= self.max_loras  # type: ignore[operator]
+            ):  # every slot's adapter has requests running: it waits, keeping its place
+                passed.add(id(seq.request))
+                i += 1
                 continue
             unit = self._unit(seq, self.waiting)
             if sum(s.running_places_needed for s in unit) > places:
@@ -312,8 +330,9 @@ class Scheduler:
             skip = seq.request.skips_prefix_cache
             prompt = seq.num_prompt_tokens  # reserved at once; the rest chunk by chunk
             histories = [s.token_ids for s in unit]
+            key = seq.request.lora_key  # one adapter's KV never serves another (or the base)
             if not self.kv_manager.can_allocate_sequences(
-                histories, skip_prefix_cache=skip, num_reserved=prompt
+                histories, skip_prefix_cache=skip, num_reserved=prompt, extra_key=key
             ):
                 if alone:
                     self._refuse(unit, out, "do not fit the KV cache even with nothing else running")
@@ -322,12 +341,14 @@ class Scheduler:
             for s in unit:
                 self.remove_waiting(s)
                 s.pool_seq_id, s.num_computed_tokens = self.kv_manager.allocate_sequence(
-                    s.token_ids, skip_prefix_cache=skip, num_reserved=prompt
+                    s.token_ids, skip_prefix_cache=skip, num_reserved=prompt, extra_key=key
                 )
                 self.add_running(s)
                 places -= s.running_places_needed
             if kv_budget is not None:
                 kv_budget -= cost
+            if lora is not None:
+                loras.add(lora)
             for s in unit:
                 wanted = s.num_tokens - s.num_computed_tokens
                 n = self._chunk(wanted, budget) if self.enable_chunked_prefill else wanted
@@ -341,6 +362,12 @@ class Scheduler:
                     out.scheduled.append((s, n))
                     budget -= n
                     has_prefill = has_prefill or n > 1
+
+    def _running_loras(self) -> set[str]:
+        """The LoRA adapters of the running set's unfinished sequences."""
+        if self.max_loras is None:
+            return set()
+        return {s.request.lora_name for s in self.running if s.request.lora_name and not s.is_finished}
 
     def _free(self, seq: Sequence) -> None:
         if seq.pool_seq_id is not None:

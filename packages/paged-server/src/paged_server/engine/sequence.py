@@ -86,6 +86,8 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hits at its first admission
     first_scheduled_time: float | None = None  # left the queue (first admission)
     pooling: PoolingState | None = None  # a pooling request's pool (prompt only, no sampling)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
+    lora_key: bytes | None = None  # the adapter's prefix-cache key (engine/lora_requests.py)
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ prompt token is not scored yet, and for a mean- or CLS-pooling request
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,13 +47,18 @@ class StepLogits:
     pooled: list[PromptScores] = field(default_factory=list)
 
 
-def run_step(executor: Any, kv_manager: Any, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
+def run_step(
+    executor: Any, kv_manager: Any, scheduled: list[tuple[Sequence, int]],
+    finish: Callable[[WorkerStep], WorkerStep] | None = None,
+) -> StepLogits:  # fmt: skip
     """One step: ``scheduled`` laid out as one flat batch, its layout from
     ``kv_manager``, the pass on every rank (``executor.execute``, or one
-    ``Worker``'s), the logits split back. Commits nothing."""
+    ``Worker``'s), the logits split back. Commits nothing. ``finish``: adds
+    what else the step carries (the engine's LoRA adapters)."""
     batch = lay_out(scheduled)
     layout = kv_manager.step_layout(batch.seq_ids, batch.starts, batch.lens)
-    logits = executor.execute(WorkerStep(batch.ids, layout, batch.rows, batch.every_row))
+    step = WorkerStep(batch.ids, layout, batch.rows, batch.every_row)
+    logits = executor.execute(step if finish is None else finish(step))
     assert logits is not None  # the driver's
     return split_logits(logits, batch.sampled, batch.scored, len(batch.ids), batch.pooled)
 

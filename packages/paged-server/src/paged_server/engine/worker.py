@@ -18,6 +18,14 @@ the engine's own process, so the ranks' collectives always meet:
 5. ``warm_up``: compile and capture before the first request, within the cache;
 6. ``execute``: each step. Rank 0 returns the logits of the step's rows
    (with pipeline parallelism they come from the last stage); the others None.
+
+With ``--enable-lora`` each rank holds a ``LoRAManager`` over its shard
+(``models/lora``). Adapters are added and removed by commands riding the
+step (``WorkerStep.lora_ops``), so every rank applies them in the same
+order as the steps, never while a pass runs; a step whose sequences use
+adapters (``WorkerStep.loras``) runs its forward with their
+``LoRAMapping``, eagerly: neither a CUDA graph nor the compiled CPU
+forward holds the adapters' ops (the steps without adapters still use them).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,6 +62,8 @@ from paged_server.engine.kv_calibration import KVScales, calibrated_kv_scales
 from paged_server.engine.kv_tiers import cache_identity
 from paged_server.engine.pool_factory import attention_ops, cache_size
 from paged_server.models import LoadedModel, load_model
+from paged_server.models.errors import LoRAAdapterError
+from paged_server.models.lora import LoRAConfig, LoRAManager, LoRAMapping
 from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel, shard_heads
 
@@ -78,6 +88,11 @@ class WorkerStep:
     layout: StepLayout
     rows: list[int]
     every_row: bool = False
+    # Each sequence's LoRA adapter in batch order (None: the base model);
+    # None when no sequence of the step uses one.
+    loras: list[str | None] | None = None
+    # Adapter commands to apply first, in order: ("add", name, path), ("remove", name).
+    lora_ops: list[tuple[str, ...]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -112,6 +127,7 @@ class Worker:
         self.compiled: CompiledForward | None = None
         self.pipeline: Any = None  # parallel.pipeline.PipelineStep, with pipeline parallelism
         self.tier_store: KVTierStore | None = None  # --kv-offloading-size / --kv-disk-dir
+        self.lora: LoRAManager | None = None  # --enable-lora
         tp_size = config.tensor_parallel_size
         self.tp = SINGLE if group is None else TensorParallel(rank % tp_size, tp_size, group)
         self.stage = PipelineStage(rank // tp_size, config.pipeline_parallel_size)
@@ -138,6 +154,20 @@ class Worker:
                 self.model, self.group, self.loaded.dtype, self.device, config.block_size,
                 self.micro_batches,
             )  # fmt: skip
+        if config.enable_lora and self.lora is None:  # the slot tables, before sizing the cache
+            self.lora = LoRAManager(
+                self.model,
+                LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras),
+                self._lora_ops(),
+            )
+
+    def _lora_ops(self) -> Any:
+        """The LoRA kernels: Triton's on CUDA with the triton backend, else the reference."""
+        if self.device.type == "cuda" and self.config.attention_backend == "triton":
+            from paged_triton import lora_ops
+
+            return lora_ops
+        return None  # models.lora's default: paged_ref.lora_ops
 
     @property
     def model(self) -> Any:
@@ -335,6 +365,34 @@ class Worker:
             return oks
         return [bool(v) for v in self.group.min_each([int(ok) for ok in oks])]
 
+    # -- LoRA adapters (models/lora) -------------------------------------------------------
+    def check_lora(self, name: str, path: str) -> str | None:
+        """Why the adapter at ``path`` cannot be served here (None: it can);
+        reads and checks it, keeps nothing (rank 0, before its ``add`` rides a step)."""
+        if self.lora is None:
+            return "LoRA adapters need the server started with --enable-lora"
+        try:
+            self.lora.check(name, path)
+        except LoRAAdapterError as exc:
+            return str(exc)
+        return None
+
+    def _apply_lora_ops(self, ops: list[tuple[str, ...]]) -> None:
+        assert self.lora is not None, "a LoRA command without --enable-lora"
+        for op in ops:
+            if op[0] == "add":
+                self.lora.add(op[1], op[2])
+            elif op[1] in self.lora.names:
+                self.lora.remove(op[1])
+
+    def _lora_mapping(self, step: WorkerStep) -> LoRAMapping | None:
+        if step.lora_ops:
+            self._apply_lora_ops(step.lora_ops)
+        if step.loras is None:
+            return None
+        assert self.lora is not None, "a step with LoRA adapters without --enable-lora"
+        return self.lora.mapping(step.layout.new_lens, step.loras)
+
     # -- 6. each step -------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: WorkerStep, meta: AttentionMetadata | None = None) -> Tensor | None:
@@ -346,19 +404,23 @@ class Worker:
         if step.layout.tier_ops:  # saves and restores, before the pass reads or reuses blocks
             assert self.tier_store is not None
             self.tier_store.apply(step.layout.tier_ops)
+        lora = self._lora_mapping(step) if step.lora_ops or step.loras else None
         if meta is None:
             meta = tensors.metadata(step.layout)
         else:
             tensors.make_copies(step.layout)
         ids = self._tensor(step.input_ids)
         graphs = self.graphs
-        if graphs is not None and step.is_decode and len(step.input_ids) <= graphs.max_size:
+        if lora is None and graphs is not None and step.is_decode and len(step.input_ids) <= graphs.max_size:
             hidden = graphs.run(meta, ids)
         else:
             view = CacheView.over(tensors, meta)
             if self.pipeline is not None:  # the logits come back from the last stage
                 return self.pipeline.run(ids, view, step.rows)  # type: ignore[no-any-return]
-            hidden = self._hidden_states(ids, view.meta.positions, view)
+            if lora is not None:  # eager: the compiled forward and the graphs hold no adapters
+                hidden = self.model.hidden_states(ids, view.meta.positions, view, lora=lora)
+            else:
+                hidden = self._hidden_states(ids, view.meta.positions, view)
         if not self.is_driver:  # the LM head's rows are rank 0's alone
             return None
         if not step.rows:  # chunks that end no prompt: no logits (and no 0-row graph to compile)

@@ -176,10 +176,11 @@ def _give_threads_to(thread: Any) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from paged_server.entrypoints.openai.async_engine import EngineThread
     from paged_server.entrypoints.openai.engine_args import engine_config_from_args
-    from paged_server.entrypoints.openai.frontend_args import settings_from_args
+    from paged_server.entrypoints.openai.frontend_args import lora_requests, settings_from_args
     from paged_server.entrypoints.openai.server import (
         bind_socket,
         build_engine,
+        load_lora_modules,
         serve,
         served_model_name,
     )
@@ -228,6 +229,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"paged-server serve: the KV cache or the model does not fit in memory "
               f"({str(exc).splitlines()[0][:200]}); lower --max-model-len or --max-batch-size, "
               "or size the cache with --num-gpu-blocks / --kv-cache-memory-bytes", file=sys.stderr)
+        return 2
+    try:  # --lora-modules: each adapter read and checked now, a bad one named at once
+        load_lora_modules(engine, lora_requests(args.lora_modules), thread)
+    except ValueError as exc:
+        sock.close()
+        engine.shutdown()
+        print(f"paged-server serve: --lora-modules: {exc}", file=sys.stderr)
         return 2
     names = args.served_model_name or []
     settings.model_name = served_model_name(config, names[0] if names else None)

@@ -7,6 +7,7 @@
     beams = llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=20))
     beams[0].sequences[0].text
     LLM("embedder", runner="pooling").embed(["Hello"])[0].outputs.embedding
+    LLM("base", enable_lora=True).generate(["Hi"], params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))
 
 ``generate`` feeds the engine as fast as its queue takes requests and
 steps it until every prompt is done; ``llm.engine`` gives metrics. It runs
@@ -31,6 +32,7 @@ from paged_server.config import EngineConfig
 from paged_server.engine.llm_engine import LLMEngine
 from paged_server.entrypoints import llm_pooling
 from paged_server.errors import QueueFullError
+from paged_server.lora_request import LoRARequest
 from paged_server.models import LoadedModel
 from paged_server.outputs import (
     BeamSearchOutput,
@@ -81,6 +83,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[CompletionResult]:
         """Complete every prompt; results come back in prompt order. A prompt
         is vLLM's: text, ``{"prompt": text}``, ``{"prompt_token_ids": ids}``
@@ -89,7 +93,9 @@ class LLM:
         model's defaults (``get_default_sampling_params``). A prompt whose
         parameters are invalid gets choices with ``finish_reason="error"``
         instead of stopping the whole batch. ``use_tqdm`` (default: when
-        there is more than one prompt) shows progress."""
+        there is more than one prompt) shows progress. ``lora_request``
+        (``enable_lora=True``): the LoRA adapter serving every prompt, or
+        one per prompt (None: the base model), loaded when first named."""
         inputs: list[str | list[int]]
         if prompt_token_ids is not None:
             if prompts is not None:
@@ -102,6 +108,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(inputs))
+        loras = _loras_per_prompt(lora_request, len(inputs))
         self._check_thread()
         if use_tqdm is None:
             use_tqdm = len(inputs) > 1
@@ -129,7 +136,7 @@ class LLM:
                 ],
             )
 
-        pending = list(zip(order, inputs, params_list, strict=True))
+        pending = list(zip(order, inputs, params_list, loras, strict=True))
         unfinished: dict[str, int] = {}
         engine = self.engine
         with tqdm(total=len(order), disable=not use_tqdm, desc="generate", unit="req") as bar:
@@ -209,6 +216,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[CompletionResult]:
         """``generate`` over conversations rendered with the chat template
         (``chat_template``, else the model's), as vLLM's ``LLM.chat``: one
@@ -231,7 +239,9 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(None, sampling_params, prompt_token_ids=prompt_ids, use_tqdm=use_tqdm)
+        return self.generate(
+            None, sampling_params, prompt_token_ids=prompt_ids, use_tqdm=use_tqdm, lora_request=lora_request
+        )
     def beam_search(
         self,
         prompts: Sequence[str | Sequence[int] | Mapping[str, Any]],
@@ -278,13 +288,13 @@ class LLM:
 
     def _submit(
         self,
-        pending: list[tuple[str, str | list[int], SamplingParams]],
+        pending: list[_Pending],
         results: dict[str, CompletionResult],
         unfinished: dict[str, int],
         bar: tqdm,
-    ) -> list[tuple[str, str | list[int], SamplingParams]]:
+    ) -> list[_Pending]:
         """Add requests until the engine's queue is full; returns the rest."""
-        for i, (request_id, prompt, params) in enumerate(pending):
+        for i, (request_id, prompt, params, lora) in enumerate(pending):
             result = results[request_id]
             try:
                 if isinstance(prompt, str) and not result.prompt_token_ids:
@@ -292,7 +302,7 @@ class LLM:
                         result.prompt_token_ids = self.engine.tokenizer.encode(prompt)
                     except Exception as exc:
                         raise ValueError(f"prompt: could not be tokenized: {exc}") from exc
-                self.engine.add_request(request_id, result.prompt_token_ids, params)
+                self.engine.add_request(request_id, result.prompt_token_ids, params, lora_request=lora)
             except QueueFullError:
                 return pending[i:]
             except ValueError as exc:  # this prompt fails, the others go on
@@ -302,6 +312,22 @@ class LLM:
                 continue
             unfinished[request_id] = params.n
         return []
+
+
+# A prompt still to submit: request id, prompt, its parameters, its adapter.
+_Pending = tuple[str, str | list[int], SamplingParams, LoRARequest | None]
+
+
+def _loras_per_prompt(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    """vLLM's ``lora_request``: one for every prompt, or a list of one per prompt."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    loras = list(lora)
+    if len(loras) != count:
+        raise ValueError(f"lora_request: {len(loras)} given for {count} prompts; pass one, or one per prompt")
+    return loras
 
 
 def _add_logprobs(result: CompletionResult, choice: CompletionChoice, out: Any) -> None:

@@ -30,7 +30,7 @@ REFUSED_FLAGS = {
 LOAD_FORMATS = ("auto", "safetensors")
 
 _TEXT_ONLY = "text-only models: no multimodal inputs; drop the flag"
-_NO_LORA = "LoRA adapters are not supported"
+_LORA_DTYPE = "adapters run in the model's dtype (--dtype); drop the flag"
 _NO_MOE_PARALLEL = "no expert parallelism: MoE layers run tensor parallel (-tp); drop the flag"
 _NO_DP_CLUSTER = ("data-parallel replicas are started by one serve command on one machine "
                   "(--data-parallel-size); drop the flag")
@@ -61,9 +61,6 @@ FLAG_HINTS = {
     "--max-seq-len-to-capture": "decode steps of any length replay CUDA graphs; see --enforce-eager",
     "--compilation-config": "no torch.compile; CUDA graphs for decode unless --enforce-eager",
     "-O": "no torch.compile; CUDA graphs for decode unless --enforce-eager",
-    "--enable-lora": "LoRA adapters are not supported",
-    "--lora-modules": "LoRA adapters are not supported",
-    "--max-lora-rank": "LoRA adapters are not supported",
     "--speculative-config": "speculative decoding is not supported",
     "--kv-transfer-config": "disaggregated prefill is not supported",
     "--guided-decoding-backend": "structured outputs always use llguidance; drop the flag",
@@ -174,12 +171,12 @@ FLAG_HINTS = {
     "--skip-mm-profiling": _TEXT_ONLY,
     "--video-pruning-rate": _TEXT_ONLY,
     # LoRAConfig
-    "--max-loras": _NO_LORA,
-    "--lora-extra-vocab-size": _NO_LORA,
-    "--lora-dtype": _NO_LORA,
-    "--max-cpu-loras": _NO_LORA,
-    "--fully-sharded-loras": _NO_LORA,
-    "--default-mm-loras": _NO_LORA,
+    "--lora-extra-vocab-size": "adapters with extra vocabulary (embedding or LM-head adapters) "
+    "are not supported; drop the flag",
+    "--lora-dtype": _LORA_DTYPE,
+    "--fully-sharded-loras": "each tensor-parallel rank holds its shard of every adapter "
+    "(B of column-parallel layers, A of row-parallel ones); drop the flag",
+    "--default-mm-loras": _TEXT_ONLY,
     # ObservabilityConfig
     "--show-hidden-metrics-for-version": "no metrics are hidden; drop the flag",
     "--otlp-traces-endpoint": _NO_TRACING,

@@ -44,6 +44,7 @@ from paged_server.entrypoints.openai.tokenization import (
     VersionResponse,
     version,
 )
+from paged_server.lora_request import LoRARequest
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": what}
@@ -198,15 +199,22 @@ def api_router(
             "max_model_len": max_model_len,
         }
 
+    def lora_card(lora: LoRARequest) -> dict[str, Any]:
+        """A LoRA adapter as vLLM lists it: its path as ``root``, its base as ``parent``."""
+        card = model_card(lora.lora_name)
+        return {**card, "root": lora.lora_path, "parent": lora.base_model_name or model_names[0]}
+
     @router.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in model_names]}
+        """The served model under each of its names, then every LoRA adapter served now."""
+        cards = [model_card(name) for name in model_names]
+        return {"object": "list", "data": cards + [lora_card(r) for r in serving.loras().values()]}
 
     @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
     async def model(model_id: str) -> dict[str, Any]:
-        """One model (OpenAI's retrieve-model); 404 for any other id."""
-        serving.check_model(model_id)
-        return model_card(model_id)
+        """One model or adapter (OpenAI's retrieve-model); 404 for any other id."""
+        lora = serving.check_model(model_id)
+        return model_card(model_id) if lora is None else lora_card(lora)
 
     return router
 

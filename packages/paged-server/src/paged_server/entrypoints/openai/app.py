@@ -26,6 +26,7 @@ from paged_server.entrypoints.openai.api_routes import api_router
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, EngineLike, EngineThread
 from paged_server.entrypoints.openai.chat_page import PAGE_PATH, chat_page_router
 from paged_server.entrypoints.openai.errors import APIError, install_error_handlers
+from paged_server.entrypoints.openai.lora_routes import lora_router, runtime_lora_updating
 from paged_server.entrypoints.openai.messages_bodies import anthropic_error_body
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.middleware import (
@@ -135,6 +136,8 @@ def create_app(
     pooling = OpenAIPooling(async_engine, engine.tokenizer, getattr(engine, "pooler", None), serving)
     app.include_router(api_router(serving, tokenization, names, config.max_model_len, pooling=pooling))
     app.include_router(ops_router(engine, async_engine, metrics, settings.api_key))
+    if runtime_lora_updating():  # vLLM's opt-in for loading adapters at run time
+        app.include_router(lora_router(async_engine))
     if settings.enable_web_ui:
         app.include_router(chat_page_router(embedded_model=not config.model))
     _document_400_not_422(app)

@@ -122,6 +122,13 @@ _HELP = {
     "usage) and sends requests sharing a prompt prefix to the same replica; each replica has "
     "its own tensor/pipeline ranks; on CUDA replica i gets the i-th GPU (group of "
     "tensor x pipeline GPUs), on CPU the replicas share the cores",
+    "enable_lora": "serve LoRA adapters (PEFT format) on the base model: --lora-modules at "
+    "start-up, POST /v1/load_lora_adapter at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING=true), "
+    "the adapter's name as a request's model",
+    "max_loras": "most adapters in one step (device slots); requests of others wait",
+    "max_lora_rank": "highest adapter rank served (every slot is padded to it)",
+    "max_cpu_loras": "adapters kept read in host memory (none: max_loras); others are read "
+    "again from disk when a step needs them",
 }
 
 

@@ -24,6 +24,43 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _lora_module(text: str) -> dict[str, Any]:
+    """vLLM's ``--lora-modules`` entry: ``name=path``, or JSON
+    ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({exc})") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(
+            value.get("path"), str
+        ):
+            raise argparse.ArgumentTypeError(
+                f'a JSON entry needs "name" and "path" strings, got {text!r}'
+            )
+        extra = set(value) - {"name", "path", "base_model_name"}
+        if extra:
+            raise argparse.ArgumentTypeError(f"unknown keys {sorted(extra)} in {text!r}; "
+                                             'use "name", "path", "base_model_name"')  # fmt: skip
+        return value
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(
+            f"expected name=path or a JSON object, got {text!r} (e.g. --lora-modules sql=/adapters/sql)"
+        )
+    return {"name": name, "path": path}
+
+
+def lora_requests(modules: list[dict[str, Any]] | None) -> tuple[Any, ...]:
+    """``--lora-modules`` as ``LoRARequest``s, numbered from 1 in order."""
+    from paged_server.lora_request import LoRARequest
+
+    return tuple(
+        LoRARequest(m["name"], i, m["path"], m.get("base_model_name"))
+        for i, m in enumerate(modules or [], 1)
+    )
+
+
 def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     """Add the HTTP-side flags (dest = the ``ServerSettings`` field or a name
     ``settings_from_args`` reads)."""
@@ -71,6 +108,11 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprob tokens as 'token_id:N' strings unless a request's "
                    "return_tokens_as_token_ids says otherwise (vLLM's server-wide default)")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None,
+                   metavar="NAME=PATH|JSON",
+                   help="LoRA adapters to serve from the start (with --enable-lora): name=path or "
+                   '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}\'; '
+                   "a request names one as its model")
     # vLLM flags whose behaviour is always on here: accepted so launch lines start.
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted; usage.prompt_tokens_details.cached_tokens is always reported")

@@ -55,10 +55,12 @@ class Generation:
         *,
         prompt_param: str,
         constraint_param: str = "response_format",
+        lora_request: Any = None,
     ) -> None:
         """Add every prompt to the engine; on any failure abort the ones
         added. Errors name ``prompt_param`` for the prompt and
-        ``constraint_param`` for the grammar (``response_format`` or ``tools``)."""
+        ``constraint_param`` for the grammar (``response_format`` or ``tools``).
+        ``lora_request``: the LoRA adapter serving them (None: the base model)."""
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{self.request_id}-{i}"
@@ -66,7 +68,8 @@ class Generation:
                 # is queued, abort() still reaches it (commands run in order).
                 self._unfinished.add(engine_id)
                 n_prompt = await self.engine.add_request(
-                    engine_id, prompt, params, self.queue, arrival=self.arrival, num_choices=self.n
+                    engine_id, prompt, params, self.queue, arrival=self.arrival, num_choices=self.n,
+                    lora_request=lora_request,
                 )
                 self.engine_ids.append(engine_id)
                 self._prompt_index[engine_id] = i

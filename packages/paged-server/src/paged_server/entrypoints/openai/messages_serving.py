@@ -62,13 +62,13 @@ class AnthropicMessages:
             raise rename_param(exc, names) from None
         message_id = f"msg_{uuid.uuid4().hex}"
         if body.stream:
-            return EventStreamResponse(stream_message(gen, fmt, message_id, self.serving.model_name))
+            return EventStreamResponse(stream_message(gen, fmt, message_id, fmt.model))
         choice = (await self.serving.collect(gen, request))[0]
         parsed = fmt.chat_message("".join(choice.text), choice.finish_reason)
         reason, sequence = stop_reason(parsed["finish_reason"], choice.stop_reason)
         prompt, cached = sum(gen.prompt_tokens), gen.cached_tokens
         return JSONResponse({
-            "id": message_id, "type": "message", "role": "assistant", "model": self.serving.model_name,
+            "id": message_id, "type": "message", "role": "assistant", "model": fmt.model,
             "content": content_blocks(parsed["message"]), "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(prompt, cached, choice.num_generated or len(choice.token_ids)),
         })

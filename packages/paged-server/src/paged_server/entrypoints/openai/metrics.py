@@ -15,6 +15,7 @@ servers in one process do not mix, and a multi-process deployment can add a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
@@ -96,6 +97,22 @@ DP_METRICS: dict[str, tuple[str, str]] = {
 }
 
 
+def _lora_info(snapshot: Mapping[str, float]) -> Iterator[Metric]:
+    """vLLM's ``lora_requests_info`` (with --enable-lora): the adapters with
+    requests running and waiting as comma-separated labels, the scrape's time
+    as the value (vLLM's shape: dashboards read the labels)."""
+    if "max_lora" not in snapshot:
+        return
+    names = {state: ",".join(sorted(k.split(":", 1)[1] for k in snapshot if k.startswith(f"lora_{state}:")))
+             for state in ("running", "waiting")}  # fmt: skip
+    info = GaugeMetricFamily(
+        PREFIX + "lora_requests_info", "Running stats on lora requests.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    info.add_metric([str(int(snapshot["max_lora"])), names["running"], names["waiting"]], time.time())
+    yield info
+
+
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's length buckets)."""
     out: list[int] = []
@@ -153,6 +170,7 @@ class _EngineCollector(Collector):
                 groups.add_metric([self.model_name, str(g)], float(snapshot[key]))
         if groups.samples:
             yield groups
+        yield from _lora_info(snapshot)
         yield from self._per_replica(snapshot)
 
     def _per_replica(self, snapshot: Mapping[str, float]) -> Iterator[Metric]:

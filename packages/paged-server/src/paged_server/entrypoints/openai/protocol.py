@@ -708,6 +708,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "paged"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

@@ -76,7 +76,7 @@ class OpenAIResponses:
             history = previous.messages
         conversation = history + input_messages(body.input)
         gen, fmt = await self._start(body, conversation)
-        response = ResponseObject(body, new_id("resp"), self.serving.model_name)
+        response = ResponseObject(body, new_id("resp"), fmt.model)
 
         def done(final: dict[str, Any]) -> None:
             if body.store and final["status"] != "failed":

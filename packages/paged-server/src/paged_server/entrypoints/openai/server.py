@@ -44,6 +44,18 @@ def build_engine(config: EngineConfig, thread: EngineThread | None = None) -> An
     return thread.call(lambda: LLMEngine(config))
 
 
+def load_lora_modules(engine: Any, loras: tuple[Any, ...], thread: EngineThread | None = None) -> None:
+    """Serve the ``--lora-modules`` adapters (``LoRARequest``s) from the start,
+    loaded on ``thread`` (the engine's); ``ValueError`` names a bad one."""
+    if loras and not getattr(engine.config, "enable_lora", False):
+        raise ValueError("serving LoRA adapters needs --enable-lora too")
+    for lora in loras:
+        if thread is None:
+            engine.add_lora(lora)
+        else:
+            thread.call(lambda lora=lora: engine.add_lora(lora))
+
+
 def served_model_name(config: EngineConfig, override: str | None = None) -> str:
     """The id clients send as ``model``: the override, the model directory's
     name, the Hugging Face id it was named by (as vLLM), or the embedded

@@ -46,6 +46,7 @@ from paged_server.entrypoints.openai.streaming import (
 )
 from paged_server.entrypoints.openai.tool_calls import detect_parser
 from paged_server.generation_defaults import NEUTRAL
+from paged_server.lora_request import LoRARequest
 from paged_server.output_constraint import StructuredOutputsParams
 from paged_server.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -103,7 +104,7 @@ class OpenAIServing:
     # ------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         raw_prompts = normalize_prompt(body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         encoded = [await self._encode_prompt(p, body.add_special_tokens) for p in raw_prompts]
@@ -127,9 +128,10 @@ class OpenAIServing:
                      for p, full, ids in zip(raw_prompts, encoded, prompts, strict=True)]
             echo = Echo(texts, prompts, drop_generated=max_tokens == 0)
         gen = Generation(self.engine, _response_id("cmpl", body), body.n, arrival)
-        await gen.submit(prompts, params, prompt_param="prompt", constraint_param=constraint_param)
+        await gen.submit(prompts, params, prompt_param="prompt", constraint_param=constraint_param,
+                         lora_request=lora)
         self._log_request(gen, params, body)
-        fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
+        fmt = ResponseFormat(gen.request_id, self.served_name(lora), self.tokenizer,
                              include_usage=body.include_usage(), continuous_usage=body.continuous_usage(),
                              num_top=body.logprobs, echo=echo, n=body.n)
         self._shape(fmt, body, prompts)
@@ -148,7 +150,7 @@ class OpenAIServing:
         the format its outputs read in (also the start of /v1/responses and
         /v1/messages, which are chat requests in other clothes)."""
         arrival = time.monotonic()
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self._check_auto_tool_choice(body)
         ids = await self.renderer.request_ids(body)
         requested = body.requested_max_tokens()
@@ -174,9 +176,10 @@ class OpenAIServing:
                               truncate=self._truncate_limit(body, requested))
         await self._index_bad_words(params)
         gen = Generation(self.engine, _response_id("chatcmpl", body), body.n, arrival)
-        await gen.submit([ids], params, prompt_param="messages", constraint_param=constraint_param)
+        await gen.submit([ids], params, prompt_param="messages", constraint_param=constraint_param,
+                         lora_request=lora)
         self._log_request(gen, params, body)
-        fmt = ResponseFormat(gen.request_id, self.model_name, self.tokenizer,
+        fmt = ResponseFormat(gen.request_id, self.served_name(lora), self.tokenizer,
                              include_usage=body.include_usage(), continuous_usage=body.continuous_usage(),
                              num_top=num_top)
         self._shape(fmt, body, [ids])
@@ -238,16 +241,31 @@ class OpenAIServing:
                 param="tool_choice",
             )
 
-    def check_model(self, model: str | None) -> None:
+    def loras(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters served now, by name (a copy: the engine thread loads and unloads)."""
+        return dict(getattr(self.engine.engine, "lora_requests", None) or {})
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """A 404 unless ``model`` is served here; the LoRA adapter it names
+        (None: the base model, under its name or an alias)."""
         aliases = getattr(self.settings, "model_aliases", ())
-        if model is not None and model != self.model_name and model not in aliases:
-            raise APIError(
-                404,
-                f"model: '{model}' is not served here; this server serves '{self.model_name}' "
-                "(see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        if model is None or model == self.model_name or model in aliases:
+            return None
+        loras = self.loras()
+        if model in loras:
+            return loras[model]
+        adapters = f" and the LoRA adapters {', '.join(map(repr, loras))}" if loras else ""
+        raise APIError(
+            404,
+            f"model: '{model}' is not served here; this server serves '{self.model_name}'"
+            f"{adapters} (see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+    def served_name(self, lora: LoRARequest | None) -> str:
+        """The ``model`` a response names: the adapter's, else the served model's."""
+        return self.model_name if lora is None else lora.lora_name
 
     async def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):

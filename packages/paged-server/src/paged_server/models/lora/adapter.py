@@ -19,6 +19,7 @@ the ranks fit ``max_lora_rank`` is the slot table's check
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -171,6 +172,22 @@ def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
     if not weights:
         raise LoRAAdapterError(f"{where}: the weights file holds no lora_A/lora_B tensors")
     return LoRAAdapter(name, path, config, weights)
+
+
+def adapter_digest(path: str | Path) -> bytes:
+    """A digest of the adapter's config and weights files: what its KV
+    depends on, so the prefix cache keeps one adapter's blocks from another's
+    (an adapter loaded again with other weights, under the same name, too)."""
+    path = Path(path).expanduser()
+    h = hashlib.blake2b(digest_size=16)
+    for file_name in (CONFIG_FILE, *WEIGHT_FILES):
+        file = path / file_name
+        if file.is_file():
+            h.update(file_name.encode() + b"\0")
+            with file.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+    return h.digest()
 
 
 def _read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:

@@ -108,6 +108,13 @@ class LoRAManager:
         self._keep(name, factors)
         return adapter
 
+    def check(self, name: str, path: str | Path) -> LoRAAdapter:
+        """``add``'s reading and checks without adding: what ``add`` would
+        raise for it (the name aside). Touches no table or host copy."""
+        adapter = read_adapter(name, path)
+        self._factors(adapter)
+        return adapter
+
     def remove(self, name: str) -> None:
         """Forget ``name``: its slot (zeroed) and host copy are freed."""
         if name not in self._paths:
