@@ -101,3 +101,19 @@ def test_a_truncated_checkpoint_names_the_file(tmp_path: Path,
     assert f"{weights} is not a readable safetensors file" in line and "truncated" in line
 
 
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--lora-modules", "sql"], "expected name=path or a JSON object"),
+        (["--lora-modules", '{"name": "sql"}'], 'needs "name" and "path"'),
+        (["--lora-modules", "sql=/no/such/adapter"], "needs --enable-lora too"),
+        (["--enable-lora", "--lora-modules", "sql=/no/such/adapter"], "no adapter_config.json"),
+        (["--enable-lora", "-q", "int8"], "adapters on quantized weights"),
+        (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "max_cpu_loras (1) must be >= max_loras (2)"),
+    ],
+)
+def test_lora_flags_are_refused_in_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                            fragment: str) -> None:
+    assert fragment in _refused(capsys, *argv, "--port", "0")

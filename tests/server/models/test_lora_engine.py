@@ -130,3 +130,27 @@ def test_lora_needs_enable_lora(checkpoints, lora_adapters, prompt_of):
     lora = loras_of(lora_adapters["llama"])["patterns"]
     [result] = llm.generate(prompt_token_ids=[prompt_of(5, 1)], lora_request=lora)
     assert "--enable-lora" in result.outputs[0].error
+
+
+@pytest.mark.parametrize("path", [pytest.param("compiled", marks=pytest.mark.slow), "graphs"])  # compiling: ~30 s
+def test_compiled_forward_and_decode_graphs_run_adapter_steps_eagerly(
+    checkpoints, lora_adapters, prompt_of, monkeypatch, path
+):
+    """With the compiled CPU forward (or the decode graphs' static path),
+    steps without adapters keep it and steps with adapters run eagerly: the
+    tokens are PEFT's either way."""
+    if path == "compiled":
+        monkeypatch.setenv("PAGED_COMPILE", "1")
+    else:
+        monkeypatch.setenv("PAGED_DECODE_GRAPHS", "eager")
+    checkpoint, adapters = checkpoints["llama"], lora_adapters["llama"]
+    loras = loras_of(adapters)
+    llm = LLM(str(checkpoint.path), max_loras=2, **ENGINE)
+    worker = llm.engine.worker
+    assert (worker.compiled if path == "compiled" else worker.graphs) is not None
+    names = [None, "rslora", "patterns", None]
+    prompts = [prompt_of(6 + 4 * i, 20 + i) for i in range(len(names))]
+    oracles = {None: checkpoint.hf_model} | {n: merged for n, (_, merged) in adapters.items()}
+    got, _ = greedy(llm, prompts, [loras.get(n) for n in names])
+    assert got == [hf_greedy(oracles[n], p) for n, p in zip(names, prompts, strict=True)]
+    assert greedy(llm, prompts[:1], None)[0] == got[:1]  # the adapter-free steps, compiled or replayed
