@@ -271,6 +271,35 @@ def _kv_accuracy_trained_section(data: dict[str, Any] | None) -> list[str]:
     return out + ["", "Command: `python benchmarks/run_all.py --only kv_accuracy_trained`", ""]
 
 
+def _spec_decode_section(data: dict[str, Any] | None) -> list[str]:
+    """Prompt-lookup speculation against none (benchmarks/spec_decode.py)."""
+    if data is None:
+        return []
+    one, cfg = data["one_stream"], data["speculative_config"]
+    many = next(v for k, v in data.items() if k.startswith("streams_"))
+    streams = next(k for k in data if k.startswith("streams_")).split("_")[1]
+    out = ["## Speculative decoding (prompt lookup)", ""]
+    out.append(
+        f"{data['model']}, greedy, {data['max_tokens']} new tokens per request, prompts that ask for a "
+        f"passage again ({data['prompts']} passages of Python's help text); `--speculative-config` "
+        f"`{json.dumps(cfg)}` against no speculation, alternated {data['repeats']} times in one "
+        "process, medians. The bound is the tokens a verify step yields, E = (1 - a^(k+1)) / (1 - a) "
+        "for acceptance rate a, divided by what a verify step costs against a decode step. "
+        "Measured " + data["environment"]["date"] + "."
+    )
+    out.append("")
+    rows = [
+        ["1", _f(one["off_tokens_per_s"]), _f(one["ngram_tokens_per_s"]), f"{one['speedup']:.2f}x",
+         _pct(one["acceptance_rate"]), _f(one["tokens_per_target_step"], 2),
+         f"{one['verify_step_cost']:.2f}x", f"{one['bound']:.2f}x", _pct(one["efficiency"])],
+        [streams, _f(many["off_tokens_per_s"]), _f(many["ngram_tokens_per_s"]), f"{many['ratio']:.2f}x",
+         "-", "-", "-", "-", "-"],
+    ]  # fmt: skip
+    out += _table(["streams", "off tok/s", "ngram tok/s", "ratio", "acceptance", "tokens/step",
+                   "verify cost", "bound", "of bound"], rows)  # fmt: skip
+    return out + ["", "Command: `python benchmarks/spec_decode.py`", ""]
+
+
 def _sliding_window_section(sw: dict[str, Any] | None) -> list[str]:
     out = ["## Sliding-window layers: blocks given back (hybrid KV cache)", ""]
     if sw is None:
@@ -937,6 +966,7 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _capacity_section(_load(results, "capacity"), images, docs)
     lines += _kv_dtype_section(_load(results, "kv_dtype"), _load(results, "kv_dtype_throughput"))
     lines += _kv_accuracy_trained_section(_load(results, "kv_accuracy_trained"))
+    lines += _spec_decode_section(_load(results, "spec_decode"))
     lines += _sliding_window_section(_load(results, "sliding_window"))
     lines += _sweep_section(_load(results, "batch_sweep"), images, docs)
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)

@@ -27,7 +27,7 @@ SERVER_LAYERS = [
     # where a model lives and its recommended sampling settings (read by config and engine)
     {"model_dir", "generation_defaults"},
     {"models", "default_model"},  # model code and its loader; know no engine config
-    {"config"},  # the engine config (names model quantization methods)
+    {"config", "speculative_config"},  # the engine config (names model quantization methods)
     {"engine", "parallel"},  # the engine and its tensor-parallel ranks
     {"data_parallel"},  # engine replicas in their own processes, as one engine for the server
     {"entrypoints", "bench"},  # what a user runs: LLM, the HTTP server, the CLI, benchmarks

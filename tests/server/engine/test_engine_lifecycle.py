@@ -236,6 +236,9 @@ def test_metrics_report_the_contract_keys(make_engine, run_engine, prompt_of, gr
         "prefix_cache_misses_too_short_total",
         "prefix_cache_misses_evicted_total",
         "prefix_cache_misses_never_seen_total",
+        "spec_decode_num_drafts_total",  # zero without speculative decoding, as vLLM reports
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
     }
     assert m["prompt_tokens_total"] == 16 and m["generation_tokens_total"] == 8
     assert m["kv_capacity_blocks"] == 32 and m["kv_capacity_tokens"] == 128

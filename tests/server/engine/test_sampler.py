@@ -159,7 +159,7 @@ def test_a_draw_at_the_top_of_the_cdf_takes_a_token_with_mass(monkeypatch) -> No
     position, a token the filter had removed."""
     import paged_server.engine.sampler as sampler
 
-    monkeypatch.setattr(sampler, "_uniform", lambda generator: 1.0)
+    monkeypatch.setattr(sampler, "uniform", lambda generator: 1.0)
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
     assert sample(logits, [row(top_k=2)]).token_ids == [1]
     assert sample(logits[:, [2, 0, 1]], [row(top_k=2)]).token_ids == [2]

@@ -50,10 +50,22 @@ def _generate(path: Path, tp: int = 1, pp: int = 1, **extra: Any) -> dict[str, A
             "steps": steps,
             "sized_by": engine.capacity.sized_by,
             "blocks": engine.capacity.num_blocks,
+            "drafts": metrics["spec_decode_num_draft_tokens_total"],
         }
         workers = list(getattr(engine.executor, "workers", []))
     assert all(not w.is_alive() for w in workers), "workers must exit with the LLM"
     return out
+
+
+def test_pp2_with_speculative_decoding_matches_one_rank(tp_checkpoints: dict[str, Path]) -> None:
+    """A verify pass (a sequence's last token and its drafts) is one more
+    prompt-like row through both stages: PP=2 speculating gives one rank's
+    greedy tokens without speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    one = _generate(tp_checkpoints["llama"])
+    two = _generate(tp_checkpoints["llama"], pp=2, speculative_config=spec)
+    assert two["tokens"][:4] == one["tokens"][:4]  # the greedy ones (the n=2 one samples)
+    assert two["drafts"] > 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])

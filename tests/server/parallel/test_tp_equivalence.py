@@ -84,6 +84,7 @@ def _generate(
             "kv_cache_groups": engine.capacity.num_groups,
             "sized_by": engine.capacity.sized_by,
             "graph_steps": engine.worker.graphs.steps if engine.worker.graphs else 0,
+            "drafts": metrics["spec_decode_num_draft_tokens_total"],
             "blocks": engine.capacity.num_blocks,
         }
         workers = list(getattr(engine.executor, "workers", []))
@@ -167,6 +168,19 @@ def test_tp2_with_async_scheduling_matches_tp1(tp_checkpoints: dict[str, Path]) 
     two = _generate(path, 2, "paged", async_scheduling=True)
     assert two["tokens"] == one["tokens"]
     assert two["preemptions"] > 0
+
+
+def test_tp2_with_speculative_decoding_matches_tp1(tp_checkpoints: dict[str, Path]) -> None:
+    """Prompt lookup with TP: each verify pass (a sequence's last token and
+    its drafts) runs on every rank, and the room rejected drafts held is
+    given back on rank 0's manager alone: TP=2 speculating gives the tokens
+    of TP=1 without speculation."""
+    path = tp_checkpoints["llama"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    one = _generate(path, 1, "paged")
+    two = _generate(path, 2, "paged", speculative_config=spec)
+    assert two["tokens"][:4] == one["tokens"][:4]  # the greedy ones (the n=2 one samples)
+    assert two["drafts"] > 0
 
 
 @pytest.mark.parametrize("pool", ["paged", "contiguous"])

@@ -225,6 +225,24 @@ class BlockManager:
             self.block_pool.free(reversed(table[self._released(g, seq.num_computed) :]))
         del self._seqs[seq_id]
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Forget the room reserved past the sequence's first ``num_tokens``
+        tokens (a verify pass's rejected drafts): their ids go, and every
+        block that holds none of the kept tokens is freed, tail first. The
+        kept tokens must include every computed one."""
+        seq = self._seq(seq_id)
+        if not max(seq.num_computed, 1) <= num_tokens <= len(seq.tokens):
+            raise ValueError(
+                f"sequence {seq_id} computed {seq.num_computed} of {len(seq.tokens)} tokens; "
+                f"cannot keep {num_tokens}"
+            )
+        keep = -(-num_tokens // self.block_size)
+        for table in seq.tables:
+            tail = table[keep:]
+            del table[keep:]
+            self.block_pool.free(reversed(tail))
+        del seq.tokens[num_tokens:]
+
     def fork(self, parent: int, child: int) -> None:
         """Give ``child`` the tokens of ``parent`` by sharing every block
         (copy-on-write: the first write into a shared block copies it)."""

@@ -213,6 +213,11 @@ class KVCacheManagerProtocol(Protocol):
         token is committed."""
         ...
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Give back the room reserved past the first ``num_tokens`` tokens (a
+        verify pass's rejected drafts; every computed token is kept)."""
+        ...
+
     def get_num_reserved(self, seq_id: int) -> int:
         """Tokens ``seq_id`` has room for: committed plus reserved ahead."""
         ...

@@ -71,6 +71,11 @@ class BlockTableBuffer:
         self._array[dst, :n] = self._array[src, :n]
         self._lens[dst] = n
 
+    def truncate(self, handle: int, num_blocks: int) -> None:
+        """Keep the sequence's first ``num_blocks`` entries."""
+        row = self._row_of[handle]
+        self._lens[row] = min(self._lens[row], num_blocks)
+
     def remove(self, handle: int) -> None:
         """Give the sequence's row back (its contents are left as they are)."""
         row = self._row_of.pop(handle)

@@ -123,6 +123,16 @@ class ContiguousKVManager:
     def set_token(self, seq_id: int, position: int, token_id: int) -> None:
         """Token ids are not kept here (no prefix cache): nothing to do."""
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Room promised past ``num_tokens`` tokens goes (the row stays)."""
+        self._check_live(seq_id)
+        if not self.seq_lens[seq_id] <= num_tokens <= self.get_num_reserved(seq_id):
+            raise ValueError(
+                f"seq_id {seq_id} holds {self.seq_lens[seq_id]} of {self.get_num_reserved(seq_id)} "
+                f"reserved tokens; cannot keep {num_tokens}"
+            )
+        self.reserved[seq_id] = num_tokens
+
     def fork_seq(self, seq_id: int) -> int:
         """A new seq_id whose row is a copy of ``seq_id``'s (made, as a block
         copy, before the next step reads or writes the cache)."""

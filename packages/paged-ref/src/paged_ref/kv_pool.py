@@ -114,6 +114,9 @@ class KVPool(SeedViews):
     def reserve(self, seq_id: int, token_ids: Sequence[int], upto: int) -> int:
         return int(self.manager.reserve(seq_id, token_ids, upto))
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        self.manager.truncate(seq_id, num_tokens)
+
     def set_token(self, seq_id: int, position: int, token_id: int) -> None:
         self.manager.set_token(seq_id, position, token_id)
 

@@ -146,6 +146,14 @@ class PagedKVManager:
         if position < self.block_manager.num_tokens(seq_id):
             self.block_manager.set_token(seq_id, position, token_id)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Give back the room reserved past ``num_tokens`` tokens (rejected
+        drafts): blocks that hold none of the kept tokens are freed."""
+        self.block_manager.truncate(seq_id, num_tokens)
+        keep = -(-num_tokens // self.block_size)
+        for tables in self._tables:
+            tables.truncate(seq_id, keep)
+
     def fork_seq(self, seq_id: int) -> int:
         """A new seq_id sharing all of ``seq_id``'s blocks copy-on-write."""
         child = self._new_seq_id()

@@ -19,6 +19,7 @@ import torch
 from paged_server.models.loader import cpu_has_bf16
 from paged_server.models.pooler import CONVERTS, RUNNERS, TASKS, resolve_head
 from paged_server.sampling_params import MAX_LOGPROBS
+from paged_server.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from paged_server.models.config import ModelConfig
@@ -81,6 +82,8 @@ class EngineConfig:
     # while step N's forward pass runs. None: on where it helps (CUDA, whose
     # pass runs asynchronously); off on a CPU, whose pass holds the cores.
     async_scheduling: bool | None = None
+    # vLLM's --speculative-config (a JSON object; speculative_config.py says which keys)
+    speculative_config: dict[str, Any] | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
@@ -181,6 +184,8 @@ class EngineConfig:
         if self.task is not None:
             _choice("task", self.task, tuple(TASKS))
         self._check_kv_scales()
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)
         if self.quantization is not None:
             from paged_server.models.quantization.methods import QUANTIZATION_METHODS
 
@@ -365,6 +370,13 @@ class RunConfig(EngineConfig):
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (None: no speculation)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def summary(self) -> str:
         """Every setting as ``name=value``, for the one log line at start-up."""

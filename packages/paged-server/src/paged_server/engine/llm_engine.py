@@ -62,6 +62,8 @@ from paged_server.engine.pooling import pooling_request
 from paged_server.engine.sampler import SamplerOutput, SamplingRow, row_max, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.speculative.proposer import build_proposer
+from paged_server.engine.speculative.verify import Verified, verify
 from paged_server.engine.step_batch import (
     PromptScores,
     StepBatch,
@@ -195,6 +197,9 @@ class LLMEngine:
         self._made: list[RequestOutput] = []
         self._defer_text = config.async_output_proc and not config.async_scheduling
         self._inflight: _Inflight | None = None  # --async-scheduling: the step launched last
+        spec = self._spec = config.speculative  # parsed once
+        self._proposer = None if spec is None else build_proposer(spec)
+        self._drafted: list[Sequence] = []  # sequences holding drafts this step
         self.counters = EngineCounters()
         self._preemption_log = RateLimitedLog(log)
         self.structured_output = StructuredOutput(
@@ -371,8 +376,11 @@ class LLMEngine:
         return self._collect_outputs()
 
     def _plan(self) -> SchedulerOutput:
-        """Retire, schedule, fail what can never run, count."""
+        """Retire, propose drafts (speculative decoding), schedule, fail what
+        can never run, count."""
         self.scheduler.retire()
+        if self._proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         for seq, reason in plan.refused:  # the progress guarantee: fail, never wait forever
             if not seq.is_finished:
@@ -407,7 +415,7 @@ class LLMEngine:
                 launched.fill.provide(drawn)
         self._inflight = launched
         if inflight is not None and drawn is not None:  # while N+1 runs (None: N's pass failed)
-            self._commit(inflight.scheduled, inflight)
+            self._commit(inflight.scheduled, None, inflight)
             self._accept(drawn)
         return self._collect_outputs()
 
@@ -455,8 +463,84 @@ class LLMEngine:
         # and a stop string found there finishes its sequence before this
         # step's token is appended (the rows below skip finished sequences).
         self._text_of_last_step()
-        self._commit(scheduled)
+        self._commit(scheduled, step)
         self._accept(self._draw(self._rows(scheduled, step), step.logits))
+        self._check_drafts(scheduled, step)
+
+    # -- speculative decoding --------------------------------------------------------
+    def _propose(self) -> None:
+        """Drafts for every running sequence that may speculate: decoding
+        (past its first token, its last token the only one to compute), no grammar, no beam search,
+        no choices still to fork, not while ``disable_by_batch_size`` or more run."""
+        spec, proposer = self._spec, self._proposer
+        assert spec is not None and proposer is not None
+        running = [s for s in self.scheduler.running if not s.is_finished]
+        if not spec.speculates(len(running)):
+            return
+        eligible: list[Sequence] = []
+        limits: list[int] = []
+        for seq in running:
+            token_ids = seq.token_ids
+            if (
+                seq.num_computed_tokens != len(token_ids) - 1
+                or len(token_ids) == seq.num_prompt_tokens  # still in its prompt (or pooling)
+                or seq.num_inflight_tokens or seq.num_pending_samples
+                or seq.grammar is not None or seq.request.beam is not None or seq.forks_choices
+                or seq.pool_seq_id is None
+            ):  # fmt: skip
+                continue
+            params = seq.request.params
+            # no draft past the last token max_tokens / max_model_len allow
+            room = min(
+                params.max_tokens - (len(token_ids) - seq.num_prompt_tokens),  # type: ignore[operator]
+                self.config.max_model_len - len(token_ids),
+            ) - 1
+            eligible.append(seq)
+            limits.append(room)
+        drafts = proposer.propose_all([s.token_ids for s in eligible], limits)
+        for seq, draft in zip(eligible, drafts, strict=True):
+            if draft:
+                seq.draft = draft
+                self._drafted.append(seq)
+
+    def _speculating(self) -> bool:
+        """Whether the running sequences speculate now (``disable_by_batch_size``)."""
+        spec = self._spec
+        return spec is not None and spec.speculates(len(self.scheduler.running))
+
+    def _check_drafts(self, scheduled: list[tuple[Sequence, int]], step: StepLogits) -> None:
+        """Each checked sequence: the kept drafts and one more token appended;
+        its KV committed through the last kept draft, the room reserved for
+        rejected ones given back (no prefix-cache entry ever holds them)."""
+        drafted, self._drafted = self._drafted, []
+        for i, logits in step.verified:
+            seq, n = scheduled[i]
+            drafts = seq.draft[: n - 1]
+            if seq.is_finished or seq.pool_seq_id is None:
+                continue
+            with self._isolated(seq, "speculative decoding"):
+                self._apply_verdict(seq, drafts, verify(logits, drafts, self._sampling_row(seq)))
+        for seq in drafted:
+            seq.draft = []
+
+    def _apply_verdict(self, seq: Sequence, drafts: list[int], verdict: Verified) -> None:
+        if verdict.error is not None:
+            self._fail(seq, verdict.error)
+            return
+        seq_id, length = seq.pool_seq_id, len(seq.token_ids)
+        assert seq_id is not None
+        kept = verdict.num_accepted
+        for position, token in enumerate(drafts[:kept], start=length):
+            self.kv_manager.set_token(seq_id, position, token)
+        seq.num_computed_tokens = length + kept  # its last token and the kept drafts
+        self.kv_manager.mark_computed(seq_id, seq.num_computed_tokens)
+        self.kv_manager.truncate(seq_id, seq.num_computed_tokens)
+        self.counters.count_drafts(len(drafts), kept)
+        now = time.monotonic()
+        for token, logprob in zip(verdict.tokens, verdict.logprobs, strict=True):
+            self._append(seq, token, logprob, now)
+            if seq.is_finished:  # a stop among the kept tokens: the rest are past it
+                break
 
     def _forward_failed(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> None:
         """A pass that raised: fatal with several ranks (their caches may now
@@ -467,23 +551,32 @@ class LLMEngine:
         for seq, _ in scheduled:
             self._fail(seq, f"model forward pass failed: {type(exc).__name__}: {exc}")
 
-    def _commit(self, scheduled: list[tuple[Sequence, int]], inflight: _Inflight | None = None) -> None:
+    def _commit(
+        self, scheduled: list[tuple[Sequence, int]], step: StepLogits | None = None,
+        inflight: _Inflight | None = None,
+    ) -> None:  # fmt: skip
         """Each sequence's computed tokens, and with them the prefix-cache
-        entries of its now-complete blocks. For a step launched ahead
-        (``inflight``): its tokens leave ``num_inflight_tokens``, its samples
-        ``num_pending_samples``; a sequence preempted or finished since its
-        launch is skipped (its KV was freed, or will be)."""
+        entries of its now-complete blocks; a sequence whose drafts were
+        checked is committed with its verdict (``_check_drafts``). For a step
+        launched ahead (``inflight``): its tokens leave ``num_inflight_tokens``,
+        its samples ``num_pending_samples``; a sequence preempted or finished
+        since its launch is skipped (its KV was freed, or will be)."""
         mark_computed = self.kv_manager.mark_computed  # once per sequence: bound once
+        checked = {i for i, _ in step.verified} if step is not None and step.verified else ()
         if inflight is None:
-            for seq, n in scheduled:
+            for i, (seq, n) in enumerate(scheduled):
+                if i in checked:
+                    continue
                 seq.num_computed_tokens += n
                 assert seq.pool_seq_id is not None
                 mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
             return
-        for (seq, n), epoch in zip(scheduled, inflight.epochs, strict=True):
+        for i, ((seq, n), epoch) in enumerate(zip(scheduled, inflight.epochs, strict=True)):
             if seq.num_preemptions != epoch or seq.pool_seq_id is None:
                 continue
             seq.num_inflight_tokens -= n
+            if i in checked:
+                continue
             seq.num_computed_tokens += n
             mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
         for i in inflight.batch.sampled:
@@ -549,7 +642,11 @@ class LLMEngine:
             seq.num_inflight_tokens += n
         for i in batch.sampled:
             scheduled[i][0].num_pending_samples += 1
-        overlaps = not any(s.request.beam is not None or s.forks_choices for s, _ in scheduled)
+        # Drafts need the token before them: while sequences speculate, a step
+        # is processed whole before the next is planned.
+        overlaps = not self._speculating() and not any(
+            s.request.beam is not None or s.forks_choices for s, _ in scheduled
+        )
         return _Inflight(
             scheduled, batch, future, [s.num_preemptions for s, _ in scheduled], overlaps, fill
         )
@@ -571,7 +668,9 @@ class LLMEngine:
             return None
         assert logits is not None  # the driver's
         batch = inflight.batch
-        return split_logits(logits, batch.sampled, batch.scored, len(batch.ids), batch.pooled), top
+        return split_logits(
+            logits, batch.sampled, batch.scored, len(batch.ids), batch.pooled, batch.verified
+        ), top
 
     def _draw_inflight(self, inflight: _Inflight) -> _Drawn | None:
         """Wait for the step in flight and sample it (its rows of sequences
@@ -600,8 +699,9 @@ class LLMEngine:
         waited = self._wait(inflight)
         if waited is not None:
             step, top = waited
-            self._commit(inflight.scheduled, inflight)
+            self._commit(inflight.scheduled, step, inflight)
             self._accept(self._draw(self._rows(inflight.scheduled, step), step.logits, top))
+            self._check_drafts(inflight.scheduled, step)
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """The step's flat batch through every rank's worker; its logits split

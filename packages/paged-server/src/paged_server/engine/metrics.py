@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from paged_core import MISS_REASONS
 from paged_core.protocols import KVCacheManagerProtocol
@@ -26,6 +26,24 @@ class EngineCounters:
     generation_tokens: int = 0
     audit_problems: int = 0  # findings of the last audit (0 when clean)
     audits: int = 0
+    # Speculative decoding (vLLM's names): sequences that checked drafts, the
+    # drafts checked, those kept, and those kept at each draft position.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    def count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        """One sequence's checked drafts, ``num_accepted`` of them kept (a prefix)."""
+        if not num_drafts:
+            return
+        self.spec_drafts += 1
+        self.spec_draft_tokens += num_drafts
+        self.spec_accepted_tokens += num_accepted
+        per = self.spec_accepted_per_position
+        per += [0] * (num_drafts - len(per))
+        for i in range(num_accepted):
+            per[i] += 1
 
     def snapshot(
         self,
@@ -58,7 +76,12 @@ class EngineCounters:
             "kv_cache_groups": float(capacity.num_groups),
             "kv_audit_problems": float(self.audit_problems),
             "kv_audits_total": float(self.audits),
+            "spec_decode_num_drafts_total": float(self.spec_drafts),
+            "spec_decode_num_draft_tokens_total": float(self.spec_draft_tokens),
+            "spec_decode_num_accepted_tokens_total": float(self.spec_accepted_tokens),
         }
+        for i, kept in enumerate(self.spec_accepted_per_position):
+            out[f"spec_decode_num_accepted_tokens_position_{i}_total"] = float(kept)
         for reason in MISS_REASONS:
             key = f"prefix_miss_{reason}_tokens"
             out[f"prefix_cache_misses_{reason}_total"] = float(stats.get(key, 0))

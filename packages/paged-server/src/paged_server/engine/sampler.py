@@ -60,7 +60,7 @@ def sample(
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [batch={len(rows)}, vocab], got {tuple(logits.shape)}")
-    uniforms = [0.0 if r.greedy else _uniform(r.generator) for r in rows]
+    uniforms = [0.0 if r.greedy else uniform(r.generator) for r in rows]
     try:
         return _sample_batch(logits, rows, uniforms, top)
     except Exception:  # isolate the failing row(s)
@@ -235,7 +235,7 @@ def filter_sorted(sorted_logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Te
     return torch.softmax(masked.masked_fill(drop, float("-inf")), dim=-1)
 
 
-def _uniform(generator: torch.Generator | None) -> float:
+def uniform(generator: torch.Generator | None) -> float:
     """One draw in [0, 1) from the request's own generator."""
     return float(torch.rand((), generator=generator).item())
 

@@ -162,7 +162,7 @@ class Scheduler:
             # sequences (host critical path).
             done = seq.num_computed_tokens + seq.num_inflight_tokens
             pending = seq.num_pending_samples
-            wanted = len(seq.token_ids) + pending - done
+            wanted = len(seq.token_ids) + pending + len(seq.draft) - done
             if seq.status is finished or wanted <= 0 or (pending and _samples_its_last(seq)):
                 i += 1
                 continue

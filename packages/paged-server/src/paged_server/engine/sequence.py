@@ -113,6 +113,9 @@ class Sequence:
     num_inflight_tokens: int = 0
     num_pending_samples: int = 0
     num_preemptions: int = 0  # a step's results for a sequence preempted since its launch are dropped
+    # Speculative decoding: tokens proposed after the last one, which this
+    # step's pass checks (the scheduler may give it fewer); [] between steps.
+    draft: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     error: str | None = None

@@ -45,6 +45,8 @@ class StepLogits:
     prompt_scores: list[PromptScores] = field(default_factory=list)
     # Pooling requests' prompt rows (``PromptScores.first``: the position of row 0).
     pooled: list[PromptScores] = field(default_factory=list)
+    # (entry, its logits [1 + drafts, vocab]) of each entry whose drafts were checked
+    verified: list[tuple[int, Tensor]] = field(default_factory=list)
 
 
 def run_step(
@@ -60,22 +62,27 @@ def run_step(
     step = WorkerStep(batch.ids, layout, batch.rows, batch.every_row)
     logits = executor.execute(step if finish is None else finish(step))
     assert logits is not None  # the driver's
-    return split_logits(logits, batch.sampled, batch.scored, len(batch.ids), batch.pooled)
+    return split_logits(logits, batch.sampled, batch.scored, len(batch.ids), batch.pooled, batch.verified)
 
 
 def split_logits(
     logits: Tensor, sampled: list[int], scored: list[tuple[int, int, int, int]], num_tokens: int,
     pooled: list[tuple[int, int, int, int]] | None = None,
+    verified: list[tuple[int, int, int]] | None = None,
 ) -> StepLogits:  # fmt: skip
     """Split the pass's logits: sampled rows first, then prompt rows scored,
-    then prompt rows pooled."""
+    then prompt rows pooled, then the rows of each entry whose drafts are checked."""
     parts: list[list[PromptScores]] = [[], []]
     at = len(sampled)
     for part, entries in zip(parts, (scored, pooled or []), strict=True):
         for i, first, _, count in entries:
             part.append(PromptScores(i, first, logits[at : at + count]))
             at += count
-    return StepLogits(logits[: len(sampled)], sampled, num_tokens, parts[0], parts[1])
+    checks = []
+    for i, _, count in verified or []:
+        checks.append((i, logits[at : at + count]))
+        at += count
+    return StepLogits(logits[: len(sampled)], sampled, num_tokens, parts[0], parts[1], checks)
 
 
 @dataclass(slots=True)
@@ -100,6 +107,9 @@ class StepBatch:
     # (token row, sequence) whose id is the token the step in flight samples
     # for that sequence (--async-scheduling): set before this step launches.
     fills: list[tuple[int, Sequence]] = field(default_factory=list)
+    # Speculative decoding: (index, first row, count) of each entry whose
+    # drafts this step checks: its last token and drafts, every row's logits.
+    verified: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def lay_out(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
@@ -118,7 +128,10 @@ def _decode_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch | None:
     fills: list[tuple[int, Sequence]] = []
     for i, (seq, n) in enumerate(scheduled):
         request = seq.request
-        if n != 1 or request.params.prompt_logprobs is not None or request.pooling is not None or seq.pool_seq_id is None:
+        if (
+            n != 1 or request.params.prompt_logprobs is not None or request.pooling is not None
+            or seq.pool_seq_id is None or seq.draft
+        ):  # fmt: skip
             return None  # (no seq_id: _flat_batch names the sequence)
         # seq.scheduled_upto and seq.planned_tokens, inline (the host's critical path)
         start, token_ids = seq.num_computed_tokens + seq.num_inflight_tokens, seq.token_ids
@@ -163,7 +176,13 @@ def _flat_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         pooling = seq.request.pooling
         if pooling is not None and (wanted := pooling.rows_wanted(start, end))[1]:
             b.pooled.append((i, wanted[0], len(b.ids) + wanted[0] - start, wanted[1]))
+        first_row = len(b.ids)
         b.ids += seq.token_ids[start:end]
+        if seq.draft:  # its last token, then the drafts this step checks
+            checked = end - seq.num_tokens
+            b.ids += seq.draft[:checked]
+            b.verified.append((i, first_row + n - checked - 1, checked + 1))
+            continue
         if end > seq.num_tokens:  # its last token is being sampled (a step in flight)
             b.fills.append((len(b.ids), seq))
             b.ids.append(0)
@@ -171,6 +190,8 @@ def _flat_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
             b.rows.append(len(b.ids) - 1)
             b.sampled.append(i)
     for _, _, row, count in b.scored + b.pooled:
+        b.rows += range(row, row + count)
+    for _, row, count in b.verified:
         b.rows += range(row, row + count)
     return b
 

@@ -61,7 +61,6 @@ FLAG_HINTS = {
     "--max-seq-len-to-capture": "decode steps of any length replay CUDA graphs; see --enforce-eager",
     "--compilation-config": "no torch.compile; CUDA graphs for decode unless --enforce-eager",
     "-O": "no torch.compile; CUDA graphs for decode unless --enforce-eager",
-    "--speculative-config": "speculative decoding is not supported",
     "--kv-transfer-config": "disaggregated prefill is not supported",
     "--guided-decoding-backend": "structured outputs always use llguidance; drop the flag",
     "--structured-outputs-config": "structured outputs always use llguidance; drop the flag",
@@ -183,7 +182,7 @@ FLAG_HINTS = {
     "--collect-detailed-traces": _NO_TRACING,
     # SchedulerConfig
     "--max-long-partial-prefills": "chunked prefill shares one token budget: --max-num-batched-tokens",
-    "--num-lookahead-slots": "no speculative decoding, so no lookahead slots; drop the flag",
+    "--num-lookahead-slots": "lookahead slots follow --speculative-config's num_speculative_tokens; drop the flag",
     "--disable-chunked-mm-input": _TEXT_ONLY,
     "--scheduler-cls": _NO_PLUGINS,
     # CompilationConfig, VllmConfig, other

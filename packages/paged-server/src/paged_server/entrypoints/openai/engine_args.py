@@ -78,6 +78,11 @@ _HELP = {
     "bookkeeping, text, stop strings) while the forward pass runs, as vLLM's "
     "--async-scheduling; the pass runs on a thread of its own. Default: on with CUDA, off on "
     "CPU (where the pass holds the cores and the GIL); --no-async-scheduling turns it off",
+    "speculative_config": 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}: drafts copied '
+    "from the request's own prompt and output, all checked in one forward pass (greedy output "
+    "is unchanged, sampled output keeps the model's distribution); disable_by_batch_size: stop "
+    "speculating from that many running sequences",
     "dtype": "weights dtype: auto = bfloat16 on CUDA, float32 on CPU",
     "kv_cache_dtype": "what the KV cache stores: auto = the model dtype; fp8 (= fp8_e4m3) and "
     "fp8_e5m2 with a per-tensor scale of 1.0; int8 with a scale per token and kv head. "

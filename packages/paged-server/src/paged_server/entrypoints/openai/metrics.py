@@ -76,7 +76,11 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "kv_offload_restore_seconds_total": ("counter", "Seconds spent restoring KV blocks (rank 0)."),
     "kv_offload_host_blocks": ("gauge", "KV blocks the host-memory tier holds."),
     "kv_offload_disk_blocks": ("gauge", "KV blocks the disk tier holds."),
+    "spec_decode_num_drafts_total": ("counter", "Sequences whose speculative drafts a step checked."),
+    "spec_decode_num_draft_tokens_total": ("counter", "Speculative draft tokens checked."),
+    "spec_decode_num_accepted_tokens_total": ("counter", "Speculative draft tokens kept."),
 }
+SPEC_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 MISSES = "prefix_cache_misses"
 # With --data-parallel-size: one sample per replica (label ``replica``), from
 # the snapshot's ``dp_replica_<i>_<key>``; the keys above are all replicas summed.
@@ -156,6 +160,16 @@ class _EngineCollector(Collector):
             key = f"{MISSES}_{reason}_total"
             if key in snapshot:
                 misses.add_metric([self.model_name, reason], float(snapshot[key]))
+        per_position = CounterMetricFamily(
+            PREFIX + SPEC_PER_POSITION, "Speculative draft tokens kept, by draft position (0 first).",
+            labels=["model_name", "position"],
+        )
+        for key, value in snapshot.items():
+            if key.startswith("spec_decode_num_accepted_tokens_position_"):
+                position = key.removeprefix("spec_decode_num_accepted_tokens_position_").removesuffix("_total")
+                per_position.add_metric([self.model_name, position], float(value))
+        if per_position.samples:
+            yield per_position
         if misses.samples:
             yield misses
         groups = GaugeMetricFamily(

@@ -1,6 +1,7 @@
 """The periodic stats line vLLM operators read in the server log (off with
 ``--disable-log-stats``): prompt and generation throughput since the last
-line, requests running and waiting, KV cache usage, prefix-cache hit rate.
+line, requests running and waiting, KV cache usage, prefix-cache hit rate,
+and with speculative decoding the draft acceptance rate.
 Written only when something ran since the last line, so an idle server is quiet."""
 
 from __future__ import annotations
@@ -38,13 +39,18 @@ class StatsLogger:
         self._last = {k: float(v) for k, v in snapshot.items()}
         if not (prompt or generated or running or waiting):
             return None
-        return (
+        text = (
             f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {generated / elapsed:.1f} tokens/s, "
             f"Running: {running:.0f} reqs, Waiting: {waiting:.0f} reqs, "
             f"KV cache usage: {100 * snapshot.get('kv_cache_usage_perc', 0.0):.1f}%, "
             f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         )
+        drafts = delta("spec_decode_num_draft_tokens_total")
+        if drafts:  # speculative decoding ran (vLLM's SpecDecoding line, in short)
+            kept = delta("spec_decode_num_accepted_tokens_total")
+            text += f", Spec decode acceptance rate: {100 * kept / drafts:.1f}% of {drafts:.0f} drafts"
+        return text
 
     def maybe_log(self, snapshot: Mapping[str, float], now: float | None = None) -> None:
         """Log the line if one is due."""

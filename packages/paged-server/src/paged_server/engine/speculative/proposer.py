@@ -1,0 +1,32 @@
+"""The seam between the engine and whatever drafts tokens.
+
+The engine hands a proposer every sequence that may speculate this step
+(its tokens so far, and how many drafts it has room for) and gets back one
+draft per sequence, all at once so a proposer that runs a model (a draft
+model, EAGLE or MTP heads) can batch them. Drafts are proposed with
+certainty (one token per position, no distribution), which is what
+``verify.py``'s rejection sampling assumes. Prompt lookup is the one built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from paged_server.engine.speculative.ngram import NgramProposer
+from paged_server.speculative_config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    """What drafts tokens for speculative decoding."""
+
+    def propose_all(self, histories: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
+        """One draft per sequence: at most ``limits[i]`` tokens to follow ``histories[i]``."""
+        ...
+
+
+def build_proposer(spec: SpeculativeConfig) -> Proposer:
+    """The proposer ``spec.method`` names (``SpeculativeConfig.parse`` refused the rest)."""
+    if spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    raise ValueError(f"speculative_config: no proposer for method {spec.method!r}")

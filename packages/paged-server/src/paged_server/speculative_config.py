@@ -1,0 +1,93 @@
+"""``speculative_config``, as vLLM takes it: which speculation, how far ahead, when to stop.
+
+The operator passes a JSON object (``--speculative-config``) or a dict
+(``LLM(speculative_config=...)``) with vLLM's keys; ``SpeculativeConfig.parse``
+checks it once, with vLLM's defaults, and says in one line what is wrong.
+Built: ``"method": "ngram"`` (prompt lookup: drafts copied from the
+request's own prompt and output; vLLM also accepts ``"model": "[ngram]"``).
+EAGLE, Medusa, MTP, MLP speculators and draft models are named and refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# vLLM's SpeculativeConfig keys: accepted here (those that change nothing on
+# one device or with ngram are accepted and documented as no-ops).
+_KEYS = {
+    "method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+    "disable_by_batch_size", "disable_logprobs", "disable_log_stats",
+    "draft_tensor_parallel_size", "quantization", "max_model_len", "revision",
+    "code_revision", "speculative_token_tree", "disable_padded_drafter_batch",
+}  # fmt: skip
+_NOT_BUILT = {"eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "draft_model", "suffix"}
+# vLLM's ngram defaults when neither bound is given ("arbitrarily chosen", its comment says).
+NGRAM_DEFAULT_LOOKUP = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding as run: ``method`` ("ngram"), at most
+    ``num_speculative_tokens`` drafts per sequence and step, the n-gram
+    lengths the lookup tries (longest first), and the running-sequence count
+    from which no sequence speculates (``disable_by_batch_size``; None: never)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+
+    @staticmethod
+    def parse(spec: dict[str, Any]) -> SpeculativeConfig:
+        """Check ``spec`` (vLLM's keys and defaults); ``ValueError`` names what is wrong."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config: must be a JSON object, got {spec!r}")
+        unknown = sorted(set(spec) - _KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; vLLM's keys are "
+                f"{', '.join(sorted(_KEYS))}"
+            )
+        method, model = spec.get("method"), spec.get("model")
+        if method is None and model in ("ngram", "[ngram]"):
+            method = "ngram"  # vLLM's older spelling
+        if method in ("ngram", "[ngram]"):
+            method = "ngram"
+        elif method in _NOT_BUILT or (method is None and model is not None):
+            raise ValueError(
+                f"speculative_config: method {method or 'draft_model'!r} is not built here; "
+                '"method": "ngram" (prompt lookup) is'
+            )
+        elif method is None:
+            raise ValueError('speculative_config: needs "method" (e.g. "ngram")')
+        else:
+            raise ValueError(f'speculative_config: unknown method {method!r}; "ngram" is built')
+        k = spec.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}"
+            )
+        low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = NGRAM_DEFAULT_LOOKUP
+        low = high if low is None else low
+        high = low if high is None else high
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if low > high:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})"
+            )
+        off = spec.get("disable_by_batch_size")
+        if off is not None and (isinstance(off, bool) or not isinstance(off, int) or off < 2):
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be an integer >= 2, got {off!r}"
+            )
+        return SpeculativeConfig(method, k, low, high, off)
+
+    def speculates(self, num_running: int) -> bool:
+        """Whether sequences speculate while ``num_running`` run."""
+        return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size

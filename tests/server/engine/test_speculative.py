@@ -1,0 +1,255 @@
+"""Speculative decoding (``speculative_config``, n-gram prompt lookup): every
+answer stays the target model's. Greedy output is identical token for token
+with and without speculation, under chunked prefill, prefix hits and
+preemption, on both pools; sampled output follows the model's distribution
+(rejection sampling, checked statistically); a seeded request gives the same
+text whatever its neighbours; the KV cache keeps no rejected draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from paged_server.config import EngineConfig
+from paged_server.default_model.tokenizer_builder import build_tokenizer
+from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.sampler import SamplingRow, sampling_distribution
+from paged_server.engine.speculative.ngram import NgramProposer
+from paged_server.engine.speculative.verify import _reject, verify
+from paged_server.models import LoadedModel, load_model
+from paged_server.sampling_params import SamplingParams
+from paged_server.speculative_config import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+VOCAB, CYCLE = 512, 6
+
+
+@pytest.fixture(scope="module")
+def cycling_loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny Llama whose next token is mostly a fixed successor of the
+    current one (the LM head is the embeddings permuted in cycles of 6), so
+    its output settles into cycles that prompt lookup can copy; attention and
+    the MLP still add a tenth of their usual part, so the cache matters to
+    every logit (and to the logprobs compared below)."""
+    path: Path = tmp_path_factory.mktemp("cycling")
+    build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        initializer_range=0.3, eos_token_id=0, bos_token_id=None, pad_token_id=None,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight *= 0.01
+            layer.mlp.down_proj.weight *= 0.01
+        unit = torch.nn.functional.normalize(model.model.embed_tokens.weight, dim=-1)
+        token = torch.arange(VOCAB)
+        base = token - token % CYCLE
+        size = (VOCAB - base).clamp(max=CYCLE)  # the last cycle is shorter
+        successor = base + (token - base + 1) % size
+        head = torch.empty_like(unit)
+        head[successor] = unit * 12.0  # row successor[t] points along token t's embedding
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(path)
+    return load_model(path, torch.float32, "cpu")
+
+
+@pytest.fixture
+def make_cycling(cycling_loaded: LoadedModel):
+    def make(**overrides: Any) -> LLMEngine:
+        cfg: dict[str, Any] = dict(
+            max_batch_size=8, max_model_len=128, max_num_batched_tokens=256, block_size=4,
+            device="cpu", attention_backend="ref",
+        )  # fmt: skip
+        return LLMEngine(EngineConfig(**{**cfg, **overrides}), cycling_loaded)
+
+    return make
+
+
+# -- the config, as vLLM takes it ---------------------------------------------------
+def test_config_takes_vllms_keys_and_defaults() -> None:
+    both = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    assert (both.prompt_lookup_min, both.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    one = SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (one.method, one.prompt_lookup_min, one.prompt_lookup_max) == ("ngram", 4, 4)
+    off = SpeculativeConfig.parse({**NGRAM, "disable_by_batch_size": 8, "disable_log_stats": False})
+    assert off.speculates(7) and not off.speculates(8)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "method 'eagle' is not built"),
+        ({"model": "/some/draft", "num_speculative_tokens": 2}, "method 'draft_model' is not built"),
+        ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1, got None"),
+        ({**NGRAM, "prompt_lookup_min": 5}, r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(4\)"),
+        ({**NGRAM, "draft_temperature": 1.0}, "unknown key"),
+    ],
+)
+def test_bad_configs_are_one_line_errors(spec, message) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        SpeculativeConfig.parse(spec)
+    assert "\n" not in str(err.value)
+
+
+# -- prompt lookup ------------------------------------------------------------------
+def test_ngram_drafts_what_followed_the_latest_repeat_of_the_suffix() -> None:
+    proposer = NgramProposer(k=3, min_n=2, max_n=3)
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]
+    assert proposer.propose(tokens, limit=3) == [7, 8, 6]  # the latest "1 2 3" with 3 tokens after it
+    assert proposer.propose(tokens, limit=2) == [7, 8]
+    assert proposer.propose([5, 6, 7, 8], limit=3) == []  # nothing repeats
+    # only a repeat too close to the end: the one followed by the most tokens
+    assert proposer.propose([4, 5, 1, 2, 1, 2], limit=3) == [1, 2]
+
+
+# -- verification ---------------------------------------------------------------------
+def _row(params: SamplingParams, history: list[int], seed: int = 0) -> SamplingRow:
+    return SamplingRow(params, torch.Generator().manual_seed(seed), history, 1)
+
+
+def test_greedy_keeps_drafts_while_each_is_the_argmax() -> None:
+    logits = torch.full((4, 10), -5.0)
+    for i, best in enumerate([3, 4, 7, 2]):
+        logits[i, best] = 5.0
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    out = verify(logits, [3, 4, 5], _row(greedy, [1, 2]))
+    assert (out.tokens, out.num_accepted) == ([3, 4, 7], 2)  # 5 rejected: the argmax 7 replaces it
+    out = verify(logits, [3, 4, 7], _row(greedy, [1, 2]))
+    assert (out.tokens, out.num_accepted) == ([3, 4, 7, 2], 3)  # all kept, then the bonus token
+
+
+def test_greedy_sees_the_drafts_before_it_in_its_history() -> None:
+    """A repetition penalty over the history: the second row penalises the
+    first draft, as the non-speculative second step would."""
+    logits = torch.zeros(2, 6)
+    logits[:, 3] = 2.0
+    logits[:, 4] = 1.5
+    params = SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=2.0)
+    out = verify(logits, [3], _row(params, [0]))
+    assert out.tokens == [3, 4]  # 3 penalised once it is in the history: 1.0 < 1.5
+
+
+def test_rejection_sampling_follows_the_models_distribution() -> None:
+    """Drafts proposed with certainty, kept with p(draft), else the rest of p:
+    the first token's frequency over many seeds matches p, whether the
+    draft is likely or not, and so does the second's given the first."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6) * 1.5
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10)
+    p = sampling_distribution(logits, [_row(params, [0])] * 3)
+    trials = 4000
+
+    def run(drafts: list[int], seed: int) -> list[int]:
+        return _reject(p[: len(drafts) + 1], drafts, torch.Generator().manual_seed(seed))[0]
+
+    for draft in ([int(p[0].argmax())], [int(p[0].argmin())]):
+        first = torch.zeros(6)
+        for seed in range(trials):
+            first[run(draft, seed)[0]] += 1
+        assert torch.allclose(first / trials, p[0], atol=0.03), (first / trials, p[0])
+    drafts = [int(p[0].argmax()), int(p[1].argmax())]
+    second, kept = torch.zeros(6), 0
+    for seed in range(trials):
+        tokens = run(drafts, seed)
+        if tokens[0] == drafts[0]:
+            kept += 1
+            second[tokens[1]] += 1
+    assert torch.allclose(second / kept, p[1], atol=0.04)
+    # verify() itself samples from the same distribution as the sampler would
+    out = verify(logits[:2], [int(p[0].argmax())], _row(params, [0], 7))
+    assert 1 <= len(out.tokens) <= 2 and out.num_accepted in (0, 1)
+
+
+# -- the engine -----------------------------------------------------------------------
+def _repeating(prompt_of, n: int, seed: int) -> list[int]:
+    """A prompt whose middle repeats: prompt lookup has something to copy."""
+    block = prompt_of(n, seed)
+    return block + block + block[: n // 2]
+
+
+def _requests(prompt_of, greedy) -> list:
+    return [
+        (f"g{i}", _repeating(prompt_of, 6 + i, i), greedy(24, logprobs=1)) for i in range(4)
+    ] + [
+        ("long", _repeating(prompt_of, 30, 9), greedy(20)),  # chunked: the budget is 32
+        ("stop", _repeating(prompt_of, 8, 3), greedy(30, stop_token_ids=[7])),
+    ]
+
+
+@pytest.mark.parametrize(
+    "pool", [dict(num_gpu_blocks=30), dict(kv_cache_backend="contiguous", max_batch_size=4)]
+)
+def test_greedy_output_is_identical_with_and_without_speculation(
+    make_cycling, run_engine, prompt_of, greedy, pool
+) -> None:
+    config = dict(max_num_batched_tokens=32, **pool)
+    requests = _requests(prompt_of, greedy)
+    ref = run_engine(make_cycling(**config), requests)
+    engine = make_cycling(speculative_config=NGRAM, **config)
+    run = run_engine(engine, requests)
+    for key, choice in ref.choices.items():
+        got = run.choices[key]
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            choice.token_ids, choice.text, choice.finish_reason
+        ), key
+        assert got.logprobs == pytest.approx(choice.logprobs, abs=1e-4), key
+    m = engine.metrics()
+    assert m["spec_decode_num_draft_tokens_total"] > 0 and m["spec_decode_num_accepted_tokens_total"] > 0
+    assert run.steps < ref.steps  # drafts kept: fewer passes for the same tokens
+    if "num_gpu_blocks" in pool:
+        assert m["num_preemptions_total"] > 0
+    assert engine.audit() == [] and m["kv_cache_usage_perc"] == 0.0
+
+
+def test_a_seeded_request_gives_the_same_text_whatever_its_neighbours(
+    make_cycling, run_engine, prompt_of, greedy
+) -> None:
+    seeded = SamplingParams(max_tokens=30, temperature=0.8, seed=11, ignore_eos=True)
+    prompt = _repeating(prompt_of, 8, 5)
+    alone = run_engine(make_cycling(speculative_config=NGRAM), [("s", prompt, seeded)])
+    crowd = run_engine(
+        make_cycling(speculative_config=NGRAM),
+        [("s", prompt, seeded)] + [(f"n{i}", _repeating(prompt_of, 7, i), greedy(30)) for i in range(3)],
+    )
+    assert crowd.tokens("s") == alone.tokens("s")
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(make_cycling, run_engine, prompt_of, greedy) -> None:
+    """Every block the cache registered after a speculative run holds the
+    tokens the sequence really has: a new request of prompt + output hits
+    exactly its full blocks, and its continuation is the plain engine's."""
+    prompt = _repeating(prompt_of, 9, 2)
+    engine = make_cycling(speculative_config=NGRAM, num_gpu_blocks=64)
+    first = run_engine(engine, [("a", prompt, greedy(25))])
+    assert engine.metrics()["spec_decode_num_accepted_tokens_total"] > 0
+    history = prompt + first.tokens("a")
+    again = run_engine(engine, [("b", history, greedy(6))])
+    plain = run_engine(make_cycling(), [("b", history, greedy(6))])
+    assert again.tokens("b") == plain.tokens("b")
+    hits = engine.metrics()["prefix_cache_hits_total"]
+    assert hits == (len(history) - 1) // 4 * 4  # every full block but the prompt's last token's
+    assert engine.audit() == []
+
+
+def test_disable_by_batch_size_stops_speculation_under_load(make_cycling, run_engine, prompt_of, greedy) -> None:
+    engine = make_cycling(speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    run_engine(engine, [(f"r{i}", _repeating(prompt_of, 6, i), greedy(12)) for i in range(6)])
+    busy = engine.metrics()["spec_decode_num_drafts_total"]
+    run_engine(engine, [("alone", _repeating(prompt_of, 6, 9), greedy(12))])
+    assert engine.metrics()["spec_decode_num_drafts_total"] > busy  # alone, it speculates
+
+
+@pytest.mark.backend
+def test_greedy_speculation_matches_on_the_backend(make_cycling, run_engine, prompt_of, greedy, attention_backend) -> None:
+    requests = [(f"g{i}", _repeating(prompt_of, 6 + i, i), greedy(12)) for i in range(2)]
+    ref = run_engine(make_cycling(attention_backend=attention_backend), requests)
+    run = run_engine(make_cycling(attention_backend=attention_backend, speculative_config=NGRAM), requests)
+    assert {k: c.token_ids for k, c in run.choices.items()} == {k: c.token_ids for k, c in ref.choices.items()}
