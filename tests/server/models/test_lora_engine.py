@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from paged_server import LLM, LoRARequest, SamplingParams
+from paged_server.engine.compiled_forward import compiled_graphs
 
 MAX_TOKENS = 8
 ENGINE = dict(
@@ -75,14 +76,16 @@ def test_prefix_cache_never_crosses_adapters(checkpoints, lora_adapters, prompt_
         assert tokens == [hf_greedy(oracles[name], prompt)]
 
 
-def test_one_slot_two_adapters_all_complete(checkpoints, lora_adapters, prompt_of):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_one_slot_two_adapters_all_complete(checkpoints, lora_adapters, prompt_of, async_scheduling):
     """``max_loras=1``: requests of two adapters submitted together each
-    wait for the other adapter's to finish, and all get their own tokens."""
+    wait for the other adapter's to finish, and all get their own tokens
+    (also with the next step planned while one runs)."""
     checkpoint, adapters = checkpoints["llama"], lora_adapters["llama"]
     loras = loras_of(adapters)
     names = ["patterns", "rslora", "patterns", None, "rslora"]
     prompts = [prompt_of(7 + i, 10 + i) for i in range(len(names))]
-    llm = LLM(str(checkpoint.path), max_loras=1, max_cpu_loras=1, **ENGINE)
+    llm = LLM(str(checkpoint.path), max_loras=1, max_cpu_loras=1, async_scheduling=async_scheduling, **ENGINE)
     engine = llm.engine
     for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
@@ -133,12 +136,12 @@ def test_lora_needs_enable_lora(checkpoints, lora_adapters, prompt_of):
 
 
 @pytest.mark.parametrize("path", [pytest.param("compiled", marks=pytest.mark.slow), "graphs"])  # compiling: ~30 s
-def test_compiled_forward_and_decode_graphs_run_adapter_steps_eagerly(
+def test_compiled_forward_and_decode_graphs_with_adapters(
     checkpoints, lora_adapters, prompt_of, monkeypatch, path
 ):
-    """With the compiled CPU forward (or the decode graphs' static path),
-    steps without adapters keep it and steps with adapters run eagerly: the
-    tokens are PEFT's either way."""
+    """With the compiled CPU forward, steps with adapters run graphs of
+    their own (compiled at warm-up: serving compiles nothing); with the
+    decode graphs' static path they run eagerly. The tokens are PEFT's."""
     if path == "compiled":
         monkeypatch.setenv("PAGED_COMPILE", "1")
     else:
@@ -151,6 +154,8 @@ def test_compiled_forward_and_decode_graphs_run_adapter_steps_eagerly(
     names = [None, "rslora", "patterns", None]
     prompts = [prompt_of(6 + 4 * i, 20 + i) for i in range(len(names))]
     oracles = {None: checkpoint.hf_model} | {n: merged for n, (_, merged) in adapters.items()}
+    graphs = compiled_graphs()
     got, _ = greedy(llm, prompts, [loras.get(n) for n in names])
+    assert compiled_graphs() == graphs, "serving compiled a new graph"
     assert got == [hf_greedy(oracles[n], p) for n, p in zip(names, prompts, strict=True)]
     assert greedy(llm, prompts[:1], None)[0] == got[:1]  # the adapter-free steps, compiled or replayed

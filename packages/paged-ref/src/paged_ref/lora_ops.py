@@ -31,6 +31,7 @@ mapping is built.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,25 +184,47 @@ def _add_rows(x: Tensor, out: Tensor, a: LoRAArgs, rank: int) -> None:
     CPU than gathering a copy of A and B per row, and fixed in shape."""
     slots, stacked, in_features = a.lora_a.shape
     rows = x.shape[0]
-    key = ("own", rows, slots, x.device)
+    key = ("own", rows, slots, x.device, x.dtype)
     own = a.mapping.memo.get(key)
     if own is None:  # once per step, not per projection
         arange = torch.arange(slots, device=x.device)
-        own = a.mapping.memo[key] = (a.mapping.token_slots[:rows, None] == arange)[:, :, None]
-    h = F.linear(x, a.lora_a.view(slots * stacked, in_features)).view(rows, slots, stacked)
-    h = torch.where(own, h, 0).view(rows, slots, -1, rank)
-    start = 0
-    for i, size in enumerate(a.slice_sizes):
-        b = a.lora_b[start : start + size].view(size, slots * rank)
-        out[:, start : start + size] += F.linear(h[:, :, i].reshape(rows, slots * rank), b)
-        start += size
+        own = a.mapping.memo[key] = (a.mapping.token_slots[:rows, None] == arange)[:, :, None].to(x.dtype)
+    h = F.linear(x, a.lora_a.view(slots * stacked, in_features))
+    h.view(rows, slots, stacked).mul_(own)
+    out.addmm_(h, _expand_matrix(a.lora_b, a.slice_sizes, rank))
 
 
 def _add_run(x: Tensor, out: Tensor, a: LoRAArgs, slot: int, rank: int) -> None:
     """SGMV's result for one run of rows of one adapter: a GEMM pair."""
     h = F.linear(x, a.lora_a[slot])
+    per_slot = len(a.slice_sizes) * rank
+    out.addmm_(h, _expand_matrix(a.lora_b, a.slice_sizes, rank)[slot * per_slot : (slot + 1) * per_slot])
+
+
+# lora_b's id -> (a weak reference to it, its version, its expand matrix)
+_EXPAND: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
+
+
+def _expand_matrix(lora_b: Tensor, slice_sizes: tuple[int, ...], rank: int) -> Tensor:
+    """``lora_b`` as one ``[slots * S * R, out]`` matrix whose rows line up
+    with the shrink's ``(slot, projection, r)`` columns (zero where a row's
+    projection is not the column's), so every stacked projection expands in
+    one GEMM added in place: on a CPU several small GEMMs and their copies
+    cost more than the zeros. Kept until a slot is written (``_version``)."""
+    out_features, slots, _ = lora_b.shape
+    version = -1 if lora_b.is_inference() else lora_b._version
+    cached = _EXPAND.get(id(lora_b))
+    if cached is not None and cached[0]() is lora_b and cached[1] == version >= 0:
+        return cached[2]
+    stacked = len(slice_sizes)
+    big = lora_b.new_zeros(out_features, slots, stacked, rank)
     start = 0
-    for i, size in enumerate(a.slice_sizes):
-        b = a.lora_b[start : start + size, slot]
-        out[:, start : start + size] += F.linear(h[:, i * rank : (i + 1) * rank], b)
+    for i, size in enumerate(slice_sizes):
+        big[start : start + size, :, i] = lora_b[start : start + size]
         start += size
+    matrix = big.view(out_features, -1).t().contiguous()
+    if version >= 0:
+        for dead in [k for k, (ref, _, _) in _EXPAND.items() if ref() is None]:
+            del _EXPAND[dead]
+        _EXPAND[id(lora_b)] = (weakref.ref(lora_b), version, matrix)
+    return matrix

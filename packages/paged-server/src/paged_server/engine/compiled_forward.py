@@ -19,6 +19,13 @@ The token dimension is dynamic: one graph for single-token steps (torch
 specialises size 1) and one for everything else, both compiled by the
 runner's warm-up so serving never compiles. ``--enforce-eager`` turns it off.
 
+LoRA adapters (``--enable-lora``) stay opaque the same way: a step with
+adapters runs graphs of their own (one-token and multi-row, compiled by the
+warm-up too) in which every projection's delta is one call of the custom op
+``paged::lora_delta``; it reads the step's ``LoRAMapping`` from ``_step``
+and the projection's slot table from ``_LORA_TABLES`` (by number), so the
+graph holds neither and one compile serves every step and every adapter.
+
 The rows of a multi-row step are padded to a multiple of ``ROW_BUCKET``
 (``padded_rows``), and the runner's warm-up runs every bucket once: oneDNN
 builds (JIT-compiles) a matmul the first time it sees a row count, ~0.7 ms a
@@ -45,8 +52,10 @@ from torch import Tensor, nn
 from paged_core.protocols import AttentionViewProtocol
 
 if TYPE_CHECKING:
+    from paged_ref.lora_ops import LoRAMapping
     from paged_server.config import EngineConfig
     from paged_server.models.base import CausalLM
+    from paged_server.models.lora.layers import LoRAWeights
 
 
 class _Step(threading.local):
@@ -56,6 +65,7 @@ class _Step(threading.local):
 
     view: AttentionViewProtocol | None = None
     rows: int = 0
+    lora: LoRAMapping | None = None  # the step's adapters, when it has any
 
 
 _step = _Step()
@@ -141,6 +151,38 @@ class _OpaqueView:
 
 _OPAQUE = _OpaqueView()
 
+# Every compiled model's LoRA slot tables, by ``LoRAWeights.compiled_index``.
+_LORA_TABLES: list[LoRAWeights] = []
+
+
+@torch.library.custom_op("paged::lora_delta", mutates_args=())
+def lora_delta_op(x: Tensor, out: Tensor, table: int) -> Tensor:
+    """``out`` plus the step's adapter deltas of slot table ``table`` (the
+    mapping is ``_step.lora``, padded to the graph's rows)."""
+    mapping = _step.lora
+    if mapping is None:
+        raise RuntimeError("paged::lora_delta called outside a compiled step with adapters")
+    result = out.clone()
+    _LORA_TABLES[table].apply(x, result, mapping)
+    return result
+
+
+@lora_delta_op.register_fake
+def _(x: Tensor, out: Tensor, table: int) -> Tensor:
+    return torch.empty_like(out)
+
+
+class _OpaqueLoRA:
+    """What the compiled model receives as its ``lora``: each projection's
+    ``LoRAWeights.apply`` hands it the delta to add, which it adds with the
+    custom op (a constant object: it adds no guard that could fail)."""
+
+    def add(self, weights: LoRAWeights, x: Tensor, out: Tensor) -> None:
+        out.copy_(lora_delta_op(x, out, weights.compiled_index))
+
+
+_OPAQUE_LORA = _OpaqueLoRA()
+
 
 class CompiledForward:
     """``hidden_states(input_ids, position_ids, view)`` through the compiled
@@ -166,19 +208,33 @@ class CompiledForward:
         # bf16 matmuls (1.37x over the 100M model's 48 projections, one
         # thread; 1.2-1.5x for a 30M layer's); at 8 rows they tied.
         self._freezing_one_row = inductor_config.patch(**ONE_ROW_OPTIONS)
+        tables: list[LoRAWeights] = [
+            w for m in model.modules() if (w := getattr(m, "lora_weights", None)) is not None
+        ]
+        for table in tables:  # the adapters' slot tables, numbered for the custom op
+            table.compiled_index = len(_LORA_TABLES)
+            _LORA_TABLES.append(table)
+        if tables:  # the steps with adapters: two graphs more
+            dynamo_config.recompile_limit += GRAPHS_PER_ENGINE
+        self.has_lora = bool(tables)
 
     def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor, kv_cache: AttentionViewProtocol | None
-    ) -> Tensor:
+        self, input_ids: Tensor, position_ids: Tensor, kv_cache: AttentionViewProtocol | None,
+        lora: LoRAMapping | None = None,
+    ) -> Tensor:  # fmt: skip
+        """The final-norm hidden states of the step's rows; ``lora``: the
+        step's adapters (built for ``padded_rows`` rows), None for none."""
         if kv_cache is None:  # scoring without a cache: not what serving runs
             return self.model.hidden_states(input_ids, position_ids, None)  # type: ignore[operator,no-any-return]
         rows = input_ids.shape[0]
-        _step.view, _step.rows = kv_cache, rows
+        _step.view, _step.rows, _step.lora = kv_cache, rows, lora
         try:
             with self._freezing_for(rows):
-                return self._compiled(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
+                if lora is None:
+                    return self._compiled(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
+                return self._compiled(_pad(input_ids), _pad(position_ids), _OPAQUE, None, _OPAQUE_LORA)[:rows]
         finally:
-            _step.view = None
+            _step.view, _step.lora = None, None
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """The model's ``compute_logits`` compiled: one graph for one row

@@ -24,8 +24,8 @@ With ``--enable-lora`` each rank holds a ``LoRAManager`` over its shard
 step (``WorkerStep.lora_ops``), so every rank applies them in the same
 order as the steps, never while a pass runs; a step whose sequences use
 adapters (``WorkerStep.loras``) runs its forward with their
-``LoRAMapping``, eagerly: neither a CUDA graph nor the compiled CPU
-forward holds the adapters' ops (the steps without adapters still use them).
+``LoRAMapping``: through the compiled CPU forward's graphs for steps with
+adapters (the delta an opaque op), eagerly instead of a CUDA graph.
 """
 
 from __future__ import annotations
@@ -339,6 +339,10 @@ class Worker:
             hidden = self._forward_pass(self._tensor(step.input_ids), view, [])
             if self.compiled is not None and hidden is not None:  # the head's graphs, at this row count
                 self.compiled.compute_logits(hidden[: min(num_tokens, head_rows)])
+            if self.compiled is not None and self.compiled.has_lora:  # the graphs of steps with adapters
+                mapping = LoRAMapping.build([num_tokens], [-1], self.device, padded_rows(num_tokens))
+                view = self.tensors.view(step.layout)
+                self.compiled.hidden_states(self._tensor(step.input_ids), view.meta.positions, view, mapping)
 
     # -- the KV cache tiers (engine/kv_tiers.py) -----------------------------------------
     def init_tiers(self, disk_dir: str | None) -> list[tuple[bytes, tuple[int, ...]]]:
@@ -391,7 +395,8 @@ class Worker:
         if step.loras is None:
             return None
         assert self.lora is not None, "a step with LoRA adapters without --enable-lora"
-        return self.lora.mapping(step.layout.new_lens, step.loras)
+        rows = padded_rows(len(step.input_ids)) if self.compiled is not None else None
+        return self.lora.mapping(step.layout.new_lens, step.loras, rows)
 
     # -- 6. each step -------------------------------------------------------------------
     @torch.inference_mode()
@@ -417,10 +422,7 @@ class Worker:
             view = CacheView.over(tensors, meta)
             if self.pipeline is not None:  # the logits come back from the last stage
                 return self.pipeline.run(ids, view, step.rows)  # type: ignore[no-any-return]
-            if lora is not None:  # eager: the compiled forward and the graphs hold no adapters
-                hidden = self.model.hidden_states(ids, view.meta.positions, view, lora=lora)
-            else:
-                hidden = self._hidden_states(ids, view.meta.positions, view)
+            hidden = self._hidden_states(ids, view.meta.positions, view, lora)
         if not self.is_driver:  # the LM head's rows are rank 0's alone
             return None
         if not step.rows:  # chunks that end no prompt: no logits (and no 0-row graph to compile)
@@ -437,10 +439,14 @@ class Worker:
             return self.pipeline.run(ids, view, rows)  # type: ignore[no-any-return]
         return self._hidden_states(ids, view.meta.positions, view)
 
-    def _hidden_states(self, ids: Tensor, positions: Tensor, view: CacheView) -> Tensor:
+    def _hidden_states(
+        self, ids: Tensor, positions: Tensor, view: CacheView, lora: LoRAMapping | None = None
+    ) -> Tensor:
         if self.compiled is not None:
-            return self.compiled.hidden_states(ids, positions, view)
-        return self.model.hidden_states(ids, positions, view)  # type: ignore[no-any-return]
+            if lora is None:
+                return self.compiled.hidden_states(ids, positions, view)
+            return self.compiled.hidden_states(ids, positions, view, lora)
+        return self.model.hidden_states(ids, positions, view, lora=lora)  # type: ignore[no-any-return]
 
     def _compute_logits(self, hidden: Tensor) -> Tensor:
         if self.compiled is not None:

@@ -12,6 +12,7 @@ using it finish (new ones get 404) and frees its weights after them.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
@@ -44,7 +45,7 @@ class UnloadLoRAAdapterRequest(_Strict):
 def lora_router(async_engine: AsyncEngine) -> APIRouter:
     """The two routes over the engine's adapters (every call on the engine thread)."""
     router = APIRouter()
-    engine = async_engine.engine
+    engine: Any = async_engine.engine  # an LLMEngine (--enable-lora): add_lora, remove_lora
 
     @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERRORS)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:

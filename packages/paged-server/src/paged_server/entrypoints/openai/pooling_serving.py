@@ -99,7 +99,9 @@ class OpenAIPooling:
     # ------------------------------------------------------------ helpers
     def _pooler(self, model: str | None, api: str, head: str | None) -> PoolerConfig:
         """The model's pooler, or vLLM's 400 when it cannot serve ``api``."""
-        self.serving.check_model(model)
+        if self.serving.check_model(model) is not None:
+            raise APIError(400, f"model: {model!r} is a LoRA adapter; adapters serve generation "
+                           "here, send the base model's name", param="model")  # fmt: skip
         if self.pooler is None or (head is not None and self.pooler.head != head):
             raise APIError(400, f"The model does not support {api}", code="unsupported_api")
         return self.pooler

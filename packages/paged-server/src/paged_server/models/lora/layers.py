@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -67,10 +68,17 @@ class LoRAWeights:
         self.lora_a = torch.zeros(slots, stacked * rank, layer.in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(layer.out_features, slots, rank, dtype=dtype, device=device)
         self.sources, self.rank, self.ops = sources, rank, ops
+        self.compiled_index = -1  # its number for a compiled forward's LoRA op (-1: none)
 
-    def apply(self, x: Tensor, out: Tensor, mapping: LoRAMapping) -> None:
-        """Add every row's delta to the layer's output ``out`` in place."""
-        self.ops.add_lora(x, out, self.lora_a, self.lora_b, self.slice_sizes, mapping)
+    def apply(self, x: Tensor, out: Tensor, mapping: LoRAMapping | Any) -> None:
+        """Add every row's delta to the layer's output ``out`` in place.
+        ``mapping``: the step's ``LoRAMapping``, or a compiled forward's
+        stand-in for it (``engine/compiled_forward.py``), which adds the
+        delta through an op the compiler does not look into."""
+        if isinstance(mapping, LoRAMapping):
+            self.ops.add_lora(x, out, self.lora_a, self.lora_b, self.slice_sizes, mapping)
+        else:
+            mapping.add(self, x, out)
 
     def clear(self, slot: int) -> None:
         """Zero ``slot`` (a slot with no adapter adds exact zeros)."""
