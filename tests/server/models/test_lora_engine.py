@@ -159,3 +159,18 @@ def test_compiled_forward_and_decode_graphs_with_adapters(
     assert compiled_graphs() == graphs, "serving compiled a new graph"
     assert got == [hf_greedy(oracles[n], p) for n, p in zip(names, prompts, strict=True)]
     assert greedy(llm, prompts[:1], None)[0] == got[:1]  # the adapter-free steps, compiled or replayed
+
+
+def test_speculative_decoding_with_adapters(checkpoints, lora_adapters, prompt_of):
+    """Prompt lookup's verify steps (a decoding sequence's drafts computed
+    in one pass) carry each sequence's adapter: greedy tokens stay PEFT's."""
+    checkpoint, adapters = checkpoints["llama"], lora_adapters["llama"]
+    loras = loras_of(adapters)
+    names = ["patterns", None, "rslora"]
+    prompts = [prompt_of(5, 30 + i) * 4 for i in range(len(names))]  # repeats: drafts to verify
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    llm = LLM(str(checkpoint.path), max_loras=2, speculative_config=spec, **ENGINE)
+    oracles = {None: checkpoint.hf_model} | {n: merged for n, (_, merged) in adapters.items()}
+    got, _ = greedy(llm, prompts, [loras.get(n) for n in names])
+    assert got == [hf_greedy(oracles[n], p) for n, p in zip(names, prompts, strict=True)]
+    assert llm.engine.metrics().get("spec_decode_num_draft_tokens_total", 0) > 0
