@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "ngram": LLMEngine(EngineConfig(**base, speculative_config=spec))}  # fmt: skip
     prompts = passages(engines["off"].tokenizer, args.prompts)
     crowd = (prompts * (-(-args.streams // len(prompts))))[: args.streams]
-    for engine in engines.values():  # warm: one request each way
-        run(engine, prompts[:1], 8, together=False)
+    for engine in engines.values():  # warm: every step shape the runs below compile
+        run(engine, prompts[:2], args.max_tokens, together=False)
+        run(engine, crowd, args.max_tokens // 4, together=True)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {n: {"one": [], "many": []} for n in engines}
     for r in range(args.repeats):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))

@@ -8,6 +8,7 @@ text whatever its neighbours; the KV cache keeps no rejected draft."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from paged_server.config import EngineConfig
 from paged_server.default_model.tokenizer_builder import build_tokenizer
 from paged_server.engine.llm_engine import LLMEngine
 from paged_server.engine.sampler import SamplingRow, sampling_distribution
+from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
 from paged_server.engine.speculative.ngram import NgramProposer
 from paged_server.engine.speculative.verify import _reject, verify
 from paged_server.models import LoadedModel, load_model
@@ -100,6 +102,21 @@ def test_bad_configs_are_one_line_errors(spec, message) -> None:
 
 
 # -- prompt lookup ------------------------------------------------------------------
+def test_a_sequence_whose_drafts_fail_stops_drafting_and_probes_again() -> None:
+    gate = AcceptanceGate(min_acceptance=0.5, probe_every=3)
+    seq = SimpleNamespace(draft_acceptance=1.0, steps_without_draft=0)
+    assert gate.allows(seq)
+    for _ in range(3):
+        gate.record(seq, 4, 0)  # every draft rejected
+    assert seq.draft_acceptance < 0.5
+    assert [gate.allows(seq) for _ in range(8)] == [False, False, False, True] * 2  # a probe every 4th step
+    for _ in range(4):
+        gate.record(seq, 4, 4)
+    assert seq.draft_acceptance >= 0.5 and gate.allows(seq) and gate.allows(seq)
+    always = AcceptanceGate(min_acceptance=0.0)  # vLLM's behaviour
+    assert always.allows(SimpleNamespace(draft_acceptance=0.0, steps_without_draft=0))
+
+
 def test_ngram_drafts_what_followed_the_latest_repeat_of_the_suffix() -> None:
     proposer = NgramProposer(k=3, min_n=2, max_n=3)
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]

@@ -20,6 +20,7 @@ _KEYS = {
     "disable_by_batch_size", "disable_logprobs", "disable_log_stats",
     "draft_tensor_parallel_size", "quantization", "max_model_len", "revision",
     "code_revision", "speculative_token_tree", "disable_padded_drafter_batch",
+    "min_acceptance",  # ours (engine/speculative/acceptance_gate.py)
 }  # fmt: skip
 _NOT_BUILT = {"eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "draft_model", "suffix"}
 # vLLM's ngram defaults when neither bound is given ("arbitrarily chosen", its comment says).
@@ -38,6 +39,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     prompt_lookup_max: int
     disable_by_batch_size: int | None = None
+    # a sequence whose recent drafts were kept less often than this stops
+    # drafting (probing again now and then); 0 drafts always, as vLLM does
+    min_acceptance: float = 0.5
 
     @staticmethod
     def parse(spec: dict[str, Any]) -> SpeculativeConfig:
@@ -86,7 +90,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: disable_by_batch_size must be an integer >= 2, got {off!r}"
             )
-        return SpeculativeConfig(method, k, low, high, off)
+        gate = spec.get("min_acceptance", 0.5)
+        if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0 <= gate <= 1:
+            raise ValueError(f"speculative_config: min_acceptance must be a number in [0, 1], got {gate!r}")
+        return SpeculativeConfig(method, k, low, high, off, float(gate))
 
     def speculates(self, num_running: int) -> bool:
         """Whether sequences speculate while ``num_running`` run."""

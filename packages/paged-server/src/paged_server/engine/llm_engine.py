@@ -62,6 +62,7 @@ from paged_server.engine.pooling import pooling_request
 from paged_server.engine.sampler import SamplerOutput, SamplingRow, row_max, sample
 from paged_server.engine.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
 from paged_server.engine.speculative.proposer import build_proposer
 from paged_server.engine.speculative.verify import Verified, verify
 from paged_server.engine.step_batch import (
@@ -199,6 +200,7 @@ class LLMEngine:
         self._inflight: _Inflight | None = None  # --async-scheduling: the step launched last
         spec = self._spec = config.speculative  # parsed once
         self._proposer = None if spec is None else build_proposer(spec)
+        self._gate = AcceptanceGate(spec.min_acceptance if spec is not None else 0.0)
         self._drafted: list[Sequence] = []  # sequences holding drafts this step
         self.counters = EngineCounters()
         self._preemption_log = RateLimitedLog(log)
@@ -471,7 +473,8 @@ class LLMEngine:
     def _propose(self) -> None:
         """Drafts for every running sequence that may speculate: decoding
         (past its first token, its last token the only one to compute), no grammar, no beam search,
-        no choices still to fork, not while ``disable_by_batch_size`` or more run."""
+        no choices still to fork, its recent drafts paying (``AcceptanceGate``),
+        not while ``disable_by_batch_size`` or more run."""
         spec, proposer = self._spec, self._proposer
         assert spec is not None and proposer is not None
         running = [s for s in self.scheduler.running if not s.is_finished]
@@ -487,7 +490,7 @@ class LLMEngine:
                 or seq.num_inflight_tokens or seq.num_pending_samples
                 or seq.grammar is not None or seq.request.beam is not None or seq.forks_choices
                 or seq.pool_seq_id is None
-            ):  # fmt: skip
+            ) or not self._gate.allows(seq):  # fmt: skip
                 continue
             params = seq.request.params
             # no draft past the last token max_tokens / max_model_len allow
@@ -536,6 +539,7 @@ class LLMEngine:
         self.kv_manager.mark_computed(seq_id, seq.num_computed_tokens)
         self.kv_manager.truncate(seq_id, seq.num_computed_tokens)
         self.counters.count_drafts(len(drafts), kept)
+        self._gate.record(seq, len(drafts), kept)
         now = time.monotonic()
         for token, logprob in zip(verdict.tokens, verdict.logprobs, strict=True):
             self._append(seq, token, logprob, now)
