@@ -109,6 +109,11 @@ def test_adapters_by_name_as_model(lora_server: ServerThread, adapters: dict[str
     chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=4, temperature=0)  # fmt: skip
     assert chat.model == "sql" and chat.choices[0].message.content is not None
+    with httpx.Client(base_url=lora_server.url, timeout=60) as http:
+        for path, body in (("/v1/responses", {"input": "hi", "max_output_tokens": 4}),
+                           ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})):
+            answer = http.post(path, json={"model": "sql", **body})
+            assert answer.status_code == 200 and answer.json()["model"] == "sql", answer.text
     with pytest.raises(openai.NotFoundError, match="sql"):
         complete(client, "no-such-adapter")
 

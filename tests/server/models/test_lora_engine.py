@@ -174,3 +174,30 @@ def test_speculative_decoding_with_adapters(checkpoints, lora_adapters, prompt_o
     got, _ = greedy(llm, prompts, [loras.get(n) for n in names])
     assert got == [hf_greedy(oracles[n], p) for n, p in zip(names, prompts, strict=True)]
     assert llm.engine.metrics().get("spec_decode_num_draft_tokens_total", 0) > 0
+
+
+def test_loading_an_adapter_while_streams_run(checkpoints, lora_adapters, prompt_of):
+    """An adapter loaded (and then used) while eight streams decode: no
+    request fails, and every stream keeps its own model's tokens."""
+    checkpoint, adapters = checkpoints["llama"], lora_adapters["llama"]
+    loras = loras_of(adapters)
+    llm = LLM(str(checkpoint.path), max_loras=2, **ENGINE)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    names: dict[str, str | None] = {f"r{i}": ("patterns" if i % 2 else None) for i in range(8)}
+    prompts = {rid: prompt_of(6 + i, 40 + i) for i, rid in enumerate(names)}
+    for rid, name in names.items():
+        engine.add_request(rid, prompts[rid], params, lora_request=loras.get(name))
+    tokens: dict[str, list[int]] = {rid: [] for rid in names}
+    for step in range(MAX_TOKENS + 20):
+        if step == 2:
+            assert engine.add_lora(loras["rslora"])
+            names["late"], prompts["late"], tokens["late"] = "rslora", prompt_of(9, 50), []
+            engine.add_request("late", prompts["late"], params, lora_request=loras["rslora"])
+        for out in engine.step():
+            assert out.error is None
+            tokens[out.request_id] += out.new_token_ids
+        if step > 2 and not engine.has_unfinished():
+            break
+    oracles = {None: checkpoint.hf_model} | {n: merged for n, (_, merged) in adapters.items()}
+    assert tokens == {rid: hf_greedy(oracles[name], prompts[rid]) for rid, name in names.items()}
