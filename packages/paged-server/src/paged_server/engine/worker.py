@@ -446,6 +446,8 @@ class Worker:
             if lora is None:
                 return self.compiled.hidden_states(ids, positions, view)
             return self.compiled.hidden_states(ids, positions, view, lora)
+        if lora is None:  # the forward contract without adapters (models/base.py's first three)
+            return self.model.hidden_states(ids, positions, view)  # type: ignore[no-any-return]
         return self.model.hidden_states(ids, positions, view, lora=lora)  # type: ignore[no-any-return]
 
     def _compute_logits(self, hidden: Tensor) -> Tensor:
