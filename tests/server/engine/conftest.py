@@ -26,6 +26,7 @@ from paged_server.sampling_params import SamplingParams
 
 VOCAB = 512  # prompt_of (tests/server/conftest.py) draws ids below this
 EOS = 0  # <|endoftext|> in the default model's tokenizer
+CYCLE = 6  # cycling_model_dir's token cycles
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +87,59 @@ def tiny_gemma3(path: Path, layers: list[str]) -> LoadedModel:
     torch.manual_seed(0)
     Gemma3ForCausalLM(config).save_pretrained(path)
     return load_model(path, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def cycling_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose next token is mostly a fixed successor of the
+    current one (the LM head is the embeddings permuted in cycles of 6), so
+    its output settles into cycles that prompt lookup can copy; attention and
+    the MLP still add a tenth of their usual part, so the cache matters to
+    every logit (and to the logprobs compared with it). Same tokenizer as
+    ``tiny_model_dir``'s: either can draft for the other."""
+    path = tmp_path_factory.mktemp("cycling")
+    build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        initializer_range=0.3, eos_token_id=EOS, bos_token_id=None, pad_token_id=None,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight *= 0.01
+            layer.mlp.down_proj.weight *= 0.01
+        unit = torch.nn.functional.normalize(model.model.embed_tokens.weight, dim=-1)
+        token = torch.arange(VOCAB)
+        base = token - token % CYCLE
+        size = (VOCAB - base).clamp(max=CYCLE)  # the last cycle is shorter
+        successor = base + (token - base + 1) % size
+        head = torch.empty_like(unit)
+        head[successor] = unit * 12.0  # row successor[t] points along token t's embedding
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cycling_loaded(cycling_model_dir: Path) -> LoadedModel:
+    return load_model(cycling_model_dir, torch.float32, "cpu")
+
+
+@pytest.fixture
+def make_cycling(cycling_loaded: LoadedModel) -> Callable[..., LLMEngine]:
+    """``make_cycling(**config)``: an engine on the cycling model, small defaults."""
+
+    def make(**overrides: Any) -> LLMEngine:
+        cfg: dict[str, Any] = dict(
+            max_batch_size=8, max_model_len=128, max_num_batched_tokens=256, block_size=4,
+            device="cpu", attention_backend="ref",
+        )  # fmt: skip
+        return LLMEngine(EngineConfig(**{**cfg, **overrides}), cycling_loaded)
+
+    return make
 
 
 @pytest.fixture

@@ -7,72 +7,19 @@ text whatever its neighbours; the KV cache keeps no rejected draft."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from paged_server.config import EngineConfig
-from paged_server.default_model.tokenizer_builder import build_tokenizer
-from paged_server.engine.llm_engine import LLMEngine
 from paged_server.engine.sampler import SamplingRow, sampling_distribution
 from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
 from paged_server.engine.speculative.ngram import NgramProposer
 from paged_server.engine.speculative.verify import _reject, verify
-from paged_server.models import LoadedModel, load_model
 from paged_server.sampling_params import SamplingParams
 from paged_server.speculative_config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-VOCAB, CYCLE = 512, 6
-
-
-@pytest.fixture(scope="module")
-def cycling_loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """A tiny Llama whose next token is mostly a fixed successor of the
-    current one (the LM head is the embeddings permuted in cycles of 6), so
-    its output settles into cycles that prompt lookup can copy; attention and
-    the MLP still add a tenth of their usual part, so the cache matters to
-    every logit (and to the logprobs compared below)."""
-    path: Path = tmp_path_factory.mktemp("cycling")
-    build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        initializer_range=0.3, eos_token_id=0, bos_token_id=None, pad_token_id=None,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight *= 0.01
-            layer.mlp.down_proj.weight *= 0.01
-        unit = torch.nn.functional.normalize(model.model.embed_tokens.weight, dim=-1)
-        token = torch.arange(VOCAB)
-        base = token - token % CYCLE
-        size = (VOCAB - base).clamp(max=CYCLE)  # the last cycle is shorter
-        successor = base + (token - base + 1) % size
-        head = torch.empty_like(unit)
-        head[successor] = unit * 12.0  # row successor[t] points along token t's embedding
-        model.lm_head.weight.copy_(head)
-    model.save_pretrained(path)
-    return load_model(path, torch.float32, "cpu")
-
-
-@pytest.fixture
-def make_cycling(cycling_loaded: LoadedModel):
-    def make(**overrides: Any) -> LLMEngine:
-        cfg: dict[str, Any] = dict(
-            max_batch_size=8, max_model_len=128, max_num_batched_tokens=256, block_size=4,
-            device="cpu", attention_backend="ref",
-        )  # fmt: skip
-        return LLMEngine(EngineConfig(**{**cfg, **overrides}), cycling_loaded)
-
-    return make
 
 
 # -- the config, as vLLM takes it ---------------------------------------------------
@@ -89,7 +36,7 @@ def test_config_takes_vllms_keys_and_defaults() -> None:
     ("spec", "message"),
     [
         ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "method 'eagle' is not built"),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "method 'draft_model' is not built"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, '"method": "draft_model" needs "model"'),
         ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1, got None"),
         ({**NGRAM, "prompt_lookup_min": 5}, r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(4\)"),
         ({**NGRAM, "draft_temperature": 1.0}, "unknown key"),

@@ -4,8 +4,10 @@ The operator passes a JSON object (``--speculative-config``) or a dict
 (``LLM(speculative_config=...)``) with vLLM's keys; ``SpeculativeConfig.parse``
 checks it once, with vLLM's defaults, and says in one line what is wrong.
 Built: ``"method": "ngram"`` (prompt lookup: drafts copied from the
-request's own prompt and output; vLLM also accepts ``"model": "[ngram]"``).
-EAGLE, Medusa, MTP, MLP speculators and draft models are named and refused.
+request's own prompt and output; vLLM also accepts ``"model": "[ngram]"``)
+and a draft model (``"model": DIR``, or ``"method": "draft_model"``: a
+smaller model with the target's tokenizer drafts greedily). EAGLE, Medusa,
+MTP and MLP speculators are named and refused.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ _KEYS = {
     "code_revision", "speculative_token_tree", "disable_padded_drafter_batch",
     "min_acceptance",  # ours (engine/speculative/acceptance_gate.py)
 }  # fmt: skip
-_NOT_BUILT = {"eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "draft_model", "suffix"}
+_NOT_BUILT = {"eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix"}
 # vLLM's ngram defaults when neither bound is given ("arbitrarily chosen", its comment says).
 NGRAM_DEFAULT_LOOKUP = 5
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding as run: ``method`` ("ngram"), at most
+    """Speculative decoding as run: ``method`` ("ngram" or "draft_model"), at most
     ``num_speculative_tokens`` drafts per sequence and step, the n-gram
     lengths the lookup tries (longest first), and the running-sequence count
     from which no sequence speculates (``disable_by_batch_size``; None: never)."""
@@ -42,6 +44,11 @@ class SpeculativeConfig:
     # a sequence whose recent drafts were kept less often than this stops
     # drafting (probing again now and then); 0 drafts always, as vLLM does
     min_acceptance: float = 0.5
+    # draft_model: the draft's directory (or cached HF id), and vLLM's draft
+    # keys: its quantization and context length (None: the target's)
+    model: str | None = None
+    quantization: str | None = None
+    max_model_len: int | None = None
 
     @staticmethod
     def parse(spec: dict[str, Any]) -> SpeculativeConfig:
@@ -57,17 +64,27 @@ class SpeculativeConfig:
         method, model = spec.get("method"), spec.get("model")
         if method is None and model in ("ngram", "[ngram]"):
             method = "ngram"  # vLLM's older spelling
+        if method is None and model is not None:
+            method = "draft_model"  # vLLM: a model that is no EAGLE/Medusa/MTP head drafts
         if method in ("ngram", "[ngram]"):
             method = "ngram"
-        elif method in _NOT_BUILT or (method is None and model is not None):
+        elif method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError(
+                    'speculative_config: "method": "draft_model" needs "model": the draft '
+                    f"model's directory, got {model!r}"
+                )
+        elif method in _NOT_BUILT:
             raise ValueError(
-                f"speculative_config: method {method or 'draft_model'!r} is not built here; "
-                '"method": "ngram" (prompt lookup) is'
+                f"speculative_config: method {method!r} is not built here; "
+                '"method": "ngram" (prompt lookup) and "draft_model" ("model": DIR) are'
             )
         elif method is None:
-            raise ValueError('speculative_config: needs "method" (e.g. "ngram")')
+            raise ValueError('speculative_config: needs "method" (e.g. "ngram") or a draft "model"')
         else:
-            raise ValueError(f'speculative_config: unknown method {method!r}; "ngram" is built')
+            raise ValueError(
+                f'speculative_config: unknown method {method!r}; "ngram" and "draft_model" are built'
+            )
         k = spec.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(
@@ -93,7 +110,14 @@ class SpeculativeConfig:
         gate = spec.get("min_acceptance", 0.5)
         if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0 <= gate <= 1:
             raise ValueError(f"speculative_config: min_acceptance must be a number in [0, 1], got {gate!r}")
-        return SpeculativeConfig(method, k, low, high, off, float(gate))
+        draft_len = spec.get("max_model_len")
+        if draft_len is not None and (isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 2):
+            raise ValueError(f"speculative_config: max_model_len must be an integer >= 2, got {draft_len!r}")
+        if method == "ngram":
+            model = None
+        return SpeculativeConfig(
+            method, k, low, high, off, float(gate), model, spec.get("quantization"), draft_len
+        )
 
     def speculates(self, num_running: int) -> bool:
         """Whether sequences speculate while ``num_running`` run."""

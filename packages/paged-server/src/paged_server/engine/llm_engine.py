@@ -199,7 +199,7 @@ class LLMEngine:
         self._defer_text = config.async_output_proc and not config.async_scheduling
         self._inflight: _Inflight | None = None  # --async-scheduling: the step launched last
         spec = self._spec = config.speculative  # parsed once
-        self._proposer = None if spec is None else build_proposer(spec)
+        self._proposer = None if spec is None else build_proposer(spec, self)
         self._gate = AcceptanceGate(spec.min_acceptance if spec is not None else 0.0)
         self._drafted: list[Sequence] = []  # sequences holding drafts this step
         self.counters = EngineCounters()
@@ -913,6 +913,9 @@ class LLMEngine:
         inflight, self._inflight = getattr(self, "_inflight", None), None
         if inflight is not None:  # let the launch thread finish its step
             inflight.future.exception()
+        proposer, self._proposer = getattr(self, "_proposer", None), None
+        if proposer is not None:  # a draft model's engine
+            proposer.shutdown()
         executor = getattr(self, "executor", None)
         if executor is None:
             return

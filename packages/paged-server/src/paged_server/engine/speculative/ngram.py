@@ -25,6 +25,9 @@ class NgramProposer:
         """``propose`` for each sequence (the ``Proposer`` call)."""
         return [self.propose(h, limit) for h, limit in zip(histories, limits, strict=True)]
 
+    def shutdown(self) -> None:
+        """Nothing to free: prompt lookup holds no state."""
+
     def propose(self, token_ids: Sequence[int], limit: int) -> list[int]:
         """The draft for a sequence of ``token_ids`` (at most ``limit`` tokens,
         and ``k``): the tokens after the latest earlier appearance of its

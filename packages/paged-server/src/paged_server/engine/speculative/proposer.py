@@ -5,7 +5,8 @@ The engine hands a proposer every sequence that may speculate this step
 draft per sequence, all at once so a proposer that runs a model (a draft
 model, EAGLE or MTP heads) can batch them. Drafts are proposed with
 certainty (one token per position, no distribution), which is what
-``verify.py``'s rejection sampling assumes. Prompt lookup is the one built.
+``verify.py``'s rejection sampling assumes. Built: prompt lookup
+(``ngram.py``) and a draft model (``draft_model.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from paged_server.engine.speculative.draft_model import DraftModelProposer, Engine
 from paged_server.engine.speculative.ngram import NgramProposer
 from paged_server.speculative_config import SpeculativeConfig
 
@@ -24,9 +26,16 @@ class Proposer(Protocol):
         """One draft per sequence: at most ``limits[i]`` tokens to follow ``histories[i]``."""
         ...
 
+    def shutdown(self) -> None:
+        """Free what the proposer holds (a draft model's engine)."""
+        ...
 
-def build_proposer(spec: SpeculativeConfig) -> Proposer:
-    """The proposer ``spec.method`` names (``SpeculativeConfig.parse`` refused the rest)."""
+
+def build_proposer(spec: SpeculativeConfig, target: Engine) -> Proposer:
+    """The proposer ``spec.method`` names (``SpeculativeConfig.parse`` refused
+    the rest), for ``target`` (its pool sized, its tokenizer loaded)."""
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        return DraftModelProposer(spec, target)
     raise ValueError(f"speculative_config: no proposer for method {spec.method!r}")

@@ -81,7 +81,8 @@ _HELP = {
     "speculative_config": 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}: drafts copied '
     "from the request's own prompt and output, all checked in one forward pass (greedy output "
-    "is unchanged, sampled output keeps the model's distribution); disable_by_batch_size: stop "
+    "is unchanged, sampled output keeps the model's distribution); or a draft model with the "
+    'target\'s tokenizer: {"model": DIR, "num_speculative_tokens": 4}; disable_by_batch_size: stop '
     "speculating from that many running sequences",
     "dtype": "weights dtype: auto = bfloat16 on CUDA, float32 on CPU",
     "kv_cache_dtype": "what the KV cache stores: auto = the model dtype; fp8 (= fp8_e4m3) and "
