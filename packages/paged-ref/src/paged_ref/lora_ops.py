@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from paged_ref.cpu import lora_bgmv
 from paged_ref.op_args import op
 
 __all__ = ["LoRAArgs", "LoRAMapping", "add_lora"]
@@ -180,10 +181,20 @@ def add_lora(a: LoRAArgs) -> None:
 
 
 def _add_rows(x: Tensor, out: Tensor, a: LoRAArgs, rank: int) -> None:
-    """BGMV's result as two dense GEMMs over the whole table: cheaper on a
-    CPU than gathering a copy of A and B per row, and fixed in shape."""
-    slots, stacked, in_features = a.lora_a.shape
+    """BGMV: on a CPU ``cpu.lora_bgmv``'s C loop (each row reads its own
+    slot in place, rows grouped by slot once per step); elsewhere, or where
+    it cannot be built, two dense GEMMs over the whole table, all but each
+    row's own slot masked out (cheaper than a copy of A and B gathered per
+    row, and fixed in shape)."""
     rows = x.shape[0]
+    if x.device.type == "cpu":
+        plan = a.mapping.memo.get("bgmv")
+        if plan is None:  # once per step, not per projection
+            plan = a.mapping.memo["bgmv"] = lora_bgmv.plan(a.mapping.token_slots[:rows])
+        expand = _expand_matrix(a.lora_b, a.slice_sizes, rank)
+        if lora_bgmv.add_rows(x, out, a.lora_a, expand, a.slice_sizes, plan):
+            return
+    slots, stacked, in_features = a.lora_a.shape
     key = ("own", rows, slots, x.device, x.dtype)
     own = a.mapping.memo.get(key)
     if own is None:  # once per step, not per projection
