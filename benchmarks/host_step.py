@@ -49,8 +49,8 @@ from torch import nn
 
 from paged_server.bench.model_configs import ensure_llama_100m
 from paged_server.config import EngineConfig
-from paged_server.engine import sampler
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
+from paged_server.engine.sample import sampler
 from paged_server.entrypoints.openai.async_engine import AsyncEngine, _Tracked
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.models import load_model
@@ -295,7 +295,7 @@ def _gaps(passes: list[tuple[float, float]]) -> list[float]:
 def _time_launch_thread_maxima() -> list[tuple[float, float]]:
     """Record (start, end) of every row max the engine takes beside its
     passes (``with_row_max`` on the launch thread)."""
-    from paged_server.engine import llm_engine
+    from paged_server.engine.core import llm_engine
 
     spans: list[tuple[float, float]] = []
     real = llm_engine.row_max

@@ -62,7 +62,7 @@ def perplexity(
         return float(torch.exp(torch.tensor(nll / max(count, 1))))
     from paged_ref import PagedKVPool
     from paged_server.config import EngineConfig
-    from paged_server.engine.kv_calibration import calibrated_kv_scales
+    from paged_server.engine.kv.kv_calibration import calibrated_kv_scales
 
     cfg = loaded.config
     device = next(loaded.model.parameters()).device

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from paged_server.config import EngineConfig
-from paged_server.engine.pool_factory import build_cache_pool
+from paged_server.engine.kv.pool_factory import build_cache_pool
 from paged_server.models.config import ModelConfig
 from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from paged_server.config import EngineConfig
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.models.quantization import weight_bytes
 from paged_server.sampling_params import SamplingParams
 

@@ -27,7 +27,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from paged_server.engine.compiled_forward import ONE_ROW_OPTIONS as _COMPILE_OPTIONS
+from paged_server.engine.worker.compiled_forward import ONE_ROW_OPTIONS as _COMPILE_OPTIONS
 from paged_server.models.quantization.linear import QuantizedLinear
 from paged_server.models.quantization.load import quantize_online
 

@@ -437,7 +437,7 @@ def run_tensor_parallel(bench: Bench) -> dict[str, Any]:
     import dataclasses
 
     from paged_server.bench.engine_bench import engine_config, run_engine
-    from paged_server.engine.llm_engine import LLMEngine
+    from paged_server.engine.core.llm_engine import LLMEngine
 
     spec = bench.plan["tensor_parallel"]
     models, name, _ = bench.model(spec["model"])

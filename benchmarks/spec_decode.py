@@ -32,7 +32,7 @@ from typing import Any
 
 from paged_server.bench.environment import describe_environment
 from paged_server.config import EngineConfig
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

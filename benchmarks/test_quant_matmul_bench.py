@@ -21,7 +21,7 @@ int8 per output channel, int4 in groups of 128, and int4 with zero points
 (AWQ / W4A16 asym).
 
 How it times, and why: the engine replays decode steps from CUDA graphs
-(engine/decode_graphs.py), and in a model each layer reads a weight the
+(engine/worker/decode_graphs.py), and in a model each layer reads a weight the
 previous layers have pushed out of L2. So the ``*_ms`` columns are GPU
 time per call inside one CUDA graph that cycles over enough copies of the
 weight (3x the L2 cache) that every call reads it from HBM, with no host

@@ -32,6 +32,14 @@ SERVER_LAYERS = [
     {"data_parallel"},  # engine replicas in their own processes, as one engine for the server
     {"entrypoints", "bench"},  # what a user runs: LLM, the HTTP server, the CLI, benchmarks
 ]
+# Inside ``paged_server.engine``, its folders by concern, lowest first.
+ENGINE_LAYERS = [
+    {"sample", "kv"},  # logits to tokens; the KV cache's factory, sizing and tiers
+    {"worker"},  # one rank: the model's forward pass over its KV tensors
+    {"request"},  # per-request state: requests, sequences, pooling answers
+    {"output", "speculative"},  # after sampling: text and stop checks; drafts and their checks
+    {"core"},  # the engine core: scheduler, step batch, executor, LLMEngine
+]
 
 
 def find_modules() -> dict[str, tuple[Path, bool]]:
@@ -128,12 +136,15 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def layer(module: str) -> tuple[int, int]:
-    """``(package layer, layer inside paged_server)`` of a module."""
+def layer(module: str) -> tuple[int, int, int]:
+    """``(package layer, layer inside paged_server, layer inside its engine)`` of a module."""
     parts = module.split(".")
     if parts[0] != "paged_server" or len(parts) == 1:
-        return PACKAGES.index(parts[0]), 0
-    return PACKAGES.index("paged_server"), next(i for i, unit in enumerate(SERVER_LAYERS) if parts[1] in unit)
+        return PACKAGES.index(parts[0]), 0, 0
+    server = next(i for i, unit in enumerate(SERVER_LAYERS) if parts[1] in unit)
+    if parts[1] != "engine" or len(parts) == 2:
+        return PACKAGES.index("paged_server"), server, 0
+    return PACKAGES.index("paged_server"), server, next(i for i, unit in enumerate(ENGINE_LAYERS) if parts[2] in unit)
 
 
 def upward_imports(modules: dict[str, tuple[Path, bool]]) -> list[str]:
@@ -142,14 +153,24 @@ def upward_imports(modules: dict[str, tuple[Path, bool]]) -> list[str]:
         f"{modules[name][0].relative_to(ROOT)}:{line}: {name} -> {target}"
         for name in sorted(modules)
         for target, line in imports_of(name, modules)
-        if layer(target) > layer(name)
+        if climbs(name, target)
     ]
+
+
+def climbs(name: str, target: str) -> bool:
+    """Whether ``name`` importing ``target`` climbs a layer (the engine's folders are
+    ordered among themselves only: ``parallel`` sits beside the whole engine)."""
+    inside = all(m.startswith("paged_server.engine.") for m in (name, target))
+    return layer(target)[: 3 if inside else 2] > layer(name)[: 3 if inside else 2]
 
 
 def test_every_server_unit_has_a_layer():
     server = ROOT / "packages/paged-server/src/paged_server"
     units = {p.stem for p in server.glob("*.py")} | {p.parent.name for p in server.glob("*/__init__.py")}
     assert units - {"__init__"} <= set().union(*SERVER_LAYERS), "place the new module in SERVER_LAYERS"
+    engine = server / "engine"
+    folders = {p.stem for p in engine.glob("*.py")} | {p.parent.name for p in engine.glob("*/__init__.py")}
+    assert folders - {"__init__"} <= set().union(*ENGINE_LAYERS), "place the new folder in ENGINE_LAYERS"
 
 
 def test_no_import_cycle():
@@ -174,3 +195,5 @@ def test_the_checks_catch_a_cycle_and_a_climb():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert layer("paged_server.tokenizer") < layer("paged_server.models.errors")
     assert layer("paged_core.protocols") < layer("paged_ref.ops") < layer("paged_triton.ops")
+    assert climbs("paged_server.engine.sample.sampler", "paged_server.engine.core.scheduler")
+    assert not climbs("paged_server.engine.worker.worker", "paged_server.parallel.pipeline")

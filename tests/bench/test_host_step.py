@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_server.engine import sampler
+from paged_server.engine.sample import sampler
 
 
 @pytest.mark.parametrize("async_output_proc", [False, True])

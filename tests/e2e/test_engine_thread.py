@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from paged_server.engine import worker
+from paged_server.engine.worker import worker
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.async_engine import EngineThread
 from paged_server.entrypoints.openai.server import ServerThread, build_engine

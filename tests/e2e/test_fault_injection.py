@@ -96,7 +96,7 @@ def test_one_requests_failing_beam_step_spares_a_stream_in_the_same_step(
     """A beam search whose scorer raises (as ``length ** length_penalty``
     did at ~1024: OverflowError) fails with a 500 naming the error; a
     stream generating in the same steps finishes untouched."""
-    import paged_server.engine.llm_engine as engine_module
+    import paged_server.engine.core.llm_engine as engine_module
 
     srv, _ = faulty
 

@@ -12,7 +12,7 @@ import pytest
 
 from paged_server.config import EngineConfig
 from paged_server.default_model import ensure_default_model
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.entrypoints.cli import main
 
 pytestmark = pytest.mark.e2e

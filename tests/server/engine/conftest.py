@@ -20,7 +20,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 
 from paged_server.config import EngineConfig
 from paged_server.default_model.tokenizer_builder import build_tokenizer
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.models import LoadedModel, load_model
 from paged_server.sampling_params import SamplingParams
 

@@ -118,7 +118,7 @@ def test_the_refusal_is_logged(make_engine, prompt_of, greedy, caplog) -> None:
     engine = make_engine(num_gpu_blocks=8)
     engine.kv_manager.allocate_sequence(prompt_of(12, 1))
     engine.add_request("big", prompt_of(20, 2), greedy(max_tokens=8))
-    with caplog.at_level(logging.ERROR, logger="paged_server.engine.llm_engine"):
+    with caplog.at_level(logging.ERROR, logger="paged_server.engine.core.llm_engine"):
         for _ in range(3):
             engine.step()
     assert any("'big' can never be scheduled" in r.getMessage() for r in caplog.records)

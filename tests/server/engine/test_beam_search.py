@@ -142,7 +142,7 @@ def test_scores_saturate_instead_of_overflowing(penalty) -> None:
     """``length ** 2000`` overflowed (OverflowError) and ``length ** -2000``
     underflows to 0 (a zero score / 0 is NaN); the search still ends with
     ``k`` ordered hypotheses."""
-    from paged_server.engine.beam_scorer import BeamScorer
+    from paged_server.engine.sample.beam_scorer import BeamScorer
 
     search = BeamScorer(
         beam_width=2, max_tokens=4, length_penalty=penalty, early_stopping=False,

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from paged_server.config import EngineConfig
-from paged_server.engine.compiled_forward import (
+from paged_server.engine.core.llm_engine import LLMEngine
+from paged_server.engine.worker.compiled_forward import (
     GRAPHS_PER_ENGINE,
     ROW_BUCKET,
     CompiledForward,
@@ -29,7 +30,6 @@ from paged_server.engine.compiled_forward import (
     padded_rows,
     row_buckets,
 )
-from paged_server.engine.llm_engine import LLMEngine
 from paged_server.models import load_model
 from paged_server.models.llama import LlamaForCausalLM
 from paged_server.models.mixtral import MixtralForCausalLM

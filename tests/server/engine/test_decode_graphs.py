@@ -16,9 +16,9 @@ from unittest import mock
 import pytest
 import torch
 
-from paged_server.engine.decode_graphs import DecodeGraphs, capture_sizes
-from paged_server.engine.graph_safety import GraphSafety
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
+from paged_server.engine.worker.decode_graphs import DecodeGraphs, capture_sizes
+from paged_server.engine.worker.graph_safety import GraphSafety
 
 
 def attach_graphs(engine: LLMEngine, capture: bool = False) -> DecodeGraphs:

@@ -124,7 +124,7 @@ def _poisoned(loaded: LoadedModel, token: int) -> LoadedModel:
 
 def _poisoned_engine(tiny_loaded, backend: str, bad_token: int, **kw):
     from paged_server.config import EngineConfig
-    from paged_server.engine.llm_engine import LLMEngine
+    from paged_server.engine.core.llm_engine import LLMEngine
 
     config = EngineConfig(
         kv_cache_backend=backend, block_size=4, max_model_len=128, device="cpu", **kw
@@ -171,8 +171,8 @@ def test_stale_nan_kv_in_reused_blocks_does_not_poison_later_requests(
 def test_detokenizer_error_fails_only_that_request(
     make_engine, run_engine, prompt_of, greedy, monkeypatch
 ) -> None:
-    import paged_server.engine.llm_engine as engine_module
-    from paged_server.engine.detokenize import IncrementalDetokenizer
+    import paged_server.engine.core.llm_engine as engine_module
+    from paged_server.engine.output.detokenize import IncrementalDetokenizer
 
     class Fragile(IncrementalDetokenizer):
         def add(self, token_ids):  # type: ignore[override]

@@ -10,7 +10,7 @@ import weakref
 import pytest
 
 from paged_server.config import EngineConfig
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.sampling_params import SamplingParams
 
 

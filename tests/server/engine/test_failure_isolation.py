@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-import paged_server.engine.grammar_mask as structured_module
-import paged_server.engine.llm_engine as engine_module
-from paged_server.engine.llm_engine import LLMEngine
+import paged_server.engine.core.llm_engine as engine_module
+import paged_server.engine.sample.grammar_mask as structured_module
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.entrypoints.llm import LLM
 from paged_server.output_constraint import StructuredOutputsParams
 from paged_server.sampling_params import SamplingParams
@@ -43,7 +43,7 @@ def _patch_score_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
 def _patch_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched sampler raises whenever the bad request (seed 666) is in it
     (in the filters every batch with a sampled row runs)."""
-    import paged_server.engine.sampler as sampler_module
+    import paged_server.engine.sample.sampler as sampler_module
 
     real = sampler_module._filtered_probs
 
@@ -56,7 +56,7 @@ def _patch_sample(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _patch_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
-    import paged_server.engine.sampler as sampler_module
+    import paged_server.engine.sample.sampler as sampler_module
 
     def gather(*args: Any) -> Any:  # only the bad request asks for logprobs
         _raise("logprobs")

@@ -22,8 +22,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3
 import paged_triton
 from paged_server.config import EngineConfig
 from paged_server.default_model.tokenizer_builder import build_tokenizer
-from paged_server.engine.kernel_warmup import attention_layout
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
+from paged_server.engine.worker.kernel_warmup import attention_layout
 from paged_server.models import load_model
 from paged_server.sampling_params import SamplingParams
 
@@ -156,7 +156,7 @@ def test_engine_start_compiles_every_variant_and_says_so(checkpoint_dirs, caplog
     loaded = load_model(checkpoint_dirs["gemma3"], torch.bfloat16, "cuda")
     config = EngineConfig(max_batch_size=4, max_model_len=2048, device="cuda",
                           attention_backend="triton")  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="paged_server.engine.kernel_warmup"):
+    with caplog.at_level(logging.INFO, logger="paged_server.engine.worker.kernel_warmup"):
         engine = LLMEngine(config, loaded)
     lines = [r.getMessage() for r in caplog.records if "Triton kernel variants" in r.getMessage()]
     assert len(lines) == 1 and re.fullmatch(r"compiled \d+ Triton kernel variants in \d+\.\d s", lines[0])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paged_server.config import EngineConfig
-from paged_server.engine.kv_calibration import calibrated_kv_scales
+from paged_server.engine.kv.kv_calibration import calibrated_kv_scales
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.server import startup_line
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from paged_server.config import EngineConfig
-from paged_server.engine import kv_sizing
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
+from paged_server.engine.kv import kv_sizing
 from paged_server.entrypoints.openai.app import ServerSettings
 from paged_server.entrypoints.openai.server import startup_line
 
@@ -84,7 +84,7 @@ def test_bad_share_is_rejected(make_engine, share) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_default_profiles_and_sizes_from_free_memory(tiny_model_dir) -> None:
     from paged_server.config import EngineConfig
-    from paged_server.engine.llm_engine import LLMEngine
+    from paged_server.engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", block_size=16,
                                     max_model_len=128, max_batch_size=8))
@@ -138,7 +138,7 @@ def test_a_pool_short_of_max_model_len_warns_with_the_requests_it_holds(
     """The warning's numbers are the edges of what submission accepts, and
     its advice silences it."""
     loaded = request.getfixturevalue(model)
-    with caplog.at_level(logging.WARNING, logger="paged_server.engine.llm_engine"):
+    with caplog.at_level(logging.WARNING, logger="paged_server.engine.core.llm_engine"):
         engine = small_pool(loaded, 9)
     (line,) = [r.getMessage() for r in caplog.records if "cannot hold every" in r.getMessage()]
     assert "max_model_len 64" in line
@@ -150,7 +150,7 @@ def test_a_pool_short_of_max_model_len_warns_with_the_requests_it_holds(
         engine.add_request("past", list(range(3, 3 + fits)), greedy(max_tokens=1))
     for num_gpu_blocks, warned in ((blocks - 1, True), (blocks, False)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="paged_server.engine.llm_engine"):
+        with caplog.at_level(logging.WARNING, logger="paged_server.engine.core.llm_engine"):
             small_pool(loaded, num_gpu_blocks)
         assert any("cannot hold every" in r.getMessage() for r in caplog.records) == warned
 

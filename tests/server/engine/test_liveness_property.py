@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from paged_server.config import EngineConfig
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.sampling_params import BeamSearchParams, SamplingParams
 
 PREFIX_LEN = 8  # two blocks of 4: a later prompt with the same prefix hits them

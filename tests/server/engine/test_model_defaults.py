@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from paged_server.config import EngineConfig
-from paged_server.engine.kv_sizing import CPU_DEFAULT_KV_BYTES, kv_budget
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
+from paged_server.engine.kv.kv_sizing import CPU_DEFAULT_KV_BYTES, kv_budget
 from paged_server.entrypoints.llm import LLM
 from paged_server.generation_defaults import generation_defaults
 from paged_server.models import LoadedModel

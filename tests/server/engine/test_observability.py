@@ -55,7 +55,7 @@ def test_preemptions_are_counted_once_and_logged_rate_limited(
     engine = make_engine(num_gpu_blocks=7)  # 28 tokens for three 20-token sequences
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     requests = [(f"r{i}", prompt_of(6, i), params) for i in range(3)]
-    with caplog.at_level(logging.WARNING, logger="paged_server.engine.llm_engine"):
+    with caplog.at_level(logging.WARNING, logger="paged_server.engine.core.llm_engine"):
         run_engine(engine, requests)
     preemptions = engine.metrics()["num_preemptions_total"]
     assert preemptions >= 2

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from paged_server.engine.logprobs import TokenLogprobs
-from paged_server.engine.output_processor import add_token_text, commit_token, take_output
-from paged_server.engine.sequence import Request, Sequence
+from paged_server.engine.output.output_processor import add_token_text, commit_token, take_output
+from paged_server.engine.request.sequence import Request, Sequence
+from paged_server.engine.sample.logprobs import TokenLogprobs
 from paged_server.sampling_params import SamplingParams
 
 PIECES = {10: "Hel", 11: "lo", 12: " wor", 13: "ld", 14: "!", 15: "##", 16: "#", 17: "\ufffd"}

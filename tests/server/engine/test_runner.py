@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from paged_server.config import EngineConfig
-from paged_server.engine.pool_factory import build_kv_manager, pool_capacity
-from paged_server.engine.sequence import Request, Sequence, SequenceStatus
-from paged_server.engine.step_batch import run_step
-from paged_server.engine.worker import Worker
+from paged_server.engine.core.step_batch import run_step
+from paged_server.engine.kv.pool_factory import build_kv_manager, pool_capacity
+from paged_server.engine.request.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.worker.worker import Worker
 from paged_server.sampling_params import SamplingParams
 
 

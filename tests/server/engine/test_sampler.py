@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from paged_server.engine.sampler import (
+from paged_server.engine.sample.sampler import (
     SamplingRow,
     apply_penalties,
     row_max,
@@ -157,7 +157,7 @@ def test_seeded_row_ignores_its_neighbours_filters(neighbour: dict[str, float]) 
 def test_a_draw_at_the_top_of_the_cdf_takes_a_token_with_mass(monkeypatch) -> None:
     """A uniform that rounds onto the CDF total used to clamp to the last
     position, a token the filter had removed."""
-    import paged_server.engine.sampler as sampler
+    import paged_server.engine.sample.sampler as sampler
 
     monkeypatch.setattr(sampler, "uniform", lambda generator: 1.0)
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
@@ -307,7 +307,7 @@ def test_a_row_the_edits_make_nan_gets_an_error_not_a_masked_token(monkeypatch, 
     """Whatever makes a row NaN after the mask, its token is never one the
     mask forbade (NaN counts as the largest, so its index was taken); the
     neighbour is unharmed."""
-    from paged_server.engine import sampler
+    from paged_server.engine.sample import sampler
 
     def nan_where_masked(logits: torch.Tensor, rows) -> torch.Tensor:
         out = logits.clone()

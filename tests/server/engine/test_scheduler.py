@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from paged_ref import ContiguousKVPool, PagedKVPool
-from paged_server.engine.scheduler import Scheduler
-from paged_server.engine.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.core.scheduler import Scheduler
+from paged_server.engine.request.sequence import Request, Sequence, SequenceStatus
 from paged_server.sampling_params import SamplingParams
 
 BLOCK = 16

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paged_server.engine.sampler import SamplingRow, sampling_distribution
+from paged_server.engine.sample.sampler import SamplingRow, sampling_distribution
 from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
 from paged_server.engine.speculative.ngram import NgramProposer
 from paged_server.engine.speculative.verify import _reject, verify

@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.output_constraint import StructuredOutputsParams
 from paged_server.sampling_params import SamplingParams
 

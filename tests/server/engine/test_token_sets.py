@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from paged_server.engine.bad_words import BadWords
-from paged_server.engine.logits_processors import apply_logits_processors
-from paged_server.engine.sampler import SamplingRow, sample
-from paged_server.engine.token_sets import check_first_token
+from paged_server.engine.sample.bad_words import BadWords
+from paged_server.engine.sample.logits_processors import apply_logits_processors
+from paged_server.engine.sample.sampler import SamplingRow, sample
+from paged_server.engine.sample.token_sets import check_first_token
 from paged_server.output_constraint import StructuredOutputsParams
 from paged_server.sampling_params import MAX_BAD_WORDS, SamplingParams
 

@@ -104,7 +104,7 @@ def test_detokenize_false_gives_the_same_tokens_without_text(
     def no_decoding(*args: object, **kwargs: object) -> str:
         raise AssertionError("a detokenize=False request was detokenized")
 
-    from paged_server.engine.detokenize import IncrementalDetokenizer
+    from paged_server.engine.output.detokenize import IncrementalDetokenizer
 
     monkeypatch.setattr(IncrementalDetokenizer, "add", no_decoding)
     monkeypatch.setattr(IncrementalDetokenizer, "flush", no_decoding)

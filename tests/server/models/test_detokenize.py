@@ -10,7 +10,7 @@ from tokenizers import AddedToken, SentencePieceBPETokenizer, decoders, models, 
 from tokenizers import Tokenizer as HFTokenizer
 
 from paged_server.default_model.tokenizer_builder import build_tokenizer, training_texts
-from paged_server.engine.detokenize import IncrementalDetokenizer
+from paged_server.engine.output.detokenize import IncrementalDetokenizer
 from paged_server.tokenizer import Tokenizer
 
 
@@ -183,7 +183,7 @@ def test_stream_error_hands_over_to_the_window_path():
 def test_without_the_rust_stream_the_window_path_serves(monkeypatch):
     """An older tokenizers (no DecodeStream, or one that cannot start from
     ids) leaves the detokenizer on the window path, same text."""
-    from paged_server.engine import detokenize
+    from paged_server.engine.output import detokenize
 
     tok = ALL_TOKENIZERS[sorted(TOKENIZERS)[0]]
     ids = tok.encode(" naïve 😀 café", add_special_tokens=False)

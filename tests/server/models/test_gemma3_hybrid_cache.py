@@ -102,7 +102,7 @@ def test_hybrid_and_one_group_agree_and_hybrid_holds_fewer_blocks(gemma3, prompt
 def test_padded_decode_graph_buffers_carry_every_groups_tables(gemma3, prompt_of):
     """The CUDA-graph static path (run eagerly on the CPU) with per-group page
     tables and slot mappings gives the plain path's tokens on a hybrid pool."""
-    from paged_server.engine.decode_graphs import DecodeGraphs
+    from paged_server.engine.worker.decode_graphs import DecodeGraphs
 
     _, loaded = gemma3
     prompts = [prompt_of(5 + 6 * i, 10 + i) for i in range(3)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paged_server import LLM, LoRARequest, SamplingParams
-from paged_server.engine.compiled_forward import compiled_graphs
+from paged_server.engine.worker.compiled_forward import compiled_graphs
 
 MAX_TOKENS = 8
 ENGINE = dict(

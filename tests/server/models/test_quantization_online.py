@@ -155,7 +155,7 @@ def test_engine_states_the_weight_format_and_decodes_like_the_model(
     prompt = [5, 80, 33, 190, 7, 402, 11, 9]
     config = dict(kv_cache_backend=pool, device="cpu", max_model_len=64, max_batch_size=2)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    caplog.set_level(logging.INFO, logger="paged_server.engine.llm_engine")
+    caplog.set_level(logging.INFO, logger="paged_server.engine.core.llm_engine")
     with LLM(str(path), quantization="int8", **config) as llm:
         result = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy, use_tqdm=False)
     out = result[0].outputs[0].token_ids

@@ -11,7 +11,7 @@ import pytest
 from paged_server.config import EngineConfig
 from paged_server.data_parallel.balancer import Balancer, ReplicaLoad, block_hashes
 from paged_server.data_parallel.engine import merge_metrics, replica_devices
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.entrypoints.cli import main
 
 

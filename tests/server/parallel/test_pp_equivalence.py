@@ -224,7 +224,7 @@ def _pool(path: Path, stage: int, stages: int, budget: int) -> tuple[int, int]:
     """(KV tokens, pool bytes) of stage ``stage``'s pool at ``budget`` bytes per rank."""
     import torch
 
-    from paged_server.engine.pool_factory import build_cache_pool
+    from paged_server.engine.kv.pool_factory import build_cache_pool
     from paged_server.models.loader import read_model_config
     from paged_server.models.pipeline_parallel import PipelineStage
 

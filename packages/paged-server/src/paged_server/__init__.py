@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from paged_server.config import EngineConfig
-    from paged_server.engine.llm_engine import LLMEngine
+    from paged_server.engine.core.llm_engine import LLMEngine
     from paged_server.entrypoints.llm import LLM
     from paged_server.lora_request import LoRARequest
     from paged_server.outputs import BeamSearchOutput, CompletionResult, RequestOutput
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "EngineConfig": "paged_server.config",
-    "LLMEngine": "paged_server.engine.llm_engine",
+    "LLMEngine": "paged_server.engine.core.llm_engine",
     "LLM": "paged_server.entrypoints.llm",
     "CompletionResult": "paged_server.outputs",
     "RequestOutput": "paged_server.outputs",

@@ -44,7 +44,7 @@ class EngineConfig:
     the same token capacity as the contiguous pool, for like-for-like
     comparisons. ``gpu_memory_utilization`` sizes it from device memory
     instead (default 0.9 on CUDA; on CPU a share of the available RAM, only
-    when set; see ``engine/kv_sizing.py``). The contiguous pool always has fixed ``max_model_len`` rows;
+    when set; see ``engine/kv/kv_sizing.py``). The contiguous pool always has fixed ``max_model_len`` rows;
     with ``kv_cache_memory_bytes`` it gets as many rows as fit (at most
     ``max_batch_size``). ``kv_cache_dtype`` (``auto`` = the model's dtype,
     ``fp8``/``fp8_e4m3``, ``fp8_e5m2``, ``int8``) is what both pools store;
@@ -114,7 +114,7 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": the model's sampling defaults; "vllm": none; or a directory
     override_generation_config: dict[str, Any] | None = None  # on top of generation_config
     disable_sliding_window: bool = False  # full attention, max_model_len capped at the window
-    # KV cache tiers behind the prefix cache (engine/kv_tiers.py): host memory in GiB
+    # KV cache tiers behind the prefix cache (engine/kv/kv_tiers.py): host memory in GiB
     # (vLLM's name; the total over tensor-parallel ranks), a disk folder kept across restarts.
     kv_offloading_size: float | None = None
     kv_disk_dir: str | None = None

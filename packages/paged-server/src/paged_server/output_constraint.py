@@ -5,7 +5,7 @@ object (``json_object``), a regular expression (``regex``), one of a list of
 strings (``choice``), or a grammar in llguidance's Lark dialect (``grammar``;
 the tool-call formats use it; a GBNF grammar, as vLLM's xgrammar takes, is
 converted). The engine turns it into a
-token mask applied before sampling (``engine/grammar_mask.py``), so the
+token mask applied before sampling (``engine/sample/grammar_mask.py``), so the
 output matches even when the model would rather say something else.
 """
 

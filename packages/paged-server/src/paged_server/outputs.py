@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from paged_server.engine.logprobs import TokenLogprobs
+    from paged_server.engine.sample.logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from paged_server.output_constraint import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from paged_server.engine.bad_words import BadWords
+    from paged_server.engine.sample.bad_words import BadWords
 
 # Temperatures below this sample greedily (as vLLM does): so close to 0 the
 # distribution is the argmax anyway, and far smaller ones (1e-40) overflow

@@ -123,7 +123,7 @@ def run_config(
         f"{workload.name}: {label} ({len(workload.requests)} requests, {workload.output_tokens} output tokens)"
     )
     if name in ENGINE_CONFIGS:
-        from paged_server.engine.llm_engine import LLMEngine
+        from paged_server.engine.core.llm_engine import LLMEngine
 
         batch = max_batch_size
         if batch is None and name == "paged":

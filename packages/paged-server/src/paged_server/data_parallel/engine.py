@@ -101,7 +101,7 @@ class DataParallelEngine:
                 "data_parallel_size > 1 under torchrun: the replicas start their own ranks on "
                 "this node; run `paged-server serve --data-parallel-size N` without torchrun"
             )
-        from paged_server.engine.llm_engine import model_path
+        from paged_server.engine.core.llm_engine import model_path
         from paged_server.models.loader import checkpoint_dtype, read_model_config
 
         n = config.data_parallel_size

@@ -64,7 +64,7 @@ def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads
     import torch
 
     torch.set_num_threads(num_threads)
-    from paged_server.engine.llm_engine import LLMEngine
+    from paged_server.engine.core.llm_engine import LLMEngine
 
     try:
         engine = LLMEngine(config)

@@ -29,7 +29,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from paged_server.config import EngineConfig
-from paged_server.engine.llm_engine import LLMEngine
+from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.entrypoints import llm_pooling
 from paged_server.errors import QueueFullError
 from paged_server.lora_request import LoRARequest

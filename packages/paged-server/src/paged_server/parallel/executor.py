@@ -47,8 +47,8 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from paged_server.config import EngineConfig, RunConfig
-from paged_server.engine.executor import LaunchThread
-from paged_server.engine.worker import Worker, WorkerStep
+from paged_server.engine.core.executor import LaunchThread
+from paged_server.engine.worker.worker import Worker, WorkerStep
 from paged_server.errors import WorkerStartError
 from paged_server.parallel import rendezvous
 from paged_server.parallel.pipeline import micro_batch_count

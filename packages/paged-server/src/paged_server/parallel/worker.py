@@ -92,7 +92,7 @@ def run_worker(
     ``Worker`` until stopped. ``ready`` runs once this process is set up,
     just before it joins; ``store``: the rendezvous store when the caller
     has opened it already (a rank on another node, see ``node_worker.py``)."""
-    from paged_server.engine.worker import Worker
+    from paged_server.engine.worker.worker import Worker
 
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)

@@ -12,7 +12,7 @@ does the same here.
 
 from __future__ import annotations
 
-from paged_server.engine.sequence import Sequence
+from paged_server.engine.request.sequence import Sequence
 
 WEIGHT = 0.3  # of the newest verdict in the moving average: a few steps decide
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from paged_server.config import EngineConfig, RunConfig
-from paged_server.engine.pool_factory import PoolCapacity
+from paged_server.engine.kv.pool_factory import PoolCapacity
 from paged_server.models.config import ModelConfig
 from paged_server.outputs import RequestOutput
 from paged_server.sampling_params import SamplingParams

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paged_server.engine.logits_processors import apply_logits_processors
-from paged_server.engine.logprobs import TokenLogprobs, gather_logprobs
-from paged_server.engine.sampler import (
+from paged_server.engine.sample.logits_processors import apply_logits_processors
+from paged_server.engine.sample.logprobs import TokenLogprobs, gather_logprobs
+from paged_server.engine.sample.sampler import (
     SamplingRow,
     apply_penalties,
     row_max,

@@ -36,7 +36,7 @@ from paged_server.errors import EngineFailedError
 
 if TYPE_CHECKING:
     from paged_server.config import RunConfig
-    from paged_server.engine.pool_factory import PoolCapacity
+    from paged_server.engine.kv.pool_factory import PoolCapacity
     from paged_server.tokenizer import Tokenizer
 
 logger = logging.getLogger("paged_server.entrypoints.openai")

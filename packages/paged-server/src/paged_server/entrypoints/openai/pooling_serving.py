@@ -2,7 +2,7 @@
 ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score`` and ``/rerank``.
 
 Each input is one engine request with ``PoolingParams`` (prompt only, see
-``engine/pooling.py``); the bodies are vLLM's. A generation model answers
+``engine/request/pooling.py``); the bodies are vLLM's. A generation model answers
 each of them with vLLM's 400 ("The model does not support Embeddings API").
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from paged_server.engine.pooling import check_dimensions
+from paged_server.engine.request.pooling import check_dimensions
 from paged_server.entrypoints.openai.async_engine import AsyncEngine
 from paged_server.entrypoints.openai.errors import APIError
 from paged_server.entrypoints.openai.generation import Generation, GenerationEnded

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged_server.engine.grammar_mask import grammar_source
+from paged_server.engine.sample.grammar_mask import grammar_source
 from paged_server.entrypoints.openai.errors import APIError
 from paged_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,

@@ -32,7 +32,7 @@ def build_engine(config: EngineConfig, thread: EngineThread | None = None) -> An
     the thread that will step it (pass the same one to ``serve`` /
     ``ServerThread``), or on the caller's. With ``data_parallel_size > 1``:
     that many replica processes behind one `DataParallelEngine`."""
-    from paged_server.engine.llm_engine import LLMEngine
+    from paged_server.engine.core.llm_engine import LLMEngine
 
     config.validate()
     if config.data_parallel_size > 1:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from paged_server.engine.bad_words import index_bad_words
+from paged_server.engine.sample.bad_words import index_bad_words
 from paged_server.entrypoints.openai.async_engine import AsyncEngine
 from paged_server.entrypoints.openai.chat_render import DEFAULT_RENDER_TIMEOUT_S, ChatRenderer
 from paged_server.entrypoints.openai.completion_bodies import CollectedChoice, Echo, ResponseFormat

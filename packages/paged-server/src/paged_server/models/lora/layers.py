@@ -73,7 +73,7 @@ class LoRAWeights:
     def apply(self, x: Tensor, out: Tensor, mapping: LoRAMapping | Any) -> None:
         """Add every row's delta to the layer's output ``out`` in place.
         ``mapping``: the step's ``LoRAMapping``, or a compiled forward's
-        stand-in for it (``engine/compiled_forward.py``), which adds the
+        stand-in for it (``engine/worker/compiled_forward.py``), which adds the
         delta through an op the compiler does not look into."""
         if isinstance(mapping, LoRAMapping):
             self.ops.add_lora(x, out, self.lora_a, self.lora_b, self.slice_sizes, mapping)

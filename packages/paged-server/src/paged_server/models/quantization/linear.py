@@ -7,7 +7,7 @@ torch's own packed kernels, ``aten._weight_int8pack_mm`` and
 with activations in bfloat16: measured on a 2-core AMD EPYC (no AMX) they
 read 2x/4x fewer bytes than fp32 and run 1.6x/2.8x faster on the ~100M
 model's shapes at batch 1, while their float32-activation paths are 30x
-slower. In the compiled forward pass (engine/compiled_forward.py) inductor
+slower. In the compiled forward pass (engine/worker/compiled_forward.py) inductor
 lowers both to its C++ GEMM template, which keeps the weight quantized and
 runs 1.1-1.8x (one token) to 9x (64 tokens) faster than these kernels on
 an AMX Xeon. A single row (one stream's decode step) runs ``cpu_gemv``

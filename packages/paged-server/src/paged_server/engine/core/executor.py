@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from paged_server.engine.worker import Worker, WorkerStep
+from paged_server.engine.worker.worker import Worker, WorkerStep
 
 
 class Executor(Protocol):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from paged_server.engine.logprobs import TokenLogprobs
-from paged_server.engine.sequence import Sequence
+from paged_server.engine.request.sequence import Sequence
+from paged_server.engine.sample.logprobs import TokenLogprobs
 from paged_server.outputs import RequestOutput
 
 

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from paged_server.engine.beam_scorer import BeamScorer
-    from paged_server.engine.logprobs import TokenLogprobs
-    from paged_server.engine.pooling import PoolingState
-    from paged_server.engine.sampling_row import SamplingRow
+    from paged_server.engine.request.pooling import PoolingState
+    from paged_server.engine.sample.beam_scorer import BeamScorer
+    from paged_server.engine.sample.logprobs import TokenLogprobs
+    from paged_server.engine.sample.sampling_row import SamplingRow
     from paged_server.sampling_params import SamplingParams
 
 
@@ -87,7 +87,7 @@ class Request:
     first_scheduled_time: float | None = None  # left the queue (first admission)
     pooling: PoolingState | None = None  # a pooling request's pool (prompt only, no sampling)
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
-    lora_key: bytes | None = None  # the adapter's prefix-cache key (engine/lora_requests.py)
+    lora_key: bytes | None = None  # the adapter's prefix-cache key (engine/core/lora_requests.py)
 
     @property
     def finished(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from paged_core import MISS_REASONS
 from paged_core.protocols import KVCacheManagerProtocol
-from paged_server.engine.pool_factory import PoolCapacity
+from paged_server.engine.kv.pool_factory import PoolCapacity
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from paged_server.engine.sampling_row import SamplingRow
+from paged_server.engine.sample.sampling_row import SamplingRow
 
 
 def apply_logits_processors(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from paged_server.engine.bad_words import index_bad_words
+from paged_server.engine.sample.bad_words import index_bad_words
 from paged_server.sampling_params import SamplingParams
 
 

@@ -30,13 +30,13 @@ import torch
 from torch import Tensor
 
 from paged_core.protocols import KVCacheManagerProtocol
-from paged_server.engine.beam_scorer import BeamScorer, BeamStep
-from paged_server.engine.logits_processors import apply_logits_processors
-from paged_server.engine.output_processor import release_text
-from paged_server.engine.sampling_row import SamplingRow
-from paged_server.engine.scheduler import Scheduler
-from paged_server.engine.sequence import Request, Sequence, SequenceStatus
-from paged_server.engine.token_sets import joined_constraints
+from paged_server.engine.core.scheduler import Scheduler
+from paged_server.engine.output.output_processor import release_text
+from paged_server.engine.request.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.sample.beam_scorer import BeamScorer, BeamStep
+from paged_server.engine.sample.logits_processors import apply_logits_processors
+from paged_server.engine.sample.sampling_row import SamplingRow
+from paged_server.engine.sample.token_sets import joined_constraints
 
 
 def new_beam_search(

@@ -27,8 +27,8 @@ from paged_ref.kv_spec import KVCacheSpec
 from paged_ref.kv_tensors import KVCacheTensors
 from paged_ref.paged_manager import PagedKVManager
 from paged_server.config import EngineConfig
-from paged_server.engine.kv_calibration import KVScales
-from paged_server.engine.kv_sizing import kv_budget
+from paged_server.engine.kv.kv_calibration import KVScales
+from paged_server.engine.kv.kv_sizing import kv_budget
 from paged_server.models import ModelConfig
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage, for_stage, stage_layers
 

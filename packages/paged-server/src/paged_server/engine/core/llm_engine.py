@@ -3,8 +3,8 @@
 The core keeps requests, scheduling, the scheduler's side of the KV cache
 (``kv_manager``: page tables, prefix cache, the audit), sampling and
 outputs; the weights, KV tensors and forward pass are its workers'
-(``engine/worker.py``), one per rank, reached through an executor
-(``engine/executor.py``; with one rank a plain call, rank 0's worker in
+(``engine/worker/worker.py``), one per rank, reached through an executor
+(``engine/core/executor.py``; with one rank a plain call, rank 0's worker in
 this process either way).
 
 Each step, in order:
@@ -47,25 +47,18 @@ import torch
 from torch import Tensor
 
 from paged_server.config import EngineConfig, RunConfig
-from paged_server.engine.beam_forks import advance_beams, finish_beams, new_beam_search, ready_rows
-from paged_server.engine.checks import audit_engine, check_pool, check_prompt
-from paged_server.engine.detokenize import IncrementalDetokenizer, NoText
-from paged_server.engine.executor import Executor, UniProcExecutor
-from paged_server.engine.grammar_mask import StructuredOutput
-from paged_server.engine.kv_tiers import attach_tiers
-from paged_server.engine.logprobs import TokenLogprobs, token_logprobs
-from paged_server.engine.lora_requests import LoRARequests
-from paged_server.engine.metrics import EngineCounters, RateLimitedLog
-from paged_server.engine.output_processor import add_token_text, commit_token, take_output
-from paged_server.engine.pool_factory import build_kv_manager, pool_capacity
-from paged_server.engine.pooling import pooling_request
-from paged_server.engine.sampler import SamplerOutput, SamplingRow, row_max, sample
-from paged_server.engine.scheduler import Scheduler, SchedulerOutput
-from paged_server.engine.sequence import Request, Sequence, SequenceStatus
-from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
-from paged_server.engine.speculative.proposer import build_proposer
-from paged_server.engine.speculative.verify import Verified, verify
-from paged_server.engine.step_batch import (
+from paged_server.engine.core.beam_forks import (
+    advance_beams,
+    finish_beams,
+    new_beam_search,
+    ready_rows,
+)
+from paged_server.engine.core.checks import audit_engine, check_pool, check_prompt
+from paged_server.engine.core.executor import Executor, UniProcExecutor
+from paged_server.engine.core.lora_requests import LoRARequests
+from paged_server.engine.core.metrics import EngineCounters, RateLimitedLog
+from paged_server.engine.core.scheduler import Scheduler, SchedulerOutput
+from paged_server.engine.core.step_batch import (
     PromptScores,
     StepBatch,
     StepLogits,
@@ -73,8 +66,20 @@ from paged_server.engine.step_batch import (
     run_step,
     split_logits,
 )
-from paged_server.engine.token_sets import check_first_token, resolve_token_sets
-from paged_server.engine.worker import Worker, WorkerStep
+from paged_server.engine.kv.kv_tiers import attach_tiers
+from paged_server.engine.kv.pool_factory import build_kv_manager, pool_capacity
+from paged_server.engine.output.detokenize import IncrementalDetokenizer, NoText
+from paged_server.engine.output.output_processor import add_token_text, commit_token, take_output
+from paged_server.engine.request.pooling import pooling_request
+from paged_server.engine.request.sequence import Request, Sequence, SequenceStatus
+from paged_server.engine.sample.grammar_mask import StructuredOutput
+from paged_server.engine.sample.logprobs import TokenLogprobs, token_logprobs
+from paged_server.engine.sample.sampler import SamplerOutput, SamplingRow, row_max, sample
+from paged_server.engine.sample.token_sets import check_first_token, resolve_token_sets
+from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
+from paged_server.engine.speculative.proposer import build_proposer
+from paged_server.engine.speculative.verify import Verified, verify
+from paged_server.engine.worker.worker import Worker, WorkerStep
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.generation_defaults import generation_defaults
 from paged_server.lora_request import LoRARequest

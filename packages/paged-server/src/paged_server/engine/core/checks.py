@@ -4,8 +4,8 @@ and on engine + pool bookkeeping when asked for an audit."""
 from __future__ import annotations
 
 from paged_core.protocols import KVCacheManagerProtocol
-from paged_server.engine.pool_factory import PoolCapacity
-from paged_server.engine.scheduler import Scheduler
+from paged_server.engine.core.scheduler import Scheduler
+from paged_server.engine.kv.pool_factory import PoolCapacity
 from paged_server.errors import ContextLengthError
 from paged_server.models import ModelConfig
 from paged_server.sampling_params import SamplingParams

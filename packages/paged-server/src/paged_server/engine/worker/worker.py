@@ -5,7 +5,7 @@ sampling, outputs) never touches weights or KV tensors; the worker never
 sees a request. Between them go ``WorkerStep``s: one flat forward pass as
 token ids, the KV cache manager's ``StepLayout`` (page tables, positions,
 block copies) and the token rows whose logits the core needs. An executor
-(``engine/executor.py``; ``parallel/executor.py`` for several ranks) calls
+(``engine/core/executor.py``; ``parallel/executor.py`` for several ranks) calls
 the same methods on every rank's worker in the same order, rank 0's in
 the engine's own process, so the ranks' collectives always meet:
 
@@ -50,17 +50,17 @@ from paged_ref.kv_tier_files import fingerprint
 from paged_ref.kv_tier_store import KVTierStore
 from paged_ref.step_layout import StepLayout
 from paged_server.config import RunConfig
-from paged_server.engine.compiled_forward import (
+from paged_server.engine.kv.kv_calibration import KVScales, calibrated_kv_scales
+from paged_server.engine.kv.kv_tiers import cache_identity
+from paged_server.engine.kv.pool_factory import attention_ops, cache_size
+from paged_server.engine.worker.compiled_forward import (
     CompiledForward,
     compiles_forward,
     padded_rows,
     row_buckets,
 )
-from paged_server.engine.decode_graphs import DecodeGraphs
-from paged_server.engine.kernel_warmup import warm_up_kernels
-from paged_server.engine.kv_calibration import KVScales, calibrated_kv_scales
-from paged_server.engine.kv_tiers import cache_identity
-from paged_server.engine.pool_factory import attention_ops, cache_size
+from paged_server.engine.worker.decode_graphs import DecodeGraphs
+from paged_server.engine.worker.kernel_warmup import warm_up_kernels
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.errors import LoRAAdapterError
 from paged_server.models.lora import LoRAConfig, LoRAManager, LoRAMapping
@@ -344,7 +344,7 @@ class Worker:
                 view = self.tensors.view(step.layout)
                 self.compiled.hidden_states(self._tensor(step.input_ids), view.meta.positions, view, mapping)
 
-    # -- the KV cache tiers (engine/kv_tiers.py) -----------------------------------------
+    # -- the KV cache tiers (engine/kv/kv_tiers.py) -----------------------------------------
     def init_tiers(self, disk_dir: str | None) -> list[tuple[bytes, tuple[int, ...]]]:
         """This rank's tier store over its KV tensors; returns the valid
         files its disk folder holds (a warm start), oldest first."""

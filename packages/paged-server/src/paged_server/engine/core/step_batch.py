@@ -4,12 +4,12 @@ Every token the scheduler picked, of every sequence, goes into one
 ``[num_tokens]`` batch with no padding: sequences with one new token
 (decodes) first, then prefill chunks, so the attention ops get each part as
 a contiguous run of rows. The KV cache manager's ``step_layout`` says where
-each token's K/V goes; the workers run the pass (``engine/worker.py``). The
+each token's K/V goes; the workers run the pass (``engine/worker/worker.py``). The
 LM head runs only on the rows whose logits are needed: the last token of
 each sequence whose tokens are all computed after this step, plus, for a
 request that asked for ``prompt_logprobs``, the prompt rows whose next
 prompt token is not scored yet, and for a mean- or CLS-pooling request
-(``engine/pooling.py``) the prompt rows its pool still needs.
+(``engine/request/pooling.py``) the prompt rows its pool still needs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import Tensor
 
-from paged_server.engine.sequence import Sequence
-from paged_server.engine.worker import WorkerStep
+from paged_server.engine.request.sequence import Sequence
+from paged_server.engine.worker.worker import WorkerStep
 
 
 @dataclass(slots=True)

@@ -31,10 +31,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paged_server.engine.logits_processors import apply_logits_processors
-from paged_server.engine.logprobs import TokenLogprobs, gather_logprobs
-from paged_server.engine.sampling_row import SamplingRow, has_count_penalty, has_repetition_penalty
-from paged_server.engine.token_sets import nothing_allowed
+from paged_server.engine.sample.logits_processors import apply_logits_processors
+from paged_server.engine.sample.logprobs import TokenLogprobs, gather_logprobs
+from paged_server.engine.sample.sampling_row import (
+    SamplingRow,
+    has_count_penalty,
+    has_repetition_penalty,
+)
+from paged_server.engine.sample.token_sets import nothing_allowed
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from paged_ref.attention_metadata import AttentionMetadata, DecodePart, with_groups
 from paged_ref.cache_view import CacheView, ViewPool
-from paged_server.engine.graph_safety import GraphSafety
+from paged_server.engine.worker.graph_safety import GraphSafety
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paged_core.protocols import KVCacheManagerProtocol
-from paged_server.engine.sequence import Sequence, SequenceStatus
+from paged_server.engine.request.sequence import Sequence, SequenceStatus
 
 # Share of free KV capacity admission leaves for running sequences to grow.
 RESERVE_FRACTION = 0.2

@@ -1,0 +1,1 @@
+"""From tokens to what a caller gets: stop checks, text deltas, ``RequestOutput``."""
