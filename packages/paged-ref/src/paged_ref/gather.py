@@ -6,13 +6,11 @@ page table). On a CPU, attention over a long context is bound by memory
 traffic, and a dense copy of the whole batch does not fit any cache: SDPA
 then reads back from DRAM what the gather just wrote. So the batch is cut
 into chunks of sequences whose gathered K+V stay under ``CHUNK_BYTES``; each
-chunk is gathered and attended while it is still in cache (measured on a
-2-core EPYC: 2-5x faster decode attention at 256-1,024 tokens of context).
+chunk is gathered and attended while it is still in cache.
 
 The copy goes into a scratch buffer the caller reuses for every chunk of
 every layer (``out``), not a new tensor: a fresh megabyte-sized tensor per
-chunk costs page faults and cold cache lines, which made the copy cost twice
-the attention (1.6x faster decode attention at 32 sequences, 2.5x at 8).
+chunk costs page faults and cold cache lines.
 
 Each chunk gathers only the blocks its sequences use, from the first block
 its queries can see (a sliding window skips older blocks) to its last one;

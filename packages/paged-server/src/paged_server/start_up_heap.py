@@ -2,9 +2,8 @@
 collector's full passes skip it.
 
 Model, caches, compiled graphs and libraries live as long as the process
-(~430k objects on the embedded model). Unfrozen, a full collection walks
-them all while every thread waits: 190-460 ms, 2-3 times a minute under
-``bench-serve`` load, the server's TTFT p99 outliers. vLLM freezes its
+(hundreds of thousands of objects). Unfrozen, a full collection walks
+them all while every thread waits: the server's TTFT p99 outliers. vLLM freezes its
 engine's start-up heap for the same reason.
 """
 

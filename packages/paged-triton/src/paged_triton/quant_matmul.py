@@ -46,11 +46,10 @@ from paged_triton.launch_checks import check_runnable, dot_precision, interprete
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLIT_WAVES = 2  # split-K aims at this many programs per SM
 MIN_SPLIT_TILES = 4  # K tiles each split keeps, so its loop still pipelines
-# Rows from which dequantize-then-cuBLAS beats this kernel. On an H100
-# (benchmarks/test_quant_matmul_bench.py) the kernel reaches ~250 TFLOP/s at
-# 2048 rows against cuBLAS's ~700, while dequantizing a 4096 x 4096 weight in
-# one pass costs about one 16-bit read and write of it (~20 us); vLLM's AWQ
-# path switches at the same 256.
+# Rows from which dequantize-then-cuBLAS beats this kernel: at prefill sizes
+# cuBLAS's dense GEMM outruns it by more than one pass over the weight costs
+# (benchmarks/test_quant_matmul_bench.py measures both); vLLM's AWQ path
+# switches at the same 256.
 DENSE_ROWS = 256
 
 

@@ -349,7 +349,7 @@ def bench_serve(args: argparse.Namespace, config: Any | None) -> dict[str, Any]:
             # End the engine thread, and its OpenMP pool with it: a second run in
             # this process (run_all's budgets) would otherwise step beside an
             # idle pool, and libgomp stops spinning when there are more threads
-            # than cores (run second, ITL p50 9.2 ms against 3-3.5 run alone).
+            # than cores.
             thread.close()
     report: dict[str, Any] = {
         "benchmark": "serve",

@@ -90,8 +90,8 @@ def replica_main(index: int, config: EngineConfig, conn: Connection, num_threads
         pass  # the server is gone (another replica failed to start, or it died): stop
     finally:
         engine.shutdown()
-    # Skip the interpreter's teardown: torch's takes ~6 s in C here (measured,
-    # no Python frame), which only delays the server's own exit.
+    # Skip the interpreter's teardown: torch's takes seconds in C, which only
+    # delays the server's own exit.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -163,9 +163,7 @@ def _run_worker(args: argparse.Namespace | None) -> int:
 def _give_threads_to(thread: Any) -> None:
     """Leave the main thread (HTTP only) one torch thread and the engine
     thread all of them: a second OpenMP pool on the main thread makes every
-    op of the engine's pay a wake-up (`serve`, 30M model, 1 stream of 128
-    tokens, quiet 2-core EPYC: 25.6-26.6 ms/token with this, 28.2-32.2
-    without; the same engine all on the main thread: 22-24 ms/step)."""
+    op of the engine's pay a wake-up."""
     import torch
 
     threads = torch.get_num_threads()

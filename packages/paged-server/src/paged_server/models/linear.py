@@ -15,7 +15,7 @@ fills and, with tensor parallelism, which rows (or columns) of it this rank
 holds and where they land in the stacked weight. So the loader has no table
 of fused names, each part is sharded on its own (a rank holds its q heads,
 its k heads and its v heads, stacked), and a layer that stores its weight
-in another format (issue 30's quantized checkpoints: packed weights and
+in another format (quantized checkpoints: packed weights and
 their scales) plugs in at the same seam by naming other tensors.
 
 Both kinds take the step's ``LoRAMapping`` (``lora``) beside the input:

@@ -184,9 +184,8 @@ def row_values(values: Sequence[float], low: float, high: float, device: torch.d
 def row_max(logits: Tensor) -> tuple[Tensor, Tensor]:
     """Each row's largest value and the index of its first occurrence (a NaN
     counts as largest), as ``logits.max(dim=-1)``. On a CPU it is taken in two
-    passes over 64-wide blocks: torch's max-with-index runs 3-4x slower there
-    than a plain ``amax`` (256 x 4,096 fp32: 1.2 ms against 0.37 on one
-    thread), which made it most of a large batch's sampling time."""
+    passes over 64-wide blocks: torch's max-with-index runs several times
+    slower there than a plain ``amax``."""
     rows, vocab = logits.shape
     if logits.device.type != "cpu" or vocab % _MAX_BLOCK or not logits.is_contiguous():
         top = logits.max(dim=-1)

@@ -28,11 +28,9 @@ graph holds neither and one compile serves every step and every adapter.
 
 The rows of a multi-row step are padded to a multiple of ``ROW_BUCKET``
 (``padded_rows``), and the runner's warm-up runs every bucket once: oneDNN
-builds (JIT-compiles) a matmul the first time it sees a row count, ~0.7 ms a
-projection, so a step whose row count was new took 8-17 ms longer (the
-embedded model, 8 decodes beside a 37-149-token chunk), and under serving,
-where decodes and prompt chunks make row counts of every size, those steps
-were the inter-token latency's tail. Padding rows never reach attention:
+builds (JIT-compiles) a matmul the first time it sees a row count, and
+under serving, where decodes and prompt chunks make row counts of every
+size, those steps were the inter-token latency's tail. Padding rows never reach attention:
 ``paged::attention`` attends the real rows and returns zeros for the rest.
 """
 
@@ -189,8 +187,8 @@ _OPAQUE_LORA = _OpaqueLoRA()
 class CompiledForward:
     """``hidden_states(input_ids, position_ids, view)`` through the compiled
     ``model.model`` (embeddings, layers, final norm), and ``compute_logits``
-    (the LM head on the sampled rows) compiled on its own: at one row, 0.38
-    against 0.59 ms eager for the ~100M model's head, bf16, caches cold."""
+    (the LM head on the sampled rows) compiled on its own, faster than
+    eager at one row."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -266,8 +264,8 @@ def _gemm_template_options(model: nn.Module) -> dict[str, object]:
     aten's weight-only kernels to inductor's C++ GEMM template (its only
     backend, so nothing is benchmarked at compile time). The template
     dequantizes inside a register-blocked micro-kernel (AVX512 at a few
-    rows, AMX above); aten's own kernels are 1.5-1.8x slower at one token
-    and 2.5-9x slower at 8-64. Dense models keep oneDNN's packed matmuls."""
+    rows, AMX above), faster than aten's own kernels at every row count.
+    Dense models keep oneDNN's packed matmuls."""
     from paged_server.models.quantization.linear import uses_packed_cpu_kernels
 
     if not uses_packed_cpu_kernels(model):

@@ -12,8 +12,7 @@ next forward pass takes the GIL.
 The thread that steps the engine should be the one that loaded its model
 (`EngineThread`): torch's OpenMP pool belongs to the thread that first runs a
 parallel op, and with a second pool alive (2 cores, 2 pools) libgomp stops
-busy-waiting, so every op of every step pays a thread wake-up (measured: a
-step 2.3x slower).
+busy-waiting, so every op of every step pays a thread wake-up.
 """
 
 from __future__ import annotations
@@ -45,10 +44,8 @@ logger = logging.getLogger("paged_server.entrypoints.openai")
 # event loop, for the loop to write them before it starts the next step. A
 # compiled forward pass holds the GIL for most of its length (inductor's CPU
 # kernels do not release it), so a delivery still pending when the pass
-# starts waits for the pass to end: on a 2-core CPU, step end to SSE write
-# had a p99 of 2.6 ms, and late writes were a fifth to a third of the
-# inter-token gaps over 3x the median (bench-serve, 96 requests at 8/s,
-# docs/operations.md). Bounded: a busy or stuck loop never holds the engine
+# starts waits for the pass to end, and those late writes were the
+# inter-token latency's tail (docs/operations.md). Bounded: a busy or stuck loop never holds the engine
 # longer than this per step. Not on a GPU: its pass leaves the GIL free while
 # the device computes, so the loop writes meanwhile, and waiting would idle
 # the device.

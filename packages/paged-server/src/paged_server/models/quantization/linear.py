@@ -4,15 +4,13 @@ On CPU, weight-only int8 (per-channel; grouped int8 as one product per
 group, summed) and int4 (groups of 32-256) run
 torch's own packed kernels, ``aten._weight_int8pack_mm`` and
 ``aten._weight_int4pack_mm_for_cpu`` (the ones torchao's CPU layouts call),
-with activations in bfloat16: measured on a 2-core AMD EPYC (no AMX) they
-read 2x/4x fewer bytes than fp32 and run 1.6x/2.8x faster on the ~100M
-model's shapes at batch 1, while their float32-activation paths are 30x
-slower. In the compiled forward pass (engine/worker/compiled_forward.py) inductor
-lowers both to its C++ GEMM template, which keeps the weight quantized and
-runs 1.1-1.8x (one token) to 9x (64 tokens) faster than these kernels on
-an AMX Xeon. A single row (one stream's decode step) runs ``cpu_gemv``
-where the CPU has AVX512 VNNI: the row rounded to int8, as vLLM's CPU
-AWQ/GPTQ path, 2-3x faster than either. On CUDA, int8 and int4 weights
+with activations in bfloat16 (they read 2x/4x fewer bytes than fp32; their
+float32-activation paths are far slower). In the compiled forward pass
+(engine/worker/compiled_forward.py) inductor lowers both to its C++ GEMM
+template, which keeps the weight quantized. A single row (one stream's
+decode step) runs ``cpu_gemv`` where the CPU has AVX512 VNNI: the row
+rounded to int8, as vLLM's CPU AWQ/GPTQ path. docs/operations.md has the
+measurements behind each choice. On CUDA, int8 and int4 weights
 run ``paged_triton``'s dequantizing GEMM (``quant_matmul``: the weight
 dequantized tile by tile in registers, split-K for decode), reading the layout kept below for
 dequantize-per-call; from ``DENSE_ROWS`` rows (prefill) they dequantize
