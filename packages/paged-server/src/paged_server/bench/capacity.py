@@ -40,19 +40,17 @@ class KVShape:
     head_dim: int = 4
     dtype: torch.dtype = torch.float32
 
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)``: the pools' ``from_model_config`` leading arguments."""
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
 
 def make_contiguous_pool(shape: KVShape, num_rows: int, max_model_len: int) -> Any:
     """A real ``ContiguousKVPool`` with ``num_rows`` rows of ``max_model_len``."""
     from paged_ref import ContiguousKVPool
 
-    return ContiguousKVPool.from_model_config(
-        shape.num_layers,
-        shape.num_kv_heads,
-        shape.head_dim,
-        max_model_len,
-        num_rows,
-        dtype=shape.dtype,
-    )
+    return ContiguousKVPool.from_model_config(*shape.dims, max_model_len, num_rows, dtype=shape.dtype)
 
 
 def make_paged_pool(shape: KVShape, num_blocks: int, block_size: int) -> Any:
@@ -60,13 +58,7 @@ def make_paged_pool(shape: KVShape, num_blocks: int, block_size: int) -> Any:
     from paged_ref import PagedKVPool
 
     return PagedKVPool.from_model_config(
-        shape.num_layers,
-        shape.num_kv_heads,
-        shape.head_dim,
-        num_blocks,
-        block_size,
-        shape.dtype,
-        enable_prefix_caching=False,
+        *shape.dims, num_blocks, block_size, shape.dtype, enable_prefix_caching=False
     )
 
 

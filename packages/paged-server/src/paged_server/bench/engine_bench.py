@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from paged_server.bench.results import RunResult, TokenTimes, percentiles
+from paged_server.bench.results import RunResult, TokenTimes, workload_result
 from paged_server.bench.workloads import Workload
 
 
@@ -303,23 +303,17 @@ def run_engine(
             )
         seconds = time.perf_counter() - start
     after = engine.metrics()
-    if produced != workload.output_tokens:
-        raise RuntimeError(
-            f"engine produced {produced} tokens, the workload asks {workload.output_tokens}"
-        )
     queries = after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"]
     hits = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
     cfg = engine.config
-    return RunResult(
-        config=config_name,
-        workload=workload.name,
-        model=model_name,
-        num_requests=len(workload.requests),
-        prompt_tokens=workload.prompt_tokens,
-        output_tokens=produced,
-        seconds=seconds,
-        ttft_ms=percentiles(clock.ttft_ms()),
-        itl_ms=percentiles(clock.itl_ms()),
+    return workload_result(
+        "engine",
+        config_name,
+        workload,
+        model_name,
+        produced,
+        seconds,
+        clock,
         peak_running=peak_running,
         peak_kv_usage=peak_held[0] / peak_held[1] if peak_held[1] else None,
         peak_kv_pool_usage=peak_pool,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from paged_server.bench.results import RunResult, TokenTimes, percentiles
+from paged_server.bench.results import RunResult, TokenTimes, workload_result
 from paged_server.bench.workloads import Workload
 
 
@@ -98,16 +98,14 @@ def run_hf_static(
                 for t in step_times[: r.max_tokens]:
                     clock.record(r.request_id, 1, t)
     seconds = time.perf_counter() - start
-    return RunResult(
-        config="hf_static_generate",
-        workload=workload.name,
-        model=model_name,
-        num_requests=len(reqs),
-        prompt_tokens=workload.prompt_tokens,
-        output_tokens=workload.output_tokens,
-        seconds=seconds,
-        ttft_ms=percentiles(clock.ttft_ms()),
-        itl_ms=percentiles(clock.itl_ms()),
+    return workload_result(
+        "transformers generate",
+        "hf_static_generate",
+        workload,
+        model_name,
+        workload.output_tokens,  # only requested tokens count (see docstring)
+        seconds,
+        clock,
         peak_running=min(batch_size, len(reqs)),
         settings={"batch_size": batch_size, "tokens_computed_incl_padding_waste": generated},
     )
@@ -178,20 +176,14 @@ def run_hf_continuous(
         produced += len(out.generated_tokens)
         for t in out.timestamps or []:
             clock.record(rid, 1, t)
-    if produced != workload.output_tokens:
-        raise RuntimeError(
-            f"transformers produced {produced} tokens, the workload asks {workload.output_tokens}"
-        )
-    return RunResult(
-        config="hf_generate_batch",
-        workload=workload.name,
-        model=model_name,
-        num_requests=len(workload.requests),
-        prompt_tokens=workload.prompt_tokens,
-        output_tokens=produced,
-        seconds=seconds,
-        ttft_ms=percentiles(clock.ttft_ms()),
-        itl_ms=percentiles(clock.itl_ms()),
+    return workload_result(
+        "transformers",
+        "hf_generate_batch",
+        workload,
+        model_name,
+        produced,
+        seconds,
+        clock,
         settings={
             "page_size": page_size,
             "num_blocks": cb_cfg.num_blocks,

@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paged_server.bench.workloads import Workload
 
 SCHEMA_VERSION = 1
 
@@ -128,3 +131,36 @@ class RunResult:
             # Share of wall time in the linear layers = tokens/s as a share of the bound.
             d["linear_share"] = round(self.linear_seconds / self.seconds, 4) if self.seconds else None
         return d
+
+
+def workload_result(
+    runner: str,
+    config: str,
+    workload: Workload,
+    model: str,
+    produced: int,
+    seconds: float,
+    clock: TokenTimes,
+    **measured: Any,
+) -> RunResult:
+    """The ``RunResult`` of ``config`` on ``workload``: its request and prompt
+    counts, the ``produced`` tokens and ``clock``'s latency percentiles, plus
+    the runner's own ``measured`` fields (peaks, settings...). Raises when
+    ``runner`` produced other than the workload's tokens (EOS is ignored, so
+    every backend must produce exactly them)."""
+    if produced != workload.output_tokens:
+        raise RuntimeError(
+            f"{runner} produced {produced} tokens, the workload asks {workload.output_tokens}"
+        )
+    return RunResult(
+        config=config,
+        workload=workload.name,
+        model=model,
+        num_requests=len(workload.requests),
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=produced,
+        seconds=seconds,
+        ttft_ms=percentiles(clock.ttft_ms()),
+        itl_ms=percentiles(clock.itl_ms()),
+        **measured,
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,103 +152,130 @@ def burst_workload(
     return Workload(name, description, seed, requests, params)
 
 
-def seed_workload(
-    pool: Sequence[int],
-    *,
-    num_requests: int = 48,
-    seed: int = 0,
-    prompt_scale: float = 1.0,
-    new_tokens_scale: float = 1.0,
-) -> Workload:
+def _burst_preset(
+    name: str,
+    description: str,
+    default_requests: int,
+    prompt_range: tuple[int, int],
+    new_tokens_range: tuple[int, int],
+    doc: str,
+) -> Callable[..., Workload]:
+    """A ``burst_workload`` with its name and ranges fixed: the caller picks
+    the request count (``default_requests`` when not given), seed and scales."""
+
+    def preset(
+        pool: Sequence[int],
+        *,
+        num_requests: int = default_requests,
+        seed: int = 0,
+        prompt_scale: float = 1.0,
+        new_tokens_scale: float = 1.0,
+    ) -> Workload:
+        return burst_workload(
+            name,
+            description,
+            pool,
+            num_requests=num_requests,
+            prompt_range=prompt_range,
+            new_tokens_range=new_tokens_range,
+            seed=seed,
+            prompt_scale=prompt_scale,
+            new_tokens_scale=new_tokens_scale,
+        )
+
+    preset.__name__ = preset.__qualname__ = f"{name}_workload"
+    preset.__doc__ = doc
+    return preset
+
+
+seed_workload = _burst_preset(
+    "seed",
+    "paged_attention seed workload: one burst, prompts 128-384, 128-256 new tokens",
+    48,
+    (128, 384),
+    (128, 256),
     """The ``paged_attention`` seed workload: 48 requests in one
     burst, prompts 128-384 tokens, 128-256 new tokens, EOS ignored.
 
     Every request fits in 640 tokens, so at 8 x 4,096 token slots of KV memory
-    all 48 fit at once in a paged pool while a contiguous pool holds 8."""
-    return burst_workload(
-        "seed",
-        "paged_attention seed workload: one burst, prompts 128-384, 128-256 new tokens",
-        pool,
-        num_requests=num_requests,
-        prompt_range=(128, 384),
-        new_tokens_range=(128, 256),
-        seed=seed,
-        prompt_scale=prompt_scale,
-        new_tokens_scale=new_tokens_scale,
-    )
+    all 48 fit at once in a paged pool while a contiguous pool holds 8.""",
+)
 
-
-def nano_vllm_workload(
-    pool: Sequence[int],
-    *,
-    num_requests: int = 256,
-    seed: int = 0,
-    prompt_scale: float = 1.0,
-    new_tokens_scale: float = 1.0,
-) -> Workload:
+nano_vllm_workload = _burst_preset(
+    "nano_vllm",
+    "nano-vllm bench: one burst, prompts 100-1024, 100-1024 new tokens",
+    256,
+    (100, 1024),
+    (100, 1024),
     """nano-vllm's ``bench.py`` shape: 256 requests, prompts and outputs each
-    uniform in 100-1,024 tokens, random token ids, one burst."""
-    return burst_workload(
-        "nano_vllm",
-        "nano-vllm bench: one burst, prompts 100-1024, 100-1024 new tokens",
-        pool,
-        num_requests=num_requests,
-        prompt_range=(100, 1024),
-        new_tokens_range=(100, 1024),
-        seed=seed,
-        prompt_scale=prompt_scale,
-        new_tokens_scale=new_tokens_scale,
-    )
+    uniform in 100-1,024 tokens, random token ids, one burst.""",
+)
 
 
-def shared_prefix_workload(
+def _system_prompt_workload(
+    name: str,
     pool: Sequence[int],
     *,
-    num_requests: int = 32,
-    system_prompt_tokens: int = 384,
+    num_requests: int,
+    num_groups: int,
+    system_prompt_tokens: int,
+    shared: bool,
     suffix_range: tuple[int, int] = (16, 64),
     new_tokens_range: tuple[int, int] = (16, 32),
     seed: int = 0,
     prompt_scale: float = 1.0,
     new_tokens_scale: float = 1.0,
 ) -> Workload:
-    """One system prompt shared by every request, then a short distinct user
-    part: what prefix caching is for (chat with a fixed system prompt). One
-    warm-up request with the same system prompt runs before the timed burst,
-    as in a service that has already seen it; without it a burst has no
-    computed blocks to hit."""
-    _check(
-        num_requests,
-        pool,
-        (system_prompt_tokens, system_prompt_tokens),
-        suffix_range,
-        new_tokens_range,
-    )
+    """``num_groups`` system prompts, request ``i`` a distinct suffix after
+    prompt ``i % num_groups``. ``shared``: one prompt (``num_groups`` 1),
+    and one more request after it runs before the burst (a service that has
+    already seen it)."""
+    _check(num_requests, pool, (system_prompt_tokens, system_prompt_tokens), suffix_range, new_tokens_range)
     rng, token_rng = random.Random(seed), random.Random(f"{seed}:tokens")
-    system = _draw_prompt(token_rng, pool, _scaled(system_prompt_tokens, prompt_scale))
+    systems = [
+        _draw_prompt(token_rng, pool, _scaled(system_prompt_tokens, prompt_scale)) for _ in range(num_groups)
+    ]
 
-    def request(request_id: str) -> RequestSpec:
+    def request(request_id: str, system: tuple[int, ...]) -> RequestSpec:
         suffix = _draw_prompt(token_rng, pool, _scaled(rng.randint(*suffix_range), prompt_scale))
         max_tokens = _scaled(rng.randint(*new_tokens_range), new_tokens_scale)
         return RequestSpec(request_id, system + suffix, max_tokens)
 
-    requests = [request(f"shared_prefix-{i}") for i in range(num_requests)]
-    warmup = [request("shared_prefix-warmup")]
-    params = {
-        "system_prompt_tokens": len(system),
+    requests = [request(f"{name}-{i}", systems[i % num_groups]) for i in range(num_requests)]
+    warmup = [request(f"{name}-warmup", systems[0])] if shared else []
+    params = {} if shared else {"num_groups": num_groups}
+    params |= {
+        "system_prompt_tokens": len(systems[0]),
         "suffix_range": list(suffix_range),
         "new_tokens_range": list(new_tokens_range),
         "prompt_scale": prompt_scale,
         "new_tokens_scale": new_tokens_scale,
     }
-    return Workload(
-        "shared_prefix",
-        f"shared system prompt ({len(system)} tokens) + distinct {suffix_range[0]}-{suffix_range[1]} "
-        f"token suffix, {new_tokens_range[0]}-{new_tokens_range[1]} new tokens, after one warm-up request",
-        seed,
-        requests,
-        params,
-        warmup,
+    prompts = (
+        f"shared system prompt ({len(systems[0])} tokens)"
+        if shared
+        else f"{num_groups} system prompts ({len(systems[0])} tokens) taking turns"
+    )
+    description = (
+        f"{prompts} + distinct {suffix_range[0]}-{suffix_range[1]} token suffix, "
+        f"{new_tokens_range[0]}-{new_tokens_range[1]} new tokens"
+        + (", after one warm-up request" if shared else "")
+    )
+    return Workload(name, description, seed, requests, params, warmup)
+
+
+def shared_prefix_workload(
+    pool: Sequence[int], *, num_requests: int = 32, system_prompt_tokens: int = 384, **knobs: Any
+) -> Workload:
+    """One system prompt shared by every request, then a short distinct user
+    part: what prefix caching is for (chat with a fixed system prompt). One
+    warm-up request with the same system prompt runs before the timed burst,
+    as in a service that has already seen it; without it a burst has no
+    computed blocks to hit. ``knobs``: ``suffix_range`` (16, 64),
+    ``new_tokens_range`` (16, 32), ``seed``, ``prompt_scale``, ``new_tokens_scale``."""
+    return _system_prompt_workload(
+        "shared_prefix", pool, num_requests=num_requests, num_groups=1,
+        system_prompt_tokens=system_prompt_tokens, shared=True, **knobs,
     )
 
 
@@ -258,42 +285,16 @@ def prefix_groups_workload(
     num_requests: int = 64,
     num_groups: int = 4,
     system_prompt_tokens: int = 256,
-    suffix_range: tuple[int, int] = (16, 64),
-    new_tokens_range: tuple[int, int] = (16, 32),
-    seed: int = 0,
-    prompt_scale: float = 1.0,
-    new_tokens_scale: float = 1.0,
+    **knobs: Any,
 ) -> Workload:
     """``num_groups`` system prompts (tenants), requests taking turns among
     them, each a distinct suffix after its group's prompt: what prefix-aware
     routing across data-parallel replicas is for (a replica that saw a
-    group's prompt serves its next requests from its prefix cache)."""
-    _check(num_requests, pool, (system_prompt_tokens, system_prompt_tokens), suffix_range, new_tokens_range)
-    rng, token_rng = random.Random(seed), random.Random(f"{seed}:tokens")
-    systems = [
-        _draw_prompt(token_rng, pool, _scaled(system_prompt_tokens, prompt_scale)) for _ in range(num_groups)
-    ]
-
-    def request(i: int) -> RequestSpec:
-        suffix = _draw_prompt(token_rng, pool, _scaled(rng.randint(*suffix_range), prompt_scale))
-        max_tokens = _scaled(rng.randint(*new_tokens_range), new_tokens_scale)
-        return RequestSpec(f"prefix_groups-{i}", systems[i % num_groups] + suffix, max_tokens)
-
-    params = {
-        "num_groups": num_groups,
-        "system_prompt_tokens": len(systems[0]),
-        "suffix_range": list(suffix_range),
-        "new_tokens_range": list(new_tokens_range),
-        "prompt_scale": prompt_scale,
-        "new_tokens_scale": new_tokens_scale,
-    }
-    return Workload(
-        "prefix_groups",
-        f"{num_groups} system prompts ({len(systems[0])} tokens) taking turns + distinct "
-        f"{suffix_range[0]}-{suffix_range[1]} token suffix, {new_tokens_range[0]}-{new_tokens_range[1]} new tokens",
-        seed,
-        [request(i) for i in range(num_requests)],
-        params,
+    group's prompt serves its next requests from its prefix cache).
+    ``knobs``: as ``shared_prefix_workload``'s."""
+    return _system_prompt_workload(
+        "prefix_groups", pool, num_requests=num_requests, num_groups=num_groups,
+        system_prompt_tokens=system_prompt_tokens, shared=False, **knobs,
     )
 
 
