@@ -37,8 +37,6 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Callable
-from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -47,7 +45,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from paged_server.config import EngineConfig, RunConfig
-from paged_server.engine.core.executor import LaunchThread
+from paged_server.engine.core.executor import LaunchesOnThread, LaunchThread
 from paged_server.engine.worker.worker import Worker, WorkerStep
 from paged_server.errors import WorkerStartError
 from paged_server.parallel import rendezvous
@@ -72,7 +70,7 @@ STOP_TIMEOUT_S = 10.0
 HEARTBEAT_STALE_S = 5.0
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(LaunchesOnThread):
     """The driver worker here and ranks 1..N-1 of ``config.world_size`` in
     processes of their own (see module doc); started by the constructor
     (on the checkpoint at ``path``, checked first)."""
@@ -211,17 +209,11 @@ class MultiprocExecutor:
 
     def execute(self, step: WorkerStep, meta: Any = None) -> Tensor | None:
         """One step on every rank (the message first, then the driver's pass;
-        ``meta``: the driver's metadata, built ahead: never sent)."""
+        ``meta``: the driver's metadata, built ahead: never sent). ``launch``
+        runs it on the launch thread, so the message goes from there too."""
         self._check_alive()
         self._require_group().broadcast_message(WorkerCall("execute", (step,)))
         return self.driver.execute(step, meta)
-
-    def launch(
-        self, step: WorkerStep, then: Callable[[Tensor | None], Any] | None = None, meta: Any = None,
-        before: Callable[[WorkerStep], None] | None = None,
-    ) -> Future[Any]:
-        """``execute`` on the launch thread (the message goes from there too)."""
-        return self.launcher.submit(self.execute, step, then, meta, before)
 
     def _await_ready(self) -> None:
         """Wait until every worker is about to join the groups; raise

@@ -125,7 +125,24 @@ class LaunchThread:
             torch.cuda.set_device(self.device)
 
 
-class UniProcExecutor:
+class LaunchesOnThread:
+    """``Executor.launch`` for an executor that holds a ``LaunchThread`` as
+    ``launcher``: its own ``execute``, run on that thread."""
+
+    launcher: LaunchThread
+
+    def execute(self, step: WorkerStep, meta: Any = None) -> Tensor | None:
+        raise NotImplementedError
+
+    def launch(
+        self, step: WorkerStep, then: Callable[[Tensor | None], Any] | None = None, meta: Any = None,
+        before: Callable[[WorkerStep], None] | None = None,
+    ) -> Future[Any]:
+        """``execute`` on the launch thread (see ``Executor.launch``)."""
+        return self.launcher.submit(self.execute, step, then, meta, before)
+
+
+class UniProcExecutor(LaunchesOnThread):
     """One rank: the driver worker, called directly."""
 
     world_size = 1
@@ -139,12 +156,6 @@ class UniProcExecutor:
 
     def execute(self, step: WorkerStep, meta: Any = None) -> Tensor | None:
         return self.driver.execute(step, meta)
-
-    def launch(
-        self, step: WorkerStep, then: Callable[[Tensor | None], Any] | None = None, meta: Any = None,
-        before: Callable[[WorkerStep], None] | None = None,
-    ) -> Future[Any]:
-        return self.launcher.submit(self.execute, step, then, meta, before)
 
     def health(self) -> list[str]:
         return []
