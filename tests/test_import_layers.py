@@ -27,6 +27,7 @@ SERVER_LAYERS = [
     # where a model lives and its recommended sampling settings (read by config and engine)
     {"model_dir", "generation_defaults"},
     {"models", "default_model"},  # model code and its loader; know no engine config
+    {"attention_backends"},  # every attention backend by name (the config resolves one)
     {"config", "speculative_config"},  # the engine config (names model quantization methods)
     {"engine", "parallel"},  # the engine and its tensor-parallel ranks
     {"data_parallel"},  # engine replicas in their own processes, as one engine for the server

@@ -12,6 +12,7 @@ import torch
 
 from paged_ref import ops
 from paged_ref.cpu import cpu_decode
+from paged_ref.cpu.cpu_backend import CpuKernelsBackend
 from paged_ref.cpu.cpu_decode import CpuDecodeOps
 from paged_ref.kv_quant import quantize
 from paged_ref.paged_pool import PagedKVPool
@@ -400,7 +401,7 @@ def test_a_short_prompt_chunk_attends_as_decodes_like_the_prefill(monkeypatch, w
     results = {}
     for threshold in (0, 10**6):
         monkeypatch.setattr(CpuDecodeOps, "prefill_as_decodes", threshold)
-        results[threshold] = _mixed_step(CpuDecodeOps(ops), torch.Generator().manual_seed(3), dtype, window)
+        results[threshold] = _mixed_step(CpuKernelsBackend(CpuDecodeOps(ops)), torch.Generator().manual_seed(3), dtype, window)
     (want, want_pool, want_meta), (got, got_pool, got_meta) = results[0], results[10**6]
     assert "as_decodes" in got_meta.memo and "as_decodes" not in want_meta.memo
     assert got_meta.decode.rows is not None  # the rows were out of order
@@ -416,7 +417,7 @@ def test_prefill_key_reads_and_the_rows_as_decodes(monkeypatch) -> None:
     threshold is inclusive."""
     for threshold, expect in ((6 * 5 + 15 + 15 - 1, False), (6 * 5 + 15 + 15, True)):
         monkeypatch.setattr(CpuDecodeOps, "prefill_as_decodes", threshold)
-        _, _, meta = _mixed_step(CpuDecodeOps(ops), torch.Generator().manual_seed(4), torch.float32, None)
+        _, _, meta = _mixed_step(CpuKernelsBackend(CpuDecodeOps(ops)), torch.Generator().manual_seed(4), torch.float32, None)
         assert meta.prefill_key_reads() == 6 * 5 + 15 + 15  # a: 7..11, c: 1..5
         assert ("as_decodes" in meta.memo) is expect
     rows = meta.as_decodes()

@@ -5,8 +5,8 @@ Model code sees only this (``AttentionViewProtocol``). A view covers
 batch, starting at its cached length ``starts[i]``. Both pools use this one
 class: the paged pool hands it page tables, the contiguous pool one
 "block" of ``max_model_len`` tokens per seq_id, and every layer then costs one
-``write_kv`` and one attention op per part (decode, prefill) from the
-pool's ``ops`` module.
+call of the pool's attention backend (``paged_core.attention_backend``),
+which writes the layer's K/V and attends.
 
 A view's metadata is complete before the forward pass: the pool already
 reserved every token (the ``CachePoolProtocol`` views, ``seed_views``, reserve
@@ -18,13 +18,13 @@ it was, apart from KV written where no one reads it yet.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from paged_ref.attention_metadata import AttentionMetadata, DecodePart
+from paged_core.attention_backend import AttentionBackend
+from paged_ref.attention_metadata import AttentionMetadata
 from paged_ref.kv_quant import HEAD_SCALE_DTYPE, scale_keywords
 from paged_ref.ops import gather_context
 
@@ -58,7 +58,7 @@ class ViewPool(Protocol):
     def v_head_scales(self) -> Tensor | None: ...
 
     @property
-    def ops(self) -> ModuleType: ...
+    def backend(self) -> AttentionBackend: ...
 
     def is_paged(self) -> bool: ...
 
@@ -86,11 +86,6 @@ def static_scales(cache: Tensor, scales: Tensor, name: str, num_layers: int) -> 
     padded = torch.ones(layers, -(-kv_heads // 4) * 4, dtype=HEAD_SCALE_DTYPE, device=cache.device)
     padded[:, :kv_heads] = scales.to(device=cache.device, dtype=HEAD_SCALE_DTYPE)
     return padded[:, :kv_heads]
-
-
-def _rows_of(q: Tensor, dec: DecodePart, num_decodes: int) -> Tensor:
-    """The decode rows' queries (a view when they come first)."""
-    return q[:num_decodes] if dec.rows is None else q[dec.rows]
 
 
 class CacheView:
@@ -158,8 +153,8 @@ class CacheView:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        """``write_kv`` then the decode and prefill attention ops.
-        ``q``: ``[num_tokens, heads, head_dim]``; returns the same shape.
+        """The pool's backend writes ``k``/``v`` and attends ``q``
+        (``[num_tokens, heads, head_dim]``; returns the same shape).
         A layer in a sliding KV cache group must attend with that window:
         its group frees blocks a wider window would still read."""
         where = self.tensors.locate_layer(layer_idx)
@@ -170,75 +165,18 @@ class CacheView:
                 f"cache group {group} frees blocks outside a window of {window} tokens; "
                 "build the pool's groups from the model's layer windows (kv_cache_groups)"
             )
-        ops = self.tensors.ops
-        softcap = softcap or None  # 0 means off, as in vLLM
         meta, cache_layer, scales = self._layer(layer_idx, k, where)
-        k_cache, v_cache = self.tensors.k_cache[cache_layer], self.tensors.v_cache[cache_layer]
-        dec, pre = meta.decode, meta.prefill
-        only = dec if pre is None and dec is not None and dec.rows is None else None  # decodes only
-        fused = getattr(ops, "write_and_decode", None)
-        num_decodes = 0 if dec is None else dec.seq_lens.shape[0]
-        decoded = None  # the decode rows' outputs, where the write's call attended them
-        if fused is not None and not scales:
-            # An ops module may make a decode-only layer's write and attention
-            # one call (None from it: nothing written, the ops below run
-            # instead); and take a short prompt chunk the same way, each row
-            # a decode of its own, where that costs it less than a prefill
-            # (its ``prefill_as_decodes``: the most keys read in all). In any
-            # other step with decodes, that call writes every row and attends
-            # the decodes, and the prefill op attends the prompt chunks.
-            rows = only
-            short = pre is not None and meta.prefill_key_reads() <= getattr(ops, "prefill_as_decodes", 0)
-            if rows is None and short:
-                rows = meta.as_decodes()
-            if rows is not None:
-                out = fused(
-                    k_cache, v_cache, q, k, v, meta.slot_mapping, rows.block_tables, rows.seq_lens,
-                    scale, sliding_window, softcap, meta.memo,
-                )  # fmt: skip
-                if out is not None:
-                    return out  # type: ignore[no-any-return]
-            elif dec is not None:
-                decoded = fused(
-                    k_cache, v_cache, _rows_of(q, dec, num_decodes), k, v, meta.slot_mapping, dec.block_tables, dec.seq_lens,
-                    scale, sliding_window, softcap, meta.memo,
-                )  # fmt: skip
-        if decoded is None:
-            ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **scales)
-        if only is not None:
-            return ops.paged_decode_attention(  # type: ignore[no-any-return]
-                q, k_cache, v_cache, only.block_tables, only.seq_lens, scale,
-                sliding_window, softcap, memo=meta.memo, **scales,
-            )  # fmt: skip
-        out = torch.empty_like(q)
-        if dec is not None:
-            o = decoded
-            if o is None:
-                o = ops.paged_decode_attention(
-                    _rows_of(q, dec, num_decodes), k_cache, v_cache, dec.block_tables, dec.seq_lens, scale,
-                    sliding_window, softcap, memo=meta.memo, **scales,
-                )  # fmt: skip
-            if dec.rows is None:
-                out[:num_decodes] = o
-            else:
-                out[dec.rows] = o
-        if pre is not None:
-            q_pre = q[num_decodes:] if pre.rows is None else q[pre.rows]
-            o = ops.paged_prefill_attention(
-                q_pre, k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q, pre.seq_lens,
-                scale, sliding_window, softcap, memo=meta.memo, **scales,
-            )  # fmt: skip
-            if pre.rows is None:
-                out[num_decodes:] = o
-            else:
-                out[pre.rows] = o
-        return out
+        return self.tensors.backend.attend(  # type: ignore[no-any-return]
+            self.tensors.k_cache[cache_layer], self.tensors.v_cache[cache_layer], meta, q, k, v,
+            scale=scale, sliding_window=sliding_window, softcap=softcap or None,  # 0 is off, as in vLLM
+            scales=scales,
+        )  # fmt: skip
 
     # -- internals ---------------------------------------------------------------
     def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[AttentionMetadata, int, dict[str, Tensor]]:
         """Write the layer's new K/V; returns what ``_layer`` does."""
         meta, cache_layer, scales = self._layer(layer_idx, k)
-        self.tensors.ops.write_kv(
+        self.tensors.backend.write_kv(
             self.tensors.k_cache[cache_layer], self.tensors.v_cache[cache_layer], k, v, meta.slot_mapping, **scales
         )
         return meta, cache_layer, scales

@@ -13,7 +13,7 @@ set of attention ops; only the bookkeeping differs.
 
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,7 +34,7 @@ class ContiguousKVPool(KVPool):
         k_cache: Tensor,
         v_cache: Tensor,
         *,
-        ops: ModuleType | None = None,
+        ops: Any = None,
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
         kv_scales: tuple[Tensor, Tensor] | None = None,
@@ -52,13 +52,13 @@ class ContiguousKVPool(KVPool):
         max_batch_size: int,
         device: str | torch.device = "cpu",
         *,
-        ops: ModuleType | None = None,
+        ops: Any = None,
         kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> ContiguousKVPool:
         """``max_batch_size`` zeroed rows of ``spec.block_size`` (= ``max_model_len``) tokens."""
         t = KVCacheTensors.allocate(spec, max_batch_size, device, paged=False, ops=ops, kv_scales=kv_scales)
         return ContiguousKVPool(
-            t.k_cache, t.v_cache, ops=t.ops, k_scales=t.k_scales, v_scales=t.v_scales, kv_scales=kv_scales
+            t.k_cache, t.v_cache, ops=t.backend, k_scales=t.k_scales, v_scales=t.v_scales, kv_scales=kv_scales
         )
 
     @staticmethod
@@ -71,7 +71,7 @@ class ContiguousKVPool(KVPool):
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
-        ops: ModuleType | None = None,
+        ops: Any = None,
         kv_cache_dtype: str = "auto",
         kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> ContiguousKVPool:

@@ -15,11 +15,11 @@ calibration pass use the joined pool.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 from torch import Tensor
 
+from paged_core.attention_backend import AttentionBackend
 from paged_ref.attention_metadata import AttentionMetadata
 from paged_ref.cache_view import CacheView
 from paged_ref.kv_tensors import KVCacheTensors
@@ -64,8 +64,12 @@ class KVPool(SeedViews):
         return self.tensors.v_head_scales
 
     @property
-    def ops(self) -> ModuleType:
+    def ops(self) -> Any:
         return self.tensors.ops
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self.tensors.backend
 
     @property
     def block_size(self) -> int:

@@ -1,9 +1,9 @@
-"""The worker's side of a KV cache: its tensors, the ops that read and write them, and step views.
+"""The worker's side of a KV cache: its tensors, the backend that reads and writes them, and step views.
 
 ``KVCacheTensors`` holds ``k_cache``/``v_cache`` (``[cache_layers, blocks,
 block_size, kv_heads, head_dim]``; a contiguous cache is the same with one
 block of ``max_model_len`` tokens per sequence), the scales of an 8- or
-4-bit cache, the attention ``ops`` module, and where each model layer
+4-bit cache, the attention ``backend`` (``paged_core.attention_backend``), and where each model layer
 lives (its KV cache group and cache layer). It knows nothing of sequences:
 each step arrives as a ``StepLayout`` from the scheduler's side (page
 tables, positions, block copies), and ``view`` turns it into the step's
@@ -14,13 +14,13 @@ the same ``KVCacheSpec`` and block count.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from paged_core.attention_backend import AttentionBackend
 from paged_core.kv_cache_groups import KVCacheGroup, cache_layers
-from paged_ref import ops as ref_ops
 from paged_ref.attention_metadata import AttentionMetadata, build_metadata
 from paged_ref.cache_view import CacheView, static_scales
 from paged_ref.kv_quant import (
@@ -31,7 +31,19 @@ from paged_ref.kv_quant import (
     storage_shape,
 )
 from paged_ref.kv_spec import KVCacheSpec
+from paged_ref.ops_backend import OpsBackend
+from paged_ref.ref_backend import RefBackend
 from paged_ref.step_layout import StepLayout
+
+
+def as_backend(ops: AttentionBackend | Any | None) -> AttentionBackend:
+    """The attention backend a cache runs: ``ops`` if it is one; the
+    reference for None; a bare ops namespace (a test's spy) as ``OpsBackend``."""
+    if ops is None:
+        return RefBackend()
+    if isinstance(ops, AttentionBackend):
+        return ops
+    return OpsBackend(ops)
 
 
 class KVCacheTensors:
@@ -44,7 +56,7 @@ class KVCacheTensors:
         *,
         block_size: int | None = None,
         paged: bool = True,
-        ops: ModuleType | None = None,
+        ops: AttentionBackend | Any | None = None,
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
         kv_scales: tuple[Tensor, Tensor] | None = None,
@@ -88,7 +100,7 @@ class KVCacheTensors:
         self.k_cache, self.v_cache = k_cache, v_cache
         # int8 (and int4) only: per-token scales beside the codes.
         self.k_scales, self.v_scales = k_scales, v_scales
-        self.ops = ops if ops is not None else ref_ops
+        self.backend = as_backend(ops)
 
     @staticmethod
     def allocate(
@@ -97,7 +109,7 @@ class KVCacheTensors:
         device: str | torch.device = "cpu",
         *,
         paged: bool = True,
-        ops: ModuleType | None = None,
+        ops: AttentionBackend | Any | None = None,
         kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> KVCacheTensors:
         """Zeroed tensors of ``num_blocks`` blocks (every one, the null block
@@ -116,6 +128,11 @@ class KVCacheTensors:
             v_scales=new_scales(v_cache, static, "v_scales"),
             kv_scales=kv_scales, groups=spec.groups,
         )  # fmt: skip
+
+    @property
+    def ops(self) -> Any:
+        """The backend's ops (``write_kv``, ``paged_decode_attention``, ...)."""
+        return self.backend.ops
 
     @property
     def device(self) -> torch.device:
@@ -142,7 +159,7 @@ class KVCacheTensors:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write,
         forks); an int8 cache's per-token scales move with them."""
         if pairs:
-            self.ops.copy_blocks(
+            self.backend.copy_blocks(
                 self.k_cache, self.v_cache, list(pairs), **scale_keywords(self.k_scales, self.v_scales)
             )
 

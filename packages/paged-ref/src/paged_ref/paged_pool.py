@@ -8,14 +8,15 @@ is a sequence id of the block manager. The layers form KV cache groups
 windows make the model hybrid; then each group of ``k`` layers has its own
 page tables over the shared blocks and layer ``l`` lives at cache layer ``j``
 of the tensors (``locate_layer``). The views write and attend through an
-``ops`` module (``paged_ref.ops`` by default; the server passes
-``paged_triton.ops``, so this package never imports triton).
+attention backend (``ops``: the reference by default; the server passes
+Triton's, so this package never imports triton; a bare ops module runs as
+``ops_backend.OpsBackend``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,7 +45,7 @@ class PagedKVPool(KVPool):
         v_cache: Tensor,
         *,
         enable_prefix_caching: bool = True,
-        ops: ModuleType | None = None,
+        ops: Any = None,
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
         kv_scales: tuple[Tensor, Tensor] | None = None,
@@ -67,7 +68,7 @@ class PagedKVPool(KVPool):
         device: str | torch.device = "cpu",
         *,
         enable_prefix_caching: bool = True,
-        ops: ModuleType | None = None,
+        ops: Any = None,
         kv_scales: tuple[Tensor, Tensor] | None = None,
     ) -> PagedKVPool:
         """A zeroed pool of ``num_blocks`` blocks (the null block included)
@@ -75,7 +76,7 @@ class PagedKVPool(KVPool):
         tensors = KVCacheTensors.allocate(spec, num_blocks, device, ops=ops, kv_scales=kv_scales)
         return PagedKVPool(
             tensors.k_cache, tensors.v_cache, enable_prefix_caching=enable_prefix_caching,
-            ops=tensors.ops, k_scales=tensors.k_scales, v_scales=tensors.v_scales,
+            ops=tensors.backend, k_scales=tensors.k_scales, v_scales=tensors.v_scales,
             kv_scales=kv_scales, groups=spec.groups,
         )  # fmt: skip
 
@@ -90,7 +91,7 @@ class PagedKVPool(KVPool):
         device: str | torch.device = "cpu",
         *,
         enable_prefix_caching: bool = True,
-        ops: ModuleType | None = None,
+        ops: Any = None,
         kv_cache_dtype: str = "auto",
         kv_scales: tuple[Tensor, Tensor] | None = None,
         groups: Sequence[KVCacheGroup] | None = None,

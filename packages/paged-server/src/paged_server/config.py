@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from paged_server import attention_backends
 from paged_server.models.loader import cpu_has_bf16
 from paged_server.models.pooler import CONVERTS, RUNNERS, TASKS, resolve_head
 from paged_server.sampling_params import MAX_LOGPROBS
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KV_CACHE_BACKENDS = ("paged", "contiguous")
-ATTENTION_BACKENDS = ("auto", "ref", "triton")
+ATTENTION_BACKENDS = ("auto", *attention_backends.BACKENDS)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's --kv-cache-dtype values (paged_ref.kv_quant.KV_CACHE_DTYPES says what each stores).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
@@ -163,7 +164,9 @@ class EngineConfig:
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "dtype_reason": _dtype_reason(self, device, dtype),
-            "attention_backend": _attention_backend(self, device),
+            "attention_backend": attention_backends.resolve(
+                self.attention_backend, device.type, self.kv_cache_dtype, self.block_size
+            ),
             # the tiers fetch disk blocks between steps: never while a pass runs;
             # a pooling request samples nothing to overlap with: the plain step
             "async_scheduling": pooling is None and (
@@ -501,23 +504,6 @@ def _dtype_reason(config: EngineConfig, device: torch.device, dtype: torch.dtype
     if device.type == "cuda":
         return "auto: CUDA"
     return f"auto: CPU {'has' if dtype == torch.bfloat16 else 'has no'} AMX/AVX512-BF16"
-
-
-def _attention_backend(config: EngineConfig, device: torch.device) -> str:
-    """``auto`` is the fused Triton kernels on CUDA, else the PyTorch reference."""
-    if config.attention_backend == "auto":
-        return "triton" if device.type == "cuda" else "ref"
-    if (
-        config.attention_backend == "triton"
-        and device.type != "cuda"
-        and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    ):
-        # Fail at start-up, not on the first request.
-        raise ValueError(
-            "attention_backend: 'triton' needs a CUDA device; on CPU set TRITON_INTERPRET=1 "
-            "(Triton's slow interpreter, for testing) or use 'ref'"
-        )
-    return config.attention_backend
 
 
 def _is_int(value: object) -> bool:

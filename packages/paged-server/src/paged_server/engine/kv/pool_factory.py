@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -20,12 +19,12 @@ from torch import nn
 
 from paged_core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from paged_core.protocols import ServingPoolProtocol
-from paged_ref import ops as ref_ops
 from paged_ref.contiguous_manager import ContiguousKVManager
 from paged_ref.kv_pool import KVPool
 from paged_ref.kv_spec import KVCacheSpec
 from paged_ref.kv_tensors import KVCacheTensors
 from paged_ref.paged_manager import PagedKVManager
+from paged_server import attention_backends
 from paged_server.config import EngineConfig
 from paged_server.engine.kv.kv_calibration import KVScales
 from paged_server.engine.kv.kv_sizing import kv_budget
@@ -95,17 +94,6 @@ def describe_groups(groups: list[KVCacheGroup]) -> str:
         f"{len(groups)} KV cache groups of {len(groups[0].layers)} layers: {full} full, "
         f"{len(groups) - full} sliding (window {', '.join(map(str, windows))})"
     )
-
-
-def attention_ops(backend: str) -> ModuleType:
-    """The attention ops module for ``"ref"`` or ``"triton"``."""
-    if backend == "triton":
-        from paged_triton import ops as triton_ops
-
-        return triton_ops
-    from paged_ref import ops as ref_ops
-
-    return ref_ops
 
 
 def cache_size(
@@ -222,7 +210,7 @@ def build_cache_pool(
     num_blocks = min(cache_size(config, s, device, model)[0] for s in stages)
     sized_by = cache_size(config, stages[stage.rank], device, model)[1]
     local = stages[stage.rank]
-    ops = attention_ops(backend) if paged else ref_ops
+    ops = attention_backends.build(backend, paged=paged)
     scales = None if kv_scales is None else (kv_scales.k, kv_scales.v)
     tensors = KVCacheTensors.allocate(local, num_blocks, device, paged=paged, ops=ops, kv_scales=scales)
     pool = KVPool(build_kv_manager(config, spec, num_blocks), tensors)

@@ -48,6 +48,7 @@ import torch._inductor.config as inductor_config
 from torch import Tensor, nn
 
 from paged_core.protocols import AttentionViewProtocol
+from paged_server import attention_backends
 
 if TYPE_CHECKING:
     from paged_ref.lora_ops import LoRAMapping
@@ -290,8 +291,8 @@ def compiled_graphs() -> int:
 def compiles_forward(
     model: CausalLM, config: EngineConfig, device: torch.device, attention_backend: str
 ) -> bool:
-    """Compile on a CPU with the reference attention (where the per-op cost
-    is Python's), unless ``enforce_eager`` or ``PAGED_COMPILE=0`` (the test
+    """Compile on a CPU with an attention backend that allows it (``compilable``:
+    the reference, where the per-op cost is Python's), unless ``enforce_eager`` or ``PAGED_COMPILE=0`` (the test
     suite sets it: compiling costs seconds per engine). CUDA keeps its
     decode graphs; tensor parallelism stays eager (the ranks run eagerly), and
     so does a model whose forward pass syncs with the host (``graph_safe``)."""
@@ -300,6 +301,6 @@ def compiles_forward(
         and not config.enforce_eager
         and os.environ.get("PAGED_COMPILE", "1") != "0"
         and device.type == "cpu"
-        and attention_backend == "ref"
+        and attention_backends.backend_class(attention_backend).compilable
         and config.world_size == 1
     )

@@ -129,8 +129,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> Tensor:
         view = self._views[size]
         assert view.meta is not None
-        for meta in view.meta.all_groups():
-            meta.memo.clear()  # what the reference ops derived last step is stale now
+        self.tensors.backend.graph_step(view.meta)  # what it derived last step is stale now
         with GraphSafety() if self.check else contextlib.nullcontext():
             return self.model.hidden_states(  # type: ignore[operator, no-any-return]
                 self.input_ids[:size], self.positions[:size], view

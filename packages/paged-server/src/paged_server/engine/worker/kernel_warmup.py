@@ -17,7 +17,7 @@ from torch import nn
 
 from paged_ref.kv_tensors import KVCacheTensors
 from paged_server.models.layers import Attention
-from paged_triton.warmup import AttentionLayout, LayerAttention, warm_up
+from paged_triton.warmup import AttentionLayout, LayerAttention
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,10 @@ def warm_up_kernels(
     max_model_len: int,
     device: torch.device,
 ) -> int:
-    """Compile (on CUDA) every variant; logs one line and returns how many."""
+    """Compile (on CUDA) every variant the cache's backend launches
+    (``AttentionBackend.warm_up``); logs one line and returns how many."""
     layout = attention_layout(model, dtype, tensors, max_model_len)
-    done = warm_up(layout, device)
+    done = tensors.backend.warm_up(layout, device)
     if done.compiled:
         log.info("compiled %d Triton kernel variants in %.1f s", len(done.variants), done.seconds)
     else:

@@ -43,16 +43,16 @@ from torch import Tensor
 from paged_core.kv_cache_groups import kv_cache_groups
 from paged_ref.attention_metadata import AttentionMetadata
 from paged_ref.cache_view import CacheView
-from paged_ref.cpu.cpu_decode import CpuDecodeOps
 from paged_ref.kv_spec import KVCacheSpec
 from paged_ref.kv_tensors import KVCacheTensors
 from paged_ref.kv_tier_files import fingerprint
 from paged_ref.kv_tier_store import KVTierStore
 from paged_ref.step_layout import StepLayout
+from paged_server import attention_backends
 from paged_server.config import RunConfig
 from paged_server.engine.kv.kv_calibration import KVScales, calibrated_kv_scales
 from paged_server.engine.kv.kv_tiers import cache_identity
-from paged_server.engine.kv.pool_factory import attention_ops, cache_size
+from paged_server.engine.kv.pool_factory import cache_size
 from paged_server.engine.worker.compiled_forward import (
     CompiledForward,
     compiles_forward,
@@ -162,12 +162,8 @@ class Worker:
             )
 
     def _lora_ops(self) -> Any:
-        """The LoRA kernels: Triton's on CUDA with the triton backend, else the reference."""
-        if self.device.type == "cuda" and self.config.attention_backend == "triton":
-            from paged_triton import lora_ops
-
-            return lora_ops
-        return None  # models.lora's default: paged_ref.lora_ops
+        """The LoRA kernels the attention backend runs beside it (None: the reference's)."""
+        return attention_backends.build(self.config.attention_backend).lora_ops(self.device.type)
 
     @property
     def model(self) -> Any:
@@ -240,12 +236,10 @@ class Worker:
         config, model = self.config, self.model
         paged = config.kv_cache_backend == "paged"
         compile_forward = compiles_forward(model, config, self.device, config.attention_backend)
-        ops = attention_ops(config.attention_backend) if paged else attention_ops("ref")
-        if compile_forward and paged:  # a compiled CPU step reads the paged cache in C
-            ops = CpuDecodeOps(ops)
+        backend = attention_backends.build(config.attention_backend, paged=paged, compiled=compile_forward)
         scales = None if self.kv_scales is None else (self.kv_scales.k, self.kv_scales.v)
         self.tensors = KVCacheTensors.allocate(
-            self.stage_spec(), num_blocks, self.device, paged=paged, ops=ops, kv_scales=scales
+            self.stage_spec(), num_blocks, self.device, paged=paged, ops=backend, kv_scales=scales
         )
         self.compiled = CompiledForward(model) if compile_forward else None
         self.graphs = self._decode_graphs()
@@ -266,10 +260,11 @@ class Worker:
             or not self.model.graph_safe  # e.g. the experts' host sync
             or self.stage.size > 1
             or config.kv_cache_backend != "paged"
-            or not forced and (self.device.type != "cuda" or config.attention_backend != "triton")
         ):
             return None
         assert self.tensors is not None
+        if not forced and (self.device.type != "cuda" or not self.tensors.backend.graph_safe):
+            return None
         return DecodeGraphs(
             self.model, self.tensors, self.device, config.max_batch_size,
             -(-config.max_model_len // config.block_size), num_groups=len(self.tensors.groups),
@@ -293,7 +288,7 @@ class Worker:
         assert self.tensors is not None, "init_cache first"
         start = time.perf_counter()
         if self.device.type == "cuda":
-            if config.attention_backend == "triton" and config.kv_cache_backend == "paged":
+            if self.tensors.backend.needs_warmup:
                 warm_up_kernels(self.model, self.loaded.dtype, self.tensors, config.max_model_len, self.device)  # type: ignore[union-attr]
             longest, head_rows = min(longest, config.max_model_len - 1, 256), 1
         elif self.compiled is not None:

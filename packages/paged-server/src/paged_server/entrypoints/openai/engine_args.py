@@ -66,7 +66,7 @@ _HELP = {
     "long_prefill_token_threshold": "with chunked prefill, at most this many of one prompt's "
     "tokens per step (0: off): shorter steps while prompts arrive, so steadier streaming, "
     "at the cost of later first tokens for long prompts",
-    "attention_backend": "attention kernels: auto = triton on CUDA, ref on CPU",
+    "attention_backend": "attention kernels: auto = triton on CUDA, ref on CPU; cpu = the C kernels",
     "enforce_eager": "run every step eagerly; otherwise, on CPU the forward pass is compiled "
     "(torch.compile) at start-up, and on CUDA with the triton backend decode steps replay "
     "CUDA graphs captured at start-up",
