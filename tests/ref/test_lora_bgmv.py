@@ -88,7 +88,16 @@ def test_kernel_equals_the_definition_and_the_masked_path(dtype, rank, in_featur
     base = torch.tensor(chosen) < 0
     assert torch.equal(got[base], out[base])  # base rows untouched
     assert (got.float() - out.float())[~base].abs().max() > 0.1  # real deltas, not zeros on both sides
+    kernel = lora_bgmv._kernel
+    if dtype == torch.bfloat16 and kernel(dtype, ("-mno-avx512bf16",)) is not None:
+        # the pair products without vdpbf16ps, as a CPU without AVX512-BF16 runs them
+        monkeypatch.setattr(lora_bgmv, "_kernel", lambda dtype: kernel(dtype, ("-mno-avx512bf16",)))
+        monkeypatch.setattr(lora_ops, "_DERIVED", {})  # the tables prepared for the kernel above
+        plain = out.clone()
+        lora_ops.add_lora(x, plain, a, b, sizes, lora_ops.LoRAMapping.build([1] * len(chosen), chosen))
+        torch.testing.assert_close(plain.float(), want, atol=atol, rtol=rtol)
     monkeypatch.setattr(lora_bgmv, "_kernel", lambda dtype: None)  # no compiler: the masked torch path
+    monkeypatch.setattr(lora_ops, "_DERIVED", {})
     masked = out.clone()
     lora_ops.add_lora(x, masked, a, b, sizes, lora_ops.LoRAMapping.build([1] * len(chosen), chosen))
     torch.testing.assert_close(got.float(), masked.float(), atol=atol, rtol=rtol)

@@ -32,9 +32,9 @@ mapping is built.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -144,8 +144,14 @@ def check_lora_args(a: LoRAArgs) -> tuple[Tensor, Tensor, int]:
     or an error naming the shape that does not fit."""
     in_features = a.lora_a.shape[-1]
     out_features = sum(a.slice_sizes)
-    x = a.x.reshape(-1, in_features)
-    out = a.out.view(-1, out_features)
+    # (a 2-D x and out as they are: a reshape costs ~1 us, ~16 times a step)
+    x = a.x if a.x.dim() == 2 else a.x.reshape(-1, in_features)
+    out = a.out if a.out.dim() == 2 else a.out.view(-1, out_features)
+    if x.shape[1] != in_features or out.shape[1] != out_features:
+        raise ValueError(
+            f"x has {x.shape[1]} features and out {out.shape[1]}, but the slot table maps "
+            f"{in_features} to {out_features}"
+        )
     slots, stacked, _ = a.lora_a.shape
     if stacked % len(a.slice_sizes):
         raise ValueError(
@@ -174,7 +180,9 @@ def add_lora(a: LoRAArgs) -> None:
     own masked out), then one GEMM pair per prompt run."""
     x, out, rank = check_lora_args(a)
     m = a.mapping
-    if m.decode_rows:
+    if m.decode_rows == x.shape[0]:  # a decode-only step: no slicing (~3 us a view)
+        _add_rows(x, out, a, rank)
+    elif m.decode_rows:
         _add_rows(x[: m.decode_rows], out[: m.decode_rows], a, rank)
     for start, end, slot in m.runs:
         _add_run(x[start:end], out[start:end], a, slot, rank)
@@ -191,8 +199,8 @@ def _add_rows(x: Tensor, out: Tensor, a: LoRAArgs, rank: int) -> None:
         plan = a.mapping.memo.get("bgmv")
         if plan is None:  # once per step, not per projection
             plan = a.mapping.memo["bgmv"] = lora_bgmv.plan(a.mapping.token_slots[:rows])
-        expand = _expand_matrix(a.lora_b, a.slice_sizes, rank)
-        if lora_bgmv.add_rows(x, out, a.lora_a, expand, a.slice_sizes, plan):
+        table = _derived(a.lora_b, ("bgmv", id(a.lora_a), a.slice_sizes), lambda b: _bgmv_table(a, b, rank))
+        if table is not None and lora_bgmv.add_rows(x, out, table, plan):
             return
     slots, stacked, in_features = a.lora_a.shape
     key = ("own", rows, slots, x.device, x.dtype)
@@ -205,6 +213,15 @@ def _add_rows(x: Tensor, out: Tensor, a: LoRAArgs, rank: int) -> None:
     out.addmm_(h, _expand_matrix(a.lora_b, a.slice_sizes, rank))
 
 
+def _bgmv_table(a: LoRAArgs, lora_b: Tensor, rank: int) -> lora_bgmv.Table | None:
+    """The C kernel's view of the projection's table (None: it does not apply)."""
+    if lora_bgmv.pairs(lora_b.dtype):  # bf16: lora_b's rank pairs side by side
+        table = lora_bgmv.pair_table(lora_b) if rank % 2 == 0 else lora_b
+    else:
+        table = _expand_matrix(lora_b, a.slice_sizes, rank)
+    return lora_bgmv.prepare(a.lora_a, table, a.slice_sizes)
+
+
 def _add_run(x: Tensor, out: Tensor, a: LoRAArgs, slot: int, rank: int) -> None:
     """SGMV's result for one run of rows of one adapter: a GEMM pair."""
     h = F.linear(x, a.lora_a[slot])
@@ -212,8 +229,24 @@ def _add_run(x: Tensor, out: Tensor, a: LoRAArgs, slot: int, rank: int) -> None:
     out.addmm_(h, _expand_matrix(a.lora_b, a.slice_sizes, rank)[slot * per_slot : (slot + 1) * per_slot])
 
 
-# lora_b's id -> (a weak reference to it, its version, its expand matrix)
-_EXPAND: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
+# (lora_b's id, what was derived) -> (a weak reference to it, its version, what was derived)
+_DERIVED: dict[tuple[int, Any], tuple[weakref.ref[Tensor], int, Any]] = {}
+D = TypeVar("D")
+
+
+def _derived(lora_b: Tensor, kind: Any, build: Callable[[Tensor], D]) -> D:
+    """``build(lora_b)``, kept (under ``kind``) until a slot is written
+    (``lora_b._version``); an inference tensor has no version: built each call."""
+    version = -1 if lora_b.is_inference() else lora_b._version
+    cached = _DERIVED.get((id(lora_b), kind))
+    if cached is not None and cached[0]() is lora_b and cached[1] == version >= 0:
+        return cached[2]  # type: ignore[no-any-return]
+    derived = build(lora_b)
+    if version >= 0:
+        for dead in [k for k, (ref, _, _) in _DERIVED.items() if ref() is None]:
+            del _DERIVED[dead]
+        _DERIVED[(id(lora_b), kind)] = (weakref.ref(lora_b), version, derived)
+    return derived
 
 
 def _expand_matrix(lora_b: Tensor, slice_sizes: tuple[int, ...], rank: int) -> Tensor:
@@ -221,21 +254,15 @@ def _expand_matrix(lora_b: Tensor, slice_sizes: tuple[int, ...], rank: int) -> T
     with the shrink's ``(slot, projection, r)`` columns (zero where a row's
     projection is not the column's), so every stacked projection expands in
     one GEMM added in place: on a CPU several small GEMMs and their copies
-    cost more than the zeros. Kept until a slot is written (``_version``)."""
-    out_features, slots, _ = lora_b.shape
-    version = -1 if lora_b.is_inference() else lora_b._version
-    cached = _EXPAND.get(id(lora_b))
-    if cached is not None and cached[0]() is lora_b and cached[1] == version >= 0:
-        return cached[2]
-    stacked = len(slice_sizes)
-    big = lora_b.new_zeros(out_features, slots, stacked, rank)
-    start = 0
-    for i, size in enumerate(slice_sizes):
-        big[start : start + size, :, i] = lora_b[start : start + size]
-        start += size
-    matrix = big.view(out_features, -1).t().contiguous()
-    if version >= 0:
-        for dead in [k for k, (ref, _, _) in _EXPAND.items() if ref() is None]:
-            del _EXPAND[dead]
-        _EXPAND[id(lora_b)] = (weakref.ref(lora_b), version, matrix)
-    return matrix
+    cost more than the zeros. Kept until a slot is written."""
+
+    def build(lora_b: Tensor) -> Tensor:
+        out_features, slots, _ = lora_b.shape
+        big = lora_b.new_zeros(out_features, slots, len(slice_sizes), rank)
+        start = 0
+        for i, size in enumerate(slice_sizes):
+            big[start : start + size, :, i] = lora_b[start : start + size]
+            start += size
+        return big.view(out_features, -1).t().contiguous()
+
+    return _derived(lora_b, ("expand", slice_sizes, rank), build)

@@ -80,6 +80,115 @@ static inline float hsum(vf v) {
 
 #define INLINE static inline __attribute__((always_inline))
 
+#if defined(ACT_BF16)
+/* bf16 in pairs: 16 pairs of neighbours (2k, 2k + 1) load as one vector of
+ * uint32, the even element's float being bits << 16 and the odd one's
+ * bits & 0xffff0000: one operation a vector, no widening. With AVX512-BF16
+ * a pair product is one instruction (vdpbf16ps: both products, in float32,
+ * summed into the accumulator). */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+static inline vu pload(const uint16_t *p) {
+    vu u;
+    memcpy(&u, p, sizeof u);
+    return u;
+}
+static inline vf even(vu u) {
+    const vu b = u << 16;
+    vf f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+static inline vf odd(vu u) {
+    const vu b = u & 0xffff0000u;
+    vf f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+static inline vf dot2(vf acc, vu a, vu b) {  /* acc + a.even * b.even + a.odd * b.odd */
+#if defined(__AVX512BF16__)
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+#else
+    return acc + even(a) * even(b) + odd(a) * odd(b);
+#endif
+}
+#define PAIR_LANES (2 * LANES)  /* bf16 elements in a vector of pairs */
+
+/* shrink for bf16: as below, a pair of input features a lane. */
+INLINE void shrink(const act_t *as, const act_t *const *xs, const int n, int64_t sr, int64_t in, float *h) {
+    const int64_t vec_end = in - in % PAIR_LANES;
+    int64_t j0 = 0;
+    for (; j0 + DOTS <= sr; j0 += DOTS) {
+        vf acc[GROUP][DOTS] = {{{0}}};
+        for (int64_t i = 0; i < vec_end; i += PAIR_LANES) {
+            vu av[DOTS];
+            for (int d = 0; d < DOTS; d++) av[d] = pload(as + (j0 + d) * in + i);
+            for (int g = 0; g < n; g++) {
+                const vu xv = pload(xs[g] + i);
+                for (int d = 0; d < DOTS; d++) acc[g][d] = dot2(acc[g][d], av[d], xv);
+            }
+        }
+        for (int g = 0; g < n; g++)
+            for (int d = 0; d < DOTS; d++) {
+                float s = hsum(acc[g][d]);
+                const act_t *aj = as + (j0 + d) * in;
+                for (int64_t i = vec_end; i < in; i++) s += LOAD(aj[i]) * LOAD(xs[g][i]);
+                h[g * sr + j0 + d] = LOAD(STORE(s));
+            }
+    }
+    for (; j0 < sr; j0++)  /* a rank that is not a multiple of DOTS */
+        for (int g = 0; g < n; g++) {
+            float s = 0.f;
+            for (int64_t i = 0; i < in; i++) s += LOAD(as[j0 * in + i]) * LOAD(xs[g][i]);
+            h[g * sr + j0] = LOAD(STORE(s));
+        }
+}
+
+/* expand for bf16 from the pair layout ep [rank / 2, out, 2] of one slot
+ * (lora_b's rank pairs side by side per output column): outs[g][lo:hi] +=
+ * sum_r h[g * sr + r] * B[:, r]. rank is even. */
+INLINE void expand(const act_t *ep, int64_t out_features, const float *h, int64_t sr, int64_t rank,
+                   act_t *const *outs, const int n, int64_t lo, int64_t hi) {
+    int64_t o = lo;
+    for (; o + COLS * LANES <= hi; o += COLS * LANES) {
+        vf acc[GROUP][COLS] = {{{0}}};
+        for (int64_t r = 0; r < rank; r += 2) {
+            const act_t *er = ep + (r * out_features + 2 * o);  /* pair row r / 2, column o */
+            vu ev[COLS];
+            for (int c = 0; c < COLS; c++) ev[c] = pload(er + c * PAIR_LANES);
+            for (int g = 0; g < n; g++) {
+                const uint32_t hp = (uint32_t)STORE(h[g * sr + r]) | (uint32_t)STORE(h[g * sr + r + 1]) << 16;
+                const vu hv = (vu){0} + hp;
+                for (int c = 0; c < COLS; c++) acc[g][c] = dot2(acc[g][c], ev[c], hv);
+            }
+        }
+        for (int g = 0; g < n; g++)
+            for (int c = 0; c < COLS; c++) {
+                act_t *p = outs[g] + o + c * LANES;
+                vstore(p, vload(p) + acc[g][c]);
+            }
+    }
+    for (; o < hi; o++)
+        for (int g = 0; g < n; g++) {
+            float s = 0.f;
+            for (int64_t r = 0; r < rank; r++)
+                s += h[g * sr + r] * LOAD(ep[(r / 2) * 2 * out_features + 2 * o + r % 2]);
+            outs[g][o] = STORE(LOAD(outs[g][o]) + s);
+        }
+}
+
+/* One chunk of n rows of one slot: es is the slot's pair table [rank / 2, out, 2]. */
+INLINE void chunk(const act_t *as, const act_t *es, const act_t *const *xs, act_t *const *outs, const int n,
+                  int64_t in, int64_t out_features, int64_t stacked, int64_t rank, const int64_t *offsets,
+                  float *h) {
+    const int64_t sr = stacked * rank;
+    shrink(as, xs, n, sr, in, h);
+    for (int64_t p = 0; p < stacked; p++)
+        expand(es, out_features, h + p * rank, sr, rank, outs, n, offsets[p], offsets[p + 1]);
+}
+#define E_SLOT(slot) ((slot) * rank * out_features)  /* the pair table: [slots, rank / 2, out, 2] */
+#else
 /* h[g * sr + j] = A[j] . x[g] for the chunk's n rows (a constant where it
  * is inlined, so the accumulators stay in registers), rounded to act_t. */
 INLINE void shrink(const act_t *as, const act_t *const *xs, const int n, int64_t sr, int64_t in, float *h) {
@@ -151,6 +260,9 @@ INLINE void chunk(const act_t *as, const act_t *es, const act_t *const *xs, act_
                offsets[p + 1]);
 }
 
+#define E_SLOT(slot) ((slot) * sr * out_features)  /* the expand matrix's rows of the slot */
+#endif
+
 /* Rows rows[chunks[c] : chunks[c + 1]] (at most GROUP) share slot
  * row_slots[chunks[c]]. offsets[stacked + 1]: each projection's first output
  * column. Returns 0, or 1 when a thread's scratch could not be allocated
@@ -178,7 +290,7 @@ int lora_bgmv(const act_t *x, int64_t x_stride, act_t *out, int64_t out_stride,
                 xs[g] = x + (int64_t)rows[begin + g] * x_stride;
                 outs[g] = out + (int64_t)rows[begin + g] * out_stride;
             }
-            const act_t *as = a + slot * sr * in, *es = e + slot * sr * out_features;
+            const act_t *as = a + slot * sr * in, *es = e + E_SLOT(slot);
             switch (n) {  /* GROUP cases, each with its constant row count */
                 case 1: chunk(as, es, xs, outs, 1, in, out_features, stacked, rank, offsets, h); break;
                 case 2: chunk(as, es, xs, outs, 2, in, out_features, stacked, rank, offsets, h); break;

@@ -47,6 +47,11 @@ class Plan(NamedTuple):
     chunks: Tensor
     num_chunks: int
 
+    @property
+    def args(self) -> tuple[int, ...]:
+        """The kernel's last four arguments."""
+        return (self.rows.data_ptr(), self.row_slots.data_ptr(), self.chunks.data_ptr(), self.num_chunks)
+
 
 def plan(token_slots: Tensor) -> Plan:
     """The grouping of rows with slots ``token_slots`` (-1: base, left out)."""
@@ -64,10 +69,13 @@ def plan(token_slots: Tensor) -> Plan:
 
 
 @functools.cache
-def _kernel(dtype: torch.dtype) -> Any:
-    """The built ``lora_bgmv`` for activations of ``dtype``, or None."""
+def _kernel(dtype: torch.dtype, flags: tuple[str, ...] = ()) -> Any:
+    """The built ``lora_bgmv`` for activations of ``dtype`` (``flags``: more
+    compiler flags, for the tests), or None."""
     c_type, *defines = _C_TYPES[dtype]
-    lib = c_library.build(SOURCE, (*_FLAGS, f"-Dact_t={c_type}", *defines), "lora_bgmv", f"bgmv-{str(dtype)[6:]}")
+    lib = c_library.build(
+        SOURCE, (*_FLAGS, f"-Dact_t={c_type}", *defines, *flags), "lora_bgmv", f"bgmv-{str(dtype)[6:]}"
+    )
     if lib is None:
         return None
     fn = lib.lora_bgmv
@@ -77,35 +85,66 @@ def _kernel(dtype: torch.dtype) -> Any:
     return fn
 
 
-@functools.cache
-def _offsets(slice_sizes: tuple[int, ...]) -> Tensor:
-    """Each stacked projection's first output column, and the end (int64)."""
-    return torch.tensor(np.cumsum([0, *slice_sizes]), dtype=torch.int64)
+def pairs(dtype: torch.dtype) -> bool:
+    """Whether the kernel for ``dtype`` reads ``pair_table``'s layout of
+    ``lora_b`` (bf16, in pairs of rank columns) rather than lora_ops' expand matrix."""
+    return dtype == torch.bfloat16
 
 
-def add_rows(x: Tensor, out: Tensor, lora_a: Tensor, expand: Tensor, slice_sizes: tuple[int, ...], p: Plan) -> bool:
-    """Add the planned rows' deltas to ``out [rows, out]`` in place, from
-    ``x [rows, in]``, ``lora_a [slots, S * R, in]`` and ``expand [slots * S
-    * R, out]``; False (nothing added) where the kernel does not apply: not
-    a CPU, another dtype, a row of ``out`` or a table not contiguous, or no
+def pair_table(lora_b: Tensor) -> Tensor:
+    """``lora_b [out, slots, R]`` as ``[slots, R / 2, out, 2]``: each output
+    column's two neighbouring rank columns side by side, what a bf16 pair
+    product reads (R even)."""
+    out_features, slots, rank = lora_b.shape
+    return lora_b.view(out_features, slots, rank // 2, 2).permute(1, 2, 0, 3).contiguous()
+
+
+class Table(NamedTuple):
+    """A projection's slot table as the kernel reads it, prepared once per
+    version of its ``lora_b`` (lora_ops keeps it): the kernel for its dtype,
+    the tensors it points into (held, so the pointers stay valid) and the
+    kernel's table arguments."""
+
+    kernel: Any
+    tensors: tuple[Tensor, ...]
+    args: tuple[int, ...]
+
+
+def prepare(lora_a: Tensor, table: Tensor, slice_sizes: tuple[int, ...]) -> Table | None:
+    """The ``Table`` for ``lora_a [slots, S * R, in]`` and ``table``: for
+    bf16 (``pairs``) ``pair_table(lora_b)``, else lora_ops' expand matrix
+    ``[slots * S * R, out]``. None where the kernel does not apply: not a
+    CPU, another dtype, tables not contiguous, an odd rank in bf16, or no
     build."""
-    kernel = _kernel(x.dtype) if x.device.type == "cpu" and x.dtype in _C_TYPES else None
-    if (
-        kernel is None or out.dtype != x.dtype or out.stride(1) != 1 or lora_a.dtype != x.dtype
-        or expand.dtype != x.dtype or not (lora_a.is_contiguous() and expand.is_contiguous())
-    ):  # fmt: skip
+    dtype = lora_a.dtype
+    if lora_a.device.type != "cpu" or dtype not in _C_TYPES or table.dtype != dtype:
+        return None
+    rank = lora_a.shape[1] // len(slice_sizes)
+    if not (lora_a.is_contiguous() and table.is_contiguous()) or (pairs(dtype) and rank % 2):
+        return None
+    kernel = _kernel(dtype)
+    if kernel is None:
+        return None
+    offsets = torch.tensor(np.cumsum([0, *slice_sizes]), dtype=torch.int64)
+    args = (
+        lora_a.data_ptr(), table.data_ptr(), lora_a.shape[2], sum(slice_sizes), len(slice_sizes), rank,
+        offsets.data_ptr(),
+    )  # fmt: skip
+    return Table(kernel, (lora_a, table, offsets), args)
+
+
+def add_rows(x: Tensor, out: Tensor, t: Table, p: Plan) -> bool:
+    """Add the planned rows' deltas to ``out [rows, out]`` in place from
+    ``x [rows, in]`` and the prepared table ``t``; False (nothing added)
+    where the kernel does not apply: ``x``/``out`` of another dtype or
+    device, or a row of ``out`` not contiguous."""
+    dtype = t.tensors[0].dtype
+    if x.dtype != dtype or out.dtype != dtype or out.stride(1) != 1 or x.device.type != "cpu":
         return False
     if x.stride(1) != 1:
         x = x.contiguous()
     if p.num_chunks == 0:  # no row uses an adapter
         return True
-    slots, stacked, in_features = lora_a.shape
-    offsets = _offsets(slice_sizes)
-    status = kernel(
-        x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), lora_a.data_ptr(),
-        expand.data_ptr(), in_features, out.shape[1], len(slice_sizes), stacked // len(slice_sizes),
-        offsets.data_ptr(), p.rows.data_ptr(), p.row_slots.data_ptr(), p.chunks.data_ptr(), p.num_chunks,
-    )  # fmt: skip
-    if status:
+    if t.kernel(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), *t.args, *p.args):
         raise MemoryError("lora_bgmv could not allocate its scratch rows")
     return True
