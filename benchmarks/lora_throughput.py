@@ -3,8 +3,9 @@
     python benchmarks/lora_throughput.py [--streams 16 --adapters 8 --rank 16 --repeats 3]
                                          [--hidden 1024 --layers 4]
 
-The embedded default model (hidden 256: 8 slots of rank 16 are half its
-width, the worst case for a masked slot table), or with ``--hidden`` a
+The embedded default model (hidden 256: rank-16 adapters are the largest
+share of its projections' work, and their fixed per-projection cost the
+largest share of a step), or with ``--hidden`` a
 random Llama of that width (its tokenizer), greedy, the same prompts in
 every run (issue 57's targets):
 
