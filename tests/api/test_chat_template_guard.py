@@ -40,7 +40,11 @@ def test_a_runaway_template_is_a_400_and_health_answers_meanwhile(make_fake_engi
 
         caller = threading.Thread(target=chat)
         caller.start()
-        time.sleep(0.3)  # the template is rendering now
+        # Wait for the render to start (it then runs for the 1.5 s budget): polled,
+        # not slept, so a busy machine's slower request is not a failure.
+        deadline = time.monotonic() + 20
+        while not _render_threads() and caller.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert _render_threads(), "the template is not rendering on a thread of its own"
         health = [httpx.get(srv.url + "/health", timeout=10).status_code for _ in range(5)]
         assert health == [200] * 5
