@@ -89,6 +89,17 @@ def _shrink_rows_kernel(
     tl.store(H + split * stride_hs + row.to(tl.int64) * stride_hm + n, acc, mask=n < N)
 
 
+@triton.jit
+def _segment_tile(SEG_STARTS, SEG_SLOTS, m_tiles, BLOCK_M: tl.constexpr):
+    """This program's tile of its segment (axis 0 walks ``m_tiles`` tiles
+    per segment): its first row, the segment's end and its slot."""
+    seg = tl.program_id(0) // m_tiles
+    first = tl.load(SEG_STARTS + seg) + (tl.program_id(0) % m_tiles) * BLOCK_M
+    end = tl.load(SEG_STARTS + seg + 1)
+    slot = tl.load(SEG_SLOTS + seg).to(tl.int64)
+    return first, end, slot
+
+
 @triton.jit(do_not_specialize=["m_tiles"])
 def _shrink_segments_kernel(
     X,  # [rows, K]
@@ -108,10 +119,7 @@ def _shrink_segments_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    seg = tl.program_id(0) // m_tiles
-    first = tl.load(SEG_STARTS + seg) + (tl.program_id(0) % m_tiles) * BLOCK_M
-    end = tl.load(SEG_STARTS + seg + 1)
-    slot = tl.load(SEG_SLOTS + seg).to(tl.int64)
+    first, end, slot = _segment_tile(SEG_STARTS, SEG_SLOTS, m_tiles, BLOCK_M)
     if slot < 0 or first >= end:
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -188,10 +196,7 @@ def _expand_segments_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    seg = tl.program_id(0) // m_tiles
-    first = tl.load(SEG_STARTS + seg) + (tl.program_id(0) % m_tiles) * BLOCK_M
-    end = tl.load(SEG_STARTS + seg + 1)
-    slot = tl.load(SEG_SLOTS + seg).to(tl.int64)
+    first, end, slot = _segment_tile(SEG_STARTS, SEG_SLOTS, m_tiles, BLOCK_M)
     s = tl.program_id(2)
     lo, hi = _slice_bounds(s, END0, END1, END2)
     first_n = lo + tl.program_id(1) * BLOCK_N
