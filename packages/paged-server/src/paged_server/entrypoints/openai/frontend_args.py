@@ -133,6 +133,28 @@ def read_chat_template(value: str | None) -> str | None:
     raise ValueError(f"chat_template: {value} is neither a file nor a Jinja template")
 
 
+# ServerSettings fields that take their flag's value under the flag's own name.
+_SETTINGS_AS_FLAGS = (
+    "max_body_bytes",
+    "tool_call_parser",
+    "enable_auto_tool_choice",
+    "reasoning_parser",
+    "trust_request_chat_template",
+    "response_role",
+    "return_tokens_as_token_ids",
+    "log_requests",
+    "metrics_need_api_key",
+    "allowed_origins",
+    "allowed_methods",
+    "allowed_headers",
+    "allow_credentials",
+    "root_path",
+    "ssl_keyfile",
+    "ssl_certfile",
+    "ssl_ca_certs",
+)
+
+
 def settings_from_args(args: argparse.Namespace, model_name: str, api_key: str | None) -> Any:
     """The ``ServerSettings`` of parsed ``serve`` flags."""
     from paged_server.entrypoints.openai.app import ServerSettings
@@ -142,29 +164,13 @@ def settings_from_args(args: argparse.Namespace, model_name: str, api_key: str |
     return ServerSettings(
         model_name=model_name,
         api_key=api_key,
-        max_body_bytes=args.max_body_bytes,
+        announce=True,
         shutdown_timeout_s=args.shutdown_timeout,
         audit_interval_s=args.audit_interval,
-        announce=True,
         request_read_timeout_s=args.request_read_timeout,
         timeout_keep_alive_s=args.timeout_keep_alive,
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        reasoning_parser=args.reasoning_parser,
         chat_template=read_chat_template(args.chat_template),
-        trust_request_chat_template=args.trust_request_chat_template,
-        response_role=args.response_role,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        log_requests=args.log_requests,
         log_stats=not args.disable_log_stats,
-        metrics_need_api_key=args.metrics_need_api_key,
-        allowed_origins=args.allowed_origins,
-        allowed_methods=args.allowed_methods,
-        allowed_headers=args.allowed_headers,
-        allow_credentials=args.allow_credentials,
-        root_path=args.root_path,
         enable_web_ui=not args.disable_web_ui,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
-        ssl_ca_certs=args.ssl_ca_certs,
+        **{name: getattr(args, name) for name in _SETTINGS_AS_FLAGS},
     )
