@@ -101,18 +101,28 @@ def admit_until_full(
     return admitted
 
 
-def capacity_row(
-    avg_len: int,
-    *,
-    num_rows: int = 8,
-    max_model_len: int = 4096,
-    block_size: int = 16,
-    spread: float = 0.5,
-    seed: int = 0,
-    shape: KVShape | None = None,
-) -> dict[str, Any]:
-    """Max concurrent sequences of average length ``avg_len`` in each pool."""
-    shape = shape or KVShape()
+@dataclass(slots=True, frozen=True)
+class CapacitySettings:
+    """What the table is measured with (the keywords of ``capacity_row`` and
+    ``capacity_table``): ``num_rows`` contiguous rows of ``max_model_len``
+    against as many token slots in ``block_size`` blocks, lengths within
+    ``spread`` of each average, drawn from ``seed``; ``shape``: the
+    per-token KV layout (``KVShape()`` when None)."""
+
+    num_rows: int = 8
+    max_model_len: int = 4096
+    block_size: int = 16
+    spread: float = 0.5
+    seed: int = 0
+    shape: KVShape | None = None
+
+
+def capacity_row(avg_len: int, **settings: Any) -> dict[str, Any]:
+    """Max concurrent sequences of average length ``avg_len`` in each pool
+    (``settings``: ``CapacitySettings``' fields)."""
+    s = CapacitySettings(**settings)
+    num_rows, max_model_len, block_size = s.num_rows, s.max_model_len, s.block_size
+    shape = s.shape or KVShape()
     if (num_rows * max_model_len) % block_size:
         raise ValueError(
             "num_rows * max_model_len must be a multiple of block_size for equal KV bytes"
@@ -124,9 +134,9 @@ def capacity_row(
     if c_bytes != p_bytes:
         raise AssertionError(f"pools differ in KV bytes: contiguous {c_bytes}, paged {p_bytes}")
     # Enough draws for the paged pool to fill even with the shortest lengths.
-    rng = random.Random(f"capacity:{seed}:{avg_len}")
-    upper = num_blocks * block_size // max(1, round(avg_len * (1 - spread))) + 2
-    lengths = draw_lengths(avg_len, spread, max_model_len, rng, upper)
+    rng = random.Random(f"capacity:{s.seed}:{avg_len}")
+    upper = num_blocks * block_size // max(1, round(avg_len * (1 - s.spread))) + 2
+    lengths = draw_lengths(avg_len, s.spread, max_model_len, rng, upper)
     c_admitted = admit_until_full(contiguous, lengths, random.Random(1))
     p_admitted = admit_until_full(paged, lengths, random.Random(2))
     return {
@@ -140,42 +150,24 @@ def capacity_row(
     }
 
 
-def capacity_table(
-    avg_lengths: tuple[int, ...] | None = None,
-    *,
-    num_rows: int = 8,
-    max_model_len: int = 4096,
-    block_size: int = 16,
-    spread: float = 0.5,
-    seed: int = 0,
-    shape: KVShape | None = None,
-) -> dict[str, Any]:
-    """The whole table plus the settings it was measured with; ``avg_lengths``
-    defaults to ``default_avg_lengths(max_model_len)``."""
+def capacity_table(avg_lengths: tuple[int, ...] | None = None, **settings: Any) -> dict[str, Any]:
+    """The whole table plus the settings it was measured with (``settings``:
+    ``CapacitySettings``' fields); ``avg_lengths`` defaults to
+    ``default_avg_lengths(max_model_len)``."""
+    s = CapacitySettings(**settings)
     if avg_lengths is None:
-        avg_lengths = default_avg_lengths(max_model_len)
-    table = [
-        capacity_row(
-            n,
-            num_rows=num_rows,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            spread=spread,
-            seed=seed,
-            shape=shape,
-        )
-        for n in avg_lengths
-    ]
+        avg_lengths = default_avg_lengths(s.max_model_len)
+    table = [capacity_row(n, **settings) for n in avg_lengths]
     return {
         "kind": "capacity",
         "settings": {
-            "num_rows": num_rows,
-            "max_model_len": max_model_len,
-            "block_size": block_size,
-            "num_blocks": num_rows * max_model_len // block_size,
-            "token_slots": num_rows * max_model_len,
-            "length_spread": spread,
-            "seed": seed,
+            "num_rows": s.num_rows,
+            "max_model_len": s.max_model_len,
+            "block_size": s.block_size,
+            "num_blocks": s.num_rows * s.max_model_len // s.block_size,
+            "token_slots": s.num_rows * s.max_model_len,
+            "length_spread": s.spread,
+            "seed": s.seed,
         },
         "rows": table,
     }
