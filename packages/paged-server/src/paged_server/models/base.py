@@ -12,6 +12,7 @@ the pass has succeeded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,60 @@ from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:  # annotations only: a TP rank imports paged_ref inside its start-up guard
     from paged_ref.lora_ops import LoRAMapping
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # one layer's (cos, sin)
+
+
+class DecoderStack(nn.Module):
+    """What every family's ``self.model`` shares: the embeddings (on the
+    first pipeline stage, and the last when tied), this stage's decoder
+    layers and the final norm (on the last stage). A family says how its
+    layers' RoPE is (``rope``) and may scale the embeddings."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        pp: PipelineStage,
+        layer: Callable[[int], nn.Module],
+        norm: Callable[[], nn.Module],
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if pp.holds_embedding(config.tie_word_embeddings)
+            else None
+        )
+        self.layers = pp.layer_modules(layer)
+        self.stage = slice(pp.layers.start, pp.layers.stop)
+        self.norm = norm() if pp.is_last else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: AttentionViewProtocol | None,
+        intermediate: torch.Tensor | None = None,
+        lora: LoRAMapping | None = None,
+    ) -> torch.Tensor:
+        """This stage's layers over the embeddings of ``input_ids`` (the first
+        stage) or the previous stage's ``intermediate``; normed on the last."""
+        if intermediate is None:
+            assert self.embed_tokens is not None, "a later pipeline stage needs the activations"
+            x = self.scale_embeddings(self.embed_tokens(input_ids))
+        else:
+            x = intermediate
+        layers = self.layers[self.stage]
+        for layer, (cos, sin) in zip(layers, self.rope(position_ids, x.dtype), strict=True):
+            x = layer(x, cos, sin, kv_cache, lora)
+        return self.norm(x) if self.norm is not None else x
+
+    def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """The embeddings as the first layer takes them (unscaled but in Gemma)."""
+        return x
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        """Each of this stage's layers' RoPE ``(cos, sin)`` at ``position_ids``."""
+        raise NotImplementedError
 
 
 class CausalLM(nn.Module):

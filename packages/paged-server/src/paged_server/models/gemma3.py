@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
-from paged_server.models.base import CausalLM
+from paged_server.models.base import CausalLM, DecoderStack, Rope
 from paged_server.models.config import SLIDING_ATTENTION, ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage
@@ -80,25 +80,20 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(mlp)
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderStack):
     """Scaled embeddings, layers with local or global RoPE, final norm."""
 
     def __init__(
         self, config: ModelConfig, qk_norm: bool, tp: TensorParallel, pp: PipelineStage
     ) -> None:
-        super().__init__()
-        self.embed_tokens = (
-            nn.Embedding(config.vocab_size, config.hidden_size)
-            if pp.holds_embedding(config.tie_word_embeddings)
-            else None
+        super().__init__(
+            config,
+            pp,
+            lambda i: Gemma3DecoderLayer(config, i, qk_norm, tp),
+            lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True),
         )
         self.embed_scale = config.hidden_size**0.5
         self._scales: dict[torch.dtype, float] = {}
-        self.layers = pp.layer_modules(lambda i: Gemma3DecoderLayer(config, i, qk_norm, tp))
-        self.stage = slice(pp.layers.start, pp.layers.stop)
-        self.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True) if pp.is_last else None
-        )
         max_pos = config.max_position_embeddings
         self.global_rotary = RotaryEmbedding(config.rope, config.head_dim, max_pos)
         self.local_rotary = (  # Gemma 2 has one RoPE for both kinds of layer
@@ -116,30 +111,16 @@ class Gemma3Model(nn.Module):
             scale = self._scales[dtype] = float(torch.tensor(self.embed_scale, dtype=dtype))
         return scale
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        kv_cache: AttentionViewProtocol | None,
-        intermediate: torch.Tensor | None = None,
-        lora: LoRAMapping | None = None,
-    ) -> torch.Tensor:
-        if intermediate is None:
-            assert self.embed_tokens is not None, "a later pipeline stage needs the activations"
-            x = self.embed_tokens(input_ids)
-            x = x * self._rounded_scale(x.dtype)
-        else:
-            x = intermediate
-        global_cos, global_sin = self.global_rotary(position_ids, x.dtype)
-        local_cos, local_sin = global_cos, global_sin
+    def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self._rounded_scale(x.dtype)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        """The local RoPE for sliding-window layers, the global one for the others."""
+        global_ = self.global_rotary(position_ids, dtype)
+        local = global_
         if self.local_rotary is not self.global_rotary:
-            local_cos, local_sin = self.local_rotary(position_ids, x.dtype)
-        for layer in self.layers[self.stage]:
-            if layer.is_sliding:
-                x = layer(x, local_cos, local_sin, kv_cache, lora)
-            else:
-                x = layer(x, global_cos, global_sin, kv_cache, lora)
-        return self.norm(x) if self.norm is not None else x
+            local = self.local_rotary(position_ids, dtype)
+        return [local if layer.is_sliding else global_ for layer in self.layers[self.stage]]
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
-from paged_server.models.base import CausalLM
+from paged_server.models.base import CausalLM, DecoderStack, Rope
 from paged_server.models.config import ModelConfig
 from paged_server.models.layers import Attention, GatedMLP, RMSNorm
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage
@@ -71,7 +71,7 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     """Embeddings, decoder layers and the final norm (weights under ``model.``);
     a pipeline stage's share of them (``pp``)."""
 
@@ -82,34 +82,16 @@ class LlamaModel(nn.Module):
         tp: TensorParallel,
         pp: PipelineStage,
     ) -> None:
-        super().__init__()
-        self.embed_tokens = (
-            nn.Embedding(config.vocab_size, config.hidden_size)
-            if pp.holds_embedding(config.tie_word_embeddings)
-            else None
+        super().__init__(
+            config,
+            pp,
+            lambda i: LlamaDecoderLayer(config, i, family, tp),
+            lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
-        self.layers = pp.layer_modules(lambda i: LlamaDecoderLayer(config, i, family, tp))
-        self.stage = slice(pp.layers.start, pp.layers.stop)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        kv_cache: AttentionViewProtocol | None,
-        intermediate: torch.Tensor | None = None,
-        lora: LoRAMapping | None = None,
-    ) -> torch.Tensor:
-        if intermediate is None:
-            assert self.embed_tokens is not None, "a later pipeline stage needs the activations"
-            x = self.embed_tokens(input_ids)
-        else:
-            x = intermediate
-        cos, sin = self.rotary(position_ids, x.dtype)
-        for layer in self.layers[self.stage]:
-            x = layer(x, cos, sin, kv_cache, lora)
-        return self.norm(x) if self.norm is not None else x
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        return [self.rotary(position_ids, dtype)] * len(self.layers[self.stage])
 
 
 class LlamaForCausalLM(CausalLM):
