@@ -396,7 +396,7 @@ def _mixed_step(ops_module, gen: torch.Generator, dtype: torch.dtype, window: in
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_short_prompt_chunk_attends_as_decodes_like_the_prefill(monkeypatch, window, dtype) -> None:
     """A step whose prompt chunks read few keys runs each row as a decode of
-    its own through ``write_and_decode`` (``CacheView.attend``): same
+    its own through ``write_and_decode`` (``CpuKernelsBackend.attend``): same
     outputs and caches as the reference prefill, which a threshold of 0 keeps."""
     results = {}
     for threshold in (0, 10**6):

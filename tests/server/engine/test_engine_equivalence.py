@@ -134,3 +134,13 @@ def test_greedy_matches_transformers_generate(
             for step, tok in zip(out.logits, tokens, strict=True)
         ]
         assert run.choices[(f"p{i}", 0)].logprobs == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_the_c_kernels_backend_matches_contiguous(reference, make_engine, run_engine) -> None:
+    """``attention_backend="cpu"`` (the C kernels, in an eager engine too): the
+    same tokens, and logprobs as close as the reference backend's."""
+    requests, ref = reference
+    engine = make_engine(kv_cache_backend="paged", max_batch_size=4, attention_backend="cpu")
+    assert engine.worker.tensors.backend.name == "cpu"
+    assert_same_outputs(run_engine(engine, requests), ref, requests)
+    assert engine.audit() == []

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,6 +20,8 @@ import transformers
 from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 from paged_core import kv_cache_groups
+from paged_core.attention_backend import AttentionBackend
+from paged_server import attention_backends
 from paged_server.default_model.tokenizer_builder import build_tokenizer
 from paged_server.models import LoadedModel, load_model
 
@@ -183,7 +184,7 @@ def any_checkpoint(
     return checkpoints[request.param]
 
 
-def make_pool(kind: str, loaded: LoadedModel, ops: ModuleType | None = None, **kw: Any) -> Any:
+def make_pool(kind: str, loaded: LoadedModel, ops: AttentionBackend | None = None, **kw: Any) -> Any:
     """A float32 CPU pool sized for the tiny models: ``contiguous`` or ``paged``
     (block size 4, so sequences span many blocks and windows cross blocks)."""
     from paged_ref import ContiguousKVPool, PagedKVPool
@@ -217,23 +218,19 @@ def pool_of() -> Callable[..., Any]:
     return make_pool
 
 
-def attention_ops(backend: str) -> ModuleType:
-    """The paged pool's ops module for the backend under test."""
+def attention_ops(backend: str) -> AttentionBackend:
+    """The paged pool's attention backend for the backend under test, as the
+    engine builds it (``attention_backends.build``)."""
     if backend == "triton":
         import paged_triton
 
         if not paged_triton.is_available():
             pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
-        from paged_triton import ops
-
-        return ops
-    from paged_ref import ops as ref_ops
-
-    return ref_ops
+    return attention_backends.build(backend)
 
 
 @pytest.fixture
-def ops_for() -> Callable[[str], ModuleType]:
+def ops_for() -> Callable[[str], AttentionBackend]:
     return attention_ops
 
 

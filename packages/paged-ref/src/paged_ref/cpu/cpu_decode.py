@@ -358,7 +358,7 @@ class CpuDecodeOps:
         self.write_kv = op(WriteKVArgs)(self._write)
 
     # A prompt chunk whose queries read at most this many keys in all runs
-    # through ``write_and_decode``, each row a decode (``CacheView.attend``):
+    # through ``write_and_decode``, each row a decode (``cpu_backend.CpuKernelsBackend.attend``):
     # below it that beat ``prefill_by_sequence``, whose cost does not grow with
     # the square of the chunk (the measurements: docs/operations.md).
     prefill_as_decodes = 16384
