@@ -272,36 +272,63 @@ def _kv_accuracy_trained_section(data: dict[str, Any] | None) -> list[str]:
 
 
 def _spec_decode_section(data: dict[str, Any] | None) -> list[str]:
-    """Prompt-lookup speculation against none (benchmarks/spec_decode.py)."""
+    """Prompt lookup and a draft model against no speculation (benchmarks/spec_decode.py)."""
     if data is None:
         return []
-    one, cfg = data["one_stream"], data["speculative_config"]
-    many = next(v for k, v in data.items() if k.startswith("streams_"))
+    if "speculative_configs" not in data:  # before the draft model: prompt lookup only
+        data = _spec_decode_v1(data)
+    one, specs = data["one_stream"], data["speculative_configs"]
     streams = next(k for k in data if k.startswith("streams_")).split("_")[1]
-    out = ["## Speculative decoding (prompt lookup)", ""]
+    many = data[f"streams_{streams}"]
+    out = ["## Speculative decoding (prompt lookup, draft model)", ""]
+    configs = "; ".join(f"`{json.dumps(c)}`".replace(str(Path.home()), "~") for c in specs.values())
+    draft = f" The draft model is {data['draft']} (weights copied, not trained)." if data.get("draft") else ""
     out.append(
         f"{data['model']}, greedy, {data['max_tokens']} new tokens per request, prompts that ask for a "
         f"passage again ({data['prompts']} passages of Python's help text); `--speculative-config` "
-        f"`{json.dumps(cfg)}` against no speculation, alternated {data['repeats']} times in one "
-        "process, medians. The bound is the tokens a verify step yields, E = (1 - a^(k+1)) / (1 - a) "
+        f"{configs} against no speculation, alternated {data['repeats']} times in one "
+        f"process, medians.{draft} The bound is the tokens a verify step yields, E = (1 - a^(k+1)) / (1 - a) "
         "for acceptance rate a, divided by the cost of the speculating engine's decode steps "
-        "against the plain engine's (mean step time, prompt steps left out). Sequences whose drafts "
-        f"are mostly rejected stop drafting (`min_acceptance` {cfg.get('min_acceptance', 0.5)}, the "
-        "default; docs/operations.md). At 32 streams every request runs to the same length, so no "
-        "step is saved: the ratio is what the drafts that were tried cost. "
+        "against the plain engine's (mean step time, prompt steps left out; a draft model's "
+        "drafting is part of its step). Sequences whose drafts are mostly rejected stop drafting "
+        "(`min_acceptance` 0.5, the default; docs/operations.md). At 32 streams every request runs to "
+        "the same length, so no step is saved: the ratio is what the drafts that were tried cost. "
         "Measured " + data["environment"]["date"] + "."
+        + (" 1-minute load average {} before, {} after (cores: {}).".format(*data["load_average"], data[
+            "environment"].get("cpu_cores", "?")) if "load_average" in data else "")
     )
     out.append("")
-    rows = [
-        ["1", _f(one["off_tokens_per_s"]), _f(one["ngram_tokens_per_s"]), f"{one['speedup']:.2f}x",
-         _pct(one["acceptance_rate"]), _f(one["tokens_per_target_step"], 2),
-         f"{one['verify_step_cost']:.2f}x", f"{one['bound']:.2f}x", _pct(one["efficiency"])],
-        [streams, _f(many["off_tokens_per_s"]), _f(many["ngram_tokens_per_s"]), f"{many['ratio']:.2f}x",
-         "-", "-", "-", "-", "-"],
-    ]  # fmt: skip
-    out += _table(["streams", "off tok/s", "ngram tok/s", "ratio", "acceptance", "tokens/step",
-                   "verify cost", "bound", "of bound"], rows)  # fmt: skip
-    return out + ["", "Command: `python benchmarks/spec_decode.py`", ""]
+    rows = [["1", "off", _f(one["off_tokens_per_s"]), "1.00x", "-", "-", "-", "-", "-"]]
+    for name in specs:
+        m = one[name]
+        rows.append(["1", name, _f(m["tokens_per_s"]), f"{m['speedup']:.2f}x", _pct(m["acceptance_rate"]),
+                     _f(m["tokens_per_target_step"], 2), f"{m['step_cost']:.2f}x", f"{m['bound']:.2f}x",
+                     _pct(m["efficiency"])])  # fmt: skip
+    rows.append([streams, "off", _f(many["off_tokens_per_s"]), "1.00x", "-", "-", "-", "-", "-"])
+    for name in specs:
+        m = many[name]
+        rows.append([streams, name, _f(m["tokens_per_s"]), f"{m['ratio']:.2f}x",
+                     _pct(m.get("acceptance_rate")), _f(m.get("tokens_per_target_step"), 2), "-", "-", "-"])  # fmt: skip
+    out += _table(["streams", "speculation", "tok/s", "ratio", "acceptance", "tokens/step",
+                   "step cost", "bound", "of bound"], rows)  # fmt: skip
+    return out + ["", "Command: `" + data.get("command", "python benchmarks/spec_decode.py") + "`", ""]
+
+
+def _spec_decode_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A prompt-lookup-only result (before the draft model) in today's shape."""
+    one = data["one_stream"]
+    key = next(k for k in data if k.startswith("streams_"))
+    many = data[key]
+    return {
+        **data,
+        "speculative_configs": {"ngram": data["speculative_config"]},
+        "one_stream": {"off_tokens_per_s": one["off_tokens_per_s"], "ngram": {
+            "tokens_per_s": one["ngram_tokens_per_s"], "speedup": one["speedup"],
+            "acceptance_rate": one["acceptance_rate"], "tokens_per_target_step": one["tokens_per_target_step"],
+            "step_cost": one["verify_step_cost"], "bound": one["bound"], "efficiency": one["efficiency"]}},
+        key: {"off_tokens_per_s": many["off_tokens_per_s"],
+              "ngram": {"tokens_per_s": many["ngram_tokens_per_s"], "ratio": many["ratio"]}},
+    }  # fmt: skip
 
 
 def _sliding_window_section(sw: dict[str, Any] | None) -> list[str]:

@@ -1,4 +1,4 @@
-"""Speculative decoding on a CPU: prompt lookup against no speculation, side by side in one run.
+"""Speculative decoding on a CPU: prompt lookup and a draft model against no speculation, side by side in one run.
 
 The workload is the one speculation is meant for: prompts whose answers
 repeat their context. Each prompt holds a passage of Python's own help text
@@ -7,31 +7,40 @@ words; a model that has learnt to copy continues with the rest. On the
 trained default model (``--model trained-default``, trained once, ~15 min),
 greedy, 96 new tokens each.
 
-Two engines are built in this process (same model, compiled forward, the
-CPU default) and run alternately, ``--repeats`` times:
-- one stream: the prompts one after another; tokens/s, and from the
+Three engines are built in this process (same model, compiled forward, the
+CPU default): no speculation, prompt lookup (``ngram``) and a draft model
+(``draft_model``: by default the trained default model's first
+``--draft-layers`` layers with its final norm and tied head, a
+layer-truncated copy written once to ~/.cache/paged; ``--draft DIR`` for
+another). They run alternately, ``--repeats`` times:
+- one stream: the prompts one after another; tokens/s, and from each
   speculating engine's counters the acceptance rate alpha (drafts kept / drafts
-  checked), tokens per target step, and the cost of a verify step against a
-  decode step (mean step time of each engine, prompt steps left out). The bound speculation can
+  checked), tokens per target step, and the cost of its decode step against a
+  plain decode step (mean step time of each engine, prompt steps left out;
+  a draft model's drafting is inside its step). The bound speculation can
   reach is E[tokens per step] / cost, E = (1 - alpha^(k+1)) / (1 - alpha).
 - ``--streams`` streams (32): the same prompts repeated, all at once; tokens/s.
 
 Writes benchmarks/results/spec_decode.json and re-renders docs/benchmarks.md.
 
-    python benchmarks/spec_decode.py [--model trained-default] [--k 4] [--repeats 3]
+    python benchmarks/spec_decode.py [--model trained-default] [--k 4] [--draft-layers 1] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from paged_server.bench.environment import describe_environment
 from paged_server.config import EngineConfig
+from paged_server.default_model.trained import TRAINED_MODEL_ALIAS, ensure_trained_model
 from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.sampling_params import SamplingParams
 
@@ -54,6 +63,32 @@ def passages(tokenizer: Any, count: int, length: int = 120, seed_words: int = 12
         if len(prompts) == count:
             break
     return prompts
+
+
+def truncated_copy(model: str, layers: int) -> Path:
+    """A draft: ``model``'s first ``layers`` decoder layers, its embeddings,
+    final norm and head (weights copied, nothing trained), written once
+    beside the model's cache folder."""
+    from safetensors.torch import load_file, save_file
+
+    src = ensure_trained_model() if model == TRAINED_MODEL_ALIAS else Path(model)
+    dst = src.parent / f"{src.name}-first{layers}"
+    if (dst / "model.safetensors").is_file():
+        return dst
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.safetensors", "training.json"))
+    config = json.loads((src / "config.json").read_text())
+    if not 1 <= layers < config["num_hidden_layers"]:
+        raise SystemExit(f"--draft-layers: must be 1..{config['num_hidden_layers'] - 1}, got {layers}")
+    config["num_hidden_layers"] = layers
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weights = load_file(src / "model.safetensors")
+    keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.")
+            or int(k.split(".")[2]) < layers}  # fmt: skip
+    save_file(keep, tmp / "model.safetensors", metadata={"format": "pt"})
+    tmp.rename(dst)
+    return dst
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, together: bool) -> dict[str, Any]:
@@ -98,6 +133,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model", default="trained-default", help="a model directory, trained-default, or embedded")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
+    p.add_argument("--draft", default=None, help="the draft model's directory (default: a truncated copy)")
+    p.add_argument("--draft-layers", type=int, default=1, help="layers of the truncated copy")
+    p.add_argument("--methods", default="ngram,draft_model", help="speculating engines to compare")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--streams", type=int, default=32)
@@ -106,11 +144,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-page", action="store_true")
     args = p.parse_args(argv)
     low, high = (int(x) for x in args.lookup.split(","))
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": low,
-            "prompt_lookup_max": high}  # fmt: skip
+    methods = args.methods.split(",")
+    specs: dict[str, dict[str, Any]] = {}
+    if "ngram" in methods:
+        specs["ngram"] = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": low,
+                          "prompt_lookup_max": high}  # fmt: skip
+    draft_label = None
+    if "draft_model" in methods:
+        draft = args.draft or str(truncated_copy(args.model, args.draft_layers))
+        draft_label = args.draft or f"{args.model}'s first {args.draft_layers} layer(s), final norm and head"
+        specs["draft_model"] = {"model": draft, "num_speculative_tokens": args.k}
     base = dict(model=None if args.model == "embedded" else args.model, max_model_len=1024, max_batch_size=args.streams, device="cpu")
-    engines = {"off": LLMEngine(EngineConfig(**base)),
-               "ngram": LLMEngine(EngineConfig(**base, speculative_config=spec))}  # fmt: skip
+    load_before = os.getloadavg()[0]  # the machine may be shared: the page says how busy it was
+    engines = {"off": LLMEngine(EngineConfig(**base))}
+    engines.update({name: LLMEngine(EngineConfig(**base, speculative_config=spec)) for name, spec in specs.items()})
     prompts = passages(engines["off"].tokenizer, args.prompts)
     crowd = (prompts * (-(-args.streams // len(prompts))))[: args.streams]
     for engine in engines.values():  # warm: every step shape the runs below compile
@@ -129,36 +176,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def med(name: str, kind: str, key: str) -> float:
         return statistics.median(x[key] for x in runs[name][kind])
 
-    alpha = sum(x["accepted_tokens"] for x in runs["ngram"]["one"]) / max(
-        1.0, sum(x["draft_tokens"] for x in runs["ngram"]["one"])
-    )
     k = args.k
-    expected = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
-    cost = med("ngram", "one", "step_ms") / med("off", "one", "step_ms")
-    speedup = med("ngram", "one", "tokens_per_s") / med("off", "one", "tokens_per_s")
-    per_step = med("ngram", "one", "generated") / med("ngram", "one", "steps")
+    one: dict[str, Any] = {"off_tokens_per_s": round(med("off", "one", "tokens_per_s"), 2)}
+    many: dict[str, Any] = {"off_tokens_per_s": round(med("off", "many", "tokens_per_s"), 2)}
+    for name in specs:
+        alpha = sum(x["accepted_tokens"] for x in runs[name]["one"]) / max(
+            1.0, sum(x["draft_tokens"] for x in runs[name]["one"])
+        )
+        expected = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
+        cost = med(name, "one", "step_ms") / med("off", "one", "step_ms")
+        speedup = med(name, "one", "tokens_per_s") / med("off", "one", "tokens_per_s")
+        one[name] = {
+            "tokens_per_s": round(med(name, "one", "tokens_per_s"), 2),
+            "speedup": round(speedup, 3),
+            "acceptance_rate": round(alpha, 3),
+            "tokens_per_target_step": round(med(name, "one", "generated") / med(name, "one", "steps"), 3),
+            "step_cost": round(cost, 3),
+            "bound": round(expected / cost, 3),
+            "efficiency": round(speedup / (expected / cost), 3),
+        }
+        many_alpha = sum(x["accepted_tokens"] for x in runs[name]["many"]) / max(
+            1.0, sum(x["draft_tokens"] for x in runs[name]["many"])
+        )
+        many[name] = {
+            "tokens_per_s": round(med(name, "many", "tokens_per_s"), 2),
+            "ratio": round(med(name, "many", "tokens_per_s") / med("off", "many", "tokens_per_s"), 3),
+            "acceptance_rate": round(many_alpha, 3),
+            "tokens_per_target_step": round(med(name, "many", "generated") / med(name, "many", "steps") / len(crowd), 3),
+        }
     result = {
         "benchmark": "spec_decode",
+        "command": " ".join([*(f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}" for _ in [0]
+                               if "OMP_NUM_THREADS" in os.environ),
+                             "python benchmarks/spec_decode.py", *(sys.argv[1:] if argv is None else argv)]),
         "model": args.model,
-        "speculative_config": spec,
+        "speculative_configs": specs,
+        "draft": draft_label,
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
-        "one_stream": {
-            "off_tokens_per_s": round(med("off", "one", "tokens_per_s"), 2),
-            "ngram_tokens_per_s": round(med("ngram", "one", "tokens_per_s"), 2),
-            "speedup": round(speedup, 3),
-            "acceptance_rate": round(alpha, 3),
-            "tokens_per_target_step": round(per_step, 3),
-            "verify_step_cost": round(cost, 3),
-            "bound": round(expected / cost, 3),
-            "efficiency": round(speedup / (expected / cost), 3),
-        },
-        f"streams_{args.streams}": {
-            "off_tokens_per_s": round(med("off", "many", "tokens_per_s"), 2),
-            "ngram_tokens_per_s": round(med("ngram", "many", "tokens_per_s"), 2),
-            "ratio": round(med("ngram", "many", "tokens_per_s") / med("off", "many", "tokens_per_s"), 3),
-        },
+        "streams": args.streams,
+        "one_stream": one,
+        f"streams_{args.streams}": many,
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # 1-min, before and after
         "runs": runs,
         "environment": describe_environment(),
     }
