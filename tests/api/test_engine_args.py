@@ -82,3 +82,15 @@ def test_invalid_combination_is_reported_by_validate() -> None:
 def test_serve_defaults_bind_loopback() -> None:
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.model is None
+
+
+def test_scheduling_policy_flag_parses_and_refuses_other_policies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """vLLM's --scheduling-policy: fcfs (default) or priority."""
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).scheduling_policy == "fcfs"
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
+    assert engine_config_from_args(args).scheduling_policy == "priority"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--scheduling-policy", "lifo"])
+    assert "invalid choice: 'lifo'" in capsys.readouterr().err

@@ -71,6 +71,7 @@ VLLM_CHAT_FIELDS = [
 TESTS = Path(__file__).parent.parent
 HERE = "tests/e2e/test_vllm_request_fields.py"
 FRONT = "tests/api/test_vllm_frontend.py"
+PRIORITY = "tests/e2e/test_priority_scheduling.py"
 # Honoured field -> the test that shows its effect ("file::test").
 EVIDENCE = {
     "model": "tests/e2e/test_bad_inputs.py::test_bad_request_gets_openai_error",
@@ -130,7 +131,7 @@ EVIDENCE = {
     "include_reasoning": f"{FRONT}::test_reasoning_parser_splits_the_thought",
     # vLLM with a fast tokenizer (tokenizer.json) does not use it either: accepted, same output.
     "spaces_between_special_tokens": f"{HERE}::test_token_sets_and_special_tokens",
-    "priority": f"{HERE}::test_refused_fields_are_a_400_naming_them",
+    "priority": f"{PRIORITY}::test_a_priority_0_request_sent_last_is_answered_before_the_priority_10_ones",
     "truncation_side": f"{HERE}::test_echo_and_usage_show_the_truncated_prompt",
     "return_token_ids": f"{HERE}::test_return_token_ids_and_prompt_text",
     "return_prompt_text": f"{HERE}::test_return_token_ids_and_prompt_text",
@@ -141,7 +142,7 @@ EVIDENCE = {
 REFUSED_VALUES = {
     "prompt_embeds": "AAAA", "mm_processor_kwargs": {"x": 1}, "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " *", "structural_tag": "{}", "logits_processors": ["m.P"],
-    "cache_salt": "salt", "priority": 1, "media_io_kwargs": {"image": {"x": 1}},
+    "cache_salt": "salt", "media_io_kwargs": {"image": {"x": 1}},
     "logprob_token_ids": [1, 2], "thinking_token_budget": 5, "watermarking": True,
 }
 # Values vLLM accepts for the accepted-and-ignored fields.

@@ -46,6 +46,7 @@ def test_defaults_are_valid() -> None:
         ({"seed": "x"}, "seed"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
         ({"long_prefill_token_threshold": 1.5}, "long_prefill_token_threshold"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ],
 )
 def test_engine_config_rejects_bad_field(overrides: dict, field: str) -> None:

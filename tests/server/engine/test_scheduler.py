@@ -1,13 +1,15 @@
 """The token-budget scheduler over real pools: retire -> schedule (running
 first, oldest first, preempting the newest when the pool is full) -> admit
-FCFS within the budget, the running-set limit and free KV with a reserve."""
+FCFS within the budget, the running-set limit and free KV with a reserve;
+under the priority policy, by (priority, arrival), the lowest priority
+preempted first, and a waiting request of a higher one preempting for room."""
 
 from __future__ import annotations
 
 import torch
 
 from paged_ref import ContiguousKVPool, PagedKVPool
-from paged_server.engine.core.scheduler import Scheduler
+from paged_server.engine.core.scheduler import Scheduler, SchedulerOutput
 from paged_server.engine.request.sequence import Request, Sequence, SequenceStatus
 from paged_server.sampling_params import SamplingParams
 
@@ -29,8 +31,10 @@ def paged_pool(num_blocks: int = 64, block_size: int = BLOCK) -> PagedKVPool:
     )
 
 
-def make_seq(prompt_len: int, n: int = 1, name: str = "r") -> Sequence:
-    request = Request(name, None, list(range(prompt_len)), SamplingParams(n=n), 0.0)
+def make_seq(prompt_len: int, n: int = 1, name: str = "r", priority: int = 0,
+             arrival: float = 0.0) -> Sequence:
+    request = Request(name, None, list(range(prompt_len)), SamplingParams(n=n), arrival,
+                      priority=priority)  # fmt: skip
     for i in range(n):
         request.seqs.append(
             Sequence(
@@ -53,13 +57,17 @@ def scheduler(pool, max_batch_size: int = 8, budget: int = 512, **kw) -> Schedul
 def run_step(sched: Scheduler) -> list[tuple[Sequence, int]]:
     """Schedule, then do what the engine does after a successful pass:
     commit, and give every sequence that is complete a sampled token."""
-    plan = sched.schedule()
+    return commit(sched, sched.schedule()).scheduled
+
+
+def commit(sched: Scheduler, plan: SchedulerOutput) -> SchedulerOutput:
+    """What the engine does with ``plan`` after a successful pass."""
     for seq, n in plan.scheduled:
         seq.num_computed_tokens += n
         sched.kv_manager.mark_computed(seq.pool_seq_id, seq.num_computed_tokens)
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(7)
-    return plan.scheduled
+    return plan
 
 
 def test_retire_frees_then_admits_and_decodes_take_one_token_each() -> None:
@@ -232,3 +240,99 @@ def test_preemption_in_a_step_admits_nothing_new() -> None:
     plan = sched.schedule()
     assert plan.preempted == [b] and plan.admitted == []
     assert [s for s, _ in plan.scheduled] == [a]
+
+
+def test_priority_policy_orders_the_queue_by_priority_then_arrival() -> None:
+    specs = [("a", 10, 0.0), ("b", 10, 1.0), ("c", 0, 2.0), ("d", 0, 3.0), ("e", 5, 4.0)]
+    order = {}
+    for policy in ("fcfs", "priority"):
+        sched = scheduler(paged_pool(), max_batch_size=1, policy=policy)
+        for name, priority, arrival in specs:
+            sched.add(make_seq(4, name=name, priority=priority, arrival=arrival))
+        order[policy] = [s.request.request_id for s in sched.waiting]
+    assert order == {"fcfs": ["a", "b", "c", "d", "e"], "priority": ["c", "d", "e", "a", "b"]}
+
+
+def test_a_waiting_higher_priority_request_preempts_the_lowest_running_one() -> None:
+    """One running place: ``c`` (priority 0) arrives while ``a`` (10) runs and
+    ``b`` (5) waits. ``c`` takes the place at once; ``a`` is recomputed later,
+    behind ``b``. A later peer of ``c`` (``d``, priority 0) waits: a request is
+    never preempted for one of its own priority."""
+    sched = scheduler(paged_pool(), max_batch_size=1, policy="priority")
+    sched.add(a := make_seq(4, name="a", priority=10, arrival=0.0))
+    assert run_step(sched) == [(a, 4)]
+    sched.add(b := make_seq(4, name="b", priority=5, arrival=1.0))
+    sched.add(c := make_seq(4, name="c", priority=0, arrival=2.0))
+    plan = commit(sched, sched.schedule())
+    assert plan.preempted == [a] and plan.admitted == [c]
+    assert plan.scheduled == [(c, 4)]  # a's decode was taken back
+    assert list(sched.waiting) == [b, a] and a.num_computed_tokens == 0
+    sched.add(d := make_seq(4, name="d", priority=0, arrival=3.0))
+    plan = sched.schedule()
+    assert plan.preempted == [] and plan.scheduled == [(c, 1)]
+    assert list(sched.waiting) == [d, b, a]
+    assert sched.kv_manager.audit() == []
+
+
+def test_fcfs_never_preempts_for_a_waiting_request() -> None:
+    sched = scheduler(paged_pool(), max_batch_size=1)
+    sched.add(a := make_seq(4, name="a", arrival=0.0))
+    run_step(sched)
+    sched.add(c := make_seq(4, name="c", arrival=2.0))
+    plan = sched.schedule()
+    assert plan.preempted == [] and plan.scheduled == [(a, 1)] and list(sched.waiting) == [c]
+
+
+def grow_until_preempted(policy: str, num_blocks: int, prompts: tuple[int, int, int]):
+    """``a`` (priority 10 under the priority policy) runs alone, then ``b``
+    and ``c`` (priority 0) join; all decode on a pool of 4-token blocks until
+    one needs a block with none free. Returns that step's plan, the three
+    sequences and the pool."""
+    pool = paged_pool(num_blocks=num_blocks, block_size=4)
+    sched = scheduler(pool, budget=100, block_size=4, policy=policy)
+    sched.add(a := make_seq(prompts[0], name="a", priority=10 if policy == "priority" else 0))
+    run_step(sched)
+    sched.add(b := make_seq(prompts[1], name="b", arrival=1.0))
+    sched.add(c := make_seq(prompts[2], name="c", arrival=2.0))
+    assert run_step(sched) == [(a, 1), (b, prompts[1]), (c, prompts[2])]
+    for _ in range(8):
+        plan = sched.schedule()
+        if plan.preempted:
+            return plan, (a, b, c), pool
+        commit(sched, plan)
+    raise AssertionError("nothing was preempted")
+
+
+def test_a_full_pool_preempts_the_lowest_priority_not_the_newest() -> None:
+    """``b`` is first to need a block: fcfs preempts the newest (``c``); the
+    priority policy preempts ``a``, which ran before ``b``: its decode this
+    step is taken back, and ``c``, after ``b``, still runs."""
+    plan, (a, b, c), pool = grow_until_preempted("fcfs", 5, (3, 5, 1))
+    assert plan.preempted == [c] and plan.scheduled == [(a, 1), (b, 1)]
+    plan, (a, b, c), pool = grow_until_preempted("priority", 5, (3, 5, 1))
+    assert plan.preempted == [a] and plan.scheduled == [(b, 1), (c, 1)]
+    assert pool.audit() == []
+
+
+def test_the_lowest_priority_asking_for_room_goes_and_the_rest_still_run() -> None:
+    """``a`` is first to need a block and is itself the lowest priority: it
+    goes, and ``b`` and ``c`` (after it in the running set) still run."""
+    plan, (a, b, c), pool = grow_until_preempted("fcfs", 6, (4, 5, 2))
+    assert plan.preempted == [c] and plan.scheduled == [(a, 1), (b, 1)]
+    plan, (a, b, c), pool = grow_until_preempted("priority", 6, (4, 5, 2))
+    assert plan.preempted == [a] and plan.scheduled == [(b, 1), (c, 1)]
+    assert pool.audit() == []
+
+
+def test_a_higher_priority_request_that_finds_no_kv_room_preempts_for_it() -> None:
+    """A pool of 8 blocks of 4 (32 tokens), a low-priority sequence of 20
+    tokens holding most of it: a priority-0 prompt of 16 tokens cannot be
+    admitted beside it, so it preempts it and runs."""
+    pool = paged_pool(num_blocks=8, block_size=4)
+    sched = scheduler(pool, budget=100, policy="priority")
+    sched.add(low := make_seq(20, name="low", priority=3))
+    run_step(sched)
+    sched.add(high := make_seq(16, name="high", priority=1, arrival=1.0))
+    plan = sched.schedule()
+    assert plan.preempted == [low] and plan.scheduled == [(high, 16)]
+    assert pool.audit() == []

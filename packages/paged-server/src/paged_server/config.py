@@ -32,6 +32,8 @@ ATTENTION_BACKENDS = ("auto", *attention_backends.BACKENDS)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's --kv-cache-dtype values (paged_ref.kv_quant.KV_CACHE_DTYPES says what each stores).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+# vLLM's --scheduling-policy values (engine/scheduler.py says what each does).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,8 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     device: str = "auto"
     max_queue_len: int = 1024
+    # vLLM's --scheduling-policy: fcfs, or priority (a request's priority field; lower first)
+    scheduling_policy: str = "fcfs"
     seed: int = 0
     tensor_parallel_size: int = 1  # >1: that many processes, one per device (parallel/)
     # >1: the layers split into that many stages, each tensor_parallel_size ranks (parallel/)
@@ -183,6 +187,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, ("auto", *DTYPES))
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("runner", self.runner, RUNNERS)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("convert", self.convert, CONVERTS)
         if self.task is not None:
             _choice("task", self.task, tuple(TASKS))

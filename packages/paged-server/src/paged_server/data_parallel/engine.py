@@ -73,6 +73,7 @@ class _Adding:
     prompt: Any
     params: Any
     tokens: list[int]
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -177,7 +178,9 @@ class DataParallelEngine:
         raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S:g} s")
 
     # -- EngineLike -------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Any, params: Any) -> concurrent.futures.Future[int]:
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any, *, priority: int = 0
+    ) -> concurrent.futures.Future[int]:
         """Send the request to the replica the balancer picks; returns a
         future of its prompt token count (or of what that replica's engine
         raised), resolved by a later ``step``."""
@@ -186,7 +189,7 @@ class DataParallelEngine:
         answer: concurrent.futures.Future[int] = concurrent.futures.Future()
         answer.set_running_or_notify_cancel()  # only an answer ends it, never a cancel
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._dispatch(request_id, _Adding(answer, -1, prompt, params, tokens))
+        self._dispatch(request_id, _Adding(answer, -1, prompt, params, tokens, priority))
         return answer
 
     def _dispatch(self, request_id: str, adding: _Adding) -> None:
@@ -198,7 +201,8 @@ class DataParallelEngine:
                 adding.answer.set_exception(EngineFailedError(self._all_dead()))
                 return
             replica = self._replicas[index]
-            if not self._send(replica, ("add", request_id, adding.prompt, adding.params)):
+            message = ("add", request_id, adding.prompt, adding.params, adding.priority)
+            if not self._send(replica, message):
                 continue  # it died: try another
             adding.replica = index
             self._adding[request_id] = adding

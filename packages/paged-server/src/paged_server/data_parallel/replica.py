@@ -7,7 +7,7 @@ the server's sends never wait on a step (and neither side can block the
 other with a full pipe).
 
 Messages to the replica (tuples, first item the kind):
-``("add", request_id, prompt, params)`` answered ``("added", request_id, n)``
+``("add", request_id, prompt, params, priority)`` answered ``("added", request_id, n)``
 or ``("add_failed", request_id, exc)``; ``("abort", request_id)``;
 ``("call", call_id, name)`` for ``audit`` / ``reclaim_leaked``, answered
 ``("result", call_id, value, exc)``; ``("stop",)``. From the replica:
@@ -128,9 +128,9 @@ def _serve(engine: Any, conn: Connection, inbox: queue.SimpleQueue[tuple[Any, ..
 def _handle(engine: Any, conn: Connection, message: tuple[Any, ...], held: dict[str, int]) -> None:
     kind = message[0]
     if kind == "add":
-        _, request_id, prompt, params = message
+        _, request_id, prompt, params, priority = message
         try:
-            n = engine.add_request(request_id, prompt, params)
+            n = engine.add_request(request_id, prompt, params, priority=priority)
         except Exception as exc:  # ValueError, QueueFullError...: the client's answer
             conn.send(("add_failed", request_id, exc))
         else:

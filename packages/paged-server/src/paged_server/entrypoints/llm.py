@@ -29,6 +29,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from paged_server.config import EngineConfig
+from paged_server.engine.core.checks import check_priority
 from paged_server.engine.core.llm_engine import LLMEngine
 from paged_server.entrypoints import llm_pooling
 from paged_server.errors import QueueFullError
@@ -85,6 +86,7 @@ class LLM:
         use_tqdm: bool | None = None,
         *,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[CompletionResult]:
         """Complete every prompt; results come back in prompt order. A prompt
         is vLLM's: text, ``{"prompt": text}``, ``{"prompt_token_ids": ids}``
@@ -95,7 +97,9 @@ class LLM:
         instead of stopping the whole batch. ``use_tqdm`` (default: when
         there is more than one prompt) shows progress. ``lora_request``
         (``enable_lora=True``): the LoRA adapter serving every prompt, or
-        one per prompt (None: the base model), loaded when first named."""
+        one per prompt (None: the base model), loaded when first named.
+        ``priority`` (``scheduling_policy="priority"``, as vLLM's): one per
+        prompt, lower runs earlier; a nonzero one under fcfs is refused."""
         inputs: list[str | list[int]]
         if prompt_token_ids is not None:
             if prompts is not None:
@@ -109,6 +113,7 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(inputs))
         loras = _loras_per_prompt(lora_request, len(inputs))
+        priorities = _priorities_per_prompt(priority, len(inputs), self.engine.config.scheduling_policy)
         self._check_thread()
         if use_tqdm is None:
             use_tqdm = len(inputs) > 1
@@ -136,7 +141,7 @@ class LLM:
                 ],
             )
 
-        pending = list(zip(order, inputs, params_list, loras, strict=True))
+        pending = list(zip(order, inputs, params_list, loras, priorities, strict=True))
         unfinished: dict[str, int] = {}
         engine = self.engine
         with tqdm(total=len(order), disable=not use_tqdm, desc="generate", unit="req") as bar:
@@ -294,7 +299,7 @@ class LLM:
         bar: tqdm,
     ) -> list[_Pending]:
         """Add requests until the engine's queue is full; returns the rest."""
-        for i, (request_id, prompt, params, lora) in enumerate(pending):
+        for i, (request_id, prompt, params, lora, priority) in enumerate(pending):
             result = results[request_id]
             try:
                 if isinstance(prompt, str) and not result.prompt_token_ids:
@@ -302,7 +307,8 @@ class LLM:
                         result.prompt_token_ids = self.engine.tokenizer.encode(prompt)
                     except Exception as exc:
                         raise ValueError(f"prompt: could not be tokenized: {exc}") from exc
-                self.engine.add_request(request_id, result.prompt_token_ids, params, lora_request=lora)
+                self.engine.add_request(request_id, result.prompt_token_ids, params, lora_request=lora,
+                                        priority=priority)
             except QueueFullError:
                 return pending[i:]
             except ValueError as exc:  # this prompt fails, the others go on
@@ -314,8 +320,8 @@ class LLM:
         return []
 
 
-# A prompt still to submit: request id, prompt, its parameters, its adapter.
-_Pending = tuple[str, str | list[int], SamplingParams, LoRARequest | None]
+# A prompt still to submit: request id, prompt, its parameters, its adapter, its priority.
+_Pending = tuple[str, str | list[int], SamplingParams, LoRARequest | None, int]
 
 
 def _loras_per_prompt(
@@ -328,6 +334,18 @@ def _loras_per_prompt(
     if len(loras) != count:
         raise ValueError(f"lora_request: {len(loras)} given for {count} prompts; pass one, or one per prompt")
     return loras
+
+
+def _priorities_per_prompt(priority: Sequence[int] | None, count: int, policy: str) -> list[int]:
+    """vLLM's ``priority``: one per prompt (None: all 0), checked before any runs."""
+    if priority is None:
+        return [0] * count
+    if isinstance(priority, int) or len(priority) != count:
+        given = "an integer" if isinstance(priority, int) else f"{len(priority)}"
+        raise ValueError(f"priority: {given} given for {count} prompts; pass a list of one per prompt")
+    for p in priority:
+        check_priority(p, policy)
+    return list(priority)
 
 
 def _add_logprobs(result: CompletionResult, choice: CompletionChoice, out: Any) -> None:

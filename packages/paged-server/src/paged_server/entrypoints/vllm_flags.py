@@ -53,7 +53,6 @@ FLAG_HINTS = {
     "--cpu-offload-gb": "weights are not offloaded; lower --dtype or use --quantization",
     "--kv-cache-memory": "use --kv-cache-memory-bytes",
     "--max-num-partial-prefills": "chunked prefill shares one token budget: --max-num-batched-tokens",
-    "--scheduling-policy": "scheduling is first come, first served; drop the flag",
     "--disable-async-output-proc": "output processing overlaps the next forward pass only with "
     "--async-output-proc (off by default); drop the flag",
     "--tokenizer-mode": "the checkpoint's tokenizer.json (fast tokenizer) is always used",

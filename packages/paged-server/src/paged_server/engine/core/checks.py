@@ -11,6 +11,18 @@ from paged_server.models import ModelConfig
 from paged_server.sampling_params import SamplingParams
 
 
+def check_priority(priority: object, policy: str) -> None:
+    """A request's ``priority``: an integer, and 0 unless the engine schedules
+    by priority (vLLM refuses a nonzero one under fcfs the same way)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority: must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(
+            f"priority: got {priority} but priority scheduling is not enabled (the scheduling "
+            f"policy is {policy}); start with --scheduling-policy priority, or send 0"
+        )
+
+
 def check_prompt(
     token_ids: list[int],
     params: SamplingParams,

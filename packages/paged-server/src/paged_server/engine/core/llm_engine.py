@@ -53,7 +53,7 @@ from paged_server.engine.core.beam_forks import (
     new_beam_search,
     ready_rows,
 )
-from paged_server.engine.core.checks import audit_engine, check_pool, check_prompt
+from paged_server.engine.core.checks import audit_engine, check_pool, check_priority, check_prompt
 from paged_server.engine.core.executor import Executor, UniProcExecutor
 from paged_server.engine.core.lora_requests import LoRARequests
 from paged_server.engine.core.metrics import EngineCounters, RateLimitedLog
@@ -191,6 +191,7 @@ class LLMEngine:
             config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_loras=config.max_loras if config.enable_lora else None,
+            policy=config.scheduling_policy,
         )
         self.loras = LoRARequests(config.enable_lora, worker.check_lora)  # --enable-lora
         self._requests: dict[str, Request] = {}  # submitted and not fully reported
@@ -228,12 +229,13 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
-        *, lora_request: LoRARequest | None = None,
+        *, lora_request: LoRARequest | None = None, priority: int = 0,
     ) -> int:  # fmt: skip
         """Queue a request; returns its prompt token count. ``PoolingParams``:
         a pooling request (``--runner pooling``), whose final output carries ``pooled``.
         ``lora_request``: the LoRA adapter serving it (``--enable-lora``),
-        loaded now if it is new (None: the base model).
+        loaded now if it is new (None: the base model). ``priority``
+        (``scheduling_policy="priority"`` only, as vLLM): lower runs earlier.
 
         Raises ``ValueError`` for bad parameters, an empty or unusable
         prompt, a prompt that can never fit the cache, or a duplicate id;
@@ -241,6 +243,7 @@ class LLMEngine:
         """
         if self.failed is not None:
             raise EngineFailedError(self.failed)
+        check_priority(priority, self.config.scheduling_policy)
         pooling = None
         if isinstance(params, PoolingParams):
             pooling, params = pooling_request(
@@ -287,6 +290,7 @@ class LLMEngine:
         request = self._new_request(request_id, text, token_ids, params)
         request.pooling = pooling
         request.lora_name, request.lora_key = lora, self.loras.key(lora)
+        request.priority = priority
         # one matcher per sequence: n choices, or best_of beams
         grammars = self.structured_output.matchers(params.structured_outputs, len(request.seqs))
         narrowed = grammars[0] is not None and (params.allowed_token_ids or params.bad_words)

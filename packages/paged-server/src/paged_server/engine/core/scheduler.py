@@ -30,6 +30,16 @@ running (the pool as free as it gets) never will be; it is refused
 reason, rather than waiting forever. Submission checks
 (``checks.check_prompt``) make this rare.
 
+Priority scheduling (``policy="priority"``, vLLM's ``--scheduling-policy
+priority``): the queue is ordered by (priority, arrival), lower values
+first, and the unit preempted when the pool is full is the lowest-priority
+one (highest value, newest among equals), as vLLM's v1 scheduler picks it.
+A waiting unit that finds no room (running places or KV) also preempts the
+lowest-priority running units whose priority value is strictly higher than
+its own (vLLM's priority policy): never one of its own priority, so equal
+priorities keep first come, first served and nothing is preempted to admit
+its peer. Under ``fcfs`` the priority is not read at all.
+
 With LoRA adapters (``max_loras``), the running set holds the requests of
 at most ``max_loras`` distinct adapters (the device slots of one step, as
 vLLM's scheduler): a waiting request of another adapter is passed over,
@@ -44,10 +54,12 @@ seq_ids' lifecycle: admission allocates, preemption and ``retire`` free.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 from paged_core.protocols import KVCacheManagerProtocol
+from paged_server.config import SCHEDULING_POLICIES
 from paged_server.engine.request.sequence import Sequence, SequenceStatus
 
 # Share of free KV capacity admission leaves for running sequences to grow.
@@ -72,9 +84,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting queue (FCFS, preempted units at the front) and running set (in
-    admission order, a unit's sequences together, so the newest unit is last
-    and is preempted first)."""
+    """Waiting queue (FCFS, preempted units at the front; by priority, then
+    arrival, under ``policy="priority"``) and running set (in admission
+    order, a unit's sequences together, so the newest unit is last and is
+    preempted first, under ``fcfs``)."""
 
     def __init__(
         self,
@@ -86,8 +99,12 @@ class Scheduler:
         reserve_fraction: float = RESERVE_FRACTION,
         long_prefill_token_threshold: int = 0,
         max_loras: int | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.kv_manager = kv_manager
+        self.by_priority = policy == "priority"
         self.max_loras = max_loras  # distinct LoRA adapters running at once (None: no adapters)
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -101,9 +118,13 @@ class Scheduler:
 
     # -- queue -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence behind everything already waiting."""
+        """Queue a new sequence behind everything already waiting (by
+        priority: behind everything of its priority or a higher one)."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            bisect.insort_right(self.waiting, seq, key=_rank)  # type: ignore[arg-type]
+        else:
+            self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that got its seq_id (admitted, or a fork of a running
@@ -118,9 +139,13 @@ class Scheduler:
         self.running.append(seq)
 
     def requeue_front(self, seq: Sequence) -> None:
-        """Put ``seq`` first in the queue (preempted, or a fork that found no seq_id)."""
+        """Put ``seq`` first in the queue (preempted, or a fork that found no
+        seq_id); by priority: first among its priority's later arrivals."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            bisect.insort_left(self.waiting, seq, key=_rank)  # type: ignore[arg-type]
+        else:
+            self.waiting.appendleft(seq)
 
     def remove_waiting(self, seq: Sequence) -> bool:
         """Drop a waiting sequence (abort); ``False`` if it was not waiting."""
@@ -178,7 +203,16 @@ class Scheduler:
                     i += 1
                     continue
                 n = wanted
+            preempted, later = len(out.preempted), self.running[i + 1 :] if self.by_priority else []
             n = self._reserve(seq, n, out)
+            if self.by_priority and len(out.preempted) > preempted:
+                # The lowest-priority unit may have run before ``seq`` (its tokens
+                # come back) or be ``seq``'s own, with units after it still to run.
+                budget = self.max_num_batched_tokens - out.num_tokens
+                if n is None:
+                    i = next((self.running.index(s) for s in later if s in self.running), len(self.running))
+                    continue
+                i = self.running.index(seq)
             if n is None:  # ``seq``'s own unit was the newest and had to go
                 break
             if n:
@@ -218,7 +252,7 @@ class Scheduler:
         done = seq.scheduled_upto
         upto = done + n
         while (reserved := self.kv_manager.reserve(seq.pool_seq_id, seq.token_ids, upto)) < upto:
-            unit = self._unit(self._newest(), self.running)
+            unit = self._unit(self._lowest(), self.running)
             if seq not in unit:
                 self._preempt(unit, out)
                 continue
@@ -233,11 +267,29 @@ class Scheduler:
             return None
         return n
 
-    def _newest(self) -> Sequence:
-        seq = next((s for s in reversed(self.running) if not s.is_finished), None)
+    def _lowest(self) -> Sequence:
+        """The running sequence whose unit goes first when the pool is full:
+        the newest; by priority, the lowest-priority (newest among equals)."""
+        live = (s for s in reversed(self.running) if not s.is_finished)
+        seq = max(live, key=_rank, default=None) if self.by_priority else next(live, None)
         if seq is None:  # cannot happen while a sequence asks for room; be loud if it does
             raise RuntimeError("no room in the KV cache and nothing running to preempt")
         return seq
+
+    def _make_room_for(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """By priority: preempt the lowest-priority running unit if its
+        priority value is strictly higher than ``seq``'s (never a peer: no
+        thrashing); returns the step's tokens it gives back, None when there
+        is no such unit (or under fcfs)."""
+        if not self.by_priority or not any(not s.is_finished for s in self.running):
+            return None
+        victim = self._lowest()
+        if victim.request.priority <= seq.request.priority:
+            return None
+        unit = self._unit(victim, self.running)
+        tokens = sum(n for s, n in out.scheduled if s in unit)
+        self._preempt(unit, out)
+        return tokens
 
     @staticmethod
     def _unit(seq: Sequence, among: list[Sequence] | deque[Sequence]) -> list[Sequence]:
@@ -292,16 +344,9 @@ class Scheduler:
         tokens and one block per running sequence. When nothing runs, the
         head of the queue may use every free block, so a large prompt cannot
         wait forever; if even then it cannot be allocated, it is refused.
-        Stops at the first unit that does not fit."""
-        places = self.max_batch_size - self.num_running_places()
-        free_kv = self.kv_manager.free_token_capacity()
-        kv_budget: int | None = None
-        if free_kv is not None:
-            reserve = max(
-                free_kv - int(free_kv * (1.0 - self.reserve_fraction)),
-                self.block_size * len(self.running),
-            )
-            kv_budget = free_kv - reserve
+        Stops at the first unit that does not fit (by priority: once no
+        lower-priority unit is left to preempt for it)."""
+        places, kv_budget = self._room()
         loras = self._running_loras()
         passed: set[int] = set()  # ids of requests passed over for their LoRA adapter
         i = 0
@@ -318,14 +363,18 @@ class Scheduler:
                 i += 1
                 continue
             unit = self._unit(seq, self.waiting)
-            if sum(s.running_places_needed for s in unit) > places:
-                break
             cost = sum(s.num_tokens for s in unit)
             if not self.enable_chunked_prefill and cost > budget and has_prefill:
                 break
             alone = not self.running
-            if kv_budget is not None and cost > kv_budget and not alone:
-                break
+            if sum(s.running_places_needed for s in unit) > places or (
+                kv_budget is not None and cost > kv_budget and not alone
+            ):  # no room: by priority, lower-priority units make way, one at a time
+                if (given_back := self._make_room_for(seq, out)) is None:
+                    break
+                budget += given_back
+                places, kv_budget = self._room()
+                continue
             # Prompt tokens to score or pool must be computed, not read from the cache.
             skip = seq.request.skips_prefix_cache
             prompt = seq.num_prompt_tokens  # reserved at once; the rest chunk by chunk
@@ -337,7 +386,11 @@ class Scheduler:
                 if alone:
                     self._refuse(unit, out, "do not fit the KV cache even with nothing else running")
                     continue
-                break
+                if (given_back := self._make_room_for(seq, out)) is None:
+                    break
+                budget += given_back
+                places, kv_budget = self._room()
+                continue
             for s in unit:
                 self.remove_waiting(s)
                 s.pool_seq_id, s.num_computed_tokens = self.kv_manager.allocate_sequence(
@@ -363,6 +416,19 @@ class Scheduler:
                     budget -= n
                     has_prefill = has_prefill or n > 1
 
+    def _room(self) -> tuple[int, int | None]:
+        """Admission's room: running places left, and (paged pool) the free KV
+        tokens past the reserve running sequences keep to grow."""
+        places = self.max_batch_size - self.num_running_places()
+        free_kv = self.kv_manager.free_token_capacity()
+        if free_kv is None:
+            return places, None
+        reserve = max(
+            free_kv - int(free_kv * (1.0 - self.reserve_fraction)),
+            self.block_size * len(self.running),
+        )
+        return places, free_kv - reserve
+
     def _running_loras(self) -> set[str]:
         """The LoRA adapters of the running set's unfinished sequences."""
         if self.max_loras is None:
@@ -373,6 +439,11 @@ class Scheduler:
         if seq.pool_seq_id is not None:
             self.kv_manager.free_seq(seq.pool_seq_id)
             seq.pool_seq_id = None
+
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    """Priority order: lower priority values first, then earlier arrivals."""
+    return seq.request.priority, seq.request.arrival_time
 
 
 def _samples_its_last(seq: Sequence) -> bool:

@@ -88,6 +88,7 @@ class Request:
     pooling: PoolingState | None = None  # a pooling request's pool (prompt only, no sampling)
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
     lora_key: bytes | None = None  # the adapter's prefix-cache key (engine/core/lora_requests.py)
+    priority: int = 0  # --scheduling-policy priority: lower runs earlier (vLLM's)
 
     @property
     def finished(self) -> bool:

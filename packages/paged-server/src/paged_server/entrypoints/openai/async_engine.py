@@ -221,21 +221,25 @@ class AsyncEngine:
         num_choices: int,
         prepare: Callable[[Any], Any] | None = None,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> int:
         """Queue a request; returns its prompt token count.
 
         Outputs (lists of ``RequestOutput``) and `StreamEnd` arrive on ``out``.
         ``prepare`` turns ``prompt`` into what the engine takes, on the engine
         thread (tokenising there keeps the tokenizer single-threaded);
-        ``lora_request``: the LoRA adapter serving it (None: the base model). Raises
+        ``lora_request``: the LoRA adapter serving it (None: the base model);
+        ``priority``: its scheduling priority (passed on when not 0). Raises
         whatever ``engine.add_request`` raises (``ValueError``, ``QueueFullError``).
         """
         loop = asyncio.get_running_loop()
 
         def add() -> int | concurrent.futures.Future[int]:
             engine_prompt = prepare(prompt) if prepare is not None else prompt
-            lora = {"lora_request": lora_request} if lora_request is not None else {}
-            n_prompt = self.engine.add_request(request_id, engine_prompt, params, **lora)
+            extra: dict[str, Any] = {"lora_request": lora_request} if lora_request is not None else {}
+            if priority:  # engines without priority scheduling keep their signature
+                extra["priority"] = priority
+            n_prompt = self.engine.add_request(request_id, engine_prompt, params, **extra)
             self._tracked[request_id] = _Tracked(
                 loop, out, arrival, num_choices, n=num_choices,
                 max_tokens=getattr(params, "max_tokens", None),

@@ -94,6 +94,10 @@ _HELP = {
     "calibration text's range saturate",
     "device": "auto, cpu, cuda or cuda:N",
     "max_queue_len": "waiting requests beyond which new ones get HTTP 503",
+    "scheduling_policy": "fcfs: requests run in arrival order (a request's priority must be "
+    "0); priority: by each request's priority field (lower first, arrival order among "
+    "equals), and a waiting request that finds no room preempts running ones of a lower "
+    "priority (higher value), which are recomputed later",
     "seed": "engine seed for sampling without a per-request seed",
     "quantization": "weight format: none = the checkpoint's own (a compressed-tensors, gptq or "
     "awq quantization_config is detected); fp8, int8 (per channel) or int4 (groups of 128) "
@@ -167,6 +171,8 @@ def _choices(name: str) -> tuple[str, ...] | None:
         return tuple(getattr(config_module, "KV_CACHE_BACKENDS", ())) or None
     if name == "attention_backend":
         return tuple(getattr(config_module, "ATTENTION_BACKENDS", ())) or None
+    if name == "scheduling_policy":
+        return tuple(getattr(config_module, "SCHEDULING_POLICIES", ())) or None
     if name == "kv_cache_dtype":
         return tuple(getattr(config_module, "KV_CACHE_DTYPES", ())) or None
     if name == "quantization":

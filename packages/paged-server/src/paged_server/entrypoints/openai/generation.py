@@ -56,11 +56,13 @@ class Generation:
         prompt_param: str,
         constraint_param: str = "response_format",
         lora_request: Any = None,
+        priority: int = 0,
     ) -> None:
         """Add every prompt to the engine; on any failure abort the ones
         added. Errors name ``prompt_param`` for the prompt and
         ``constraint_param`` for the grammar (``response_format`` or ``tools``).
-        ``lora_request``: the LoRA adapter serving them (None: the base model)."""
+        ``lora_request``: the LoRA adapter serving them (None: the base model);
+        ``priority``: their scheduling priority (--scheduling-policy priority)."""
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{self.request_id}-{i}"
@@ -69,7 +71,7 @@ class Generation:
                 self._unfinished.add(engine_id)
                 n_prompt = await self.engine.add_request(
                     engine_id, prompt, params, self.queue, arrival=self.arrival, num_choices=self.n,
-                    lora_request=lora_request,
+                    lora_request=lora_request, priority=priority,
                 )
                 self.engine_ids.append(engine_id)
                 self._prompt_index[engine_id] = i

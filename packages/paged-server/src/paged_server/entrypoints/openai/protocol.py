@@ -254,7 +254,9 @@ class _SamplingFields(_Strict):
         None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
         description="The response id's suffix (default: random).",
     )
-    priority: int = Field(0, description="Scheduling is first come, first served: only 0.")
+    priority: int = Field(0, description="With --scheduling-policy priority: lower runs earlier "
+                          "(ties by arrival), and may preempt running requests of a higher value; "
+                          "under fcfs (the default) only 0 (vLLM).")
     return_tokens_as_token_ids: bool | None = Field(
         None, description="Logprob tokens as 'token_id:N' strings."
     )
@@ -289,10 +291,6 @@ class _SamplingFields(_Strict):
             for name, reason in REFUSED_FIELDS.items():
                 if data.get(name) not in (None, "", [], {}):
                     raise ValueError(f"{name}: {reason}")
-            if data.get("priority", 0) not in (0, None):
-                raise ValueError(
-                    "priority: not supported: requests run first come, first served; send 0"
-                )
             if data.get("thinking_token_budget") not in (None, -1):
                 raise ValueError(
                     "thinking_token_budget: not supported: reasoning runs unbudgeted (vLLM too "

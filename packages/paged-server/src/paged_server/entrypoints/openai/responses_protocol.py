@@ -100,6 +100,7 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = Field(None, description="Not supported: only false.")
+    priority: int = Field(0, description="vLLM extension: as chat's (--scheduling-policy priority).")
     # Accepted and ignored (see the module docstring).
     service_tier: str | None = None
     prompt_cache_key: str | None = None

@@ -121,7 +121,7 @@ def chat_fields(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[
     fields: dict[str, Any] = {
         "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-        "user": body.user, "request_id": uuid.uuid4().hex,
+        "user": body.user, "request_id": uuid.uuid4().hex, "priority": body.priority,
     }
     if body.tools:
         fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

@@ -129,7 +129,7 @@ class OpenAIServing:
             echo = Echo(texts, prompts, drop_generated=max_tokens == 0)
         gen = Generation(self.engine, _response_id("cmpl", body), body.n, arrival)
         await gen.submit(prompts, params, prompt_param="prompt", constraint_param=constraint_param,
-                         lora_request=lora)
+                         lora_request=lora, priority=body.priority)
         self._log_request(gen, params, body)
         fmt = ResponseFormat(gen.request_id, self.served_name(lora), self.tokenizer,
                              include_usage=body.include_usage(), continuous_usage=body.continuous_usage(),
@@ -177,7 +177,7 @@ class OpenAIServing:
         await self._index_bad_words(params)
         gen = Generation(self.engine, _response_id("chatcmpl", body), body.n, arrival)
         await gen.submit([ids], params, prompt_param="messages", constraint_param=constraint_param,
-                         lora_request=lora)
+                         lora_request=lora, priority=body.priority)
         self._log_request(gen, params, body)
         fmt = ResponseFormat(gen.request_id, self.served_name(lora), self.tokenizer,
                              include_usage=body.include_usage(), continuous_usage=body.continuous_usage(),
