@@ -32,7 +32,7 @@ ATTENTION_BACKENDS = ("auto", *attention_backends.BACKENDS)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's --kv-cache-dtype values (paged_ref.kv_quant.KV_CACHE_DTYPES says what each stores).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
-# vLLM's --scheduling-policy values (engine/scheduler.py says what each does).
+# vLLM's --scheduling-policy values (engine/core/scheduler.py says what each does).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
