@@ -59,31 +59,33 @@ def pool(
     return [(r, p, done[r]) for r, p in zip(order, ids, strict=True)]
 
 
+def _pooled_as(
+    task: str, engine: Any, inputs: list[str | list[int]], params: PoolingParams | None,
+    new_id: Callable[[], str],
+) -> list[tuple[str, list[int], Tensor]]:
+    """``pool`` with ``params`` (defaults when None) set to ``task``."""
+    return pool(engine, inputs, dataclasses.replace(params or PoolingParams(), task=task), new_id)
+
+
 def embed(engine: Any, inputs: list[str | list[int]], params: PoolingParams | None,
           new_id: Callable[[], str]) -> list[EmbeddingRequestOutput]:  # fmt: skip
     """``LLM.embed``."""
-    params = dataclasses.replace(params or PoolingParams(), task="embed")
-    return [
-        EmbeddingRequestOutput(r, EmbeddingOutput(t.tolist()), ids)
-        for r, ids, t in pool(engine, inputs, params, new_id)
-    ]
+    pooled = _pooled_as("embed", engine, inputs, params, new_id)
+    return [EmbeddingRequestOutput(r, EmbeddingOutput(t.tolist()), ids) for r, ids, t in pooled]
 
 
 def classify(engine: Any, inputs: list[str | list[int]], params: PoolingParams | None,
              new_id: Callable[[], str]) -> list[ClassificationRequestOutput]:  # fmt: skip
     """``LLM.classify``."""
-    params = dataclasses.replace(params or PoolingParams(), task="classify")
-    return [
-        ClassificationRequestOutput(r, ClassificationOutput(t.tolist()), ids)
-        for r, ids, t in pool(engine, inputs, params, new_id)
-    ]
+    pooled = _pooled_as("classify", engine, inputs, params, new_id)
+    return [ClassificationRequestOutput(r, ClassificationOutput(t.tolist()), ids) for r, ids, t in pooled]
 
 
 def encode(engine: Any, inputs: list[str | list[int]], params: PoolingParams | None,
            new_id: Callable[[], str]) -> list[PoolingRequestOutput]:  # fmt: skip
     """``LLM.encode``: the model's pooled output as a tensor."""
-    params = dataclasses.replace(params or PoolingParams(), task="encode")
-    return [PoolingRequestOutput(r, PoolingOutput(t), ids) for r, ids, t in pool(engine, inputs, params, new_id)]
+    pooled = _pooled_as("encode", engine, inputs, params, new_id)
+    return [PoolingRequestOutput(r, PoolingOutput(t), ids) for r, ids, t in pooled]
 
 
 def score(engine: Any, text_1: Any, text_2: Any, params: PoolingParams | None,
@@ -95,15 +97,15 @@ def score(engine: Any, text_1: Any, text_2: Any, params: PoolingParams | None,
     if pooler is None:
         raise ValueError("model: scoring needs a pooling model (--runner pooling)")
     check_scoring(pooler)
-    params = dataclasses.replace(params or PoolingParams(), task="score")
     if pooler.head == "classify":
         prompts: list[str | list[int]] = [engine.tokenizer.encode_pair(a, b) for a, b in pairs]
         return [
             ScoringRequestOutput(r, ScoringOutput(float(t[0])), ids)
-            for r, ids, t in pool(engine, prompts, params, new_id)
+            for r, ids, t in _pooled_as("score", engine, prompts, params, new_id)
         ]
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    vectors = {text: (ids, t) for text, (_, ids, t) in zip(texts, pool(engine, list(texts), params, new_id), strict=True)}
+    pooled = _pooled_as("score", engine, list(texts), params, new_id)
+    vectors = {text: (ids, t) for text, (_, ids, t) in zip(texts, pooled, strict=True)}
     return [
         ScoringRequestOutput(new_id(), ScoringOutput(cosine(vectors[a][1], vectors[b][1])),
                              vectors[a][0] + vectors[b][0])
