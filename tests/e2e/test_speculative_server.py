@@ -1,7 +1,9 @@
 """`serve --speculative-config` over HTTP with the real openai client: every
 greedy answer is the default server's, token for token, streamed or not;
 structured output falls back to plain decoding; /metrics and the stats
-line count drafts with vLLM's names (prefix paged:)."""
+line count drafts with vLLM's names (prefix paged:). A draft model (the
+served model itself as its own draft) gives the same answers, every draft
+kept."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from paged_server.default_model import ensure_default_model
 from paged_server.entrypoints.cli import build_parser
 from paged_server.entrypoints.openai.engine_args import engine_config_from_args
 
@@ -82,3 +85,21 @@ def test_the_flag_takes_vllms_json() -> None:
     assert engine_config_from_args(args).speculative_config == SPEC
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", "{not json"])
+
+
+def test_a_draft_model_gives_the_default_servers_answers(client: openai.OpenAI) -> None:
+    draft = {"model": str(ensure_default_model()), "num_speculative_tokens": 3}
+    args = build_parser().parse_args(["serve", "--speculative-config", json.dumps(draft)])
+    assert engine_config_from_args(args).speculative_config == draft
+    srv = start_server(speculative_config=draft)
+    try:
+        spec = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kwargs: dict[str, Any] = dict(prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        for stream in (False, True):
+            assert _text(spec, stream, **kwargs) == _text(client, stream, **kwargs), stream
+        page = httpx.get(srv.url + "/metrics").text
+        drafts = _metric(page, "spec_decode_num_draft_tokens_total")
+        assert drafts > 0 and _metric(page, "spec_decode_num_accepted_tokens_total") == drafts
+        assert wait_idle(srv)["kv_cache_usage_perc"] == 0.0
+    finally:
+        srv.stop()
