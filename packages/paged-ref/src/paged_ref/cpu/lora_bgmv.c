@@ -19,7 +19,7 @@
  * each loaded vector of A and of e serves every row. The loops are written
  * in GCC vector extensions of 16 floats (one AVX-512 register; two AVX2
  * ones elsewhere) with register-held accumulators: plain loops left GCC
- * one dependent accumulator per dot product, ~4x slower. */
+ * one dependent accumulator per dot product. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

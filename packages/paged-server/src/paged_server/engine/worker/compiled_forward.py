@@ -165,8 +165,8 @@ def _lora_delta(x: Tensor, out: Tensor, table: int) -> None:
 
 # Defined through torch.library.Library, not custom_op (as cpu_gemv's ops):
 # a step calls it once per projection and layer, and custom_op's Python
-# wrappers cost ~15 us a call against ~3 us here (with a clone of ``out``
-# and a copy back that the in-place schema leaves out).
+# wrappers cost several times this dispatch (docs/operations.md), besides a
+# clone of ``out`` and a copy back that the in-place schema leaves out.
 _LIB = torch.library.Library("paged", "FRAGMENT")
 _LIB.define("lora_delta(Tensor x, Tensor(a!) out, int table) -> ()")
 _LIB.impl("lora_delta", _lora_delta, "CompositeExplicitAutograd")
