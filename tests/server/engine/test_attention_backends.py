@@ -23,7 +23,7 @@ class Int8Only(OpsBackend):
 
 
 def test_every_registered_backend_is_one_under_its_name() -> None:
-    assert set(BACKENDS) == {"ref", "cpu", "triton"}
+    assert {"ref", "cpu", "triton"} <= set(BACKENDS)  # a new backend adds its line, nothing here
     for name in BACKENDS:
         cls = backend_class(name)
         assert cls.name == name
