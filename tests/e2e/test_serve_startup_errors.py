@@ -90,6 +90,28 @@ def test_the_long_max_model_len_override_runs_past_the_model(
     assert "KV cache" in line and "memory" in line
 
 
+def test_a_draft_model_with_another_tokenizer_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged_server.default_model.tokenizer_builder import build_tokenizer
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    build_tokenizer(256).save(str(draft / "tokenizer.json"))
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=2048)).save_pretrained(draft)  # fmt: skip
+    capsys.readouterr()  # transformers' progress bar
+    spec = f'{{"model": "{draft}", "num_speculative_tokens": 2}}'
+    line = _refused(capsys, "--speculative-config", spec, "--max-model-len", "256", "--port", "0")
+    assert f"draft model {draft} does not share the tokenizer" in line and "vocab_size 256 against" in line
+    missing = _refused(capsys, "--speculative-config", '{"model": "/no/such/draft", "num_speculative_tokens": 2}',
+                       "--max-model-len", "256", "--port", "0")  # fmt: skip
+    assert "/no/such/draft" in missing
+
+
 def test_a_truncated_checkpoint_names_the_file(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
