@@ -41,11 +41,11 @@ def perturbed_dir(cycling_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     return path
 
 
-def _other_tokenizer(path: Path, vocab: int, eos: int) -> Path:
+def _other_tokenizer(path: Path, vocab: int, eos: int, context: int = 256) -> Path:
     build_tokenizer(vocab).save(str(path / "tokenizer.json"))
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=context,
         eos_token_id=eos, bos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(path)
@@ -119,3 +119,12 @@ def test_a_draft_with_another_tokenizer_is_refused(make_cycling, tmp_path, vocab
         make_cycling(speculative_config=_spec(draft))
     text = str(err.value)
     assert "\n" not in text and str(draft) in text and "the target model" in text
+
+
+def test_a_draft_with_a_shorter_context_needs_its_own_max_model_len(make_cycling, tmp_path) -> None:
+    draft = _other_tokenizer(tmp_path, 512, 0, context=64)  # the target runs 128 tokens
+    with pytest.raises(ValueError, match=f'draft model {draft}: max_model_len.*set the draft\'s with "max_model_len"'):
+        make_cycling(speculative_config=_spec(draft))
+    engine = make_cycling(speculative_config=_spec(draft, max_model_len=64))
+    assert engine._proposer.max_model_len == 64  # histories past it get no draft
+    engine.shutdown()

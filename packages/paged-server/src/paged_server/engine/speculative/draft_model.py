@@ -29,6 +29,7 @@ from typing import Protocol
 
 from paged_server.config import EngineConfig, RunConfig
 from paged_server.engine.kv.pool_factory import PoolCapacity
+from paged_server.errors import ModelLoadError
 from paged_server.models.config import ModelConfig
 from paged_server.outputs import RequestOutput
 from paged_server.sampling_params import SamplingParams
@@ -73,7 +74,13 @@ class DraftModelProposer:
             enable_prefix_caching=True, generation_config="vllm", seed=run.seed,
         )  # fmt: skip
         # The target's class, so this module need not import the engine that imports it.
-        self.engine: Engine = type(target)(config)  # type: ignore[call-arg]
+        try:
+            self.engine: Engine = type(target)(config)  # type: ignore[call-arg]
+        except (ValueError, ModelLoadError) as exc:  # say whose setting or files: the draft's
+            why = str(exc)
+            if "max_model_len" in why and spec.max_model_len is None:
+                why += ' (the target\'s; set the draft\'s with "max_model_len")'
+            raise type(exc)(f"speculative_config: draft model {spec.model}: {why}") from exc
         try:
             check_same_vocabulary(target, self.engine, spec.model)
         except BaseException:
