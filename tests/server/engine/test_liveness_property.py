@@ -6,7 +6,9 @@ with sliding and full layers, a hybrid paged pool; the contiguous pool too;
 reference attention) runs random mixes of plain requests, ``n > 1``, beam
 search, prompts sharing a prefix (prefix hits), requests arriving mid-run,
 aborts, chunked prefill on or off, step budgets that beams and choices
-exhaust, and pools from none to plenty, most barely above one request.
+exhaust, and pools from none to plenty, most barely above one request;
+fcfs, or priority scheduling with random priorities (a request of a higher
+one preempting lower ones for room, never a peer).
 Half the engines start as a compiled CPU engine does, warm-up included
 (``torch.compile`` itself left out: it costs seconds per engine). An engine
 refuses to start only when its pool holds no request at all, in one line.
@@ -48,6 +50,7 @@ requests = st.lists(
         "max_tokens": st.integers(1, 10),
         "arrive": st.integers(0, 6),  # step at which it is submitted
         "abort": st.one_of(st.none(), st.integers(0, 12)),  # step at which it is aborted
+        "priority": st.integers(-1, 2),  # read under the priority policy only
     }),
     min_size=1,
     max_size=5,
@@ -64,6 +67,7 @@ scenarios = st.fixed_dictionaries({
     "enable_chunked_prefill": st.booleans(),
     "enable_prefix_caching": st.booleans(),
     "compiled": st.booleans(),
+    "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
     "requests": requests,
 })
 
@@ -111,6 +115,21 @@ SLIDING_FIVE_BLOCKS = {
 }  # fmt: skip
 
 
+# Priority scheduling: a beam search (priority 2) and a peer holding a small
+# pool (or all 3 running places) when a priority -1 request and then an n=2
+# one (0) arrive: each preempts what is below it, and everything still ends.
+PRIORITIES_PREEMPTING_BEAMS = {
+    "model": "llama", "kv_cache_backend": "paged", "spare_blocks": 8, "max_batch_size": 4,
+    "max_num_batched_tokens": 20, "enable_chunked_prefill": True, "enable_prefix_caching": True,
+    "compiled": False, "scheduling_policy": "priority", "requests": [
+        {"kind": kind, "width": 2, "prefix": 0, "tail": 6, "max_tokens": 10, "arrive": arrive,
+         "abort": None, "priority": priority}
+        for kind, arrive, priority in (("beam", 0, 2), ("plain", 1, 2), ("plain", 2, -1), ("n", 3, 0))
+    ],
+}  # fmt: skip
+PRIORITIES_IN_FEW_PLACES = {**PRIORITIES_PREEMPTING_BEAMS, "spare_blocks": 30, "max_batch_size": 3}
+
+
 def prompt(spec: dict[str, Any], i: int, prompt_of) -> list[int]:
     tail = prompt_of(spec["tail"], 100 + i)
     return tail if spec["prefix"] is None else prompt_of(PREFIX_LEN, spec["prefix"]) + tail
@@ -132,6 +151,8 @@ def params(spec: dict[str, Any], i: int) -> SamplingParams:
 @example(scenario=HYBRID_FORKS_PREEMPTED)
 @example(scenario=BEAMS_PAST_THE_BUDGET)
 @example(scenario=SLIDING_FIVE_BLOCKS)
+@example(scenario=PRIORITIES_PREEMPTING_BEAMS)
+@example(scenario=PRIORITIES_IN_FEW_PLACES)
 def test_every_request_ends_within_bounded_steps(request, prompt_of, monkeypatch,
                                                  scenario) -> None:
     scenario = dict(scenario)
@@ -147,6 +168,7 @@ def test_every_request_ends_within_bounded_steps(request, prompt_of, monkeypatch
     # a compiled CPU engine's start-up and steps (warm-up, padded rows), torch.compile aside
     monkeypatch.setenv("PAGED_COMPILE", "1" if scenario.pop("compiled") else "0")
     monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    by_priority = scenario.setdefault("scheduling_policy", "fcfs") == "priority"
     config = EngineConfig(max_model_len=64, block_size=4, device="cpu", attention_backend="ref",
                           num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=budget,
                           **scenario)  # fmt: skip
@@ -165,7 +187,8 @@ def test_every_request_ends_within_bounded_steps(request, prompt_of, monkeypatch
             if spec["arrive"] == step:
                 p = params(spec, i)
                 try:
-                    engine.add_request(rid, prompt(spec, i, prompt_of), p)
+                    engine.add_request(rid, prompt(spec, i, prompt_of), p,
+                                       priority=spec.get("priority", 0) if by_priority else 0)
                 except ValueError:
                     continue  # could never fit this pool: refused at submission
                 accepted[rid] = p.n
@@ -176,6 +199,7 @@ def test_every_request_ends_within_bounded_steps(request, prompt_of, monkeypatch
                 ended[(out.request_id, out.index)] = out.finish_reason
                 assert out.finish_reason != "error", (out.request_id, out.error)
         assert engine.audit() == []
+        assert engine.scheduler.num_running_places() <= config.max_batch_size
         step += 1
         assert step <= MAX_STEPS, f"stalled: {len(ended)} choices ended of {sum(accepted.values())}"
     for rid, n in accepted.items():

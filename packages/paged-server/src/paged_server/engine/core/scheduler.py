@@ -287,6 +287,8 @@ class Scheduler:
         if victim.request.priority <= seq.request.priority:
             return None
         unit = self._unit(victim, self.running)
+        # The queue is in priority order, so what this step admitted ranks above seq.
+        assert not any(s in out.admitted for s in unit), "preempting a unit admitted this step"
         tokens = sum(n for s, n in out.scheduled if s in unit)
         self._preempt(unit, out)
         return tokens
