@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["paged_core", "paged_ref", "paged_triton", "paged_server"]  # lowest first
 SERVER_LAYERS = [
-    {"start_up_heap"},  # process-wide helpers that import nothing of ours
+    # process-wide helpers that import nothing of ours; what the device type decides
+    {"start_up_heap", "platform"},
     # shared vocabulary: errors, outputs, request parameters, the tokenizer
     {"errors", "outputs", "sampling_params", "pooling_params", "output_constraint", "tokenizer",
      "lora_request"},

@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 import torch
 
-from paged_server.config import EngineConfig, cpu_has_bf16
+from paged_server.config import EngineConfig
 from paged_server.models.config import ModelConfig
 from paged_server.output_constraint import StructuredOutputsParams
+from paged_server.platform import cpu_has_bf16
 from paged_server.sampling_params import SamplingParams
 
 # A model with 4096 positions and no sliding window: all `resolve` reads of it.

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from paged_server import attention_backends
-from paged_server.models.loader import cpu_has_bf16
 from paged_server.models.pooler import CONVERTS, RUNNERS, TASKS, resolve_head
+from paged_server.platform import Platform, platform_for, resolve_device
 from paged_server.sampling_params import MAX_LOGPROBS
 from paged_server.speculative_config import SpeculativeConfig
 
@@ -156,25 +156,26 @@ class EngineConfig:
         _check_gguf_tokenizer(self)
         max_model_len, one_page_table = _model_len(self, model_config)
         _check_max_model_len(max_model_len, model_config.max_position_embeddings)
-        device = device if device is not None else _device(self)
-        dtype = dtype if dtype is not None else _dtype(self, device, checkpoint_dtype)
+        device = device if device is not None else resolve_device(self.device)
+        platform = platform_for(device)
+        dtype = dtype if dtype is not None else _dtype(self, platform, checkpoint_dtype)
         given = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
         pooling = resolve_head(model_config.architecture, self.runner, self.convert, self.task)
         return RunConfig(**{
             **given,
             "max_model_len": max_model_len,
             "disable_hybrid_kv_cache_manager": one_page_table,
-            "max_num_batched_tokens": _token_budget(self, max_model_len, device),
+            "max_num_batched_tokens": _token_budget(self, max_model_len, platform),
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
-            "dtype_reason": _dtype_reason(self, device, dtype),
+            "dtype_reason": _dtype_reason(self, platform, dtype),
             "attention_backend": attention_backends.resolve(
-                self.attention_backend, device.type, self.kv_cache_dtype, self.block_size
+                self.attention_backend, platform.device_type, self.kv_cache_dtype, self.block_size
             ),
             # the tiers fetch disk blocks between steps: never while a pass runs;
             # a pooling request samples nothing to overlap with: the plain step
             "async_scheduling": pooling is None and (
-                device.type == "cuda" and not self.uses_kv_tiers
+                platform.async_scheduling_by_default and not self.uses_kv_tiers
                 if self.async_scheduling is None else self.async_scheduling
             ),
             "pooling": pooling,
@@ -437,33 +438,16 @@ def _check_max_model_len(max_model_len: int, max_position_embeddings: int) -> No
 # Step token budget when none is given. On a GPU a step costs about the same
 # up to thousands of tokens, so big chunks are nearly free. On a CPU a step
 # costs in proportion to its tokens: 256 prompt tokens beside the decodes
-# keep a mixed step within a few decode steps' time (streams do not stall
-# while prompts arrive) and still run the matrix products near full speed.
-DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}
-
-
-def _token_budget(config: EngineConfig, max_model_len: int, device: torch.device) -> int:
+def _token_budget(config: EngineConfig, max_model_len: int, platform: Platform) -> int:
     """The configured budget, or the device's default; never below
     ``max_batch_size`` (every running sequence must be able to decode in one
     step) nor, without chunked prefill, below ``max_model_len`` (whole prompts)."""
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
-    budget = DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cuda"])
+    budget = platform.default_batched_tokens
     if not config.enable_chunked_prefill:
         budget = max(budget, max_model_len)
     return max(budget, config.max_batch_size)
-
-
-def _device(config: EngineConfig) -> torch.device:
-    """``auto`` is CUDA when there is a GPU, else CPU; asking for CUDA without one fails here."""
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device: 'cuda' requested but no CUDA GPU is available; use 'cpu' or 'auto'"
-        )
-    return device
 
 
 def _check_gguf_tokenizer(config: EngineConfig) -> None:
@@ -479,36 +463,21 @@ def _check_gguf_tokenizer(config: EngineConfig) -> None:
         raise ValueError(f"tokenizer: {reason}")
 
 
-def _dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
-    """``auto`` is the checkpoint's dtype (config.json's ``torch_dtype`` /
-    ``dtype``), as vLLM: float16 stays float16 on CUDA; float32 (and a
-    checkpoint that names none) runs in bfloat16 on CUDA, as vLLM downcasts
-    it. On a CPU, 16-bit weights run in bfloat16 when it has bf16 matrix
-    units (AMX or AVX512-BF16: oneDNN runs bf16 GEMMs several times faster
-    than fp32, as vLLM's CPU backend uses them), else in float32 (one log
-    line says so: half math is slow there); a float32 checkpoint keeps that
-    rule too. Softmax and logits stay float32 either way."""
+def _dtype(config: EngineConfig, platform: Platform, checkpoint_dtype: str | None) -> torch.dtype:
+    """``auto`` is from the checkpoint's dtype (config.json's ``torch_dtype``
+    / ``dtype``) as the platform runs it (``Platform.default_dtype``: as
+    vLLM on CUDA; bfloat16 or float32 on a CPU by its bf16 matrix units).
+    Softmax and logits stay float32 either way."""
     if config.dtype != "auto":
         return DTYPES[config.dtype]
-    if device.type == "cuda":
-        return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
-    if cpu_has_bf16():
-        return torch.bfloat16
-    if checkpoint_dtype in ("bfloat16", "float16"):
-        log.info(
-            "dtype auto: the checkpoint is %s but this CPU has no bf16 matrix units "
-            "(AMX/AVX512-BF16); running in float32", checkpoint_dtype,
-        )
-    return torch.float32
+    return platform.default_dtype(checkpoint_dtype)
 
 
-def _dtype_reason(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+def _dtype_reason(config: EngineConfig, platform: Platform, dtype: torch.dtype) -> str:
     """Why ``auto`` chose ``dtype``, for the start-up line ("" when it was set)."""
     if config.dtype != "auto":
         return ""
-    if device.type == "cuda":
-        return "auto: CUDA"
-    return f"auto: CPU {'has' if dtype == torch.bfloat16 else 'has no'} AMX/AVX512-BF16"
+    return platform.dtype_reason(dtype)
 
 
 def _is_int(value: object) -> bool:

@@ -94,8 +94,8 @@ class DataParallelEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         from paged_server.parallel import WorkerStartError
-        from paged_server.parallel.preflight import usable_cpu_cores
         from paged_server.parallel.rendezvous import torchrun_env
+        from paged_server.platform import usable_cpu_cores
 
         if (env := torchrun_env()) is not None and env.world_size > 1:
             raise ValueError(

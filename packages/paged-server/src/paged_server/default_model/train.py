@@ -81,7 +81,7 @@ def autocast_dtype(device: str, precision: str) -> torch.dtype | None:
     """The matmul dtype of the training step: ``auto`` is bfloat16 on CUDA and
     on CPUs with bf16 matrix units (AMX / AVX512-BF16: ~2x the float32 step
     here), else float32 (``None``: no autocast)."""
-    from paged_server.models.loader import cpu_has_bf16
+    from paged_server.platform import cpu_has_bf16
 
     if precision == "float32":
         return None

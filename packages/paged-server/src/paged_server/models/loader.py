@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -432,14 +431,3 @@ def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> list
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return list(dict.fromkeys(int(i) for i in ids))
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions torch uses (AMX tiles
-    or AVX512-BF16). ``PAGED_CPU_BF16=0``/``1`` overrides it (the test suite
-    sets 0 so that ``auto`` means float32 on every machine)."""
-    forced = os.environ.get("PAGED_CPU_BF16")
-    if forced in ("0", "1"):
-        return forced == "1"
-    cpu = torch.cpu
-    return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())

@@ -54,11 +54,11 @@ from paged_server.parallel.preflight import (
     GUARD_HINT,
     check_tensor_parallel,
     main_module_imported_by_spawn,
-    usable_cpu_cores,
 )
 from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.step_message import WorkerCall
 from paged_server.parallel.worker import ERROR, READY, WorkerSpec, parallel_kind, worker_main
+from paged_server.platform import platform_for, usable_cpu_cores
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,15 @@ class MultiprocExecutor(LaunchesOnThread):
         self._local = local  # ranks 0..local-1 run on this node, spawned here
         self._remote = list(range(local, world))  # started on other nodes (or by torchrun)
         self._nnodes = world // per_node
-        self.device = _rank_device(device, 0)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.platform = platform_for(device)
+        self.device = self.platform.rank_device(device, 0)
+        self.platform.set_device(self.device)
         # On CPU the ranks share the cores instead of each taking all of them
         # (restored at shutdown: the setting is process-wide). With one
         # micro-batch per step only one pipeline stage computes at a time, so
         # a stage's ranks share them; with several, every stage computes at once.
         self._threads = torch.get_num_threads()
-        if self.device.type == "cpu":
+        if self.platform.ranks_share_host:
             busy = local if self.micro_batches > 1 else min(local, self.tp_size)
             torch.set_num_threads(max(1, usable_cpu_cores() // busy))
         self.dead: str | None = None  # why the ranks stopped, once they have
@@ -117,7 +117,7 @@ class MultiprocExecutor(LaunchesOnThread):
             micro_batches=self.micro_batches,
         )
         self._specs = [
-            dataclasses.replace(base, rank=rank, device=str(_rank_device(device, rank)))
+            dataclasses.replace(base, rank=rank, device=str(self.platform.rank_device(device, rank)))
             for rank in range(0, local)
         ]
         self.workers: list[Any] = []  # multiprocessing processes, ranks 1..N-1
@@ -432,10 +432,4 @@ def _stop_processes(processes: list[Any], timeout: float) -> None:
             process.kill()
             process.join(2.0)
 
-
-def _rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``rank``'s device: the CPU, or the ``rank``-th GPU from ``device``'s."""
-    if device.type != "cuda":
-        return device
-    return torch.device("cuda", (device.index or 0) + rank)
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from paged_server.parallel import rendezvous
-from paged_server.parallel.preflight import usable_cpu_cores
 from paged_server.parallel.worker import _exit_with_parent, run_worker
+from paged_server.platform import usable_cpu_cores
 
 JOIN_TIMEOUT_S = 600.0  # a node may be started well before the engine loads
 # A store that stops answering may be rank 0 exiting right after its stop

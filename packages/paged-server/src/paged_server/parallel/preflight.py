@@ -22,6 +22,7 @@ from paged_server.models.loader import read_config_json
 from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
 from paged_server.models.registry import resolve_architecture
 from paged_server.models.tensor_parallel import TensorParallel
+from paged_server.platform import platform_for
 
 GUARD_HINT = (
     'code that creates LLM(...) must run from a file, under `if __name__ == "__main__":` '
@@ -62,25 +63,7 @@ def check_devices(world_size: int, device: torch.device, busy: int | None = None
     (``busy``: one stage's ranks with pipeline parallelism), whose
     all-reduces need every one running; stages, whose micro-batches only
     wait on the stage before, may time-slice the same cores."""
-    if device.type == "cuda":
-        first, count = device.index or 0, torch.cuda.device_count()
-        if first + world_size > count:
-            raise ValueError(
-                f"tensor_parallel_size={world_size} needs {world_size} GPUs from cuda:{first} on "
-                f"but {count} are visible; lower it or expose more GPUs (CUDA_VISIBLE_DEVICES)"
-            )
-    elif device.type == "cpu" and (busy or world_size) > (cores := usable_cpu_cores()):
-        raise ValueError(
-            f"tensor_parallel_size={world_size} needs a CPU core per rank but this process may "
-            f"use {cores}; lower tensor_parallel_size to at most {cores}"
-        )
-
-
-def usable_cpu_cores() -> int:
-    """Cores this process may run on (its affinity mask, e.g. under taskset)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    platform_for(device).check_ranks(world_size, device, busy)
 
 
 def main_module_imported_by_spawn() -> bool:

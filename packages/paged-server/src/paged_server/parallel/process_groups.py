@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paged_server.platform import platform_for
+
 # Each step's message travels in one fixed-size broadcast; a larger message
 # (a big batch's page tables) sends its remainder in a second one.
 MESSAGE_BYTES = 64 * 1024
@@ -184,8 +186,4 @@ def _device_group(
     store: dist.Store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta
 ) -> Any:
     """A group on the device's backend: NCCL on CUDA, gloo on CPU."""
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    return platform_for(device).device_group(store, rank, size, timeout)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from paged_server.config import RunConfig
 from paged_server.parallel.process_groups import TPGroup
 from paged_server.parallel.step_message import WorkerCall
+from paged_server.platform import platform_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +97,7 @@ def run_worker(
 
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    platform_for(device).set_device(device)
     if store is None:
         store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False)
     ready()

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from paged_server.engine.worker.worker import Worker, WorkerStep
+from paged_server.platform import platform_for
 
 
 class Executor(Protocol):
@@ -121,8 +122,7 @@ class LaunchThread:
             self._pool = None
 
     def _on_thread(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        platform_for(self.device).set_device(self.device)
 
 
 class LaunchesOnThread:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from paged_server.config import EngineConfig
+from paged_server.platform import platform_for
 
 GIB = 1024**3
 DEFAULT_CUDA_UTILIZATION = 0.9
@@ -55,7 +56,7 @@ def sizes_by_memory_share(config: EngineConfig, device: torch.device) -> bool:
     it), rather than from an explicit size or the CPU default."""
     if config.num_gpu_blocks is not None or config.kv_cache_memory_bytes is not None:
         return False
-    return config.gpu_memory_utilization is not None or device.type == "cuda"
+    return config.gpu_memory_utilization is not None or platform_for(device).sizes_kv_by_memory_share
 
 
 def kv_budget(
@@ -92,7 +93,7 @@ def kv_budget(
     utilization = config.gpu_memory_utilization
     if utilization is None:  # CUDA's default share
         utilization = DEFAULT_CUDA_UTILIZATION
-    if device.type == "cuda":
+    if platform_for(device).kv_in_device_memory:
         num_bytes, how = _cuda_budget(config, utilization, device, model)
     else:
         available = available_cpu_memory()

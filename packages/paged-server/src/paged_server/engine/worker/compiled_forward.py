@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from paged_core.protocols import AttentionViewProtocol
 from paged_server import attention_backends
+from paged_server.platform import platform_for
 
 if TYPE_CHECKING:
     from paged_ref.lora_ops import LoRAMapping
@@ -300,7 +301,7 @@ def compiles_forward(
         model.graph_safe
         and not config.enforce_eager
         and os.environ.get("PAGED_COMPILE", "1") != "0"
-        and device.type == "cpu"
+        and platform_for(device).compiles_forward
         and attention_backends.backend_class(attention_backend).compilable
         and config.world_size == 1
     )

@@ -66,6 +66,7 @@ from paged_server.models.errors import LoRAAdapterError
 from paged_server.models.lora import LoRAConfig, LoRAManager, LoRAMapping
 from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel, shard_heads
+from paged_server.platform import platform_for
 
 if TYPE_CHECKING:
     from paged_server.parallel.process_groups import TPGroup
@@ -119,6 +120,7 @@ class Worker:
         self.rank = rank
         self.group = group
         self.device = device if device is not None else config.torch_device
+        self.platform = platform_for(self.device)  # what this device type does (platform.py)
         self.micro_batches = micro_batches
         self.loaded = loaded
         self.kv_scales: KVScales | None = None
@@ -163,7 +165,7 @@ class Worker:
 
     def _lora_ops(self) -> Any:
         """The LoRA kernels the attention backend runs beside it (None: the reference's)."""
-        return attention_backends.build(self.config.attention_backend).lora_ops(self.device.type)
+        return attention_backends.build(self.config.attention_backend).lora_ops(self.platform.device_type)
 
     @property
     def model(self) -> Any:
@@ -224,7 +226,7 @@ class Worker:
 
     def _local_ranks(self) -> int:
         """Ranks sharing this rank's memory: a CPU node's, which share its RAM."""
-        if self.device.type != "cpu" or self.group is None:
+        if not self.platform.ranks_share_host or self.group is None:
             return 1
         return max(1, self.config.world_size // self.config.nnodes)
 
@@ -263,7 +265,7 @@ class Worker:
         ):
             return None
         assert self.tensors is not None
-        if not forced and (self.device.type != "cuda" or not self.tensors.backend.graph_safe):
+        if not forced and (not self.platform.supports_cuda_graphs or not self.tensors.backend.graph_safe):
             return None
         return DecodeGraphs(
             self.model, self.tensors, self.device, config.max_batch_size,
@@ -287,7 +289,7 @@ class Worker:
         config = self.config
         assert self.tensors is not None, "init_cache first"
         start = time.perf_counter()
-        if self.device.type == "cuda":
+        if self.platform.warms_up_kernels:
             if self.tensors.backend.needs_warmup:
                 warm_up_kernels(self.model, self.loaded.dtype, self.tensors, config.max_model_len, self.device)  # type: ignore[union-attr]
             longest, head_rows = min(longest, config.max_model_len - 1, 256), 1
@@ -302,8 +304,7 @@ class Worker:
                 self.graphs.capture_all()
         for num_tokens in self._warm_up_sizes(longest):
             self._throwaway_pass(num_tokens, head_rows)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.platform.synchronize(self.device)
         seconds = time.perf_counter() - start
         log.info("warm-up done in %.1f s", seconds)
         return seconds
