@@ -7,6 +7,8 @@ under fcfs a nonzero priority is refused, as vLLM refuses it."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from paged_server.entrypoints.llm import LLM
@@ -35,7 +37,7 @@ def finish_order(engine, submit_at: dict[int, list[tuple[str, list[int], object,
 
 
 def test_a_priority_0_request_submitted_last_finishes_before_the_priority_10_ones(
-    make_engine, greedy, prompt_of
+    make_engine, greedy, prompt_of, caplog
 ) -> None:
     """One running place: ``low0`` runs, ``low1`` and ``low2`` wait (10),
     then ``urgent`` (0) arrives. It preempts ``low0`` and finishes first;
@@ -45,9 +47,12 @@ def test_a_priority_0_request_submitted_last_finishes_before_the_priority_10_one
     lows = [(f"low{i}", prompt_of(6, i), params, 10) for i in range(3)]
     urgent = ("urgent", prompt_of(5, 9), params, 0)
     engine = make_engine(max_batch_size=1, scheduling_policy="priority")
-    order, tokens = finish_order(engine, {0: lows, 2: [urgent]})
+    with caplog.at_level(logging.WARNING, logger="paged_server.engine.core.llm_engine"):
+        order, tokens = finish_order(engine, {0: lows, 2: [urgent]})
     assert order == ["urgent", "low0", "low1", "low2"]
     assert engine.counters.preemptions == 1
+    [line] = [r.getMessage() for r in caplog.records if "preempted sequence" in r.getMessage()]
+    assert "(request low0, priority 10)" in line and "a higher-priority request waiting" in line
     _, alone_tokens = finish_order(make_engine(max_batch_size=1), {0: [(rid, p, params, 0) for rid, p, params, _ in lows]})
     assert tokens["low0"] == alone_tokens["low0"]
     fcfs = make_engine(max_batch_size=1)

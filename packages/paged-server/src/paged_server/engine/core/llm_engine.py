@@ -437,13 +437,19 @@ class LLMEngine:
         prefix-cache hits and when it left the queue."""
         counters = self.counters
         counters.preemptions += len(plan.preempted)
+        # Under priority scheduling a request may also make way for a higher one.
+        why = "KV cache full" if self.config.scheduling_policy == "fcfs" else (
+            "KV cache full or a higher-priority request waiting"
+        )
         for seq in plan.preempted:
             self._preemption_log.warning(
-                "preempted sequence %d (request %s) at %d tokens: KV cache full, %s; "
+                "preempted sequence %d (request %s, priority %d) at %d tokens: %s, %s; "
                 "it will be recomputed",
                 seq.seq_id,
                 seq.request.request_id,
+                seq.request.priority,
                 seq.num_tokens,
+                why,
                 self._free_kv_text(),
             )
         now = time.monotonic()
