@@ -36,7 +36,7 @@ first, and the unit preempted when the pool is full is the lowest-priority
 one (highest value, newest among equals), as vLLM's v1 scheduler picks it.
 A waiting unit that finds no room (running places or KV) also preempts the
 lowest-priority running units whose priority value is strictly higher than
-its own (vLLM's priority policy): never one of its own priority, so equal
+its own (vLLM V0's priority policy; v1 lets it wait): never one of its own priority, so equal
 priorities keep first come, first served and nothing is preempted to admit
 its peer. Under ``fcfs`` the priority is not read at all.
 
