@@ -22,7 +22,7 @@ counts prompt and generated tokens; each figure is the median of
 ``--repeats`` runs (one warm-up run first), the three configurations taking
 turns so that a shared machine's load falls on each alike. With ``--enforce-eager`` every
 engine runs eagerly (on a CPU the default compiles the forward pass, which
-steps with adapters leave: docs/operations.md). Writes
+steps with adapters leave: docs/models.md). Writes
 benchmarks/results/lora_throughput.json (``_h<hidden>.json`` with ``--hidden``).
 """
 

@@ -291,7 +291,7 @@ def _spec_decode_section(data: dict[str, Any] | None) -> list[str]:
         "for acceptance rate a, divided by the cost of the speculating engine's decode steps "
         "against the plain engine's (mean step time, prompt steps left out; a draft model's "
         "drafting is part of its step). Sequences whose drafts are mostly rejected stop drafting "
-        "(`min_acceptance` 0.5, the default; docs/operations.md). At 32 streams every request runs to "
+        "(`min_acceptance` 0.5, the default; docs/serving.md). At 32 streams every request runs to "
         "the same length, so no step is saved: the ratio is what the drafts that were tried cost. "
         "Measured " + data["environment"]["date"] + "."
         + (" 1-minute load average {} before, {} after (cores: {}).".format(*data["load_average"], data[

@@ -17,7 +17,7 @@ from paged_server.entrypoints.cli import main
 
 pytestmark = pytest.mark.e2e
 
-ALLOW_LONG_MAX_MODEL_LEN_ENV = "PAGED_ALLOW_LONG_MAX_MODEL_LEN"  # as docs/operations.md names it
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "PAGED_ALLOW_LONG_MAX_MODEL_LEN"  # as docs/serving.md names it
 
 
 def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -342,7 +342,7 @@ class EngineConfig:
         if self.nnodes > 1:
             raise ValueError(
                 "data_parallel_size > 1 runs its replicas on this node: drop --nnodes, or run one "
-                "server per node behind an HTTP load balancer (docs/operations.md)"
+                "server per node behind an HTTP load balancer (docs/parallelism.md)"
             )
 
     def _check_kv_scales(self) -> None:

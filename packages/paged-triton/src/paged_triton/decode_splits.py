@@ -73,7 +73,7 @@ class SplitPolicy:
 
 
 # Programs per SM a decode batch aims for: 8 was the fastest on an H200 (the
-# sweep is in docs/operations.md).
+# sweep is in docs/gpu.md).
 WAVES_PER_SM = 8
 
 

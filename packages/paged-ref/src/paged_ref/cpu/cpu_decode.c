@@ -27,7 +27,7 @@
  * While a block's scores are computed, the K and V rows PREFETCH_ROWS tokens
  * ahead are requested (into the next block at its end): the blocks of a
  * sequence lie anywhere in the cache, and a row's first load otherwise waits
- * on memory (docs/operations.md has the measurements). Fetching a whole next
+ * on memory (docs/cpu.md has the measurements). Fetching a whole next
  * block at once did not help (too many requests in flight at once). */
 #include <math.h>
 #include <stdint.h>

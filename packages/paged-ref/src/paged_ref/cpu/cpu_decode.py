@@ -5,7 +5,7 @@ sequence's K/V out of its blocks before SDPA (PyTorch has no product that
 reads through a page table), and on a CPU that copy dominated a decode step.
 ``cpu_decode.c`` is the same attention as one loop nest per sequence (online
 softmax over its blocks, as the Triton decode kernel does), reading K/V in
-place. Its measurements are in docs/operations.md ("The compiled forward pass (CPU)").
+place. Its measurements are in docs/cpu.md ("The compiled forward pass (CPU)").
 
 It is built on first use (``c_library``), once per head size, query heads
 per kv head, kv head count and cache dtype, into ``~/.cache/paged/cpu_decode``.
@@ -41,7 +41,7 @@ _C_TYPES = {torch.bfloat16: "uint16_t", torch.float16: "_Float16", torch.float32
 _FP8_CACHES = {torch.float8_e4m3fn: "E4M3", torch.float8_e5m2: "E5M2"}
 MAX_BLOCK = 256  # cpu_decode.c's: the largest block_size the decode kernel takes
 # Beside c_library.FLAGS. GCC's x86 default is 256-bit vectors even where the
-# CPU has AVX-512, and 512-bit ones made the decode kernel faster (docs/operations.md).
+# CPU has AVX-512, and 512-bit ones made the decode kernel faster (docs/cpu.md).
 _FLAGS = ("-ffast-math", "-fno-finite-math-only") + (
     ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 )
@@ -266,7 +266,7 @@ def write_and_decode(
 
 
 # SDPA's CPU flash kernel on 16-bit inputs is much slower when the query or
-# key count is not a multiple of 16 (docs/operations.md), so both are padded.
+# key count is not a multiple of 16 (docs/cpu.md), so both are padded.
 SDPA_MULTIPLE = 16
 
 
@@ -360,7 +360,7 @@ class CpuDecodeOps:
     # A prompt chunk whose queries read at most this many keys in all runs
     # through ``write_and_decode``, each row a decode (``cpu_backend.CpuKernelsBackend.attend``):
     # below it that beat ``prefill_by_sequence``, whose cost does not grow with
-    # the square of the chunk (the measurements: docs/operations.md).
+    # the square of the chunk (the measurements: docs/cpu.md).
     prefill_as_decodes = 16384
 
     def __getattr__(self, name: str) -> Any:

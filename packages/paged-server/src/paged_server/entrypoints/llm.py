@@ -14,7 +14,7 @@ steps it until every prompt is done; ``llm.engine`` gives metrics. It runs
 on the caller's thread: build the ``LLM`` on the thread that calls
 ``generate`` (the model's load starts torch's thread pool on the building
 thread; stepping on another starts a second pool, and with two pools a small
-machine's steps get up to 2x slower, see docs/operations.md). With
+machine's steps get up to 2x slower, see docs/cpu.md). With
 ``tensor_parallel_size=N`` the engine runs N processes: ``llm.shutdown()``
 (or ``with LLM(...) as llm:``) stops them; so does interpreter exit.
 """

@@ -17,7 +17,7 @@ Memory: the draft's pool is sized to hold the target pool's tokens plus
 ``k`` drafts for every sequence (an explicit block count, logged at
 start-up with its bytes). It is allocated after the target's pool: on CUDA
 the draft's weights and KV come on top of the target's
-``gpu_memory_utilization`` share (docs/operations.md).
+``gpu_memory_utilization`` share (docs/serving.md).
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def _lora_delta(x: Tensor, out: Tensor, table: int) -> None:
 
 # Defined through torch.library.Library, not custom_op (as cpu_gemv's ops):
 # a step calls it once per projection and layer, and custom_op's Python
-# wrappers cost several times this dispatch (docs/operations.md), besides a
+# wrappers cost several times this dispatch (docs/cpu.md), besides a
 # clone of ``out`` and a copy back that the in-place schema leaves out.
 _LIB = torch.library.Library("paged", "FRAGMENT")
 _LIB.define("lora_delta(Tensor x, Tensor(a!) out, int table) -> ()")

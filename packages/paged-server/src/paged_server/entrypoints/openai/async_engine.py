@@ -45,7 +45,7 @@ logger = logging.getLogger("paged_server.entrypoints.openai")
 # compiled forward pass holds the GIL for most of its length (inductor's CPU
 # kernels do not release it), so a delivery still pending when the pass
 # starts waits for the pass to end, and those late writes were the
-# inter-token latency's tail (docs/operations.md). Bounded: a busy or stuck loop never holds the engine
+# inter-token latency's tail (docs/cpu.md). Bounded: a busy or stuck loop never holds the engine
 # longer than this per step. Not on a GPU: its pass leaves the GIL free while
 # the device computes, so the loop writes meanwhile, and waiting would idle
 # the device.

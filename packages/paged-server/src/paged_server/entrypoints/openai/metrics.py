@@ -3,7 +3,7 @@
 Names and meanings follow vLLM's with a ``paged:`` prefix
 (``vllm:kv_cache_usage_perc`` -> ``paged:kv_cache_usage_perc``, same
 buckets), so dashboards built for vLLM need only the prefix changed
-(docs/operations.md has the table). Engine gauges and counters are read at
+(docs/serving.md has the table). Engine gauges and counters are read at
 scrape time from ``LLMEngine.metrics()`` (a snapshot the engine thread takes
 after each step), so each number keeps its one source; the per-request
 histograms are observed by the async front, where a client's wait is seen.

@@ -57,7 +57,7 @@ def ops_router(
         summary="Free KV blocks the audit reports as leaked (operator action)",
     )
     async def reclaim() -> JSONResponse:
-        """Reclaim leaked KV blocks (see docs/operations.md); the periodic audit
+        """Reclaim leaked KV blocks (see docs/serving.md); the periodic audit
         only reports them. Served only when the server has an API key."""
         if api_key is None:
             raise APIError(403, "admin endpoints need the server to run with --api-key")

@@ -6,7 +6,7 @@ int4/int8) dequantizes to bf16 and is compute-bound at one row, below the
 bf16 product's bytes per second. These kernels quantize the row to int8 per
 block of input features and multiply with int8 dot products, as vLLM's CPU
 path for AWQ/GPTQ does (IPEX, lowp_mode INT8); ``benchmarks/quantized_gemm.py``
-times them, docs/operations.md has the numbers. The activation rounding
+times them, docs/models.md has the numbers. The activation rounding
 costs ~1% of a product's largest value (tests/server/models/test_cpu_gemv.py
 states it exactly); more rows (prefill, batches) keep bf16 activations.
 

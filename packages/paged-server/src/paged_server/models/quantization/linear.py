@@ -9,7 +9,7 @@ float32-activation paths are far slower). In the compiled forward pass
 (engine/worker/compiled_forward.py) inductor lowers both to its C++ GEMM
 template, which keeps the weight quantized. A single row (one stream's
 decode step) runs ``cpu_gemv`` where the CPU has AVX512 VNNI: the row
-rounded to int8, as vLLM's CPU AWQ/GPTQ path. docs/operations.md has the
+rounded to int8, as vLLM's CPU AWQ/GPTQ path. docs/cpu.md has the
 measurements behind each choice. On CUDA, int8 and int4 weights
 run ``paged_triton``'s dequantizing GEMM (``quant_matmul``: the weight
 dequantized tile by tile in registers, split-K for decode), reading the layout kept below for
