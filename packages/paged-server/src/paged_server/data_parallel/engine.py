@@ -95,7 +95,7 @@ class DataParallelEngine:
         config.validate()
         from paged_server.parallel import WorkerStartError
         from paged_server.parallel.rendezvous import torchrun_env
-        from paged_server.platform import usable_cpu_cores
+        from paged_server.platform import platform_for, usable_cpu_cores
 
         if (env := torchrun_env()) is not None and env.world_size > 1:
             raise ValueError(
@@ -111,7 +111,7 @@ class DataParallelEngine:
         # replicas never race to build or train the same default model.
         path = model_path(config)
         config.resolve(read_model_config(path), checkpoint_dtype=checkpoint_dtype(path))  # raises if bad
-        threads = max(1, usable_cpu_cores() // n) if devices[0] == "cpu" else 1
+        threads = max(1, usable_cpu_cores() // n) if platform_for(devices[0]).ranks_share_host else 1
         import torch.multiprocessing as mp
 
         context = mp.get_context("spawn")

@@ -26,11 +26,12 @@ import threading
 import traceback
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from paged_server.parallel import rendezvous
 from paged_server.parallel.worker import _exit_with_parent, run_worker
-from paged_server.platform import usable_cpu_cores
+from paged_server.platform import platform_for, usable_cpu_cores
 
 JOIN_TIMEOUT_S = 600.0  # a node may be started well before the engine loads
 # A store that stops answering may be rank 0 exiting right after its stop
@@ -48,7 +49,9 @@ def run_rank(addr: str, port: int, rank: int, local_rank: int, local_ranks: int,
     if not 0 < rank < spec.world_size:
         raise ValueError(f"rank {rank} is not a worker rank of this engine "
                          f"(tensor_parallel_size={spec.world_size}: ranks 1..{spec.world_size - 1})")
-    device = spec.device if spec.device == "cpu" else f"cuda:{local_rank}"
+    # this node's ``local_rank``-th GPU (the CPU for a CPU engine)
+    kind = torch.device(spec.device).type
+    device = str(platform_for(kind).rank_device(torch.device(kind), local_rank))
     spec = dataclasses.replace(
         spec, rank=rank, device=device, parent_pid=os.getppid(),
         num_threads=max(1, usable_cpu_cores() // local_ranks),
