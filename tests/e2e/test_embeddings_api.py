@@ -1,7 +1,7 @@
 """The pooling API against a real server: the ``openai`` client's
 ``embeddings.create`` (float and base64) on a tiny sentence-transformers
 checkpoint (mean pooling, normalized), batches and token ids, vLLM's
-``/pooling``, ``/score`` and ``/rerank``, a cross-encoder's ``/classify``
+``/pooling`` (per-token too), ``/score`` and ``/rerank``, a cross-encoder's ``/classify``
 and ``/rerank``, and the errors in OpenAI's shape. Transformers is the oracle."""
 
 from __future__ import annotations
@@ -104,6 +104,27 @@ def test_token_id_inputs_and_batches(embedder: Any) -> None:
     assert len(one["data"]) == 1 and one["usage"]["prompt_tokens"] == 4
     pooled = httpx.post(f"{server.url}/pooling", json={"input": batch[1]}).json()
     assert pooled["data"][0]["data"] == pytest.approx(_expected(hf, batch[1]), abs=1e-4)
+
+
+def test_pooling_token_embed_is_a_vector_per_token(embedder: Any) -> None:
+    """vLLM's ``/pooling`` with ``"task": "token_embed"``: each input's
+    ``data`` is a list of per-token vectors (transformers' states, each
+    normalized); a task the model does not run is vLLM's 400."""
+    server, hf, _ = embedder
+    batch = [[5, 6, 7, 8], list(range(20, 60))]
+    body = httpx.post(f"{server.url}/pooling", json={"input": batch, "task": "token_embed"}).json()
+    for d, ids in zip(body["data"], batch, strict=True):
+        with torch.no_grad():
+            states = F.normalize(hf(torch.tensor([ids])).last_hidden_state[0], dim=-1)
+        got = torch.tensor(d["data"])
+        assert got.shape == states.shape and d["object"] == "pooling"
+        assert float(F.cosine_similarity(got, states, dim=-1).min()) >= 0.9999
+    assert body["usage"]["prompt_tokens"] == 44
+    for task in ("token_classify", "tokens"):
+        response = httpx.post(f"{server.url}/pooling", json={"input": "hi", "task": task})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["message"].startswith(f"Task {task} is not supported") and error["param"] == "task"
 
 
 def test_score_and_rerank_by_cosine(embedder: Any) -> None:

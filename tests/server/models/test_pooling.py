@@ -1,7 +1,8 @@
 """Pooling models (``runner="pooling"``) against transformers: embeddings
 pooled as the checkpoint's sentence-transformers files say (mean, CLS, last
 token, normalized), a decoder LM converted to embed (last token, as
-Qwen3-Embedding), and ``*ForSequenceClassification`` scores. Everything runs
+Qwen3-Embedding), ``*ForSequenceClassification`` scores, and the per-token
+tasks (``token_embed``, ``token_classify``). Everything runs
 through the engine's packed step with small chunks, so a prompt's rows are
 pooled over several steps, beside other requests."""
 
@@ -183,6 +184,46 @@ def test_embedding_scores_are_cosines_and_dimensions_need_matryoshka(
     torch.testing.assert_close(torch.tensor(short), expected_short, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match=r"only supports \[16, 32\] matryoshka dimensions"):
         llm.embed(PROMPTS[:1], PoolingParams(dimensions=8))
+
+
+def test_token_embed_is_every_prompt_tokens_normalized_state(tmp_path: Path, tokenizer_json: Path) -> None:
+    """``LLM.encode(pooling_task="token_embed")`` on a converted LM (last-token
+    pooling, which the prefix cache serves): a row per prompt token, each
+    transformers' final-norm state normalized, over chunks of 8 and when the
+    same prompts come again (they skip the cache, so every row is computed)."""
+    torch.manual_seed(6)
+    hf = transformers.LlamaForCausalLM._from_config(_config("llama"), attn_implementation="eager").eval()
+    path = _save(hf, tmp_path / "lm", tokenizer_json)
+    llm = _llm(path, runner="pooling")
+    for _ in range(2):
+        outputs = llm.encode(PROMPTS, pooling_task="token_embed")
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            expected = F.normalize(_hf_states(hf, prompt), dim=-1)
+            got = out.outputs.data
+            assert got.shape == expected.shape and out.prompt_token_ids == prompt
+            assert float(F.cosine_similarity(got, expected, dim=-1).min()) >= 0.9999
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert llm.engine.metrics()["prefix_cache_hits_total"] == 0
+    llm.embed(PROMPTS[:1])  # last-token pooling still reads the cache
+    assert llm.engine.metrics()["prefix_cache_hits_total"] > 0
+    with pytest.raises(ValueError, match="task: token_classify is not supported"):
+        llm.encode(PROMPTS[:1], pooling_task="token_classify")
+    with pytest.raises(ValueError, match="task: must be one of"):
+        llm.encode(PROMPTS[:1], pooling_task="token_everything")
+
+
+def test_token_classify_is_every_prompt_tokens_probabilities(tmp_path: Path, tokenizer_json: Path) -> None:
+    """A classifier's ``token_classify``: the softmax of its score head on each token's state."""
+    torch.manual_seed(7)
+    hf = transformers.LlamaForSequenceClassification._from_config(
+        _config("llama", num_labels=3), attn_implementation="eager"
+    ).eval()
+    path = _save(hf, tmp_path / "cls", tokenizer_json)
+    llm = _llm(path)
+    for prompt, out in zip(PROMPTS, llm.encode(PROMPTS, pooling_task="token_classify"), strict=True):
+        with torch.no_grad():
+            expected = torch.softmax(hf.score(hf.model(torch.tensor([prompt])).last_hidden_state[0]), -1)
+        torch.testing.assert_close(out.outputs.data, expected, atol=1e-4, rtol=0)
 
 
 def test_refusals(tmp_path: Path, tokenizer_json: Path) -> None:

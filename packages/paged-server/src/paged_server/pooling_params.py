@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # vLLM's pooling tasks this server runs: embed (a vector per prompt), classify
-# (class probabilities), score (one relevance score; a classifier's or cosine).
-POOLING_TASKS = ("embed", "classify", "score", "encode")
+# (class probabilities), score (one relevance score; a classifier's or cosine),
+# and the per-token ones: a vector (or class row) per prompt token.
+TOKEN_TASKS = ("token_embed", "token_classify")
+POOLING_TASKS = ("embed", "classify", "score", "encode", *TOKEN_TASKS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +28,12 @@ class PoolingParams:
     normalize: bool | None = None
     activation: bool | None = None
     truncate_prompt_tokens: int | None = None
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the answer is one row per prompt token (``token_embed``,
+        ``token_classify``), not one per prompt."""
+        return self.task in TOKEN_TASKS
 
     def validate(self, max_model_len: int) -> None:
         """Raise ``ValueError`` naming the first bad field."""

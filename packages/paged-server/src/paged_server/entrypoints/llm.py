@@ -180,9 +180,12 @@ class LLM:
         return llm_pooling.classify(self.engine, _prompt_inputs(prompts), pooling_params, self._new_id)
 
     def encode(self, prompts: Any, pooling_params: PoolingParams | None = None,
-               use_tqdm: bool = False) -> list[Any]:  # fmt: skip
-        """One ``PoolingRequestOutput`` per prompt (``outputs.data``: a tensor)."""
-        return llm_pooling.encode(self.engine, _prompt_inputs(prompts), pooling_params, self._new_id)
+               use_tqdm: bool = False, *, pooling_task: str | None = None) -> list[Any]:  # fmt: skip
+        """One ``PoolingRequestOutput`` per prompt (``outputs.data``: a tensor);
+        ``pooling_task="token_embed"`` (or ``"token_classify"``): a row per prompt token."""
+        return llm_pooling.encode(
+            self.engine, _prompt_inputs(prompts), pooling_params, self._new_id, pooling_task or "encode"
+        )
 
     def score(self, data_1: Any, data_2: Any, pooling_params: PoolingParams | None = None,
               use_tqdm: bool = False) -> list[Any]:  # fmt: skip

@@ -82,9 +82,10 @@ def classify(engine: Any, inputs: list[str | list[int]], params: PoolingParams |
 
 
 def encode(engine: Any, inputs: list[str | list[int]], params: PoolingParams | None,
-           new_id: Callable[[], str]) -> list[PoolingRequestOutput]:  # fmt: skip
-    """``LLM.encode``: the model's pooled output as a tensor."""
-    pooled = _pooled_as("encode", engine, inputs, params, new_id)
+           new_id: Callable[[], str], task: str = "encode") -> list[PoolingRequestOutput]:  # fmt: skip
+    """``LLM.encode``: the model's output for ``task`` as a tensor (a row per
+    prompt token for ``token_embed`` / ``token_classify``)."""
+    pooled = _pooled_as(task, engine, inputs, params, new_id)
     return [PoolingRequestOutput(r, PoolingOutput(t), ids) for r, ids, t in pooled]
 
 

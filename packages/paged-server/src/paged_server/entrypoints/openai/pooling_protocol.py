@@ -47,6 +47,10 @@ class PoolingRequest(EmbeddingRequest):
     """POST /pooling (vLLM's): the model's pooled output as it is."""
 
     dimensions: int | None = None
+    task: str | None = Field(
+        None, description="token_embed / token_classify: a row per prompt token (default: "
+        "one pooled row, encode)."
+    )
 
 
 class ClassificationRequest(_Body):

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from paged_server.engine.request.pooling import check_dimensions
+from paged_server.engine.request.pooling import check_dimensions, pooling_tasks
 from paged_server.entrypoints.openai.async_engine import AsyncEngine
 from paged_server.entrypoints.openai.errors import APIError
 from paged_server.entrypoints.openai.generation import Generation, GenerationEnded
@@ -58,8 +58,12 @@ class OpenAIPooling:
         return self._body("embd", data, prompts)
 
     async def pooling(self, body: PoolingRequest, request: Request) -> dict[str, Any]:
-        self._pooler(body.model, "Pooling API", None)
-        params = PoolingParams("encode", None, body.normalize, None, body.truncate_prompt_tokens)
+        pooler = self._pooler(body.model, "Pooling API", None)
+        task = body.task or "encode"
+        if task not in (tasks := pooling_tasks(pooler)):
+            raise APIError(400, f"Task {task} is not supported, it must be one of {list(tasks)}.",
+                           param="task")  # fmt: skip
+        params = PoolingParams(task, None, body.normalize, None, body.truncate_prompt_tokens)
         prompts, vectors = await self._run(body, normalize_inputs(body.input), params, request)
         data = [{"index": i, "object": "pooling", "data": _encode(v, body.encoding_format)}
                 for i, v in enumerate(vectors)]  # fmt: skip
