@@ -37,7 +37,9 @@ class FakeEngine:
 
     def __init__(self, tokenizer: Tokenizer, *, max_model_len: int = 256, max_queue_len: int = 64,
                  max_running: int = 1000, step_delay: float = 0.0) -> None:
-        self.config = EngineConfig(max_model_len=max_model_len, max_queue_len=max_queue_len)
+        # a CPU engine's config (the fake runs here): it waits for the event
+        # loop as one does, on any machine (``auto`` would not on a GPU's)
+        self.config = EngineConfig(max_model_len=max_model_len, max_queue_len=max_queue_len, device="cpu")
         self.tokenizer = tokenizer
         self.capacity = SimpleNamespace(num_blocks=256)
         self.default_sampling: dict[str, Any] = {}

@@ -14,13 +14,25 @@ An op's own choice of kernel by its tensors' device stays in the op
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProfile:
+    """Device memory around a profiling pass, in bytes (kv_sizing's budget)."""
+
+    total: int  # the device's memory
+    used: int  # in use after the pass: weights, context, other processes
+    peak: int  # the pass's own peak above what was allocated before it
 
 
 class Platform:
@@ -40,10 +52,13 @@ class Platform:
     # the KV pool is sized from a share of free memory by default
     sizes_kv_by_memory_share: ClassVar[bool]
     # the pool lives in device memory, measured after a profiling pass
-    # (kv_sizing's CUDA budget), rather than in host RAM
+    # (``profile_memory``, kv_sizing's device budget), rather than in host RAM
     kv_in_device_memory: ClassVar[bool]
     # ranks on one node share its RAM and cores (each takes its share)
     ranks_share_host: ClassVar[bool]
+    # the engine thread waits for the event loop to write a step's outputs
+    # (async_engine's HANDOFF_WAIT_S): a CPU pass holds the GIL, a GPU's not
+    waits_for_event_loop: ClassVar[bool]
 
     def default_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """``dtype="auto"`` for a checkpoint whose config.json names ``checkpoint_dtype``."""
@@ -63,6 +78,12 @@ class Platform:
     def synchronize(self, device: torch.device) -> None:
         """Wait for the work queued on ``device`` (nothing on a CPU: it ran)."""
 
+    def profile_memory(self, device: torch.device, run: Callable[[], None]) -> MemoryProfile:
+        """``device``'s memory after ``run()`` (a profiling pass) and that
+        pass's peak; only where ``kv_in_device_memory`` (a CPU pool is sized
+        from ``MemAvailable`` instead, kv_sizing.available_cpu_memory)."""
+        raise NotImplementedError(f"{self.device_type}: the KV pool is not sized from device memory")
+
     def rank_device(self, device: torch.device, rank: int) -> torch.device:
         """Rank ``rank``'s device, counted from ``device``."""
         return device
@@ -70,6 +91,11 @@ class Platform:
     def check_ranks(self, world_size: int, device: torch.device, busy: int | None = None) -> None:
         """Raise ``ValueError`` when ``world_size`` ranks (``busy`` computing at
         once) cannot each have what they need from ``device``."""
+
+    def check_replicas(self, replicas: int, ranks: int, device: torch.device) -> None:
+        """Raise ``ValueError`` when ``replicas`` data-parallel replicas of
+        ``ranks`` devices each do not fit from ``device`` on (a CPU's share
+        its cores: always)."""
 
     def device_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
         """A torch.distributed group on this device's collective backend."""
@@ -90,6 +116,7 @@ class CpuPlatform(Platform):
     sizes_kv_by_memory_share = False
     kv_in_device_memory = False
     ranks_share_host = True
+    waits_for_event_loop = True
 
     def default_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """16-bit weights run in bfloat16 when the CPU has bf16 matrix units
@@ -137,6 +164,7 @@ class CudaPlatform(Platform):
     sizes_kv_by_memory_share = True
     kv_in_device_memory = True
     ranks_share_host = False
+    waits_for_event_loop = False
 
     def default_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """As vLLM: float16 stays float16; float32 (and a checkpoint that
@@ -157,6 +185,21 @@ class CudaPlatform(Platform):
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
+    def profile_memory(self, device: torch.device, run: Callable[[], None]) -> MemoryProfile:
+        """As vLLM: the caching allocator's peak during ``run()``, then the
+        free and total memory the driver reports (other processes included)."""
+        torch.cuda.synchronize(device)
+        gc.collect()  # an engine dropped in a reference cycle still holds its pool until collected
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return MemoryProfile(total, total - free, peak)
+
     def rank_device(self, device: torch.device, rank: int) -> torch.device:
         """The ``rank``-th GPU from ``device``'s."""
         return torch.device("cuda", (device.index or 0) + rank)
@@ -168,6 +211,15 @@ class CudaPlatform(Platform):
             raise ValueError(
                 f"tensor_parallel_size={world_size} needs {world_size} GPUs from cuda:{first} on "
                 f"but {count} are visible; lower it or expose more GPUs (CUDA_VISIBLE_DEVICES)"
+            )
+
+    def check_replicas(self, replicas: int, ranks: int, device: torch.device) -> None:
+        """``ranks`` GPUs per replica, from ``device``'s on."""
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + replicas * ranks > count:
+            raise ValueError(
+                f"data_parallel_size: {replicas} replicas of {ranks} GPU(s) from cuda:{first} need "
+                f"{first + replicas * ranks} GPUs, this machine has {count}; lower --data-parallel-size"
             )
 
     def device_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:

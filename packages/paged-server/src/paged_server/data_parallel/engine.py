@@ -444,20 +444,12 @@ class DataParallelEngine:
 def replica_devices(device: str, n: int, ranks: int = 1) -> list[str]:
     """Each replica's (first) device: the CPU for all, or ``ranks`` GPUs
     each (its tensor x pipeline ranks), in order from ``device``'s."""
-    if device == "cpu":
-        return ["cpu"] * n
-    import torch
+    from paged_server.platform import platform_for, resolve_device
 
-    if device == "auto" and not torch.cuda.is_available():
-        return ["cpu"] * n
-    first = int(device.split(":", 1)[1]) if ":" in device else 0
-    count = torch.cuda.device_count()
-    if first + n * ranks > count:
-        raise ValueError(
-            f"data_parallel_size: {n} replicas of {ranks} GPU(s) from cuda:{first} need "
-            f"{first + n * ranks} GPUs, this machine has {count}; lower --data-parallel-size"
-        )
-    return [f"cuda:{first + i * ranks}" for i in range(n)]
+    first = resolve_device(device)
+    platform = platform_for(first)
+    platform.check_replicas(n, ranks, first)
+    return [str(platform.rank_device(first, i * ranks)) for i in range(n)]
 
 
 def merge_metrics(

@@ -9,7 +9,7 @@ In order of precedence:
      step can need, ``prompt_logprobs`` included); the pool gets
      ``total * utilization - used - activation peak`` where ``used`` is the
      device memory in use afterwards (weights, CUDA context, other
-     processes) from ``torch.cuda.mem_get_info``.
+     processes), as the platform measures it (``Platform.profile_memory``).
    - CPU: ``utilization`` times ``MemAvailable`` (``/proc/meminfo``, read
      after the weights are loaded).
 4. Otherwise (CPU default): ``max_batch_size * max_model_len`` tokens, the
@@ -22,7 +22,6 @@ A budget that holds no block refuses to start, saying what used the memory.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +93,7 @@ def kv_budget(
     if utilization is None:  # CUDA's default share
         utilization = DEFAULT_CUDA_UTILIZATION
     if platform_for(device).kv_in_device_memory:
-        num_bytes, how = _cuda_budget(config, utilization, device, model)
+        num_bytes, how = _device_budget(config, utilization, device, model)
     else:
         available = available_cpu_memory()
         num_bytes = int(available * utilization) // local_ranks
@@ -127,26 +126,19 @@ def available_cpu_memory() -> int:
     )
 
 
-def _cuda_budget(
+def _device_budget(
     config: EngineConfig, utilization: float, device: torch.device, model: nn.Module | None
 ) -> tuple[int, str]:
-    torch.cuda.synchronize(device)
-    gc.collect()  # an engine dropped in a reference cycle still holds its pool until collected
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    if model is not None:
-        profile_forward(model, config.max_num_batched_tokens or 2048, device)
-    torch.cuda.synchronize(device)
-    activation_peak = torch.cuda.max_memory_allocated(device) - before
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    num_bytes = int(total * utilization) - used - activation_peak
+    def run() -> None:
+        if model is not None:
+            profile_forward(model, config.max_num_batched_tokens or 2048, device)
+
+    memory = platform_for(device).profile_memory(device, run)
+    num_bytes = int(memory.total * utilization) - memory.used - memory.peak
     how = (
-        f"--gpu-memory-utilization {utilization:g} of {total / GIB:.1f} GiB: "
-        f"{used / GIB:.2f} GiB in use after loading (weights, CUDA context, other "
-        f"processes), {activation_peak / GIB:.2f} GiB peak of a "
+        f"--gpu-memory-utilization {utilization:g} of {memory.total / GIB:.1f} GiB: "
+        f"{memory.used / GIB:.2f} GiB in use after loading (weights, CUDA context, other "
+        f"processes), {memory.peak / GIB:.2f} GiB peak of a "
         f"{config.max_num_batched_tokens}-token profiling step"
     )
     return num_bytes, how

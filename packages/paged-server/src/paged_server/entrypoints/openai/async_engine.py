@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from paged_server.entrypoints.openai.metrics import ServerMetrics
 from paged_server.entrypoints.openai.stats_logger import StatsLogger
 from paged_server.errors import EngineFailedError
+from paged_server.platform import platform_for, resolve_device
 
 if TYPE_CHECKING:
     from paged_server.config import RunConfig
@@ -158,8 +159,11 @@ class AsyncEngine:
         stats_logger: StatsLogger | None = None,
     ) -> None:
         self.engine = engine
-        on_gpu = str(engine.config.device).startswith("cuda")
-        self.handoff_wait_s = 0.0 if on_gpu else HANDOFF_WAIT_S
+        # config.device is as run (a data-parallel engine's: its first
+        # replica's); an unresolved ``auto`` is resolved as config.resolve does
+        device = engine.config.device
+        waits = platform_for(resolve_device(device) if device == "auto" else device).waits_for_event_loop
+        self.handoff_wait_s = HANDOFF_WAIT_S if waits else 0.0
         self.stats_logger = stats_logger  # the periodic stats line (None: off)
         self._engine_thread = thread  # the thread that built the engine, if known
         self._own_thread = False  # True: started here, ended by stop()
