@@ -157,7 +157,9 @@ def write_gguf(checkpoint: Path, out: Path, kind: str, **meta: Any) -> Path:
     """``checkpoint`` as a GGUF file in ``kind`` (every 2-D weight in it, as
     ``llama-quantize --pure``), named and permuted as llama.cpp's converter
     does, with the tokenizer's vocabulary, merges and the chat template.
-    ``meta`` overrides: ``arch``, ``tokenizer_model``, ``tensor_type``, ``split``."""
+    ``meta`` overrides: ``arch``, ``tokenizer_model``, ``tensor_type``, ``split``;
+    ``pooling_type`` writes an embedding model's file (no LM head, llama.cpp's
+    ``<arch>.pooling_type``), as the converter does for one."""
     from safetensors.numpy import load_file
 
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
@@ -190,6 +192,8 @@ def write_gguf(checkpoint: Path, out: Path, kind: str, **meta: Any) -> Path:
     if "split" in meta:  # as llama-gguf-split writes each part's header
         w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, 0)
         w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, meta["split"])
+    if "pooling_type" in meta:
+        w.add_pooling_type(meta["pooling_type"])
     model_arch = gguf.MODEL_ARCH[config["model_type"].upper()]
     table = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     if rope.get("rope_type") == "llama3":
@@ -200,6 +204,8 @@ def write_gguf(checkpoint: Path, out: Path, kind: str, **meta: Any) -> Path:
         elif arch == "llama" and name.endswith("k_proj.weight"):
             data = llama_cpp_permute(data, kv_heads)
         target = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target == "output.weight" and "pooling_type" in meta:
+            continue
         qtype = meta.get("tensor_type", TYPES[kind]) if data.ndim == 2 else Q.F32
         if target == "output.weight" and qtype == Q.Q4_0:
             qtype = Q.Q8_0  # llama-quantize's Q6_K for the LM head, Q8_0 where rows are not 256s
@@ -377,6 +383,33 @@ def test_a_truncated_file_is_refused_as_one(
     path.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(CorruptCheckpointError, match="not a readable GGUF file.*truncated"):
         read_model_config(path)
+
+
+def test_an_embedding_gguf_pools_as_its_checkpoint(
+    f16_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``--runner pooling`` on an embedding GGUF (mean pooling declared, no
+    LM head): embeddings and ``token_embed`` rows are transformers' final-norm
+    states of the f16 checkpoint (mean, normalized; each row normalized). A
+    classifier is refused: a GGUF holds no score head."""
+    checkpoint = f16_checkpoint("llama")
+    path = write_gguf(checkpoint, tmp_path / "embed.gguf", "f16", pooling_type=gguf.PoolingType.MEAN)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    llm = LLM(str(path), runner="pooling", device="cpu", dtype="float32", max_model_len=64,
+              max_num_batched_tokens=8, max_batch_size=2, block_size=4, num_gpu_blocks=64,
+              enforce_eager=True)  # fmt: skip
+    prompts = [list(range(3, 40)), [7, 8, 9]]
+    embedded = llm.embed(prompts)
+    per_token = llm.encode(prompts, pooling_task="token_embed")
+    for prompt, one, rows in zip(prompts, embedded, per_token, strict=True):
+        with torch.no_grad():
+            states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
+        expected = torch.nn.functional.normalize(states.mean(0), dim=-1)
+        torch.testing.assert_close(torch.tensor(one.outputs.embedding), expected, atol=1e-4, rtol=0)
+        expected_rows = torch.nn.functional.normalize(states, dim=-1)
+        torch.testing.assert_close(rows.outputs.data, expected_rows, atol=1e-4, rtol=0)
+    with pytest.raises(InvalidConfigError, match="GGUF file pools as an embedding model only"):
+        load_model(path, pooling="classify")
 
 
 def test_an_unsupported_architecture_is_refused_by_name(

@@ -190,6 +190,25 @@ def _f32(value: Any) -> float:
     return float(f"{float(value):.7g}")
 
 
+# llama.cpp's <arch>.pooling_type (enum llama_pooling_type) -> ours; NONE: the default
+_GGUF_POOLING = {1: "MEAN", 2: "CLS", 3: "LAST"}
+
+
+def gguf_pooling(file: GGUFFile) -> dict[str, Any]:
+    """The pooling an embedding GGUF declares (llama.cpp's converter writes
+    ``<arch>.pooling_type`` from the model's sentence-transformers files), as
+    a ``--pooler-config`` entry; none declared: {} (the last token)."""
+    kind = file.arch_value("pooling_type")
+    if kind is None or int(kind) == 0:
+        return {}
+    if int(kind) not in _GGUF_POOLING:
+        raise InvalidConfigError(
+            f"{file.path.name}: pooling_type {int(kind)} (llama.cpp's rank pooling) is not supported; "
+            "serve the Hugging Face directory, or pass --pooler-config with a pooling_type"
+        )
+    return {"pooling_type": _GGUF_POOLING[int(kind)]}
+
+
 def read_gguf_config(path: str | Path) -> tuple[dict[str, Any], ModelConfig, Architecture]:
     """The config.json-shaped dict, ``ModelConfig`` and architecture of a
     GGUF file; a tensor type we cannot load is refused here, before loading."""

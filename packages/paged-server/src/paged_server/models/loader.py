@@ -34,7 +34,7 @@ from paged_server.models.errors import (
     InvalidConfigError,
     ModelFileNotFoundError,
 )
-from paged_server.models.gguf import GGUFFile, is_gguf, read_gguf_config
+from paged_server.models.gguf import GGUFFile, gguf_pooling, is_gguf, read_gguf_config
 from paged_server.models.gguf_tensors import MAPPED_TYPES, GGUFTensors
 from paged_server.models.gguf_tokenizer import eos_token_ids as gguf_eos_token_ids
 from paged_server.models.gguf_tokenizer import gguf_tokenizer
@@ -108,12 +108,15 @@ def load_model(
     hf, config, arch = _read_model_config(path)
     target_dtype = resolve_dtype(dtype, config)
     if is_gguf(path):
-        if pooling is not None:
+        if pooling == "classify":
             raise InvalidConfigError(
-                "a GGUF file loads as a generation model only; serve the Hugging Face "
-                "directory for --runner pooling"
+                "a GGUF file pools as an embedding model only (it holds no classifier head); "
+                "serve the Hugging Face directory for --convert classify"
             )
-        return _load_gguf(path, config, arch, target_dtype, torch.device(device), tp, quantization, pp)
+        return _load_gguf(
+            path, config, arch.pooling(pooling), target_dtype, torch.device(device), tp,
+            quantization, pp, pooler_config if pooling else None,
+        )  # fmt: skip
     quant = resolve_quantization(hf, quantization)
     arch = arch.pooling(pooling)
     model = _build_empty(arch, config, target_dtype, torch.device(device), tp, pp)
@@ -328,9 +331,12 @@ def _load_gguf(
     tp: TensorParallel,
     quantization: str | None,
     pp: PipelineStage,
+    pooler_config: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """``load_model`` for a GGUF file: Q8_0/Q4_0 linear layers become int8/int4
-    weights in groups of 32, every other tensor loads dense (gguf_tensors.py)."""
+    weights in groups of 32, every other tensor loads dense (gguf_tensors.py).
+    An ``arch`` with a pooling head (embeddings only) loads without the LM
+    head, pooled as the file's ``pooling_type`` says (``gguf_pooling``)."""
     file = GGUFFile(path)
     if quantization not in (None, GGUF):
         raise InvalidConfigError(
@@ -338,8 +344,16 @@ def _load_gguf(
             "--quantization (or pass gguf)"
         )
     model = _build_empty(arch, config, dtype, device, tp, pp)
+    meta = _build_empty(arch, config, dtype, torch.device("meta"))
+    pooler = None
+    if arch.head is not None:
+        override = pooler_config or {}
+        own = {} if "pooling_type" in override else gguf_pooling(file)
+        pooler = read_pooler_config(None, {}, arch.head, {**own, **override})
+        attach_head(model, pooler, dtype, device)
+        attach_head(meta, pooler, dtype, torch.device("meta"))
     # Every layer's names, not only this stage's: load_weights tells the other stages' apart.
-    names = checkpoint_targets(_build_empty(arch, config, dtype, torch.device("meta")))
+    names = checkpoint_targets(meta)
     tensors = GGUFTensors(file, names, config.num_heads, config.num_kv_heads)
     quantized = {
         layer: weight
@@ -360,7 +374,7 @@ def _load_gguf(
         quant = Quantization(GGUF, f"GGUF {'/'.join(kinds)} ({ours} g32)")
     tokenizer = gguf_tokenizer(file)
     eos = list(dict.fromkeys([*gguf_eos_token_ids(file), *config.eos_token_ids]))
-    return LoadedModel(model, config, tokenizer, eos, path, dtype, bytes_read, quant)
+    return LoadedModel(model, config, tokenizer, eos, path, dtype, bytes_read, quant, pooler)
 
 
 def _open_weights(file: Path) -> Any:
