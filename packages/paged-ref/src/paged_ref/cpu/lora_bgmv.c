@@ -80,6 +80,32 @@ static inline float hsum(vf v) {
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* The end of a shrink over rank rows j0..j0 + DOTS - 1 (both layouts): each
+ * accumulator's lanes summed, plus the input features past the last whole
+ * vector, rounded to act_t. */
+INLINE void shrink_store(vf acc[GROUP][DOTS], const act_t *as, const act_t *const *xs, const int n,
+                         int64_t sr, int64_t in, int64_t vec_end, int64_t j0, float *h) {
+    for (int g = 0; g < n; g++)
+        for (int d = 0; d < DOTS; d++) {
+            float s = hsum(acc[g][d]);
+            const act_t *aj = as + (j0 + d) * in;
+            for (int64_t i = vec_end; i < in; i++) s += LOAD(aj[i]) * LOAD(xs[g][i]);
+            h[g * sr + j0 + d] = LOAD(STORE(s));
+        }
+}
+
+/* The rank rows from j0 on that do not fill DOTS (a rank that is not a
+ * multiple of it): one scalar dot each. */
+INLINE void shrink_rest(const act_t *as, const act_t *const *xs, const int n, int64_t sr, int64_t in,
+                        int64_t j0, float *h) {
+    for (; j0 < sr; j0++)
+        for (int g = 0; g < n; g++) {
+            float s = 0.f;
+            for (int64_t i = 0; i < in; i++) s += LOAD(as[j0 * in + i]) * LOAD(xs[g][i]);
+            h[g * sr + j0] = LOAD(STORE(s));
+        }
+}
+
 #if defined(ACT_BF16)
 /* bf16 in pairs: 16 pairs of neighbours (2k, 2k + 1) load as one vector of
  * uint32, the even element's float being bits << 16 and the odd one's
@@ -129,20 +155,9 @@ INLINE void shrink(const act_t *as, const act_t *const *xs, const int n, int64_t
                 for (int d = 0; d < DOTS; d++) acc[g][d] = dot2(acc[g][d], av[d], xv);
             }
         }
-        for (int g = 0; g < n; g++)
-            for (int d = 0; d < DOTS; d++) {
-                float s = hsum(acc[g][d]);
-                const act_t *aj = as + (j0 + d) * in;
-                for (int64_t i = vec_end; i < in; i++) s += LOAD(aj[i]) * LOAD(xs[g][i]);
-                h[g * sr + j0 + d] = LOAD(STORE(s));
-            }
+        shrink_store(acc, as, xs, n, sr, in, vec_end, j0, h);
     }
-    for (; j0 < sr; j0++)  /* a rank that is not a multiple of DOTS */
-        for (int g = 0; g < n; g++) {
-            float s = 0.f;
-            for (int64_t i = 0; i < in; i++) s += LOAD(as[j0 * in + i]) * LOAD(xs[g][i]);
-            h[g * sr + j0] = LOAD(STORE(s));
-        }
+    shrink_rest(as, xs, n, sr, in, j0, h);
 }
 
 /* expand for bf16 from the pair layout ep [rank / 2, out, 2] of one slot
@@ -204,20 +219,9 @@ INLINE void shrink(const act_t *as, const act_t *const *xs, const int n, int64_t
                 for (int d = 0; d < DOTS; d++) acc[g][d] += av[d] * xv;
             }
         }
-        for (int g = 0; g < n; g++)
-            for (int d = 0; d < DOTS; d++) {
-                float s = hsum(acc[g][d]);
-                const act_t *aj = as + (j0 + d) * in;
-                for (int64_t i = vec_end; i < in; i++) s += LOAD(aj[i]) * LOAD(xs[g][i]);
-                h[g * sr + j0 + d] = LOAD(STORE(s));
-            }
+        shrink_store(acc, as, xs, n, sr, in, vec_end, j0, h);
     }
-    for (; j0 < sr; j0++)  /* a rank that is not a multiple of DOTS */
-        for (int g = 0; g < n; g++) {
-            float s = 0.f;
-            for (int64_t i = 0; i < in; i++) s += LOAD(as[j0 * in + i]) * LOAD(xs[g][i]);
-            h[g * sr + j0] = LOAD(STORE(s));
-        }
+    shrink_rest(as, xs, n, sr, in, j0, h);
 }
 
 /* outs[g][lo:hi] += sum_r h[g * sr + r] * e_rows[r][lo:hi] over rank rows. */
