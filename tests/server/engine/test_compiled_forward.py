@@ -240,7 +240,7 @@ def test_many_compiled_engines_in_one_process() -> None:
     with dynamo_config.patch(recompile_limit=GRAPHS_PER_ENGINE), torch.inference_mode():
         for _ in range(2):
             forward = CompiledForward(_Outer())
-            for rows in (1, 3):  # both graphs
+            for rows in (1, 3, 9):  # every graph: one row, few rows, more
                 out = forward.hidden_states(torch.zeros(rows, dtype=torch.long), torch.arange(rows), object())
                 assert out.shape == (rows, 8)
                 assert forward.compute_logits(out).shape == (rows, 3)
@@ -286,7 +286,8 @@ def test_padding_rows_never_reach_the_view() -> None:
 def test_warm_up_runs_every_row_bucket(compiling, make_engine, monkeypatch) -> None:
     """The compiled engine's warm-up passes every padded row count up to
     its step budget through the model, and up to its batch size through
-    the LM head."""
+    the LM head, at least ROW_BUCKET + 1 rows (its few-row graph and its
+    dynamic one: verify rows of speculative decoding pass the batch size)."""
     seen: list[int] = []
     tokens: list[int] = []
     real = CompiledForward.hidden_states
@@ -308,7 +309,7 @@ def test_warm_up_runs_every_row_bucket(compiling, make_engine, monkeypatch) -> N
     engine = make_engine(max_batch_size=4, max_num_batched_tokens=3 * ROW_BUCKET)
     assert engine.worker.compiled is not None
     assert sorted(set(seen)) == row_buckets(3 * ROW_BUCKET) == [1, 8, 16, 24]
-    assert sorted(set(head)) == [1, 8]  # at most max_batch_size (4) rows: padded to 8
+    assert sorted(set(head)) == [1, 8, 16]  # max_batch_size (4) rows padded to 8, and 9 rows
     # max_model_len 10: passes of at most 9 tokens, the top bucket (16) run once, by 9
     seen.clear()
     tokens.clear()
@@ -347,4 +348,32 @@ def test_a_pool_barely_above_one_request_starts_and_serves(
     assert compiled_graphs() == after_warm_up, "serving compiled a new graph"
     eager = LLMEngine(dataclasses.replace(config, enforce_eager=True), tiny_hybrid_loaded)
     assert_same(run, run_engine(eager, requests), requests)
+    assert engine.audit() == []
+
+
+def test_speculative_verify_steps_on_the_few_row_graph_match_eager(
+    compiling, make_cycling, run_engine, prompt_of, greedy
+) -> None:
+    """Verify steps (a sequence's token and its drafts: 2..5 rows) run the
+    static few-row graph, beside decodes and prompt chunks of other
+    sequences: the tokens and logprobs of the eager engine without
+    speculation, and no graph compiled after warm-up."""
+    def repeating(n: int, seed: int) -> list[int]:  # prompt lookup has something to copy
+        block = prompt_of(n, seed)
+        return block + block + block[: n // 2]
+
+    requests = [(f"g{i}", repeating(6 + i, i), greedy(16, logprobs=1)) for i in range(3)]
+    requests.append(("long", repeating(20, 9), greedy(8, logprobs=1)))  # chunks beside verify rows
+    settings = dict(max_batch_size=4, max_num_batched_tokens=16)
+    eager = run_engine(make_cycling(enforce_eager=True, **settings), requests)
+    engine = make_cycling(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                            "prompt_lookup_min": 2}, **settings,
+    )  # fmt: skip
+    assert engine.worker.compiled is not None
+    after_warm_up = compiled_graphs()
+    run = run_engine(engine, requests)
+    assert compiled_graphs() == after_warm_up, "serving compiled a new graph"
+    assert engine.metrics()["spec_decode_num_accepted_tokens_total"] > 0
+    assert_same(run, eager, requests)
     assert engine.audit() == []

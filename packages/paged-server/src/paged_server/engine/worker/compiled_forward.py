@@ -16,8 +16,17 @@ The packed copies sit beside the module's own weights (the eager paths
 still use those), so the projections' weights take twice the memory.
 
 The token dimension is dynamic: one graph for single-token steps (torch
-specialises size 1) and one for everything else, both compiled by the
-runner's warm-up so serving never compiles. ``--enforce-eager`` turns it off.
+specialises size 1), one static graph for steps of 2..``ROW_BUCKET`` rows
+(``few_rows``) and one for everything else, all compiled by the runner's
+warm-up so serving never compiles. ``--enforce-eager`` turns it off.
+
+The few-row graph is there for speculative decoding's verify step (one
+sequence's last token and its drafts, 5 rows at k=4) and a few decodes.
+It runs every GEMM on inductor's C++ template as the one-token graph
+does: weight-bound at that size, where oneDNN's packed matmuls at 8 rows
+cost 2-3x the template's (a 5-row verify step of the embedded model 9.5
+against 2.8 ms, one thread); from 32 rows on oneDNN wins (a 32-decode
+step 10 against 15 ms), so the dynamic graph keeps it.
 
 LoRA adapters (``--enable-lora``) stay opaque the same way: a step with
 adapters runs graphs of their own (one-token and multi-row, compiled by the
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
@@ -83,6 +93,11 @@ def padded_rows(rows: int) -> int:
         return rows
     bucket = ROW_BUCKET if rows <= 64 else 2 * ROW_BUCKET
     return -(-rows // bucket) * bucket
+
+
+def few_rows(rows: int) -> bool:
+    """Whether a step of ``rows`` rows runs the few-row graph (module doc)."""
+    return 1 < rows <= ROW_BUCKET
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -204,6 +219,16 @@ class CompiledForward:
         self._logits: Callable[[Tensor], Tensor] = torch.compile(  # type: ignore[assignment]
             model.compute_logits, dynamic=True, fullgraph=True
         )
+        # The few-row graphs (module doc), static at ROW_BUCKET rows: each
+        # engine's on code objects of its own, so Dynamo keeps them apart
+        # from the dynamic graphs and from other engines' (no cache limit).
+        inner, head = model.model, model.compute_logits
+        self._few: Callable[..., Tensor] = torch.compile(  # type: ignore[assignment]
+            _own_code(lambda ids, positions, view: inner(ids, positions, view)), dynamic=False, fullgraph=True
+        )
+        self._few_logits: Callable[[Tensor], Tensor] = torch.compile(  # type: ignore[assignment]
+            _own_code(lambda hidden: head(hidden)), dynamic=False, fullgraph=True
+        )
         self._freezing = inductor_config.patch(freezing=True, **_gemm_template_options(model))
         # The one-token graph (a single stream's decode) runs every GEMM on
         # the template, dense models too: at one row it beats oneDNN's packed
@@ -231,6 +256,9 @@ class CompiledForward:
         rows = input_ids.shape[0]
         _step.view, _step.rows, _step.lora = kv_cache, rows, lora
         try:
+            if lora is None and few_rows(rows):  # on the one-token graph's settings (the template)
+                with self._freezing_one_row:
+                    return self._few(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
             with self._freezing_for(rows):
                 if lora is None:
                     return self._compiled(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
@@ -242,6 +270,9 @@ class CompiledForward:
         """The model's ``compute_logits`` compiled: one graph for one row
         (one sampled sequence), one for more (padded as the step's rows)."""
         rows = hidden.shape[0]
+        if few_rows(rows):
+            with self._freezing_one_row:
+                return self._few_logits(_pad(hidden))[:rows]
         with self._freezing_for(rows):
             return self._logits(_pad(hidden))[:rows]
 
@@ -250,6 +281,11 @@ class CompiledForward:
         when a graph compiles (torch.compile's options do not reach it), so
         it is set around every call, not globally."""
         return self._freezing_one_row if rows == 1 else self._freezing
+
+
+def _own_code(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``fn`` on a copy of its code object: Dynamo caches graphs per code object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _pad(x: Tensor) -> Tensor:

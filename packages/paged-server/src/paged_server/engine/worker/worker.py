@@ -54,6 +54,7 @@ from paged_server.engine.kv.kv_calibration import KVScales, calibrated_kv_scales
 from paged_server.engine.kv.kv_tiers import cache_identity
 from paged_server.engine.kv.pool_factory import cache_size
 from paged_server.engine.worker.compiled_forward import (
+    ROW_BUCKET,
     CompiledForward,
     compiles_forward,
     padded_rows,
@@ -282,7 +283,8 @@ class Worker:
         pass. On a CPU with the compiled pass: its one-token graph and every
         padded row count up to a prompt chunk (``row_buckets``: each builds
         oneDNN's matmuls for it), the LM head's up to ``max_batch_size``
-        rows. Throwaway passes over blocks 0.. of the cache, which holds
+        rows and at least ``ROW_BUCKET + 1`` (its few-row graph and its
+        dynamic one: a speculative verify step's rows pass the batch size). Throwaway passes over blocks 0.. of the cache, which holds
         nothing yet: no block is taken from the KV cache manager, and a
         pass is never longer than ``longest`` tokens, what one sequence can
         take (``PoolCapacity.longest_prompt``: no real step computes more)."""
@@ -296,7 +298,8 @@ class Worker:
         elif self.compiled is not None:
             log.info("compiling the forward pass (torch.compile; --enforce-eager skips this)")
             longest = min(longest, config.max_model_len - 1, config.max_num_batched_tokens, 512)
-            head_rows = config.max_batch_size
+            # past ROW_BUCKET rows: the head's dynamic graph, not only its few-row one
+            head_rows = max(config.max_batch_size, ROW_BUCKET + 1)
         else:
             return 0.0
         if self.graphs is not None:
