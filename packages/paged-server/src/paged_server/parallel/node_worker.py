@@ -61,6 +61,9 @@ def run_rank(addr: str, port: int, rank: int, local_rank: int, local_ranks: int,
         run_worker(spec, ready=lambda: rendezvous.mark_joined(store, rank), store=store)
         stopped.set()  # by the stop message: the store may go before this process does
     except BaseException as exc:
+        # this rank's failure decides its exit code: the watcher must not
+        # exit 0 on the stop key rank 0 sets once it has read the error
+        stopped.set()
         with contextlib.suppress(Exception):  # the store is gone with rank 0
             rendezvous.mark_failed(store, rank, traceback.format_exception_only(exc)[-1].strip())
         raise
