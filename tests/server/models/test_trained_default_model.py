@@ -19,6 +19,7 @@ from paged_server.default_model import trained as trained_module
 from paged_server.default_model.corpus import Corpus, split_texts
 from paged_server.default_model.tokenizer_builder import training_texts
 from paged_server.default_model.train import lr_at
+from paged_server.models import load_model
 
 # The help() pages alone: the standard library's ~3M tokens take ~20 s to
 # parse and tokenize, which the corpus tests below cover on their own.
@@ -98,6 +99,30 @@ def test_batches_draw_streams_by_share_and_repeat_with_the_seed():
     assert torch.equal(batch, again)
 
 
+def test_copy_windows_repeat_their_first_span_in_their_share_of_rows():
+    data = Corpus({"a": torch.arange(5000, dtype=torch.int32)}, {"a": 1.0}, torch.zeros(10), "")
+    batch = data.sample(400, 32, torch.Generator().manual_seed(0), copy_share=0.25)
+    copies = 0
+    for row in batch.tolist():
+        if row == list(range(row[0], row[0] + 33)):  # plain text: a window of the stream
+            continue
+        span = row.index(row[0], 1)  # the stream never repeats a token: the span ends there
+        assert 8 <= span <= 16 and row == (row[:span] * 5)[:33]
+        copies += 1
+    assert 0.18 < copies / 400 < 0.32
+
+
+def test_a_smaller_model_by_the_same_recipe_is_cached_under_its_own_name(cache_root):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trained_module, "RECIPE", TINY_RECIPE)
+        draft = trained_module.ensure_trained_model(cache_root, layers=1)
+    assert draft.name == trained_module.TRAINED_MODEL_NAME + "-1layer"
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
+    assert json.loads((draft / "training.json").read_text())["recipe"]["layers"] == 1
+    loaded = load_model(draft, torch.float32, "cpu")
+    assert len(loaded.model.model.layers) == 1
+
+
 def test_lr_warms_up_then_decays_to_a_tenth():
     lrs = [lr_at(s, 100, 1.0, 10) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
@@ -108,7 +133,8 @@ def test_lr_warms_up_then_decays_to_a_tenth():
 def test_trained_model_is_built_once_with_its_report(tiny_trained, cache_root, monkeypatch):
     report = json.loads((tiny_trained / "training.json").read_text())
     recipe = {k: v for k, v in TINY_RECIPE.items() if k != "eval_every"}
-    assert report["recipe"] == {**recipe, "weight_decay": 0.1, "heldout_share": 0.1}
+    assert report["recipe"] == {**recipe, "weight_decay": 0.1, "heldout_share": 0.1,
+                                "copy_share": 0.0, "layers": 4}  # fmt: skip
     assert math.isfinite(report["heldout_loss"]) and report["heldout_tokens"] > 10_000
     (step_a, loss_a), (step_b, loss_b) = report["heldout_curve"]
     assert (step_a, step_b) == (2, 4) and loss_b < loss_a  # learning, on text never trained on
@@ -136,7 +162,6 @@ def test_engine_serves_trained_default(tiny_trained, cache_root, monkeypatch, pr
 
 def test_trained_accuracy_table_has_int4_rows_per_block_size(tiny_trained):
     from kv_accuracy import trained_kv_accuracy_table
-    from paged_server.models import load_model
 
     loaded = load_model(tiny_trained, torch.float32, "cpu")
     table = trained_kv_accuracy_table(loaded, "tiny", num_prompts=2, prompt_len=8, max_tokens=4,

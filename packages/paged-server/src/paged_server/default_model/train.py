@@ -40,7 +40,7 @@ from paged_server.models.loader import checkpoint_state_dict
 
 # The trained evaluation model's recipe (``default_model.trained``), and this CLI's defaults.
 RECIPE = {"steps": 2400, "batch_size": 16, "seq_len": 128, "lr": 3e-3, "warmup": 100, "seed": 0,
-          "eval_every": 400}  # fmt: skip
+          "eval_every": 400, "copy_share": 0.2}  # fmt: skip
 
 # Shares of a batch's windows: the help() pages are the held-out text's own
 # kind (drawn ~8 times over in the full recipe), the docstrings its nearest
@@ -107,6 +107,8 @@ def train(
     mix: dict[str, float] | None = None,
     precision: str = "auto",
     strict_corpus: bool = True,
+    copy_share: float = 0.0,
+    layers: int | None = None,
 ) -> list[float]:
     """Train from the random default weights; returns the loss of every
     step and writes ``training.json`` (recipe, losses, held-out curve,
@@ -118,12 +120,17 @@ def train(
     default model's directory (default: the cached one); ``mix``: the corpus
     streams' shares (``DEFAULT_MIX``); ``precision``: ``auto``, ``bfloat16``
     or ``float32`` matmuls (``autocast_dtype``); ``strict_corpus``: refuse a
-    standard library other than the pinned one."""
+    standard library other than the pinned one; ``copy_share``: the share
+    of copy windows (``Corpus.sample``); ``layers``: keep only the first
+    that many decoder layers (a smaller model by the same recipe: a draft
+    for speculative decoding)."""
     mix = dict(DEFAULT_MIX if mix is None else mix)
     source = source or ensure_default_model()
     out_dir.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
         shutil.copy(file, out_dir / file.name)
+    if layers is not None:
+        truncate_layers(out_dir, layers)
     loaded = load_model(out_dir, torch.float32, device)
     model = loaded.model.train().requires_grad_(True)
     corpus = build_corpus(out_dir, mix, strict_corpus)
@@ -150,7 +157,7 @@ def train(
         ) + f" ({elapsed:.0f} s, ETA {eta:.0f} s)"
 
     for step in range(1, steps + 1):
-        batch = corpus.sample(batch_size, seq_len, gen).to(device)
+        batch = corpus.sample(batch_size, seq_len, gen, copy_share).to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1, steps, lr, warmup)
         ctx = torch.autocast(device.split(":")[0], dtype=cast) if cast else nullcontext()
@@ -180,7 +187,8 @@ def train(
     report: dict[str, Any] = {
         "recipe": {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
                    "seed": seed, "warmup": warmup, "weight_decay": weight_decay, "mix": mix,
-                   "heldout_share": HELDOUT_SHARE},  # fmt: skip
+                   "heldout_share": HELDOUT_SHARE, "copy_share": copy_share,
+                   "layers": loaded.config.num_layers},  # fmt: skip
         "matmul_dtype": str(cast or torch.float32).removeprefix("torch."),
         "stdlib_sha256": corpus.stdlib_sha256,
         "train_tokens": sum(len(s) for s in corpus.streams.values()),
@@ -195,6 +203,23 @@ def train(
     return losses
 
 
+def truncate_layers(model_dir: Path, layers: int) -> None:
+    """Keep the first ``layers`` decoder layers of the checkpoint in
+    ``model_dir`` (its config and weights, in place)."""
+    from safetensors.torch import load_file
+
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    if not 1 <= layers <= config["num_hidden_layers"]:
+        raise ValueError(f"layers: must be 1..{config['num_hidden_layers']}, got {layers}")
+    config["num_hidden_layers"] = layers
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    weights = load_file(model_dir / "model.safetensors")
+    keep = {k: v for k, v in weights.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}  # fmt: skip
+    save_file(keep, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
@@ -205,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=RECIPE["warmup"])
     parser.add_argument("--seed", type=int, default=RECIPE["seed"])
     parser.add_argument("--eval-every", type=int, default=RECIPE["eval_every"])
+    parser.add_argument("--copy-share", type=float, default=RECIPE["copy_share"],
+                        help="share of windows that repeat their first span (teaches copying)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="keep the first N decoder layers (a smaller model: a draft)")
     parser.add_argument("--precision", choices=("auto", "bfloat16", "float32"), default="auto")
     parser.add_argument("--any-stdlib", action="store_true",
                         help="train on this interpreter's standard library even if it is not the "
@@ -214,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     losses = train(args.out_dir, steps=args.steps, batch_size=args.batch_size,
                    seq_len=args.seq_len, lr=args.lr, seed=args.seed, device=args.device,
                    eval_every=args.eval_every, log=True, warmup=args.warmup,
-                   precision=args.precision, strict_corpus=not args.any_stdlib)  # fmt: skip
+                   precision=args.precision, strict_corpus=not args.any_stdlib,
+                   copy_share=args.copy_share, layers=args.layers)  # fmt: skip
     report = json.loads((args.out_dir / "training.json").read_text())
     print(f"loss {losses[0]:.2f} -> {losses[-1]:.2f}, held-out {report['heldout_loss']:.3f} "
           f"in {report['seconds']:.0f} s ({report['cpu_seconds']:.0f} s CPU); model written to "
