@@ -15,6 +15,12 @@ import torch
 from paged_server.engine.sample.sampler import SamplingRow, sampling_distribution
 from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
 from paged_server.engine.speculative.ngram import NgramProposer
+from paged_server.engine.speculative.step_cost import (
+    EXPLORE_EVERY,
+    StepCost,
+    bucket,
+    expected_tokens,
+)
 from paged_server.engine.speculative.verify import _reject, verify
 from paged_server.sampling_params import SamplingParams
 from paged_server.speculative_config import SpeculativeConfig
@@ -49,19 +55,50 @@ def test_bad_configs_are_one_line_errors(spec, message) -> None:
 
 
 # -- prompt lookup ------------------------------------------------------------------
-def test_a_sequence_whose_drafts_fail_stops_drafting_and_probes_again() -> None:
-    gate = AcceptanceGate(min_acceptance=0.5, probe_every=3)
-    seq = SimpleNamespace(draft_acceptance=1.0, steps_without_draft=0)
-    assert gate.allows(seq)
-    for _ in range(3):
-        gate.record(seq, 4, 0)  # every draft rejected
-    assert seq.draft_acceptance < 0.5
-    assert [gate.allows(seq) for _ in range(8)] == [False, False, False, True] * 2  # a probe every 4th step
-    for _ in range(4):
-        gate.record(seq, 4, 4)
-    assert seq.draft_acceptance >= 0.5 and gate.allows(seq) and gate.allows(seq)
+def test_a_sequence_whose_drafts_fail_stops_drafting_and_probes_ever_less_often() -> None:
+    gate = AcceptanceGate(min_acceptance=0.5, probe_every=4)
+    bad, good = SimpleNamespace(draft_acceptance=1.0, probe_every=0), SimpleNamespace(draft_acceptance=1.0, probe_every=0)
+    drafted: dict[str, list[int]] = {"bad": [], "good": []}
+    for _ in range(64):
+        gate.begin_step()
+        for name, seq, kept in (("bad", bad, 0), ("good", good, 4)):
+            if gate.allows(seq):
+                drafted[name].append(gate.step)
+                gate.record(seq, 4, kept)
+    assert drafted["good"] == list(range(1, 65))
+    # two rejected verdicts take it under 0.5; then probes 4, 8, 16, 32 steps apart, on
+    # steps every other idle sequence probes too (their intervals are powers of two)
+    assert drafted["bad"] == [1, 2, 4, 8, 16, 32, 64]
+    assert bad.probe_every == 64  # MAX_PROBE_EVERY
+    for _ in range(3):  # its text turned repetitive: a kept probe brings the next one close
+        gate.record(bad, 4, 4)
+    assert gate.paying(bad) and bad.probe_every == 0
     always = AcceptanceGate(min_acceptance=0.0)  # vLLM's behaviour
-    assert always.allows(SimpleNamespace(draft_acceptance=0.0, steps_without_draft=0))
+    assert always.allows(SimpleNamespace(draft_acceptance=0.0, probe_every=0))
+
+
+def test_expected_tokens_and_row_buckets() -> None:
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert [bucket(r) for r in (1, 16, 17, 20, 21, 33, 160, 161)] == [1, 16, 20, 20, 24, 40, 160, 192]
+
+
+def test_step_cost_drafts_where_rows_are_cheap_and_not_where_they_cost_their_share() -> None:
+    offers = [(0.9, 4), (0.6, 4), (0.3, 4)]  # best first
+    cost = StepCost()
+    assert cost.choose(1, offers, step=1) == 3  # nothing timed: drafts
+    cost.record(1, False, 0.010)
+    assert cost.choose(1, offers, step=2) == 1  # 5 rows never timed: tried
+    for rows in (5, 9, 13):  # weight-bound: rows nearly free
+        cost.record(rows, True, 0.011 + rows * 1e-4)
+    assert cost.choose(1, offers, step=3) == 3
+    busy = StepCost()  # a large batch: each row costs about its share
+    for rows in (16, 20, 24, 28):
+        busy.record(rows, rows > 16, 0.01 + rows * 4e-4)
+    # 4 rows more: at 0.9, ~4.1 tokens (worth it); at 0.6, 2.3 and at 0.3, 1.4 (not)
+    assert busy.choose(16, offers, step=3) == 1
+    assert busy.choose(16, [(0.3, 4)], step=3) == 0
+    assert busy.choose(16, [(0.3, 4)], step=EXPLORE_EVERY) == 1  # measured again now and then
 
 
 def test_ngram_drafts_what_followed_the_latest_repeat_of_the_suffix() -> None:
@@ -209,6 +246,26 @@ def test_disable_by_batch_size_stops_speculation_under_load(make_cycling, run_en
     busy = engine.metrics()["spec_decode_num_drafts_total"]
     run_engine(engine, [("alone", _repeating(prompt_of, 6, 9), greedy(12))])
     assert engine.metrics()["spec_decode_num_drafts_total"] > busy  # alone, it speculates
+
+
+@pytest.mark.parametrize("step_s, row_s, drafts", [(0.01, 0.0, True), (0.0, 1e-3, False)])
+def test_sequences_draft_only_where_measured_steps_say_it_pays(
+    make_cycling, run_engine, prompt_of, greedy, monkeypatch, step_s, row_s, drafts
+) -> None:
+    """Steps timed as weight-bound (extra rows free) draft; steps where each
+    row costs its share and verifying costs a little more (drafts bring at
+    most a token a row) do not. The same greedy tokens either way."""
+    requests = [(f"r{i}", _repeating(prompt_of, 6, i), greedy(12)) for i in range(6)]
+    engine = make_cycling(speculative_config=NGRAM)
+    cost = engine._step_cost
+    for rows in range(1, 64):
+        for drafted in (False, True):
+            cost.record(rows, drafted, step_s + rows * row_s + (2e-3 if drafted else 0.0))
+    monkeypatch.setattr(cost, "record", lambda *args: None)  # these times, whatever the machine's
+    run = run_engine(engine, requests)
+    assert (engine.metrics()["spec_decode_num_drafts_total"] > 0) == drafts
+    plain = run_engine(make_cycling(), requests)
+    assert {k: c.token_ids for k, c in run.choices.items()} == {k: c.token_ids for k, c in plain.choices.items()}
 
 
 @pytest.mark.backend

@@ -78,6 +78,7 @@ from paged_server.engine.sample.sampler import SamplerOutput, SamplingRow, row_m
 from paged_server.engine.sample.token_sets import check_first_token, resolve_token_sets
 from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
 from paged_server.engine.speculative.proposer import build_proposer
+from paged_server.engine.speculative.step_cost import StepCost
 from paged_server.engine.speculative.verify import Verified, verify
 from paged_server.engine.worker.worker import Worker, WorkerStep
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
@@ -207,6 +208,7 @@ class LLMEngine:
         spec = self._spec = config.speculative  # parsed once
         self._proposer = None if spec is None else build_proposer(spec, self)
         self._gate = AcceptanceGate(spec.min_acceptance if spec is not None else 0.0)
+        self._step_cost = StepCost()  # measured step times: whether drafts pay at this batch
         self._drafted: list[Sequence] = []  # sequences holding drafts this step
         self.counters = EngineCounters()
         self._preemption_log = RateLimitedLog(log)
@@ -379,9 +381,14 @@ class LLMEngine:
             return self._step_overlapped()
         if self.tiers is not None:  # disk blocks of new prompts into host memory, checked
             self.tiers.prefetch(self.kv_manager.block_manager.block_pool.lookup)
+        start = time.perf_counter()
         plan = self._plan()
         if plan.scheduled:
+            drafted = bool(self._drafted)
             self._run(plan.scheduled)
+            if self._proposer is not None:  # timed by the rows it computed (prompt chunks too)
+                rows = sum(n for _, n in plan.scheduled)
+                self._step_cost.record(rows, drafted, time.perf_counter() - start)
         else:  # no forward pass to overlap with
             self._text_of_last_step()
         return self._collect_outputs()
@@ -488,15 +495,18 @@ class LLMEngine:
     def _propose(self) -> None:
         """Drafts for every running sequence that may speculate: decoding
         (past its first token, its last token the only one to compute), no grammar, no beam search,
-        no choices still to fork, its recent drafts paying (``AcceptanceGate``),
-        not while ``disable_by_batch_size`` or more run."""
-        spec, proposer = self._spec, self._proposer
+        no choices still to fork, its recent drafts paying or probing
+        (``AcceptanceGate``), not while ``disable_by_batch_size`` or more run;
+        of those whose drafts pay, as many as the measured step times say
+        raise tokens per second (``StepCost``)."""
+        spec, proposer, gate = self._spec, self._proposer, self._gate
         assert spec is not None and proposer is not None
         running = [s for s in self.scheduler.running if not s.is_finished]
         if not spec.speculates(len(running)):
             return
-        eligible: list[Sequence] = []
-        limits: list[int] = []
+        gate.begin_step()
+        paying: list[tuple[Sequence, int]] = []
+        probing: list[tuple[Sequence, int]] = []
         for seq in running:
             token_ids = seq.token_ids
             if (
@@ -505,7 +515,7 @@ class LLMEngine:
                 or seq.num_inflight_tokens or seq.num_pending_samples
                 or seq.grammar is not None or seq.request.beam is not None or seq.forks_choices
                 or seq.pool_seq_id is None
-            ) or not self._gate.allows(seq):  # fmt: skip
+            ) or not gate.allows(seq):  # fmt: skip
                 continue
             params = seq.request.params
             # no draft past the last token max_tokens / max_model_len allow
@@ -513,9 +523,17 @@ class LLMEngine:
                 params.max_tokens - (len(token_ids) - seq.num_prompt_tokens),  # type: ignore[operator]
                 self.config.max_model_len - len(token_ids),
             ) - 1
-            eligible.append(seq)
-            limits.append(room)
-        drafts = proposer.propose_all([s.token_ids for s in eligible], limits)
+            if room > 0:
+                (paying if gate.paying(seq) else probing).append((seq, room))
+        # adaptive (ours): 0 drafts for all, as vLLM does; --async-scheduling's steps are not timed
+        if gate.min_acceptance > 0 and not self.config.async_scheduling:
+            paying.sort(key=lambda item: -item[0].draft_acceptance)
+            k = spec.num_speculative_tokens
+            offers = [(seq.draft_acceptance, min(k, room)) for seq, room in paying]
+            paying = paying[: self._step_cost.choose(len(running), offers, gate.step)]
+        chosen = paying + probing
+        eligible = [seq for seq, _ in chosen]
+        drafts = proposer.propose_all([s.token_ids for s in eligible], [room for _, room in chosen])
         for seq, draft in zip(eligible, drafts, strict=True):
             if draft:
                 seq.draft = draft

@@ -4,10 +4,14 @@ A verify step (a sequence's last token and ``k`` drafts) costs more than a
 decode step, so a sequence whose drafts keep being rejected is slower
 speculating than not (docs/benchmarks.md measures the cost). Each
 sequence keeps a moving average of the share of its drafts kept; below
-``min_acceptance`` it stops drafting, and tries again every
-``probe_every`` steps in case its text has turned repetitive. vLLM drafts
-for every sequence; ``"min_acceptance": 0`` in ``--speculative-config``
-does the same here.
+``min_acceptance`` it stops drafting and probes again later, in case its
+text has turned repetitive: first ``probe_every`` steps on, then twice as
+far each time a probe fails (up to ``MAX_PROBE_EVERY``). Probes fall on
+steps numbered by the engine, so every idle sequence probes in the same
+step and the other steps stay plain decode steps (staggered probes made
+every step of a large batch a verify step). vLLM drafts for every
+sequence; ``"min_acceptance": 0`` in ``--speculative-config`` does the
+same here.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from paged_server.engine.request.sequence import Sequence
 
 WEIGHT = 0.3  # of the newest verdict in the moving average: a few steps decide
+MAX_PROBE_EVERY = 64
 
 
 class AcceptanceGate:
@@ -22,17 +27,26 @@ class AcceptanceGate:
 
     def __init__(self, min_acceptance: float, probe_every: int = 8) -> None:
         self.min_acceptance, self.probe_every = min_acceptance, probe_every
+        self.step = 0  # the engine's step count (``begin_step``)
+
+    def begin_step(self) -> None:
+        self.step += 1
+
+    def paying(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s recent drafts were kept often enough."""
+        return seq.draft_acceptance >= self.min_acceptance
 
     def allows(self, seq: Sequence) -> bool:
-        """Whether ``seq`` drafts this step (counts the steps it does not)."""
-        if seq.draft_acceptance >= self.min_acceptance or seq.steps_without_draft >= self.probe_every:
-            seq.steps_without_draft = 0
-            return True
-        seq.steps_without_draft += 1
-        return False
+        """Whether ``seq`` drafts this step: its drafts pay, or it probes."""
+        return self.paying(seq) or self.step % max(self.probe_every, seq.probe_every) == 0
 
-    @staticmethod
-    def record(seq: Sequence, drafted: int, kept: int) -> None:
+    def record(self, seq: Sequence, drafted: int, kept: int) -> None:
         """One verdict: ``kept`` of ``drafted`` drafts accepted."""
-        if drafted:
-            seq.draft_acceptance += WEIGHT * (kept / drafted - seq.draft_acceptance)
+        if not drafted:
+            return
+        was_paying, share = self.paying(seq), kept / drafted
+        seq.draft_acceptance += WEIGHT * (share - seq.draft_acceptance)
+        if share >= self.min_acceptance:  # the next probe (if still needed) comes soon
+            seq.probe_every = 0
+        elif not was_paying:  # a failed probe: wait twice as long for the next
+            seq.probe_every = min(2 * max(self.probe_every, seq.probe_every), MAX_PROBE_EVERY)

@@ -1,0 +1,75 @@
+"""Whether drafting pays this step, from the measured time of steps.
+
+A verify step computes each drafting sequence's last token and its drafts:
+more rows than a decode step. Where a step is weight-bound (one stream on a
+CPU, a small batch on a GPU) the extra rows are nearly free; where it is
+compute-bound (a large batch) they cost about their share, and drafts that
+are rejected half the time lose throughput. So the engine times its steps
+by the rows they computed (a prompt chunk's rows cost as a verify step's
+do) and whether they drafted (a draft model's own steps are inside the
+time), and before each
+step ``choose`` keeps the drafting sequences, most promising first, while
+each one raises the expected tokens per second of the step. A row count
+never timed is tried (that times it), and every ``EXPLORE_EVERY`` steps
+every sequence the acceptance gate allows drafts, so an estimate that has
+gone stale (a warm-up step, a busy machine) is measured again.
+vLLM's ``disable_by_batch_size`` is the fixed-threshold form of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+WEIGHT = 0.2  # of the newest time in a row count's moving average
+EXPLORE_EVERY = 64
+
+
+def expected_tokens(acceptance: float, drafts: int) -> float:
+    """Tokens a verify step yields for a sequence with ``drafts`` drafts each
+    kept with probability ``acceptance``: (1 - a^(k+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return drafts + 1.0
+    return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
+
+
+def bucket(rows: int) -> int:
+    """Row counts timed together: exact up to 16, then 4 to an octave."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
+class StepCost:
+    """Moving averages of step seconds by (row bucket, drafted)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, bool], float] = {}
+
+    def record(self, rows: int, drafted: bool, seconds: float) -> None:
+        key = (bucket(rows), drafted)
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else old + WEIGHT * (seconds - old)
+
+    def estimate(self, rows: int, drafted: bool) -> float | None:
+        return self._seconds.get((bucket(rows), drafted))
+
+    def choose(self, plain_rows: int, offers: Sequence[tuple[float, int]], step: int) -> int:
+        """How many of ``offers`` ((acceptance, drafts) of each sequence that
+        may draft, best first) draft beside a step of ``plain_rows`` rows."""
+        if not offers or step % EXPLORE_EVERY == 0:
+            return len(offers)
+        plain = self.estimate(plain_rows, False)
+        if plain is None:  # nothing to compare with: draft (steps without drafts time it)
+            return len(offers)
+        best, best_rate = 0, plain_rows / plain
+        tokens, rows = float(plain_rows), plain_rows
+        for m, (acceptance, drafts) in enumerate(offers, start=1):
+            tokens += expected_tokens(acceptance, drafts) - 1.0
+            rows += drafts
+            seconds = self.estimate(rows, True)
+            if seconds is None:
+                return m  # untimed: try it
+            if tokens / seconds > best_rate:
+                best, best_rate = m, tokens / seconds
+        return best
