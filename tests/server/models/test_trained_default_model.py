@@ -99,19 +99,6 @@ def test_batches_draw_streams_by_share_and_repeat_with_the_seed():
     assert torch.equal(batch, again)
 
 
-def test_copy_windows_repeat_their_first_span_in_their_share_of_rows():
-    data = Corpus({"a": torch.arange(5000, dtype=torch.int32)}, {"a": 1.0}, torch.zeros(10), "")
-    batch = data.sample(400, 32, torch.Generator().manual_seed(0), copy_share=0.25)
-    copies = 0
-    for row in batch.tolist():
-        if row == list(range(row[0], row[0] + 33)):  # plain text: a window of the stream
-            continue
-        span = row.index(row[0], 1)  # the stream never repeats a token: the span ends there
-        assert 8 <= span <= 16 and row == (row[:span] * 5)[:33]
-        copies += 1
-    assert 0.18 < copies / 400 < 0.32
-
-
 def test_a_smaller_model_by_the_same_recipe_is_cached_under_its_own_name(cache_root):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trained_module, "RECIPE", TINY_RECIPE)
@@ -133,8 +120,7 @@ def test_lr_warms_up_then_decays_to_a_tenth():
 def test_trained_model_is_built_once_with_its_report(tiny_trained, cache_root, monkeypatch):
     report = json.loads((tiny_trained / "training.json").read_text())
     recipe = {k: v for k, v in TINY_RECIPE.items() if k != "eval_every"}
-    assert report["recipe"] == {**recipe, "weight_decay": 0.1, "heldout_share": 0.1,
-                                "copy_share": 0.0, "layers": 4}  # fmt: skip
+    assert report["recipe"] == {**recipe, "weight_decay": 0.1, "heldout_share": 0.1, "layers": 4}
     assert math.isfinite(report["heldout_loss"]) and report["heldout_tokens"] > 10_000
     (step_a, loss_a), (step_b, loss_b) = report["heldout_curve"]
     assert (step_a, step_b) == (2, 4) and loss_b < loss_a  # learning, on text never trained on

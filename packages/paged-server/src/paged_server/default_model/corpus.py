@@ -140,16 +140,10 @@ class Corpus:
     heldout: torch.Tensor
     stdlib_sha256: str
 
-    def sample(self, batch_size: int, seq_len: int, gen: torch.Generator,
-               copy_share: float = 0.0) -> torch.Tensor:  # fmt: skip
+    def sample(self, batch_size: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
         """``[batch_size, seq_len + 1]`` windows at random places: each row's
         stream drawn by weight, then a start in it (documents are packed
-        back to back, separated by <|endoftext|>). ``copy_share`` of the rows
-        are **copy windows**: the window's first L tokens (L uniform in
-        8..seq_len/2) written again and again until it is full. Text that
-        repeats its context is what prompt lookup and draft models speed
-        up; a small model trained on ~3M tokens of prose and code alone
-        never learns to copy (0 of 26 tokens of a passage it was just shown)."""
+        back to back, separated by <|endoftext|>)."""
         names = list(self.streams)
         probs = torch.tensor([self.weights[n] for n in names], dtype=torch.float64)
         picks = torch.multinomial(probs, batch_size, replacement=True, generator=gen)
@@ -157,11 +151,7 @@ class Corpus:
         for i in picks.tolist():
             ids = self.streams[names[i]]
             start = int(torch.randint(0, len(ids) - seq_len - 1, (1,), generator=gen))
-            row = ids[start : start + seq_len + 1]
-            if copy_share and float(torch.rand((), generator=gen)) < copy_share:
-                span = int(torch.randint(8, seq_len // 2 + 1, (1,), generator=gen))
-                row = row[:span].repeat(-(-(seq_len + 1) // span))[: seq_len + 1]
-            rows.append(row)
+            rows.append(ids[start : start + seq_len + 1])
         return torch.stack(rows).long()
 
 

@@ -40,7 +40,7 @@ from paged_server.models.loader import checkpoint_state_dict
 
 # The trained evaluation model's recipe (``default_model.trained``), and this CLI's defaults.
 RECIPE = {"steps": 2400, "batch_size": 16, "seq_len": 128, "lr": 3e-3, "warmup": 100, "seed": 0,
-          "eval_every": 400, "copy_share": 0.2}  # fmt: skip
+          "eval_every": 400}  # fmt: skip
 
 # Shares of a batch's windows: the help() pages are the held-out text's own
 # kind (drawn ~8 times over in the full recipe), the docstrings its nearest
@@ -107,7 +107,6 @@ def train(
     mix: dict[str, float] | None = None,
     precision: str = "auto",
     strict_corpus: bool = True,
-    copy_share: float = 0.0,
     layers: int | None = None,
 ) -> list[float]:
     """Train from the random default weights; returns the loss of every
@@ -120,8 +119,7 @@ def train(
     default model's directory (default: the cached one); ``mix``: the corpus
     streams' shares (``DEFAULT_MIX``); ``precision``: ``auto``, ``bfloat16``
     or ``float32`` matmuls (``autocast_dtype``); ``strict_corpus``: refuse a
-    standard library other than the pinned one; ``copy_share``: the share
-    of copy windows (``Corpus.sample``); ``layers``: keep only the first
+    standard library other than the pinned one; ``layers``: keep only the first
     that many decoder layers (a smaller model by the same recipe: a draft
     for speculative decoding)."""
     mix = dict(DEFAULT_MIX if mix is None else mix)
@@ -157,7 +155,7 @@ def train(
         ) + f" ({elapsed:.0f} s, ETA {eta:.0f} s)"
 
     for step in range(1, steps + 1):
-        batch = corpus.sample(batch_size, seq_len, gen, copy_share).to(device)
+        batch = corpus.sample(batch_size, seq_len, gen).to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1, steps, lr, warmup)
         ctx = torch.autocast(device.split(":")[0], dtype=cast) if cast else nullcontext()
@@ -187,8 +185,7 @@ def train(
     report: dict[str, Any] = {
         "recipe": {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
                    "seed": seed, "warmup": warmup, "weight_decay": weight_decay, "mix": mix,
-                   "heldout_share": HELDOUT_SHARE, "copy_share": copy_share,
-                   "layers": loaded.config.num_layers},  # fmt: skip
+                   "heldout_share": HELDOUT_SHARE, "layers": loaded.config.num_layers},  # fmt: skip
         "matmul_dtype": str(cast or torch.float32).removeprefix("torch."),
         "stdlib_sha256": corpus.stdlib_sha256,
         "train_tokens": sum(len(s) for s in corpus.streams.values()),
@@ -230,8 +227,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=RECIPE["warmup"])
     parser.add_argument("--seed", type=int, default=RECIPE["seed"])
     parser.add_argument("--eval-every", type=int, default=RECIPE["eval_every"])
-    parser.add_argument("--copy-share", type=float, default=RECIPE["copy_share"],
-                        help="share of windows that repeat their first span (teaches copying)")
     parser.add_argument("--layers", type=int, default=None,
                         help="keep the first N decoder layers (a smaller model: a draft)")
     parser.add_argument("--precision", choices=("auto", "bfloat16", "float32"), default="auto")
@@ -244,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                    seq_len=args.seq_len, lr=args.lr, seed=args.seed, device=args.device,
                    eval_every=args.eval_every, log=True, warmup=args.warmup,
                    precision=args.precision, strict_corpus=not args.any_stdlib,
-                   copy_share=args.copy_share, layers=args.layers)  # fmt: skip
+                   layers=args.layers)  # fmt: skip
     report = json.loads((args.out_dir / "training.json").read_text())
     print(f"loss {losses[0]:.2f} -> {losses[-1]:.2f}, held-out {report['heldout_loss']:.3f} "
           f"in {report['seconds']:.0f} s ({report['cpu_seconds']:.0f} s CPU); model written to "
