@@ -57,7 +57,7 @@ def test_bad_configs_are_one_line_errors(spec, message) -> None:
 # -- prompt lookup ------------------------------------------------------------------
 def test_a_sequence_whose_drafts_fail_stops_drafting_and_probes_ever_less_often() -> None:
     gate = AcceptanceGate(min_acceptance=0.5, probe_every=4)
-    bad, good = SimpleNamespace(draft_acceptance=1.0, probe_every=0), SimpleNamespace(draft_acceptance=1.0, probe_every=0)
+    bad, good = (SimpleNamespace(draft_acceptance=None, probe_every=0) for _ in range(2))
     drafted: dict[str, list[int]] = {"bad": [], "good": []}
     for _ in range(64):
         gate.begin_step()
@@ -75,6 +75,23 @@ def test_a_sequence_whose_drafts_fail_stops_drafting_and_probes_ever_less_often(
     assert gate.paying(bad) and bad.probe_every == 0
     always = AcceptanceGate(min_acceptance=0.0)  # vLLM's behaviour
     assert always.allows(SimpleNamespace(draft_acceptance=0.0, probe_every=0))
+
+
+def test_a_new_sequence_starts_from_the_engines_recent_acceptance() -> None:
+    gate = AcceptanceGate(min_acceptance=0.5, probe_every=8)
+    first = SimpleNamespace(draft_acceptance=None, probe_every=0)
+    assert gate.paying(first)  # nothing measured yet: drafts
+    for _ in range(40):  # the engine's drafts keep missing
+        gate.record(SimpleNamespace(draft_acceptance=None, probe_every=0), 4, 0)
+    new = SimpleNamespace(draft_acceptance=None, probe_every=0)
+    gate.begin_step()
+    assert gate.acceptance(new) < 0.5 and not gate.allows(new)  # waits for the probe step
+    gate.step = 7
+    gate.begin_step()
+    assert gate.allows(new)
+    gate.record(new, 4, 4)  # its own text repeats: its own verdicts take over
+    gate.record(new, 4, 4)
+    assert gate.paying(new)
 
 
 def test_expected_tokens_and_row_buckets() -> None:

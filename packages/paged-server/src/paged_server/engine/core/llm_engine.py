@@ -527,9 +527,9 @@ class LLMEngine:
                 (paying if gate.paying(seq) else probing).append((seq, room))
         # adaptive (ours): 0 drafts for all, as vLLM does; --async-scheduling's steps are not timed
         if gate.min_acceptance > 0 and not self.config.async_scheduling:
-            paying.sort(key=lambda item: -item[0].draft_acceptance)
+            paying.sort(key=lambda item: -gate.acceptance(item[0]))
             k = spec.num_speculative_tokens
-            offers = [(seq.draft_acceptance, min(k, room)) for seq, room in paying]
+            offers = [(gate.acceptance(seq), min(k, room)) for seq, room in paying]
             paying = paying[: self._step_cost.choose(len(running), offers, gate.step)]
         chosen = paying + probing
         eligible = [seq for seq, _ in chosen]

@@ -117,9 +117,9 @@ class Sequence:
     # Speculative decoding: tokens proposed after the last one, which this
     # step's pass checks (the scheduler may give it fewer); [] between steps.
     draft: list[int] = field(default_factory=list)
-    # speculative/acceptance_gate.py: its drafts' recent acceptance, and steps between its
-    # probes while they are not paying (0: the gate's first interval)
-    draft_acceptance: float = 1.0
+    # speculative/acceptance_gate.py: its drafts' recent acceptance (None: none checked yet),
+    # and steps between its probes while they are not paying (0: the gate's first interval)
+    draft_acceptance: float | None = None
     probe_every: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it

@@ -9,7 +9,10 @@ text has turned repetitive: first ``probe_every`` steps on, then twice as
 far each time a probe fails (up to ``MAX_PROBE_EVERY``). Probes fall on
 steps numbered by the engine, so every idle sequence probes in the same
 step and the other steps stay plain decode steps (staggered probes made
-every step of a large batch a verify step). vLLM drafts for every
+every step of a large batch a verify step). A sequence that has not
+drafted yet starts from the engine's recent acceptance over all
+sequences, so a stream of new requests on text the drafts miss does not
+pay two rejected verify steps each before its gate closes. vLLM drafts for every
 sequence; ``"min_acceptance": 0`` in ``--speculative-config`` does the
 same here.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 from paged_server.engine.request.sequence import Sequence
 
 WEIGHT = 0.3  # of the newest verdict in the moving average: a few steps decide
+ENGINE_WEIGHT = 0.05  # the same over every sequence's verdicts
 MAX_PROBE_EVERY = 64
 
 
@@ -28,13 +32,18 @@ class AcceptanceGate:
     def __init__(self, min_acceptance: float, probe_every: int = 8) -> None:
         self.min_acceptance, self.probe_every = min_acceptance, probe_every
         self.step = 0  # the engine's step count (``begin_step``)
+        self.recent = 1.0  # acceptance over all sequences' recent verdicts
 
     def begin_step(self) -> None:
         self.step += 1
 
+    def acceptance(self, seq: Sequence) -> float:
+        """``seq``'s recent acceptance, or the engine's before it has any."""
+        return self.recent if seq.draft_acceptance is None else seq.draft_acceptance
+
     def paying(self, seq: Sequence) -> bool:
         """Whether ``seq``'s recent drafts were kept often enough."""
-        return seq.draft_acceptance >= self.min_acceptance
+        return self.acceptance(seq) >= self.min_acceptance
 
     def allows(self, seq: Sequence) -> bool:
         """Whether ``seq`` drafts this step: its drafts pay, or it probes."""
@@ -44,8 +53,9 @@ class AcceptanceGate:
         """One verdict: ``kept`` of ``drafted`` drafts accepted."""
         if not drafted:
             return
-        was_paying, share = self.paying(seq), kept / drafted
-        seq.draft_acceptance += WEIGHT * (share - seq.draft_acceptance)
+        was_paying, share, acceptance = self.paying(seq), kept / drafted, self.acceptance(seq)
+        seq.draft_acceptance = acceptance + WEIGHT * (share - acceptance)
+        self.recent += ENGINE_WEIGHT * (share - self.recent)
         if share >= self.min_acceptance:  # the next probe (if still needed) comes soon
             seq.probe_every = 0
         elif not was_paying:  # a failed probe: wait twice as long for the next
