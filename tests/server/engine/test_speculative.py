@@ -88,6 +88,9 @@ def test_a_new_sequence_starts_from_the_engines_recent_acceptance() -> None:
     assert gate.acceptance(new) < 0.5 and not gate.allows(new)  # waits for the probe step
     gate.step = 7
     gate.begin_step()
+    assert not gate.allows(new)  # not the 8-step probes of a sequence that paid before
+    gate.step = 63
+    gate.begin_step()
     assert gate.allows(new)
     gate.record(new, 4, 4)  # its own text repeats: its own verdicts take over
     gate.record(new, 4, 4)

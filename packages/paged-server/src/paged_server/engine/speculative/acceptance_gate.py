@@ -11,8 +11,9 @@ steps numbered by the engine, so every idle sequence probes in the same
 step and the other steps stay plain decode steps (staggered probes made
 every step of a large batch a verify step). A sequence that has not
 drafted yet starts from the engine's recent acceptance over all
-sequences, so a stream of new requests on text the drafts miss does not
-pay two rejected verify steps each before its gate closes. vLLM drafts for every
+sequences (and, below ``min_acceptance``, probes every ``MAX_PROBE_EVERY``
+steps), so a stream of new requests on text the drafts miss does not pay
+rejected verify steps each before its gate closes. vLLM drafts for every
 sequence; ``"min_acceptance": 0`` in ``--speculative-config`` does the
 same here.
 """
@@ -46,8 +47,13 @@ class AcceptanceGate:
         return self.acceptance(seq) >= self.min_acceptance
 
     def allows(self, seq: Sequence) -> bool:
-        """Whether ``seq`` drafts this step: its drafts pay, or it probes."""
-        return self.paying(seq) or self.step % max(self.probe_every, seq.probe_every) == 0
+        """Whether ``seq`` drafts this step: its drafts pay, or it probes (a
+        sequence with no verdicts of its own in an engine whose drafts miss:
+        as seldom as a sequence whose probes keep failing)."""
+        if self.paying(seq):
+            return True
+        every = MAX_PROBE_EVERY if seq.draft_acceptance is None else max(self.probe_every, seq.probe_every)
+        return self.step % every == 0
 
     def record(self, seq: Sequence, drafted: int, kept: int) -> None:
         """One verdict: ``kept`` of ``drafted`` drafts accepted."""
