@@ -97,6 +97,18 @@ def test_a_new_sequence_starts_from_the_engines_recent_acceptance() -> None:
     assert gate.paying(new)
 
 
+def test_at_most_one_in_eight_sequences_probes_a_step_and_each_gets_its_turn() -> None:
+    gate = AcceptanceGate(min_acceptance=0.5)
+    probing = list(range(5))
+    assert gate.sample_probes(probing, running=8) == [0]  # one of 8 running
+    assert gate.sample_probes(probing, running=40) == probing  # five of 40
+    seen = set()
+    for _ in range(5):
+        gate.begin_step()
+        seen.update(gate.sample_probes(probing, running=16))  # two a step
+    assert seen == set(probing)
+
+
 def test_expected_tokens_and_row_buckets() -> None:
     assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)

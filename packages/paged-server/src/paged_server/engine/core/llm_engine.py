@@ -531,7 +531,7 @@ class LLMEngine:
             k = spec.num_speculative_tokens
             offers = [(gate.acceptance(seq), min(k, room)) for seq, room in paying]
             paying = paying[: self._step_cost.choose(len(running), offers, gate.step)]
-        chosen = paying + probing
+        chosen = paying + gate.sample_probes(probing, len(running))
         eligible = [seq for seq, _ in chosen]
         drafts = proposer.propose_all([s.token_ids for s in eligible], [room for _, room in chosen])
         for seq, draft in zip(eligible, drafts, strict=True):

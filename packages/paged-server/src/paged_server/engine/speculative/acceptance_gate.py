@@ -20,11 +20,16 @@ same here.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from paged_server.engine.request.sequence import Sequence
+
+T = TypeVar("T")
 
 WEIGHT = 0.3  # of the newest verdict in the moving average: a few steps decide
 ENGINE_WEIGHT = 0.05  # the same over every sequence's verdicts
 MAX_PROBE_EVERY = 64
+PROBES_PER = 8  # running sequences per probe in one step (at least one probes)
 
 
 class AcceptanceGate:
@@ -54,6 +59,17 @@ class AcceptanceGate:
             return True
         every = MAX_PROBE_EVERY if seq.draft_acceptance is None else max(self.probe_every, seq.probe_every)
         return self.step % every == 0
+
+    def sample_probes(self, probing: list[T], running: int) -> list[T]:
+        """At most one in ``PROBES_PER`` of the ``running`` sequences probes in
+        a step (a different few each time): a probe of a draft model first
+        catches the draft up on the sequence's whole context, so 32 new
+        streams probing at once made one step cost ten."""
+        most = max(1, running // PROBES_PER)
+        if len(probing) <= most:
+            return probing
+        start = (self.step * most) % len(probing)
+        return (probing[start:] + probing[:start])[:most]
 
     def record(self, seq: Sequence, drafted: int, kept: int) -> None:
         """One verdict: ``kept`` of ``drafted`` drafts accepted."""
