@@ -275,60 +275,71 @@ def _spec_decode_section(data: dict[str, Any] | None) -> list[str]:
     """Prompt lookup and a draft model against no speculation (benchmarks/spec_decode.py)."""
     if data is None:
         return []
-    if "speculative_configs" not in data:  # before the draft model: prompt lookup only
-        data = _spec_decode_v1(data)
     one, specs = data["one_stream"], data["speculative_configs"]
     streams = next(k for k in data if k.startswith("streams_")).split("_")[1]
     many = data[f"streams_{streams}"]
     out = ["## Speculative decoding (prompt lookup, draft model)", ""]
     configs = "; ".join(f"`{json.dumps(c)}`".replace(str(Path.home()), "~") for c in specs.values())
-    draft = f" The draft model is {data['draft']} (weights copied, not trained)." if data.get("draft") else ""
+    draft = f" The draft model is {data['draft']}." if data.get("draft") else ""
     out.append(
-        f"{data['model']}, greedy, {data['max_tokens']} new tokens per request, prompts that ask for a "
-        f"passage again ({data['prompts']} passages of Python's help text); `--speculative-config` "
-        f"{configs} against no speculation, alternated {data['repeats']} times in one "
-        f"process, medians.{draft} The bound is the tokens a verify step yields, E = (1 - a^(k+1)) / (1 - a) "
-        "for acceptance rate a, divided by the cost of the speculating engine's decode steps "
-        "against the plain engine's (mean step time, prompt steps left out; a draft model's "
-        "drafting is part of its step). Sequences whose drafts are mostly rejected stop drafting "
-        "(`min_acceptance` 0.5, the default; docs/serving.md). At 32 streams every request runs to "
-        "the same length, so no step is saved: the ratio is what the drafts that were tried cost. "
-        "Measured " + data["environment"]["date"] + "."
+        f"{data['model']}, greedy, prompts that ask for a passage again ({data['prompts']} passages of "
+        f"{data['passage_tokens']} tokens of Python's help text, then their first {data['seed_words']} "
+        f"tokens), {data['max_tokens']} new tokens per request (the rest of the passage); "
+        f"`--speculative-config` {configs} against no speculation, alternated {data['repeats']} times "
+        f"in one process, medians.{draft} The bound is the tokens a verify step yields, "
+        "max(1, E / cost): E = (1 - a^(k+1)) / (1 - a) for acceptance rate a, cost = a verify step's "
+        "time (a step that checked drafts, a draft model's drafting included) over the plain engine's "
+        "decode step; where E / cost < 1 the best is not to draft. Who drafts adapts (acceptance gate and measured "
+        "step cost, the defaults; docs/serving.md). Measured " + data["environment"]["date"] + "."
         + (" 1-minute load average {} before, {} after (cores: {}).".format(*data["load_average"], data[
             "environment"].get("cpu_cores", "?")) if "load_average" in data else "")
     )
     out.append("")
-    rows = [["1", "off", _f(one["off_tokens_per_s"]), "1.00x", "-", "-", "-", "-", "-"]]
+    rows = [["1", "off", _f(one["off_tokens_per_s"]), "1.00x", "-", "-", "-", "-", "-", "-"]]
     for name in specs:
         m = one[name]
         rows.append(["1", name, _f(m["tokens_per_s"]), f"{m['speedup']:.2f}x", _pct(m["acceptance_rate"]),
-                     _f(m["tokens_per_target_step"], 2), f"{m['step_cost']:.2f}x", f"{m['bound']:.2f}x",
-                     _pct(m["efficiency"])])  # fmt: skip
-    rows.append([streams, "off", _f(many["off_tokens_per_s"]), "1.00x", "-", "-", "-", "-", "-"])
+                     _f(m["tokens_per_target_step"], 2), _pct(m.get("verify_step_share")),
+                     f"{m['step_cost']:.2f}x" if m["step_cost"] else "-",
+                     f"{m['bound']:.2f}x" if m["bound"] else "-", _pct(m["efficiency"])])  # fmt: skip
+    rows.append([streams, "off", _f(many["off_tokens_per_s"]), "1.00x", "-", "-", "-", "-", "-", "-"])
     for name in specs:
         m = many[name]
         rows.append([streams, name, _f(m["tokens_per_s"]), f"{m['ratio']:.2f}x",
-                     _pct(m.get("acceptance_rate")), _f(m.get("tokens_per_target_step"), 2), "-", "-", "-"])  # fmt: skip
-    out += _table(["streams", "speculation", "tok/s", "ratio", "acceptance", "tokens/step",
-                   "step cost", "bound", "of bound"], rows)  # fmt: skip
+                     _pct(m.get("acceptance_rate")), _f(m.get("tokens_per_target_step"), 2), "-", "-", "-", "-"])  # fmt: skip
+    out += _table(["streams", "speculation", "tok/s", "ratio", "acceptance", "tokens/step", "verify steps",
+                   "verify cost", "bound", "of bound"], rows)  # fmt: skip
     return out + ["", "Command: `" + data.get("command", "python benchmarks/spec_decode.py") + "`", ""]
 
 
-def _spec_decode_v1(data: dict[str, Any]) -> dict[str, Any]:
-    """A prompt-lookup-only result (before the draft model) in today's shape."""
-    one = data["one_stream"]
-    key = next(k for k in data if k.startswith("streams_"))
-    many = data[key]
-    return {
-        **data,
-        "speculative_configs": {"ngram": data["speculative_config"]},
-        "one_stream": {"off_tokens_per_s": one["off_tokens_per_s"], "ngram": {
-            "tokens_per_s": one["ngram_tokens_per_s"], "speedup": one["speedup"],
-            "acceptance_rate": one["acceptance_rate"], "tokens_per_target_step": one["tokens_per_target_step"],
-            "step_cost": one["verify_step_cost"], "bound": one["bound"], "efficiency": one["efficiency"]}},
-        key: {"off_tokens_per_s": many["off_tokens_per_s"],
-              "ngram": {"tokens_per_s": many["ngram_tokens_per_s"], "ratio": many["ratio"]}},
-    }  # fmt: skip
+def _spec_decode_peer_section(data: dict[str, Any] | None) -> list[str]:
+    """Speculation on paged-server and llama-server, one stream (benchmarks/spec_decode_peer.py)."""
+    if data is None:
+        return []
+    out = ["### Against llama.cpp's speculative decoding", ""]
+    paged = "; ".join(f"{m} `{json.dumps(c)}`".replace(str(Path.home()), "~")
+                      for m, c in data["paged_speculative_configs"].items())  # fmt: skip
+    theirs = "; ".join(f"{m} `{f}`" for m, f in data["llamacpp_flags"].items())
+    out.append(
+        f"One stream over HTTP, the prompts above ({data['prompts']} passages of {data['passage_tokens']} "
+        f"tokens asked for again, {data['max_tokens']} greedy tokens each, sent {data['rounds']} times a "
+        f"run), {data['model']} and its draft {data['draft']}; llama.cpp serves both converted to GGUF "
+        f"{data['outtype']} by its own converter, one slot. paged: {paged}. llama.cpp: {theirs}. Every "
+        f"(server, method) started fresh and warmed, order rotating, {data['repeats']} repeats, medians. "
+        "Measured " + data["environment"]["date"] + "."
+        + (" 1-minute load average {} before, {} after.".format(*data["load_average"])
+           if "load_average" in data else "")
+    )  # fmt: skip
+    out.append("")
+    rows = []
+    for method, r in data["ratios"].items():
+        ours, theirs_ = data["by_peer"][f"paged {method}"], data["by_peer"][f"llama.cpp {method}"]
+        rows.append([method, _f(ours["output_tokens_per_s"]), f"{r['paged_vs_off']:.2f}x",
+                     _f(theirs_["output_tokens_per_s"]), f"{r['llamacpp_vs_off']:.2f}x",
+                     f"**{r['paged_vs_llamacpp']:.2f}x**"])  # fmt: skip
+    out += _table(["speculation", "paged tok/s", "vs paged off", "llama.cpp tok/s", "vs llama.cpp off",
+                   "paged / llama.cpp"], rows)  # fmt: skip
+    return out + ["", "Command: `" + data["command"].strip() + "`", ""]
 
 
 def _sliding_window_section(sw: dict[str, Any] | None) -> list[str]:
@@ -998,6 +1009,7 @@ def write_page(results: Path, docs: Path) -> Path:
     lines += _kv_dtype_section(_load(results, "kv_dtype"), _load(results, "kv_dtype_throughput"))
     lines += _kv_accuracy_trained_section(_load(results, "kv_accuracy_trained"))
     lines += _spec_decode_section(_load(results, "spec_decode"))
+    lines += _spec_decode_peer_section(_load(results, "spec_decode_peer"))
     lines += _sliding_window_section(_load(results, "sliding_window"))
     lines += _sweep_section(_load(results, "batch_sweep"), images, docs)
     lines += _prefix_section(_load(results, "prefix_cache"), images, docs)

@@ -270,13 +270,14 @@ def convert_to_gguf(
 
 def start_llama_server(
     tree: LlamaCpp, gguf: Path, port: int, *, parallel: int, ctx_per_seq: int, threads: int = 2,
-    log: Path | None = None,
+    log: Path | None = None, extra: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:  # fmt: skip
-    """``llama-server --parallel N -c N*ctx --cont-batching -t threads`` on loopback."""
+    """``llama-server --parallel N -c N*ctx --cont-batching -t threads`` on
+    loopback, then ``extra`` (speculative decoding's flags)."""
     cmd = [
         str(tree.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "--parallel", str(parallel), "-c", str(parallel * ctx_per_seq), "--cont-batching",
-        "-t", str(threads), "-tb", str(threads),
+        "-t", str(threads), "-tb", str(threads), *extra,
     ]  # fmt: skip
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
