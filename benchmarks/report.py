@@ -290,7 +290,7 @@ def _spec_decode_section(data: dict[str, Any] | None) -> list[str]:
         "max(1, E / cost): E = (1 - a^(k+1)) / (1 - a) for acceptance rate a, cost = a verify step's "
         "time (a step that checked drafts, a draft model's drafting included) over the plain engine's "
         "decode step; where E / cost < 1 the best is not to draft. Who drafts adapts (acceptance gate and measured "
-        "step cost, the defaults; docs/serving.md). Measured " + data["environment"]["date"] + "."
+        "step cost, the defaults; docs/serving.md)." + _spec_decode_spread(data) + " Measured " + data["environment"]["date"] + "."
         + (" 1-minute load average {} before, {} after (cores: {}).".format(*data["load_average"], data[
             "environment"].get("cpu_cores", "?")) if "load_average" in data else "")
     )
@@ -310,6 +310,19 @@ def _spec_decode_section(data: dict[str, Any] | None) -> list[str]:
     out += _table(["streams", "speculation", "tok/s", "ratio", "acceptance", "tokens/step", "verify steps",
                    "verify cost", "bound", "of bound"], rows)  # fmt: skip
     return out + ["", "Command: `" + data.get("command", "python benchmarks/spec_decode.py") + "`", ""]
+
+
+def _spec_decode_spread(data: dict[str, Any]) -> str:
+    """How far the plain engine's own runs spread: ratios within it are noise."""
+    runs = data.get("runs", {}).get("off")
+    if not runs:
+        return ""
+    parts = []
+    for kind, label in (("one", "one stream"), ("many", f"{data['streams']} streams")):
+        tps = [r["tokens_per_s"] for r in runs[kind]]
+        parts.append(f"{_f(min(tps))}-{_f(max(tps))} tok/s ({label})")
+    return (" The plain engine's own runs spread " + " and ".join(parts)
+            + ": a ratio within that spread is the machine, not the method.")
 
 
 def _spec_decode_peer_section(data: dict[str, Any] | None) -> list[str]:
