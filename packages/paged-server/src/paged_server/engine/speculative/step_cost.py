@@ -7,9 +7,9 @@ compute-bound (a large batch) they cost about their share, and drafts that
 are rejected half the time lose throughput. So the engine times its steps
 by the rows they computed (a prompt chunk's rows cost as a verify step's
 do) and whether they drafted (a draft model's own steps are inside the
-time), and before each
-step ``choose`` keeps the drafting sequences, most promising first, while
-each one raises the expected tokens per second of the step. A row count
+time), and before each step ``choose`` keeps the drafting sequences, most
+promising first, while each one raises the expected tokens per second of
+the step. A row count
 never timed is tried (that times it), and every ``EXPLORE_EVERY`` steps
 every sequence the acceptance gate allows drafts, so an estimate that has
 gone stale (a warm-up step, a busy machine) is measured again.
