@@ -12,7 +12,7 @@ request completed or was given up by its client, the KV audit is clean,
 KV usage is back to 0, RSS did not grow past a margin after warm-up, and
 no thread or asyncio task is left behind.
 
-Bounded: ``PAGED_SOAK_SECONDS`` (default 60) of load; set it higher for a
+Bounded: ``PAGED_SOAK_SECONDS`` (default 30) of load; set it higher for a
 longer soak."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .conftest import MAX_SEQ_LEN, MODEL, start_server, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SECONDS = float(os.environ.get("PAGED_SOAK_SECONDS", "60"))
+SECONDS = float(os.environ.get("PAGED_SOAK_SECONDS", "30"))
 WARM_UP_S = min(15.0, SECONDS / 4)
 CLIENTS = 16
 HYBRID_CLIENTS = 4  # on the hybrid model's server, at the same time
