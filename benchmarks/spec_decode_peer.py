@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from paged_server.bench.environment import describe_environment
+    from paged_server.bench.serving import completion_body
+    from paged_server.bench.workloads import RequestSpec
     from paged_server.default_model.trained import DRAFT_LAYERS, ensure_trained_model
     from paged_server.tokenizer import Tokenizer
     from peers import llamacpp as lc
@@ -78,9 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         "draft_model": ("-md", str(draft_gguf), "--spec-draft-n-max", str(k)),
     }  # fmt: skip
     prompts = passages(Tokenizer.from_dir(model), args.prompts, args.passage, args.seed_words)
-    bodies = [{"prompt": ids, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
-               "stream": True, "stream_options": {"include_usage": True}}
-              for ids in prompts] * args.rounds  # fmt: skip
+    bodies = [completion_body(RequestSpec(f"p{i}", tuple(ids), args.max_tokens))
+              for i, ids in enumerate(prompts)] * args.rounds  # fmt: skip
     ctx = args.passage + args.seed_words + args.max_tokens + 16
 
     def starter(server: str, method: str) -> Any:
@@ -128,12 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": len(prompts), "passage_tokens": args.passage, "seed_words": args.seed_words,
         "max_tokens": args.max_tokens, "rounds": args.rounds, "repeats": args.repeats,
         "paged_speculative_configs": {m: s for m, s in paged_specs.items() if s},
-        "llamacpp_flags": {m: " ".join(f) for m, f in llama_flags.items() if f},
+        "llamacpp_flags": {m: " ".join(f).replace(str(Path.home()), "~") for m, f in llama_flags.items() if f},
         "by_peer": by_peer, "ratios": ratios, "runs": runs,
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "environment": env,
     }  # fmt: skip
-    result["llamacpp_flags"] = {m: f.replace(str(Path.home()), "~") for m, f in result["llamacpp_flags"].items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "spec_decode_peer.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"by_peer": by_peer, "ratios": ratios}), flush=True)
