@@ -18,13 +18,13 @@ from paged_server.default_model import corpus, ensure_default_model
 from paged_server.default_model import trained as trained_module
 from paged_server.default_model.corpus import Corpus, split_texts
 from paged_server.default_model.tokenizer_builder import training_texts
-from paged_server.default_model.train import lr_at
+from paged_server.default_model.train import WARM_START, lr_at
 from paged_server.models import load_model
 
 # The help() pages alone: the standard library's ~3M tokens take ~20 s to
 # parse and tokenize, which the corpus tests below cover on their own.
 TINY_RECIPE = {"steps": 4, "batch_size": 2, "seq_len": 16, "lr": 3e-3, "warmup": 2, "seed": 0,
-               "eval_every": 2, "mix": {"topics": 1.0}}  # fmt: skip
+               "eval_every": 2, "mix": {"topics": 1.0}, "warm_start_steps": 2, "copy_rows": 1}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,9 @@ def test_lr_warms_up_then_decays_to_a_tenth():
 def test_trained_model_is_built_once_with_its_report(tiny_trained, cache_root, monkeypatch):
     report = json.loads((tiny_trained / "training.json").read_text())
     recipe = {k: v for k, v in TINY_RECIPE.items() if k != "eval_every"}
-    assert report["recipe"] == {**recipe, "weight_decay": 0.1, "heldout_share": 0.1, "layers": 4}
+    assert report["recipe"] == {**recipe, "weight_decay": 0.1, "heldout_share": 0.1, "layers": 4,
+                                "warm_start": WARM_START}  # fmt: skip
+    assert len(report["warm_start_loss_first_last"]) == len(report["copy_loss_first_last"]) == 2
     assert math.isfinite(report["heldout_loss"]) and report["heldout_tokens"] > 10_000
     (step_a, loss_a), (step_b, loss_b) = report["heldout_curve"]
     assert (step_a, step_b) == (2, 4) and loss_b < loss_a  # learning, on text never trained on
