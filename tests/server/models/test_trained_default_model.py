@@ -110,6 +110,16 @@ def test_a_smaller_model_by_the_same_recipe_is_cached_under_its_own_name(cache_r
     assert len(loaded.model.model.layers) == 1
 
 
+def test_the_copying_model_is_two_layers_with_a_warm_start_under_its_own_name(cache_root):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trained_module, "RECIPE", TINY_RECIPE)
+        mp.setattr(trained_module, "COPYING", {"layers": 2, "warm_start_steps": 3, "copy_rows": 2})
+        model = trained_module.ensure_trained_model(cache_root, copying=True)
+    assert model.name == trained_module.TRAINED_MODEL_NAME + "-2layer-copying"
+    recipe = json.loads((model / "training.json").read_text())["recipe"]
+    assert (recipe["layers"], recipe["warm_start_steps"], recipe["copy_rows"]) == (2, 3, 2)
+
+
 def test_lr_warms_up_then_decays_to_a_tenth():
     lrs = [lr_at(s, 100, 1.0, 10) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)

@@ -27,32 +27,37 @@ from paged_server.default_model.corpus import (
     stdlib_digest,
     stdlib_files,
 )
-from paged_server.default_model.train import RECIPE, train
+from paged_server.default_model.train import COPYING, RECIPE, train
 
 log = logging.getLogger(__name__)
 
 TRAINED_MODEL_ALIAS = "trained-default"  # what --model accepts
-TRAINED_MODEL_NAME = "trained-default-v3"  # bump when RECIPE, the corpus or the builder changes
+TRAINED_MODEL_NAME = "trained-default-v2"  # bump when RECIPE, the corpus or the builder changes
 # v1: 500 steps on the help() pages alone, held-out 5.22 nats (learnt by heart).
 # v2: + the standard library (corpus.py), 2400 steps: 4.26 nats, short of the target.
-# v3: + the induction warm start and repeated-text windows (copy_windows.py): it copies.
 TARGET_HELDOUT_LOSS = 3.5
 DRAFT_LAYERS = 2  # the draft model by the same recipe (speculative decoding's benchmark)
 
 
-def ensure_trained_model(cache_dir: str | Path | None = None, layers: int | None = None) -> Path:
+def ensure_trained_model(
+    cache_dir: str | Path | None = None, layers: int | None = None, copying: bool = False
+) -> Path:
     """The trained model's directory under ``cache_dir`` (default:
     ``default_cache_dir()``), trained with ``RECIPE`` on first use (into a
     temporary directory renamed into place, so a crash or a concurrent
     build never leaves half a model). ``layers``: the same recipe on the
     first that many decoder layers (``DRAFT_LAYERS``: the speculative
-    decoding benchmark's draft model), cached under its own name."""
+    decoding benchmark's draft model), cached under its own name.
+    ``copying``: ``COPYING``'s model instead (two layers taught to copy a
+    passage they were shown: prompt lookup's benchmark model)."""
+    extra = {k: v for k, v in COPYING.items() if k != "layers"} if copying else {}
+    layers = COPYING["layers"] if copying else layers
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     digest = stdlib_digest(stdlib_files())
     pinned = digest == STDLIB_SHA256
     # Another interpreter's standard library trains another model: it still
     # serves (a user asked for a demo model), cached under its own name.
-    name = TRAINED_MODEL_NAME + (f"-{layers}layer" if layers is not None else "")
+    name = TRAINED_MODEL_NAME + (f"-{layers}layer" if layers is not None else "") + ("-copying" if copying else "")
     target = root / (name if pinned else f"{name}-{digest[:12]}")
     if (target / "training.json").is_file() and (target / "model.safetensors").is_file():
         return target
@@ -68,7 +73,7 @@ def ensure_trained_model(cache_dir: str | Path | None = None, layers: int | None
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         train(tmp / "model", source=ensure_default_model(root), log=True, strict_corpus=pinned,
-              layers=layers, **RECIPE)  # type: ignore[arg-type]
+              layers=layers, **{**RECIPE, **extra})  # type: ignore[arg-type]
         shutil.rmtree(target, ignore_errors=True)
         os.rename(tmp / "model", target)
     finally:
