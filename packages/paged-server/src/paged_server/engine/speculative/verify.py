@@ -52,12 +52,12 @@ def verify(logits: Tensor, drafts: list[int], row: SamplingRow) -> Verified:
     ``row``: its sampling row (history up to the token before the drafts)."""
     if logits.shape[0] != len(drafts) + 1:
         raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} rows of logits, got {logits.shape[0]}")
-    rows = [_with_history(row, drafts[:i]) for i in range(len(drafts) + 1)]
     if bool((torch.isnan(logits) | (logits == float("inf"))).any()):
         return Verified([], [], 0, "model produced non-finite logits (NaN or inf) for this request")
     if row.greedy:
         processed = logits
         if row.edits_logits:
+            rows = _drafted_rows(row, drafts)
             processed = apply_penalties(apply_logits_processors(logits, rows), rows)
         best = row_max(processed)[1].tolist()
         kept = 0
@@ -65,7 +65,7 @@ def verify(logits: Tensor, drafts: list[int], row: SamplingRow) -> Verified:
             kept += 1
         tokens = drafts[:kept] + [best[kept]]
     else:
-        probs = sampling_distribution(logits, rows)
+        probs = sampling_distribution(logits, _drafted_rows(row, drafts))
         if not bool(torch.isfinite(probs).all()):
             return Verified([], [], 0, "sampling failed: this request's sampling parameters made its logits NaN or inf")
         tokens, kept = _reject(probs, drafts, row.generator)
@@ -102,6 +102,12 @@ def draw(probs: Tensor, u: float) -> int:
     if pick >= probs.shape[-1]:  # the draw rounded onto the total: the last token with mass
         pick = int(torch.nonzero(probs > 0).max().item())
     return pick
+
+
+def _drafted_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
+    """The sampling row of each drafted position (built only where a row's
+    history changes its logits or its draw: a plain greedy row needs none)."""
+    return [_with_history(row, drafts[:i]) for i in range(len(drafts) + 1)]
 
 
 def _with_history(row: SamplingRow, drafts: list[int]) -> SamplingRow:
