@@ -3,8 +3,9 @@
 A model continues a passage it was just shown only through an induction
 head (attend to the token after the last place the current token
 appeared, copy it). Python's own text repeats too little for 2,400 steps
-to grow one (docs/kv-cache.md), so the recipe shows it two kinds of
-windows whose repeats only copying can predict:
+to grow one (docs/kv-cache.md), so the copying model's recipe
+(``train.COPYING``) shows it two kinds of windows whose repeats only
+copying can predict:
 
 - ``random_copy_windows``: random tokens with a random period, written
   over and over. Nothing but matching content predicts them, so the head

@@ -165,10 +165,11 @@ def train(
     positions = torch.arange(seq_len, device=device).expand(batch_size + copy_rows, -1)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
+    loop_start = time.perf_counter()  # the ETA is the text steps' own pace
 
     def progress(step: int) -> str:
         elapsed = time.perf_counter() - start
-        eta = elapsed / step * (steps - step)
+        eta = (time.perf_counter() - loop_start) / step * (steps - step)
         return f"step {step}/{steps}: loss {losses[-1]:.3f}" + (
             f", held-out {evals[-1][1]:.3f}" if evals and evals[-1][0] == step else ""
         ) + f" ({elapsed:.0f} s, ETA {eta:.0f} s)"
