@@ -43,14 +43,17 @@ def _periods(count: int, seq_len: int, gen: torch.Generator) -> list[int]:
 def random_copy_windows(count: int, seq_len: int, vocab: range, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` windows of random tokens from ``vocab`` repeated with random
     periods: ``[count, seq_len + 1]`` tokens, ``[count, seq_len]`` masks."""
-    rows = [repeat_to_window(torch.randint(vocab.start, vocab.stop, (p,), generator=gen), seq_len)
-            for p in _periods(count, seq_len, gen)]  # fmt: skip
-    return torch.stack([w for w, _ in rows]).long(), torch.stack([m for _, m in rows])
+    return _stacked([repeat_to_window(torch.randint(vocab.start, vocab.stop, (p,), generator=gen), seq_len)
+                     for p in _periods(count, seq_len, gen)])  # fmt: skip
 
 
 def text_copy_windows(corpus: Corpus, count: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` windows of real text (drawn as ``corpus.sample`` draws)
     whose first span, of a random period, is repeated: tokens and masks."""
     text = corpus.sample(count, seq_len, gen)
-    rows = [repeat_to_window(row[:p], seq_len) for row, p in zip(text, _periods(count, seq_len, gen), strict=True)]
+    return _stacked([repeat_to_window(row[:p], seq_len) for row, p in zip(text, _periods(count, seq_len, gen), strict=True)])
+
+
+def _stacked(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``repeat_to_window``'s (window, mask) pairs as one batch: long tokens, bool masks."""
     return torch.stack([w for w, _ in rows]).long(), torch.stack([m for _, m in rows])

@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from paged_server.default_model import ensure_default_model
 from paged_server.default_model.copy_windows import random_copy_windows, text_copy_windows
 from paged_server.default_model.corpus import HELDOUT_SHARE, build_corpus
+from paged_server.default_model.tokenizer_builder import SPECIAL_TOKENS
 from paged_server.models import load_model
 from paged_server.models.loader import checkpoint_state_dict
 
@@ -236,7 +237,7 @@ def warm_start(model: torch.nn.Module, steps: int, vocab_size: int, gen: torch.G
     seq_len, batch_size, lr, warmup = (WARM_START[k] for k in ("seq_len", "batch_size", "lr", "warmup"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     positions = torch.arange(seq_len, device=device).expand(batch_size, -1)
-    specials = 3  # <|endoftext|>, <|im_start|>, <|im_end|>: never in a window of text
+    specials = len(SPECIAL_TOKENS)  # ids 0-2: random windows draw from the rest
     losses: list[float] = []
     for step in range(1, steps + 1):
         for group in optimizer.param_groups:
