@@ -21,7 +21,7 @@ from paged_server.engine.speculative.step_cost import (
     bucket,
     expected_tokens,
 )
-from paged_server.engine.speculative.verify import _reject, verify
+from paged_server.engine.speculative.verify import StepChecks, _reject, verify
 from paged_server.sampling_params import SamplingParams
 from paged_server.speculative_config import SpeculativeConfig
 
@@ -143,6 +143,32 @@ def test_ngram_drafts_what_followed_the_latest_repeat_of_the_suffix() -> None:
     assert proposer.propose([4, 5, 1, 2, 1, 2], limit=3) == [1, 2]
 
 
+def _lookup(tokens: list[int], k: int, min_n: int, max_n: int, limit: int) -> list[int]:
+    """Prompt lookup by its definition, one n-gram length and one place at a time."""
+    limit = min(limit, k)
+    if limit < 1 or len(tokens) <= min_n:
+        return []
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [s + n for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+        if starts:
+            whole = [s for s in starts if len(tokens) - s >= limit]
+            start = whole[-1] if whole else starts[0]
+            return tokens[start : start + limit]
+    return []
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 4), (2, 3), (3, 5)])
+def test_ngram_matches_lookup_by_its_definition(min_n, max_n) -> None:
+    """Random short histories over a few token ids (many repeats, of every length)."""
+    gen = torch.Generator().manual_seed(min_n * 10 + max_n)
+    proposer = NgramProposer(k=4, min_n=min_n, max_n=max_n)
+    for _ in range(400):
+        length = int(torch.randint(1, 40, (1,), generator=gen))
+        tokens = torch.randint(0, 4, (length,), generator=gen).tolist()
+        limit = int(torch.randint(0, 6, (1,), generator=gen))
+        assert proposer.propose(tokens, limit) == _lookup(tokens, 4, min_n, max_n, limit), (tokens, limit)
+
+
 # -- verification ---------------------------------------------------------------------
 def _row(params: SamplingParams, history: list[int], seed: int = 0) -> SamplingRow:
     return SamplingRow(params, torch.Generator().manual_seed(seed), history, 1)
@@ -157,6 +183,24 @@ def test_greedy_keeps_drafts_while_each_is_the_argmax() -> None:
     assert (out.tokens, out.num_accepted) == ([3, 4, 7], 2)  # 5 rejected: the argmax 7 replaces it
     out = verify(logits, [3, 4, 7], _row(greedy, [1, 2]))
     assert (out.tokens, out.num_accepted) == ([3, 4, 7, 2], 3)  # all kept, then the bonus token
+
+
+def test_a_steps_rows_checked_at_once_give_each_sequence_its_own_verdict() -> None:
+    """Two sequences' rows in one tensor, taken in one pass (``StepChecks``):
+    the same verdicts as one at a time, and a NaN fails only its sequence."""
+    torch.manual_seed(0)
+    rows = torch.randn(7, 16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    first, second = rows[:3], rows[3:]
+    drafts = [[int(first[0].argmax()), 5], [int(second[0].argmax()), int(second[1].argmax()), 9]]
+    checks = StepChecks.of(rows)
+    for logits, draft, at in ((first, drafts[0], 0), (second, drafts[1], 3)):
+        alone, batched = verify(logits, draft, _row(greedy, [1])), verify(logits, draft, _row(greedy, [1]), checks, at)
+        assert (batched.tokens, batched.num_accepted, batched.error) == (alone.tokens, alone.num_accepted, None)
+    rows[5, 2] = float("nan")
+    checks = StepChecks.of(rows)
+    assert verify(rows[:3], drafts[0], _row(greedy, [1]), checks, 0).error is None
+    assert "non-finite" in (verify(rows[3:], drafts[1], _row(greedy, [1]), checks, 3).error or "")
 
 
 def test_greedy_sees_the_drafts_before_it_in_its_history() -> None:

@@ -79,7 +79,7 @@ from paged_server.engine.sample.token_sets import check_first_token, resolve_tok
 from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
 from paged_server.engine.speculative.proposer import build_proposer
 from paged_server.engine.speculative.step_cost import StepCost
-from paged_server.engine.speculative.verify import Verified, verify
+from paged_server.engine.speculative.verify import StepChecks, Verified, verify
 from paged_server.engine.worker.worker import Worker, WorkerStep
 from paged_server.errors import EngineFailedError, QueueFullError, describe_error
 from paged_server.generation_defaults import generation_defaults
@@ -549,13 +549,17 @@ class LLMEngine:
         its KV committed through the last kept draft, the room reserved for
         rejected ones given back (no prefix-cache entry ever holds them)."""
         drafted, self._drafted = self._drafted, []
+        checks = StepChecks.of(step.verified_rows) if step.verified_rows is not None else None
+        first = 0
         for i, logits in step.verified:
             seq, n = scheduled[i]
-            drafts = seq.draft[: n - 1]
+            drafts, at = seq.draft[: n - 1], first
+            first += logits.shape[0]
             if seq.is_finished or seq.pool_seq_id is None:
                 continue
             with self._isolated(seq, "speculative decoding"):
-                self._apply_verdict(seq, drafts, verify(logits, drafts, self._sampling_row(seq)))
+                verdict = verify(logits, drafts, self._sampling_row(seq), checks, at)
+                self._apply_verdict(seq, drafts, verdict)
         for seq in drafted:
             seq.draft = []
 

@@ -47,6 +47,8 @@ class StepLogits:
     pooled: list[PromptScores] = field(default_factory=list)
     # (entry, its logits [1 + drafts, vocab]) of each entry whose drafts were checked
     verified: list[tuple[int, Tensor]] = field(default_factory=list)
+    # all of ``verified``'s rows, in its order (one tensor: checked in one pass)
+    verified_rows: Tensor | None = None
 
 
 def run_step(
@@ -78,11 +80,12 @@ def split_logits(
         for i, first, _, count in entries:
             part.append(PromptScores(i, first, logits[at : at + count]))
             at += count
-    checks = []
+    checks, first = [], at
     for i, _, count in verified or []:
         checks.append((i, logits[at : at + count]))
         at += count
-    return StepLogits(logits[: len(sampled)], sampled, num_tokens, parts[0], parts[1], checks)
+    rows = logits[first:at] if checks else None
+    return StepLogits(logits[: len(sampled)], sampled, num_tokens, parts[0], parts[1], checks, rows)
 
 
 @dataclass(slots=True)

@@ -4,8 +4,8 @@ When the last ``n`` tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``)
 appeared earlier in the prompt or output, the tokens that followed their
 latest earlier appearance with a whole draft after it are the draft: code being edited, a document
 being quoted, a conversation's earlier turns all repeat that way. No model
-runs; the search is numpy over the sequence's tokens (one vectorised
-comparison per n-gram length).
+runs; the search is numpy over the sequence's tokens: the places holding
+the last token, narrowed one token further back at a time.
 """
 
 from __future__ import annotations
@@ -37,16 +37,23 @@ class NgramProposer:
         if limit < 1 or n_tokens <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
-            suffix = tokens[n_tokens - n :]
-            # windows starting at 0..n_tokens-n-1: every earlier place the suffix could sit
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tokens - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if len(hits):
-                # The latest appearance (the nearest context) that is followed
-                # by a whole draft; else the one followed by the most tokens.
-                follow = n_tokens - (hits + n)
-                whole = hits[follow >= limit]
-                start = int(whole[-1] if len(whole) else hits[0]) + n
-                return tokens[start : start + limit].tolist()  # type: ignore[no-any-return]
-        return []
+        last = n_tokens - 1
+        # Earlier places the suffix could end, narrowed one token further back
+        # at a time: after the loop, ``ends`` are those where the longest
+        # suffix that appeared before (at most max_n tokens) ends.
+        ends = np.flatnonzero(tokens[:last] == tokens[last])
+        n = 1
+        while len(ends) and n < self.max_n:
+            reach = ends[ends >= n]  # room for one more token before
+            longer = reach[tokens[reach - n] == tokens[last - n]]
+            if not len(longer):
+                break
+            ends, n = longer, n + 1
+        if not len(ends) or n < self.min_n:
+            return []
+        # The latest appearance (the nearest context) that is followed by a
+        # whole draft; else the one followed by the most tokens.
+        starts = ends + 1
+        whole = starts[n_tokens - starts >= limit]
+        start = int(whole[-1] if len(whole) else starts[0])
+        return tokens[start : start + limit].tolist()  # type: ignore[no-any-return]

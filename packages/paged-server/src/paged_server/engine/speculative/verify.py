@@ -47,19 +47,43 @@ class Verified:
     error: str | None = None
 
 
-def verify(logits: Tensor, drafts: list[int], row: SamplingRow) -> Verified:
+@dataclass(slots=True)
+class StepChecks:
+    """What every checked row of a step needs, taken in one pass over all of
+    them (a tensor op per sequence costs more than the op itself at 32
+    streams): each row's argmax of the raw logits, and whether it is broken
+    (NaN or +inf)."""
+
+    argmax: list[int]
+    broken: list[bool]
+
+    @classmethod
+    def of(cls, rows: Tensor) -> StepChecks:
+        values, argmax = row_max(rows)  # a row's max is NaN if it holds one, +inf if it holds that
+        return cls(argmax.tolist(), (~(values < float("inf"))).tolist())
+
+
+def verify(
+    logits: Tensor, drafts: list[int], row: SamplingRow, checks: StepChecks | None = None, first: int = 0
+) -> Verified:
     """``logits``: ``[len(drafts) + 1, vocab]`` (float32) of one sequence;
-    ``row``: its sampling row (history up to the token before the drafts)."""
-    if logits.shape[0] != len(drafts) + 1:
-        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} rows of logits, got {logits.shape[0]}")
-    if bool((torch.isnan(logits) | (logits == float("inf"))).any()):
+    ``row``: its sampling row (history up to the token before the drafts).
+    ``checks``: the step's ``StepChecks``, where this sequence's rows start
+    at ``first`` (else they are taken here)."""
+    count = len(drafts) + 1
+    if logits.shape[0] != count:
+        raise ValueError(f"{len(drafts)} drafts need {count} rows of logits, got {logits.shape[0]}")
+    if checks is None:
+        checks = StepChecks.of(logits)
+        first = 0
+    if any(checks.broken[first : first + count]):
         return Verified([], [], 0, "model produced non-finite logits (NaN or inf) for this request")
     if row.greedy:
-        processed = logits
         if row.edits_logits:
             rows = _drafted_rows(row, drafts)
-            processed = apply_penalties(apply_logits_processors(logits, rows), rows)
-        best = row_max(processed)[1].tolist()
+            best = row_max(apply_penalties(apply_logits_processors(logits, rows), rows))[1].tolist()
+        else:
+            best = checks.argmax[first : first + count]
         kept = 0
         while kept < len(drafts) and best[kept] == drafts[kept]:
             kept += 1
