@@ -9,15 +9,16 @@ the 128 tokens the model was trained on. On the trained default model
 (``--model trained-default``, trained once, ~15 min). That model has not
 learnt to copy (docs/kv-cache.md), so what prompt lookup finds is its own
 repeated phrases: the acceptance measured here is the model's, and the
-bound column says what the engine made of it. ``--model copying
---methods ngram`` runs the same on the one that has (the recipe on two
-layers after an induction warm start, trained once, ~25 min).
+bound column says what the engine made of it. ``--model copying`` runs
+the same on a pair that has: the recipe after an induction warm start
+(``COPYING``) on the whole model, the target (trained once, ~35 min), and
+on two layers, its draft (~25 min).
 
 Three engines are built in this process (same model, compiled forward, the
 CPU default): no speculation, prompt lookup (``ngram``) and a draft model
-(``draft_model``: by default the trained default model's recipe on its
-first two layers, ``ensure_trained_model(layers=DRAFT_LAYERS)``, trained
-once; ``--draft DIR`` for another). They run alternately, ``--repeats``
+(``draft_model``: by default the model's recipe on two layers,
+``ensure_trained_model(layers=DRAFT_LAYERS)``, trained once; ``--draft
+DIR`` for another). They run alternately, ``--repeats``
 times:
 - one stream: the prompts one after another; tokens/s, and from each
   speculating engine's counters the acceptance rate alpha (drafts kept / drafts
@@ -127,8 +128,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
     p.add_argument("--draft", default=None,
-                   help="the draft model's directory (default, for trained-default: its recipe on "
-                   f"its first {DRAFT_LAYERS} layers)")  # fmt: skip
+                   help="the draft model's directory (default, for trained-default and copying: its "
+                   f"recipe on {DRAFT_LAYERS} layers)")  # fmt: skip
     p.add_argument("--methods", default="ngram,draft_model", help="speculating engines to compare")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--passage", type=int, default=56, help="tokens of each passage")
@@ -146,13 +147,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         specs["ngram"] = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": low,
                           "prompt_lookup_max": high}  # fmt: skip
     draft_label = None
+    trained = args.model in (TRAINED_MODEL_ALIAS, "copying")  # a recipe of ours: its draft is ours too
     if "draft_model" in methods:
-        if args.draft is None and args.model != TRAINED_MODEL_ALIAS:
+        if args.draft is None and not trained:
             raise SystemExit("--draft DIR: the draft model for --model " + args.model)
-        draft = args.draft or str(ensure_trained_model(layers=DRAFT_LAYERS))
-        draft_label = args.draft or f"{args.model}'s recipe on its first {DRAFT_LAYERS} layers, trained"
+        copying = args.model == "copying"
+        draft = args.draft or str(ensure_trained_model(layers=DRAFT_LAYERS, copying=copying))
+        draft_label = args.draft or f"{args.model}'s recipe on {DRAFT_LAYERS} layers, trained"
         specs["draft_model"] = {"model": draft, "num_speculative_tokens": args.k}
-    if args.model == "copying":  # two layers taught to copy (ensure_trained_model(copying=True))
+    if args.model == "copying":  # taught to copy (ensure_trained_model(copying=True))
         args.model = str(ensure_trained_model(copying=True))
     base = dict(model=None if args.model == "embedded" else args.model, max_model_len=1024, max_batch_size=args.streams, device="cpu")
     load_before = os.getloadavg()[0]  # the machine may be shared: the page says how busy it was

@@ -3,8 +3,9 @@
 The same requests as ``spec_decode.py`` (prompts that ask for a passage
 again; the answer is the rest of it), greedy, one at a time over HTTP
 (``/v1/completions``, token-id prompts, streamed), on the trained default
-model and its draft (the same recipe on two layers), converted to GGUF by
-llama.cpp's own converter. Three methods on each server:
+model and its draft (the same recipe on two layers), or with ``--model
+copying`` on the pair taught to copy, converted to GGUF by llama.cpp's own
+converter. Three methods on each server:
 - ``off``: no speculation;
 - ``ngram``: paged ``{"method": "ngram", "num_speculative_tokens": K,
   "prompt_lookup_min": N, "prompt_lookup_max": N_MAX}``; llama.cpp
@@ -35,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("trained-default", "copying"), default="trained-default",
+                   help="the target and its 2-layer draft: the trained default recipe, or the "
+                   "pair taught to copy (spec_decode.py --model copying)")  # fmt: skip
     p.add_argument("--outtype", default="f16", help="llama.cpp's GGUF type for both models")
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max (llama.cpp: size-n = min)")
@@ -63,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     if tree is None:
         print(lc.missing_message(), file=sys.stderr)
         return 0
-    model, draft = ensure_trained_model(), ensure_trained_model(layers=DRAFT_LAYERS)
+    copying = args.model == "copying"
+    model = ensure_trained_model(copying=copying)
+    draft = ensure_trained_model(layers=DRAFT_LAYERS, copying=copying)
     gguf, draft_gguf = (lc.convert_to_gguf(tree, d, args.outtype) for d in (model, draft))
     low, high = (int(x) for x in args.lookup.split(","))
     k = args.k

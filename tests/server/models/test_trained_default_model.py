@@ -110,14 +110,20 @@ def test_a_smaller_model_by_the_same_recipe_is_cached_under_its_own_name(cache_r
     assert len(loaded.model.model.layers) == 1
 
 
-def test_the_copying_model_is_two_layers_with_a_warm_start_under_its_own_name(cache_root):
+@pytest.mark.parametrize("layers,suffix", [(None, "-copying"), (2, "-2layer-copying")])
+def test_the_copying_models_have_their_depths_warm_start_under_their_own_names(cache_root, layers, suffix):
+    recipes = {4: {"warm_start_steps": 3, "copy_rows": 2}, 2: {"warm_start_steps": 2, "copy_rows": 1}}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trained_module, "RECIPE", TINY_RECIPE)
-        mp.setattr(trained_module, "COPYING", {"layers": 2, "warm_start_steps": 3, "copy_rows": 2})
-        model = trained_module.ensure_trained_model(cache_root, copying=True)
-    assert model.name == trained_module.TRAINED_MODEL_NAME + "-2layer-copying"
+        mp.setattr(trained_module, "COPYING", recipes)
+        model = trained_module.ensure_trained_model(cache_root, layers=layers, copying=True)
+        with pytest.raises(ValueError, match="no copying recipe for 3 layers"):
+            trained_module.ensure_trained_model(cache_root, layers=3, copying=True)
+    assert model.name == trained_module.TRAINED_MODEL_NAME + suffix
     recipe = json.loads((model / "training.json").read_text())["recipe"]
-    assert (recipe["layers"], recipe["warm_start_steps"], recipe["copy_rows"]) == (2, 3, 2)
+    depth = layers or 4
+    assert (recipe["layers"], recipe["warm_start_steps"], recipe["copy_rows"]) == (
+        depth, recipes[depth]["warm_start_steps"], recipes[depth]["copy_rows"])
 
 
 def test_lr_warms_up_then_decays_to_a_tenth():

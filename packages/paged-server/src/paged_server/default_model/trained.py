@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from paged_server.default_model import default_cache_dir, ensure_default_model
+from paged_server.default_model.builder import CONFIG
 from paged_server.default_model.corpus import (
     STDLIB_PYTHON,
     STDLIB_SHA256,
@@ -48,10 +49,15 @@ def ensure_trained_model(
     build never leaves half a model). ``layers``: the same recipe on the
     first that many decoder layers (``DRAFT_LAYERS``: the speculative
     decoding benchmark's draft model), cached under its own name.
-    ``copying``: ``COPYING``'s model instead (two layers taught to copy a
-    passage they were shown: prompt lookup's benchmark model)."""
-    extra = {k: v for k, v in COPYING.items() if k != "layers"} if copying else {}
-    layers = COPYING["layers"] if copying else layers
+    ``copying``: ``COPYING``'s model of that many layers instead (taught to
+    copy a passage it was shown: speculative decoding's benchmark target,
+    and with ``DRAFT_LAYERS`` its draft)."""
+    extra: dict[str, int] = {}
+    if copying:
+        depth = layers if layers is not None else CONFIG["num_hidden_layers"]
+        if depth not in COPYING:
+            raise ValueError(f"no copying recipe for {depth} layers (there is one for {sorted(COPYING)})")
+        extra = COPYING[depth]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     digest = stdlib_digest(stdlib_files())
     pinned = digest == STDLIB_SHA256
