@@ -131,6 +131,10 @@ def test_step_cost_drafts_where_rows_are_cheap_and_not_where_they_cost_their_sha
     assert busy.choose(16, offers, step=3) == 1
     assert busy.choose(16, [(0.3, 4)], step=3) == 0
     assert busy.choose(16, [(0.3, 4)], step=EXPLORE_EVERY) == 1  # measured again now and then
+    # ... one sequence more than the estimates say, not all of them (a cold
+    # draft model's prefill of every history made that one step cost seven)
+    assert busy.choose(16, [(0.3, 4)] * 3, step=EXPLORE_EVERY) == 1
+    assert busy.choose(16, [(0.9, 4), (0.3, 4), (0.3, 4)], step=EXPLORE_EVERY) == 2
 
 
 def test_ngram_drafts_what_followed_the_latest_repeat_of_the_suffix() -> None:
