@@ -155,8 +155,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         draft = args.draft or str(ensure_trained_model(layers=DRAFT_LAYERS, copying=copying))
         draft_label = args.draft or f"{args.model}'s recipe on {DRAFT_LAYERS} layers, trained"
         specs["draft_model"] = {"model": draft, "num_speculative_tokens": args.k}
+    label = args.model
     if args.model == "copying":  # taught to copy (ensure_trained_model(copying=True))
         args.model = str(ensure_trained_model(copying=True))
+        label = f"The copying model ({Path(args.model).name}: the recipe after an induction warm start)"
     base = dict(model=None if args.model == "embedded" else args.model, max_model_len=1024, max_batch_size=args.streams, device="cpu")
     load_before = os.getloadavg()[0]  # the machine may be shared: the page says how busy it was
     engines = {"off": LLMEngine(EngineConfig(**base))}
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": " ".join([*(f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}" for _ in [0]
                                if "OMP_NUM_THREADS" in os.environ),
                              "python benchmarks/spec_decode.py", *(sys.argv[1:] if argv is None else argv)]),
-        "model": args.model,
+        "model": label,
         "speculative_configs": specs,
         "draft": draft_label,
         "prompts": len(prompts),
