@@ -193,7 +193,7 @@ def test_a_steps_rows_checked_at_once_give_each_sequence_its_own_verdict() -> No
     """Two sequences' rows in one tensor, taken in one pass (``StepChecks``):
     the same verdicts as one at a time, and a NaN fails only its sequence."""
     torch.manual_seed(0)
-    rows = torch.randn(7, 16)
+    rows = torch.randn(7, 128)  # a multiple of 64: row_max's blocked path on a CPU
     greedy = SamplingParams(temperature=0.0, max_tokens=10)
     first, second = rows[:3], rows[3:]
     drafts = [[int(first[0].argmax()), 5], [int(second[0].argmax()), int(second[1].argmax()), 9]]
@@ -205,6 +205,10 @@ def test_a_steps_rows_checked_at_once_give_each_sequence_its_own_verdict() -> No
     checks = StepChecks.of(rows)
     assert verify(rows[:3], drafts[0], _row(greedy, [1]), checks, 0).error is None
     assert "non-finite" in (verify(rows[3:], drafts[1], _row(greedy, [1]), checks, 3).error or "")
+    rows[5, 2], rows[1, 7] = 0.0, float("inf")  # +inf: broken too (-inf is a masked token)
+    checks = StepChecks.of(rows)
+    assert "non-finite" in (verify(rows[:3], drafts[0], _row(greedy, [1]), checks, 0).error or "")
+    assert verify(rows[3:], drafts[1], _row(greedy, [1]), checks, 3).error is None
 
 
 def test_greedy_sees_the_drafts_before_it_in_its_history() -> None:
