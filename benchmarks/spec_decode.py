@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit("--draft DIR: the draft model for --model " + args.model)
         copying = args.model == "copying"
         draft = args.draft or str(ensure_trained_model(layers=DRAFT_LAYERS, copying=copying))
-        draft_label = args.draft or f"{args.model}'s recipe on {DRAFT_LAYERS} layers, trained"
+        draft_label = args.draft or (
+            f"the copying recipe on {DRAFT_LAYERS} layers ({Path(draft).name})" if copying
+            else f"{args.model}'s recipe on its first {DRAFT_LAYERS} layers, trained"
+        )
         specs["draft_model"] = {"model": draft, "num_speculative_tokens": args.k}
     label = args.model
     if args.model == "copying":  # taught to copy (ensure_trained_model(copying=True))
