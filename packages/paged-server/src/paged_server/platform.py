@@ -180,7 +180,10 @@ class CudaPlatform(Platform):
         return "device: 'cuda' requested but no CUDA GPU is available; use 'cpu' or 'auto'"
 
     def set_device(self, device: torch.device) -> None:
-        torch.cuda.set_device(device)
+        # torch.cuda.set_device refuses a bare "cuda": it means the calling
+        # thread's current device, where its tensors go; nothing to set.
+        if device.index is not None:
+            torch.cuda.set_device(device)
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)

@@ -14,6 +14,7 @@ kernels, per-request lengths.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -135,8 +136,9 @@ def run_hf_continuous(
         eos_token_id=-1,
         pad_token_id=_pad_id(model),
     )
-    cb_cfg = ContinuousBatchingConfig(
-        page_size=page_size,
+    cb_cfg = _batching_config(
+        ContinuousBatchingConfig,
+        page_size,
         num_blocks=max(1, kv_tokens // page_size),
         max_batch_tokens=max_batched_tokens,
         max_requests_per_batch=max_batch_size,
@@ -192,3 +194,12 @@ def run_hf_continuous(
             "max_batch_tokens": max_batched_tokens,
         },
     )
+
+
+def _batching_config(cls: Any, page_size: int, **fields: Any) -> Any:
+    """``ContinuousBatchingConfig`` under this transformers' field names: the
+    block size was ``block_size`` (5.17) before ``page_size``, and ``seed``
+    came later (greedy runs do not need it)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    fields["page_size" if "page_size" in names else "block_size"] = page_size
+    return cls(**{k: v for k, v in fields.items() if k in names})
