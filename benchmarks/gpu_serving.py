@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     tiny = not result["gpu_numbers"]
     out = Path(args.out) if args.out else (Path(args.work_dir) / "gpu_serving.json" if tiny else DEFAULT_OUT)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    if not tiny:  # GPU numbers: the benchmark page's section comes from this very file
+        from report import write_page
+
+        write_page(out.parent, ROOT / "docs")
     print(json.dumps({k: result[k] for k in ("device", "note", "decode_roofline_fraction",
                       "prefill_kernel_vs_sdpa", "vs_transformers_generate_batch",
                       "ttft_vs_transformers_static", "seconds") if k in result}, indent=1))  # fmt: skip

@@ -659,9 +659,29 @@ def _gpu_serving_section(r: dict[str, Any] | None) -> list[str]:
         f"({_pct(ttft.get('roofline_fraction'))} of the FLOP roofline); against transformers' "
         f"static-cache generate: {'-' if static is None else f'{static:.2f}x'} its TTFT.",
         "",
+        *_gpu_serving_latency(r),
         *_table(["prefill kernel case", "Triton TFLOP/s", "SDPA TFLOP/s", "Triton vs SDPA"], krows),
         "",
     ]
+
+
+def _gpu_serving_latency(r: dict[str, Any]) -> list[str]:
+    """One stream's inter-token latency against the weight read, and the HTTP phase."""
+    out = []
+    one = r.get("decode", {}).get("1", {})
+    hf_itl = r.get("hf_static", {}).get("itl_ms")
+    if one.get("decode_tokens_per_s"):
+        out += [f"One stream: ITL {_f(1e3 / one['decode_tokens_per_s'])} ms, "
+                f"{one.get('itl_over_weight_read', 0):.2f}x the time to read the weights once; "
+                f"transformers' static-cache generate: {_f(hf_itl)} ms.", ""]  # fmt: skip
+    serve = r.get("serve")
+    if serve:
+        out += [f"Over HTTP (`paged-server serve`, {serve['streams']} streamed completions at once): "
+                f"{_f(serve['output_tokens_per_s'])} tok/s, TTFT p50 {_f(serve['ttft_p50_ms'])} ms; "
+                f"a {_f(r.get('ttft_2k', {}).get('prompt_tokens'))}-token prompt's TTFT "
+                f"{_f(serve.get('ttft_2k_cold_ms'))} ms cold, "
+                f"{_f(serve.get('ttft_2k_prefix_hit_ms'))} ms as a prefix-cache hit.", ""]  # fmt: skip
+    return out
 
 
 def _history_section(results: Path) -> list[str]:

@@ -81,6 +81,24 @@ def test_cuda_platform_answers_without_touching_a_gpu(monkeypatch: pytest.Monkey
     assert cuda.rank_device(torch.device("cuda"), 1) == torch.device("cuda", 1)
 
 
+def test_cuda_set_device_passes_only_an_indexed_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda.set_device refuses a bare "cuda" (ValueError: no index): the
+    executor thread's initializer hit it, and every step of an engine on
+    "cuda" failed (first seen on an H200). A bare "cuda" is the thread's
+    current device: nothing to set."""
+    calls: list[torch.device] = []
+
+    def set_device(device: torch.device) -> None:
+        if device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index, but got:{device}")
+        calls.append(device)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    CudaPlatform().set_device(torch.device("cuda"))
+    CudaPlatform().set_device(torch.device("cuda", 1))
+    assert calls == [torch.device("cuda", 1)]
+
+
 def test_cuda_without_a_gpu_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
