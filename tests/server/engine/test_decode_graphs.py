@@ -68,38 +68,54 @@ def test_padded_static_path_matches_the_plain_one(make_engine, run_engine, promp
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 to import paged_triton on a CPU"
 )
-def test_triton_decode_forward_is_graph_safe(make_engine, run_engine, prompt_of, greedy, monkeypatch) -> None:
+@pytest.mark.parametrize("fused_layers", [False, True])
+def test_triton_decode_forward_is_graph_safe(
+    make_engine, run_engine, prompt_of, greedy, monkeypatch, fused_layers: bool
+) -> None:
     """The decode forward with the Triton ops (their host wrappers for real,
     the kernel launches recorded instead of interpreted): no host reads, no
-    value-dependent shapes, the same ops and shapes for two different steps."""
+    value-dependent shapes, the same ops and shapes for two different steps.
+    ``fused_layers``: the norms, RoPE and SiLU-mul as Triton kernels too, as
+    the backend hands them out on CUDA."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    engine = make_engine(attention_backend="triton", max_batch_size=4)
-    run_engine(engine, [("warm", prompt_of(5, 9), greedy(2))])  # kernels and lazy state ready
-    launches: list[str] = []
-    monkeypatch.setattr(
-        InterpretedFunction, "run", lambda self, *a, grid, warmup, **kw: launches.append(self.__name__)
-    )
+    from paged_server.models.layers import use_layer_ops
+    from paged_triton import layer_ops
+    from paged_triton.triton_backend import TritonBackend
 
-    graphs = attach_graphs(engine)
-    lens = (7, 13, 18, 4)
-    seq_ids = [engine.kv_manager.allocate_sequence(prompt_of(n, 20 + n))[0] for n in lens]
-    traces = []
-    # Two steps that differ in batch, positions, page tables and lengths, both padded to 4.
-    for batch, back in ((3, 1), (4, 3)):
-        starts = [n - back for n in lens[:batch]]
-        meta = engine.worker.tensors.metadata(engine.kv_manager.step_layout(seq_ids[:batch], starts, [1] * batch))
-        graphs._load(meta, torch.arange(batch) + back, graphs.padded(batch))
-        mode = GraphSafety(record=True)
-        with torch.inference_mode(), mode, contextlib.ExitStack() as stack:
-            for name in ("tolist", "numpy", "item", "cpu"):  # host reads the dispatcher misses
-                stack.enter_context(mock.patch.object(torch.Tensor, name, _forbidden(name)))
-            graphs._forward(graphs.padded(batch))
-        traces.append(mode.trace)
-    assert launches, "the Triton kernels were never launched"
-    assert traces[0] == traces[1]
-    for seq_id in seq_ids:
-        engine.kv_manager.free_seq(seq_id)
+    if fused_layers:
+        monkeypatch.setattr(TritonBackend, "layer_ops", lambda self, device_type: layer_ops)
+    engine = make_engine(attention_backend="triton", max_batch_size=4)
+    try:
+        run_engine(engine, [("warm", prompt_of(5, 9), greedy(2))])  # kernels and lazy state ready
+        launches: list[str] = []
+        monkeypatch.setattr(
+            InterpretedFunction, "run", lambda self, *a, grid, warmup, **kw: launches.append(self.__name__)
+        )
+
+        graphs = attach_graphs(engine)
+        lens = (7, 13, 18, 4)
+        seq_ids = [engine.kv_manager.allocate_sequence(prompt_of(n, 20 + n))[0] for n in lens]
+        traces = []
+        # Two steps that differ in batch, positions, page tables and lengths, both padded to 4.
+        for batch, back in ((3, 1), (4, 3)):
+            starts = [n - back for n in lens[:batch]]
+            meta = engine.worker.tensors.metadata(engine.kv_manager.step_layout(seq_ids[:batch], starts, [1] * batch))
+            graphs._load(meta, torch.arange(batch) + back, graphs.padded(batch))
+            mode = GraphSafety(record=True)
+            with torch.inference_mode(), mode, contextlib.ExitStack() as stack:
+                for name in ("tolist", "numpy", "item", "cpu"):  # host reads the dispatcher misses
+                    stack.enter_context(mock.patch.object(torch.Tensor, name, _forbidden(name)))
+                graphs._forward(graphs.padded(batch))
+            traces.append(mode.trace)
+        assert launches, "the Triton kernels were never launched"
+        fused = {"_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel"}
+        assert (fused <= set(launches)) == fused_layers, set(launches)
+        assert traces[0] == traces[1]
+        for seq_id in seq_ids:
+            engine.kv_manager.free_seq(seq_id)
+    finally:
+        use_layer_ops(engine.loaded.model, None)  # the shared tiny model back to eager
 
 
 def _forbidden(name: str):

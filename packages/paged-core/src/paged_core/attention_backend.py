@@ -90,3 +90,8 @@ class AttentionBackend(Protocol):
     def lora_ops(self, device_type: str) -> Any:
         """The LoRA kernels to run beside it on ``device_type`` (None: the reference's)."""
         ...
+
+    def layer_ops(self, device_type: str) -> Any:
+        """Fused norm/RoPE/activation kernels for the model's layers on
+        ``device_type`` (None: the models' eager PyTorch ops)."""
+        ...

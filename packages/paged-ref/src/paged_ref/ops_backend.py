@@ -124,3 +124,7 @@ class OpsBackend:
     def lora_ops(self, device_type: str) -> Any:
         """None: the models' default LoRA kernels (``paged_ref.lora_ops``)."""
         return None
+
+    def layer_ops(self, device_type: str) -> Any:
+        """None: the models' eager norms, RoPE and activations."""
+        return None

@@ -55,3 +55,12 @@ class TritonBackend(OpsBackend):
         from paged_triton import lora_ops
 
         return lora_ops
+
+    def layer_ops(self, device_type: str) -> Any:
+        """Triton's fused RMSNorm, RoPE and SiLU-mul on CUDA, where each eager
+        op is a kernel of its own (the interpreter's would be slow)."""
+        if device_type != "cuda":
+            return None
+        from paged_triton import layer_ops
+
+        return layer_ops

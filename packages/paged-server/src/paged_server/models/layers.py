@@ -12,7 +12,7 @@ the same explicit way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,32 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+class LayerOps(Protocol):
+    """Fused kernels for a layer's elementwise work (``paged_triton.layer_ops``):
+    each matches the eager code it replaces, rounding where it rounds."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+def use_layer_ops(model: nn.Module, ops: LayerOps | None) -> None:
+    """Run ``model``'s norms, RoPE and SiLU-mul through ``ops`` (None: eager
+    PyTorch). The worker passes its attention backend's ``layer_ops``: the
+    Triton kernels on CUDA, where each eager op is a kernel of its own."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm | GatedMLP | Attention):
+            module.layer_ops = ops
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32.
 
@@ -49,13 +75,24 @@ class RMSNorm(nn.Module):
     reference implementations bit for bit in low precision.
     """
 
+    layer_ops: LayerOps | None = None  # fused kernels (``use_layer_ops``)
+
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.unit_offset = unit_offset
 
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the norm after it: ``(norm(x + delta), x + delta)``."""
+        if self.layer_ops is not None and x.dim() == 2:
+            return self.layer_ops.add_rms_norm(x, delta, self.weight, self.eps, self.unit_offset)
+        x = x + delta
+        return self(x), x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer_ops is not None and x.dim() <= 3:
+            return self.layer_ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -93,9 +130,15 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden_size, slices, bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, start, size, bias, tp)
         self.act = ACTIVATIONS[act]
+        self.fusable = act == "silu"  # layer_ops has SiLU-mul only
+
+    layer_ops: LayerOps | None = None  # fused kernels (``use_layer_ops``)
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x, lora))
+        gate_up = self.gate_up_proj(x, lora)
+        if self.layer_ops is not None and self.fusable and gate_up.dim() == 2:
+            return self.down_proj(self.layer_ops.silu_mul(gate_up), lora)
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up, lora)
 
 
@@ -158,6 +201,8 @@ class Attention(nn.Module):
         self.q_norm = qk_norm() if qk_norm else None
         self.k_norm = qk_norm() if qk_norm else None
 
+    layer_ops: LayerOps | None = None  # fused kernels (``use_layer_ops``)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -175,7 +220,10 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, cos, sin)
+        if self.layer_ops is not None and q.dim() == 3:  # a flat batch: in place, one kernel each
+            q, k = self.layer_ops.rope(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, k, cos, sin)
         if kv_cache is None:
             out = causal_attention(
                 q, k, v, scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap

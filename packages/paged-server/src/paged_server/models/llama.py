@@ -67,8 +67,10 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: AttentionViewProtocol | None,
         lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        h, x = self.post_attention_layernorm.add_norm(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, lora)
+        )
+        return x + self.mlp(h, lora)
 
 
 class LlamaModel(DecoderStack):

@@ -64,6 +64,7 @@ from paged_server.engine.worker.decode_graphs import DecodeGraphs
 from paged_server.engine.worker.kernel_warmup import warm_up_kernels
 from paged_server.models import LoadedModel, load_model
 from paged_server.models.errors import LoRAAdapterError
+from paged_server.models.layers import use_layer_ops
 from paged_server.models.lora import LoRAConfig, LoRAManager, LoRAMapping
 from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel, shard_heads
@@ -149,6 +150,8 @@ class Worker:
                 path, config.torch_dtype, self.device, self.tp, config.quantization, pp=self.stage,
                 pooling=config.pooling, pooler_config=config.pooler_config,
             )  # fmt: skip
+        # The backend's fused norm/RoPE/SiLU kernels where eager ops cost a kernel each (CUDA).
+        use_layer_ops(self.model, self._backend().layer_ops(self.platform.device_type))
         if self.stage.size > 1:  # this rank's turn of each step (calibration's pass included)
             from paged_server.parallel.pipeline import PipelineStep
 
@@ -166,7 +169,11 @@ class Worker:
 
     def _lora_ops(self) -> Any:
         """The LoRA kernels the attention backend runs beside it (None: the reference's)."""
-        return attention_backends.build(self.config.attention_backend).lora_ops(self.platform.device_type)
+        return self._backend().lora_ops(self.platform.device_type)
+
+    def _backend(self) -> Any:
+        """The configured attention backend (its kernels beside attention)."""
+        return attention_backends.build(self.config.attention_backend)
 
     @property
     def model(self) -> Any:
