@@ -303,3 +303,16 @@ def test_lora_kernels_compile_without_spills():
     assert {j.arch for j in jobs} == set(cm.ARCHS) and {j.dtype for j in jobs} == {"bf16", "fp16"}
     results = cm.run_jobs(jobs)
     assert not describe(results), "\n".join(describe(results))
+
+
+@needs_ptxas
+def test_layer_kernels_compile_without_spills():
+    """The fused norm, RoPE and SiLU-mul kernels for Llama, Qwen 3 (q/k norms)
+    and Gemma 3 (unit-offset norms, one kv head) in bf16 and fp16 on sm_80,
+    sm_89 and sm_90: no errors, no spills."""
+    jobs = cm.layer_jobs()
+    kernels = {j.kernel.split(":")[1] for j in jobs}
+    assert kernels == {"_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel"}
+    assert {j.arch for j in jobs} == set(cm.ARCHS)
+    results = cm.run_jobs(jobs)
+    assert not describe(results), "\n".join(describe(results))

@@ -418,6 +418,7 @@ def derived_jobs(
         jobs.update((job.key, job) for job in moe_jobs(archs, dtypes))
         jobs.update((job.key, job) for job in quant_matmul_jobs(archs, dtypes))
         jobs.update((job.key, job) for job in lora_jobs(archs, dtypes))
+        jobs.update((job.key, job) for job in layer_jobs(archs, dtypes))
     for name, layout in derived_layouts(dtypes, kv_caches, layouts):
         for arch in archs:
             if layout.kv_cache_dtype == torch.float8_e4m3fn and arch < 89:
@@ -467,6 +468,54 @@ def moe_jobs(
                         label = f"{moe.name} tp{tp} {dtype}: fused_moe {what}"
                         job = launch_job(label, dtype, launch, arch, block_n=False)
                         jobs.setdefault(job.key, job)
+    return list(jobs.values())
+
+
+# (name, hidden, intermediate, heads, kv_heads, head_dim, Gemma's unit-offset norms, q/k norms):
+# the layer kernels' variants depend on these sizes and flags only, never on the batch.
+LAYER_SHAPES = (
+    ("Llama 3.1 8B", 4096, 14336, 32, 8, 128, False, False),
+    ("Llama 3.2 1B", 2048, 8192, 32, 8, 64, False, False),
+    ("Qwen3 8B", 4096, 12288, 32, 8, 128, False, True),
+    ("Gemma 3 1B", 1152, 6912, 4, 1, 256, True, True),
+    ("Gemma 3 4B", 2560, 10240, 8, 4, 256, True, True),
+)
+
+
+def layer_jobs(
+    archs: Sequence[int] = ARCHS, dtypes: Sequence[str] = ("bf16", "fp16")
+) -> list[CompileJob]:
+    """The fused layer kernels (``layer_ops``: RMSNorm with and without the
+    residual add, per-head q/k norms, RoPE, SiLU-mul) for each model of
+    :data:`LAYER_SHAPES`, deduplicated."""
+    from paged_triton.layer_ops import plan_rms_norm, plan_rope, plan_silu_mul
+
+    jobs: dict[tuple[Any, ...], CompileJob] = {}
+    tokens = 64
+    for name, hidden, inter, heads, kv_heads, d, unit, qk_norm in LAYER_SHAPES:
+        for dtype in dtypes:
+            dt = DTYPES[dtype]
+
+            def meta(*shape: int, dt: torch.dtype = dt) -> torch.Tensor:
+                return torch.empty(*shape, device="meta", dtype=dt)
+
+            x, w = meta(tokens, hidden), meta(hidden)
+            qkv = meta(tokens, (heads + 2 * kv_heads) * d)
+            q = qkv[:, : heads * d].unflatten(-1, (heads, d))
+            k = qkv[:, heads * d : (heads + kv_heads) * d].unflatten(-1, (kv_heads, d))
+            launches = {
+                "rms_norm": plan_rms_norm(x, None, w, 1e-6, unit, x, None),
+                "add_rms_norm": plan_rms_norm(x, x, w, 1e-6, unit, x, meta(tokens, hidden)),
+                "rope": plan_rope(q, k, meta(tokens, d), meta(tokens, d)),
+            }
+            if not unit:  # Gemma's MLP is GeGLU, which stays eager
+                launches["silu_mul"] = plan_silu_mul(meta(tokens, 2 * inter), meta(tokens, inter))
+            if qk_norm:
+                launches["qk_norm"] = plan_rms_norm(q, None, meta(d), 1e-6, unit, meta(tokens, heads, d), None)
+            for what, launch in launches.items():
+                for arch in archs:
+                    job = launch_job(f"{name} {dtype}: {what}", dtype, launch, arch, block_n=False)
+                    jobs.setdefault(job.key, job)
     return list(jobs.values())
 
 

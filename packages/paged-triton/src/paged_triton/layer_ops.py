@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from paged_triton.interpreter_bf16 import cast
+from paged_triton.launch import Launch
 from paged_triton.launch_checks import interpreted
 
 
@@ -93,40 +94,65 @@ def _norm(
     x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, unit_offset: bool, out: Tensor,
     total: Tensor | None,
 ) -> None:  # fmt: skip
-    n = x.shape[-1]
     if x.stride(-1) != 1 or (delta is not None and (delta.dim() != 2 or delta.stride(-1) != 1)):
         raise ValueError("rms_norm needs the last dim contiguous (and a 2-D delta)")
+    if x.numel():
+        plan_rms_norm(x, delta, weight, eps, unit_offset, out, total).run()
+
+
+def plan_rms_norm(
+    x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, unit_offset: bool, out: Tensor,
+    total: Tensor | None,
+) -> Launch:  # fmt: skip
+    """One program per row (token, or token and head of ``[tokens, heads, n]``)."""
+    n = x.shape[-1]
     rows3 = x if x.dim() == 3 else x.unsqueeze(1)
     out3 = out if out.dim() == 3 else out.unsqueeze(1)
     tokens, heads = rows3.shape[0], rows3.shape[1]
-    if tokens * heads == 0:
-        return
     with_delta = delta is not None and total is not None
-    _rms_norm_kernel[(tokens * heads,)](
-        x, delta if with_delta else x, weight, out, total if with_delta else out, heads,
-        rows3.stride(0), rows3.stride(1), delta.stride(0) if with_delta else 0,
-        out3.stride(0), out3.stride(1), total.stride(0) if with_delta else 0, n, eps,
-        HAS_DELTA=with_delta, UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(n),
-        EMULATE_BF16=_emulate(x), num_warps=_warps(n),
+    return Launch(
+        _rms_norm_kernel,
+        (tokens * heads,),
+        (x, delta if with_delta else x, weight, out, total if with_delta else out, heads,
+         rows3.stride(0), rows3.stride(1), delta.stride(0) if with_delta else 0,
+         out3.stride(0), out3.stride(1), total.stride(0) if with_delta else 0, n, eps),
+        dict(HAS_DELTA=with_delta, UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(n),
+             EMULATE_BF16=_emulate(x)),
+        num_warps=4 if n <= 1024 else 8,
+        num_stages=1,
     )  # fmt: skip
 
 
-@triton.jit
+# Ints taken in both branches of the q/k choice: never specialised, so the
+# branches' values have one type whatever they are (a kv head count of 1).
+ROPE_INTS = ["q_heads", "k_heads", "stride_qt", "stride_qh", "stride_kt", "stride_kh"]
+
+
+@triton.jit(do_not_specialize=ROPE_INTS)
 def _rope_kernel(
-    X,
+    Q,
+    K,
     COS,
     SIN,
-    heads,
-    stride_xt,
-    stride_xh,
+    q_heads,
+    k_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
     stride_ct,
     half,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
-    # One token's heads per program, rotated in place: x * cos + rotate_half(x) * sin.
+    # Program (t, 0) rotates token t's q heads in place, (t, 1) its k heads:
+    # x * cos + rotate_half(x) * sin.
     t = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        X, heads, stride_xt, stride_xh = Q, q_heads, stride_qt, stride_qh
+    else:
+        X, heads, stride_xt, stride_xh = K, k_heads, stride_kt, stride_kh
     hs = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     mask = (hs < heads)[:, None] & (d < half)[None, :]
@@ -137,7 +163,7 @@ def _rope_kernel(
     c2 = tl.load(COS + t * stride_ct + half + d, mask=d < half, other=0.0)[None, :]
     s1 = tl.load(SIN + t * stride_ct + d, mask=d < half, other=0.0)[None, :]
     s2 = tl.load(SIN + t * stride_ct + half + d, mask=d < half, other=0.0)[None, :]
-    dt = X.dtype.element_ty
+    dt = Q.dtype.element_ty
     lo = _rounded(x1, c1, dt, EMULATE_BF16) - _rounded(x2, s1, dt, EMULATE_BF16)
     hi = _rounded(x2, c2, dt, EMULATE_BF16) + _rounded(x1, s2, dt, EMULATE_BF16)
     tl.store(first, cast(lo, dt, EMULATE_BF16), mask=mask)
@@ -159,15 +185,26 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
         raise ValueError(f"rope needs cos/sin [{tokens}, {d}], got {tuple(cos.shape)}")
     if d % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1:
         raise ValueError("rope needs an even head_dim with its last dim contiguous")
-    if tokens == 0:
-        return q, k
-    for x in (q, k):
-        _rope_kernel[(tokens,)](
-            x, cos, sin, x.shape[1], x.stride(0), x.stride(1), cos.stride(0), d // 2,
-            BLOCK_H=triton.next_power_of_2(x.shape[1]), BLOCK_HALF=triton.next_power_of_2(d // 2),
-            EMULATE_BF16=_emulate(x), num_warps=4,
-        )  # fmt: skip
+    if q.dtype != k.dtype or k.shape[0] != tokens or k.shape[-1] != d:
+        raise ValueError(f"rope needs q and k alike but for heads: {tuple(q.shape)}, {tuple(k.shape)}")
+    if tokens:
+        plan_rope(q, k, cos, sin).run()
     return q, k
+
+
+def plan_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Launch:
+    """Programs (token, q or k)."""
+    d = q.shape[-1]
+    return Launch(
+        _rope_kernel,
+        (q.shape[0], 2),
+        (q, k, cos, sin, q.shape[1], k.shape[1], q.stride(0), q.stride(1), k.stride(0),
+         k.stride(1), cos.stride(0), d // 2),
+        dict(BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+             BLOCK_HALF=triton.next_power_of_2(d // 2), EMULATE_BF16=_emulate(q)),
+        num_warps=4,
+        num_stages=1,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -201,18 +238,24 @@ def silu_mul(gate_up: Tensor) -> Tensor:
         raise ValueError(f"silu_mul needs [tokens, 2n] with the last dim contiguous, got {tuple(gate_up.shape)}")
     out = torch.empty(tokens, n, dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
-        block = min(SILU_BLOCK, triton.next_power_of_2(n))
-        _silu_mul_kernel[(tokens, triton.cdiv(n, block))](
-            gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block,
-            EMULATE_BF16=_emulate(gate_up), num_warps=4,
-        )  # fmt: skip
+        plan_silu_mul(gate_up, out).run()
     return out
+
+
+def plan_silu_mul(gate_up: Tensor, out: Tensor) -> Launch:
+    """Programs (token, block of ``SILU_BLOCK`` features)."""
+    n = out.shape[-1]
+    block = min(SILU_BLOCK, triton.next_power_of_2(n))
+    return Launch(
+        _silu_mul_kernel,
+        (out.shape[0], triton.cdiv(n, block)),
+        (gate_up, out, n, gate_up.stride(0), out.stride(0)),
+        dict(BLOCK=block, EMULATE_BF16=_emulate(gate_up)),
+        num_warps=4,
+        num_stages=1,
+    )
 
 
 def _emulate(x: Tensor) -> bool:
     """Round bfloat16 as a GPU does when the interpreter runs the kernels."""
     return interpreted(_rms_norm_kernel) and x.dtype == torch.bfloat16
-
-
-def _warps(n: int) -> int:
-    return 4 if n <= 1024 else 8
