@@ -18,7 +18,8 @@ it goes:
    ``LLM`` with a GPU user's defaults (Triton attention, CUDA graphs, KV sized
    from free memory, prefix caching, chunked prefill): decode tokens/s at
    1/16/64/256 streams against the HBM roofline (weight + KV bytes per step
-   over the measured bandwidth), TTFT of 2k-token prompts against the FLOP
+   over the measured bandwidth; each stream count's prompts run cold, then
+   again as prefix hits, where all the streams decode together), TTFT of 2k-token prompts against the FLOP
    roofline, and the same requests' total throughput.
 3. ``serve``: ``paged-server serve`` on the checkpoint, streamed completions
    over HTTP (TTFT, tokens/s, a prefix-cache hit's TTFT).

@@ -46,6 +46,8 @@ def test_tiny_run_writes_every_field_from_its_phases(tmp_path: Path) -> None:
         d = r["decode"][s]
         assert d["roofline_fraction"] == pytest.approx(d["decode_tokens_per_s"] / d["roofline_tokens_per_s"])
         assert 0 < d["roofline_fraction"] < 1
+        # decode at s streams comes from the prompts' second run (prefix hits), the cold run kept beside it
+        assert d["cold_decode_tokens_per_s"] > 0 and d["prefix_hit_ttft_p50_ms"] > 0
         hf = r["hf_generate_batch"][s]["output_tokens_per_s"]
         assert r["vs_transformers_generate_batch"][s] == pytest.approx(d["output_tokens_per_s"] / hf)
     assert set(r["prefill_kernel_vs_sdpa"]) == {"prompts-8x2k", "chunks-4x512-after-8k"}
@@ -65,4 +67,5 @@ def test_tiny_run_writes_every_field_from_its_phases(tmp_path: Path) -> None:
     assert r["note"] in page
     for s in streams:
         assert f"| {s} | {report._f(r['decode'][s]['decode_tokens_per_s'])} |" in page
+    assert "prefix-cache hits, so every stream decodes in every step" in page
     assert report._gpu_serving_section(None) == []
