@@ -398,6 +398,13 @@ def phase_llm(work: Path, shape: Shape, tiny: bool) -> None:
     part.put("ttft_2k", {"prompt_tokens": shape.ttft_prompt, "p50_ms": p50, "all_ms": ttfts,
                          "flops": flops, "roofline_ms": flops / peak * 1e3 if peak else None,
                          "roofline_fraction": flops / peak * 1e3 / p50 if peak else None})  # fmt: skip
+    # Where a decode step's time goes (torch.profiler), at one stream and at the most
+    # up to 64: the next GPU session reads what bounds the step off this.
+    from gpu_step_profile import profile_decode_steps
+
+    for s in sorted({min(shape.streams), max(x for x in shape.streams if x <= 64)}):
+        prompts = _prompts(s, shape.context, seed=s, vocab=vocab)  # cached since the sweep
+        part.merge("step_profile", str(s), profile_decode_steps(engine, prompts, 8, f"-{s}"))
     llm.shutdown()
 
 

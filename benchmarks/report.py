@@ -690,6 +690,13 @@ def _gpu_serving_latency(r: dict[str, Any]) -> list[str]:
         out += [f"One stream: ITL {_f(1e3 / one['decode_tokens_per_s'])} ms, "
                 f"{one.get('itl_over_weight_read', 0):.2f}x the time to read the weights once; "
                 f"transformers' static-cache generate: {_f(hf_itl)} ms.", ""]  # fmt: skip
+    for streams, p in r.get("step_profile", {}).items():
+        top = ", ".join(f"`{k['name'][:40]}` {k['ms_per_step']:.2f} ms" for k in p["top"][:4])
+        busy = ("" if p.get("kernel_ms_per_step") is None else
+                f", kernels {_f(p['kernel_ms_per_step'], 2)} ms of it "
+                f"({_pct(p['device_busy_fraction'])} busy, {_f(p['kernels_per_step'], 0)} launches)")  # fmt: skip
+        out += [f"Decode step profile at {streams} stream(s): {_f(p['wall_ms_per_step'], 2)} ms per "
+                f"step{busy}; most time: {top}.", ""]  # fmt: skip
     serve = r.get("serve")
     if serve:
         out += [f"Over HTTP (`paged-server serve`, {serve['streams']} streamed completions at once): "
