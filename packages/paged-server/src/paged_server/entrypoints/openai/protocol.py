@@ -464,6 +464,8 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
                 return found
     elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
+            if isinstance(item, int | float) or item is None:
+                continue  # token ids: a 2k-token prompt paid ~3 ms for paths built per id
             if (found := lone_surrogate_path(item, f"{path}[{i}]")) is not None:
                 return found
     return None
