@@ -404,7 +404,8 @@ def phase_llm(work: Path, shape: Shape, tiny: bool) -> None:
 
     for s in sorted({min(shape.streams), max(x for x in shape.streams if x <= 64)}):
         prompts = _prompts(s, shape.context, seed=s, vocab=vocab)  # cached since the sweep
-        part.merge("step_profile", str(s), profile_decode_steps(engine, prompts, 8, f"-{s}"))
+        steps = 8 if not tiny else 2  # the interpreter's steps are slow; the path is what is checked
+        part.merge("step_profile", str(s), profile_decode_steps(engine, prompts, steps, f"-{s}"))
     llm.shutdown()
 
 

@@ -26,7 +26,7 @@ def profile_decode_steps(engine: Any, prompts: list[list[int]], steps: int, tag:
 
     from paged_server.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for n, ids in enumerate(prompts):
         engine.add_request(f"profile{tag}-{n}", ids, params)
     for _ in range(3):  # the prompts' last tokens, then decode with async scheduling settled

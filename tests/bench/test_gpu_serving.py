@@ -71,7 +71,7 @@ def test_tiny_run_writes_every_field_from_its_phases(tmp_path: Path) -> None:
     # the step profile: one stream and the most up to 64; on a CPU its rows are host ops
     assert set(r["step_profile"]) == {streams[0], streams[-1]}
     for p in r["step_profile"].values():
-        assert p["steps"] == 8 and p["wall_ms_per_step"] > 0 and p["top"]
+        assert p["steps"] == 2 and p["wall_ms_per_step"] > 0 and p["top"]  # 8 on a GPU
         assert all(row["ms_per_step"] >= 0 and row["calls_per_step"] > 0 for row in p["top"])
     assert "Decode step profile at 1 stream(s)" in page
     assert report._gpu_serving_section(None) == []

@@ -47,7 +47,7 @@ def test_fused_layers_serve_the_eager_tokens(
     from paged_server.engine.core.llm_engine import LLMEngine
 
     loaded = request.getfixturevalue(model)
-    requests = [(f"r{i}", prompt_of(5 + 7 * i, i), greedy(5, logprobs=0)) for i in range(3)]
+    requests = [(f"r{i}", prompt_of(5 + 9 * i, i), greedy(4, logprobs=0)) for i in range(2)]
 
     def engine() -> LLMEngine:
         cfg = EngineConfig(max_batch_size=4, max_model_len=128, max_num_batched_tokens=64,

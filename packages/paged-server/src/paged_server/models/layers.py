@@ -108,6 +108,8 @@ class GatedMLP(nn.Module):
     row-parallel). ``stored_as``: the checkpoint already stacks gate and up
     in one tensor of that name (Phi-3's ``gate_up_proj``)."""
 
+    layer_ops: LayerOps | None = None  # fused kernels (``use_layer_ops``)
+
     def __init__(
         self,
         hidden_size: int,
@@ -132,8 +134,6 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[act]
         self.fusable = act == "silu"  # layer_ops has SiLU-mul only
 
-    layer_ops: LayerOps | None = None  # fused kernels (``use_layer_ops``)
-
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)
         if self.layer_ops is not None and self.fusable and gate_up.dim() == 2:
@@ -151,6 +151,8 @@ class Attention(nn.Module):
     output projection's (Qwen 2 has the first only). With tensor parallelism
     each rank computes its share of the heads (``shard_heads``);
     ``num_heads``/``num_kv_heads`` are then this rank's."""
+
+    layer_ops: LayerOps | None = None  # fused kernels (``use_layer_ops``)
 
     def __init__(
         self,
@@ -201,8 +203,6 @@ class Attention(nn.Module):
         self.q_norm = qk_norm() if qk_norm else None
         self.k_norm = qk_norm() if qk_norm else None
 
-    layer_ops: LayerOps | None = None  # fused kernels (``use_layer_ops``)
-
     def forward(
         self,
         x: torch.Tensor,
@@ -220,7 +220,7 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.layer_ops is not None and q.dim() == 3:  # a flat batch: in place, one kernel each
+        if self.layer_ops is not None and q.dim() == 3:  # a flat batch: q and k in place, one launch
             q, k = self.layer_ops.rope(q, k, cos, sin)
         else:
             q, k = apply_rope(q, k, cos, sin)
