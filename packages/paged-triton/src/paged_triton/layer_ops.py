@@ -110,12 +110,15 @@ def plan_rms_norm(
     out3 = out if out.dim() == 3 else out.unsqueeze(1)
     tokens, heads = rows3.shape[0], rows3.shape[1]
     with_delta = delta is not None and total is not None
+    if delta is not None and total is not None:
+        added, summed, stride_d, stride_s = delta, total, delta.stride(0), total.stride(0)
+    else:  # no residual add: the kernel never reads these
+        added, summed, stride_d, stride_s = x, out, 0, 0
     return Launch(
         _rms_norm_kernel,
         (tokens * heads,),
-        (x, delta if with_delta else x, weight, out, total if with_delta else out, heads,
-         rows3.stride(0), rows3.stride(1), delta.stride(0) if with_delta else 0,
-         out3.stride(0), out3.stride(1), total.stride(0) if with_delta else 0, n, eps),
+        (x, added, weight, out, summed, heads, rows3.stride(0), rows3.stride(1), stride_d,
+         out3.stride(0), out3.stride(1), stride_s, n, eps),
         dict(HAS_DELTA=with_delta, UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(n),
              EMULATE_BF16=_emulate(x)),
         num_warps=4 if n <= 1024 else 8,
