@@ -99,3 +99,28 @@ def test_the_cache_key_follows_the_cpu(
     monkeypatch.setattr(c_library, "this_cpu", lambda: c_library.cpu_features(other))
     assert c_library.build(source, (), "test", "add").add(2, 3) == 5
     assert len(list((tmp_path / "cache" / "test").glob("*.so"))) == 2
+
+
+FAST_MATH_CHILD = """
+import sys
+from pathlib import Path
+from paged_ref.cpu import c_library
+before = float(sys.argv[2]) > 0.0
+lib = c_library.build(Path(sys.argv[1]), ("-ffast-math",), "test", "add")
+print(lib is not None, before, float(sys.argv[2]) > 0.0)
+"""
+
+
+def test_loading_a_fast_math_kernel_keeps_subnormals(source: Path, tmp_path: Path) -> None:
+    """The kernels build with -ffast-math; GCC before 13 then links
+    crtfastmath.o, whose loading set the FTZ/DAZ bits of the loading thread:
+    5e-324 read as 0 from then on (the server refused it as a
+    repetition_penalty). The link leaves the flag out. In a child process:
+    a failure here would leave the bits set in the test process."""
+    env = {**os.environ, "PAGED_CACHE_DIR": str(tmp_path / "cache")}
+    child = subprocess.run(
+        [sys.executable, "-c", FAST_MATH_CHILD, str(source), "5e-324"], capture_output=True,
+        text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-1000:]
+    assert child.stdout.split() == ["True", "True", "True"], child.stdout

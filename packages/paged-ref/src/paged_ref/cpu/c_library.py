@@ -41,7 +41,13 @@ def source(name: str) -> Path:
     return HEADER.with_name(name)
 
 # this folder holds bf16.h, which every kernel may include
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{Path(__file__).parent}")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", f"-I{Path(__file__).parent}")
+# The link is a command of its own, without the kernels' flags: GCC before 13
+# links crtfastmath.o into a library built with -ffast-math, which sets the
+# FTZ/DAZ bits of whichever thread loads it, and from then on that thread
+# (and the threads it starts) reads every subnormal double as 0: the server
+# refused repetition_penalty=5e-324 as "got 0.0" once a kernel was loaded.
+LINK = ("-shared", "-fopenmp")
 # /proc/cpuinfo fields that say which instructions -march=native may use (x86, then Arm)
 _CPU_FIELDS = ("model name", "flags", "CPU implementer", "CPU part", "Features")
 
@@ -110,7 +116,7 @@ def build(source: Path, flags: Sequence[str], subdir: str, name: str) -> ctypes.
     if cc is None:
         return None
     command = [cc, *FLAGS, *flags]
-    key = cache_key(source.read_text() + HEADER.read_text(), command, this_cpu())
+    key = cache_key(source.read_text() + HEADER.read_text(), [*command, *LINK], this_cpu())
     path = cache_dir(subdir) / f"{name}-{key}.so"
     try:
         if not verified(path):
@@ -120,7 +126,7 @@ def build(source: Path, flags: Sequence[str], subdir: str, name: str) -> ctypes.
                     f"{path} does not match its checksum record (a build cut short or a "
                     "truncated copy); rebuilding it",
                 )
-            _compile([*command, str(source)], path)
+            _compile([*command, "-c", str(source)], [cc, *LINK], path)
         return ctypes.CDLL(str(path))
     except subprocess.CalledProcessError as err:
         _warn_once(
@@ -136,19 +142,23 @@ def build(source: Path, flags: Sequence[str], subdir: str, name: str) -> ctypes.
     return None
 
 
-def _compile(command: list[str], path: Path) -> None:
-    """Build into a temporary file, rename it to ``path``, then write its
-    record the same way: a reader sees no record, or one that matches."""
+def _compile(compile_command: list[str], link_command: list[str], path: Path) -> None:
+    """Compile to an object, link it into a temporary file (``LINK``), rename
+    that to ``path``, then write its record the same way: a reader sees no
+    record, or one that matches."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
     try:
-        subprocess.run([*command, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([*compile_command, "-o", obj], check=True, capture_output=True, text=True)
+        subprocess.run([*link_command, obj, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
         data = Path(tmp).read_bytes()
         os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        for leftover in (tmp, obj):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
     fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
