@@ -377,3 +377,30 @@ def test_speculative_verify_steps_on_the_few_row_graph_match_eager(
     assert engine.metrics()["spec_decode_num_accepted_tokens_total"] > 0
     assert_same(run, eager, requests)
     assert engine.audit() == []
+
+
+def test_a_compiled_draft_model_drafts_the_targets_tokens(
+    compiling, make_cycling, run_engine, prompt_of, greedy, cycling_model_dir
+) -> None:
+    """A draft model's passes on the compiled CPU path (``Worker.greedy``: the
+    layers, LM head and argmax in one graph up to 8 rows, the two graphs
+    above): with the target itself as the draft every draft is kept, the
+    tokens and logprobs are the eager engine's without speculation, and no
+    graph is compiled after warm-up (the draft's own included)."""
+    requests = [(f"g{i}", prompt_of(5 + 3 * i, i), greedy(16, logprobs=1)) for i in range(6)]
+    requests.append(("long", prompt_of(40, 9), greedy(8, logprobs=1)))  # its catch-up in chunks
+    settings = dict(max_batch_size=8, max_num_batched_tokens=16)
+    eager = run_engine(make_cycling(enforce_eager=True, **settings), requests)
+    spec = {"model": str(cycling_model_dir), "num_speculative_tokens": 3, "min_acceptance": 0,
+            "disable_by_batch_size": 64}  # fmt: skip
+    engine = make_cycling(speculative_config=spec, **settings)
+    assert engine.worker.compiled is not None and engine._proposer.engine.worker.compiled is not None
+    after_warm_up = compiled_graphs()
+    run = run_engine(engine, requests)
+    assert compiled_graphs() == after_warm_up, "serving compiled a new graph"
+    m = engine.metrics()
+    drafted, kept = m["spec_decode_num_draft_tokens_total"], m["spec_decode_num_accepted_tokens_total"]
+    assert drafted > 0 and kept == drafted
+    assert_same(run, eager, requests)
+    assert engine.audit() == []
+    engine.shutdown()

@@ -24,7 +24,8 @@ K = 3
 
 
 def _spec(model: Path, **extra) -> dict:
-    return {"model": str(model), "num_speculative_tokens": K, "min_acceptance": 0, **extra}
+    # drafting for every sequence, whatever the batch (a CPU's default drafts at one stream only)
+    return {"model": str(model), "num_speculative_tokens": K, "min_acceptance": 0, "disable_by_batch_size": 64, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -127,4 +128,64 @@ def test_a_draft_with_a_shorter_context_needs_its_own_max_model_len(make_cycling
         make_cycling(speculative_config=_spec(draft))
     engine = make_cycling(speculative_config=_spec(draft, max_model_len=64))
     assert engine._proposer.max_model_len == 64  # histories past it get no draft
+    engine.shutdown()
+
+
+def test_drafts_are_the_draft_models_own_greedy_tokens(
+    make_cycling, run_engine, prompt_of, greedy, tiny_model_dir
+) -> None:
+    """The proposer runs the draft's passes itself (no scheduler): its drafts
+    equal what an engine serving the draft model generates greedily for
+    each history: a new one (long ones caught up in chunks of the 8-token
+    budget), one grown by a kept draft and a token that is none (its KV
+    kept to there, the rest recomputed), and a new sequence over a known
+    history (prefix hits). The draft is a random tiny model, whose every
+    token depends on the cache."""
+    from paged_server.config import EngineConfig
+    from paged_server.engine.core.llm_engine import LLMEngine
+
+    engine = make_cycling(speculative_config=_spec(tiny_model_dir), max_num_batched_tokens=8)
+    proposer = engine._proposer
+    plain = LLMEngine(EngineConfig(
+        model=str(tiny_model_dir), max_batch_size=8, max_model_len=128, block_size=4, device="cpu",
+        attention_backend="ref",
+    ))  # fmt: skip
+    histories = [prompt_of(n, n) for n in (3, 10, 26, 9)]
+    limits = [K, 2, K, 0]  # at most K drafts; a limit of 0 drafts nothing
+    keys = [0, 1, 2, 3]
+    drafts: list[list[int]] = []
+    for round_ in range(3):
+        if round_ == 1:  # as after a verify step: a kept draft, then the target's own token
+            histories = [h + d[:1] + [(d[1] + 1) % 500 if len(d) > 1 else 7] for h, d in zip(histories, drafts, strict=True)]
+        if round_ == 2:  # new sequences with the same histories
+            keys = [key + 10 for key in keys]
+        drafts = proposer.propose_all(keys, histories, limits)
+        for history, limit, draft in zip(histories, limits, drafts, strict=True):
+            want = run_engine(plain, [("d", history, greedy(limit))]).tokens("d") if limit else []
+            assert draft == want, (round_, len(history), limit)
+    draft_engine = proposer.engine
+    assert draft_engine.metrics()["prefix_cache_hits_total"] > 0  # the new sequences'
+    proposer.retain([10, 11])  # two sequences still run: their draft KV stays
+    assert draft_engine.metrics()["kv_cache_usage_perc"] > 0.0
+    proposer.retain([])  # the target runs nothing: no draft KV is held
+    assert draft_engine.audit() == [] and draft_engine.metrics()["kv_cache_usage_perc"] == 0.0
+    plain.shutdown()
+    engine.shutdown()
+
+
+def test_a_cpu_draft_model_drafts_at_one_stream_unless_told_otherwise(make_cycling, tiny_model_dir) -> None:
+    from paged_server.engine.speculative.draft_model import (
+        CPU_DISABLE_BY_BATCH_SIZE,
+        with_cpu_default,
+    )
+
+    spec = SpeculativeConfig.parse({"model": str(tiny_model_dir), "num_speculative_tokens": K})
+    assert with_cpu_default(spec, "cpu").disable_by_batch_size == CPU_DISABLE_BY_BATCH_SIZE == 2
+    assert with_cpu_default(spec, "cuda").disable_by_batch_size is None
+    told = SpeculativeConfig.parse({**_spec(tiny_model_dir), "disable_by_batch_size": 8})
+    assert with_cpu_default(told, "cpu").disable_by_batch_size == 8
+    ngram = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": K})
+    assert with_cpu_default(ngram, "cpu").disable_by_batch_size is None
+    engine = make_cycling(speculative_config={"model": str(tiny_model_dir), "num_speculative_tokens": K})
+    assert engine._spec.speculates(1) and not engine._spec.speculates(2)
     engine.shutdown()

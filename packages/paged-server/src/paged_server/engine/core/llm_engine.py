@@ -77,6 +77,7 @@ from paged_server.engine.sample.logprobs import TokenLogprobs, token_logprobs
 from paged_server.engine.sample.sampler import SamplerOutput, SamplingRow, row_max, sample
 from paged_server.engine.sample.token_sets import check_first_token, resolve_token_sets
 from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
+from paged_server.engine.speculative.draft_model import with_cpu_default
 from paged_server.engine.speculative.proposer import build_proposer
 from paged_server.engine.speculative.step_cost import StepCost
 from paged_server.engine.speculative.verify import StepChecks, Verified, verify
@@ -205,7 +206,10 @@ class LLMEngine:
         self._made: list[RequestOutput] = []
         self._defer_text = config.async_output_proc and not config.async_scheduling
         self._inflight: _Inflight | None = None  # --async-scheduling: the step launched last
-        spec = self._spec = config.speculative  # parsed once
+        spec = config.speculative  # parsed once
+        if spec is not None:
+            spec = with_cpu_default(spec, config.torch_device.type)
+        self._spec = spec
         self._proposer = None if spec is None else build_proposer(spec, self)
         self._gate = AcceptanceGate(spec.min_acceptance if spec is not None else 0.0)
         self._step_cost = StepCost()  # measured step times: whether drafts pay at this batch
@@ -388,7 +392,9 @@ class LLMEngine:
             self._run(plan.scheduled)
             if self._proposer is not None:  # timed by the rows it computed (prompt chunks too)
                 rows = sum(n for _, n in plan.scheduled)
-                self._step_cost.record(rows, drafted, time.perf_counter() - start)
+                # less a draft model's backlog: what drafting every step would not pay again
+                backlog = self._proposer.backlog_seconds if drafted else 0.0
+                self._step_cost.record(rows, drafted, time.perf_counter() - start - backlog)
         else:  # no forward pass to overlap with
             self._text_of_last_step()
         return self._collect_outputs()
@@ -502,6 +508,7 @@ class LLMEngine:
         spec, proposer, gate = self._spec, self._proposer, self._gate
         assert spec is not None and proposer is not None
         running = [s for s in self.scheduler.running if not s.is_finished]
+        proposer.retain([s.seq_id for s in running])  # a draft model's KV of the others goes
         if not spec.speculates(len(running)):
             return
         gate.begin_step()
@@ -533,7 +540,9 @@ class LLMEngine:
             paying = paying[: self._step_cost.choose(len(running), offers, gate.step)]
         chosen = paying + gate.sample_probes(probing, len(running))
         eligible = [seq for seq, _ in chosen]
-        drafts = proposer.propose_all([s.token_ids for s in eligible], [room for _, room in chosen])
+        drafts = proposer.propose_all(
+            [s.seq_id for s in eligible], [s.token_ids for s in eligible], [room for _, room in chosen]
+        )
         for seq, draft in zip(eligible, drafts, strict=True):
             if draft:
                 seq.draft = draft

@@ -2,16 +2,22 @@
 smaller model with the target's tokenizer drafts ``k`` greedy tokens.
 
 The proposer owns a second engine of this project's own stack over the
-draft checkpoint, with its own paged KV cache and prefix caching on. Each
-step's ``propose_all`` submits every speculating sequence's history as a
-prompt asking for ``k`` greedy tokens and runs that engine until all are
-done: one batched prefill, in which the prefix cache serves each history's
-full blocks from the step before, so only the tokens since (the accepted
-ones, the bonus token, the last partial block) are computed; then ``k - 1``
-batched decode steps. The draft requests finish inside the call, so no
-per-sequence state outlives it but evictable cached blocks: nothing is left
-to release when a target sequence ends. Drafts are point masses (the draft's
-argmax), so ``verify.py`` keeps every answer the target's, greedy or sampled.
+draft checkpoint: its worker (weights, compiled passes) and its paged KV
+cache with prefix caching on. The engine's scheduler is never used: each
+step's ``propose_all`` drives the draft's worker directly, as a draft's
+passes are planned by construction. Every speculating sequence gets a
+draft seq_id over its history, the prefix cache serving its full blocks
+from the step before, then: one batched pass over what is not cached (the
+accepted tokens, the bonus token, the last partial block; a new history's
+whole prompt, in chunks of the token budget), whose last rows' argmax are
+the first drafts; then ``k - 1`` batched one-token passes, each feeding
+back the draft before. A pass costs the draft's forward and the LM head's
+argmax, none of an engine step's scheduling, sampling or outputs, which
+at one stream of a small model cost as much as the forward. The seq_ids
+are freed inside the call (their blocks stay cached, evictable), so no
+per-sequence state outlives it: nothing is left to release when a target
+sequence ends. Drafts are point masses (the draft's argmax), so
+``verify.py`` keeps every answer the target's, greedy or sampled.
 
 Memory: the draft's pool is sized to hold the target pool's tokens plus
 ``k`` drafts for every sequence (an explicit block count, logged at
@@ -22,21 +28,43 @@ the draft's weights and KV come on top of the target's
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import logging
+import time
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from paged_server.config import EngineConfig, RunConfig
 from paged_server.engine.kv.pool_factory import PoolCapacity
+from paged_server.engine.worker.worker import WorkerStep
 from paged_server.errors import ModelLoadError
 from paged_server.models.config import ModelConfig
-from paged_server.outputs import RequestOutput
-from paged_server.sampling_params import SamplingParams
 from paged_server.speculative_config import SpeculativeConfig
 from paged_server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# A CPU's default ``disable_by_batch_size`` for a draft model: it drafts only
+# while one sequence runs. Its passes are host-bound there (~0.9 ms a token
+# for the trained default's 2-layer draft against a ~1.9 ms target step),
+# so at one stream it pays (1.15-1.18x, benchmarks/spec_decode.py) but
+# beside others a drafting sequence races ahead while the rest wait on its
+# passes: 32 streams drafting where the step times said it paid ran at
+# 0.62-0.66x of no speculation. ``disable_by_batch_size`` set says otherwise.
+CPU_DISABLE_BY_BATCH_SIZE = 2
+
+
+def with_cpu_default(spec: SpeculativeConfig, device_type: str) -> SpeculativeConfig:
+    """``spec`` with ``CPU_DISABLE_BY_BATCH_SIZE`` for a draft model on a
+    CPU whose ``disable_by_batch_size`` is unset; else ``spec``."""
+    if spec.method != "draft_model" or device_type != "cpu" or spec.disable_by_batch_size is not None:
+        return spec
+    log.info(
+        "draft model on a CPU: drafting while fewer than %d sequences run (disable_by_batch_size; "
+        "set it in speculative_config to change this)", CPU_DISABLE_BY_BATCH_SIZE,
+    )  # fmt: skip
+    return dataclasses.replace(spec, disable_by_batch_size=CPU_DISABLE_BY_BATCH_SIZE)
 
 
 class Engine(Protocol):
@@ -48,11 +76,22 @@ class Engine(Protocol):
     tokenizer: Tokenizer
     model_config: ModelConfig
     eos_token_ids: frozenset[int]
+    kv_manager: Any  # the draft's: its page tables (allocate, reserve, step_layout, free)
+    executor: Any  # the draft's: its worker's ``greedy(WorkerStep)`` through ``collective_rpc``
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> int: ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished(self) -> bool: ...
     def shutdown(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _DraftSeq:
+    """A target sequence's draft KV: its draft seq_id, the tokens its KV was
+    written for (the history, then the drafts fed back in), how many of them
+    are the history (committed), how many have KV this call keeps."""
+
+    seq_id: int
+    tokens: list[int]
+    history: int
+    computed: int
 
 
 class DraftModelProposer:
@@ -83,11 +122,13 @@ class DraftModelProposer:
             raise type(exc)(f"speculative_config: draft model {spec.model}: {why}") from exc
         try:
             check_same_vocabulary(target, self.engine, spec.model)
+            self.engine.executor.collective_rpc("warm_up_greedy")  # the passes' own graphs
         except BaseException:
             self.engine.shutdown()
             raise
         self.max_model_len = self.engine.config.max_model_len
-        self._ids = itertools.count()
+        self._seqs: dict[int, _DraftSeq] = {}  # by the target's sequence id
+        self.backlog_seconds = 0.0  # the last call's backlog passes (``_draft``)
         draft_capacity = self.engine.capacity
         log.info(
             "draft model %s: KV cache %d tokens (%d blocks of %d, %.3f GiB), sized to the target's "
@@ -96,30 +137,140 @@ class DraftModelProposer:
             draft_capacity.kv_bytes / 2**30, capacity.tokens, self.k,
         )  # fmt: skip
 
-    def propose_all(self, histories: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
+    def propose_all(
+        self, keys: Sequence[int], histories: Sequence[Sequence[int]], limits: Sequence[int]
+    ) -> list[list[int]]:
         """One greedy draft per history (at most ``limits[i]`` and ``k``
-        tokens), all run as one batch on the draft engine."""
-        engine = self.engine
-        drafts: dict[str, list[int]] = {}
-        order: list[str | None] = []
-        for history, limit in zip(histories, limits, strict=True):
-            n = min(limit, self.k, self.max_model_len - len(history))
-            if n < 1:
-                order.append(None)
-                continue
-            request_id = f"draft-{next(self._ids)}"
-            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
-            engine.add_request(request_id, list(history), params)
-            drafts[request_id] = []
-            order.append(request_id)
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.error is None:
-                    drafts[out.request_id] += out.new_token_ids
-                else:  # a failed draft is no draft: the target decodes as usual
-                    drafts[out.request_id] = []
-                    log.warning("draft model request failed: %s", out.error)
-        return [[] if rid is None else drafts[rid] for rid in order]
+        tokens), all run as one batch on the draft's worker (module doc).
+        ``keys``: the target's sequence ids, under which each sequence's
+        draft KV is kept from one call to the next."""
+        wanted = [
+            max(0, min(limit, self.k, self.max_model_len - len(history)))
+            for history, limit in zip(histories, limits, strict=True)
+        ]
+        drafts: list[list[int]] = [[] for _ in histories]
+        self.backlog_seconds = 0.0
+        going: list[tuple[int, _DraftSeq]] = []  # (history index, its draft sequence)
+        try:
+            for i, (key, history, n) in enumerate(zip(keys, histories, wanted, strict=True)):
+                if n and (seq := self._make_room(key, history, n, keys)) is not None:
+                    going.append((i, seq))
+            self._draft(histories, wanted, going, drafts)
+        except Exception:  # a failed draft is no draft: the target decodes as usual
+            log.exception("draft model pass failed; these sequences decode without drafts")
+            for key in keys:
+                self._forget(key)
+            return [[] for _ in histories]
+        kv = self.engine.kv_manager
+        for i, seq in going:  # what the next call may reuse: the history, and the drafts fed back in
+            seq.tokens, seq.history = list(histories[i]) + drafts[i][:-1], len(histories[i])
+            kv.mark_computed(seq.seq_id, seq.history)
+        return drafts
+
+    def retain(self, keys: Sequence[int]) -> None:
+        """Free the draft KV of every target sequence but ``keys`` (the
+        running ones: the rest ended, or were preempted and will catch up)."""
+        for key in set(self._seqs).difference(keys):
+            self._forget(key)
+
+    def _make_room(self, key: int, history: Sequence[int], n: int, busy: Sequence[int]) -> _DraftSeq | None:
+        """``key``'s draft sequence with room for ``history`` and the first
+        ``n - 1`` drafts (fed back in; the last is only read out), its KV
+        kept as far as it matches ``history``; None where the draft pool
+        is short even after freeing the sequences not drafting now."""
+        kv = self.engine.kv_manager
+        upto = len(history) + n - 1
+        seq = self._seqs.get(key)
+        if seq is not None:  # the history since: the bonus token, the kept drafts
+            same = seq.history
+            while same < len(seq.tokens) and same < len(history) and seq.tokens[same] == history[same]:
+                same += 1
+            kv.truncate(seq.seq_id, same)
+            seq.computed = same
+        for attempt in range(2):
+            if seq is None and kv.can_allocate_sequence(history, num_reserved=upto):
+                seq_id, cached = kv.allocate_sequence(history)
+                seq = self._seqs[key] = _DraftSeq(seq_id, [], 0, cached)
+            if seq is not None and kv.reserve(seq.seq_id, history, upto) == upto:
+                return seq
+            if attempt == 0:  # short of blocks: free what is not drafting in this call
+                idle = set(self._seqs) - set(busy)
+                for other in idle:
+                    self._forget(other)
+        self._forget(key)
+        return None
+
+    def _forget(self, key: int) -> None:
+        seq = self._seqs.pop(key, None)
+        if seq is not None:
+            self.engine.kv_manager.free_seq(seq.seq_id)
+
+    def _draft(
+        self, histories: Sequence[Sequence[int]], wanted: list[int], going: list[tuple[int, _DraftSeq]],
+        drafts: list[list[int]],
+    ) -> None:  # fmt: skip
+        """The passes: first the backlog (a history's tokens past its kept KV
+        but its last ``k + 1``, what drafting every step leaves: a new
+        history, or one that has not drafted for a while), timed apart as
+        ``backlog_seconds``; then the rest, whose last row gives draft 1;
+        then one token per sequence and pass, each pass's argmax the next
+        input. The catch-up passes take chunks of the token budget."""
+        kv, rpc = self.engine.kv_manager, self.engine.executor.collective_rpc
+        start = time.perf_counter()
+        steady = [max(seq.computed, len(histories[i]) - self.k - 1) for i, seq in going]
+        pairs = list(zip(going, steady, strict=True))
+        self._catch_up(histories, [(i, seq.seq_id, seq.computed, end) for (i, seq), end in pairs])
+        self.backlog_seconds = time.perf_counter() - start
+        last = [(i, seq.seq_id, end, len(histories[i])) for (i, seq), end in pairs]
+        for i, token in self._catch_up(histories, last):
+            drafts[i].append(token)
+        live = {i: seq.seq_id for i, seq in going}
+        for step in range(1, max(wanted, default=0)):
+            now = [i for i in live if wanted[i] > step]
+            if not now:
+                break
+            for i in now:
+                kv.set_token(live[i], len(histories[i]) + step - 1, drafts[i][-1])
+            layout = kv.step_layout(
+                [live[i] for i in now], [len(histories[i]) + step - 1 for i in now], [1] * len(now)
+            )
+            step_ids = [drafts[i][-1] for i in now]
+            tokens = rpc("greedy", WorkerStep(step_ids, layout, list(range(len(now))), every_row=True))
+            for i, token in zip(now, tokens, strict=True):
+                drafts[i].append(token)
+
+    def _catch_up(
+        self, histories: Sequence[Sequence[int]], spans: list[tuple[int, int, int, int]]
+    ) -> list[tuple[int, int]]:
+        """Compute ``histories[i][start:end]`` for each ``(i, seq_id, start,
+        end)``, in passes of at most the token budget; returns ``(i, argmax
+        of its last row)`` for each span that ends its history."""
+        kv, rpc = self.engine.kv_manager, self.engine.executor.collective_rpc
+        budget = self.engine.config.max_num_batched_tokens
+        out: list[tuple[int, int]] = []
+        todo = [span for span in spans if span[2] < span[3]]
+        while todo:
+            seq_ids, starts, lens, ids, rows, ends, rest = [], [], [], [], [], [], []
+            room = budget
+            for i, seq_id, start, end in todo:
+                take = min(end - start, room)
+                if take <= 0:
+                    rest.append((i, seq_id, start, end))
+                    continue
+                seq_ids.append(seq_id)
+                starts.append(start)
+                lens.append(take)
+                ids += histories[i][start : start + take]
+                room -= take
+                if start + take < end:
+                    rest.append((i, seq_id, start + take, end))
+                elif end == len(histories[i]):
+                    rows.append(len(ids) - 1)
+                    ends.append(i)
+            tokens = rpc("greedy", WorkerStep(ids, kv.step_layout(seq_ids, starts, lens), rows))
+            out += zip(ends, tokens, strict=True)
+            todo = rest
+        return out
 
     def shutdown(self) -> None:
         """Stop the draft engine."""
@@ -144,3 +295,4 @@ def check_same_vocabulary(target: Engine, draft: Engine, draft_name: str) -> Non
             f"speculative_config: draft model {draft_name} does not share the tokenizer of "
             f"{target_name}: {problem}; a draft model needs the target's tokenizer"
         )
+

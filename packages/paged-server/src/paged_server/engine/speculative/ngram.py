@@ -20,10 +20,16 @@ class NgramProposer:
 
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
+        self.backlog_seconds = 0.0  # no model: nothing to catch up on
 
-    def propose_all(self, histories: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
+    def propose_all(
+        self, keys: Sequence[int], histories: Sequence[Sequence[int]], limits: Sequence[int]
+    ) -> list[list[int]]:
         """``propose`` for each sequence (the ``Proposer`` call)."""
         return [self.propose(h, limit) for h, limit in zip(histories, limits, strict=True)]
+
+    def retain(self, keys: Sequence[int]) -> None:
+        """Nothing to free: prompt lookup holds no state."""
 
     def shutdown(self) -> None:
         """Nothing to free: prompt lookup holds no state."""

@@ -22,8 +22,21 @@ from paged_server.speculative_config import SpeculativeConfig
 class Proposer(Protocol):
     """What drafts tokens for speculative decoding."""
 
-    def propose_all(self, histories: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
-        """One draft per sequence: at most ``limits[i]`` tokens to follow ``histories[i]``."""
+    # Seconds the last ``propose_all`` spent on work that drafting every step
+    # would not repeat (a draft model catching up on a history): the engine's
+    # step timing (``StepCost``) leaves it out.
+    backlog_seconds: float
+
+    def propose_all(
+        self, keys: Sequence[int], histories: Sequence[Sequence[int]], limits: Sequence[int]
+    ) -> list[list[int]]:
+        """One draft per sequence: at most ``limits[i]`` tokens to follow
+        ``histories[i]``; ``keys[i]``: the sequence's id (a proposer may keep
+        state per sequence between calls, as a draft model its KV)."""
+        ...
+
+    def retain(self, keys: Sequence[int]) -> None:
+        """Drop what is kept for any sequence but ``keys`` (the running ones)."""
         ...
 
     def shutdown(self) -> None:

@@ -437,6 +437,37 @@ class Worker:
             hidden = hidden.index_select(0, self._tensor(step.rows))
         return self._compute_logits(hidden)
 
+    @torch.inference_mode()
+    def greedy(self, step: WorkerStep) -> list[int]:
+        """A draft model's pass (speculative decoding, one rank): the argmax
+        token of each of ``step.rows``. On the compiled pass, up to
+        ``ROW_BUCKET`` tokens run one graph (every row's argmax; the rows
+        wanted are picked after)."""
+        tensors = self.tensors
+        assert tensors is not None and self.pipeline is None, "a draft model runs on one rank"
+        if self.compiled is None or len(step.input_ids) > ROW_BUCKET:
+            logits = self.execute(step)
+            return [] if logits is None or not step.rows else logits.argmax(-1).tolist()  # type: ignore[no-any-return]
+        meta = tensors.metadata(step.layout)
+        view = CacheView.over(tensors, meta)
+        tokens = self.compiled.greedy_tokens(self._tensor(step.input_ids), meta.positions, view).tolist()
+        return tokens if step.every_row else [tokens[row] for row in step.rows]
+
+    def warm_up_greedy(self) -> None:
+        """Compile ``greedy``'s graphs (1 and ``ROW_BUCKET`` rows) before
+        serving, over blocks 0.. as ``warm_up`` does: call it before the
+        cache holds anything."""
+        if self.compiled is None:
+            return
+        assert self.tensors is not None, "init_cache first"
+        bs = self.tensors.block_size
+        for rows in (1, ROW_BUCKET):
+            table = np.arange(rows, dtype=np.int32)[:, None]  # one block per row, blocks 0..
+            groups = len(self.tensors.groups)
+            tables = table if groups == 1 else np.stack([table] * groups)
+            layout = StepLayout(tables, [bs - 1] * rows, [1] * rows)
+            self.greedy(WorkerStep([0] * rows, layout, list(range(rows)), every_row=True))
+
     def _forward_pass(self, ids: Tensor, view: Any, rows: list[int]) -> Tensor | None:
         """``ids`` through this rank's layers over ``view`` (the pipeline's
         stages in turn with pipeline parallelism, where it returns rank 0's
