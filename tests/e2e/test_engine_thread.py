@@ -104,6 +104,7 @@ def _seconds_per_step(where: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_step_on_the_engine_thread_is_not_slower_than_on_the_main_thread() -> None:
     # Alternating runs, medians of each run's fastest step, a generous bound:
     # the machine is shared. Two pools made the engine thread 2.3x slower.

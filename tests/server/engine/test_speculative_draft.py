@@ -157,8 +157,8 @@ def test_drafts_are_the_draft_models_own_greedy_tokens(
     for round_ in range(3):
         if round_ == 1:  # as after a verify step: a kept draft, then the target's own token
             histories = [h + d[:1] + [(d[1] + 1) % 500 if len(d) > 1 else 7] for h, d in zip(histories, drafts, strict=True)]
-        if round_ == 2:  # new sequences with the same histories
-            keys = [key + 10 for key in keys]
+        if round_ == 2:  # new sequences with the same histories, all k drafts (one call for the passes)
+            keys, limits = [key + 10 for key in keys], [K] * len(histories)
         drafts = proposer.propose_all(keys, histories, limits)
         for history, limit, draft in zip(histories, limits, drafts, strict=True):
             want = run_engine(plain, [("d", history, greedy(limit))]).tokens("d") if limit else []

@@ -3,21 +3,24 @@ smaller model with the target's tokenizer drafts ``k`` greedy tokens.
 
 The proposer owns a second engine of this project's own stack over the
 draft checkpoint: its worker (weights, compiled passes) and its paged KV
-cache with prefix caching on. The engine's scheduler is never used: each
-step's ``propose_all`` drives the draft's worker directly, as a draft's
-passes are planned by construction. Every speculating sequence gets a
-draft seq_id over its history, the prefix cache serving its full blocks
-from the step before, then: one batched pass over what is not cached (the
-accepted tokens, the bonus token, the last partial block; a new history's
-whole prompt, in chunks of the token budget), whose last rows' argmax are
-the first drafts; then ``k - 1`` batched one-token passes, each feeding
-back the draft before. A pass costs the draft's forward and the LM head's
-argmax, none of an engine step's scheduling, sampling or outputs, which
-at one stream of a small model cost as much as the forward. The seq_ids
-are freed inside the call (their blocks stay cached, evictable), so no
-per-sequence state outlives it: nothing is left to release when a target
-sequence ends. Drafts are point masses (the draft's argmax), so
-``verify.py`` keeps every answer the target's, greedy or sampled.
+cache with prefix caching on. That engine's scheduler, sampler and outputs
+are never used (at one stream of a small model they cost as much as its
+forward pass): ``propose_all`` drives the draft's worker itself, since a
+draft's passes are planned by construction. Each speculating sequence
+keeps a draft seq_id from one step to the next (by the target's sequence
+id), holding KV for its history and the drafts it fed back in; a call
+cuts it back to what the target kept, computes the tokens since (usually
+the bonus token) in one batched pass whose last rows' argmax are the first
+drafts, then ``k - 1`` one-token passes, each feeding back the draft
+before (``Worker.greedy``: layers, LM head and argmax in one compiled
+graph). A new history, or one that has not drafted for a while, is first
+caught up in passes of the token budget (prefix hits serve a shared
+prompt); that backlog is timed apart (``backlog_seconds``) so the engine's
+step timing counts what drafting every step costs. ``retain`` frees the
+draft KV of sequences that stopped running; when the pool runs short,
+sequences not drafting in the call give theirs up. Drafts are point
+masses (the draft's argmax), so ``verify.py`` keeps every answer the
+target's, greedy or sampled.
 
 Memory: the draft's pool is sized to hold the target pool's tokens plus
 ``k`` drafts for every sequence (an explicit block count, logged at
@@ -122,7 +125,7 @@ class DraftModelProposer:
             raise type(exc)(f"speculative_config: draft model {spec.model}: {why}") from exc
         try:
             check_same_vocabulary(target, self.engine, spec.model)
-            self.engine.executor.collective_rpc("warm_up_greedy")  # the passes' own graphs
+            self.engine.executor.collective_rpc("warm_up_greedy", self.k - 1)  # the passes' own graphs
         except BaseException:
             self.engine.shutdown()
             raise
@@ -225,6 +228,9 @@ class DraftModelProposer:
         for i, token in self._catch_up(histories, last):
             drafts[i].append(token)
         live = {i: seq.seq_id for i, seq in going}
+        if {wanted[i] for i in live} == {self.k}:  # k drafts each: the passes in one (warm) graph
+            self._passes(histories, wanted, live, drafts)
+            return
         for step in range(1, max(wanted, default=0)):
             now = [i for i in live if wanted[i] > step]
             if not now:
@@ -238,6 +244,30 @@ class DraftModelProposer:
             tokens = rpc("greedy", WorkerStep(step_ids, layout, list(range(len(now))), every_row=True))
             for i, token in zip(now, tokens, strict=True):
                 drafts[i].append(token)
+
+    def _passes(
+        self, histories: Sequence[Sequence[int]], wanted: list[int], live: dict[int, int],
+        drafts: list[list[int]],
+    ) -> None:  # fmt: skip
+        """Drafts 2..k of sequences that all want ``k``: the ``k - 1``
+        one-token passes in one ``Worker.greedy_passes`` call (one compiled
+        graph for up to 8 sequences, warmed up for ``k - 1`` passes), every
+        pass's layout made first."""
+        kv, rpc = self.engine.kv_manager, self.engine.executor.collective_rpc
+        order = list(live)
+        passes = wanted[order[0]] - 1
+        if passes < 1:
+            return
+        seq_ids = [live[i] for i in order]
+        layouts = [
+            kv.step_layout(seq_ids, [len(histories[i]) + step for i in order], [1] * len(order))
+            for step in range(passes)
+        ]
+        tokens = rpc("greedy_passes", [drafts[i][-1] for i in order], layouts)
+        for i, more in zip(order, tokens, strict=True):
+            drafts[i] += more
+            for step, token in enumerate(drafts[i][:-1]):  # the ids the KV was written for
+                kv.set_token(live[i], len(histories[i]) + step, token)
 
     def _catch_up(
         self, histories: Sequence[Sequence[int]], spans: list[tuple[int, int, int, int]]

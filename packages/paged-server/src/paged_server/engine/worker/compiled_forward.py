@@ -76,6 +76,7 @@ class _Step(threading.local):
     view: AttentionViewProtocol | None = None
     rows: int = 0
     lora: LoRAMapping | None = None  # the step's adapters, when it has any
+    views: tuple[AttentionViewProtocol, ...] = ()  # a draft's passes in one graph: each pass's view
 
 
 _step = _Step()
@@ -118,9 +119,18 @@ def attention_op(
     """``_step.view.attend(...)``: writes this layer's k/v into the cache and
     attends; the cache is not an argument, so the graph cannot see it.
     Padding rows (past ``_step.rows``) are neither written nor attended."""
-    view, rows = _step.view, _step.rows
+    view = _step.view
     if view is None:
         raise RuntimeError("paged::attention called outside a compiled step")
+    return _attend(view, q, k, v, layer_idx, scale, sliding_window, softcap)
+
+
+def _attend(
+    view: AttentionViewProtocol, q: Tensor, k: Tensor, v: Tensor, layer_idx: int, scale: float,
+    sliding_window: int | None, softcap: float | None,
+) -> Tensor:  # fmt: skip
+    """``view.attend`` on the step's rows, zeros for the padding rows."""
+    rows = _step.rows
     if rows == q.shape[0]:
         return view.attend(  # type: ignore[no-any-return]
             layer_idx, q, k, v, scale=scale, sliding_window=sliding_window, softcap=softcap
@@ -144,6 +154,58 @@ def _(
     softcap: float | None,
 ) -> Tensor:
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("paged::pass_attention", mutates_args=())
+def pass_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    index: int,
+) -> Tensor:
+    """``paged::attention`` in pass ``index`` of a graph that runs several
+    (``CompiledForward.greedy_passes``): over ``_step.views[index]``."""
+    if index >= len(_step.views):
+        raise RuntimeError("paged::pass_attention called outside a compiled draft")
+    return _attend(_step.views[index], q, k, v, layer_idx, scale, sliding_window, softcap)
+
+
+@pass_attention_op.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    index: int,
+) -> Tensor:
+    return torch.empty_like(q)
+
+
+class _OpaquePass:
+    """``_OpaqueView`` for pass ``index`` of a graph that runs several."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        return pass_attention_op(q, k, v, layer_idx, scale, sliding_window, softcap, self.index)  # type: ignore[no-any-return]
 
 
 class _OpaqueView:
@@ -235,6 +297,7 @@ class CompiledForward:
             _own_code(lambda ids, positions, view: head(inner(ids, positions, view)).argmax(-1)),
             dynamic=False, fullgraph=True,
         )  # fmt: skip
+        self._passes: dict[int, Callable[..., Tensor]] = {}  # greedy_passes' graphs, by pass count
         self._freezing = inductor_config.patch(freezing=True, **_gemm_template_options(model))
         # The one-token graph (a single stream's decode) runs every GEMM on
         # the template, dense models too: at one row it beats oneDNN's packed
@@ -287,6 +350,24 @@ class CompiledForward:
         finally:
             _step.view = None
 
+    def greedy_passes(self, input_ids: Tensor, position_ids: Tensor, views: list[AttentionViewProtocol]) -> Tensor:
+        """``len(views)`` greedy passes of at most ``ROW_BUCKET`` rows in one
+        graph: pass ``i`` feeds back pass ``i - 1``'s argmax (``input_ids``
+        first) at ``position_ids + i`` over ``views[i]``; ``[rows, passes]``
+        tokens. A draft model's ``k - 1`` one-token passes pay one call's
+        overhead, not ``k - 1`` (Dynamo's guards, the runtime wrappers)."""
+        rows, n = input_ids.shape[0], len(views)
+        assert rows <= ROW_BUCKET, "greedy_passes takes at most ROW_BUCKET rows"
+        graph = self._passes.get(n)
+        if graph is None:
+            graph = self._passes[n] = _passes_graph(self.model, n)
+        _step.views, _step.rows = tuple(views), rows
+        try:
+            with self._freezing_one_row:
+                return graph(_pad(input_ids), _pad(position_ids))[:rows]
+        finally:
+            _step.views = ()
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """The model's ``compute_logits`` compiled: one graph for one row
         (one sampled sequence), one for more (padded as the step's rows)."""
@@ -302,6 +383,21 @@ class CompiledForward:
         when a graph compiles (torch.compile's options do not reach it), so
         it is set around every call, not globally."""
         return self._freezing_one_row if rows == 1 else self._freezing
+
+
+def _passes_graph(model: nn.Module, n: int) -> Callable[..., Tensor]:
+    """``greedy_passes``' compiled graph for ``n`` passes (static rows)."""
+    inner, head = model.model, model.compute_logits
+    views = tuple(_OpaquePass(i) for i in range(n))
+
+    def passes(ids: Tensor, positions: Tensor) -> Tensor:
+        out = []
+        for i, view in enumerate(views):
+            ids = head(inner(ids, positions + i, view)).argmax(-1)
+            out.append(ids)
+        return torch.stack(out, dim=1)
+
+    return torch.compile(_own_code(passes), dynamic=False, fullgraph=True)  # type: ignore[no-any-return]
 
 
 def _own_code(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:

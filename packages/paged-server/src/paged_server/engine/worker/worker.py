@@ -453,20 +453,45 @@ class Worker:
         tokens = self.compiled.greedy_tokens(self._tensor(step.input_ids), meta.positions, view).tolist()
         return tokens if step.every_row else [tokens[row] for row in step.rows]
 
-    def warm_up_greedy(self) -> None:
-        """Compile ``greedy``'s graphs (1 and ``ROW_BUCKET`` rows) before
-        serving, over blocks 0.. as ``warm_up`` does: call it before the
-        cache holds anything."""
+    @torch.inference_mode()
+    def greedy_passes(self, input_ids: list[int], layouts: list[StepLayout]) -> list[list[int]]:
+        """``len(layouts)`` one-token passes of the same sequences (a draft
+        model's, one rank), each feeding back the argmax of the pass before
+        (``input_ids`` first); each sequence's tokens. On the compiled pass,
+        up to ``ROW_BUCKET`` sequences run them all in one graph."""
+        tensors = self.tensors
+        assert tensors is not None and self.pipeline is None, "a draft model runs on one rank"
+        rows = len(input_ids)
+        if self.compiled is None or rows > ROW_BUCKET:
+            out: list[list[int]] = [[] for _ in input_ids]
+            ids = input_ids
+            for layout in layouts:
+                ids = self.greedy(WorkerStep(ids, layout, list(range(rows)), every_row=True))
+                for tokens, token in zip(out, ids, strict=True):
+                    tokens.append(token)
+            return out
+        metas = [tensors.metadata(layout) for layout in layouts]
+        views = [CacheView.over(tensors, meta) for meta in metas]
+        tokens = self.compiled.greedy_passes(self._tensor(input_ids), metas[0].positions, views)
+        return tokens.tolist()  # type: ignore[no-any-return]
+
+    def warm_up_greedy(self, passes: int) -> None:
+        """Compile ``greedy``'s graphs and ``greedy_passes``' for ``passes``
+        passes (1 and ``ROW_BUCKET`` rows) before serving, over blocks 0..
+        as ``warm_up`` does: call it before the cache holds anything."""
         if self.compiled is None:
             return
         assert self.tensors is not None, "init_cache first"
-        bs = self.tensors.block_size
+        width = -(-(passes + 1) // self.tensors.block_size)  # blocks a row's positions 0..passes take
         for rows in (1, ROW_BUCKET):
-            table = np.arange(rows, dtype=np.int32)[:, None]  # one block per row, blocks 0..
+            table = np.arange(rows * width, dtype=np.int32).reshape(rows, width)  # blocks 0..
             groups = len(self.tensors.groups)
             tables = table if groups == 1 else np.stack([table] * groups)
-            layout = StepLayout(tables, [bs - 1] * rows, [1] * rows)
+            layout = StepLayout(tables, [0] * rows, [1] * rows)
             self.greedy(WorkerStep([0] * rows, layout, list(range(rows)), every_row=True))
+            if passes:  # positions 0.. within each row's block
+                layouts = [StepLayout(tables, [i] * rows, [1] * rows) for i in range(passes)]
+                self.greedy_passes([0] * rows, layouts)
 
     def _forward_pass(self, ids: Tensor, view: Any, rows: list[int]) -> Tensor | None:
         """``ids`` through this rank's layers over ``view`` (the pipeline's
