@@ -115,21 +115,16 @@ def attention_op(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    index: int = -1,
 ) -> Tensor:
     """``_step.view.attend(...)``: writes this layer's k/v into the cache and
     attends; the cache is not an argument, so the graph cannot see it.
+    ``index`` >= 0: pass ``index`` of a graph that runs several
+    (``CompiledForward.greedy_passes``), over ``_step.views[index]``.
     Padding rows (past ``_step.rows``) are neither written nor attended."""
-    view = _step.view
+    view = _step.view if index < 0 else (_step.views[index] if index < len(_step.views) else None)
     if view is None:
         raise RuntimeError("paged::attention called outside a compiled step")
-    return _attend(view, q, k, v, layer_idx, scale, sliding_window, softcap)
-
-
-def _attend(
-    view: AttentionViewProtocol, q: Tensor, k: Tensor, v: Tensor, layer_idx: int, scale: float,
-    sliding_window: int | None, softcap: float | None,
-) -> Tensor:  # fmt: skip
-    """``view.attend`` on the step's rows, zeros for the padding rows."""
     rows = _step.rows
     if rows == q.shape[0]:
         return view.attend(  # type: ignore[no-any-return]
@@ -152,46 +147,17 @@ def _(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    index: int = -1,
 ) -> Tensor:
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("paged::pass_attention", mutates_args=())
-def pass_attention_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    layer_idx: int,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    index: int,
-) -> Tensor:
-    """``paged::attention`` in pass ``index`` of a graph that runs several
-    (``CompiledForward.greedy_passes``): over ``_step.views[index]``."""
-    if index >= len(_step.views):
-        raise RuntimeError("paged::pass_attention called outside a compiled draft")
-    return _attend(_step.views[index], q, k, v, layer_idx, scale, sliding_window, softcap)
+class _OpaqueView:
+    """What the compiled model receives as its ``kv_cache``: ``attend`` is
+    the custom op (a constant object, so it adds no guard that could fail);
+    ``index``: the op's (-1: the step's view)."""
 
-
-@pass_attention_op.register_fake
-def _(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    layer_idx: int,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    index: int,
-) -> Tensor:
-    return torch.empty_like(q)
-
-
-class _OpaquePass:
-    """``_OpaqueView`` for pass ``index`` of a graph that runs several."""
-
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int = -1) -> None:
         self.index = index
 
     def attend(
@@ -205,25 +171,7 @@ class _OpaquePass:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        return pass_attention_op(q, k, v, layer_idx, scale, sliding_window, softcap, self.index)  # type: ignore[no-any-return]
-
-
-class _OpaqueView:
-    """What the compiled model receives as its ``kv_cache``: ``attend`` is
-    the custom op (a constant object, so it adds no guard that could fail)."""
-
-    def attend(
-        self,
-        layer_idx: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-    ) -> Tensor:
-        return attention_op(q, k, v, layer_idx, scale, sliding_window, softcap)  # type: ignore[no-any-return]
+        return attention_op(q, k, v, layer_idx, scale, sliding_window, softcap, self.index)  # type: ignore[no-any-return]
 
 
 _OPAQUE = _OpaqueView()
@@ -388,7 +336,7 @@ class CompiledForward:
 def _passes_graph(model: nn.Module, n: int) -> Callable[..., Tensor]:
     """``greedy_passes``' compiled graph for ``n`` passes (static rows)."""
     inner, head = model.model, model.compute_logits
-    views = tuple(_OpaquePass(i) for i in range(n))
+    views = tuple(_OpaqueView(i) for i in range(n))
 
     def passes(ids: Tensor, positions: Tensor) -> Tensor:
         out = []
