@@ -28,6 +28,12 @@ cost 2-3x the template's (a 5-row verify step of the embedded model 9.5
 against 2.8 ms, one thread); from 32 rows on oneDNN wins (a 32-decode
 step 10 against 15 ms), so the dynamic graph keeps it.
 
+A draft model's passes (speculative decoding) have graphs of their own,
+static at 1 and ``ROW_BUCKET`` rows: ``greedy_tokens`` runs the layers, the
+LM head and the argmax in one graph, and ``greedy_passes`` the ``k - 1``
+one-token passes that feed each argmax back, pass ``i``'s attention over
+``_step.views[i]`` (the op's ``index``).
+
 LoRA adapters (``--enable-lora``) stay opaque the same way: a step with
 adapters runs graphs of their own (one-token and multi-row, compiled by the
 warm-up too) in which every projection's delta is one call of the in-place
