@@ -229,7 +229,7 @@ class DraftModelProposer:
             drafts[i].append(token)
         live = {i: seq.seq_id for i, seq in going}
         if {wanted[i] for i in live} == {self.k}:  # k drafts each: the passes in one (warm) graph
-            self._passes(histories, wanted, live, drafts)
+            self._passes(histories, live, drafts)
             return
         for step in range(1, max(wanted, default=0)):
             now = [i for i in live if wanted[i] > step]
@@ -246,16 +246,14 @@ class DraftModelProposer:
                 drafts[i].append(token)
 
     def _passes(
-        self, histories: Sequence[Sequence[int]], wanted: list[int], live: dict[int, int],
-        drafts: list[list[int]],
-    ) -> None:  # fmt: skip
+        self, histories: Sequence[Sequence[int]], live: dict[int, int], drafts: list[list[int]]
+    ) -> None:
         """Drafts 2..k of sequences that all want ``k``: the ``k - 1``
         one-token passes in one ``Worker.greedy_passes`` call (one compiled
         graph for up to 8 sequences, warmed up for ``k - 1`` passes), every
         pass's layout made first."""
         kv, rpc = self.engine.kv_manager, self.engine.executor.collective_rpc
-        order = list(live)
-        passes = wanted[order[0]] - 1
+        order, passes = list(live), self.k - 1
         if passes < 1:
             return
         seq_ids = [live[i] for i in order]

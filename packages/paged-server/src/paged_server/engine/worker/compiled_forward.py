@@ -29,9 +29,9 @@ against 2.8 ms, one thread); from 32 rows on oneDNN wins (a 32-decode
 step 10 against 15 ms), so the dynamic graph keeps it.
 
 A draft model's passes (speculative decoding) have graphs of their own,
-static at 1 and ``ROW_BUCKET`` rows: ``greedy_tokens`` runs the layers, the
-LM head and the argmax in one graph, and ``greedy_passes`` the ``k - 1``
-one-token passes that feed each argmax back, pass ``i``'s attention over
+static at 1 and ``ROW_BUCKET`` rows: ``greedy_passes`` runs the layers, the
+LM head and the argmax in one graph, once or for the ``k - 1`` one-token
+passes that feed each argmax back, pass ``i``'s attention over
 ``_step.views[i]`` (the op's ``index``).
 
 LoRA adapters (``--enable-lora``) stay opaque the same way: a step with
@@ -245,12 +245,6 @@ class CompiledForward:
         self._few_logits: Callable[[Tensor], Tensor] = torch.compile(  # type: ignore[assignment]
             _own_code(lambda hidden: head(hidden)), dynamic=False, fullgraph=True
         )
-        # A draft model's one-token passes (speculative decoding): the layers,
-        # the LM head and the argmax in one graph, static at 1 and ROW_BUCKET rows.
-        self._greedy: Callable[..., Tensor] = torch.compile(  # type: ignore[assignment]
-            _own_code(lambda ids, positions, view: head(inner(ids, positions, view)).argmax(-1)),
-            dynamic=False, fullgraph=True,
-        )  # fmt: skip
         self._passes: dict[int, Callable[..., Tensor]] = {}  # greedy_passes' graphs, by pass count
         self._freezing = inductor_config.patch(freezing=True, **_gemm_template_options(model))
         # The one-token graph (a single stream's decode) runs every GEMM on
@@ -289,27 +283,14 @@ class CompiledForward:
         finally:
             _step.view, _step.lora = None, None
 
-    def greedy_tokens(self, input_ids: Tensor, position_ids: Tensor, kv_cache: AttentionViewProtocol) -> Tensor:
-        """Every row's argmax token: ``compute_logits(hidden_states(...))``'s
-        argmax, in one graph up to ``ROW_BUCKET`` rows (one compiled call a
-        pass instead of two: a draft model's pass at one stream costs ~0.7
-        instead of ~1.0 ms on the trained default's 2-layer draft)."""
-        rows = input_ids.shape[0]
-        if rows > ROW_BUCKET:
-            return self.compute_logits(self.hidden_states(input_ids, position_ids, kv_cache)).argmax(-1)
-        _step.view, _step.rows = kv_cache, rows
-        try:
-            with self._freezing_one_row:
-                return self._greedy(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
-        finally:
-            _step.view = None
-
     def greedy_passes(self, input_ids: Tensor, position_ids: Tensor, views: list[AttentionViewProtocol]) -> Tensor:
         """``len(views)`` greedy passes of at most ``ROW_BUCKET`` rows in one
-        graph: pass ``i`` feeds back pass ``i - 1``'s argmax (``input_ids``
-        first) at ``position_ids + i`` over ``views[i]``; ``[rows, passes]``
-        tokens. A draft model's ``k - 1`` one-token passes pay one call's
-        overhead, not ``k - 1`` (Dynamo's guards, the runtime wrappers)."""
+        graph (the layers, the LM head and the argmax): pass ``i`` feeds back
+        pass ``i - 1``'s argmax (``input_ids`` first) at ``position_ids + i``
+        over ``views[i]``; ``[rows, passes]`` tokens. One pass is a draft
+        model's catch-up or a single draft (one compiled call, not two: ~0.7
+        instead of ~1.0 ms on the trained default's 2-layer draft); ``k - 1``
+        are its one-token passes in one call."""
         rows, n = input_ids.shape[0], len(views)
         assert rows <= ROW_BUCKET, "greedy_passes takes at most ROW_BUCKET rows"
         graph = self._passes.get(n)

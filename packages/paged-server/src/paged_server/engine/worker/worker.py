@@ -450,7 +450,8 @@ class Worker:
             return [] if logits is None or not step.rows else logits.argmax(-1).tolist()  # type: ignore[no-any-return]
         meta = tensors.metadata(step.layout)
         view = CacheView.over(tensors, meta)
-        tokens = self.compiled.greedy_tokens(self._tensor(step.input_ids), meta.positions, view).tolist()
+        passes = self.compiled.greedy_passes(self._tensor(step.input_ids), meta.positions, [view])
+        tokens = passes[:, 0].tolist()
         return tokens if step.every_row else [tokens[row] for row in step.rows]
 
     @torch.inference_mode()
@@ -476,8 +477,8 @@ class Worker:
         return tokens.tolist()  # type: ignore[no-any-return]
 
     def warm_up_greedy(self, passes: int) -> None:
-        """Compile ``greedy``'s graphs and ``greedy_passes``' for ``passes``
-        passes (1 and ``ROW_BUCKET`` rows) before serving, over blocks 0..
+        """Compile ``greedy``'s graphs (one pass) and ``greedy_passes``' for
+        ``passes`` passes (1 and ``ROW_BUCKET`` rows) before serving, over blocks 0..
         as ``warm_up`` does: call it before the cache holds anything."""
         if self.compiled is None:
             return
@@ -489,7 +490,7 @@ class Worker:
             tables = table if groups == 1 else np.stack([table] * groups)
             layout = StepLayout(tables, [0] * rows, [1] * rows)
             self.greedy(WorkerStep([0] * rows, layout, list(range(rows)), every_row=True))
-            if passes:  # positions 0.. within each row's block
+            if passes > 1:  # (one pass is greedy's graph) positions 0.. within each row's blocks
                 layouts = [StepLayout(tables, [i] * rows, [1] * rows) for i in range(passes)]
                 self.greedy_passes([0] * rows, layouts)
 
