@@ -112,7 +112,6 @@ def row_buckets(max_rows: int) -> list[int]:
     return sorted({padded_rows(n) for n in range(1, max_rows + 1)})
 
 
-@torch.library.custom_op("paged::attention", mutates_args=())
 def attention_op(
     q: Tensor,
     k: Tensor,
@@ -144,18 +143,18 @@ def attention_op(
     return out
 
 
-@attention_op.register_fake
-def _(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    layer_idx: int,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    index: int = -1,
-) -> Tensor:
-    return torch.empty_like(q)
+# Both ops are defined through torch.library.Library, not custom_op (as
+# cpu_gemv's ops): a step calls attention once per layer (and lora_delta
+# once per projection and layer), and custom_op's Python wrappers cost
+# several times this dispatch (docs/cpu.md): ~5 us a call, 4% of a one-token
+# step of the embedded model.
+_LIB = torch.library.Library("paged", "FRAGMENT")
+_LIB.define(
+    "attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale, int? sliding_window, "
+    "float? softcap, int index=-1) -> Tensor"
+)
+_LIB.impl("attention", attention_op, "CompositeExplicitAutograd")
+_LIB.impl("attention", lambda q, *args: torch.empty_like(q), "Meta")
 
 
 class _OpaqueView:
@@ -177,7 +176,7 @@ class _OpaqueView:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        return attention_op(q, k, v, layer_idx, scale, sliding_window, softcap, self.index)  # type: ignore[no-any-return]
+        return torch.ops.paged.attention(q, k, v, layer_idx, scale, sliding_window, softcap, self.index)  # type: ignore[no-any-return]
 
 
 _OPAQUE = _OpaqueView()
@@ -195,11 +194,7 @@ def _lora_delta(x: Tensor, out: Tensor, table: int) -> None:
     _LORA_TABLES[table].apply(x, out, mapping)
 
 
-# Defined through torch.library.Library, not custom_op (as cpu_gemv's ops):
-# a step calls it once per projection and layer, and custom_op's Python
-# wrappers cost several times this dispatch (docs/cpu.md), besides a
-# clone of ``out`` and a copy back that the in-place schema leaves out.
-_LIB = torch.library.Library("paged", "FRAGMENT")
+# In place (``out``): custom_op would also clone ``out`` and copy it back.
 _LIB.define("lora_delta(Tensor x, Tensor(a!) out, int table) -> ()")
 _LIB.impl("lora_delta", _lora_delta, "CompositeExplicitAutograd")
 _LIB.impl("lora_delta", lambda x, out, table: None, "Meta")
@@ -245,6 +240,12 @@ class CompiledForward:
         self._few_logits: Callable[[Tensor], Tensor] = torch.compile(  # type: ignore[assignment]
             _own_code(lambda hidden: head(hidden)), dynamic=False, fullgraph=True
         )
+        # A step of at most ROW_BUCKET rows that samples every row (one
+        # stream's decode, a verify step): the layers and the LM head in one
+        # graph, static at 1 and ROW_BUCKET rows (``logits``).
+        self._few_head: Callable[..., Tensor] = torch.compile(  # type: ignore[assignment]
+            _own_code(lambda ids, positions, view: head(inner(ids, positions, view))), dynamic=False, fullgraph=True
+        )
         self._passes: dict[int, Callable[..., Tensor]] = {}  # greedy_passes' graphs, by pass count
         self._freezing = inductor_config.patch(freezing=True, **_gemm_template_options(model))
         # The one-token graph (a single stream's decode) runs every GEMM on
@@ -282,6 +283,20 @@ class CompiledForward:
                 return self._compiled(_pad(input_ids), _pad(position_ids), _OPAQUE, None, _OPAQUE_LORA)[:rows]
         finally:
             _step.view, _step.lora = None, None
+
+    def logits(self, input_ids: Tensor, position_ids: Tensor, kv_cache: AttentionViewProtocol) -> Tensor:
+        """``compute_logits(hidden_states(...))`` of every row of a step of at
+        most ``ROW_BUCKET`` rows, in one compiled call instead of two (one
+        Dynamo and AOT wrapper chain less: ~6% of a one-token step of the
+        embedded model)."""
+        rows = input_ids.shape[0]
+        assert rows <= ROW_BUCKET, "logits takes at most ROW_BUCKET rows"
+        _step.view, _step.rows = kv_cache, rows
+        try:
+            with self._freezing_one_row:
+                return self._few_head(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
+        finally:
+            _step.view = None
 
     def greedy_passes(self, input_ids: Tensor, position_ids: Tensor, views: list[AttentionViewProtocol]) -> Tensor:
         """``len(views)`` greedy passes of at most ``ROW_BUCKET`` rows in one

@@ -345,6 +345,9 @@ class Worker:
             hidden = self._forward_pass(self._tensor(step.input_ids), view, [])
             if self.compiled is not None and hidden is not None:  # the head's graphs, at this row count
                 self.compiled.compute_logits(hidden[: min(num_tokens, head_rows)])
+            if self._head_in_graph(num_tokens, None):  # the one-graph head's
+                view = self.tensors.view(step.layout)
+                self.compiled.logits(self._tensor(step.input_ids), view.meta.positions, view)  # type: ignore[union-attr]
             if self.compiled is not None and self.compiled.has_lora:  # the graphs of steps with adapters
                 mapping = LoRAMapping.build([num_tokens], [-1], self.device, padded_rows(num_tokens))
                 view = self.tensors.view(step.layout)
@@ -428,6 +431,8 @@ class Worker:
             view = CacheView.over(tensors, meta)
             if self.pipeline is not None:  # the logits come back from the last stage
                 return self.pipeline.run(ids, view, step.rows)  # type: ignore[no-any-return]
+            if self._head_in_graph(len(step.input_ids), lora) and step.every_row and step.rows:
+                return self.compiled.logits(ids, view.meta.positions, view)  # type: ignore[union-attr]
             hidden = self._hidden_states(ids, view.meta.positions, view, lora)
         if not self.is_driver:  # the LM head's rows are rank 0's alone
             return None
@@ -436,6 +441,11 @@ class Worker:
         if not step.every_row:  # else the head reads hidden as it is: no copy
             hidden = hidden.index_select(0, self._tensor(step.rows))
         return self._compute_logits(hidden)
+
+    def _head_in_graph(self, rows: int, lora: LoRAMapping | None) -> bool:
+        """Whether a step of ``rows`` rows that samples every one runs the
+        compiled layers and LM head as one graph (``CompiledForward.logits``)."""
+        return self.compiled is not None and lora is None and rows <= ROW_BUCKET
 
     @torch.inference_mode()
     def greedy(self, step: WorkerStep) -> list[int]:
