@@ -229,6 +229,23 @@ class _Outer(torch.nn.Module):
         return self.head(hidden).float()
 
 
+@pytest.mark.parametrize(("dtype", "amx", "few_on_onednn"), [
+    (torch.bfloat16, False, True), (torch.bfloat16, True, False), (torch.float32, False, False),
+])  # fmt: skip
+def test_few_row_graphs_take_onednn_for_bf16_without_amx(monkeypatch, dtype, amx, few_on_onednn) -> None:
+    """Steps of 2..ROW_BUCKET rows run inductor's GEMM template as the
+    one-token graph does, except bf16 weights on a CPU without AMX, where
+    oneDNN's packed matmuls were faster (docs/cpu.md)."""
+    import paged_server.engine.worker.compiled_forward as compiled_forward
+
+    monkeypatch.setattr(compiled_forward, "cpu_has_amx", lambda: amx)
+    forward = CompiledForward(_Outer().to(dtype))
+    assert forward._freezing_for(1) is forward._freezing_one_row
+    few = forward._freezing_for(ROW_BUCKET)
+    assert few is (forward._freezing if few_on_onednn else forward._freezing_one_row)
+    assert forward._freezing_for(ROW_BUCKET + 1) is forward._freezing
+
+
 def test_many_compiled_engines_in_one_process() -> None:
     """Every instance's graphs share one code object's Dynamo cache: with the
     limit at one engine's worth, a second engine's graphs must still compile
@@ -372,9 +389,19 @@ def test_speculative_verify_steps_on_the_few_row_graph_match_eager(
     )  # fmt: skip
     assert engine.worker.compiled is not None
     after_warm_up = compiled_graphs()
+    one_graph_rows: list[int] = []  # the steps whose layers and head ran as one graph
+    logits = engine.worker.compiled.logits
+
+    def counted(ids, positions, view):
+        one_graph_rows.append(ids.shape[0])
+        return logits(ids, positions, view)
+
+    engine.worker.compiled.logits = counted
     run = run_engine(engine, requests)
     assert compiled_graphs() == after_warm_up, "serving compiled a new graph"
     assert engine.metrics()["spec_decode_num_accepted_tokens_total"] > 0
+    # a verify step of one sequence samples every row: it runs as one graph too
+    assert any(rows > 1 for rows in one_graph_rows) and 1 in one_graph_rows
     assert_same(run, eager, requests)
     assert engine.audit() == []
 

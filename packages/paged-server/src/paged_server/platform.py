@@ -266,6 +266,12 @@ def cpu_has_bf16() -> bool:
     return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN's and inductor's bf16 GEMMs
+    pick their kernels by it)."""
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def usable_cpu_cores() -> int:
     """Cores this process may run on (its affinity mask, e.g. under taskset)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

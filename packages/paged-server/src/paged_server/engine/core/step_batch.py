@@ -196,6 +196,8 @@ def _flat_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         b.rows += range(row, row + count)
     for _, row, count in b.verified:
         b.rows += range(row, row + count)
+    # (a verify step of one sequence: its last token and drafts, every row's logits)
+    b.every_row = len(b.rows) == len(b.ids) and b.rows == list(range(len(b.ids)))
     return b
 
 

@@ -25,8 +25,15 @@ sequence's last token and its drafts, 5 rows at k=4) and a few decodes.
 It runs every GEMM on inductor's C++ template as the one-token graph
 does: weight-bound at that size, where oneDNN's packed matmuls at 8 rows
 cost 2-3x the template's (a 5-row verify step of the embedded model 9.5
-against 2.8 ms, one thread); from 32 rows on oneDNN wins (a 32-decode
-step 10 against 15 ms), so the dynamic graph keeps it.
+against 2.8 ms, one thread, AMX Xeon); from 32 rows on oneDNN wins (a
+32-decode step 10 against 15 ms), so the dynamic graph keeps it. bf16
+weights on a CPU without AMX are the exception: there oneDNN wins at 8
+rows too (0.83 against 1.4 ms), so their few-row graphs take it.
+
+A step of at most ``ROW_BUCKET`` rows that samples every row (a single
+stream's decode, one sequence's verify step) runs the layers and the LM
+head as one graph (``logits``): one Dynamo and AOT wrapper chain instead
+of two.
 
 A draft model's passes (speculative decoding) have graphs of their own,
 static at 1 and ``ROW_BUCKET`` rows: ``greedy_passes`` runs the layers, the
@@ -65,7 +72,7 @@ from torch import Tensor, nn
 
 from paged_core.protocols import AttentionViewProtocol
 from paged_server import attention_backends
-from paged_server.platform import platform_for
+from paged_server.platform import cpu_has_amx, platform_for
 
 if TYPE_CHECKING:
     from paged_ref.lora_ops import LoRAMapping
@@ -253,6 +260,13 @@ class CompiledForward:
         # bf16 matmuls (1.37x over the 100M model's 48 projections, one
         # thread; 1.2-1.5x for a 30M layer's); at 8 rows they tied.
         self._freezing_one_row = inductor_config.patch(**ONE_ROW_OPTIONS)
+        # The few-row graphs (2..ROW_BUCKET rows) too, except for bf16 weights
+        # on a CPU without AMX (AVX512-BF16 alone), where oneDNN's packed
+        # matmuls win: an 8-row step of the embedded model 0.83-0.87 against
+        # 1.36-1.42 ms on the template (2-core AMD EPYC, one thread; in
+        # float32 there the template wins, 1.32 against 1.84).
+        dense_bf16 = not _gemm_template_options(model) and _weights_dtype(model) == torch.bfloat16
+        self._freezing_few = self._freezing if dense_bf16 and not cpu_has_amx() else self._freezing_one_row
         tables: list[LoRAWeights] = [
             w for m in model.modules() if (w := getattr(m, "lora_weights", None)) is not None
         ]
@@ -274,8 +288,8 @@ class CompiledForward:
         rows = input_ids.shape[0]
         _step.view, _step.rows, _step.lora = kv_cache, rows, lora
         try:
-            if lora is None and few_rows(rows):  # on the one-token graph's settings (the template)
-                with self._freezing_one_row:
+            if lora is None and few_rows(rows):
+                with self._freezing_few:
                     return self._few(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
             with self._freezing_for(rows):
                 if lora is None:
@@ -293,7 +307,7 @@ class CompiledForward:
         assert rows <= ROW_BUCKET, "logits takes at most ROW_BUCKET rows"
         _step.view, _step.rows = kv_cache, rows
         try:
-            with self._freezing_one_row:
+            with self._freezing_for(rows):
                 return self._few_head(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
         finally:
             _step.view = None
@@ -313,7 +327,7 @@ class CompiledForward:
             graph = self._passes[n] = _passes_graph(self.model, n)
         _step.views, _step.rows = tuple(views), rows
         try:
-            with self._freezing_one_row:
+            with self._freezing_for(rows):
                 return graph(_pad(input_ids), _pad(position_ids))[:rows]
         finally:
             _step.views = ()
@@ -323,7 +337,7 @@ class CompiledForward:
         (one sampled sequence), one for more (padded as the step's rows)."""
         rows = hidden.shape[0]
         if few_rows(rows):
-            with self._freezing_one_row:
+            with self._freezing_few:
                 return self._few_logits(_pad(hidden))[:rows]
         with self._freezing_for(rows):
             return self._logits(_pad(hidden))[:rows]
@@ -332,7 +346,9 @@ class CompiledForward:
         """Inductor's settings for a graph of ``rows`` rows. Freezing is read
         when a graph compiles (torch.compile's options do not reach it), so
         it is set around every call, not globally."""
-        return self._freezing_one_row if rows == 1 else self._freezing
+        if rows == 1:
+            return self._freezing_one_row
+        return self._freezing_few if few_rows(rows) else self._freezing
 
 
 def _passes_graph(model: nn.Module, n: int) -> Callable[..., Tensor]:
@@ -348,6 +364,11 @@ def _passes_graph(model: nn.Module, n: int) -> Callable[..., Tensor]:
         return torch.stack(out, dim=1)
 
     return torch.compile(_own_code(passes), dynamic=False, fullgraph=True)  # type: ignore[no-any-return]
+
+
+def _weights_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating-point parameter (None: none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _own_code(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
