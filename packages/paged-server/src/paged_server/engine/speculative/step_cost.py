@@ -11,9 +11,9 @@ time), and before each step ``choose`` keeps the drafting sequences, most
 promising first, while each one raises the expected tokens per second of
 the step. A row count
 never timed is tried (that times it), and every ``EXPLORE_EVERY`` steps
-one sequence more than the estimates say drafts, so an estimate that has
-gone stale (a warm-up step, a busy machine) is measured again, one row
-count at a time.
+one sequence more than the estimates say drafts (and half-way between, one
+fewer), so an estimate that has gone stale (a warm-up step, a busy
+machine) is measured again, one row count at a time.
 vLLM's ``disable_by_batch_size`` is the fixed-threshold form of this.
 """
 
@@ -77,4 +77,12 @@ class StepCost:
         # row count is timed again, so a choice made on a busy machine can
         # grow back (one step drafting for all was a cold draft model's
         # prefill of every history: 37 ms against a 5 ms step at 32 streams).
-        return min(best + 1, len(offers)) if step % EXPLORE_EVERY == 0 else best
+        if step % EXPLORE_EVERY == 0:
+            return min(best + 1, len(offers))
+        # ... and half-way between, one fewer: the smaller step is timed
+        # again too. A plain step timed slow once (the first decode after
+        # warm-up) kept one stream drafting for good at half the plain
+        # speed: while it drafts, nothing times a plain step.
+        if step % EXPLORE_EVERY == EXPLORE_EVERY // 2:
+            return max(best - 1, 0)
+        return best
