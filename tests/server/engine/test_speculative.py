@@ -137,20 +137,26 @@ def test_step_cost_drafts_where_rows_are_cheap_and_not_where_they_cost_their_sha
     assert busy.choose(16, [(0.9, 4), (0.3, 4), (0.3, 4)], step=EXPLORE_EVERY) == 2
 
 
-def test_step_cost_times_a_plain_step_again_while_drafting() -> None:
-    """A plain step timed slow once (the first decode after warm-up) must not
-    keep a stream drafting for good: half-way between the explorations
-    upwards, one sequence fewer drafts, which times the plain step again."""
-    cost = StepCost()
-    cost.record(1, False, 0.010)  # cold: ten times what a plain step costs
-    cost.record(5, True, 0.005)  # drafting: 5 tokens in 5 ms, "better" than 1 in 10
+def test_step_cost_times_a_plain_step_while_drafting() -> None:
+    """A stream that drafts every step never runs a plain step by itself:
+    half-way between the explorations upwards one sequence fewer drafts,
+    which times the plain step (never timed, or timed slow once) again."""
     offer = [(1.0, 4)]
-    assert [cost.choose(1, offer, step) for step in (1, 2, 3)] == [1, 1, 1]
     half = EXPLORE_EVERY // 2
-    assert cost.choose(1, offer, step=half) == 0  # a plain step: timed again
-    for _ in range(30):
-        cost.record(1, False, 0.0006)  # what it costs now
+    cost = StepCost()
+    cost.record(5, True, 0.005)  # drafting: 5 tokens in 5 ms; no plain step timed yet
+    assert [cost.choose(1, offer, step) for step in (1, 2, half - 1)] == [1, 1, 1]
+    assert cost.choose(1, offer, step=half) == 0  # a plain step: that times it
+    cost.record(1, False, 0.0006)
     assert cost.choose(1, offer, step=half + 1) == 0  # 1 token in 0.6 ms beats 5 in 5 ms
+    stale = StepCost()
+    stale.record(1, False, 0.010)  # timed cold: ten times what a plain step costs
+    stale.record(5, True, 0.005)
+    assert stale.choose(1, offer, step=1) == 1
+    assert stale.choose(1, offer, step=half) == 0
+    for _ in range(30):
+        stale.record(1, False, 0.0006)  # what it costs now
+    assert stale.choose(1, offer, step=half + 1) == 0
 
 
 def test_ngram_drafts_what_followed_the_latest_repeat_of_the_suffix() -> None:

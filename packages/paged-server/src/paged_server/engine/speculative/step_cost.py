@@ -61,8 +61,9 @@ class StepCost:
         if not offers:
             return 0
         plain = self.estimate(plain_rows, False)
-        if plain is None:  # nothing to compare with: draft (steps without drafts time it)
-            return len(offers)
+        down = step % EXPLORE_EVERY == EXPLORE_EVERY // 2
+        if plain is None:  # nothing to compare with: draft, but not half-way (below), which times it
+            return 0 if down else len(offers)
         best, best_rate = 0, plain_rows / plain
         tokens, rows = float(plain_rows), plain_rows
         for m, (acceptance, drafts) in enumerate(offers, start=1):
@@ -80,9 +81,8 @@ class StepCost:
         if step % EXPLORE_EVERY == 0:
             return min(best + 1, len(offers))
         # ... and half-way between, one fewer: the smaller step is timed
-        # again too. A plain step timed slow once (the first decode after
-        # warm-up) kept one stream drafting for good at half the plain
-        # speed: while it drafts, nothing times a plain step.
-        if step % EXPLORE_EVERY == EXPLORE_EVERY // 2:
-            return max(best - 1, 0)
-        return best
+        # again too. While a stream drafts every
+        # step nothing else times its plain step: one stream whose drafts
+        # cost twice what they gave (a draft as large as the model) drafted
+        # for good.
+        return max(best - 1, 0) if down else best
