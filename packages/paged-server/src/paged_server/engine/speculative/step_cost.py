@@ -81,8 +81,7 @@ class StepCost:
         if step % EXPLORE_EVERY == 0:
             return min(best + 1, len(offers))
         # ... and half-way between, one fewer: the smaller step is timed
-        # again too. While a stream drafts every
-        # step nothing else times its plain step: one stream whose drafts
-        # cost twice what they gave (a draft as large as the model) drafted
-        # for good.
+        # again too (while a stream drafts every step, nothing else times
+        # its plain step). Such a step, timed right after a draft model's
+        # passes, is slower than a steady one (docs/serving.md).
         return max(best - 1, 0) if down else best
