@@ -240,8 +240,8 @@ def test_few_row_graphs_take_onednn_for_bf16_without_amx(monkeypatch, dtype, amx
 
     monkeypatch.setattr(compiled_forward, "cpu_has_amx", lambda: amx)
     forward = CompiledForward(_Outer().to(dtype))
-    assert forward._freezing_for(1) is forward._freezing_one_row
-    few = forward._freezing_for(ROW_BUCKET)
+    assert forward._static_freezing(1) is forward._freezing_one_row
+    few = forward._static_freezing(ROW_BUCKET)
     assert few is (forward._freezing if few_on_onednn else forward._freezing_one_row)
     assert forward._freezing_for(ROW_BUCKET + 1) is forward._freezing
 

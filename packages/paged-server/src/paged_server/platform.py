@@ -262,8 +262,7 @@ def cpu_has_bf16() -> bool:
     forced = os.environ.get("PAGED_CPU_BF16")
     if forced in ("0", "1"):
         return forced == "1"
-    cpu = torch.cpu
-    return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
+    return cpu_has_amx() or bool(torch.cpu._is_avx512_bf16_supported())
 
 
 def cpu_has_amx() -> bool:

@@ -61,7 +61,7 @@ from __future__ import annotations
 import os
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -265,7 +265,7 @@ class CompiledForward:
         # matmuls win: an 8-row step of the embedded model 0.83-0.87 against
         # 1.36-1.42 ms on the template (2-core AMD EPYC, one thread; in
         # float32 there the template wins, 1.32 against 1.84).
-        dense_bf16 = not _gemm_template_options(model) and _weights_dtype(model) == torch.bfloat16
+        dense_bf16 = not _gemm_template_options(model) and next(model.parameters()).dtype == torch.bfloat16
         self._freezing_few = self._freezing if dense_bf16 and not cpu_has_amx() else self._freezing_one_row
         tables: list[LoRAWeights] = [
             w for m in model.modules() if (w := getattr(m, "lora_weights", None)) is not None
@@ -307,12 +307,12 @@ class CompiledForward:
         assert rows <= ROW_BUCKET, "logits takes at most ROW_BUCKET rows"
         _step.view, _step.rows = kv_cache, rows
         try:
-            with self._freezing_for(rows):
+            with self._static_freezing(rows):
                 return self._few_head(_pad(input_ids), _pad(position_ids), _OPAQUE)[:rows]
         finally:
             _step.view = None
 
-    def greedy_passes(self, input_ids: Tensor, position_ids: Tensor, views: list[AttentionViewProtocol]) -> Tensor:
+    def greedy_passes(self, input_ids: Tensor, position_ids: Tensor, views: Sequence[AttentionViewProtocol]) -> Tensor:
         """``len(views)`` greedy passes of at most ``ROW_BUCKET`` rows in one
         graph (the layers, the LM head and the argmax): pass ``i`` feeds back
         pass ``i - 1``'s argmax (``input_ids`` first) at ``position_ids + i``
@@ -327,7 +327,7 @@ class CompiledForward:
             graph = self._passes[n] = _passes_graph(self.model, n)
         _step.views, _step.rows = tuple(views), rows
         try:
-            with self._freezing_for(rows):
+            with self._static_freezing(rows):
                 return graph(_pad(input_ids), _pad(position_ids))[:rows]
         finally:
             _step.views = ()
@@ -343,12 +343,14 @@ class CompiledForward:
             return self._logits(_pad(hidden))[:rows]
 
     def _freezing_for(self, rows: int) -> AbstractContextManager[object]:
-        """Inductor's settings for a graph of ``rows`` rows. Freezing is read
-        when a graph compiles (torch.compile's options do not reach it), so
-        it is set around every call, not globally."""
-        if rows == 1:
-            return self._freezing_one_row
-        return self._freezing_few if few_rows(rows) else self._freezing
+        """Inductor's settings for a dynamic graph of ``rows`` rows. Freezing
+        is read when a graph compiles (torch.compile's options do not reach
+        it), so it is set around every call, not globally."""
+        return self._freezing_one_row if rows == 1 else self._freezing
+
+    def _static_freezing(self, rows: int) -> AbstractContextManager[object]:
+        """The same for a static graph of at most ``ROW_BUCKET`` rows."""
+        return self._freezing_one_row if rows == 1 else self._freezing_few
 
 
 def _passes_graph(model: nn.Module, n: int) -> Callable[..., Tensor]:
@@ -364,11 +366,6 @@ def _passes_graph(model: nn.Module, n: int) -> Callable[..., Tensor]:
         return torch.stack(out, dim=1)
 
     return torch.compile(_own_code(passes), dynamic=False, fullgraph=True)  # type: ignore[no-any-return]
-
-
-def _weights_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype of the model's first floating-point parameter (None: none)."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _own_code(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:

@@ -341,17 +341,17 @@ class Worker:
         tables = table if groups == 1 else np.stack([table] * groups)
         step = WorkerStep([0] * num_tokens, StepLayout(tables, [0], [num_tokens]), [])
         with torch.inference_mode():
-            view = self.tensors.view(step.layout)
-            hidden = self._forward_pass(self._tensor(step.input_ids), view, [])
+            ids, view = self._tensor(step.input_ids), self.tensors.view(step.layout)
+            hidden = self._forward_pass(ids, view, [])
             if self.compiled is not None and hidden is not None:  # the head's graphs, at this row count
                 self.compiled.compute_logits(hidden[: min(num_tokens, head_rows)])
             if self._head_in_graph(num_tokens, None):  # the one-graph head's
                 view = self.tensors.view(step.layout)
-                self.compiled.logits(self._tensor(step.input_ids), view.meta.positions, view)  # type: ignore[union-attr]
+                self.compiled.logits(ids, view.meta.positions, view)  # type: ignore[union-attr]
             if self.compiled is not None and self.compiled.has_lora:  # the graphs of steps with adapters
                 mapping = LoRAMapping.build([num_tokens], [-1], self.device, padded_rows(num_tokens))
                 view = self.tensors.view(step.layout)
-                self.compiled.hidden_states(self._tensor(step.input_ids), view.meta.positions, view, mapping)
+                self.compiled.hidden_states(ids, view.meta.positions, view, mapping)
 
     # -- the KV cache tiers (engine/kv/kv_tiers.py) -----------------------------------------
     def init_tiers(self, disk_dir: str | None) -> list[tuple[bytes, tuple[int, ...]]]:
@@ -478,8 +478,8 @@ class Worker:
             ids = input_ids
             for layout in layouts:
                 ids = self.greedy(WorkerStep(ids, layout, list(range(rows)), every_row=True))
-                for tokens, token in zip(out, ids, strict=True):
-                    tokens.append(token)
+                for drafted, token in zip(out, ids, strict=True):
+                    drafted.append(token)
             return out
         metas = [tensors.metadata(layout) for layout in layouts]
         views = [CacheView.over(tensors, meta) for meta in metas]
