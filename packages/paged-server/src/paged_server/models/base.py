@@ -20,6 +20,7 @@ from torch import nn
 
 from paged_core.protocols import AttentionViewProtocol
 from paged_server.models.config import ModelConfig
+from paged_server.models.few_row_gemm import few_rows
 from paged_server.models.pipeline_parallel import WHOLE, PipelineStage, for_stage
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -158,7 +159,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head in the model dtype, then float32 (and final soft-capping)."""
-        logits = self.lm_head(hidden).float()
+        head = few_rows(self.lm_head, hidden)  # the kernel's product at 1-8 bf16 rows (CPU)
+        logits = (self.lm_head(hidden) if head is None else head).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
