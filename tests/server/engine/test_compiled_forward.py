@@ -30,7 +30,7 @@ from paged_server.engine.worker.compiled_forward import (
     padded_rows,
     row_buckets,
 )
-from paged_server.models import load_model
+from paged_server.models import few_row_gemm, load_model
 from paged_server.models.llama import LlamaForCausalLM
 from paged_server.models.mixtral import MixtralForCausalLM
 from paged_server.models.quantization import QuantizedLinear
@@ -431,3 +431,44 @@ def test_a_compiled_draft_model_drafts_the_targets_tokens(
     assert_same(run, eager, requests)
     assert engine.audit() == []
     engine.shutdown()
+
+
+@pytest.mark.skipif(not few_row_gemm.preferred(), reason="the few-row kernel is not used on this CPU")
+def test_bf16_speculation_keeps_every_token_on_the_few_row_kernel(
+    compiling, cycling_model_dir, run_engine, prompt_of, greedy
+) -> None:
+    """In bf16 on a CPU that runs ``few_row_gemm`` (every projection and the
+    LM head of the 1- and 8-row graphs), greedy output with prompt lookup
+    is the output without it, token for token and logprob for logprob, at
+    one stream and at three: a verify step's rows compute what one-row
+    decodes compute (test_few_row_gemm checks the kernel's part: a row's
+    bits do not depend on the rows beside it)."""
+
+    def repeating(n: int, seed: int) -> list[int]:
+        block = prompt_of(n, seed)
+        return block + block + block[: n // 2]
+
+    def engine(**spec: object) -> LLMEngine:
+        config = EngineConfig(
+            model=str(cycling_model_dir), dtype="bfloat16", device="cpu", attention_backend="ref",
+            max_batch_size=4, max_model_len=128, block_size=4, **spec,
+        )  # fmt: skip
+        return LLMEngine(config)
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    plain, speculating = engine(), engine(speculative_config=ngram)
+    for e in (plain, speculating):
+        assert e.worker.compiled is not None and hasattr(e.worker.model.lm_head, "few_row_weight")
+    for requests in (
+        [("one", repeating(8, 1), greedy(24, logprobs=1))],
+        [(f"s{i}", repeating(6 + i, i), greedy(16, logprobs=1)) for i in range(3)],
+    ):
+        ref = run_engine(plain, requests)
+        run = run_engine(speculating, requests)
+        for request_id, _, _ in requests:
+            got, want = run.choices[(request_id, 0)], ref.choices[(request_id, 0)]
+            assert got.token_ids == want.token_ids, request_id
+            assert got.logprobs == want.logprobs, request_id
+    assert speculating.metrics()["spec_decode_num_accepted_tokens_total"] > 0
+    for e in (plain, speculating):
+        e.shutdown()

@@ -15,7 +15,8 @@ the steps): a 256 x 256 product at 5 rows 4 us against oneDNN's ~20, the
 embedded model's 4,096 x 256 LM head at 1 row 24 against 62. A row's result
 does not depend on how many rows share the call (each output sums its
 products in input order). Where the library cannot be built (no compiler,
-no AVX512-BF16) ``available()`` is False and nothing is attached.
+no AVX512-BF16) ``available()`` is False and nothing is attached; nor on a
+CPU with AMX tiles (``preferred``).
 
 The kernel is a torch operator (``paged::few_row_gemm``) registered through
 ``torch.library.Library``: the compiled graph calls it as an opaque op.
@@ -64,16 +65,19 @@ def available() -> bool:
         return _build() is not None
 
 
+def preferred() -> bool:
+    """Whether ``attach`` packs weights on this CPU: the kernel built, and no
+    AMX tiles (measured only without them; an AMX CPU keeps inductor's GEMM
+    template, which its measurements chose at 1-8 rows)."""
+    from paged_server.platform import cpu_has_amx
+
+    return available() and not cpu_has_amx()
+
+
 def applies(weight: Tensor) -> bool:
     """Whether ``weight`` (``[out, in]``) can take the kernel: bf16 on a CPU,
-    an even number of input features, and the kernel built."""
-    return (
-        weight.dim() == 2
-        and weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and weight.shape[1] % 2 == 0
-        and available()
-    )
+    an even number of input features."""
+    return weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
 
 
 def pack(weight: Tensor) -> Tensor:
@@ -89,8 +93,12 @@ def pack(weight: Tensor) -> Tensor:
 def attach(model: nn.Module) -> int:
     """Give every dense bf16 ``nn.Linear`` of ``model`` that ``linear``
     serves (the stacked projections and the LM head) its packed weight,
-    where the kernel applies and it has none yet; how many it gave one."""
+    where the kernel applies and it has none yet (none where this CPU does
+    not prefer it); how many it gave one."""
     from paged_server.models.linear import ColumnParallelLinear, RowParallelLinear
+
+    if not preferred():
+        return 0
 
     lm_head = getattr(model, "lm_head", None)
     count = 0
