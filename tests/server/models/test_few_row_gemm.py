@@ -17,7 +17,12 @@ from torch._inductor.utils import run_and_get_code
 from paged_server.default_model.builder import CONFIG
 from paged_server.models import few_row_gemm
 from paged_server.models.config import ModelConfig
-from paged_server.models.linear import ColumnParallelLinear, OutputSlice, RowParallelLinear
+from paged_server.models.linear import (
+    ColumnParallelLinear,
+    OutputSlice,
+    RowParallelLinear,
+    attach_few_row_weights,
+)
 from paged_server.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(
@@ -91,7 +96,7 @@ def test_a_nan_in_a_row_gives_nan_outputs() -> None:
 
 @pytest.fixture
 def preferred(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``attach`` packs on this CPU even where it has AMX tiles (where the
+    """``attach_few_row_weights`` packs on this CPU even where it has AMX tiles (where the
     engine does not attach: not measured there)."""
     monkeypatch.setattr(few_row_gemm, "preferred", lambda: True)
 
@@ -102,7 +107,7 @@ def test_layers_take_the_kernel_at_1_to_8_bf16_rows_eager_and_compiled() -> None
     graph: the opaque op), aten's product at more rows, in float32 and in a
     dynamic graph; the bias is added after."""
     layer = ColumnParallelLinear(256, [OutputSlice("p", 96, 0, 96)], bias=True).to(torch.bfloat16)
-    assert few_row_gemm.attach(layer) == 1
+    assert attach_few_row_weights(layer) == 1
     with torch.no_grad():
         for rows in (1, 5, 8):
             x = _bf16(rows, 256, seed=rows)
@@ -132,10 +137,10 @@ def test_a_model_attaches_its_projections_and_lm_head_and_keeps_its_outputs() ->
     x = _bf16(6, 128, seed=12)
     with torch.no_grad():
         before, logits_before = mlp(x), model.compute_logits(x)
-        assert few_row_gemm.attach(model) == len(linears) + 1
+        assert attach_few_row_weights(model) == len(linears) + 1
         assert all(hasattr(m, "few_row_weight") for m in [*linears, model.lm_head])
         assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: packed from the embedding
-        assert few_row_gemm.attach(model) == 0
+        assert attach_few_row_weights(model) == 0
         _close(mlp(x), before, 2**-5)
         _close(model.compute_logits(x), logits_before)
-    assert few_row_gemm.attach(LlamaForCausalLM(config)) == 0
+    assert attach_few_row_weights(LlamaForCausalLM(config)) == 0

@@ -2,9 +2,10 @@
 (``few_row_gemm.c``): one stream's decode, a speculative verify step, a
 draft model's passes, a few streams' decode.
 
-``attach`` gives every dense bf16 projection of a model (the stacked
-column-parallel and row-parallel layers, the LM head) a copy of its weight
-in the kernel's layout, ``few_row_weight``; ``linear`` then runs a product
+``linear.attach_few_row_weights`` gives every dense bf16 projection of a
+model (the stacked column-parallel and row-parallel layers, the LM head) a
+copy of its weight in the kernel's layout, ``few_row_weight``, with
+``pack``; ``linear`` then runs a product
 of at most ``FEW_ROWS`` rows on it (in eager mode and inside the compiled
 graphs, where the row count is static) and any other through ``F.linear``.
 The copy costs the weights' bytes once more; the compiled few-row graphs
@@ -66,7 +67,7 @@ def available() -> bool:
 
 
 def preferred() -> bool:
-    """Whether ``attach`` packs weights on this CPU: the kernel built, and no
+    """Whether a model's weights are packed on this CPU: the kernel built, and no
     AMX tiles (measured only without them; an AMX CPU keeps inductor's GEMM
     template, which its measurements chose at 1-8 rows)."""
     from paged_server.platform import cpu_has_amx
@@ -90,27 +91,6 @@ def pack(weight: Tensor) -> Tensor:
     return out
 
 
-def attach(model: nn.Module) -> int:
-    """Give every dense bf16 ``nn.Linear`` of ``model`` that ``linear``
-    serves (the stacked projections and the LM head) its packed weight,
-    where the kernel applies and it has none yet (none where this CPU does
-    not prefer it); how many it gave one."""
-    from paged_server.models.linear import ColumnParallelLinear, RowParallelLinear
-
-    if not preferred():
-        return 0
-
-    lm_head = getattr(model, "lm_head", None)
-    count = 0
-    for module in model.modules():
-        served = isinstance(module, ColumnParallelLinear | RowParallelLinear) or module is lm_head
-        fresh = not hasattr(module, "few_row_weight")
-        if served and fresh and isinstance(module, nn.Linear) and applies(module.weight):
-            module.register_buffer("few_row_weight", pack(module.weight), persistent=False)
-            count += 1
-    return count
-
-
 def linear(layer: nn.Linear, x: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear(x, layer.weight, bias)``, through the kernel where
     ``few_rows`` applies."""
@@ -122,7 +102,7 @@ def linear(layer: nn.Linear, x: Tensor, bias: Tensor | None) -> Tensor:
 
 def few_rows(layer: nn.Module, x: Tensor) -> Tensor | None:
     """``x`` times ``layer``'s weight (no bias) through the kernel, where
-    ``layer`` has a packed weight (``attach``) and ``x`` is 1 to
+    ``layer`` has a packed weight (``few_row_weight``) and ``x`` is 1 to
     ``FEW_ROWS`` bf16 rows of a static count (a dynamic graph's symbolic
     count keeps aten's product); else None."""
     packed: Tensor | None = getattr(layer, "few_row_weight", None)

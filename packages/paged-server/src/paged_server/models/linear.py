@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from paged_server.models import few_row_gemm
 from paged_server.models.few_row_gemm import linear
 from paged_server.models.tensor_parallel import TensorParallel
 
@@ -182,3 +183,22 @@ def _lora_delta(
     layer has a slot table (a model without ``models.lora.attach`` has none)."""
     if layer.lora_weights is not None:
         layer.lora_weights.apply(x, out, lora)
+
+
+def attach_few_row_weights(model: nn.Module) -> int:
+    """Give every bf16 projection of ``model`` (its stacked column- and
+    row-parallel layers, and its LM head) a copy of its weight packed for
+    ``few_row_gemm``, which their forward then runs at 1-8 rows, where
+    this CPU prefers the kernel and the layer has none yet; how many it
+    gave one."""
+    if not few_row_gemm.preferred():
+        return 0
+    lm_head = getattr(model, "lm_head", None)
+    count = 0
+    for module in model.modules():
+        served = isinstance(module, ColumnParallelLinear | RowParallelLinear) or module is lm_head
+        fresh = not hasattr(module, "few_row_weight")
+        if served and fresh and isinstance(module, nn.Linear) and few_row_gemm.applies(module.weight):
+            module.register_buffer("few_row_weight", few_row_gemm.pack(module.weight), persistent=False)
+            count += 1
+    return count

@@ -62,9 +62,10 @@ from paged_server.engine.worker.compiled_forward import (
 )
 from paged_server.engine.worker.decode_graphs import DecodeGraphs
 from paged_server.engine.worker.kernel_warmup import warm_up_kernels
-from paged_server.models import LoadedModel, few_row_gemm, load_model
+from paged_server.models import LoadedModel, load_model
 from paged_server.models.errors import LoRAAdapterError
 from paged_server.models.layers import use_layer_ops
+from paged_server.models.linear import attach_few_row_weights
 from paged_server.models.lora import LoRAConfig, LoRAManager, LoRAMapping
 from paged_server.models.pipeline_parallel import PipelineStage, stage_layers
 from paged_server.models.tensor_parallel import SINGLE, TensorParallel, shard_heads
@@ -153,7 +154,7 @@ class Worker:
         # The backend's fused norm/RoPE/SiLU kernels where eager ops cost a kernel each (CUDA).
         use_layer_ops(self.model, self._backend().layer_ops(self.platform.device_type))
         if self.platform.device_type == "cpu":  # bf16 projections of 1-8 rows on the C kernel
-            few_row_gemm.attach(self.model)
+            attach_few_row_weights(self.model)
         if self.stage.size > 1:  # this rank's turn of each step (calibration's pass included)
             from paged_server.parallel.pipeline import PipelineStep
 
