@@ -3,7 +3,8 @@
 ``python benchmarks/quantized_gemm.py [--rows 1] [--rounds 9] [--threads 1]``
 builds the ~100M bench Llama's decoder projections (per layer: the fused
 q/k/v, o, the fused gate/up and down, as the model stacks them) with random
-weights, in bfloat16 (``nn.Linear``) and as the ``QuantizedLinear`` layers
+weights, in bfloat16 (``nn.Linear``; ``bf16_few_row``: the same weights through
+``few_row_gemm`` at 1-8 rows, where it builds) and as the ``QuantizedLinear`` layers
 ``--quantization int8`` / ``int4`` load, chains them as a layer does (every
 output used, so the compiler drops none), and times one pass over all
 layers at ``--rows`` tokens: eager, and compiled the way the engine's
@@ -28,10 +29,11 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 from paged_server.engine.worker.compiled_forward import ONE_ROW_OPTIONS as _COMPILE_OPTIONS
+from paged_server.models import few_row_gemm
 from paged_server.models.quantization.linear import QuantizedLinear
 from paged_server.models.quantization.load import quantize_online
 
-FORMATS = ("bfloat16", "int8", "int4")
+FORMATS = ("bfloat16", "bf16_few_row", "int8", "int4")
 MODES = ("eager", "compiled")
 
 
@@ -42,10 +44,20 @@ def projection_shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
     return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
 
 
+class _FewRowLinear(nn.Linear):
+    """A bf16 projection as the engine runs it on a CPU with AVX512-BF16:
+    1-8 rows through ``few_row_gemm`` (``linear.attach_few_row_weights``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return few_row_gemm.linear(self, x, None)
+
+
 def _layer(weight: torch.Tensor, fmt: str) -> nn.Module:
-    if fmt == "bfloat16":
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    if fmt in ("bfloat16", "bf16_few_row"):
+        linear = (nn.Linear if fmt == "bfloat16" else _FewRowLinear)(weight.shape[1], weight.shape[0], bias=False)
         linear.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
+        if fmt == "bf16_few_row":
+            linear.register_buffer("few_row_weight", few_row_gemm.pack(linear.weight), persistent=False)
         return linear
     return QuantizedLinear(quantize_online(weight, fmt), None, torch.device("cpu"))  # as served
 
@@ -71,7 +83,12 @@ class Projections(nn.Module):
         return x
 
     def weight_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in [*self.parameters(), *self.buffers()])
+        """Bytes a pass reads: a few-row layer's packed copy, not also its weight."""
+        read = [
+            t for m in self.modules() if not list(m.children())
+            for t in ([m.few_row_weight] if hasattr(m, "few_row_weight") else [*m.parameters(), *m.buffers()])
+        ]  # fmt: skip
+        return sum(t.numel() * t.element_size() for t in read)
 
 
 def _runner(model: Projections, mode: str, x: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -134,13 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     from paged_server.bench.model_configs import LLAMA_100M
 
-    table = gemm_table(
-        LLAMA_100M,
-        args.rows,
-        args.rounds,
-        tuple(args.formats.split(",")),
-        tuple(args.modes.split(",")),
-    )
+    formats = tuple(f for f in args.formats.split(",") if f != "bf16_few_row" or few_row_gemm.available())
+    table = gemm_table(LLAMA_100M, args.rows, args.rounds, formats, tuple(args.modes.split(",")))
     print(json.dumps({"threads": torch.get_num_threads(), "rows": args.rows}))
     for row in table:
         print(json.dumps(row))
