@@ -17,6 +17,7 @@ from paged_server.engine.speculative.acceptance_gate import AcceptanceGate
 from paged_server.engine.speculative.ngram import NgramProposer
 from paged_server.engine.speculative.step_cost import (
     EXPLORE_EVERY,
+    MAX_EXPLORE_EVERY,
     StepCost,
     bucket,
     expected_tokens,
@@ -380,3 +381,20 @@ def test_greedy_speculation_matches_on_the_backend(make_cycling, run_engine, pro
     ref = run_engine(make_cycling(attention_backend=attention_backend), requests)
     run = run_engine(make_cycling(attention_backend=attention_backend, speculative_config=NGRAM), requests)
     assert {k: c.token_ids for k, c in run.choices.items()} == {k: c.token_ids for k, c in ref.choices.items()}
+
+
+def test_explorations_back_off_while_they_change_nothing() -> None:
+    """A draft model that never pays at one stream is explored upwards every
+    64 steps, then every 128, 256, ... up to MAX_EXPLORE_EVERY while each
+    exploration leaves the choice as it was (each one can cost a catch-up
+    over a whole prompt); a different choice brings them back to 64."""
+    cost = StepCost()
+    cost.record(1, False, 0.0005)
+    cost.record(5, True, 0.004)  # 5 tokens in 4 ms: worse than 1 in 0.5
+    offer = [(0.9, 4)]
+    explored = [step for step in range(1, 4000) if cost.choose(1, offer, step) == 1]
+    assert explored == [64, 128, 256, 512, 1024, 2048, 3072]
+    assert cost.explore_every == MAX_EXPLORE_EVERY
+    for _ in range(20):
+        cost.record(5, True, 0.001)  # drafting pays now (5 tokens in 1 ms)
+    assert cost.choose(1, offer, 4096) == 1 and cost.explore_every == EXPLORE_EVERY

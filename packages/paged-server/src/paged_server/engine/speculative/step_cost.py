@@ -13,7 +13,12 @@ the step. A row count
 never timed is tried (that times it), and every ``EXPLORE_EVERY`` steps
 one sequence more than the estimates say drafts (and half-way between, one
 fewer), so an estimate that has gone stale (a warm-up step, a busy
-machine) is measured again, one row count at a time.
+machine) is measured again, one row count at a time. While those
+explorations leave the choice as it was, they come half as often each
+time (up to every ``MAX_EXPLORE_EVERY`` steps): an exploration can cost
+several steps (a draft model catching up on a request's whole context
+before its first draft), and one every 64 steps that kept answering
+"do not draft" cost a one-stream draft model 14% of its speed.
 vLLM's ``disable_by_batch_size`` is the fixed-threshold form of this.
 """
 
@@ -23,6 +28,7 @@ from collections.abc import Sequence
 
 WEIGHT = 0.2  # of the newest time in a row count's moving average
 EXPLORE_EVERY = 64
+MAX_EXPLORE_EVERY = 1024
 
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
@@ -46,6 +52,8 @@ class StepCost:
 
     def __init__(self) -> None:
         self._seconds: dict[tuple[int, bool], float] = {}
+        self.explore_every = EXPLORE_EVERY  # a power of two: doubles while explorations change nothing
+        self._explored: tuple[int, int] | None = None  # (offers, choice) at the last exploration upwards
 
     def record(self, rows: int, drafted: bool, seconds: float) -> None:
         key = (bucket(rows), drafted)
@@ -61,7 +69,8 @@ class StepCost:
         if not offers:
             return 0
         plain = self.estimate(plain_rows, False)
-        down = step % EXPLORE_EVERY == EXPLORE_EVERY // 2
+        every = self.explore_every
+        down = step % every == every // 2
         if plain is None:  # nothing to compare with: draft, but not half-way (below), which times it
             return 0 if down else len(offers)
         best, best_rate = 0, plain_rows / plain
@@ -78,10 +87,19 @@ class StepCost:
         # row count is timed again, so a choice made on a busy machine can
         # grow back (one step drafting for all was a cold draft model's
         # prefill of every history: 37 ms against a 5 ms step at 32 streams).
-        if step % EXPLORE_EVERY == 0:
+        if step % every == 0:
+            self._back_off((len(offers), best))
             return min(best + 1, len(offers))
         # ... and half-way between, one fewer: the smaller step is timed
         # again too (while a stream drafts every step, nothing else times
         # its plain step). Such a step, timed right after a draft model's
         # passes, is slower than a steady one (docs/serving.md).
         return max(best - 1, 0) if down else best
+
+    def _back_off(self, choice: tuple[int, int]) -> None:
+        """At an exploration upwards: explore half as often if the choice
+        (offers, sequences drafting) is the one the last exploration made,
+        else as often as at first."""
+        same = choice == self._explored
+        self.explore_every = min(2 * self.explore_every, MAX_EXPLORE_EVERY) if same else EXPLORE_EVERY
+        self._explored = choice
