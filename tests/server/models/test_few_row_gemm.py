@@ -7,11 +7,10 @@ compiled, against aten's product. Skipped where the kernel cannot be built
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.server.models.test_cpu_gemv import _threads
 from torch._inductor.utils import run_and_get_code
 
 from paged_server.default_model.builder import CONFIG
@@ -39,15 +38,6 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 2**-8) -> None:
     sums in another order may round to the neighbouring bf16)."""
     assert got.shape == want.shape, (got.shape, want.shape)
     assert (got.float() - want.float()).abs().max() <= rel * want.float().abs().max()
-
-
-def _threads(threads: int, product: Callable[[], torch.Tensor]) -> torch.Tensor:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return product()
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(("n", "k"), [(512, 256), (4096, 256), (256, 768), (100, 72), (3, 40), (48, 2)])
