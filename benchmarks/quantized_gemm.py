@@ -33,7 +33,8 @@ from paged_server.models import few_row_gemm
 from paged_server.models.quantization.linear import QuantizedLinear
 from paged_server.models.quantization.load import quantize_online
 
-FORMATS = ("bfloat16", "bf16_few_row", "int8", "int4")
+FORMATS = ("bfloat16", "int8", "int4")
+FEW_ROW = "bf16_few_row"  # also run, after bfloat16, where few_row_gemm builds
 MODES = ("eager", "compiled")
 
 
@@ -53,10 +54,10 @@ class _FewRowLinear(nn.Linear):
 
 
 def _layer(weight: torch.Tensor, fmt: str) -> nn.Module:
-    if fmt in ("bfloat16", "bf16_few_row"):
+    if fmt in ("bfloat16", FEW_ROW):
         linear = (nn.Linear if fmt == "bfloat16" else _FewRowLinear)(weight.shape[1], weight.shape[0], bias=False)
         linear.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
-        if fmt == "bf16_few_row":
+        if fmt == FEW_ROW:
             linear.register_buffer("few_row_weight", few_row_gemm.pack(linear.weight), persistent=False)
         return linear
     return QuantizedLinear(quantize_online(weight, fmt), None, torch.device("cpu"))  # as served
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         "--rows", type=int, default=1, help="tokens per pass (1 = one stream's decode step)"
     )
     p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--formats", help=f"default: {','.join(FORMATS)}, and {FEW_ROW} where it builds")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     args = p.parse_args(argv)
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     from paged_server.bench.model_configs import LLAMA_100M
 
-    formats = tuple(f for f in args.formats.split(",") if f != "bf16_few_row" or few_row_gemm.available())
+    default = (FORMATS[0], FEW_ROW, *FORMATS[1:]) if few_row_gemm.available() else FORMATS
+    formats = tuple(args.formats.split(",")) if args.formats else default
     table = gemm_table(LLAMA_100M, args.rows, args.rounds, formats, tuple(args.modes.split(",")))
     print(json.dumps({"threads": torch.get_num_threads(), "rows": args.rows}))
     for row in table:

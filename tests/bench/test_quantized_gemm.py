@@ -4,9 +4,11 @@ one row per format and mode."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from paged_server.bench.model_configs import LLAMA_100M
+from paged_server.models import few_row_gemm
 from paged_server.models.quantization.linear import QuantizedLinear
 from quantized_gemm import Projections, gemm_table, projection_shapes
 
@@ -49,3 +51,13 @@ def test_table_has_a_row_per_format_and_mode() -> None:
     for r in table:
         assert r["ms"] > 0 and r["gb_s"] > 0
     assert table[0]["speedup_vs_bfloat16"] == 1.0
+
+
+@pytest.mark.skipif(not few_row_gemm.available(), reason="few_row_gemm needs a C compiler and AVX512-BF16")
+def test_the_few_row_format_computes_the_bf16_product() -> None:
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    models = {fmt: Projections(TINY, fmt).eval() for fmt in ("bfloat16", "bf16_few_row")}
+    with torch.no_grad():
+        ref, out = (models[fmt](x).float() for fmt in ("bfloat16", "bf16_few_row"))
+    assert ((out - ref).norm() / ref.norm()).item() < 0.02
+    assert models["bf16_few_row"].weight_bytes() == models["bfloat16"].weight_bytes()  # read once

@@ -84,6 +84,8 @@ def applies(weight: Tensor) -> bool:
 def pack(weight: Tensor) -> Tensor:
     """``weight`` in the kernel's layout: blocks of 16 outputs (zero-padded),
     each input feature pair's 16 x 2 weights side by side (``few_row_gemm.c``)."""
+    if not available():
+        raise RuntimeError("few_row_gemm is not available here (no C compiler or no AVX512-BF16)")
     n, k = weight.shape
     w = weight.detach().contiguous()
     out = w.new_empty(-(-n // 16) * 16 * k)
