@@ -28,7 +28,9 @@ cost 2-3x the template's (a 5-row verify step of the embedded model 9.5
 against 2.8 ms, one thread, AMX Xeon); from 32 rows on oneDNN wins (a
 32-decode step 10 against 15 ms), so the dynamic graph keeps it. bf16
 weights on a CPU without AMX are the exception: there oneDNN wins at 8
-rows too (0.83 against 1.4 ms), so their few-row graphs take it.
+rows too (0.83 against 1.4 ms), so their few-row graphs take it; where
+``few_row_gemm`` builds (AVX512-BF16, no AMX) their projections run that
+kernel instead (``models/linear.py``: 0.55 against 0.88 ms for a 5-row step).
 
 A step of at most ``ROW_BUCKET`` rows that samples every row (a single
 stream's decode, one sequence's verify step) runs the layers and the LM
@@ -258,7 +260,10 @@ class CompiledForward:
         # on a CPU without AMX (AVX512-BF16 alone), where oneDNN's packed
         # matmuls win: an 8-row step of the embedded model 0.83-0.87 against
         # 1.36-1.42 ms on the template (2-core AMD EPYC, one thread; in
-        # float32 there the template wins, 1.32 against 1.84).
+        # float32 there the template wins, 1.32 against 1.84). Where
+        # few_row_gemm is attached (that same case, with a C compiler) their
+        # projections run the kernel instead: these settings then leave no
+        # GEMM to choose for, and matter where the kernel cannot build.
         dense_bf16 = not _gemm_template_options(model) and next(model.parameters()).dtype == torch.bfloat16
         self._freezing_few = self._freezing if dense_bf16 and not cpu_has_amx() else self._freezing_one_row
         tables: list[LoRAWeights] = [
