@@ -60,7 +60,16 @@ def keep_cross_field_rules(body: dict[str, Any]) -> None:
     if body.get("top_logprobs") and "messages" in body:
         body["logprobs"] = True
     if isinstance(body.get("logit_bias"), dict):
-        body["logit_bias"] = {str(int(k) % 256): v for k, v in body["logit_bias"].items()}
+        body["logit_bias"] = {token_id(k): v for k, v in body["logit_bias"].items()}
+
+
+def token_id(key: str) -> str:
+    """A generated logit_bias key moved inside the vocabulary: its integer
+    value where it has one, else its length (the schema allows any string key)."""
+    try:
+        return str(int(key) % 256)
+    except ValueError:
+        return str(len(key) % 256)
 
 
 def operations(url: str) -> list[Any]:
