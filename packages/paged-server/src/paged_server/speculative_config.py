@@ -27,6 +27,7 @@ _KEYS = {
 _NOT_BUILT = {"eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix"}
 # vLLM's ngram defaults when neither bound is given ("arbitrarily chosen", its comment says).
 NGRAM_DEFAULT_LOOKUP = 5
+MIN_ACCEPTANCE = 0.3  # the acceptance gate's default floor (engine/speculative/acceptance_gate.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +43,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     disable_by_batch_size: int | None = None
     # a sequence whose recent drafts were kept less often than this stops
-    # drafting (probing again now and then); 0 drafts always, as vLLM does
-    min_acceptance: float = 0.5
+    # drafting (probing again now and then); 0 drafts always, as vLLM does.
+    # Above it the measured step cost decides (engine/speculative/step_cost.py):
+    # this floor only keeps sequences whose drafts plainly miss from costing
+    # a verify step each
+    min_acceptance: float = MIN_ACCEPTANCE
     # draft_model: the draft's directory (or cached HF id), and vLLM's draft
     # keys: its quantization and context length (None: the target's)
     model: str | None = None
@@ -107,7 +111,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: disable_by_batch_size must be an integer >= 2, got {off!r}"
             )
-        gate = spec.get("min_acceptance", 0.5)
+        gate = spec.get("min_acceptance", MIN_ACCEPTANCE)
         if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0 <= gate <= 1:
             raise ValueError(f"speculative_config: min_acceptance must be a number in [0, 1], got {gate!r}")
         draft_len = spec.get("max_model_len")

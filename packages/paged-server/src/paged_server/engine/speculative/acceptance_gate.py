@@ -4,7 +4,9 @@ A verify step (a sequence's last token and ``k`` drafts) costs more than a
 decode step, so a sequence whose drafts keep being rejected is slower
 speculating than not (docs/benchmarks.md measures the cost). Each
 sequence keeps a moving average of the share of its drafts kept; below
-``min_acceptance`` it stops drafting and probes again later, in case its
+``min_acceptance`` (0.3 by default; above it the measured step cost,
+``StepCost``, decides whether its drafts pay) it stops drafting and probes
+again later, in case its
 text has turned repetitive: first ``probe_every`` steps on, then twice as
 far each time a probe fails (up to ``MAX_PROBE_EVERY``). Probes fall on
 steps numbered by the engine, so every idle sequence probes in the same
@@ -26,7 +28,12 @@ from paged_server.engine.request.sequence import Sequence
 
 T = TypeVar("T")
 
-WEIGHT = 0.3  # of the newest verdict in the moving average: a few steps decide
+# of the newest verdict in the moving average: about seven decide. Copied
+# text is kept or missed in runs (a phrase the lookup gets wrong, then the
+# copy goes on), and at 0.3 two misses closed the gate on a sequence about
+# to copy again: prompt lookup on the copying pair ran 0.92x at 32 streams
+# against 1.11x for 0.15 with the 0.3 floor below (docs/serving.md).
+WEIGHT = 0.15
 ENGINE_WEIGHT = 0.05  # the same over every sequence's verdicts
 MAX_PROBE_EVERY = 64
 PROBES_PER = 8  # running sequences per probe in one step (at least one probes)
