@@ -161,6 +161,22 @@ def test_step_cost_times_a_plain_step_while_drafting() -> None:
     assert stale.choose(1, offer, step=half + 1) == 0
 
 
+def test_one_stretched_step_does_not_stop_drafting() -> None:
+    """A row count's estimate is the median of its last few times: one step
+    a pause stretched (16x, as a collection or the event loop can) leaves the
+    choice as it was; a cost that has really changed takes over in three."""
+    offer = [(0.85, 4)]
+    cost = StepCost()
+    for _ in range(3):
+        cost.record(1, False, 0.0008)
+        cost.record(5, True, 0.001)
+    cost.record(5, True, 0.016)
+    assert cost.choose(1, offer, step=1) == 1
+    for _ in range(2):
+        cost.record(5, True, 0.016)
+    assert cost.choose(1, offer, step=2) == 0
+
+
 def test_ngram_drafts_what_followed_the_latest_repeat_of_the_suffix() -> None:
     proposer = NgramProposer(k=3, min_n=2, max_n=3)
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]

@@ -24,9 +24,17 @@ vLLM's ``disable_by_batch_size`` is the fixed-threshold form of this.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 
-WEIGHT = 0.2  # of the newest time in a row count's moving average
+# A row count's estimate is the median of its last SAMPLES step times: one
+# step that a pause stretched (a collection, the event loop holding the
+# GIL: 16 ms against a 1 ms verify step, once, over HTTP) moved a moving
+# average four-fold, the choice it made then stopped drafting, so nothing
+# timed that row count again, and one stream served with prompt lookup
+# ran for hundreds of steps at half its speed.
+SAMPLES = 5
 EXPLORE_EVERY = 64
 MAX_EXPLORE_EVERY = 1024
 
@@ -48,17 +56,19 @@ def bucket(rows: int) -> int:
 
 
 class StepCost:
-    """Moving averages of step seconds by (row bucket, drafted)."""
+    """Step seconds by (row bucket, drafted): the median of the last few."""
 
     def __init__(self) -> None:
-        self._seconds: dict[tuple[int, bool], float] = {}
+        self._times: dict[tuple[int, bool], deque[float]] = {}
+        self._seconds: dict[tuple[int, bool], float] = {}  # their medians
         self.explore_every = EXPLORE_EVERY  # a power of two: doubles while explorations change nothing
         self._explored: tuple[int, int] | None = None  # (offers, choice) at the last exploration upwards
 
     def record(self, rows: int, drafted: bool, seconds: float) -> None:
         key = (bucket(rows), drafted)
-        old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else old + WEIGHT * (seconds - old)
+        times = self._times.setdefault(key, deque(maxlen=SAMPLES))
+        times.append(seconds)
+        self._seconds[key] = statistics.median(times)
 
     def estimate(self, rows: int, drafted: bool) -> float | None:
         return self._seconds.get((bucket(rows), drafted))
