@@ -6,9 +6,9 @@ speculating than not (docs/benchmarks.md measures the cost). Each
 sequence keeps a moving average of the share of its drafts kept; below
 ``min_acceptance`` (0.3 by default; above it the measured step cost,
 ``StepCost``, decides whether its drafts pay) it stops drafting and probes
-again later, in case its
-text has turned repetitive: first ``probe_every`` steps on, then twice as
-far each time a probe fails (up to ``MAX_PROBE_EVERY``). Probes fall on
+again later, in case its text has turned repetitive: first
+``probe_every`` steps on, then twice as far each time a probe fails (up
+to ``MAX_PROBE_EVERY``). Probes fall on
 steps numbered by the engine, so every idle sequence probes in the same
 step and the other steps stay plain decode steps (staggered probes made
 every step of a large batch a verify step). A sequence that has not
