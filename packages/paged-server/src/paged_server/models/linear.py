@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from paged_server.models import few_row_gemm
-from paged_server.models.few_row_gemm import linear
 from paged_server.models.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -98,7 +97,7 @@ class ColumnParallelLinear(nn.Linear):
         self.slices = slices
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
-        out = linear(self, x, self.bias)
+        out = few_row_gemm.linear(self, x, self.bias)
         if lora is not None:
             _lora_delta(self, x, out, lora)
         return out
@@ -162,11 +161,11 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         if self.tp.world_size == 1:
-            out = linear(self, x, self.bias)
+            out = few_row_gemm.linear(self, x, self.bias)
             if lora is not None:
                 _lora_delta(self, x, out, lora)
             return out
-        out = linear(self, x, None)
+        out = few_row_gemm.linear(self, x, None)
         if lora is not None:  # this rank's share of the delta, summed with the product
             _lora_delta(self, x, out, lora)
         out = self.tp.all_reduce(out)
